@@ -1,0 +1,143 @@
+"""The task abstraction: what every LLM-for-RL method needs from an environment.
+
+A :class:`Task` bundles a vectorised env factory, a natural-language goal, a state
+schema over the flat observation vector, a text rendering of a state (for LLM judges),
+the environment description the LLM sees (Eureka shows the env's observation code),
+and the ground-truth fitness of a set of evaluation episodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from core.records import Episode, Fitness
+
+
+@dataclass(frozen=True)
+class StateField:
+    """A named slice of the flat observation vector.
+
+    ``start:stop`` indexes the last axis of the observation. ``shape`` is the field's
+    own shape (``()`` for a scalar, ``(3,)`` for a position); its size is ``stop-start``.
+    """
+
+    name: str
+    start: int
+    stop: int
+    description: str
+    unit: str = ""
+    shape: tuple[int, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A controllable world parameter (EnvGen): name, allowed values or range, default."""
+
+    name: str
+    description: str
+    default: Any
+    choices: tuple[Any, ...] | None = None  # allowed values, when discrete
+    low: float | None = None  # numeric range, when continuous
+    high: float | None = None
+
+
+@dataclass
+class Task:
+    """Base class of every task. Subclasses fill the fields and implement ``make_env``.
+
+    Fields users and plugins read:
+
+    - ``name``: the config name (``cartpole``); ``goal``: the instruction in words.
+    - ``state_fields``: schema over the flat float32 observation; per-step LLM code
+      receives ``split_state(obs)``, a dict of these names to batched tensors.
+    - ``description``: environment context for prompts (observation code or a prose
+      description listing the fields by name).
+    - ``fitness_name``: name of the ground-truth metric (``return``, ``success_rate``,
+      ``crafter_score``); ``fitness()`` computes it from evaluation episodes.
+    - ``params``: controllable world parameters (empty when the task has none).
+    - ``max_episode_steps``: the time limit used for training and evaluation.
+    """
+
+    name: str
+    goal: str
+    state_fields: list[StateField]
+    description: str
+    fitness_name: str = "return"
+    params: list[ParamSpec] = field(default_factory=list)
+    max_episode_steps: int = 500
+    action_description: str = ""
+
+    # -- construction ---------------------------------------------------------------
+    def make_env(self, num_envs: int, seed: int, params: dict[str, Any] | None = None) -> gym.vector.VectorEnv:
+        """A gymnasium vector env of ``num_envs`` copies with a flat float32 Box observation.
+
+        Autoreset mode must be ``gym.vector.AutoresetMode.SAME_STEP`` so that a step that
+        ends an episode already returns the first observation of the next one (the final
+        observation and info are in ``info["final_obs"]``/``info["final_info"]``).
+        ``params`` are values for :attr:`params` (None: defaults). Episode-level task
+        info (success flags, achievements) must be in the step ``info`` dict under keys
+        that :meth:`episode_info` reads.
+        """
+        raise NotImplementedError
+
+    def check_available(self) -> None:
+        """Raise ``core.errors.UserError`` saying what to install if the env cannot run."""
+
+    # -- state ------------------------------------------------------------------------
+    @property
+    def obs_dim(self) -> int:
+        return max(f.stop for f in self.state_fields)
+
+    def split_state(self, obs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Name the fields of a batched observation ``[B, obs_dim]``.
+
+        Scalars come out as ``[B]``, vectors as ``[B, *shape]``.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for f in self.state_fields:
+            part = obs[..., f.start : f.stop]
+            if f.shape:
+                part = part.reshape(*obs.shape[:-1], *f.shape)
+            elif f.size == 1:
+                part = part[..., 0]
+            out[f.name] = part
+        return out
+
+    def render_state(self, obs: np.ndarray, info: dict[str, Any] | None = None) -> str:
+        """A short text description of one (unbatched) state for LLM evaluators."""
+        lines = []
+        for f in self.state_fields:
+            value = obs[f.start : f.stop]
+            shown = f"{float(value[0]):.3f}" if f.size == 1 else np.array2string(np.asarray(value), precision=3)
+            unit = f" {f.unit}" if f.unit else ""
+            lines.append(f"{f.name}: {shown}{unit}")
+        return "\n".join(lines)
+
+    def schema_text(self) -> str:
+        """The state schema as prompt text: one line per field."""
+        lines = []
+        for f in self.state_fields:
+            shape = "scalar" if f.size == 1 and not f.shape else f"shape {f.shape or (f.size,)}"
+            unit = f", unit {f.unit}" if f.unit else ""
+            lines.append(f"- {f.name} ({shape}{unit}): {f.description}")
+        return "\n".join(lines)
+
+    # -- fitness ----------------------------------------------------------------------
+    def episode_info(self, final_info: dict[str, Any]) -> tuple[bool | None, dict[str, Any]]:
+        """From the info of an episode's last step: (success flag or None, task info)."""
+        success = final_info.get("success", final_info.get("is_success"))
+        return (None if success is None else bool(success)), {}
+
+    def fitness(self, episodes: list[Episode]) -> Fitness:
+        """The ground-truth score of evaluation episodes (default: mean return)."""
+        value = float(np.mean([e.ret for e in episodes])) if episodes else float("nan")
+        return Fitness(self.fitness_name, value)
