@@ -83,7 +83,9 @@ class Task:
         Autoreset mode must be ``gym.vector.AutoresetMode.SAME_STEP`` so that a step that
         ends an episode already returns the first observation of the next one (the final
         observation and info are in ``info["final_obs"]``/``info["final_info"]``).
-        ``params`` are values for :attr:`params` (None: defaults). Episode-level task
+        ``params`` are values for :attr:`params`: None for the defaults, one dict for
+        every env, or a list of ``num_envs`` dicts (one per env, for EnvGen's training
+        mix). Episode-level task
         info (success flags, achievements) must be in the step ``info`` dict under keys
         that :meth:`episode_info` reads.
         """
