@@ -1,0 +1,102 @@
+"""The command line: ``python -m core [overrides]`` composes a run with Hydra and runs it."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
+from rich.console import Console
+
+from core.errors import UserError, did_you_mean
+from core.resources import conf_dir
+
+console = Console(stderr=True)
+
+_PLUGIN_OVERRIDE = re.compile(r"^[+~]{0,2}plugins=(.*)$")
+_ENV_OVERRIDE = re.compile(r"^env=(.*)$")
+
+
+def requested_plugins(argv: list[str]) -> list[str]:
+    """Plugin names in ``+plugins=[a,b]`` / sweep ``+plugins=[a],[b],[]`` overrides."""
+    names: list[str] = []
+    for arg in argv:
+        m = _PLUGIN_OVERRIDE.match(arg)
+        if m:
+            names += [n for n in re.findall(r"[A-Za-z_][\w\-]*", m.group(1)) if n not in names]
+    return names
+
+
+def check_argv(argv: list[str]) -> None:
+    """Fail early, in one paragraph, on an unknown plugin or env name."""
+    from core.registry import check_names
+
+    check_names(requested_plugins(argv))
+    envs = sorted(p.stem for p in (conf_dir() / "env").glob("*.yaml"))
+    for arg in argv:
+        m = _ENV_OVERRIDE.match(arg)
+        if m:
+            for name in m.group(1).split(","):
+                if name not in envs:
+                    raise UserError(
+                        f"Unknown env '{name}'.{did_you_mean(name, envs)} Available envs: {', '.join(envs)}. "
+                        "Any gymnasium id works with env=gym env.id=<id>."
+                    )
+
+
+def register_third_party_configs() -> None:
+    """Give entry-point plugins without a conf/plugins file a config node (their CONFIG)."""
+    from core.registry import entry_point_plugins, plugin_defaults
+
+    store = ConfigStore.instance()
+    shipped = {p.stem for p in (conf_dir() / "plugins").glob("*.yaml")}
+    for info in entry_point_plugins():
+        if info.name not in shipped:
+            store.store(group="plugins", name=info.name, node=plugin_defaults(info), package=f"plugins.{info.name}")
+
+
+def print_summary(summary) -> None:  # type: ignore[no-untyped-def]
+    out = Console()
+    out.rule("[bold]llm4rl run")
+    failed = f" ({summary.failed} failed)" if summary.failed else ""
+    out.print(f"fitness ({summary.fitness_name}): [bold]{summary.fitness:.4g}[/bold]  best candidate: {summary.best_id}")
+    if summary.final_fitness:
+        vals = ", ".join(f"{v:.4g}" for v in summary.final_fitness)
+        out.print(f"best candidate over {len(summary.final_fitness)} seeds: {vals}")
+    out.print(f"candidates: {summary.candidates}{failed}  frames: {summary.frames:,}  wall time: {summary.seconds:.1f} s")
+    if summary.llm:
+        llm = summary.llm
+        out.print(
+            f"LLM: {int(llm.get('llm/calls', 0))} calls, {int(llm.get('llm/cache_hits', 0))} cache hits, "
+            f"{int(llm.get('llm/completion_tokens', 0))} completion tokens"
+        )
+    out.print(f"MLflow run: {summary.run_id}   look at it: {summary.ui_hint}")
+
+
+@hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
+def hydra_main(cfg: DictConfig) -> float:
+    """One run; returns the fitness so that Hydra sweepers (Optuna) can optimise it."""
+    from core.loop import run_experiment
+
+    try:
+        summary = run_experiment(cfg)
+    except UserError as err:
+        console.print(f"[bold red]error:[/bold red] {err}")
+        sys.exit(2)
+    print_summary(summary)
+    return summary.fitness
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    try:
+        check_argv(argv)
+        register_third_party_configs()
+    except UserError as err:
+        console.print(f"[bold red]error:[/bold red] {err}")
+        sys.exit(2)
+    sys.argv[0] = str(Path(sys.argv[0]).with_name("core"))
+    hydra_main()

@@ -1,0 +1,172 @@
+"""Where candidate trainings run: in this process, or in a local pool of worker processes.
+
+An executor takes :class:`TrainJob` records (picklable: the resolved config, the
+candidate, the seed) and returns one :class:`TrainResult` per job, in order. A worker
+rebuilds the task and the plugin manager from the config, so any backend that can call
+:func:`run_job` in another process (a process pool, Ray) runs the same code.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from core.records import Candidate, TrainResult
+
+Done = Callable[[int, TrainResult], None]
+
+
+@dataclass
+class TrainJob:
+    """One training of one candidate under one seed."""
+
+    config: dict[str, Any]  # the resolved run config (plain containers)
+    candidate: Candidate
+    seed: int
+
+
+@dataclass
+class Runtime:
+    """What a process needs to train: built once per process and reused."""
+
+    task: Any
+    hook: Any
+    config: dict[str, Any]
+
+
+_RUNTIME: Runtime | None = None  # the worker process's runtime (pool workers)
+
+
+def build_runtime(config: dict[str, Any], extra_plugins: tuple[object, ...] = ()) -> Runtime:
+    """Build the task and the plugin manager a run config names."""
+    from core.envs import make_task
+    from core.registry import make_plugin_manager
+
+    pm = make_plugin_manager((config.get("plugins") or {}).keys(), extra=extra_plugins)
+    extra_tasks: dict[str, Any] = {}
+    for contributed in pm.hook.register_tasks():
+        extra_tasks.update(contributed or {})
+    task = make_task(config["env"], extra=extra_tasks)
+    return Runtime(task=task, hook=pm.hook, config=config)
+
+
+def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None) -> TrainResult:
+    """Train one candidate; any failure becomes a failed result with its traceback."""
+    start = time.perf_counter()
+    try:
+        import torch
+
+        from core.train import get_trainer
+        from core.train.context import TrainContext
+
+        global _RUNTIME
+        if runtime is None:
+            if _RUNTIME is None or _RUNTIME.config != job.config:
+                _RUNTIME = build_runtime(job.config)
+            runtime = _RUNTIME
+        trainer_cfg = job.config["trainer"]
+        torch.set_num_threads(int(trainer_cfg.get("threads", 1)))
+        trainer, config_cls = get_trainer(trainer_cfg.get("name", "ppo"))
+        cfg = config_cls.from_config({k: v for k, v in trainer_cfg.items() if k != "name"})
+        llm_cfg = job.config.get("llm")
+        ctx = TrainContext(
+            task=runtime.task,
+            candidate=job.candidate,
+            config=job.config,
+            seed=job.seed,
+            total_frames=cfg.frames,
+            llm_factory=(lambda: _make_llm(llm_cfg)) if llm_cfg else None,
+        )
+        return trainer(runtime.task, job.candidate, cfg, seed=job.seed, hook=runtime.hook, ctx=ctx, progress=progress)
+    except Exception as exc:  # a candidate must never take the loop down
+        return TrainResult(
+            candidate_id=job.candidate.id,
+            ok=False,
+            seconds=time.perf_counter() - start,
+            error="".join(traceback.format_exception(exc)[-6:]),
+            error_kind=type(exc).__name__,
+        )
+
+
+def _make_llm(llm_cfg: dict[str, Any]) -> Any:
+    from core.llm import make_client
+
+    return make_client(llm_cfg)
+
+
+class Executor:
+    """Base class: run jobs, report each result as it finishes, return them in order."""
+
+    def run(self, jobs: list[TrainJob], on_done: Done | None = None) -> list[TrainResult]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release workers."""
+
+
+class InProcessExecutor(Executor):
+    """Train one job after another in this process (shares the run's task and plugins)."""
+
+    def __init__(self, runtime: Runtime | None = None, progress: Any = None) -> None:
+        self.runtime = runtime
+        self.progress = progress
+
+    def run(self, jobs: list[TrainJob], on_done: Done | None = None) -> list[TrainResult]:
+        results = []
+        for i, job in enumerate(jobs):
+            result = run_job(job, self.runtime, self.progress)
+            results.append(result)
+            if on_done:
+                on_done(i, result)
+        return results
+
+
+class PoolExecutor(Executor):
+    """Train jobs in parallel in a pool of worker processes (spawned, so no forked state)."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._pool: futures.ProcessPoolExecutor | None = None
+
+    def run(self, jobs: list[TrainJob], on_done: Done | None = None) -> list[TrainResult]:
+        if self._pool is None:
+            self._pool = futures.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+        pending = {self._pool.submit(run_job, job): i for i, job in enumerate(jobs)}
+        results: list[TrainResult | None] = [None] * len(jobs)
+        for fut in futures.as_completed(pending):
+            i = pending[fut]
+            try:
+                results[i] = fut.result()
+            except Exception as exc:  # a worker died (e.g. killed for memory)
+                results[i] = TrainResult(jobs[i].candidate.id, ok=False, error=f"worker failed: {exc!r}", error_kind="crash")
+            if on_done:
+                on_done(i, results[i])  # type: ignore[arg-type]
+        return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+
+
+def make_executor(cfg: Any, runtime: Runtime, jobs_hint: int, progress: Any = None) -> Executor:
+    """The executor the ``executor`` config names, for about ``jobs_hint`` jobs at a time."""
+    kind = cfg.get("kind", "local")
+    if kind == "local":
+        workers = cfg.get("workers", "auto")
+        workers = (os.cpu_count() or 1) if workers == "auto" else int(workers)
+        if workers <= 1 or jobs_hint <= 1:
+            return InProcessExecutor(runtime, progress)
+        return PoolExecutor(min(workers, jobs_hint))
+    if kind == "ray":
+        from core.ray_executor import RayExecutor  # optional extra
+
+        return RayExecutor(cfg)
+    from core.errors import UserError
+
+    raise UserError(f"Unknown executor kind '{kind}'. Use executor=local, executor=inprocess or executor=ray.")

@@ -1,0 +1,312 @@
+"""The agent loop: propose candidates, train and score them, reflect, repeat.
+
+Outer loop (one iteration per LLM round)::
+
+    plan -> propose_rewards / propose_state_reprs / propose_actions / generate_envs
+         -> candidates (cartesian product of the roles that proposed something)
+         -> executor trains each (per-step hooks run inside as TorchRL transforms)
+         -> fitness on the task's ground truth -> reflect -> next iteration
+
+With no plugin enabled there is one iteration with one candidate: plain PPO on the
+env's own reward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from core.executor import Runtime, TrainJob, build_runtime, make_executor
+from core.progress import make_progress
+from core.records import Candidate, IterationResult, TrainResult
+from core.store import ResultStore, job_key
+from core.tracking import Tracker
+
+#: proposal hook -> the Candidate field it fills
+ROLE_HOOKS = {
+    "propose_rewards": "reward",
+    "propose_state_reprs": "state",
+    "propose_actions": "macros",
+    "generate_envs": "envs",
+}
+
+
+@dataclass
+class Run:
+    """The context every run-level hook receives.
+
+    - ``config``: the resolved run config (OmegaConf); ``plugin_config(name)`` one section.
+    - ``task``: the :class:`core.envs.task.Task`; ``seed``; ``iterations``.
+    - ``llm``: the LLM client (created on first use; every call is logged to MLflow).
+    - ``history``: the :class:`IterationResult` of every finished iteration.
+    - ``plan``: this iteration's plan (from the ``plan`` hook), or "".
+    - ``log_text(path, text)`` / ``log_metrics(dict, step)``: record on the parent run.
+    """
+
+    config: DictConfig
+    task: Any
+    hook: Any
+    tracker: Tracker | None
+    seed: int
+    iterations: int
+    history: list[IterationResult] = field(default_factory=list)
+    plan: str = ""
+    _llm: Any = None
+
+    def plugin_config(self, name: str) -> Any:
+        return (self.config.get("plugins") or {}).get(name)
+
+    @property
+    def llm(self) -> Any:
+        if self._llm is None:
+            from core.llm import make_client
+
+            self._llm = make_client(self.config.llm, on_call=self._log_llm_call)
+        return self._llm
+
+    def _log_llm_call(self, record: Any) -> None:
+        if self.tracker is None:
+            return
+        n = len(getattr(self._llm, "records", []) or []) if self._llm is not None else 0
+        lines = [f"## {m['role']}\n{m['content']}" for m in record.messages]
+        for i, reply in enumerate(record.replies):
+            lines.append(f"## reply {i}{' (cached)' if reply.cached else ''}\n{reply.text}")
+        tag = record.tag or "call"
+        self.tracker.log_text("\n\n".join(lines), f"llm/{n:04d}-{tag}.md")
+
+    def log_text(self, path: str, text: str) -> None:
+        if self.tracker is not None:
+            self.tracker.log_text(text, path)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if self.tracker is not None:
+            self.tracker.log_metrics(metrics, step)
+
+    @property
+    def best(self) -> tuple[Candidate, TrainResult] | None:
+        """The best candidate over all finished iterations."""
+        pairs = [it.best for it in self.history if it.best is not None]
+        return max(pairs, key=lambda cr: cr[1].score) if pairs else None  # type: ignore[arg-type, return-value]
+
+
+@dataclass
+class RunSummary:
+    """What ``python -m core`` prints at the end."""
+
+    fitness_name: str
+    fitness: float
+    frames: int
+    seconds: float
+    candidates: int
+    failed: int
+    run_id: str
+    ui_hint: str
+    best_id: str = ""
+    final_fitness: list[float] = field(default_factory=list)
+    llm: dict[str, float] = field(default_factory=dict)
+
+
+def iterations_from(config: DictConfig) -> int:
+    """The outer iteration count: the largest ``plugins.<name>.iterations`` (default 1)."""
+    counts = [int(p.get("iterations", 1) or 1) for p in (config.get("plugins") or {}).values() if p is not None]
+    return max(counts, default=1)
+
+
+def combine(iteration: int, proposals: dict[str, list[Any]], previous_best: Candidate | None) -> list[Candidate]:
+    """Candidates from the roles' alternatives: their cartesian product.
+
+    A role that proposed nothing this iteration keeps the previous best candidate's part
+    (or the task's default when there is none).
+    """
+    roles = list(ROLE_HOOKS.values())
+    choices: list[list[Any]] = []
+    for role in roles:
+        options = proposals.get(role) or []
+        if options:
+            choices.append(options)
+        elif previous_best is not None:
+            choices.append([getattr(previous_best, role)])
+        else:
+            choices.append([[] if role in ("macros", "envs") else None])
+    candidates = []
+    for i, combo in enumerate(itertools.product(*choices)):
+        parts = dict(zip(roles, combo))
+        candidates.append(Candidate(id=f"it{iteration}-c{i}", iteration=iteration, **parts))
+    return candidates
+
+
+def _flatten(results: list[Any]) -> list[Any]:
+    return [item for result in results if result for item in result]
+
+
+class Loop:
+    """Runs one experiment run: iterations of propose -> train -> reflect."""
+
+    def __init__(self, config: DictConfig, runtime: Runtime | None = None, tracker: Tracker | None = None) -> None:
+        self.config = config
+        self.container: dict[str, Any] = OmegaConf.to_container(config, resolve=True)  # type: ignore[assignment]
+        self.container.pop("hydra", None)
+        self.runtime = runtime or build_runtime(self.container)
+        self.tracker = tracker
+        self.store = ResultStore(Path(config.cache_dir) / "results.sqlite") if config.get("resume", True) else None
+        self.run = Run(
+            config=config,
+            task=self.runtime.task,
+            hook=self.runtime.hook,
+            tracker=tracker,
+            seed=int(config.seed),
+            iterations=iterations_from(config),
+        )
+
+    # -- one iteration ------------------------------------------------------------------
+    def propose(self, iteration: int) -> list[Candidate]:
+        hook, run = self.run.hook, self.run
+        run.plan = hook.plan(run=run, iteration=iteration) or ""
+        proposals = {role: _flatten(getattr(hook, name)(run=run, iteration=iteration)) for name, role in ROLE_HOOKS.items()}
+        previous = run.best[0] if run.best else None
+        candidates = combine(iteration, proposals, previous)
+        for c in candidates:
+            c.plan = run.plan
+        return candidates
+
+    def train(self, candidates: list[Candidate], seed: int, progress: Any) -> list[TrainResult]:
+        """Train every candidate (reusing finished trainings), log each as a nested run."""
+        jobs = [TrainJob(self.container, c, seed) for c in candidates]
+        keys = [job_key(c, self.container, seed) for c in candidates]
+        results: list[TrainResult | None] = [self.store.get(k) if self.store else None for k in keys]
+        todo = [i for i, r in enumerate(results) if r is None]
+        bar = progress.add_task("candidates", total=len(jobs), completed=len(jobs) - len(todo)) if progress else None
+
+        def done(j: int, result: TrainResult) -> None:
+            i = todo[j]
+            results[i] = result
+            if self.store is not None and result.ok:
+                self.store.put(keys[i], result)
+            if progress is not None:
+                progress.advance(bar)
+
+        if todo:
+            executor = make_executor(self.config.executor, self.runtime, len(todo), progress)
+            try:
+                executor.run([jobs[i] for i in todo], done)
+            finally:
+                executor.close()
+        if progress is not None:
+            progress.remove_task(bar)
+        final: list[TrainResult] = []
+        for i, (candidate, result) in enumerate(zip(candidates, results)):
+            assert result is not None
+            result = replace(result, candidate_id=candidate.id)
+            if self.tracker is not None:
+                tags = {"seed": str(seed), "resumed": str(i not in todo)}
+                self.tracker.log_candidate(candidate, result, tags)
+            final.append(result)
+        return final
+
+    # -- the whole run ----------------------------------------------------------------
+    def execute(self) -> RunSummary:
+        start = time.perf_counter()
+        run, hook = self.run, self.run.hook
+        hook.on_run_start(run=run)
+        with make_progress(enabled=bool(self.config.get("progress", True))) as progress:
+            outer = progress.add_task("iterations", total=run.iterations) if progress else None
+            for iteration in range(run.iterations):
+                hook.on_iteration_start(run=run, iteration=iteration)
+                candidates = self.propose(iteration)
+                results = self.train(candidates, run.seed, progress)
+                result = IterationResult(iteration, candidates, results)
+                run.history.append(result)
+                for text, impl in zip(hook.reflect(run=run, result=result), _impl_names(hook.reflect)):
+                    if text:
+                        run.log_text(f"reflection/it{iteration}-{impl}.md", text)
+                best = run.best
+                if best is not None:
+                    run.log_metrics({"best_fitness": best[1].score, "iteration_best": _iteration_best(result)}, step=iteration)
+                self._log_llm_stats(step=iteration)
+                hook.on_iteration_end(run=run, result=result)
+                if progress is not None:
+                    progress.advance(outer)
+            final = self.final_seeds(progress)
+        best = run.best
+        hook.on_run_end(run=run, best=best)
+        return self.summarize(best, final, time.perf_counter() - start)
+
+    def final_seeds(self, progress: Any) -> list[float]:
+        """Retrain the best candidate on ``final_seeds`` more seeds (Eureka's final evaluation)."""
+        n = int(self.config.get("final_seeds", 0) or 0)
+        best = self.run.best
+        if n <= 0 or best is None:
+            return []
+        values = [best[1].score]
+        for k in range(1, n + 1):
+            candidate = replace(best[0], id=f"{best[0].id}-seed{self.run.seed + k}")
+            (result,) = self.train([candidate], self.run.seed + k, progress)
+            values.append(result.score)
+        self.run.log_metrics({"final/fitness_mean": sum(values) / len(values), "final/seeds": len(values)})
+        return values
+
+    def _log_llm_stats(self, step: int | None = None) -> dict[str, float]:
+        if self.run._llm is None:
+            return {}
+        metrics = self.run._llm.stats.as_metrics()
+        self.run.log_metrics(metrics, step=step)
+        return metrics
+
+    def summarize(self, best: tuple[Candidate, TrainResult] | None, final: list[float], seconds: float) -> RunSummary:
+        results = [r for it in self.run.history for r in it.results]
+        frames = sum(r.frames for r in results)
+        fitness = best[1].score if best else float("nan")
+        name = best[1].fitness.name if best and best[1].fitness else self.run.task.fitness_name
+        llm = self._log_llm_stats()
+        if self.tracker is not None:
+            self.tracker.log_metrics({"fitness": fitness, "frames": frames, "seconds": seconds, "candidates": len(results)})
+            self.tracker.set_tags({"best_candidate": best[0].id if best else "none", "fitness_name": name})
+            curves = {f"{c.id}": r.curve for it in self.run.history for c, r in zip(it.candidates, it.results) if r.ok}
+            if curves and self.config.tracking.get("log_plots", True):
+                from core.plots import learning_curve
+
+                self.tracker.log_figure(learning_curve(curves, title=f"{self.run.task.name}: {name}"), "learning_curves.png")
+        return RunSummary(
+            fitness_name=name,
+            fitness=fitness,
+            frames=frames,
+            seconds=seconds,
+            candidates=len(results),
+            failed=sum(not r.ok for r in results),
+            run_id=self.tracker.parent_id if self.tracker else "",
+            ui_hint=self.tracker.ui_hint() if self.tracker else "",
+            best_id=best[0].id if best else "",
+            final_fitness=final,
+            llm=llm,
+        )
+
+
+def _impl_names(hook_caller: Any) -> list[str]:
+    # pluggy calls implementations last-registered first; results come in that order
+    return [impl.plugin_name for impl in reversed(hook_caller.get_hookimpls())]
+
+
+def _iteration_best(result: IterationResult) -> float:
+    best = result.best
+    return best[1].score if best else float("nan")
+
+
+def run_experiment(config: DictConfig, extra_plugins: tuple[object, ...] = ()) -> RunSummary:
+    """Run one experiment as the config describes; the programmatic entry point."""
+    from core.quiet import quiet_third_party
+
+    quiet_third_party()
+    container = OmegaConf.to_container(config, resolve=True)
+    container.pop("hydra", None)  # type: ignore[union-attr]
+    runtime = build_runtime(container, extra_plugins)  # type: ignore[arg-type]
+    tracker = Tracker(config.tracking, config.experiment)
+    plugins = sorted((config.get("plugins") or {}).keys())
+    tags = {"plugins": ",".join(plugins) or "none", "env": str(config.env.name), "seed": str(config.seed)}
+    name = config.get("run_name") or f"{'+'.join(plugins) or 'baseline'}-{config.env.name}-s{config.seed}"
+    with tracker.experiment_run(config, name, tags):
+        return Loop(config, runtime, tracker).execute()

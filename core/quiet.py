@@ -1,0 +1,19 @@
+"""Keep third-party chatter (MLflow, litellm, alembic, warnings) out of the user's way."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+
+def quiet_third_party() -> None:
+    """Lower the log level of libraries that print on every run."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    for name in ("mlflow", "alembic", "LiteLLM", "litellm", "httpx", "urllib3", "numba", "matplotlib"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("alembic.runtime.migration").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*Gym.*")
