@@ -1,0 +1,204 @@
+"""Per-step rewriting of rewards and observations, as TorchRL transforms.
+
+Order in the env (``build_transforms``): reward transforms first, so that they see the
+task's own observation in ``("next", "observation")``; then state transforms, which
+append features to the observation. The root ``"observation"`` a reward transform sees
+may already carry appended features, so it is cut back to the task's ``obs_dim``.
+
+- :class:`ProgramReward`: ``r <- f(s, a, s')`` (mode ``replace``) or
+  ``r <- r + w * f(s, a, s')`` (mode ``add``) with a candidate's reward program.
+- :class:`HookReward`: ``r <- r + sum_i h_i(batch)`` over the ``compute_reward`` hooks.
+- :class:`ProgramState`: ``o <- [o, g(split(o))]`` with a candidate's state program.
+- :class:`HookState`: ``o <- [o, h_1(o), ...]`` over the ``represent_state`` hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from tensordict import TensorDictBase
+from torchrl.data import Composite, Unbounded
+from torchrl.envs import Transform
+
+from core.envs.task import Task
+from core.train.context import StepBatch, TrainContext
+
+RewardFn = Callable[[dict, torch.Tensor, dict], Any]  # -> reward [B] or (reward, components)
+StateFn = Callable[[dict], torch.Tensor]  # -> features [B, k]
+
+
+class ProgramReward(Transform):
+    """Reward from a candidate's reward program, evaluated on the batched step.
+
+    The env's own reward stays in ``("next", "env_reward")`` (written by the env).
+    Component means are summed per step and read with :meth:`pop_components`.
+    """
+
+    def __init__(self, fn: RewardFn, task: Task, mode: str = "replace", weight: float = 1.0) -> None:
+        if mode not in ("replace", "add"):
+            raise ValueError(f"reward program mode must be 'replace' or 'add', not {mode!r}")
+        super().__init__(in_keys=["reward"], out_keys=["reward"])
+        self.fn, self.task, self.mode, self.weight = fn, task, mode, float(weight)
+        self._dim = task.obs_dim
+        self._sums: dict[str, torch.Tensor] = {}
+        self._steps = 0
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        state = self.task.split_state(tensordict.get("observation")[..., : self._dim])
+        next_state = self.task.split_state(next_tensordict.get("observation")[..., : self._dim])
+        out = self.fn(state, tensordict.get("action"), next_state)
+        reward, components = out if isinstance(out, tuple) else (out, None)
+        reward = torch.as_tensor(reward, dtype=torch.float32).reshape(-1, 1)
+        if self.mode == "add":
+            reward = next_tensordict.get("reward") + self.weight * reward
+        next_tensordict.set("reward", reward)
+        if components:
+            for name, value in components.items():
+                mean = torch.as_tensor(value, dtype=torch.float32).mean()
+                acc = self._sums.get(name)
+                self._sums[name] = mean if acc is None else acc + mean
+        self._steps += 1
+        return next_tensordict
+
+    def pop_components(self) -> dict[str, float]:
+        """Mean of each reward component over the steps since the last call."""
+        steps, sums = max(1, self._steps), self._sums
+        self._sums, self._steps = {}, 0
+        return {name: float(total) / steps for name, total in sums.items()}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mode={self.mode!r}, weight={self.weight})"
+
+
+class HookReward(Transform):
+    """Adds the ``compute_reward`` hooks' per-step terms to the reward."""
+
+    def __init__(self, hook: Any, ctx: TrainContext, task: Task) -> None:
+        super().__init__(in_keys=["reward"], out_keys=["reward"])
+        self.hook, self.ctx, self.task = hook, ctx, task
+        self._dim = task.obs_dim
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        reward = next_tensordict.get("reward")
+        env_reward = next_tensordict.get("env_reward", reward)
+        batch = StepBatch(
+            obs=tensordict.get("observation")[..., : self._dim],
+            action=tensordict.get("action"),
+            next_obs=next_tensordict.get("observation")[..., : self._dim],
+            env_reward=env_reward.squeeze(-1),
+            reward=reward.squeeze(-1),
+            done=next_tensordict.get("done").squeeze(-1),
+            task=self.task,
+        )
+        for extra in self.hook.compute_reward(train=self.ctx, batch=batch):
+            if extra is not None:
+                reward = reward + torch.as_tensor(extra, dtype=torch.float32).reshape(-1, 1)
+        next_tensordict.set("reward", reward)
+        return next_tensordict
+
+
+class _AppendFeatures(Transform):
+    """Base of the state transforms: ``observation <- cat(observation, features)``."""
+
+    def __init__(self, extra_dim: int) -> None:
+        super().__init__(in_keys=["observation"], out_keys=["observation"])
+        self.extra_dim = int(extra_dim)
+
+    def features(self, obs: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def augment(self, obs: torch.Tensor) -> torch.Tensor:
+        """``obs [B, D]`` -> ``[B, D + extra_dim]``."""
+        feats = torch.as_tensor(self.features(obs), dtype=torch.float32).reshape(obs.shape[0], self.extra_dim)
+        return torch.cat([obs, feats], dim=-1)
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        next_tensordict.set("observation", self.augment(next_tensordict.get("observation")))
+        return next_tensordict
+
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        tensordict_reset.set("observation", self.augment(tensordict_reset.get("observation")))
+        return tensordict_reset
+
+    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
+        spec = observation_spec["observation"]
+        shape = (*spec.shape[:-1], spec.shape[-1] + self.extra_dim)
+        observation_spec["observation"] = Unbounded(shape=shape, dtype=torch.float32, device=spec.device)
+        return observation_spec
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(extra_dim={self.extra_dim})"
+
+
+class ProgramState(_AppendFeatures):
+    """Appends a candidate's state-program features (computed on the task's fields)."""
+
+    def __init__(self, fn: StateFn, task: Task, extra_dim: int) -> None:
+        super().__init__(extra_dim)
+        self.fn, self.task = fn, task
+        self._dim = task.obs_dim
+
+    def features(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.task.split_state(obs[..., : self._dim]))
+
+
+class HookState(_AppendFeatures):
+    """Appends the ``represent_state`` hooks' features (``extra_dim`` found by a probe)."""
+
+    def __init__(self, hook: Any, ctx: TrainContext, extra_dim: int) -> None:
+        super().__init__(extra_dim)
+        self.hook, self.ctx = hook, ctx
+
+    def features(self, obs: torch.Tensor) -> torch.Tensor:
+        parts = [p for p in self.hook.represent_state(train=self.ctx, obs=obs) if p is not None]
+        if not parts:
+            return obs.new_zeros(obs.shape[0], 0)
+        return torch.cat([torch.as_tensor(p, dtype=torch.float32).reshape(obs.shape[0], -1) for p in parts], -1)
+
+    @staticmethod
+    def probe(hook: Any, ctx: TrainContext, obs: torch.Tensor) -> int:
+        """How many features the hooks add to ``obs`` (0 when they all abstain)."""
+        return int(HookState(hook, ctx, 0).features(obs).shape[-1])
+
+
+def has_impls(hook: Any, name: str) -> bool:
+    """Whether any registered plugin implements the hook ``name`` (no per-step cost if not)."""
+    if hook is None:
+        return False
+    caller = getattr(hook, name, None)
+    return caller is not None and bool(caller.get_hookimpls())
+
+
+def build_transforms(
+    task: Task,
+    *,
+    reward_fn: RewardFn | None = None,
+    reward_mode: str = "replace",
+    reward_weight: float = 1.0,
+    state_fn: StateFn | None = None,
+    state_dim: int = 0,
+    hook: Any = None,
+    ctx: TrainContext | None = None,
+    probe_obs: torch.Tensor | None = None,
+) -> tuple[list[Transform], list[Transform]]:
+    """(reward transforms, state transforms) for one candidate, in env order.
+
+    ``probe_obs`` (a reset observation ``[B, D]``) sizes the ``represent_state`` hooks.
+    """
+    rewards: list[Transform] = []
+    states: list[Transform] = []
+    if reward_fn is not None:
+        rewards.append(ProgramReward(reward_fn, task, reward_mode, reward_weight))
+    if ctx is not None and has_impls(hook, "compute_reward"):
+        rewards.append(HookReward(hook, ctx, task))
+    if state_fn is not None:
+        states.append(ProgramState(state_fn, task, state_dim))
+    if ctx is not None and has_impls(hook, "represent_state"):
+        obs = probe_obs if probe_obs is not None else torch.zeros(1, task.obs_dim)
+        for t in states:  # the hooks see the observation after the state program
+            obs = t.augment(obs)  # type: ignore[attr-defined]
+        dim = HookState.probe(hook, ctx, obs)
+        if dim:
+            states.append(HookState(hook, ctx, dim))
+    return rewards, states
