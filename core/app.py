@@ -67,6 +67,8 @@ def print_summary(summary) -> None:  # type: ignore[no-untyped-def]
         vals = ", ".join(f"{v:.4g}" for v in summary.final_fitness)
         out.print(f"best candidate over {len(summary.final_fitness)} seeds: {vals}")
     out.print(f"candidates: {summary.candidates}{failed}  frames: {summary.frames:,}  wall time: {summary.seconds:.1f} s")
+    if summary.reused:
+        out.print(f"{summary.reused} training(s) reused from an earlier identical run (resume=false retrains)")
     if summary.llm:
         llm = summary.llm
         out.print(
@@ -91,6 +93,9 @@ def hydra_main(cfg: DictConfig) -> float:
 
 
 def main() -> None:
+    from core.quiet import quiet_third_party
+
+    quiet_third_party()
     argv = sys.argv[1:]
     try:
         check_argv(argv)

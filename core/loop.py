@@ -109,6 +109,7 @@ class RunSummary:
     best_id: str = ""
     final_fitness: list[float] = field(default_factory=list)
     llm: dict[str, float] = field(default_factory=dict)
+    reused: int = 0  # trainings taken from an earlier identical run (resume=true)
 
 
 def iterations_from(config: DictConfig) -> int:
@@ -154,6 +155,7 @@ class Loop:
         self.runtime = runtime or build_runtime(self.container)
         self.tracker = tracker
         self.store = ResultStore(Path(config.cache_dir) / "results.sqlite") if config.get("resume", True) else None
+        self.reused = 0
         self.run = Run(
             config=config,
             task=self.runtime.task,
@@ -180,6 +182,7 @@ class Loop:
         keys = [job_key(c, self.container, seed) for c in candidates]
         results: list[TrainResult | None] = [self.store.get(k) if self.store else None for k in keys]
         todo = [i for i, r in enumerate(results) if r is None]
+        self.reused += len(jobs) - len(todo)
         bar = progress.add_task("candidates", total=len(jobs), completed=len(jobs) - len(todo)) if progress else None
 
         def done(j: int, result: TrainResult) -> None:
@@ -283,6 +286,7 @@ class Loop:
             best_id=best[0].id if best else "",
             final_fitness=final,
             llm=llm,
+            reused=self.reused,
         )
 
 

@@ -11,6 +11,7 @@ def quiet_third_party() -> None:
     """Lower the log level of libraries that print on every run."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     for name in ("mlflow", "alembic", "LiteLLM", "litellm", "httpx", "urllib3", "numba", "matplotlib"):
         logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger("alembic.runtime.migration").setLevel(logging.ERROR)

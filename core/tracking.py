@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -38,6 +37,9 @@ class Tracker:
     def __init__(self, cfg: DictConfig | dict, experiment: str) -> None:
         import mlflow
 
+        from core.quiet import quiet_third_party
+
+        quiet_third_party()  # after the import: mlflow sets its own log level when imported
         self.mlflow = mlflow
         self.cfg = cfg
         mlflow.set_tracking_uri(cfg["uri"])
@@ -72,14 +74,16 @@ class Tracker:
         finally:
             self.mlflow.end_run(status=status)
 
-    def _log_params(self, params: dict[str, Any]) -> None:
+    def _log_params(self, params: dict[str, Any], run_id: str | None = None) -> None:
+        from mlflow.entities import Param
+
         # MLflow caps a param value at 6000 characters and a batch at 100 params
-        items = [(k, str(v)[:5000]) for k, v in params.items()]
+        items = [Param(k, str(v)[:5000]) for k, v in params.items()]
         for i in range(0, len(items), 100):
-            self.mlflow.log_params(dict(items[i : i + 100]))
+            self.client.log_batch(run_id or self.parent_id, params=items[i : i + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None, run_id: str | None = None) -> None:
-        clean = {k.replace("/", "."): float(v) for k, v in metrics.items() if _finite(v)}
+        clean = {k: float(v) for k, v in metrics.items() if _finite(v)}
         if clean:
             self.client.log_batch(run_id or self.parent_id, metrics=_metric_list(clean, step))
 
@@ -110,7 +114,7 @@ class Tracker:
             tags={MLFLOW_PARENT_RUN_ID: self.parent_id, "candidate": candidate.id, "ok": str(result.ok), **tags},
         )
         rid = run.info.run_id
-        self._log_params({"iteration": candidate.iteration, "parts": ",".join(candidate.parts) or "baseline"})
+        self._log_params({"iteration": candidate.iteration, "parts": ",".join(candidate.parts) or "baseline"}, rid)
         for role, part in candidate.parts.items():
             if isinstance(part, (RewardProgram, StateProgram)):
                 self.log_text(part.source, f"{role}/{part.entry}.py", rid)
@@ -183,6 +187,3 @@ def _jsonable(obj: Any) -> Any:
         return obj
     return str(obj)
 
-
-def scratch_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="llm4rl-"))
