@@ -1,0 +1,466 @@
+"""One LLM client over litellm: samples, retries, a persistent cache, accounting.
+
+Plugins never call litellm themselves; they get an :class:`LLMClient` (``run.llm``)
+and call :meth:`LLMClient.chat` or :meth:`LLMClient.ask`. The backend is whatever the
+Hydra ``llm`` node names: the embedded local model by default, or any litellm model
+string (``gpt-4o``, ``anthropic/...``, ``ollama/...``, ``openai/<name>`` + ``api_base``).
+
+Reproducibility: sample ``i`` of a call with seed ``s`` is cached under a key of
+(model, messages, sampling params, ``s``, ``i``), so re-running an experiment with the
+same seed makes no backend call and gets the same replies. The seed sent to the backend
+for sample ``i`` is :func:`sample_seed` ``(s, i)``, so samples differ from one another.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from core.errors import did_you_mean
+from core.llm.cache import ResponseCache, cache_key, default_cache_path
+from core.llm.errors import LLMError
+
+log = logging.getLogger(__name__)
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+# -------------------------------------------------------------------------------------
+# Records
+# -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    """One sampled reply.
+
+    ``prompt_tokens``/``completion_tokens`` describe the reply even when it came from
+    the cache; ``latency_s`` and ``cost`` are what *this* call paid (0 when cached).
+    When a backend returned several samples in one request, ``latency_s`` is that
+    request's wall time and the completion tokens are split evenly between them.
+    """
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    latency_s: float
+    cost: float
+    cached: bool
+    model: str
+
+
+@dataclass
+class CallRecord:
+    """One :meth:`LLMClient.chat` call: what was asked and every reply (for artifacts)."""
+
+    tag: str
+    messages: list[dict]
+    replies: list[Reply]
+    params: dict
+
+
+@dataclass
+class LLMStats:
+    """Running totals of one client. Tokens, cost and latency count backend work only."""
+
+    calls: int = 0  # chat() calls
+    cache_hits: int = 0  # replies served from the cache
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost: float = 0.0  # USD, where litellm knows the price (0 for local models)
+    latency_s: float = 0.0  # wall time spent waiting on the backend
+    requests: int = 0  # backend requests (a request may return several samples)
+    errors: int = 0  # calls that ended in LLMError
+
+    def as_metrics(self) -> dict[str, float]:
+        """``{"llm/calls": ..., "llm/cache_hits": ..., ...}`` for a metrics logger."""
+        return {f"llm/{f.name}": float(getattr(self, f.name)) for f in fields(self)}
+
+    def summary(self) -> str:
+        """One line for logs and the command line."""
+        return (
+            f"{self.calls} call(s), {self.requests} request(s), {self.cache_hits} cache hit(s), "
+            f"{self.prompt_tokens} prompt + {self.completion_tokens} completion tokens, "
+            f"{self.latency_s:.1f} s, ${self.cost:.4f}"
+        )
+
+
+# -------------------------------------------------------------------------------------
+# Settings (the Hydra ``llm`` node)
+# -------------------------------------------------------------------------------------
+
+
+@dataclass
+class LLMSettings:
+    """The ``llm`` config node, typed. ``conf/llm/*.yaml`` documents every key."""
+
+    model: str = "embedded/qwen2.5-coder-1.5b-instruct"
+    api_base: str | None = None
+    api_key_env: str | None = None
+    temperature: float = 0.7
+    max_tokens: int = 1024
+    top_p: float | None = None
+    timeout_s: float = 600.0
+    retries: int = 4
+    backoff_s: float = 2.0
+    max_n: int = 1
+    cache: bool = True
+    cache_path: str | None = None
+    n_threads: int = 1
+    n_ctx: int = 8192
+    gguf_path: str | None = None
+    show_progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_cfg(cls, cfg: Mapping[str, Any] | None) -> LLMSettings:
+        """Build from a mapping or DictConfig; unknown keys are an :class:`LLMError`."""
+        if cfg is None:
+            return cls()
+        try:
+            from omegaconf import DictConfig, OmegaConf
+
+            if isinstance(cfg, DictConfig):
+                cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+        except ImportError:  # pragma: no cover - omegaconf is a base dependency
+            pass
+        names = [f.name for f in fields(cls)]
+        values = {}
+        for key, value in dict(cfg).items():  # type: ignore[arg-type]
+            if key not in names:
+                raise LLMError(
+                    f"Unknown LLM setting 'llm.{key}'.{did_you_mean(str(key), names)} "
+                    f"Known settings: {', '.join(names)}."
+                )
+            values[key] = value
+        settings = cls(**values)
+        if settings.max_n < 1 or settings.retries < 0:
+            raise LLMError("llm.max_n must be >= 1 and llm.retries >= 0.")
+        return settings
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.model.startswith("embedded/")
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The backend seed for sample ``index`` of a call made with ``seed``."""
+    return (int(seed) * 1_000_003 + int(index)) % (2**31)
+
+
+# -------------------------------------------------------------------------------------
+# litellm, imported once, quietly and offline
+# -------------------------------------------------------------------------------------
+
+
+def import_litellm() -> Any:
+    """``litellm`` with the local cost map (no network at import) and quiet logs."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    os.environ.setdefault("LITELLM_LOG", "ERROR")
+    import litellm
+
+    litellm.suppress_debug_info = True
+    litellm.telemetry = False
+    for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy", "litellm", "httpx"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return litellm
+
+
+def _transient_errors(litellm: Any) -> tuple[type[BaseException], ...]:
+    exc = litellm.exceptions
+    return (
+        exc.RateLimitError,
+        exc.Timeout,
+        exc.APIConnectionError,
+        exc.ServiceUnavailableError,
+        exc.InternalServerError,
+        exc.BadGatewayError,
+    )
+
+
+# -------------------------------------------------------------------------------------
+# The client
+# -------------------------------------------------------------------------------------
+
+
+class LLMClient:
+    """Chat with the configured model; see the module docstring.
+
+    :param cfg: the Hydra ``llm`` node (or any mapping with the same keys).
+    :param on_call: called with a :class:`CallRecord` after every successful
+        :meth:`chat` (the tracker logs it as an MLflow artifact).
+    """
+
+    def __init__(self, cfg: Mapping[str, Any] | None, on_call: Callable[[CallRecord], None] | None = None) -> None:
+        self.settings = LLMSettings.from_cfg(cfg)
+        self.on_call = on_call
+        self.stats = LLMStats()
+        self.records: list[CallRecord] = []
+        self.cache: ResponseCache | None = None
+        if self.settings.cache:
+            self.cache = ResponseCache(self.settings.cache_path or default_cache_path())
+        self._lock = threading.Lock()
+        self._sleep: Callable[[float], None] = time.sleep  # replaced in tests
+        self._litellm = import_litellm()
+        if self.settings.is_embedded:
+            from core.llm import embedded
+
+            embedded.configure(
+                n_threads=self.settings.n_threads,
+                n_ctx=self.settings.n_ctx,
+                gguf_path=self.settings.gguf_path,
+                show_progress=self.settings.show_progress,
+            )
+            embedded.register()
+
+    @property
+    def model(self) -> str:
+        return self.settings.model
+
+    # -- public API ----------------------------------------------------------------
+
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        n: int = 1,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        stop: list[str] | None = None,
+        seed: int = 0,
+        tag: str = "",
+    ) -> list[Reply]:
+        """``n`` sampled replies to ``messages`` (OpenAI chat format).
+
+        ``temperature``/``max_tokens`` default to the config's; ``stop`` ends a reply
+        at any of the given strings; ``seed`` makes the call reproducible through the
+        cache; ``tag`` labels the call in records (e.g. ``"eureka/propose"``).
+        Raises :class:`LLMError` when the backend cannot answer after the retries.
+        """
+        messages = _check_messages(messages)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        params = {
+            "temperature": float(self.settings.temperature if temperature is None else temperature),
+            "max_tokens": int(self.settings.max_tokens if max_tokens is None else max_tokens),
+            "stop": list(stop) if stop else None,
+            "top_p": self.settings.top_p,
+        }
+        keys = [cache_key(self.model, messages, params, seed, i) for i in range(n)]
+        replies: list[Reply | None] = [None] * n
+        if self.cache is not None:
+            for i, key in enumerate(keys):
+                hit = self.cache.get(key)
+                if hit is not None:
+                    replies[i] = Reply(**{**hit, "latency_s": 0.0, "cost": 0.0, "cached": True})
+        missing = [i for i, r in enumerate(replies) if r is None]
+        try:
+            for chunk in _chunks(missing, self.settings.max_n):
+                fresh = self._request(messages, params, len(chunk), sample_seed(seed, chunk[0]))
+                for i, reply in zip(chunk, fresh):
+                    replies[i] = reply
+                    if self.cache is not None:
+                        stored = {k: v for k, v in reply.__dict__.items() if k not in ("cached",)}
+                        self.cache.put(keys[i], stored, model=self.model)
+        except LLMError:
+            with self._lock:
+                self.stats.errors += 1
+            raise
+        done = [r for r in replies if r is not None]
+        record = CallRecord(
+            tag=tag,
+            messages=[dict(m) for m in messages],
+            replies=done,
+            params={"model": self.model, "n": n, "seed": seed, **params},
+        )
+        with self._lock:
+            self.stats.calls += 1
+            self.stats.cache_hits += n - len(missing)
+            self.records.append(record)
+        if self.on_call is not None:
+            try:
+                self.on_call(record)
+            except Exception:  # a tracking hiccup must not lose a paid-for reply
+                log.warning("on_call callback failed for LLM call %r", tag, exc_info=True)
+        return done
+
+    def ask(self, prompt: str, *, system: str | None = None, **kw: Any) -> str:
+        """The text of one reply to a single user ``prompt`` (``kw`` as in :meth:`chat`)."""
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": prompt})
+        return self.chat(messages, n=1, **kw)[0].text
+
+    # -- backend -------------------------------------------------------------------
+
+    def _request(self, messages: list[dict[str, str]], params: dict[str, Any], n: int, seed: int) -> list[Reply]:
+        """One backend request for ``n`` samples, with retries and backoff."""
+        s = self.settings
+        kwargs: dict[str, Any] = {
+            "model": s.model,
+            "messages": messages,
+            "temperature": params["temperature"],
+            "max_tokens": params["max_tokens"],
+            "seed": seed,
+            "timeout": s.timeout_s,
+            "num_retries": 0,  # retries are ours, so the accounting sees each one
+            "drop_params": True,  # e.g. Anthropic has no seed; drop rather than fail
+            **dict(s.extra),
+        }
+        if n > 1:
+            kwargs["n"] = n
+        if params["stop"]:
+            kwargs["stop"] = params["stop"]
+        if params["top_p"] is not None:
+            kwargs["top_p"] = params["top_p"]
+        if s.api_base:
+            kwargs["api_base"] = s.api_base
+        if s.api_key_env:
+            key = os.environ.get(s.api_key_env)
+            if not key:
+                raise LLMError(
+                    f"The model '{s.model}' needs an API key, but the environment variable "
+                    f"{s.api_key_env} is not set. Set it (export {s.api_key_env}=...), point "
+                    "llm.api_key_env at the variable that holds your key, or use the "
+                    "offline default `llm=embedded`, which needs no key."
+                )
+            kwargs["api_key"] = key
+        elif s.api_base and s.model.startswith("openai/"):
+            # A self-hosted OpenAI-compatible server usually wants no key, but the
+            # OpenAI SDK refuses to start without one.
+            kwargs["api_key"] = "not-needed"
+
+        if s.is_embedded:
+            # Load (or assemble) the local model outside the timed request, so latency
+            # and tokens/s measure generation; the load time is in embedded.loaded_info().
+            from core.llm import embedded
+
+            embedded.get_server(s.model.split("/", 1)[1])
+
+        litellm = self._litellm
+        transient = _transient_errors(litellm)
+        for attempt in range(s.retries + 1):
+            start = time.perf_counter()
+            try:
+                response = litellm.completion(**kwargs)
+            except transient as exc:
+                if attempt == s.retries:
+                    raise LLMError(self._explain_transient(exc, attempt + 1)) from exc
+                delay = min(60.0, s.backoff_s * 2**attempt) * (1 + 0.25 * random.random())
+                log.warning("LLM request failed (%s); retry %d/%d in %.1f s",
+                            type(exc).__name__, attempt + 1, s.retries, delay)
+                self._sleep(delay)
+                continue
+            except LLMError:
+                raise
+            except litellm.exceptions.AuthenticationError as exc:
+                env = s.api_key_env or "the provider's API key variable (e.g. OPENAI_API_KEY)"
+                raise LLMError(
+                    f"The backend rejected the API key for '{s.model}' ({_short(exc)}). "
+                    f"Check {env}, or use the offline default `llm=embedded`."
+                ) from exc
+            except Exception as exc:  # bad request, unknown model, context too long...
+                raise LLMError(
+                    f"The LLM call to '{s.model}' failed: {type(exc).__name__}: {_short(exc)}. "
+                    "Check llm.model (any litellm model string) and the request size "
+                    "(llm.max_tokens, llm.n_ctx)."
+                ) from exc
+            latency = time.perf_counter() - start
+            return self._replies(response, n, latency)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _replies(self, response: Any, n: int, latency: float) -> list[Reply]:
+        usage = getattr(response, "usage", None)
+        prompt_tokens = int(getattr(usage, "prompt_tokens", 0) or 0)
+        completion_tokens = int(getattr(usage, "completion_tokens", 0) or 0)
+        cost = 0.0 if self.settings.is_embedded else _cost(self._litellm, response)
+        choices = list(response.choices)[:n]
+        if not choices:
+            raise LLMError(f"The model '{self.model}' returned no choices; try again or raise llm.max_tokens.")
+        k = len(choices)
+        replies = []
+        for j, choice in enumerate(choices):
+            share = completion_tokens // k + (1 if j < completion_tokens % k else 0)
+            replies.append(Reply(
+                text=choice.message.content or "",
+                prompt_tokens=prompt_tokens,
+                completion_tokens=share,
+                latency_s=latency,
+                cost=cost / k,
+                cached=False,
+                model=self.model,
+            ))
+        with self._lock:
+            self.stats.requests += 1
+            self.stats.prompt_tokens += prompt_tokens
+            self.stats.completion_tokens += completion_tokens
+            self.stats.cost += cost
+            self.stats.latency_s += latency
+        return replies
+
+    def _explain_transient(self, exc: BaseException, attempts: int) -> str:
+        s = self.settings
+        what = f"{type(exc).__name__}: {_short(exc)}"
+        if isinstance(exc, self._litellm.exceptions.APIConnectionError) and not isinstance(
+            exc, self._litellm.exceptions.Timeout
+        ):
+            where = f"llm.api_base={s.api_base}" if s.api_base else "the provider's default endpoint"
+            return (
+                f"Could not reach the LLM server for '{s.model}' at {where} after {attempts} "
+                f"attempt(s) ({what}). Start the server or set llm.api_base to its URL "
+                "(e.g. llm.api_base=http://127.0.0.1:8000/v1), or use `llm=embedded`."
+            )
+        return (
+            f"The LLM '{s.model}' kept failing after {attempts} attempt(s) ({what}). It may be "
+            "rate-limited or overloaded: raise llm.retries / llm.backoff_s / llm.timeout_s, "
+            "or try again later."
+        )
+
+
+def make_client(cfg: Mapping[str, Any] | None, on_call: Callable[[CallRecord], None] | None = None) -> LLMClient:
+    """The client for the Hydra ``llm`` node ``cfg``."""
+    return LLMClient(cfg, on_call=on_call)
+
+
+# -------------------------------------------------------------------------------------
+# helpers
+# -------------------------------------------------------------------------------------
+
+
+def _check_messages(messages: Any) -> list[dict[str, str]]:
+    if isinstance(messages, str) or not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    checked = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}")
+        if m["role"] not in _ROLES:
+            raise ValueError(f"messages[{i}] has role {m['role']!r}; expected one of {_ROLES}")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"messages[{i}]['content'] must be a string")
+        checked.append({"role": m["role"], "content": m["content"]})
+    return checked
+
+
+def _chunks(items: list[int], size: int) -> list[list[int]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _cost(litellm: Any, response: Any) -> float:
+    hidden = getattr(response, "_hidden_params", None) or {}
+    if hidden.get("response_cost") is not None:
+        return float(hidden["response_cost"])
+    try:
+        return float(litellm.completion_cost(completion_response=response))
+    except Exception:  # unknown price (self-hosted, new model): count it as 0
+        return 0.0
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
