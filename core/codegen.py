@@ -1,0 +1,221 @@
+"""Pull Python code out of an LLM reply, and say precisely what is wrong when it fails.
+
+Replies come in many shapes: fenced blocks (```python, ```py, bare ```, ~~~), a fence
+the model never closed, several blocks (a draft, a helper, the final version), or bare
+code with prose around it. :func:`extract_code` returns the most likely code;
+:func:`extract_function` finds the block that defines a given function and returns it
+with its helpers and imports, or an error text meant to be sent back to the LLM.
+
+Nothing here executes code: it only parses it (``ast``). Safety checks live in
+:mod:`core.sandbox`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+
+# Language tags that mark a block as Python (anything else tagged is not Python).
+_PY_TAGS = {"python", "python3", "py", "py3", "pycon", "ipython", "{python}", "{py}"}
+_FENCE = re.compile(r"^[ \t]{0,3}(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n`]*)$")
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+_CODE_START = re.compile(r"^(def |async def |class |import |from \S+ import |@\w)")
+
+
+@dataclass
+class ExtractResult:
+    """The function's source with its helpers and imports, or why it could not be found.
+
+    ``error`` is feedback text for the LLM; ``notes`` lists harmless things that were
+    dropped (example calls, ``if __name__ == "__main__"`` blocks).
+    """
+
+    ok: bool
+    source: str = ""
+    error: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Block:
+    code: str
+    tag: str  # lower-cased language tag ("" when bare)
+    index: int  # 1-based position in the reply, for messages
+
+    @property
+    def pythonish(self) -> bool:
+        return self.tag in _PY_TAGS or self.tag == ""
+
+
+def _fenced_blocks(text: str) -> list[_Block]:
+    """Every fenced block; an unterminated fence runs to the end of the reply."""
+    blocks: list[_Block] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence = m.group("fence")
+        tag = m.group("info").strip().split(" ")[0].lower() if m.group("info").strip() else ""
+        body: list[str] = []
+        i += 1
+        while i < len(lines):
+            close = _FENCE.match(lines[i])
+            # A closing fence: same character, at least as long, no info string.
+            if close and close.group("fence")[0] == fence[0] and len(close.group("fence")) >= len(fence) and not close.group("info").strip():
+                break
+            body.append(lines[i])
+            i += 1
+        i += 1  # skip the closing fence (or run past the end)
+        blocks.append(_Block("\n".join(body).strip("\n"), tag, len(blocks) + 1))
+    return blocks
+
+
+def _unfenced_code(text: str) -> str:
+    """Code written without fences: from the first code-looking line, trimmed to parse."""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if _CODE_START.match(ln)), None)
+    if start is None:
+        return ""
+    tail = lines[start:]
+    # Drop trailing prose one line at a time until the rest parses (or nothing is left).
+    for end in range(len(tail), 0, -1):
+        candidate = "\n".join(tail[:end]).rstrip()
+        if not candidate:
+            continue
+        try:
+            ast.parse(candidate)
+        except SyntaxError:
+            continue
+        return candidate
+    return "\n".join(tail).rstrip()
+
+
+def _blocks(reply: str) -> list[_Block]:
+    text = _THINK.sub("", reply or "")
+    blocks = [b for b in _fenced_blocks(text) if b.code.strip()]
+    if not blocks:
+        code = _unfenced_code(text)
+        if code:
+            blocks = [_Block(code, "", 1)]
+    return blocks
+
+
+def extract_code(reply: str) -> str:
+    """The reply's code: the last Python-tagged (or bare) fenced block that parses,
+    else the last Python-looking block, else unfenced code; ``""`` when there is none."""
+    blocks = [b for b in _blocks(reply) if b.pythonish]
+    for block in reversed(blocks):
+        try:
+            ast.parse(block.code)
+        except SyntaxError:
+            continue
+        return block.code
+    return blocks[-1].code if blocks else ""
+
+
+def _defs(tree: ast.Module, name: str) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
+
+
+def signature_error(fn: ast.FunctionDef | ast.AsyncFunctionDef, entry: str, arg_names: list[str]) -> str:
+    """Why ``fn`` cannot be called positionally with ``arg_names``; ``""`` when it can."""
+    a = fn.args
+    positional = [x.arg for x in a.posonlyargs + a.args]
+    required = len(positional) - len(a.defaults)
+    kw_required = [x.arg for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
+    n = len(arg_names)
+    fits = required <= n and (n <= len(positional) or a.vararg is not None) and not kw_required
+    if fits:
+        return ""
+    found = ", ".join(positional + ([f"*{a.vararg.arg}"] if a.vararg else []) + kw_required) or "no arguments"
+    return (
+        f"`{entry}` has the wrong signature: expected `def {entry}({', '.join(arg_names)})` "
+        f"({n} positional argument{'s' if n != 1 else ''}), found `def {entry}({found})`."
+    )
+
+
+def _strip_script_parts(code: str, tree: ast.Module) -> tuple[str, list[str]]:
+    """Drop top-level example calls and ``if __name__ == ...`` blocks; keep the rest as written."""
+    drop: set[int] = set()
+    notes: list[str] = []
+    for i, node in enumerate(tree.body):
+        is_docstring = i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        if isinstance(node, ast.Expr) and not is_docstring:
+            notes.append(f"dropped top-level statement on line {node.lineno}")
+        elif isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
+            notes.append(f"dropped `if __name__ == ...` block on line {node.lineno}")
+        else:
+            continue
+        drop.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    if not drop:
+        return code, notes
+    kept = [ln for i, ln in enumerate(code.splitlines(), start=1) if i not in drop]
+    return "\n".join(kept).rstrip() + "\n", notes
+
+
+def extract_function(reply: str, entry: str, arg_names: list[str] | None = None) -> ExtractResult:
+    """Find the code block defining ``entry`` and return it with its helpers and imports.
+
+    :param reply: the raw LLM reply.
+    :param entry: the function the caller will call (``compute_reward``).
+    :param arg_names: the positional arguments it will be called with, to check arity.
+    :return: ``ok`` with ``source``, or ``error`` text saying what was wrong.
+    """
+    if not (reply or "").strip():
+        return ExtractResult(False, error="The reply is empty: write the function in a ```python code block.")
+    blocks = _blocks(reply)
+    if not blocks:
+        return ExtractResult(
+            False,
+            error=f"The reply contains no code, only prose. Write `def {entry}(...)` in a ```python code block.",
+        )
+    candidates = [b for b in blocks if b.pythonish] or blocks
+    found: list[tuple[_Block, ast.Module]] = []
+    syntax_errors: list[str] = []
+    for block in candidates:
+        try:
+            tree = ast.parse(block.code)
+        except SyntaxError as e:
+            if re.search(rf"\bdef\s+{re.escape(entry)}\s*\(", block.code):
+                line = (e.text or "").rstrip()
+                syntax_errors.append(
+                    f"SyntaxError in code block {block.index}, line {e.lineno}: {e.msg}" + (f"\n    {line.strip()}" if line else "")
+                )
+            continue
+        if _defs(tree, entry):
+            found.append((block, tree))
+    if not found:
+        if syntax_errors:
+            return ExtractResult(False, error=syntax_errors[-1])
+        defined = sorted({n.name for b in candidates for n in _safe_body(b.code) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))})
+        also = f" (found: {', '.join(f'`{d}`' for d in defined)})" if defined else ""
+        return ExtractResult(False, error=f"No function named `{entry}` is defined at the top level of the code{also}.")
+    n_defs = sum(len(_defs(tree, entry)) for _, tree in found)
+    distinct = {ast.dump(_defs(tree, entry)[0]) for _, tree in found}
+    if any(len(_defs(tree, entry)) > 1 for _, tree in found) or len(distinct) > 1:
+        where = ", ".join(str(b.index) for b, _ in found)
+        return ExtractResult(
+            False,
+            error=f"`{entry}` is defined {n_defs} times (code block{'s' if len(found) > 1 else ''} {where}); give exactly one definition.",
+        )
+    block, tree = found[-1]
+    fn = _defs(tree, entry)[0]
+    if isinstance(fn, ast.AsyncFunctionDef):
+        return ExtractResult(False, error=f"`{entry}` must be a plain `def`, not `async def`.")
+    if arg_names is not None:
+        err = signature_error(fn, entry, list(arg_names))
+        if err:
+            return ExtractResult(False, error=err)
+    source, notes = _strip_script_parts(block.code, tree)
+    return ExtractResult(True, source=source, notes=notes)
+
+
+def _safe_body(code: str) -> list[ast.stmt]:
+    try:
+        return ast.parse(code).body
+    except SyntaxError:
+        return []
