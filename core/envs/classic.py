@@ -1,0 +1,403 @@
+"""Gymnasium classic-control and Box2D tasks, and ``gym``: any gymnasium id as a task.
+
+:class:`GymTask` is the building block the other gymnasium-backed families
+(:mod:`core.envs.mujoco`, :mod:`core.envs.metaworld`) reuse: it makes a
+``SyncVectorEnv`` in SAME_STEP autoreset mode over ``gymnasium.make(id)`` with a flat
+float32 observation, and adds episode-level info (success flags) through small wrappers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from typing import Any, Callable
+
+import gymnasium as gym
+import numpy as np
+
+from core.envs.task import StateField, Task
+from core.records import Episode, Fitness
+from core.errors import UserError
+
+# -------------------------------------------------------------------------------------
+# Wrappers shared by the gymnasium-backed tasks
+# -------------------------------------------------------------------------------------
+
+
+class FloatObservation(gym.ObservationWrapper):
+    """Flatten the observation into a float32 vector (the contract of :meth:`Task.make_env`)."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self._flatten = not (isinstance(env.observation_space, gym.spaces.Box) and len(env.observation_space.shape) == 1)
+        space = gym.spaces.flatten_space(env.observation_space) if self._flatten else env.observation_space
+        self.observation_space = gym.spaces.Box(
+            low=space.low.astype(np.float32), high=space.high.astype(np.float32), dtype=np.float32
+        )
+
+    def observation(self, observation: Any) -> np.ndarray:
+        if self._flatten:
+            observation = gym.spaces.flatten(self.env.observation_space, observation)
+        return np.asarray(observation, dtype=np.float32)
+
+
+class SuccessInfo(gym.Wrapper):
+    """Write ``info["success"]``: whether the episode has succeeded at any step so far.
+
+    ``judge(terminated, info)`` says whether this step is a success; the flag then stays
+    set until the episode ends, so the last step's info answers "succeeded at any step".
+    """
+
+    def __init__(self, env: gym.Env, judge: Callable[[bool, dict[str, Any]], bool]) -> None:
+        super().__init__(env)
+        self._judge = judge
+        self._succeeded = False
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        self._succeeded = False
+        obs, info = self.env.reset(**kwargs)
+        info["success"] = False
+        return obs, info
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self._succeeded = self._succeeded or bool(self._judge(bool(terminated), info))
+        info["success"] = self._succeeded
+        return obs, reward, terminated, truncated, info
+
+
+def terminated_is_success(terminated: bool, info: dict[str, Any]) -> bool:
+    """Success judge for envs that terminate only on reaching the goal (MountainCar)."""
+    return terminated
+
+
+def vector_env(make_one: Callable[[int], gym.Env], num_envs: int, seed: int) -> gym.vector.VectorEnv:
+    """A seeded ``SyncVectorEnv`` (SAME_STEP autoreset) of ``make_one(index)`` envs."""
+    env = gym.vector.SyncVectorEnv(
+        [lambda i=i: make_one(i) for i in range(num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
+    env.reset(seed=seed)
+    env.action_space.seed(seed)
+    return env
+
+
+def require(module: str, extra: str, what: str) -> None:
+    """Raise a :class:`UserError` naming the extra to install when ``module`` is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"{what} needs the Python package '{module}', which is not installed. Install it with: pip install \"llm4rl[{extra}]\"")
+
+
+def observation_source(env_id: str) -> str:
+    """The source of the env's observation code, as Eureka shows it (best effort, '' if unavailable)."""
+    try:
+        cls = type(gym.make(env_id).unwrapped)
+    except Exception:  # noqa: BLE001 - an optional dependency may be missing
+        return ""
+    parts = []
+    for name in ("_get_obs", "step"):
+        method = getattr(cls, name, None)
+        if method is not None:
+            try:
+                parts.append(inspect.getsource(method))
+            except (OSError, TypeError):
+                continue
+    return "\n".join(parts)
+
+
+# -------------------------------------------------------------------------------------
+# The generic gymnasium task
+# -------------------------------------------------------------------------------------
+
+
+class GymTask(Task):
+    """A task over a gymnasium id: flat float32 observation, SAME_STEP autoreset vector env.
+
+    Subclasses pass the fields; used directly (config name ``gym``) it takes any ``id``
+    and names the flattened observation ``obs_0 .. obs_{n-1}``, with the env class's own
+    documentation as the description.
+    """
+
+    #: the gymnasium id subclasses run; ``gym`` takes it from the config
+    env_id: str = ""
+    #: module that must be importable (with the extra naming it), checked by check_available
+    requires: tuple[str, str] | None = None
+
+    def __init__(
+        self,
+        id: str | None = None,  # noqa: A002 - the config key users write is env.id
+        max_episode_steps: int | None = None,
+        name: str = "gym",
+        goal: str = "",
+        state_fields: list[StateField] | None = None,
+        description: str = "",
+        fitness_name: str = "return",
+        action_description: str = "",
+        make_kwargs: dict[str, Any] | None = None,
+        show_source: bool = False,
+    ) -> None:
+        self.env_id = id or self.env_id
+        if not self.env_id:
+            raise UserError("env=gym needs a gymnasium id, e.g. env=gym env.id=Acrobot-v1")
+        self.make_kwargs = dict(make_kwargs or {})
+        if state_fields is None:  # generic: probe the env for its observation size
+            self.check_available()
+            probe = FloatObservation(gym.make(self.env_id, **self.make_kwargs))
+            size = int(probe.observation_space.shape[0])
+            doc = inspect.getdoc(type(probe.unwrapped)) or ""
+            limit = probe.spec.max_episode_steps if probe.spec else None
+            action_description = action_description or f"Action space: {probe.action_space}."
+            probe.close()
+            state_fields = [StateField(f"obs_{i}", i, i + 1, f"observation component {i} of {self.env_id}") for i in range(size)]
+            description = description or f"Gymnasium environment {self.env_id}.\n\n{doc}"
+            goal = goal or f"Maximise the return of the gymnasium environment {self.env_id}."
+            max_episode_steps = max_episode_steps or limit or 1000
+        if show_source:
+            source = observation_source(self.env_id)
+            if source:
+                description += f"\n\nObservation and step code of the environment:\n```python\n{source}```"
+        super().__init__(
+            name=name,
+            goal=goal,
+            state_fields=state_fields,
+            description=description,
+            fitness_name=fitness_name,
+            max_episode_steps=int(max_episode_steps or 500),
+            action_description=action_description,
+        )
+
+    # -- construction ---------------------------------------------------------------
+    def check_available(self) -> None:
+        if self.requires is not None:
+            require(self.requires[0], self.requires[1], f"The task '{self.name}'")
+        if self.env_id and self.env_id not in gym.registry:
+            raise UserError(f"'{self.env_id}' is not a registered gymnasium id. Examples: CartPole-v1, Acrobot-v1, LunarLander-v3.")
+
+    def wrap(self, env: gym.Env) -> gym.Env:
+        """Task-specific wrappers around one env (success flags, extra info)."""
+        return env
+
+    def _make_single(self) -> gym.Env:
+        env = gym.make(self.env_id, max_episode_steps=self.max_episode_steps, **self.make_kwargs)
+        return FloatObservation(self.wrap(env))
+
+    def make_env(self, num_envs: int, seed: int, params: dict[str, Any] | list[dict[str, Any]] | None = None) -> gym.vector.VectorEnv:
+        if params:
+            raise UserError(f"The task '{self.name}' has no controllable params; got {params}.")
+        self.check_available()
+        return vector_env(lambda i: self._make_single(), num_envs, seed)
+
+
+# -------------------------------------------------------------------------------------
+# Classic control
+# -------------------------------------------------------------------------------------
+
+class CartPole(GymTask):
+    """CartPole-v1: keep a pole upright on a cart; fitness = mean return (max 500)."""
+
+    env_id = "CartPole-v1"
+
+    def __init__(self, max_episode_steps: int = 500, show_source: bool = False) -> None:
+        super().__init__(
+            name="cartpole",
+            max_episode_steps=max_episode_steps,
+            goal="Balance the pole upright on the moving cart for as long as possible while keeping the cart near the centre of the track.",
+            state_fields=[
+                StateField("cart_position", 0, 1, "cart position along the track, 0 is the centre; the episode ends beyond +-2.4", "m"),
+                StateField("cart_velocity", 1, 2, "cart velocity, positive to the right", "m/s"),
+                StateField("pole_angle", 2, 3, "pole angle from upright, positive leaning right; the episode ends beyond +-0.2095 (12 degrees)", "rad"),
+                StateField("pole_angular_velocity", 3, 4, "angular velocity of the pole", "rad/s"),
+            ],
+            description=(
+                "CartPole-v1 (gymnasium classic control). A pole is attached by an unactuated joint to a cart "
+                "that moves along a frictionless track. Observation (float32, 4 values): cart_position, "
+                "cart_velocity, pole_angle, pole_angular_velocity. Reward: +1 for every step the pole stays up. "
+                "The episode terminates when |pole_angle| > 0.2095 rad or |cart_position| > 2.4 m, and is "
+                "truncated after max_episode_steps (500)."
+            ),
+            action_description="Discrete(2): 0 pushes the cart to the left, 1 pushes it to the right (force 10 N).",
+            show_source=show_source,
+        )
+
+
+class MountainCar(GymTask):
+    """MountainCar-v0: sparse reward; fitness = success rate of reaching the flag."""
+
+    env_id = "MountainCar-v0"
+    _goal_position = 0.5
+
+    def __init__(self, max_episode_steps: int = 200, show_source: bool = False) -> None:
+        super().__init__(
+            name="mountaincar",
+            max_episode_steps=max_episode_steps,
+            fitness_name="success_rate",
+            goal="Drive the under-powered car up the right hill to reach the flag at position 0.5; it must build momentum by rocking back and forth.",
+            state_fields=_mountaincar_fields(),
+            description=(
+                "MountainCar-v0 (gymnasium classic control). A car sits in a valley between two hills and its "
+                "engine is too weak to climb the right hill directly. Observation (float32, 2 values): "
+                "car_position in [-1.2, 0.6] (the valley bottom is near -0.52, the flag at 0.5) and car_velocity "
+                "in [-0.07, 0.07]. Dynamics: velocity += (action - 1) * 0.001 - 0.0025 * cos(3 * position). "
+                "Reward: -1 every step (sparse: the only signal is ending early). The episode terminates when "
+                "car_position >= 0.5 (success) and is truncated after max_episode_steps (200). "
+                "Fitness is the success rate: the share of evaluation episodes that reach the flag."
+            ),
+            action_description="Discrete(3): 0 accelerates left, 1 does nothing, 2 accelerates right.",
+            show_source=show_source,
+        )
+
+    def wrap(self, env: gym.Env) -> gym.Env:
+        return SuccessInfo(env, terminated_is_success)
+
+    def fitness(self, episodes: list[Episode]) -> Fitness:
+        return success_fitness(self.fitness_name, episodes)
+
+
+class MountainCarContinuous(MountainCar):
+    """MountainCarContinuous-v0: continuous force; fitness = success rate of reaching the flag."""
+
+    env_id = "MountainCarContinuous-v0"
+
+    def __init__(self, max_episode_steps: int = 999, show_source: bool = False) -> None:
+        GymTask.__init__(
+            self,
+            name="mountaincar_continuous",
+            max_episode_steps=max_episode_steps,
+            fitness_name="success_rate",
+            goal="Drive the under-powered car up the right hill to reach the flag at position 0.45 using as little engine force as possible.",
+            state_fields=_mountaincar_fields(),
+            description=(
+                "MountainCarContinuous-v0 (gymnasium classic control). A car sits in a valley between two hills "
+                "and its engine is too weak to climb the right hill directly. Observation (float32, 2 values): "
+                "car_position in [-1.2, 0.6] and car_velocity in [-0.07, 0.07]. Dynamics: velocity += "
+                "force * 0.0015 - 0.0025 * cos(3 * position). Reward: +100 on reaching the flag "
+                "(car_position >= 0.45) minus 0.1 * force^2 each step. The episode terminates at the flag "
+                "(success) and is truncated after max_episode_steps (999). Fitness is the success rate."
+            ),
+            action_description="Box(1,) in [-1, 1]: the engine force, negative pushes left, positive pushes right.",
+            show_source=show_source,
+        )
+
+
+def _mountaincar_fields() -> list[StateField]:
+    return [
+        StateField("car_position", 0, 1, "horizontal position of the car; valley bottom near -0.52, flag at 0.5 (0.45 continuous)", "m"),
+        StateField("car_velocity", 1, 2, "horizontal velocity of the car, positive to the right", "m/step"),
+    ]
+
+
+class Pendulum(GymTask):
+    """Pendulum-v1: swing up and hold an inverted pendulum; fitness = mean return."""
+
+    env_id = "Pendulum-v1"
+
+    def __init__(self, max_episode_steps: int = 200, show_source: bool = False) -> None:
+        super().__init__(
+            name="pendulum",
+            max_episode_steps=max_episode_steps,
+            goal="Swing the pendulum up and keep it balanced upright (angle 0) with as little torque as possible.",
+            state_fields=[
+                StateField("cos_theta", 0, 1, "cosine of the pendulum angle; 1 when upright", ""),
+                StateField("sin_theta", 1, 2, "sine of the pendulum angle; 0 when upright or hanging", ""),
+                StateField("angular_velocity", 2, 3, "angular velocity of the pendulum, in [-8, 8]", "rad/s"),
+            ],
+            description=(
+                "Pendulum-v1 (gymnasium classic control). A pendulum is attached at one end to a fixed point; "
+                "theta is its angle, 0 upright, in [-pi, pi]. Observation (float32, 3 values): cos_theta, "
+                "sin_theta, angular_velocity. Reward: -(theta^2 + 0.1 * angular_velocity^2 + 0.001 * torque^2), "
+                "at most 0. The episode never terminates; it is truncated after max_episode_steps (200)."
+            ),
+            action_description="Box(1,) in [-2, 2]: the torque applied to the free end.",
+            show_source=show_source,
+        )
+
+
+class Acrobot(GymTask):
+    """Acrobot-v1: swing the two-link chain's tip above the bar; fitness = mean return."""
+
+    env_id = "Acrobot-v1"
+
+    def __init__(self, max_episode_steps: int = 500, show_source: bool = False) -> None:
+        super().__init__(
+            name="acrobot",
+            max_episode_steps=max_episode_steps,
+            goal="Swing the free end of the two-link chain up so that it rises above the bar (height 1 above the pivot) as fast as possible.",
+            state_fields=[
+                StateField("cos_theta1", 0, 1, "cosine of the first link's angle (0 angle: pointing down)", ""),
+                StateField("sin_theta1", 1, 2, "sine of the first link's angle", ""),
+                StateField("cos_theta2", 2, 3, "cosine of the second link's angle relative to the first", ""),
+                StateField("sin_theta2", 3, 4, "sine of the second link's angle relative to the first", ""),
+                StateField("theta1_velocity", 4, 5, "angular velocity of the first link, in [-4pi, 4pi]", "rad/s"),
+                StateField("theta2_velocity", 5, 6, "angular velocity of the second link, in [-9pi, 9pi]", "rad/s"),
+            ],
+            description=(
+                "Acrobot-v1 (gymnasium classic control). Two links hang from a fixed pivot; only the joint "
+                "between them is actuated. Observation (float32, 6 values): cos_theta1, sin_theta1, cos_theta2, "
+                "sin_theta2, theta1_velocity, theta2_velocity. The tip height above the pivot is "
+                "-cos(theta1) - cos(theta1 + theta2). Reward: -1 each step, 0 on the step that reaches the "
+                "goal. The episode terminates when the tip height > 1 and is truncated after "
+                "max_episode_steps (500)."
+            ),
+            action_description="Discrete(3): torque on the middle joint: 0 is -1, 1 is 0, 2 is +1.",
+            show_source=show_source,
+        )
+
+    def wrap(self, env: gym.Env) -> gym.Env:
+        return SuccessInfo(env, terminated_is_success)
+
+
+class LunarLander(GymTask):
+    """LunarLander-v3 (Box2D): land softly on the pad; fitness = mean return (200 solves it)."""
+
+    env_id = "LunarLander-v3"
+    requires = ("Box2D", "box2d")
+
+    def __init__(self, max_episode_steps: int = 1000, continuous: bool = False, show_source: bool = False) -> None:
+        actions = (
+            "Box(2,) in [-1, 1]: main engine throttle (off below 0, 50-100% from 0 to 1) and lateral engine (left below -0.5, right above 0.5)."
+            if continuous
+            else "Discrete(4): 0 does nothing, 1 fires the left orientation engine, 2 fires the main engine, 3 fires the right orientation engine."
+        )
+        super().__init__(
+            name="lunarlander",
+            max_episode_steps=max_episode_steps,
+            make_kwargs={"continuous": continuous},
+            goal="Land the lander gently on the landing pad between the two flags (at the origin), upright, using little fuel.",
+            state_fields=[
+                StateField("x", 0, 1, "horizontal position relative to the pad centre, scaled so the screen edges are about +-1", ""),
+                StateField("y", 1, 2, "height above the pad, scaled (about 1.4 at the start)", ""),
+                StateField("x_velocity", 2, 3, "horizontal velocity, scaled", ""),
+                StateField("y_velocity", 3, 4, "vertical velocity, scaled, negative when falling", ""),
+                StateField("angle", 4, 5, "lander angle, 0 upright", "rad"),
+                StateField("angular_velocity", 5, 6, "angular velocity, scaled", ""),
+                StateField("left_leg_contact", 6, 7, "1 if the left leg touches the ground, else 0", ""),
+                StateField("right_leg_contact", 7, 8, "1 if the right leg touches the ground, else 0", ""),
+            ],
+            description=(
+                "LunarLander-v3 (gymnasium Box2D). Observation (float32, 8 values): x, y, x_velocity, "
+                "y_velocity, angle, angular_velocity, left_leg_contact, right_leg_contact; the pad is at "
+                "x = 0, y = 0. Reward: shaped by the decrease in distance to the pad, speed and tilt, +10 per "
+                "leg contact, -0.3 per frame of main engine and -0.03 per frame of side engine, and -100 for "
+                "crashing or +100 for coming to rest. The episode terminates on a crash, flying off screen "
+                "(|x| >= 1) or coming to rest, and is truncated after max_episode_steps (1000). A return of "
+                "200 counts as solved."
+            ),
+            action_description=actions,
+            show_source=show_source,
+        )
+
+    def check_available(self) -> None:
+        if importlib.util.find_spec("Box2D") is None:
+            raise UserError(
+                "The task 'lunarlander' needs Box2D, which is not installed. Install it with: "
+                'pip install "llm4rl[box2d]" (the box2d wheel; building it from source needs swig).'
+            )
+
+
+def success_fitness(name: str, episodes: list[Episode]) -> Fitness:
+    """Share of episodes whose ``success`` flag is set (NaN without episodes)."""
+    flags = [bool(e.success) for e in episodes]
+    value = float(np.mean(flags)) if flags else float("nan")
+    returns = [e.ret for e in episodes]
+    details = {"mean_return": float(np.mean(returns))} if returns else {}
+    return Fitness(name, value, details)

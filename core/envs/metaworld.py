@@ -1,0 +1,138 @@
+"""MetaWorld (v3) manipulation tasks on the Sawyer arm; fitness = success rate.
+
+Each env is ``gymnasium.make("Meta-World/MT1", env_name="<task>-v3", seed=...)``: one
+task with a goal resampled from its 50 variations at every reset. An episode counts as a
+success when ``info["success"]`` was set at any of its steps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import gymnasium as gym
+
+from core.envs.classic import FloatObservation, GymTask, SuccessInfo, success_fitness, vector_env
+from core.envs.task import StateField
+from core.errors import UserError
+from core.records import Episode, Fitness
+
+
+def metaworld_fields(obj: str, obj2: str) -> list[StateField]:
+    """The 39 observation values: current frame (18), previous frame (18), goal (3)."""
+    current = [
+        ("hand_pos", 3, "end-effector (gripper) position x, y, z in the world frame", "m"),
+        ("gripper_distance", 1, "normalised opening between the two gripper fingers: 1 open, 0 closed", ""),
+        ("obj_pos", 3, f"position of the {obj}", "m"),
+        ("obj_quat", 4, f"orientation quaternion (w, x, y, z) of the {obj}", ""),
+        ("obj2_pos", 3, f"position of the {obj2} (zeros when the task has none)", "m"),
+        ("obj2_quat", 4, f"orientation quaternion of the {obj2} (zeros when the task has none)", ""),
+    ]
+    fields, start = [], 0
+    for prefix, text in (("", ""), ("prev_", " at the previous step")):
+        for name, size, description, unit in current:
+            shape = (size,) if size > 1 else ()
+            fields.append(StateField(prefix + name, start, start + size, description + text, unit, shape))
+            start += size
+    fields.append(StateField("goal_pos", start, start + 3, "target position x, y, z the task must reach", "m", (3,)))
+    return fields
+
+
+class MetaWorldTask(GymTask):
+    """A MetaWorld v3 task (``env_name``), e.g. ``reach-v3``."""
+
+    env_id = "Meta-World/MT1"
+    metaworld_name = ""
+    obj, obj2 = "object", "second object"
+    task_goal = ""
+
+    def __init__(self, max_episode_steps: int = 500, terminate_on_success: bool = False, show_source: bool = False) -> None:
+        self.terminate_on_success = terminate_on_success
+        super().__init__(
+            name=self.metaworld_name.removesuffix("-v3"),
+            max_episode_steps=max_episode_steps,
+            fitness_name="success_rate",
+            goal=self.task_goal,
+            state_fields=metaworld_fields(self.obj, self.obj2),
+            description=(
+                f"MetaWorld {self.metaworld_name} (v3): a Sawyer robot arm with a two-finger gripper on a table. "
+                f"{self.task_goal} The goal position is resampled from 50 variations at every reset. "
+                "Observation (39 values, float32): hand_pos (3), gripper_distance (1), obj_pos (3), obj_quat (4), "
+                "obj2_pos (3), obj2_quat (4); then the same 18 values at the previous step (prefix prev_); then "
+                "goal_pos (3). Positions are in metres in the world frame (x right, y forward away from the "
+                "robot base, z up; the table top is near z = 0). The env's own dense reward is in [0, 10]. "
+                f"An episode counts as a success if info['success'] is set at any step; episodes last "
+                f"max_episode_steps ({max_episode_steps}) steps. Fitness: the success rate over evaluation episodes."
+            ),
+            action_description=(
+                "Box(4,) in [-1, 1]: the first three move the end effector by (dx, dy, dz) (scaled to at most "
+                "1 cm per step), the fourth closes (+1) or opens (-1) the gripper."
+            ),
+            show_source=show_source,
+        )
+
+    def check_available(self) -> None:
+        for module in ("metaworld", "mujoco"):
+            if importlib.util.find_spec(module) is None:
+                raise UserError(
+                    f"The task '{self.name}' needs the '{module}' package, which is not installed. "
+                    'Install it with: pip install "llm4rl[metaworld]" (metaworld 3.1.1, which pins mujoco 3.3.0).'
+                )
+
+    def _make_single(self, seed: int | None = None) -> gym.Env:
+        import metaworld  # noqa: F401 - registers the Meta-World/* ids
+
+        env = gym.make(
+            self.env_id,
+            env_name=self.metaworld_name,
+            seed=seed,
+            max_episode_steps=self.max_episode_steps,
+            terminate_on_success=self.terminate_on_success,
+        )
+        return FloatObservation(SuccessInfo(env, lambda terminated, info: bool(info.get("success", 0.0))))
+
+    def make_env(self, num_envs: int, seed: int, params: Any = None) -> gym.vector.VectorEnv:
+        if params:
+            raise UserError(f"The task '{self.name}' has no controllable params; got {params}.")
+        self.check_available()
+        # every copy gets its own seed so the copies sample different goals
+        return vector_env(lambda i: self._make_single(seed + i), num_envs, seed)
+
+    def fitness(self, episodes: list[Episode]) -> Fitness:
+        return success_fitness(self.fitness_name, episodes)
+
+
+class Reach(MetaWorldTask):
+    metaworld_name = "reach-v3"
+    obj, obj2 = "puck (unused in this task)", "second object"
+    task_goal = "Move the gripper (hand_pos) to the goal position goal_pos; success when within 5 cm."
+
+
+class Push(MetaWorldTask):
+    metaworld_name = "push-v3"
+    obj = "puck"
+    task_goal = "Push the puck (obj_pos) across the table to the goal position goal_pos; success when the puck is within 5 cm of it."
+
+
+class PickPlace(MetaWorldTask):
+    metaworld_name = "pick-place-v3"
+    obj = "puck"
+    task_goal = "Grasp the puck (obj_pos), lift it and place it at the goal position goal_pos in the air; success when within 7 cm."
+
+
+class DoorOpen(MetaWorldTask):
+    metaworld_name = "door-open-v3"
+    obj = "door handle"
+    task_goal = "Open the door by pulling its handle (obj_pos) around the hinge until the handle's x coordinate is within 8 cm of goal_pos's x."
+
+
+class DrawerOpen(MetaWorldTask):
+    metaworld_name = "drawer-open-v3"
+    obj = "drawer handle"
+    task_goal = "Pull the drawer open by its handle (obj_pos) until the handle reaches goal_pos; success when within 3 cm."
+
+
+class ButtonPress(MetaWorldTask):
+    metaworld_name = "button-press-v3"
+    obj = "button"
+    task_goal = "Press the button (obj_pos) in along its axis with the gripper until it reaches goal_pos; success when within 2 cm."

@@ -1,0 +1,242 @@
+"""MuJoCo locomotion (gymnasium v5): halfcheetah, hopper, ant, humanoid.
+
+State fields name every joint position and velocity (the model's own joint names);
+Ant and Humanoid add their per-body blocks (contact forces, inertia, velocities).
+Fitness is the mean return; the mean forward velocity of each episode is logged too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from core.envs.classic import GymTask
+from core.envs.task import StateField
+from core.errors import UserError
+from core.records import Episode, Fitness
+
+_FREE_POS = ("x", "y", "z", "qw", "qx", "qy", "qz")
+_FREE_VEL = ("vx", "vy", "vz", "wx", "wy", "wz")
+
+
+def joint_fields(joints: list[tuple[str, str]], skip_positions: int) -> list[StateField]:
+    """Fields for ``qpos[skip_positions:]`` followed by ``qvel``.
+
+    ``joints`` lists (name, kind) in model order; kind is ``free``, ``slide`` or ``hinge``.
+    A free joint contributes 7 positions (xyz + quaternion) and 6 velocities.
+    """
+    positions: list[tuple[str, str, str]] = []
+    velocities: list[tuple[str, str, str]] = []
+    for name, kind in joints:
+        if kind == "free":
+            for axis in _FREE_POS:
+                unit = "m" if axis in "xyz" else ""
+                positions.append((f"{name}_{axis}", unit, f"{name} body {'position ' + axis if axis in 'xyz' else 'orientation quaternion ' + axis[1]} in the world frame"))
+            for axis in _FREE_VEL:
+                unit = "m/s" if axis.startswith("v") else "rad/s"
+                kind_text = "linear velocity" if axis.startswith("v") else "angular velocity"
+                velocities.append((f"{name}_{axis}", unit, f"{name} body {kind_text} along {axis[1]}"))
+        else:
+            unit_pos, unit_vel = ("m", "m/s") if kind == "slide" else ("rad", "rad/s")
+            positions.append((f"{name}_pos", unit_pos, f"position of the {kind} joint {name}"))
+            velocities.append((f"{name}_vel", unit_vel, f"velocity of the {kind} joint {name}"))
+    fields = []
+    for i, (name, unit, text) in enumerate(positions[skip_positions:] + velocities):
+        fields.append(StateField(name, i, i + 1, text, unit))
+    return fields
+
+
+def block(name: str, start: int, shape: tuple[int, ...], description: str, unit: str = "") -> StateField:
+    """A multi-dimensional field starting at ``start``."""
+    return StateField(name, start, start + int(np.prod(shape)), description, unit, shape)
+
+
+class ForwardVelocityInfo(gym.Wrapper):
+    """Add ``info["mean_forward_velocity"]``: the episode's mean ``x_velocity`` so far."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self._sum, self._count = 0.0, 0
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        self._sum, self._count = 0.0, 0
+        return self.env.reset(**kwargs)
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self._sum += float(info.get("x_velocity", 0.0))
+        self._count += 1
+        info["mean_forward_velocity"] = self._sum / self._count
+        return obs, reward, terminated, truncated, info
+
+
+class MujocoTask(GymTask):
+    """Base of the locomotion tasks: check for mujoco, log forward velocity."""
+
+    requires = ("mujoco", "mujoco")
+
+    def check_available(self) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("mujoco") is None:
+            raise UserError(f"The task '{self.name}' needs MuJoCo, which is not installed. Install it with: pip install \"llm4rl[mujoco]\"")
+        if importlib.util.find_spec("packaging") is None:
+            raise UserError(f"The task '{self.name}' needs 'packaging' (gymnasium's MuJoCo module imports it): pip install \"llm4rl[mujoco]\"")
+
+    def wrap(self, env: gym.Env) -> gym.Env:
+        return ForwardVelocityInfo(env)
+
+    def episode_info(self, final_info: dict[str, Any]) -> tuple[bool | None, dict[str, Any]]:
+        info = {}
+        if "mean_forward_velocity" in final_info:
+            info["mean_forward_velocity"] = float(final_info["mean_forward_velocity"])
+        if "x_position" in final_info:
+            info["final_x_position"] = float(final_info["x_position"])
+        return None, info
+
+    def fitness(self, episodes: list[Episode]) -> Fitness:
+        value = float(np.mean([e.ret for e in episodes])) if episodes else float("nan")
+        velocities = [e.info["mean_forward_velocity"] for e in episodes if "mean_forward_velocity" in e.info]
+        details = {"mean_forward_velocity": float(np.mean(velocities))} if velocities else {}
+        return Fitness(self.fitness_name, value, details)
+
+
+_PLANAR_NOTE = (
+    "rootx, rootz and rooty are the torso's slide (forward, up) and hinge (pitch) joints; "
+    "rootx_pos is left out of the observation, so the policy is position invariant."
+)
+
+
+class HalfCheetah(MujocoTask):
+    """HalfCheetah-v5: run forward as fast as possible."""
+
+    env_id = "HalfCheetah-v5"
+    joints = [("rootx", "slide"), ("rootz", "slide"), ("rooty", "hinge")] + [
+        (j, "hinge") for j in ("bthigh", "bshin", "bfoot", "fthigh", "fshin", "ffoot")
+    ]
+
+    def __init__(self, max_episode_steps: int = 1000, show_source: bool = False) -> None:
+        super().__init__(
+            name="halfcheetah",
+            max_episode_steps=max_episode_steps,
+            goal="Make the two-legged planar cheetah run forward (+x) as fast as possible.",
+            state_fields=joint_fields(self.joints, skip_positions=1),
+            description=(
+                "HalfCheetah-v5 (gymnasium MuJoCo). A planar cheetah with a torso, a back leg (bthigh, bshin, "
+                "bfoot) and a front leg (fthigh, fshin, ffoot). Observation (17 values): joint positions "
+                "qpos[1:] then joint velocities qvel, named <joint>_pos and <joint>_vel. " + _PLANAR_NOTE +
+                " Reward: forward velocity (dx/dt of the torso) - 0.1 * sum(action^2). No termination; "
+                "truncated after max_episode_steps (1000). Fitness: mean return; the mean forward velocity is logged."
+            ),
+            action_description="Box(6,) in [-1, 1]: torques on bthigh, bshin, bfoot, fthigh, fshin, ffoot.",
+            show_source=show_source,
+        )
+
+
+class Hopper(MujocoTask):
+    """Hopper-v5: hop forward without falling."""
+
+    env_id = "Hopper-v5"
+    joints = [("rootx", "slide"), ("rootz", "slide"), ("rooty", "hinge"), ("thigh_joint", "hinge"), ("leg_joint", "hinge"), ("foot_joint", "hinge")]
+
+    def __init__(self, max_episode_steps: int = 1000, show_source: bool = False) -> None:
+        super().__init__(
+            name="hopper",
+            max_episode_steps=max_episode_steps,
+            goal="Make the one-legged hopper hop forward (+x) as fast as possible without falling over.",
+            state_fields=joint_fields(self.joints, skip_positions=1),
+            description=(
+                "Hopper-v5 (gymnasium MuJoCo). A planar one-legged robot: torso, thigh, leg, foot. Observation "
+                "(11 values): qpos[1:] then qvel, named <joint>_pos and <joint>_vel; rootz_pos is the torso "
+                "height and rooty_pos its pitch angle. " + _PLANAR_NOTE + " Reward: 1 per step alive + forward "
+                "velocity - 0.001 * sum(action^2). The episode terminates when unhealthy: torso height "
+                "rootz_pos <= 0.7, |rooty_pos| >= 0.2 rad, or any other state value beyond +-100; truncated after "
+                "max_episode_steps (1000)."
+            ),
+            action_description="Box(3,) in [-1, 1]: torques on thigh_joint, leg_joint, foot_joint.",
+            show_source=show_source,
+        )
+
+
+def _body_names(kind: str) -> str:
+    return {
+        "ant": "torso, front_left_leg, aux_1, front-left foot, front_right_leg, aux_2, front-right foot, back_leg, aux_3, back-left foot, right_back_leg, aux_4, back-right foot",
+        "humanoid": "torso, lwaist, pelvis, right_thigh, right_shin, right_foot, left_thigh, left_shin, left_foot, right_upper_arm, right_lower_arm, left_upper_arm, left_lower_arm",
+    }[kind]
+
+
+class Ant(MujocoTask):
+    """Ant-v5: walk forward with the four-legged ant."""
+
+    env_id = "Ant-v5"
+    joints = [("root", "free")] + [(f"{p}_{i}", "hinge") for i in range(1, 5) for p in ("hip", "ankle")]
+
+    def __init__(self, max_episode_steps: int = 1000, show_source: bool = False) -> None:
+        fields = joint_fields(self.joints, skip_positions=2)
+        fields.append(block("contact_forces", fields[-1].stop, (13, 6), f"external contact force and torque (6 values) on each body except the world: {_body_names('ant')}; clipped to [-1, 1]", "N"))
+        super().__init__(
+            name="ant",
+            max_episode_steps=max_episode_steps,
+            goal="Make the four-legged ant walk forward (+x) as fast as possible without flipping over.",
+            state_fields=fields,
+            description=(
+                "Ant-v5 (gymnasium MuJoCo). A torso with four legs; each leg has a hip and an ankle hinge "
+                "(hip_1/ankle_1 front left, hip_2/ankle_2 front right, hip_3/ankle_3 back left, hip_4/ankle_4 "
+                "back right). Observation (105 values): qpos[2:] (root_z torso height, root_qw..root_qz torso "
+                "orientation quaternion, 8 joint angles), qvel (root_vx.. root_wz torso linear and angular "
+                "velocity, 8 joint velocities), then contact_forces (13 bodies x 6). The torso x, y position is "
+                "left out. Reward: 1 per step alive + forward velocity - 0.5 * sum(action^2) - 5e-4 * "
+                "sum(contact_forces^2). The episode terminates when the torso height leaves [0.2, 1.0]; "
+                "truncated after max_episode_steps (1000)."
+            ),
+            action_description="Box(8,) in [-1, 1]: torques, in the model's actuator order, on hip_4, ankle_4, hip_1, ankle_1, hip_2, ankle_2, hip_3, ankle_3.",
+            show_source=show_source,
+        )
+
+
+class Humanoid(MujocoTask):
+    """Humanoid-v5: walk forward without falling."""
+
+    env_id = "Humanoid-v5"
+    joints = [("root", "free")] + [
+        (j, "hinge")
+        for j in (
+            "abdomen_z", "abdomen_y", "abdomen_x",
+            "right_hip_x", "right_hip_z", "right_hip_y", "right_knee",
+            "left_hip_x", "left_hip_z", "left_hip_y", "left_knee",
+            "right_shoulder1", "right_shoulder2", "right_elbow",
+            "left_shoulder1", "left_shoulder2", "left_elbow",
+        )
+    ]
+
+    def __init__(self, max_episode_steps: int = 1000, show_source: bool = False) -> None:
+        fields = joint_fields(self.joints, skip_positions=2)
+        bodies = _body_names("humanoid")
+        start = fields[-1].stop
+        for name, shape, text, unit in (
+            ("body_inertia", (13, 10), f"mass and inertia of each body (com-based), bodies: {bodies}", ""),
+            ("body_velocity", (13, 6), f"com-based angular and linear velocity of each body: {bodies}", ""),
+            ("actuator_forces", (17,), "generalised actuator forces on the 17 hinge joints, in joint order", "N"),
+            ("contact_forces", (13, 6), f"external contact force and torque on each body: {bodies}", "N"),
+        ):
+            fields.append(block(name, start, shape, text, unit))
+            start = fields[-1].stop
+        super().__init__(
+            name="humanoid",
+            max_episode_steps=max_episode_steps,
+            goal="Make the humanoid walk forward (+x) as fast as possible without falling.",
+            state_fields=fields,
+            description=(
+                "Humanoid-v5 (gymnasium MuJoCo). A 3D bipedal robot with 17 hinge joints (abdomen, hips, knees, "
+                "shoulders, elbows). Observation (348 values): qpos[2:] (root_z torso height, root_qw..root_qz "
+                "orientation, 17 joint angles), qvel (root linear/angular velocity, 17 joint velocities), then "
+                "body_inertia (13x10), body_velocity (13x6), actuator_forces (17) and contact_forces (13x6). The "
+                "torso x, y position is left out. Reward: 5 per step alive + 1.25 * forward velocity of the "
+                "centre of mass - 0.1 * sum(action^2) - 5e-7 * sum(contact_forces^2). The episode terminates when "
+                "root_z leaves [1.0, 2.0]; truncated after max_episode_steps (1000)."
+            ),
+            action_description="Box(17,) in [-0.4, 0.4]: torques, in actuator order, on abdomen_y, abdomen_z, abdomen_x, right_hip_x, right_hip_z, right_hip_y, right_knee, left_hip_x, left_hip_z, left_hip_y, left_knee, right_shoulder1, right_shoulder2, right_elbow, left_shoulder1, left_shoulder2, left_elbow.",
+            show_source=show_source,
+        )
