@@ -54,13 +54,12 @@ class CartPoleTask(Task):
 
 
 def cartpole_task() -> Task:
-    """The project's cartpole task when it exists, else the stand-in above."""
+    """The project's cartpole task (the stand-in above where it is missing)."""
     try:
-        from core.envs.classic import CartPole  # type: ignore[attr-defined]
-
-        return CartPole()
-    except Exception:  # noqa: BLE001 - the module is optional here
+        from core.envs.classic import CartPole
+    except ImportError:
         return CartPoleTask()
+    return CartPole()
 
 
 # ---------------------------------------------------------------------------------------

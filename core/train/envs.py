@@ -34,7 +34,8 @@ class VecGymEnv(EnvBase):
 
     def __init__(self, env: gym.vector.VectorEnv, seed: int, keep_env_reward: bool = False) -> None:
         n = env.num_envs
-        super().__init__(batch_size=torch.Size([n]), device="cpu", allow_done_after_reset=True)
+        # no device: the collector then skips its per-step device casts
+        super().__init__(batch_size=torch.Size([n]), device=None, allow_done_after_reset=True)
         self.env = env
         self._seed = seed
         self.keep_env_reward = keep_env_reward

@@ -111,7 +111,7 @@ def build_networks(obs_dim: int, action_spec: TensorSpec, hidden: list[int]) -> 
         actor_net: nn.Module = mlp(obs_dim, hidden, int(action_spec.n), 0.01)
         module = TensorDictModule(actor_net, in_keys=["observation"], out_keys=["logits"])
         actor = ProbabilisticActor(module, in_keys=["logits"], distribution_class=Categorical,
-                                   return_log_prob=True, spec=action_spec)
+                                   distribution_kwargs={"validate_args": False}, return_log_prob=True, spec=action_spec)
         return Networks(actor, critic, actor_net, critic_net, True)
     action_dim = int(action_spec.shape[-1])
     actor_net = GaussianHead(mlp(obs_dim, hidden, action_dim, 0.01), action_dim)
