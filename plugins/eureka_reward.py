@@ -1,0 +1,191 @@
+"""eureka: the LLM writes reward code, improved by reward reflection (Eureka, ICLR 2024).
+
+Method (Ma et al., "Eureka: Human-Level Reward Design via Coding Large Language Models"):
+
+1. The LLM sees the environment as context (its observation code or state schema) and
+   the task goal, and writes a reward function returning the total reward and a dict of
+   named components.
+2. Each iteration samples K reward functions; each trains a policy for a fixed budget;
+   each is scored on the task's ground-truth fitness; the best is kept.
+3. Reward reflection: the best candidate's components and fitness, sampled over
+   training (with max/mean/min), go back to the LLM with tips on how to read them.
+   Failed candidates send their error instead.
+4. The context is system + task + the latest best reply + its feedback; after N
+   iterations the best reward is retrained on more seeds (``final_seeds``).
+
+Config: ``conf/plugins/eureka.yaml``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core import hookimpl
+from core.codegen import extract_function
+from core.prompting import reward_interface, sample_evenly, summarize_series
+from core.records import Candidate, IterationResult, RewardProgram, TrainResult
+
+NAME = "eureka"
+ENTRY = "compute_reward"
+ARGS = ["state", "action", "next_state"]
+
+# -- prompt pieces -----------------------------------------------------------------------
+
+SYSTEM = """You are a reward engineer. You write reward functions that make reinforcement
+learning agents learn the task as quickly and reliably as possible. Your reward
+function should use useful variables from the environment as inputs. Reply with one
+```python code block holding the reward function (helpers may sit in the same block)."""
+
+TASK = """The environment:
+
+{description}
+
+{interface}
+
+Task goal: {goal}
+
+Tips for the components: if you transform a component (for example with torch.exp),
+introduce a named temperature variable for that transformation inside the function, so
+that its scale can be tuned. Return every term you add up as a named component."""
+
+REFLECTION = """We trained a policy with the reward function above and tracked the value of
+each reward component and the task fitness ({fitness_name}) at regular intervals over
+training, with their maximum, mean and minimum:
+
+{series}
+
+Analyse this feedback and write an improved reward function:
+(1) If the fitness is always near zero, rewrite the entire reward function.
+(2) If a component's values are nearly identical throughout, RL cannot optimise it:
+    change its scale or the temperature of its transformation, rewrite it, or drop it.
+(3) If one component's magnitude is much larger than the others, rescale it.
+Think through each component, then reply with the new function in a ```python block."""
+
+FAILURE = """Running the reward function above failed ({kind}):
+
+{error}
+
+Fix the problem and reply with the complete corrected reward function in a ```python block."""
+
+NO_CODE = """Your reply could not be used: {error}
+Reply with the complete reward function in a ```python block."""
+
+
+# -- state ---------------------------------------------------------------------------------
+
+
+@dataclass
+class EurekaState:
+    """The conversation the plugin carries from one iteration to the next."""
+
+    best_reply: str = ""  # the latest best (or failing) reply, shown as the assistant turn
+    feedback: str = ""  # reflection on it, shown as the next user turn
+    best_score: float = float("-inf")
+    best_source: str = ""
+    extract_errors: list[str] = field(default_factory=list)
+
+
+STATE = EurekaState()
+
+
+def task_prompt(run) -> str:
+    """The user message describing the environment, the interface and the goal."""
+    allowed = list(run.config.sandbox.allowed_imports)
+    return TASK.format(description=run.task.description, interface=reward_interface(run.task, allowed), goal=run.task.goal)
+
+
+def messages(run) -> list[dict[str, str]]:
+    """System + task + (latest best reply + its feedback), Eureka's context policy."""
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task_prompt(run)}]
+    if STATE.best_reply and STATE.feedback:
+        msgs += [{"role": "assistant", "content": STATE.best_reply}, {"role": "user", "content": STATE.feedback}]
+    elif STATE.feedback:  # nothing usable came back yet: say why and ask again
+        msgs[-1]["content"] += "\n\n" + STATE.feedback
+    return msgs
+
+
+def reflection(result: TrainResult, fitness_name: str) -> str:
+    """Eureka's reward reflection: components and fitness sampled over training."""
+    lines = []
+    for name, series in sorted(result.components.items()):
+        values = [v for _, v in sample_evenly(series, 10)]
+        lines.append(f"{name}: {summarize_series(values)}")
+    fitness = [p.fitness for p in sample_evenly(result.curve, 10)]
+    if result.fitness is not None and not fitness:
+        fitness = [result.fitness.value]
+    lines.append(f"fitness ({fitness_name}): {summarize_series(fitness)}")
+    lengths = [e.length for e in result.episodes]
+    if lengths:
+        lines.append(f"episode length: {summarize_series([float(n) for n in lengths])}")
+    return REFLECTION.format(fitness_name=fitness_name, series="\n".join(lines))
+
+
+# -- hooks ---------------------------------------------------------------------------------
+
+
+@hookimpl
+def on_run_start(run) -> None:
+    global STATE
+    STATE = EurekaState()
+
+
+@hookimpl
+def propose_rewards(run, iteration: int) -> list[RewardProgram] | None:
+    cfg = run.plugin_config(NAME)
+    if iteration >= int(cfg.iterations):
+        return None
+    msgs = messages(run)
+    prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
+    programs: list[RewardProgram] = []
+    STATE.extract_errors = []
+    replies = run.llm.chat(
+        msgs,
+        n=int(cfg.samples),
+        temperature=float(cfg.temperature),
+        max_tokens=int(cfg.max_tokens),
+        seed=run.seed * 1000 + iteration,
+        tag=f"{NAME}-it{iteration}",
+    )
+    for i, reply in enumerate(replies):
+        found = extract_function(reply.text, ENTRY, ARGS)
+        if found.ok:
+            programs.append(
+                RewardProgram(source=found.source, entry=ENTRY, origin=NAME, prompt=prompt, reply=reply.text, meta={"sample": i})
+            )
+        else:
+            STATE.extract_errors.append(found.error)
+    if not programs:
+        # no usable code at all: the next iteration says why (Eureka resamples)
+        STATE.feedback = NO_CODE.format(error=STATE.extract_errors[0] if STATE.extract_errors else "empty replies")
+    return programs
+
+
+@hookimpl
+def reflect(run, result: IterationResult) -> str | None:
+    mine = [(c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c, result.iteration)]
+    if not mine:
+        return STATE.feedback or None
+    ok = [(c, r) for c, r in mine if r.ok]
+    if ok:
+        best_c, best_r = max(ok, key=lambda cr: cr[1].score)
+        STATE.best_reply = best_c.reward.reply  # type: ignore[union-attr]
+        STATE.feedback = reflection(best_r, run.task.fitness_name)
+        if best_r.score > STATE.best_score:
+            STATE.best_score, STATE.best_source = best_r.score, best_c.reward.source  # type: ignore[union-attr]
+    else:
+        failed_c, failed_r = mine[0]
+        STATE.best_reply = failed_c.reward.reply  # type: ignore[union-attr]
+        STATE.feedback = FAILURE.format(kind=failed_r.error_kind or "error", error=failed_r.error.strip()[-1500:])
+    summary = [f"iteration {result.iteration}: {len(ok)}/{len(mine)} reward functions trained"]
+    summary += [f"- {c.id}: {r.fitness.value:.4g}" if r.ok and r.fitness else f"- {c.id}: failed ({r.error_kind})" for c, r in mine]
+    return "\n".join(summary) + "\n\nFeedback for the next iteration:\n\n" + STATE.feedback
+
+
+@hookimpl
+def on_run_end(run, best: tuple[Candidate, TrainResult] | None) -> None:
+    if STATE.best_source:
+        run.log_text(f"{NAME}/best_reward.py", STATE.best_source)
+
+
+def _is_mine(candidate: Candidate, iteration: int) -> bool:
+    return candidate.reward is not None and candidate.reward.origin == NAME and candidate.iteration == iteration
