@@ -241,7 +241,8 @@ class Loop:
 
     def final_seeds(self, progress: Any) -> list[float]:
         """Retrain the best candidate on ``final_seeds`` more seeds (Eureka's final evaluation)."""
-        n = int(self.config.get("final_seeds", 0) or 0)
+        plugin_seeds = [int(p.get("final_seeds", 0) or 0) for p in (self.config.get("plugins") or {}).values() if p]
+        n = max([int(self.config.get("final_seeds", 0) or 0), *plugin_seeds])
         best = self.run.best
         if n <= 0 or best is None:
             return []
