@@ -149,7 +149,11 @@ class GymTask(Task):
             action_description = action_description or f"Action space: {probe.action_space}."
             probe.close()
             state_fields = [StateField(f"obs_{i}", i, i + 1, f"observation component {i} of {self.env_id}") for i in range(size)]
-            description = description or f"Gymnasium environment {self.env_id}.\n\n{doc}"
+            names = ", ".join(f.name for f in state_fields)
+            description = description or (
+                f"Gymnasium environment {self.env_id}. Observation (float32, {size} values, the env's observation "
+                f"flattened in order, so obs_i is entry i of the observation table below): {names}.\n\n{doc}"
+            )
             goal = goal or f"Maximise the return of the gymnasium environment {self.env_id}."
             max_episode_steps = max_episode_steps or limit or 1000
         if show_source:
@@ -165,6 +169,9 @@ class GymTask(Task):
             max_episode_steps=int(max_episode_steps or 500),
             action_description=action_description,
         )
+        if any(f.name not in self.description for f in self.state_fields):
+            # the LLM writes code against these names: list every one of them
+            self.description += "\n\nObservation fields, in order:\n" + self.schema_text()
 
     # -- construction ---------------------------------------------------------------
     def check_available(self) -> None:

@@ -11,6 +11,7 @@ import importlib.util
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 
 from core.envs.classic import FloatObservation, GymTask, SuccessInfo, success_fitness, vector_env
 from core.envs.task import StateField
@@ -21,7 +22,7 @@ from core.records import Episode, Fitness
 def metaworld_fields(obj: str, obj2: str) -> list[StateField]:
     """The 39 observation values: current frame (18), previous frame (18), goal (3)."""
     current = [
-        ("hand_pos", 3, "end-effector (gripper) position x, y, z in the world frame", "m"),
+        ("hand_pos", 3, "position x, y, z of the end effector (the hand body; the fingertips are about 4.5 cm lower)", "m"),
         ("gripper_distance", 1, "normalised opening between the two gripper fingers: 1 open, 0 closed", ""),
         ("obj_pos", 3, f"position of the {obj}", "m"),
         ("obj_quat", 4, f"orientation quaternion (w, x, y, z) of the {obj}", ""),
@@ -88,8 +89,12 @@ class MetaWorldTask(GymTask):
             seed=seed,
             max_episode_steps=self.max_episode_steps,
             terminate_on_success=self.terminate_on_success,
+            disable_env_checker=True,
         )
-        return FloatObservation(SuccessInfo(env, lambda terminated, info: bool(info.get("success", 0.0))))
+        env = FloatObservation(SuccessInfo(env, lambda terminated, info: bool(info.get("success", 0.0))))
+        # MetaWorld declares bounds its own observations leave (e.g. the goal slots)
+        env.observation_space = gym.spaces.Box(-np.inf, np.inf, env.observation_space.shape, np.float32)
+        return env
 
     def make_env(self, num_envs: int, seed: int, params: Any = None) -> gym.vector.VectorEnv:
         if params:

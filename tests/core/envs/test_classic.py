@@ -1,0 +1,93 @@
+"""Classic-control, Box2D and generic gymnasium tasks against real envs."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from core.envs import make_task
+from core.envs.classic import GymTask, SuccessInfo
+from core.records import Episode
+
+CLASSIC = ["cartpole", "mountaincar", "mountaincar_continuous", "pendulum", "acrobot", "lunarlander"]
+
+
+@pytest.mark.parametrize("name", CLASSIC)
+def test_schema_matches_real_observations(name, schema_check):
+    task = make_task({"name": name})
+    schema_check(task)
+
+
+@pytest.mark.parametrize("name", CLASSIC)
+def test_fields_are_the_unwrapped_env_state(name):
+    """The named fields hold what the gymnasium env documents (compare with its state)."""
+    task = make_task({"name": name})
+    env = task._make_single()
+    obs, _ = env.reset(seed=3)
+    inner = env.unwrapped
+    parts = {f.name: obs[f.start : f.stop] for f in task.state_fields}
+    if name == "cartpole":
+        np.testing.assert_allclose(obs, np.asarray(inner.state, np.float32))
+        assert parts["pole_angle"][0] == np.float32(inner.state[2])
+    elif name.startswith("mountaincar"):
+        np.testing.assert_allclose([parts["car_position"][0], parts["car_velocity"][0]], np.asarray(inner.state, np.float32))
+    elif name == "pendulum":
+        theta, omega = inner.state
+        np.testing.assert_allclose([parts["cos_theta"][0], parts["sin_theta"][0], parts["angular_velocity"][0]], [np.cos(theta), np.sin(theta), omega], rtol=1e-5)
+    elif name == "acrobot":
+        t1, t2, w1, w2 = inner.state
+        np.testing.assert_allclose(obs, np.float32([np.cos(t1), np.sin(t1), np.cos(t2), np.sin(t2), w1, w2]), rtol=1e-5)
+    elif name == "lunarlander":
+        assert parts["y"][0] > 1.0 and parts["left_leg_contact"][0] == 0.0  # starts high, legs up
+
+
+def test_gym_task_names_obs_fields_and_shows_the_env_docs(schema_check):
+    task = make_task({"name": "gym", "id": "Acrobot-v1"})
+    assert [f.name for f in task.state_fields] == [f"obs_{i}" for i in range(6)]
+    assert task.max_episode_steps == 500
+    assert "Observation Space" in task.description  # the env class's own documentation
+    schema_check(task)
+
+
+def test_show_source_includes_the_observation_code():
+    task = make_task({"name": "cartpole", "show_source": True})
+    assert "def step" in task.description and "self.state" in task.description
+
+
+def test_mountaincar_success_is_reaching_the_flag():
+    task = make_task({"name": "mountaincar"})
+    assert task.fitness_name == "success_rate"
+    env = task.make_env(1, seed=0)
+    env.reset(seed=0)
+    env.envs[0].unwrapped.state = np.array([0.49, 0.07])  # one push right reaches the flag
+    _, _, terminated, _, info = env.step(np.array([2]))
+    assert terminated[0] and info["_final_info"][0] and bool(info["final_info"]["success"][0])
+    success, _ = task.episode_info({"success": True})
+    assert success is True
+    fit = task.fitness([Episode(-50, 50, True), Episode(-200, 200, False), Episode(-200, 200, False), Episode(-90, 90, True)])
+    assert fit.value == 0.5 and fit.details["mean_return"] == pytest.approx(-135.0)
+
+
+def test_success_info_stays_set_until_the_episode_ends():
+    calls = iter([True, False])
+    env = SuccessInfo(gym.make("CartPole-v1"), lambda terminated, info: next(calls))
+    env.reset(seed=0)
+    assert env.step(0)[4]["success"] and env.step(0)[4]["success"]
+    assert env.reset()[1]["success"] is False
+
+
+def test_time_limit_follows_the_config():
+    task = make_task({"name": "pendulum", "max_episode_steps": 7})
+    env = task.make_env(1, seed=0)
+    env.reset(seed=0)
+    truncated = [env.step(env.action_space.sample())[3][0] for _ in range(7)]
+    assert truncated == [False] * 6 + [True]
+
+
+def test_params_are_rejected_for_tasks_without_params():
+    from core.errors import UserError
+
+    with pytest.raises(UserError, match="no controllable params"):
+        make_task({"name": "cartpole"}).make_env(1, 0, params={"gravity": 3})
+    assert isinstance(make_task({"name": "cartpole"}), GymTask)
