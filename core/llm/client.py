@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from core.errors import did_you_mean
@@ -204,7 +205,7 @@ class LLMClient:
         self.records: list[CallRecord] = []
         self.cache: ResponseCache | None = None
         if self.settings.cache:
-            self.cache = ResponseCache(self.settings.cache_path or default_cache_path())
+            self.cache = ResponseCache(_cache_file(self.settings.cache_path))
         self._lock = threading.Lock()
         self._sleep: Callable[[float], None] = time.sleep  # replaced in tests
         self._litellm = import_litellm()
@@ -445,6 +446,17 @@ def _check_messages(messages: Any) -> list[dict[str, str]]:
             raise ValueError(f"messages[{i}]['content'] must be a string")
         checked.append({"role": m["role"], "content": m["content"]})
     return checked
+
+
+def _cache_file(cache_path: str | None) -> Path:
+    """``llm.cache_path`` as a file: a folder (existing, or without a suffix) gets
+    ``llm_cache.sqlite`` inside it; ``None`` means the user cache dir."""
+    if not cache_path:
+        return default_cache_path()
+    path = Path(cache_path).expanduser()
+    if path.is_dir() or not path.suffix:
+        return path / default_cache_path().name
+    return path
 
 
 def _chunks(items: list[int], size: int) -> list[list[int]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
 import os
 import tempfile
 import threading
@@ -26,6 +27,7 @@ from core.llm.cache import user_cache_dir
 from core.llm.errors import LLMError
 
 PROVIDER = "embedded"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -223,12 +225,22 @@ _loaded: dict[str, Any] = {}
 
 
 def configure(**kwargs: Any) -> None:
-    """Update :data:`settings`; takes effect at the next load (see :func:`unload`)."""
+    """Update :data:`settings`; takes effect at the next load (see :func:`unload`).
+
+    ``n_threads <= 0`` means all cores. Changing a load setting after the model is
+    loaded only warns: the process keeps its one loaded model.
+    """
     for key, value in kwargs.items():
         if not hasattr(settings, key):
             raise TypeError(f"unknown embedded setting {key!r}")
-        if value is not None or key == "gguf_path":
-            setattr(settings, key, value)
+        if key == "n_threads" and value is not None and int(value) <= 0:
+            value = os.cpu_count() or 1
+        if value is None and key != "gguf_path":
+            continue
+        if _loaded and key in ("n_threads", "n_ctx", "gguf_path") and value != getattr(settings, key):
+            log.warning("embedded model already loaded with %s=%r; ignoring %r until unload()",
+                        key, getattr(settings, key), value)
+        setattr(settings, key, value)
 
 
 def _resolve_path(name: str) -> Path:

@@ -225,3 +225,14 @@ def test_stats_summary_is_one_line():
 
 def test_client_type():
     assert isinstance(make_client({"model": "gpt-4o-mini", "cache": False}), LLMClient)
+
+
+def test_cache_path_may_be_a_folder(llm_cfg, tmp_path, fake_backend):
+    client = make_client({**llm_cfg, "cache_path": str(tmp_path / "runcache")})
+    assert client.cache.path == tmp_path / "runcache" / "llm_cache.sqlite"
+
+
+def test_run_config_puts_the_cache_under_cache_dir(make_config, tmp_path, fake_backend):
+    cfg = make_config([])
+    client = make_client(cfg.llm)
+    assert client.cache.path.parent == tmp_path / "cache"

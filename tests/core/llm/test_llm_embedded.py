@@ -121,3 +121,12 @@ def test_real_embedded_model_answers(tmp_path):
     assert reply.completion_tokens > 0 and reply.prompt_tokens > 0 and reply.cost == 0.0
     again = client.chat([{"role": "user", "content": "What is 2+3? Answer with the number only."}])[0]
     assert again.cached and again.text == reply.text and client.stats.requests == 1
+
+
+def test_zero_threads_means_all_cores(monkeypatch):
+    import os
+
+    monkeypatch.setattr(embedded, "settings", embedded.EmbeddedSettings())
+    embedded.configure(n_threads=0, n_ctx=None)
+    assert embedded.settings.n_threads == (os.cpu_count() or 1)
+    assert embedded.settings.n_ctx == 8192  # None leaves a setting alone
