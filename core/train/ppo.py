@@ -32,7 +32,7 @@ from core.train.context import TrainContext
 from core.train.envs import VecGymEnv
 from core.train.evaluate import evaluate
 from core.train.networks import build_networks
-from core.train.transforms import ProgramReward, build_transforms
+from core.train.transforms import ProgramReward, build_transforms, has_impls
 
 
 @dataclass
@@ -186,7 +186,7 @@ class _Run:
         params = split_env_params(self.candidate.envs, cfg.num_envs)
         wants_hooks = self.hook is not None and self.ctx is not None
         base = VecGymEnv(task.make_env(cfg.num_envs, self.seed, params), self.seed,
-                         keep_env_reward=reward_fn is not None or wants_hooks)
+                         keep_env_reward=wants_hooks and has_impls(self.hook, "compute_reward"))
         probe = None
         if wants_hooks:
             probe = torch.as_tensor(np.asarray(base.env.observation_space.sample()), dtype=torch.float32)
@@ -199,6 +199,11 @@ class _Run:
         self.program_reward = next((t for t in rewards if isinstance(t, ProgramReward)), None)
         self.rewrites_reward = bool(rewards)
         self.state_transforms = states
+        self.postproc = None
+        if rewards == [self.program_reward]:
+            # no per-step hook needs the program's reward during collection: rewrite the
+            # whole batch in one program call instead of one call per step
+            self.postproc = rewards.pop()
         self.env = TransformedEnv(base, Compose(*rewards, *states)) if rewards or states else base
 
     def _augment(self, obs: torch.Tensor) -> torch.Tensor:
@@ -227,7 +232,8 @@ class _Run:
         batches = max(1, cfg.frames // cfg.frames_per_batch)
         collector = Collector(self.env, policy, frames_per_batch=cfg.frames_per_batch,
                               total_frames=batches * cfg.frames_per_batch, trust_policy=True,
-                              track_traj_ids=False, auto_register_policy_transforms=False)
+                              track_traj_ids=False, auto_register_policy_transforms=False,
+                              postproc=self.postproc)
         if hook is not None:
             hook.on_train_start(train=ctx)
         bar = self.progress.add_task(f"train {self.candidate.id}", total=batches * cfg.frames_per_batch) \

@@ -45,21 +45,43 @@ class ProgramReward(Transform):
         self._steps = 0
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        state = self.task.split_state(tensordict.get("observation")[..., : self._dim])
-        next_state = self.task.split_state(next_tensordict.get("observation")[..., : self._dim])
-        out = self.fn(state, tensordict.get("action"), next_state)
+        obs, next_obs = tensordict.get("observation"), next_tensordict.get("observation")
+        reward = self._reward(obs, tensordict.get("action"), next_obs, next_tensordict.get("reward"))
+        next_tensordict.set("reward", reward)
+        return next_tensordict
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Rewrite the rewards of a whole collected batch (any batch shape) in one call.
+
+        Used as the collector's ``postproc`` when no per-step hook needs the program's
+        reward during collection: one program call per batch instead of one per step.
+        The env's reward moves to ``("next", "env_reward")``.
+        """
+        env_reward = tensordict.get(("next", "reward"))
+        shape = env_reward.shape
+        flat = tensordict.reshape(-1)
+        reward = self._reward(flat.get("observation"), flat.get("action"), flat.get(("next", "observation")),
+                              env_reward.reshape(-1, 1))
+        tensordict.set(("next", "env_reward"), env_reward)
+        tensordict.set(("next", "reward"), reward.reshape(shape))
+        return tensordict
+
+    def _reward(self, obs: torch.Tensor, action: torch.Tensor, next_obs: torch.Tensor,
+                env_reward: torch.Tensor) -> torch.Tensor:
+        state = self.task.split_state(obs[..., : self._dim])
+        next_state = self.task.split_state(next_obs[..., : self._dim])
+        out = self.fn(state, action, next_state)
         reward, components = out if isinstance(out, tuple) else (out, None)
         reward = torch.as_tensor(reward, dtype=torch.float32).reshape(-1, 1)
         if self.mode == "add":
-            reward = next_tensordict.get("reward") + self.weight * reward
-        next_tensordict.set("reward", reward)
+            reward = env_reward + self.weight * reward
         if components:
             for name, value in components.items():
                 mean = torch.as_tensor(value, dtype=torch.float32).mean()
                 acc = self._sums.get(name)
                 self._sums[name] = mean if acc is None else acc + mean
         self._steps += 1
-        return next_tensordict
+        return reward
 
     def pop_components(self) -> dict[str, float]:
         """Mean of each reward component over the steps since the last call."""

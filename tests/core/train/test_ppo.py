@@ -120,7 +120,7 @@ def test_failing_reward_program_is_a_failed_result(task, tiny_cfg, monkeypatch):
 
     def reward(state, action, next_state):
         calls.append(1)
-        if len(calls) > 5:
+        if len(calls) > 1:  # the first batch works, the second fails
             raise ZeroDivisionError("division by zero in compute_reward")
         return torch.ones(action.shape[0]), {}
 

@@ -146,3 +146,14 @@ def test_hook_transforms(task):
 
 def test_no_transforms_without_programs_or_plugins(task):
     assert build_transforms(task, hook=_hook(), ctx=None) == ([], [])
+
+
+def test_program_reward_on_a_collected_batch_matches_per_step(task):
+    per_step = make_env(task, ProgramReward(upright_reward, task, "add", weight=2.0))
+    stepped = per_step.rollout(12, break_when_any_done=False)
+    batch = stepped.clone()
+    batch.set(("next", "reward"), batch.get(("next", "env_reward")).clone())
+    del batch["next", "env_reward"]
+    ProgramReward(upright_reward, task, "add", weight=2.0)(batch)
+    torch.testing.assert_close(batch["next", "reward"], stepped["next", "reward"])
+    assert torch.all(batch["next", "env_reward"] == 1.0)
