@@ -1,0 +1,192 @@
+"""Crafter (env=minecraft): symbolic state against the game's internals, score, params."""
+
+from __future__ import annotations
+
+import math
+
+import crafter
+import numpy as np
+import pytest
+
+from core.envs import make_task
+from core.envs.crafter import (
+    ACHIEVEMENTS,
+    ACTIONS,
+    ITEMS,
+    MATERIALS,
+    OBJECTS,
+    VIEW,
+    VIEW_IDS,
+    VITALS,
+    CrafterEnv,
+    WorldParams,
+    crafter_score,
+    generate_terrain,
+)
+from core.errors import UserError
+from core.records import Episode
+
+
+@pytest.fixture(scope="module")
+def task():
+    return make_task({"name": "minecraft"})
+
+
+def test_vocabulary_matches_the_installed_crafter():
+    assert ACTIONS == tuple(crafter.constants.actions)
+    assert ACHIEVEMENTS == tuple(crafter.constants.achievements)
+    assert VITALS + ITEMS == tuple(crafter.constants.items)
+    assert MATERIALS == tuple(crafter.constants.materials)
+    assert len(ACHIEVEMENTS) == 22 and len(ACTIONS) == 17
+
+
+def test_schema_matches_real_observations(task, schema_check):
+    obs = schema_check(task, num_envs=2, steps=5)
+    assert task.obs_dim == 107
+    assert "17" in task.action_description and all(a in task.action_description for a in ACTIONS)
+
+
+def test_observation_is_the_games_state():
+    env = CrafterEnv(seed=4)
+    env.reset(seed=4)
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        obs, *_ = env.step(int(rng.integers(17)))
+    game = env._game
+    player, world = game._player, game._world
+    fields = {f.name: obs[f.start : f.stop] for f in make_task({"name": "minecraft"}).state_fields}
+    for name in VITALS + ITEMS:
+        assert fields[name][0] == player.inventory[name]
+    for name in ACHIEVEMENTS:
+        assert fields[f"achievement_{name}"][0] == float(player.achievements[name] > 0)
+    assert tuple(fields["position"]) == tuple(player.pos)
+    assert tuple(fields["facing"]) == tuple(player.facing)
+    assert fields["daylight"][0] == pytest.approx(world.daylight)
+    # the local view is crafter's own semantic map, cropped around the player
+    full = crafter.engine.SemanticView(world, [getattr(crafter.objects, n.capitalize()) for n in OBJECTS])()
+    view = fields["local_view"].reshape(VIEW)
+    x0, y0 = player.pos[0] - VIEW[0] // 2, player.pos[1] - VIEW[1] // 2
+    for i in range(VIEW[0]):
+        for j in range(VIEW[1]):
+            x, y = x0 + i, y0 + j
+            expected = full[x, y] if 0 <= x < 64 and 0 <= y < 64 else 0
+            assert view[i, j] == expected
+    assert view[VIEW[0] // 2, VIEW[1] // 2] == VIEW_IDS["player"]
+
+
+def test_crafter_score_matches_a_hand_computation():
+    rates = np.zeros(22)
+    rates[:3] = [100.0, 50.0, 10.0]
+    by_hand = math.exp((math.log(101) + math.log(51) + math.log(11)) / 22) - 1
+    assert crafter_score(rates) == pytest.approx(by_hand)
+    assert crafter_score(np.zeros(22)) == 0.0 and crafter_score(np.full(22, 100.0)) == pytest.approx(100.0)
+
+
+def test_fitness_from_episodes(task):
+    def ep(*names):
+        return Episode(float(len(names)), 100, info={"achievements": {a: a in names for a in ACHIEVEMENTS}})
+
+    episodes = [ep("collect_wood", "collect_sapling"), ep("collect_wood"), ep(), ep("collect_wood", "wake_up")]
+    fit = task.fitness(episodes)
+    assert fit.name == "crafter_score"
+    assert fit.details["success_collect_wood"] == 75.0
+    assert fit.details["success_collect_sapling"] == 25.0 and fit.details["success_wake_up"] == 25.0
+    assert fit.details["success_collect_diamond"] == 0.0
+    by_hand = math.exp((math.log(76) + 2 * math.log(26)) / 22) - 1
+    assert fit.value == pytest.approx(by_hand)
+
+
+def test_vector_env_reports_achievements_at_episode_end(task):
+    small = make_task({"name": "minecraft", "max_episode_steps": 20})
+    env = small.make_env(2, seed=1, params={"start_wood": 5})
+    env.reset(seed=1)
+    # face a grass cell, place a table from the starting wood: one achievement
+    for _ in range(19):
+        _, _, _, truncated, info = env.step(np.array([ACTIONS.index("place_table")] * 2))
+    assert not truncated.any()
+    _, _, _, truncated, info = env.step(np.array([0, 0]))
+    assert truncated.all() and info["_final_info"].all()
+    flag = small.state_fields[[f.name for f in small.state_fields].index("achievement_place_table")].start
+    placed = []
+    for i in range(2):
+        final = {k: v[i] for k, v in info["final_info"].items() if not k.startswith("_")}
+        success, extra = small.episode_info(final)
+        assert success is None and set(extra["achievements"]) == set(ACHIEVEMENTS)
+        # the episode info agrees with the achievement flags of the final observation
+        assert extra["achievements"]["place_table"] == bool(info["final_obs"][i][flag])
+        placed.append(extra["achievements"]["place_table"])
+    assert any(placed)  # the start area is grass, so the table could be placed
+
+
+def test_render_state_is_a_compact_summary(task):
+    env = task.make_env(1, seed=0, params={"start_wood": 3, "start_wood_pickaxe": 1})
+    obs, _ = env.reset(seed=0)
+    text = task.render_state(obs[0])
+    assert "health 9/9" in text and "wood 3" in text and "wood_pickaxe 1" in text
+    assert "Achievements (0/22)" in text and "facing" in text and len(text) < 800
+
+
+def test_starting_inventory_and_param_validation():
+    params = WorldParams.from_dict({"start_stone_pickaxe": 2, "start_coal": 12, "biome": "mountain", "diamond_rarity": "common"})
+    assert dict(params.inventory) == {"stone_pickaxe": 2, "coal": 9} and params.biome == "mountain"
+    with pytest.raises(UserError, match="not one of"):
+        WorldParams.from_dict({"biome": "ocean"})
+    with pytest.raises(UserError, match="Unknown Crafter params"):
+        WorldParams.from_dict({"lava_everywhere": True})
+
+
+def _counts(params: WorldParams, seeds: range) -> dict[str, float]:
+    totals = np.zeros(len(MATERIALS))
+    for seed in seeds:
+        materials, _ = generate_terrain(np.random.RandomState(seed), (32, 32), params)
+        totals += np.bincount(materials.ravel(), minlength=len(MATERIALS))
+    return dict(zip(MATERIALS, totals / len(seeds)))
+
+
+def test_world_params_change_the_generated_worlds():
+    seeds = range(6)
+    natural = _counts(WorldParams(), seeds)
+    assert natural["grass"] > 0 and natural["stone"] > 0 and natural["tree"] > 0 and natural["water"] > 0
+    assert _counts(WorldParams(tree_rarity="common"), seeds)["tree"] > 1.8 * natural["tree"]
+    assert _counts(WorldParams(coal_rarity="rare"), seeds)["coal"] < 0.6 * natural["coal"]
+    assert _counts(WorldParams(iron_rarity="common"), seeds)["iron"] > 1.8 * natural["iron"]
+    assert _counts(WorldParams(diamond_rarity="common"), seeds)["diamond"] > 1.5 * max(natural["diamond"], 1)
+    assert _counts(WorldParams(biome="mountain"), seeds)["stone"] > 1.3 * natural["stone"]
+    grass = _counts(WorldParams(biome="grassland"), seeds)
+    assert grass["grass"] + grass["tree"] > 1.3 * (natural["grass"] + natural["tree"])
+    assert _counts(WorldParams(biome="beach"), seeds)["water"] > 1.3 * natural["water"]
+
+
+def test_start_area_is_safe_grass(task):
+    env = CrafterEnv(seed=0)
+    for seed in range(5):
+        env.reset(seed=seed)
+        world, pos = env._game._world, env._game._player.pos
+        assert world[pos][0] == "grass"
+        assert not any(type(o).__name__ in ("Zombie", "Skeleton") and env._game._player.distance(o) < 6 for o in world.objects)
+
+
+def test_per_env_params_for_a_training_mix(task):
+    env = task.make_env(2, seed=0, params=[{"start_iron": 4}, {}])
+    obs, _ = env.reset(seed=0)
+    iron = task.state_fields[[f.name for f in task.state_fields].index("iron")].start
+    assert obs[0, iron] == 4 and obs[1, iron] == 0
+    with pytest.raises(UserError, match="per-env"):
+        task.make_env(3, seed=0, params=[{}, {}])
+
+
+def test_same_seed_same_worlds(task):
+    a, b = task.make_env(2, seed=7), task.make_env(2, seed=7)
+    oa, ob = a.reset(seed=7)[0], b.reset(seed=7)[0]
+    np.testing.assert_array_equal(oa, ob)
+    actions = np.array([1, 5])
+    np.testing.assert_array_equal(a.step(actions)[0], b.step(actions)[0])
+
+
+def test_pixels_are_optional(task):
+    pix = make_task({"name": "minecraft", "pixels": True})
+    env = pix.make_env(1, seed=0)
+    obs, _ = env.reset(seed=0)
+    assert obs.shape == (1, 107 + 64 * 64 * 3) and pix.state_fields[-1].name == "pixels"
+    assert 0.0 <= obs[0, 107:].min() and obs[0, 107:].max() <= 1.0 and obs[0, 107:].std() > 0.01
+    assert task.params and {p.name for p in task.params} >= {"biome", "tree_rarity", "coal_rarity", "iron_rarity", "diamond_rarity", "start_wood"}
