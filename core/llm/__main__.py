@@ -75,7 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(reply.text)
     s = client.stats
     speed = f", {s.completion_tokens / s.latency_s:.1f} tokens/s" if s.latency_s > 0 else ""
-    print(f"[{client.model}] {s.summary()}{speed}", file=sys.stderr)
+    from core.llm import embedded
+
+    loaded = embedded.loaded_info()
+    load = f", model load {loaded['load_s']:.1f} s" if loaded else ""
+    print(f"[{client.model}] {s.summary()}{speed}{load}", file=sys.stderr)
     return 0
 
 
