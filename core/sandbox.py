@@ -494,7 +494,9 @@ def run_isolated(
                 if not chunk:
                     break
                 out += chunk
-                if len(out) > _MAX_RESULT_BYTES:
+                # One JSON line is the whole answer; processes the program forked may
+                # hold the pipe open, so do not wait for EOF.
+                if b"\n" in out or len(out) > _MAX_RESULT_BYTES:
                     break
         if not timed_out:
             with contextlib.suppress(subprocess.TimeoutExpired):
