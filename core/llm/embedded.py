@@ -224,6 +224,28 @@ _server: Any = None
 _loaded: dict[str, Any] = {}
 
 
+_orphans: list[Any] = []  # servers inherited through fork: kept, never destroyed
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (e.g. an executor worker) must load its own model.
+
+    The parent's llama.cpp worker threads do not exist in the child, so the inherited
+    server would wait forever; its destructor might too, so it is parked, not freed.
+    The lock is replaced because the parent may have held it at fork time.
+    """
+    global _server, _lock
+    if _server is not None:
+        _orphans.append(_server)
+    _server = None
+    _loaded.clear()
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def configure(**kwargs: Any) -> None:
     """Update :data:`settings`; takes effect at the next load (see :func:`unload`).
 

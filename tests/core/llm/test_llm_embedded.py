@@ -130,3 +130,21 @@ def test_zero_threads_means_all_cores(monkeypatch):
     embedded.configure(n_threads=0, n_ctx=None)
     assert embedded.settings.n_threads == (os.cpu_count() or 1)
     assert embedded.settings.n_ctx == 8192  # None leaves a setting alone
+
+
+def test_forked_child_drops_the_parents_model(monkeypatch):
+    sentinel = object()
+    monkeypatch.setattr(embedded, "_server", sentinel)
+    monkeypatch.setattr(embedded, "_orphans", [])
+    monkeypatch.setattr(embedded, "_loaded", {"name": "x"})
+    old_lock = embedded._lock
+    old_lock.acquire()  # as if the parent was generating when it forked
+    try:
+        embedded._after_fork_in_child()
+        assert embedded._server is None and embedded._loaded == {}
+        assert embedded._orphans == [sentinel]  # parked, not destroyed
+        assert embedded._lock.acquire(timeout=1)  # the child's lock is free
+        embedded._lock.release()
+    finally:
+        old_lock.release()
+        monkeypatch.setattr(embedded, "_lock", old_lock)
