@@ -1,0 +1,114 @@
+"""Extracting code from LLM replies, and precise errors for malformed ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.codegen import extract_code, extract_function
+
+ARGS = ["state", "action", "next_state"]
+FN = "def compute_reward(state, action, next_state):\n    return helper(state['x'])"
+HELPER = "import torch\n\ndef helper(x):\n    return torch.tanh(x)"
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        f"Here you go:\n```python\n{HELPER}\n\n{FN}\n```\nThis rewards x.",
+        f"```py\n{HELPER}\n\n{FN}\n```",
+        f"```Python3\n{HELPER}\n\n{FN}\n```",
+        f"```\n{HELPER}\n\n{FN}\n```",
+        f"~~~python\n{HELPER}\n\n{FN}\n~~~",
+        f"Sure!\n```python\n{HELPER}\n\n{FN}\n",  # the fence was never closed
+        f"Sure, here it is.\n{HELPER}\n\n{FN}\n\nIt uses tanh to bound the value.",  # no fence
+        f"<think>use tanh</think>\n```python\n{HELPER}\n\n{FN}\n```",
+    ],
+    ids=["python", "py", "Python3", "bare", "tilde", "unterminated", "unfenced", "think"],
+)
+def test_fence_styles_give_the_function_with_its_helpers(reply: str) -> None:
+    result = extract_function(reply, "compute_reward", ARGS)
+    assert result.ok, result.error
+    assert "def helper(x)" in result.source and "import torch" in result.source
+    assert "def compute_reward" in result.source and "This rewards" not in result.source
+
+
+def test_picks_the_block_defining_the_entry() -> None:
+    reply = f"Install:\n```bash\npip install torch\n```\nExample state:\n```python\nstate = {{'x': 1}}\n```\nCode:\n```python\n{HELPER}\n\n{FN}\n```"
+    result = extract_function(reply, "compute_reward", ARGS)
+    assert result.ok and "pip install" not in result.source and "state = {" not in result.source
+
+
+def test_same_function_repeated_in_two_blocks_is_fine() -> None:
+    reply = f"```python\n{FN}\n```\nAgain:\n```python\n{FN}\n```"
+    assert extract_function(reply, "compute_reward", ARGS).ok
+
+
+def test_example_calls_and_main_blocks_are_dropped() -> None:
+    reply = f"```python\n{HELPER}\n\n{FN}\n\nprint(compute_reward({{}}, 0, {{}}))\nif __name__ == '__main__':\n    compute_reward(1, 2, 3)\n```"
+    result = extract_function(reply, "compute_reward", ARGS)
+    assert result.ok and "print(" not in result.source and "__main__" not in result.source
+    assert len(result.notes) == 2
+
+
+def test_extract_code_prefers_the_last_python_block() -> None:
+    reply = "```python\nx = 1\n```\n```json\n{\"a\": 1}\n```\n```python\ny = 2\n```"
+    assert extract_code(reply) == "y = 2"
+    assert extract_code("no code at all") == ""
+
+
+# -- malformed replies: the error says precisely what is wrong -----------------------------
+
+
+def test_empty_reply() -> None:
+    result = extract_function("", "compute_reward", ARGS)
+    assert not result.ok and "empty" in result.error
+
+
+def test_prose_only() -> None:
+    result = extract_function("I would reward the agent for keeping the pole upright.", "compute_reward", ARGS)
+    assert not result.ok and "no code" in result.error and "compute_reward" in result.error
+
+
+def test_function_missing_names_what_was_found() -> None:
+    result = extract_function("```python\ndef reward(s, a, n):\n    return 0\n```", "compute_reward", ARGS)
+    assert not result.ok and "No function named `compute_reward`" in result.error and "`reward`" in result.error
+
+
+def test_two_different_definitions() -> None:
+    reply = f"```python\n{FN}\n```\nBetter:\n```python\ndef compute_reward(state, action, next_state):\n    return 0\n```"
+    result = extract_function(reply, "compute_reward", ARGS)
+    assert not result.ok and "defined 2 times" in result.error and "blocks 1, 2" in result.error
+
+
+def test_two_definitions_in_one_block() -> None:
+    result = extract_function(f"```python\n{FN}\n\n{FN}\n```", "compute_reward", ARGS)
+    assert not result.ok and "defined 2 times" in result.error
+
+
+@pytest.mark.parametrize(
+    ("header", "found"),
+    [
+        ("def compute_reward(state):", "def compute_reward(state)"),
+        ("def compute_reward(state, action, next_state, info):", "info"),
+        ("def compute_reward(state, action, next_state, *, scale):", "scale"),
+    ],
+)
+def test_wrong_signature_says_expected_and_found(header: str, found: str) -> None:
+    result = extract_function(f"```python\n{header}\n    return 0\n```", "compute_reward", ARGS)
+    assert not result.ok and "wrong signature" in result.error
+    assert "def compute_reward(state, action, next_state)" in result.error and found in result.error
+
+
+def test_compatible_signatures_are_accepted() -> None:
+    for header in ("def compute_reward(s, a, ns):", "def compute_reward(s, a, ns, scale=1.0):", "def compute_reward(*args):"):
+        assert extract_function(f"```python\n{header}\n    return 0\n```", "compute_reward", ARGS).ok, header
+
+
+def test_syntax_error_is_located() -> None:
+    result = extract_function("```python\ndef compute_reward(state, action, next_state):\n    return (1 +\n```", "compute_reward", ARGS)
+    assert not result.ok and "SyntaxError in code block 1" in result.error and "line" in result.error
+
+
+def test_async_entry_is_refused() -> None:
+    result = extract_function("```python\nasync def compute_reward(s, a, n):\n    return 0\n```", "compute_reward", ARGS)
+    assert not result.ok and "async" in result.error
