@@ -36,9 +36,25 @@ The fields of `state` and `next_state` (each a float32 tensor, scalars of shape 
 {task.schema_text()}
 
 {action_text(task)}
-Use only the fields above and vectorised torch operations (no Python loops over the
-batch, no in-place edits of the inputs). You may import only: {", ".join(allowed_imports)}.
-No file, network or process access. The reward must be finite for every state."""
+Every field is a whole batch, not a number: use vectorised torch operations
+(torch.where instead of `if`, torch.abs/torch.exp/torch.clamp instead of abs()/math.*),
+no Python loops over the batch, no in-place edits of the inputs. You may import only:
+{", ".join(allowed_imports)}. No file, network or process access. The reward must be
+finite for every state.
+
+The expected style, for a made-up task with fields `x` and `y` (not your task):
+
+```python
+import torch
+
+def compute_reward(state, action, next_state):
+    distance = torch.sqrt(next_state["x"] ** 2 + next_state["y"] ** 2)
+    distance_temperature = 0.5
+    closeness = torch.exp(-distance / distance_temperature)
+    progress = torch.clamp(state["x"].abs() - next_state["x"].abs(), -1.0, 1.0)
+    reward = closeness + 0.5 * progress
+    return reward, {{"closeness": closeness, "progress": progress}}
+```"""
 
 
 def state_interface(task: Task, allowed_imports: list[str] | tuple[str, ...] = ("math", "numpy", "torch")) -> str:
