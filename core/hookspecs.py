@@ -13,6 +13,7 @@ Each run goes through these stages::
         on_iteration_start
         plan / propose_rewards / propose_state_reprs / propose_actions / generate_envs
             -> the loop combines the proposals into candidates
+        train_candidates (a population method trains them jointly), or
         for each candidate (through the executor):
             on_train_start
             per step, as TorchRL transforms: compute_reward, represent_state
@@ -160,6 +161,21 @@ def generate_envs(run: Run, iteration: int) -> list[list[EnvConfig]] | None:
     the share ``train.original_env_share`` when the plugin asks for a mix.
 
     :return: alternatives, each a set of env configs trained together; or None.
+    """
+
+
+@hookspec(firstresult=True)
+def train_candidates(run: Run, candidates: list[Candidate], seed: int) -> list[TrainResult] | None:
+    """Train an iteration's candidates jointly instead of one by one (population methods).
+
+    Called in the main process with the candidates not yet trained. Population-based
+    methods (LaRes: a population of reward functions with one policy each, a shared
+    replay buffer, and LLM updates during training) take over training here and return
+    one :class:`core.records.TrainResult` per candidate, in order. Failures are results
+    with ``ok=False``, never exceptions.
+
+    :return: the results, or None to let the executor train each candidate on its own.
+        Stops at first non-None result.
     """
 
 

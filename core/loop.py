@@ -193,7 +193,11 @@ class Loop:
             if progress is not None:
                 progress.advance(bar)
 
-        if todo:
+        joint = self.run.hook.train_candidates(run=self.run, candidates=[candidates[i] for i in todo], seed=seed) if todo else None
+        if joint is not None:
+            for j, result in enumerate(joint):
+                done(j, result)
+        elif todo:
             executor = make_executor(self.config.executor, self.runtime, len(todo), progress)
             try:
                 executor.run([jobs[i] for i in todo], done)
