@@ -255,7 +255,7 @@ class CrafterEnv(gym.Env):
         self._rng = np.random.RandomState(seed)
         self._obs = np.zeros(OBS_DIM + (64 * 64 * 3 if pixels else 0), np.float32)
         self._obj_ids: dict[type, int] = {}
-        self.observation_space = gym.spaces.Box(0.0, 255.0, self._obs.shape, np.float32)
+        self.observation_space = gym.spaces.Box(-1.0, 255.0, self._obs.shape, np.float32)  # facing has -1
         self.action_space = gym.spaces.Discrete(len(ACTIONS))
 
     # -- gymnasium API ----------------------------------------------------------------
@@ -369,7 +369,8 @@ class CrafterVectorEnv(gym.vector.VectorEnv):
         self.single_action_space = self.envs[0].action_space
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, self.num_envs)
-        self.metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
+        self.autoreset_mode = gym.vector.AutoresetMode.SAME_STEP
+        self.metadata = {"autoreset_mode": self.autoreset_mode}
         self._obs = np.zeros((self.num_envs, *self.single_observation_space.shape), np.float32)
         self._rewards = np.zeros(self.num_envs, np.float64)
         self._terminated = np.zeros(self.num_envs, np.bool_)
