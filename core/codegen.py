@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 _PY_TAGS = {"python", "python3", "py", "py3", "pycon", "ipython", "{python}", "{py}"}
 _FENCE = re.compile(r"^[ \t]{0,3}(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n`]*)$")
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+_JIT_DECORATORS = {"torch.jit.script", "jit.script", "torch.compile", "torch.jit.ignore"}
 _CODE_START = re.compile(r"^(def |async def |class |import |from \S+ import |@\w)")
 
 
@@ -149,6 +150,12 @@ def _strip_script_parts(code: str, tree: ast.Module) -> tuple[str, list[str]]:
         elif isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
             notes.append(f"dropped `if __name__ == ...` block on line {node.lineno}")
         else:
+            if isinstance(node, ast.FunctionDef):
+                # TorchScript decorators (common in Eureka-style replies) only compile.
+                for dec in node.decorator_list:
+                    if ast.unparse(dec) in _JIT_DECORATORS:
+                        notes.append(f"dropped `@{ast.unparse(dec)}` on line {dec.lineno}")
+                        drop.update(range(dec.lineno, (dec.end_lineno or dec.lineno) + 1))
             continue
         drop.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
     if not drop:

@@ -106,9 +106,13 @@ def _attr_problem(name: str) -> str:
     return ""
 
 
+#: Always importable: type hints only (Eureka-style ``-> Tuple[torch.Tensor, Dict[...]]``).
+ALWAYS_ALLOWED = frozenset({"typing", "__future__"})
+
+
 def module_allowed(module: str, allowed_imports: Iterable[str]) -> bool:
     """Whether ``module`` (dotted) may be imported or reached under ``allowed_imports``."""
-    allowed = set(allowed_imports)
+    allowed = set(allowed_imports) | ALWAYS_ALLOWED
     root = module.split(".")[0]
     return module in allowed or (root in allowed and module in ALLOWED_SUBMODULES)
 

@@ -120,7 +120,7 @@ MISSING_ENTRY = "def reward(s, a, n):\n    return s['pole_angle']"
 INFINITE_LOOP = "def compute_reward(s, a, n):\n    while True:\n        pass"
 MODULE_LEVEL_LOOP = "while True:\n    pass\ndef compute_reward(s, a, n):\n    return s['pole_angle']"
 SLOW_CODE = (
-    "def compute_reward(s, a, n):\n    total = 0\n    k = 3000\n    for i in range(k * k):\n"
+    "def compute_reward(s, a, n):\n    total = 0\n    k = 10000\n    for i in range(k * k):\n"
     "        total += i\n    return s['pole_angle'] * 0 + total"
 )
 RECURSION_BOMB = "def compute_reward(s, a, n):\n    return compute_reward(s, a, n)"

@@ -112,3 +112,16 @@ def test_syntax_error_is_located() -> None:
 def test_async_entry_is_refused() -> None:
     result = extract_function("```python\nasync def compute_reward(s, a, n):\n    return 0\n```", "compute_reward", ARGS)
     assert not result.ok and "async" in result.error
+
+
+def test_torchscript_decorators_are_dropped() -> None:
+    reply = (
+        "```python\nfrom typing import Dict, Tuple\nimport torch\n\n@torch.jit.script\n"
+        "def compute_reward(state: Dict[str, torch.Tensor], action: torch.Tensor, next_state: Dict[str, torch.Tensor])"
+        " -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:\n    r = next_state['x']\n    return r, {'x': r}\n```"
+    )
+    result = extract_function(reply, "compute_reward", ARGS)
+    assert result.ok and "@torch.jit.script" not in result.source and "from typing import" in result.source
+    from core.sandbox import check_source
+
+    assert check_source(result.source, "compute_reward", arg_names=ARGS).ok
