@@ -82,7 +82,12 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
             total_frames=cfg.frames,
             llm_factory=(lambda: _make_llm(llm_cfg)) if llm_cfg else None,
         )
-        return trainer(runtime.task, job.candidate, cfg, seed=job.seed, hook=runtime.hook, ctx=ctx, progress=progress)
+        result = trainer(runtime.task, job.candidate, cfg, seed=job.seed, hook=runtime.hook, ctx=ctx, progress=progress)
+        # what plugins recorded through the context travels back with the result
+        for key, points in ctx.metrics.items():
+            result.series.setdefault(key, []).extend(points)
+        result.texts.update(ctx.texts)
+        return result
     except Exception as exc:  # a candidate must never take the loop down
         return TrainResult(
             candidate_id=job.candidate.id,

@@ -155,6 +155,8 @@ class TrainResult:
     # per reward component: list of (frames, mean value) sampled over training
     components: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)  # losses, fps, correlations
+    series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # plugin metrics over frames
+    texts: dict[str, str] = field(default_factory=dict)  # text artifacts (file name -> text), e.g. judge reasons
     error: str = ""  # feedback text when not ok (traceback, sandbox report)
     error_kind: str = ""  # sandbox category or exception class
     run_id: str = ""  # MLflow run of this candidate

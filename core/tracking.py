@@ -131,6 +131,11 @@ class Tracker:
         for name, series in result.components.items():
             for frames, value in series:
                 self.log_metrics({f"components/{name}": value}, step=frames, run_id=rid)
+        for name, series in result.series.items():
+            for frames, value in series:
+                self.log_metrics({name: value}, step=frames, run_id=rid)
+        for name, text in result.texts.items():
+            self.log_text(text, f"texts/{name}", rid)
         final = dict(result.metrics)
         final["frames"] = result.frames
         final["seconds"] = result.seconds
