@@ -83,9 +83,18 @@ class Tracker:
             self.client.log_batch(run_id or self.parent_id, params=items[i : i + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None, run_id: str | None = None) -> None:
-        clean = {k: float(v) for k, v in metrics.items() if _finite(v)}
-        if clean:
-            self.client.log_batch(run_id or self.parent_id, metrics=_metric_list(clean, step))
+        self.log_points([(k, v, step or 0) for k, v in metrics.items()], run_id)
+
+    def log_points(self, points: list[tuple[str, float, int]], run_id: str | None = None) -> None:
+        """Many ``(key, value, step)`` metric points in few requests."""
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), now, int(step)) for k, v, step in points if _finite(v)]
+        for i in range(0, len(metrics), 1000):  # MLflow's batch limit
+            self.client.log_batch(run_id or self.parent_id, metrics=metrics[i : i + 1000])
 
     def log_text(self, text: str, path: str, run_id: str | None = None) -> None:
         self.client.log_text(run_id or self.parent_id, text, path)
@@ -124,16 +133,12 @@ class Tracker:
                     self.log_text(part.reply, f"{role}/reply.txt", rid)
             else:
                 self.log_json(part, f"{role}.json", rid)
+        points: list[tuple[str, float, int]] = []  # (key, value, step), written in batches
         for point in result.curve:
-            metrics = {"fitness": point.fitness, "charts/episodic_return": point.episode_return}
-            metrics.update({f"components/{k}": v for k, v in point.components.items()})
-            self.log_metrics(metrics, step=point.frames, run_id=rid)
-        for name, series in result.components.items():
-            for frames, value in series:
-                self.log_metrics({f"components/{name}": value}, step=frames, run_id=rid)
-        for name, series in result.series.items():
-            for frames, value in series:
-                self.log_metrics({name: value}, step=frames, run_id=rid)
+            points += [("fitness", point.fitness, point.frames), ("charts/episodic_return", point.episode_return, point.frames)]
+        for prefix, table in (("components/", result.components), ("", result.series)):
+            points += [(f"{prefix}{name}", value, frames) for name, series in table.items() for frames, value in series]
+        self.log_points(points, rid)
         for name, text in result.texts.items():
             self.log_text(text, f"texts/{name}", rid)
         final = dict(result.metrics)
@@ -162,15 +167,6 @@ class Tracker:
         if uri.startswith("sqlite:///"):
             return f"mlflow ui --backend-store-uri {uri}"
         return f"open {uri} (experiment id {self.experiment_id})"
-
-
-def _metric_list(metrics: dict[str, float], step: int | None) -> list[Any]:
-    import time
-
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    return [Metric(k, v, now, step or 0) for k, v in metrics.items()]
 
 
 def _finite(v: Any) -> bool:
