@@ -67,6 +67,9 @@ def print_summary(summary) -> None:  # type: ignore[no-untyped-def]
         vals = ", ".join(f"{v:.4g}" for v in summary.final_fitness)
         out.print(f"best candidate over {len(summary.final_fitness)} seeds: {vals}")
     out.print(f"candidates: {summary.candidates}{failed}  frames: {summary.frames:,}  wall time: {summary.seconds:.1f} s")
+    if summary.failed == summary.candidates and summary.first_error:
+        out.print("[red]every candidate failed; the first error:[/red]")
+        out.print(summary.first_error.strip()[-1200:], markup=False, highlight=False)
     if summary.reused:
         out.print(f"{summary.reused} training(s) reused from an earlier identical run (resume=false retrains)")
     if summary.llm:

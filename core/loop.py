@@ -110,6 +110,7 @@ class RunSummary:
     final_fitness: list[float] = field(default_factory=list)
     llm: dict[str, float] = field(default_factory=dict)
     reused: int = 0  # trainings taken from an earlier identical run (resume=true)
+    first_error: str = ""  # the first failed candidate's error, shown when nothing succeeded
 
 
 def iterations_from(config: DictConfig) -> int:
@@ -292,6 +293,7 @@ class Loop:
             final_fitness=final,
             llm=llm,
             reused=self.reused,
+            first_error=next((r.error for r in results if not r.ok), ""),
         )
 
 
