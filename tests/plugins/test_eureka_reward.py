@@ -1,0 +1,262 @@
+"""eureka plugin: prompt building, parsing of replies, reflection text, selection, context policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+
+from core.envs import make_task
+from core.records import Candidate, CurvePoint, Episode, Fitness, IterationResult, RewardProgram, TrainResult
+from plugins import eureka_reward as eureka
+
+GOOD = """Here is the reward:
+```python
+import torch
+
+def compute_reward(state, action, next_state):
+    height = next_state["car_position"]
+    speed = torch.abs(next_state["car_velocity"])
+    speed_temperature = 0.05
+    bonus = torch.exp(speed / speed_temperature) - 1.0
+    reward = height + bonus
+    return reward, {"height": height, "bonus": bonus}
+```"""
+
+NO_FUNCTION = "I would reward the car for going fast."
+
+
+class FakeLLM:
+    """Replies from a list; records every call's messages and settings."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+        self.calls: list[dict] = []
+
+    def chat(self, messages, *, n=1, temperature=None, max_tokens=None, seed=0, tag="", stop=None):
+        self.calls.append({"messages": messages, "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seed, "tag": tag})
+        return [SimpleNamespace(text=self.texts[i % len(self.texts)], cached=False, latency_s=0.0) for i in range(n)]
+
+
+def make_run(texts: list[str], **cfg) -> SimpleNamespace:
+    config = OmegaConf.create(
+        {
+            "sandbox": {"allowed_imports": ["math", "numpy", "torch"]},
+            "plugins": {"eureka": {"iterations": 2, "samples": 3, "temperature": 1.0, "max_tokens": 256, **cfg}},
+        }
+    )
+    logged: dict[str, str] = {}
+    return SimpleNamespace(
+        config=config,
+        task=make_task({"name": "mountaincar"}),
+        llm=FakeLLM(texts),
+        seed=3,
+        plugin_config=lambda name: config.plugins.get(name),
+        log_text=lambda path, text: logged.__setitem__(path, text),
+        logged=logged,
+    )
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    eureka.on_run_start(run=None)
+    yield
+
+
+def _result(cid: str, value: float, components: dict | None = None) -> TrainResult:
+    curve = [CurvePoint(frames=1000 * (i + 1), fitness=value * i / 11, episode_return=-200.0) for i in range(12)]
+    return TrainResult(
+        candidate_id=cid,
+        ok=True,
+        fitness=Fitness("success_rate", value),
+        curve=curve,
+        components=components or {"height": [(1000 * i, 0.1 * i) for i in range(20)], "bonus": [(1000 * i, 2.0) for i in range(20)]},
+        episodes=[Episode(ret=-150.0, length=150, success=True), Episode(ret=-200.0, length=200, success=False)],
+    )
+
+
+def _failed(cid: str) -> TrainResult:
+    return TrainResult(candidate_id=cid, ok=False, error="Traceback ...\nKeyError: 'position'", error_kind="exception")
+
+
+def _candidate(i: int, iteration: int = 0, origin: str = "eureka") -> Candidate:
+    program = RewardProgram(source=f"def compute_reward(state, action, next_state):\n    return {i}", origin=origin, reply=f"reply {i}")
+    return Candidate(id=f"it{iteration}-c{i}", iteration=iteration, reward=program)
+
+
+# -- prompt building -----------------------------------------------------------------------
+
+
+def test_first_prompt_is_system_and_task_with_goal_interface_and_temperature_rule():
+    run = make_run([GOOD])
+    msgs = eureka.messages(run)
+    assert [m["role"] for m in msgs] == ["system", "user"]
+    assert "reward engineer" in msgs[0]["content"]
+    user = msgs[1]["content"]
+    assert run.task.goal in user
+    assert "def compute_reward(state, action, next_state)" in user
+    assert "car_position" in user and "car_velocity" in user
+    assert "temperature" in user and "component" in user
+    assert "torch.where" in user  # batched tensors in, one reward per env out
+
+
+def test_propose_samples_k_candidates_and_parses_each_reply():
+    run = make_run([GOOD, NO_FUNCTION, GOOD])
+    programs = eureka.propose_rewards(run=run, iteration=0)
+    (call,) = run.llm.calls
+    assert call["n"] == 3 and call["temperature"] == 1.0 and call["max_tokens"] == 256
+    assert call["seed"] == 3 * 1000 + 0
+    assert len(programs) == 2  # the reply without a function is dropped
+    assert all(p.entry == "compute_reward" and p.origin == "eureka" for p in programs)
+    assert [p.meta["sample"] for p in programs] == [0, 2]
+    assert "def compute_reward" in programs[0].source and "Here is" not in programs[0].source
+    assert programs[0].reply == GOOD and "[system]" in programs[0].prompt
+    assert len(eureka.STATE.extract_errors) == 1
+
+
+def test_no_usable_reply_asks_again_with_the_reason():
+    run = make_run([NO_FUNCTION])
+    assert eureka.propose_rewards(run=run, iteration=0) == []
+    assert eureka.STATE.feedback.startswith("Your reply could not be used")
+    msgs = eureka.messages(run)
+    assert [m["role"] for m in msgs] == ["system", "user"]  # no assistant turn to attach it to
+    assert "could not be used" in msgs[1]["content"]
+
+
+def test_proposes_nothing_after_its_iterations():
+    run = make_run([GOOD], iterations=1)
+    assert eureka.propose_rewards(run=run, iteration=1) is None
+    assert run.llm.calls == []
+
+
+# -- reflection text -------------------------------------------------------------------------
+
+
+def test_reflection_lists_each_component_and_fitness_sampled_about_ten_times_with_stats():
+    text = eureka.reflection(_result("c", 0.5), "success_rate")
+    lines = {line.split(":")[0]: line for line in text.splitlines() if ": [" in line}
+    assert set(lines) == {"bonus", "height", "fitness (success_rate)", "episode length"}
+    sampled = lines["height"].split("[")[1].split("]")[0].split(", ")
+    assert len(sampled) == 10  # 20 points sampled evenly down to 10
+    assert "0.00" == sampled[0] and "1.90" == sampled[-1]
+    assert "Max: 1.90" in lines["height"] and "Min: 0.00" in lines["height"]
+    assert "Max: 0.50" in lines["fitness (success_rate)"]
+    # the standard tips
+    assert "rewrite the entire reward function" in text
+    assert "nearly identical" in text and "rescale" in text
+
+
+def test_reflection_without_curve_uses_the_final_fitness():
+    result = TrainResult(candidate_id="c", ok=True, fitness=Fitness("success_rate", 0.3))
+    text = eureka.reflection(result, "success_rate")
+    assert "fitness (success_rate): [0.30]" in text
+
+
+# -- selection and context policy -------------------------------------------------------------
+
+
+def test_reflect_keeps_the_best_candidate_and_its_reply_for_the_next_prompt():
+    run = make_run([GOOD])
+    candidates = [_candidate(0), _candidate(1), _candidate(2)]
+    results = [_result("it0-c0", 0.2), _failed("it0-c1"), _result("it0-c2", 0.7)]
+    text = eureka.reflect(run=run, result=IterationResult(0, candidates, results))
+    assert eureka.STATE.best_reply == "reply 2"
+    assert eureka.STATE.best_score == 0.7
+    assert eureka.STATE.best_source.endswith("return 2")
+    assert "2/3 reward functions trained" in text
+    assert "it0-c1: failed (exception)" in text
+    msgs = eureka.messages(run)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    assert msgs[2]["content"] == "reply 2"
+    assert msgs[3]["content"] == eureka.STATE.feedback and "Max:" in msgs[3]["content"]
+
+
+def test_context_holds_only_the_latest_best_reply():
+    run = make_run([GOOD])
+    eureka.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result("it0-c0", 0.9)]))
+    eureka.reflect(run=run, result=IterationResult(1, [_candidate(5, 1)], [_result("it1-c5", 0.1)]))
+    msgs = eureka.messages(run)
+    assert len(msgs) == 4 and msgs[2]["content"] == "reply 5"  # latest iteration's best
+    assert eureka.STATE.best_score == 0.9  # the best over the run is still remembered
+    assert eureka.STATE.best_source.endswith("return 0")
+
+
+def test_all_failed_sends_the_error_back():
+    run = make_run([GOOD])
+    text = eureka.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1)], [_failed("a"), _failed("b")]))
+    assert "KeyError: 'position'" in eureka.STATE.feedback
+    assert eureka.STATE.feedback.startswith("Running the reward function above failed (exception)")
+    assert eureka.STATE.best_reply == "reply 0"
+    assert "0/2" in text
+
+
+def test_reflect_ignores_other_plugins_candidates():
+    run = make_run([GOOD])
+    text = eureka.reflect(run=run, result=IterationResult(0, [_candidate(0, origin="text2reward")], [_result("x", 1.0)]))
+    assert text is None and eureka.STATE.best_reply == ""
+
+
+def test_run_end_logs_the_best_reward_source():
+    run = make_run([GOOD])
+    eureka.reflect(run=run, result=IterationResult(0, [_candidate(4)], [_result("it0-c4", 0.4)]))
+    eureka.on_run_end(run=run, best=None)
+    assert run.logged["eureka/best_reward.py"].endswith("return 4")
+
+
+def test_extracted_program_passes_the_sandbox_on_the_task():
+    from core.sandbox import prepare_reward
+
+    run = make_run([GOOD])
+    (program, *_) = eureka.propose_rewards(run=run, iteration=0)
+    fn = prepare_reward(program, run.task)
+    assert set(fn.component_names) == {"height", "bonus"}
+
+
+# -- end to end --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_end_to_end_with_the_embedded_model_logs_code_fitness_and_reflection(tmp_path: Path):
+    """``python -m core +plugins=[eureka] env=cartpole`` with a tiny budget; check MLflow."""
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    cmd = [
+        sys.executable, "-m", "core", "+plugins=[eureka]", "env=cartpole",
+        "plugins.eureka.iterations=2", "plugins.eureka.samples=2", "plugins.eureka.max_tokens=400",
+        "trainer.frames=2048", "trainer.eval_episodes=3", "trainer.eval_every=1024", "executor=inprocess",
+        "progress=false", "save_policy=false", f"cache_dir={tmp_path / 'cache'}",
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_location={tmp_path / 'art'}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "llm4rl"]
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) >= 1
+    parent_files = _artifact_paths(client, parents[0].info.run_id)
+    assert any(p.startswith("reflection/it0-") for p in parent_files)
+    assert any(p.startswith("llm/") for p in parent_files)
+    for child in children:  # every candidate: its code and its fitness (or its error)
+        files = _artifact_paths(client, child.info.run_id)
+        assert any(p.endswith(".py") for p in files), files
+        ok = child.data.tags.get("ok", child.data.params.get("ok", "True"))
+        if str(ok).lower() == "true":
+            assert "fitness" in child.data.metrics
+    assert json.dumps(parents[0].data.metrics)  # summary metrics exist
+
+
+def _artifact_paths(client, run_id: str, path: str | None = None) -> list[str]:
+    out: list[str] = []
+    for item in client.list_artifacts(run_id, path):
+        out += _artifact_paths(client, run_id, item.path) if item.is_dir else [item.path]
+    return out
