@@ -8,6 +8,8 @@ from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 
@@ -92,6 +94,8 @@ def hydra_main(cfg: DictConfig) -> float:
         console.print(f"[bold red]error:[/bold red] {err}")
         sys.exit(2)
     print_summary(summary)
+    if summary.failed == summary.candidates and HydraConfig.get().mode == RunMode.RUN:
+        sys.exit(1)  # a single run that produced nothing is a failure; a sweep goes on
     return summary.fitness
 
 
