@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from core.envs.task import Task
-from core.records import Episode
+from core.records import CurvePoint, Episode, TrainResult
+from core.train.context import TrainContext
 
 
 def _env_info(info: dict[str, Any], i: int) -> dict[str, Any]:
@@ -25,6 +26,19 @@ def _env_info(info: dict[str, Any], i: int) -> dict[str, Any]:
     return out
 
 
+def _env_steps(info: dict[str, Any], n: int) -> np.ndarray:
+    """Env steps each vector step took: ``info["env_steps"]`` where a wrapper set it, else 1.
+
+    An env that ended its episode reports it in ``final_info`` (its ``info`` is the reset's).
+    """
+    steps = np.ones(n, dtype=np.int64)
+    for source in (info, info.get("final_info", {})):
+        if "env_steps" in source:
+            mask = np.asarray(source.get("_env_steps", np.ones(n, dtype=bool)), dtype=bool)
+            steps = np.where(mask, np.asarray(source["env_steps"], dtype=np.int64), steps)
+    return steps
+
+
 @torch.no_grad()
 def evaluate(
     task: Task,
@@ -32,17 +46,23 @@ def evaluate(
     episodes: int,
     seed: int,
     max_steps: int | None = None,
+    wrap_env: Callable[[Any], Any] | None = None,
 ) -> list[Episode]:
     """Run ``episodes`` episodes, one per env of a vector env of the original task.
 
     :param act: maps an observation batch ``[B, D]`` (the task's own observation) to
         actions; deterministic policies give the usual evaluation.
     :param max_steps: safety cap on steps (default ``4 * task.max_episode_steps``).
+    :param wrap_env: applied to the vector env first (e.g. the candidate's macros); a
+        wrapper whose steps span several env steps reports them as ``info["env_steps"]``,
+        which episode lengths then count.
     :return: one :class:`Episode` per env, with the task's ``episode_info``.
     """
     if episodes <= 0:
         return []
     env = task.make_env(episodes, seed, None)
+    if wrap_env is not None:
+        env = wrap_env(env)
     try:
         obs, _ = env.reset(seed=seed)
         returns = np.zeros(episodes)
@@ -54,7 +74,7 @@ def evaluate(
             obs, reward, term, trunc, info = env.step(action.numpy())
             running = np.array([i not in finished for i in range(episodes)])
             returns += np.where(running, reward, 0.0)
-            lengths += running
+            lengths += running * _env_steps(info, episodes)
             for i in np.flatnonzero(np.logical_or(term, trunc) & running):
                 final = _env_info(info.get("final_info", {}), int(i))
                 success, extra = task.episode_info(final)
@@ -67,3 +87,32 @@ def evaluate(
         return [finished[i] for i in range(episodes)]
     finally:
         env.close()
+
+
+def evaluate_and_record(
+    task: Task,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    episodes: int,
+    *,
+    seed: int,
+    frames: int,
+    result: TrainResult,
+    ctx: TrainContext | None = None,
+    hook: Any = None,
+    wrap_env: Callable[[Any], Any] | None = None,
+) -> list[Episode]:
+    """One periodic evaluation of a trainer: episodes, a curve point, metric and hook.
+
+    The curve point carries the latest mean of each reward component of ``result``.
+    """
+    if episodes <= 0:
+        return []
+    found = evaluate(task, act, episodes, seed=seed, wrap_env=wrap_env)
+    fitness = task.fitness(found)
+    components = {k: v[-1][1] for k, v in result.components.items() if v}
+    result.curve.append(CurvePoint(frames, fitness.value, float(np.mean([e.ret for e in found])), components))
+    if ctx is not None:
+        ctx.log_metric("eval/fitness", fitness.value)
+    if hook is not None:
+        hook.on_evaluation(train=ctx, frames=frames, fitness=fitness.value, episodes=found)
+    return found

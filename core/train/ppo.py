@@ -15,24 +15,22 @@ from __future__ import annotations
 
 import math
 import time
-import traceback
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 from torchrl.collectors import Collector
-from torchrl.envs import Compose, TransformedEnv
 from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
 from core.envs.task import Task
-from core.records import Candidate, CurvePoint, EnvConfig, Episode, TrainResult
+from core.records import Candidate, Episode, TrainResult
+from core.train.common import (CandidateEnv, corr_sums, pearson, save_policy, split_env_params,  # noqa: F401
+                               train_safely, wants_saved_policy)
 from core.train.context import TrainContext
-from core.train.envs import VecGymEnv
-from core.train.evaluate import evaluate
+from core.train.evaluate import evaluate_and_record
 from core.train.networks import build_networks
-from core.train.transforms import ProgramReward, build_transforms, has_impls
 
 
 @dataclass
@@ -98,30 +96,6 @@ class PPOConfig:
         return self.num_envs * self.rollout_steps
 
 
-def split_env_params(envs: list[EnvConfig], num_envs: int) -> list[dict[str, Any]] | None:
-    """Per-env params: ``num_envs`` shared among the configs by weight (None: defaults)."""
-    if not envs:
-        return None
-    weights = np.array([max(0.0, float(e.weight)) for e in envs])
-    if weights.sum() <= 0:
-        weights = np.ones(len(envs))
-    exact = weights / weights.sum() * num_envs
-    counts = np.floor(exact).astype(int)
-    for i in np.argsort(-(exact - counts), kind="stable")[: num_envs - counts.sum()]:
-        counts[i] += 1  # largest remainders get the leftover envs
-    return [dict(e.params) for e, c in zip(envs, counts) for _ in range(c)]
-
-
-def _error_of(exc: BaseException) -> tuple[str, str]:
-    """(feedback text, kind) of an exception; sandbox errors carry their own report."""
-    report = getattr(exc, "report", None)
-    if report is not None and getattr(report, "kind", None):
-        message = getattr(report, "message", "") or str(exc)
-        return str(message), str(report.kind)
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return text, type(exc).__name__
-
-
 def train(
     task: Task,
     candidate: Candidate,
@@ -136,25 +110,16 @@ def train(
 
     :param hook: ``pm.hook`` of the plugin manager, or None (no training hooks).
     :param ctx: the training context hooks receive; one is made when hooks need it.
+        Its ``config`` gives the sandbox limits (``sandbox:``) and ``save_policy``.
     :param progress: a ``rich.progress.Progress`` to show a bar in, or None.
     """
-    start = time.perf_counter()
     if hook is not None and ctx is None:
         ctx = TrainContext(task=task, candidate=candidate, config={}, seed=seed, total_frames=cfg.frames)
-    result = TrainResult(candidate_id=candidate.id, ok=False)
-    try:
+
+    def body(result: TrainResult) -> None:
         _Run(task, candidate, cfg, seed, hook, ctx, progress, result).run()
-        result.ok = True
-    except Exception as exc:  # noqa: BLE001 - failures of candidate code are data
-        result.error, result.error_kind = _error_of(exc)
-    result.seconds = time.perf_counter() - start
-    if hook is not None:
-        try:
-            hook.on_train_end(train=ctx, result=result)
-        except Exception as exc:  # noqa: BLE001
-            result.ok = False
-            result.error, result.error_kind = _error_of(exc)
-    return result
+
+    return train_safely(body, candidate, hook, ctx)
 
 
 class _Run:
@@ -165,61 +130,14 @@ class _Run:
         self.task, self.candidate, self.cfg, self.seed = task, candidate, cfg, seed
         self.hook, self.ctx, self.progress, self.result = hook, ctx, progress, result
 
-    # -- setup ------------------------------------------------------------------------
-    def _reward_and_state_fns(self) -> tuple[Any, Any, int]:
-        reward_fn = state_fn = None
-        state_dim = 0
-        if self.candidate.reward is not None:
-            from core.sandbox import prepare_reward  # lazy: the sandbox is heavy
-
-            reward_fn = prepare_reward(self.candidate.reward, self.task)
-        if self.candidate.state is not None:
-            from core.sandbox import prepare_state
-
-            state_fn = prepare_state(self.candidate.state, self.task)
-            state_dim = int(getattr(state_fn, "extra_dim", self.candidate.state.extra_dim))
-        return reward_fn, state_fn, state_dim
-
-    def _build_env(self) -> None:
-        cfg, task = self.cfg, self.task
-        reward_fn, state_fn, state_dim = self._reward_and_state_fns()
-        params = split_env_params(self.candidate.envs, cfg.num_envs)
-        wants_hooks = self.hook is not None and self.ctx is not None
-        base = VecGymEnv(task.make_env(cfg.num_envs, self.seed, params), self.seed,
-                         keep_env_reward=wants_hooks and has_impls(self.hook, "compute_reward"))
-        probe = None
-        if wants_hooks:
-            probe = torch.as_tensor(np.asarray(base.env.observation_space.sample()), dtype=torch.float32)
-        program = self.candidate.reward
-        rewards, states = build_transforms(
-            task, reward_fn=reward_fn, reward_mode=program.mode if program else "replace",
-            reward_weight=program.weight if program else 1.0, state_fn=state_fn, state_dim=state_dim,
-            hook=self.hook, ctx=self.ctx, probe_obs=probe)
-        self.base = base
-        self.program_reward = next((t for t in rewards if isinstance(t, ProgramReward)), None)
-        self.rewrites_reward = bool(rewards)
-        self.state_transforms = states
-        self.postproc = None
-        if rewards == [self.program_reward]:
-            # no per-step hook needs the program's reward during collection: rewrite the
-            # whole batch in one program call instead of one call per step
-            self.postproc = rewards.pop()
-        self.env = TransformedEnv(base, Compose(*rewards, *states)) if rewards or states else base
-
-    def _augment(self, obs: torch.Tensor) -> torch.Tensor:
-        """The policy's input for a task observation (the state transforms applied)."""
-        for t in self.state_transforms:
-            obs = t.augment(obs)
-        return obs
-
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> None:
         cfg, result, ctx, hook = self.cfg, self.result, self.ctx, self.hook
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(self.seed)
-        self._build_env()
-        obs_dim = int(self.env.observation_spec["observation"].shape[-1])
-        nets = build_networks(obs_dim, self.base.action_spec, cfg.hidden)
+        self.cenv = cenv = CandidateEnv(self.task, self.candidate, cfg.num_envs, self.seed, hook, ctx)
+        self.env, self.base = cenv.env, cenv.base
+        nets = build_networks(cenv.obs_dim, self.base.action_spec, cfg.hidden)
         self.nets = nets
         loss = ClipPPOLoss(nets.actor, nets.critic, clip_epsilon=cfg.clip, entropy_bonus=cfg.ent_coef > 0,
                            entropy_coeff=cfg.ent_coef, critic_coeff=cfg.vf_coef, loss_critic_type="l2",
@@ -233,7 +151,7 @@ class _Run:
         collector = Collector(self.env, policy, frames_per_batch=cfg.frames_per_batch,
                               total_frames=batches * cfg.frames_per_batch, trust_policy=True,
                               track_traj_ids=False, auto_register_policy_transforms=False,
-                              postproc=self.postproc)
+                              postproc=cenv.postproc)
         if hook is not None:
             hook.on_train_start(train=ctx)
         bar = self.progress.add_task(f"train {self.candidate.id}", total=batches * cfg.frames_per_batch) \
@@ -256,8 +174,8 @@ class _Run:
                 optim.param_groups[0]["lr"] = cfg.lr * frac
                 loss.clip_epsilon.fill_(cfg.clip * frac)
                 stats = self._update(batch, gae, loss, optim, params)
-                if self.rewrites_reward:
-                    corr += self._corr_sums(batch)
+                if cenv.rewrites_reward:
+                    corr += corr_sums(batch)
                 finished = self.base.pop_finished()
                 returns += [r for r, _ in finished]
                 now = time.perf_counter()
@@ -268,7 +186,7 @@ class _Run:
                 if ctx is not None:
                     for key, value in stats.items():
                         ctx.log_metric(key, value)
-                if self.program_reward is not None and ((i + 1) % sample_every == 0 or i + 1 == batches):
+                if cenv.program_reward is not None and ((i + 1) % sample_every == 0 or i + 1 == batches):
                     self._sample_components(frames)
                 if frames >= next_eval and frames < batches * cfg.frames_per_batch:
                     self._evaluate(frames)
@@ -280,21 +198,30 @@ class _Run:
                 tick = time.perf_counter()
         finally:
             collector.shutdown()
-            self.env.close(raise_if_closed=False)
+            cenv.close()
 
         result.frames = frames
         result.metrics.update(stats)
         result.metrics["charts/fps"] = frames / max(train_seconds, 1e-9)
         if returns:
             result.metrics["charts/episodic_return"] = float(np.mean(returns[-20:]))
-        if self.rewrites_reward and corr[0] > 1:
-            result.metrics["reward/env_correlation"] = _pearson(corr)
+        result.metrics.update(cenv.macro_metrics())
+        if cenv.rewrites_reward and corr[0] > 1:
+            result.metrics["reward/env_correlation"] = pearson(corr)
             if ctx is not None:
                 ctx.log_metric("reward/env_correlation", result.metrics["reward/env_correlation"])
         episodes = self._evaluate(frames)
         if episodes:
             result.episodes = episodes
             result.fitness = self.task.fitness(episodes)
+        if wants_saved_policy(ctx):
+            result.policy_path = save_policy(self._policy_state(), self.candidate.id)
+
+    def _policy_state(self) -> dict[str, Any]:
+        """What the saved policy file holds: both networks and how to rebuild them."""
+        nets = self.nets
+        return {"algorithm": "ppo", "obs_dim": self.cenv.obs_dim, "hidden": list(self.cfg.hidden),
+                "discrete": nets.discrete, "actor": nets.actor_net.state_dict(), "critic": nets.critic_net.state_dict()}
 
     def _update(self, batch: Any, gae: GAE, loss: ClipPPOLoss, optim: torch.optim.Optimizer,
                 params: list[torch.nn.Parameter]) -> dict[str, float]:
@@ -324,45 +251,20 @@ class _Run:
             stats["losses/entropy"] = float(self.nets.actor.get_dist(flat).entropy().mean())
         return stats
 
-    @staticmethod
-    def _corr_sums(batch: Any) -> np.ndarray:
-        x = batch.get(("next", "reward")).reshape(-1).double()
-        y = batch.get(("next", "env_reward")).reshape(-1).double()
-        return np.array([x.numel(), x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum()], dtype=float)
-
     def _sample_components(self, frames: int) -> None:
-        assert self.program_reward is not None
-        for name, mean in self.program_reward.pop_components().items():
+        assert self.cenv.program_reward is not None
+        for name, mean in self.cenv.program_reward.pop_components().items():
             self.result.components.setdefault(name, []).append((frames, mean))
             if self.ctx is not None:
                 self.ctx.log_metric(f"reward/{name}", mean)
 
     def _evaluate(self, frames: int) -> list[Episode]:
-        """Deterministic episodes on the original env; records a curve point."""
-        cfg = self.cfg
-        if cfg.eval_episodes <= 0:
-            return []
+        """Deterministic episodes on the original env (with the candidate's macros)."""
 
         def act(obs: torch.Tensor) -> torch.Tensor:
-            return self.nets.act_deterministic(self._augment(obs))
+            return self.nets.act_deterministic(self.cenv.augment(obs))
 
-        episodes = evaluate(self.task, act, cfg.eval_episodes, seed=self.seed + 10_000)
-        fitness = self.task.fitness(episodes)
-        components = {k: v[-1][1] for k, v in self.result.components.items() if v}
-        self.result.curve.append(CurvePoint(frames, fitness.value, float(np.mean([e.ret for e in episodes])),
-                                            components))
-        if self.ctx is not None:
-            self.ctx.log_metric("eval/fitness", fitness.value)
-        if self.hook is not None:
-            self.hook.on_evaluation(train=self.ctx, frames=frames, fitness=fitness.value, episodes=episodes)
-        return episodes
-
-
-def _pearson(s: np.ndarray) -> float:
-    """Pearson correlation from (n, sx, sy, sxx, syy, sxy); 0 when one side is constant."""
-    n, sx, sy, sxx, syy, sxy = s
-    cov = sxy / n - sx * sy / n**2
-    vx, vy = sxx / n - (sx / n) ** 2, syy / n - (sy / n) ** 2
-    if vx <= 1e-12 or vy <= 1e-12:
-        return 0.0
-    return float(cov / math.sqrt(vx * vy))
+        macros = self.cenv.macros
+        return evaluate_and_record(self.task, act, self.cfg.eval_episodes, seed=self.seed + 10_000, frames=frames,
+                                   result=self.result, ctx=self.ctx, hook=self.hook,
+                                   wrap_env=macros.wrap if macros is not None else None)

@@ -1,0 +1,204 @@
+"""Pieces every trainer shares: the candidate's env, its programs, failures, saving.
+
+A trainer (:mod:`core.train.ppo`, :mod:`core.train.sac`) builds its env with
+:class:`CandidateEnv` (the task's vector env, the candidate's macros, reward and state
+transforms), wraps its loop in :func:`train_safely` (failures of LLM-written code become
+``TrainResult(ok=False)``), evaluates with :func:`core.train.evaluate.evaluate` and saves
+its policy with :func:`save_policy`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torchrl.envs import Compose, EnvBase, TransformedEnv
+
+from core.envs.task import Task
+from core.records import Candidate, EnvConfig, TrainResult
+from core.train.context import TrainContext
+from core.train.envs import VecGymEnv
+from core.train.transforms import ProgramReward, build_transforms, has_impls
+
+#: keys of the run's ``sandbox:`` node that are :class:`core.sandbox.Limits` fields
+_LIMIT_KEYS = ("cpu_s", "wall_s", "memory_mb", "call_timeout_s")
+
+
+def sandbox_settings(ctx: TrainContext | None) -> tuple[Any, tuple[str, ...]]:
+    """``(Limits, allowed_imports)`` from the run's ``sandbox:`` config (defaults without one)."""
+    from core.sandbox import DEFAULT_IMPORTS, Limits  # lazy: the sandbox is heavy
+
+    node = None
+    if ctx is not None and ctx.config is not None and hasattr(ctx.config, "get"):
+        node = ctx.config.get("sandbox")
+    if not node:
+        return Limits(), tuple(DEFAULT_IMPORTS)
+    values = {k: node.get(k) for k in _LIMIT_KEYS if node.get(k) is not None}
+    limits = Limits(**{k: (int(v) if k == "memory_mb" else float(v)) for k, v in values.items()})
+    imports = node.get("allowed_imports")
+    return limits, tuple(str(m) for m in imports) if imports is not None else tuple(DEFAULT_IMPORTS)
+
+
+def prepare_programs(task: Task, candidate: Candidate, ctx: TrainContext | None) -> tuple[Any, Any, int]:
+    """``(reward_fn, state_fn, state_dim)``: the candidate's programs, probed in the sandbox.
+
+    :raises core.sandbox.SandboxError: when a program fails its checks or its probe.
+    """
+    reward_fn = state_fn = None
+    state_dim = 0
+    if candidate.reward is None and candidate.state is None:
+        return reward_fn, state_fn, state_dim
+    from core import sandbox
+
+    limits, imports = sandbox_settings(ctx)
+    if candidate.reward is not None:
+        reward_fn = sandbox.prepare_reward(candidate.reward, task, limits=limits, allowed_imports=imports)
+    if candidate.state is not None:
+        state_fn = sandbox.prepare_state(candidate.state, task, limits=limits, allowed_imports=imports)
+        state_dim = int(getattr(state_fn, "extra_dim", candidate.state.extra_dim))
+    return reward_fn, state_fn, state_dim
+
+
+def split_env_params(envs: list[EnvConfig], num_envs: int) -> list[dict[str, Any]] | None:
+    """Per-env params: ``num_envs`` shared among the configs by weight (None: defaults)."""
+    if not envs:
+        return None
+    weights = np.array([max(0.0, float(e.weight)) for e in envs])
+    if weights.sum() <= 0:
+        weights = np.ones(len(envs))
+    exact = weights / weights.sum() * num_envs
+    counts = np.floor(exact).astype(int)
+    for i in np.argsort(-(exact - counts), kind="stable")[: num_envs - counts.sum()]:
+        counts[i] += 1  # largest remainders get the leftover envs
+    return [dict(e.params) for e, c in zip(envs, counts) for _ in range(c)]
+
+
+class CandidateEnv:
+    """The training env of one candidate: task env, macros, reward and state transforms.
+
+    Attributes a trainer reads: ``env`` (the TorchRL env to collect from), ``base``
+    (the :class:`VecGymEnv`, for finished-episode returns), ``postproc`` (a batch-wise
+    reward rewrite for the collector, or None), ``program_reward`` (for component
+    means), ``rewrites_reward``, ``macros`` (a :class:`core.train.macros.MacroSet` or
+    None) and :meth:`augment` (the policy's input for a task observation).
+    """
+
+    def __init__(self, task: Task, candidate: Candidate, num_envs: int, seed: int, hook: Any,
+                 ctx: TrainContext | None) -> None:
+        reward_fn, state_fn, state_dim = prepare_programs(task, candidate, ctx)
+        self.macros = None
+        if candidate.macros:
+            from core.train.macros import MacroSet
+
+            limits, imports = sandbox_settings(ctx)
+            self.macros = MacroSet.prepare(candidate.macros, task, limits=limits, allowed_imports=imports)
+        params = split_env_params(candidate.envs, num_envs)
+        wants_hooks = hook is not None and ctx is not None
+        vec = task.make_env(num_envs, seed, params)
+        if self.macros is not None:
+            vec = self.macros.wrap(vec)
+        base = VecGymEnv(vec, seed, keep_env_reward=wants_hooks and has_impls(hook, "compute_reward"))
+        probe = None
+        if wants_hooks:
+            probe = torch.as_tensor(np.asarray(base.env.observation_space.sample()), dtype=torch.float32)
+        program = candidate.reward
+        rewards, states = build_transforms(
+            task, reward_fn=reward_fn, reward_mode=program.mode if program else "replace",
+            reward_weight=program.weight if program else 1.0, state_fn=state_fn, state_dim=state_dim,
+            hook=hook, ctx=ctx, probe_obs=probe)
+        self.base = base
+        self.program_reward = next((t for t in rewards if isinstance(t, ProgramReward)), None)
+        self.rewrites_reward = bool(rewards)
+        self.state_transforms = states
+        self.postproc = None
+        if rewards == [self.program_reward]:
+            # no per-step hook needs the program's reward during collection: rewrite the
+            # whole batch in one program call instead of one call per step
+            self.postproc = rewards.pop()
+        self.env: EnvBase = TransformedEnv(base, Compose(*rewards, *states)) if rewards or states else base
+
+    @property
+    def obs_dim(self) -> int:
+        return int(self.env.observation_spec["observation"].shape[-1])
+
+    def augment(self, obs: torch.Tensor) -> torch.Tensor:
+        """The policy's input for a task observation (the state transforms applied)."""
+        for t in self.state_transforms:
+            obs = t.augment(obs)
+        return obs
+
+    def close(self) -> None:
+        self.env.close(raise_if_closed=False)
+
+    def macro_metrics(self) -> dict[str, float]:
+        """``macros/<name>_calls`` (and primitive steps) when the candidate has macros."""
+        return self.macros.metrics() if self.macros is not None else {}
+
+
+def error_of(exc: BaseException) -> tuple[str, str]:
+    """(feedback text, kind) of an exception; sandbox errors carry their own report."""
+    report = getattr(exc, "report", None)
+    if report is not None and getattr(report, "kind", None):
+        message = getattr(report, "message", "") or str(exc)
+        return str(message), str(report.kind)
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return text, type(exc).__name__
+
+
+def train_safely(body: Callable[[TrainResult], None], candidate: Candidate, hook: Any,
+                 ctx: TrainContext | None) -> TrainResult:
+    """Run ``body(result)``; exceptions become a failed result; then ``on_train_end``."""
+    start = time.perf_counter()
+    result = TrainResult(candidate_id=candidate.id, ok=False)
+    try:
+        body(result)
+        result.ok = True
+    except Exception as exc:  # noqa: BLE001 - failures of candidate code are data
+        result.error, result.error_kind = error_of(exc)
+    result.seconds = time.perf_counter() - start
+    if hook is not None:
+        try:
+            hook.on_train_end(train=ctx, result=result)
+        except Exception as exc:  # noqa: BLE001
+            result.ok = False
+            result.error, result.error_kind = error_of(exc)
+    return result
+
+
+def wants_saved_policy(ctx: TrainContext | None) -> bool:
+    """Policies are saved in runs (``save_policy``, default true), not in bare calls."""
+    if ctx is None or ctx.config is None or not hasattr(ctx.config, "get"):
+        return False
+    return bool(ctx.config.get("save_policy", True))
+
+
+def save_policy(state: dict[str, Any], candidate_id: str) -> str:
+    """``torch.save`` ``state`` to a new temporary file; returns its path (the tracker uploads it)."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in candidate_id)[:60]
+    fd, path = tempfile.mkstemp(prefix=f"policy-{safe}-", suffix=".pt")
+    os.close(fd)
+    torch.save(state, path)
+    return path
+
+
+def pearson(s: np.ndarray) -> float:
+    """Pearson correlation from (n, sx, sy, sxx, syy, sxy); 0 when one side is constant."""
+    n, sx, sy, sxx, syy, sxy = s
+    cov = sxy / n - sx * sy / n**2
+    vx, vy = sxx / n - (sx / n) ** 2, syy / n - (sy / n) ** 2
+    if vx <= 1e-12 or vy <= 1e-12:
+        return 0.0
+    return float(cov / math.sqrt(vx * vy))
+
+
+def corr_sums(batch: Any) -> np.ndarray:
+    """(n, sx, sy, sxx, syy, sxy) of the batch's reward against the env's own reward."""
+    x = batch.get(("next", "reward")).reshape(-1).double()
+    y = batch.get(("next", "env_reward")).reshape(-1).double()
+    return np.array([x.numel(), x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum()], dtype=float)

@@ -1,0 +1,71 @@
+"""Shared trainer pieces: sandbox settings from the run config, saved policies."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import OmegaConf
+
+import core.sandbox
+from core.records import Candidate, RewardProgram, StateProgram
+from core.train.common import sandbox_settings, save_policy, wants_saved_policy
+from core.train.context import TrainContext
+from core.train.ppo import train
+
+SANDBOX = {"allowed_imports": ["math", "torch"], "cpu_s": 3, "wall_s": 7, "memory_mb": 1024, "call_timeout_s": 0.25}
+
+
+def _ctx(task, candidate, tiny_cfg, **config) -> TrainContext:
+    return TrainContext(task=task, candidate=candidate, config=OmegaConf.create(config), seed=0,
+                        total_frames=tiny_cfg.frames)
+
+
+def test_sandbox_settings_read_the_config_node(task, tiny_cfg):
+    limits, imports = sandbox_settings(_ctx(task, Candidate("a", 0), tiny_cfg, sandbox=SANDBOX))
+    assert imports == ("math", "torch")
+    assert (limits.cpu_s, limits.wall_s, limits.memory_mb, limits.call_timeout_s) == (3, 7, 1024, 0.25)
+
+
+def test_sandbox_settings_default_without_a_context():
+    limits, imports = sandbox_settings(None)
+    assert imports == tuple(core.sandbox.DEFAULT_IMPORTS)
+    assert limits == core.sandbox.Limits()
+
+
+def test_training_passes_the_sandbox_config_to_the_programs(task, tiny_cfg, monkeypatch):
+    seen = {}
+
+    def fake_reward(program, task, *, limits, allowed_imports):
+        seen["reward"] = (limits.call_timeout_s, allowed_imports)
+        return lambda s, a, n: torch.ones(a.shape[0])
+
+    def fake_state(program, task, *, limits, allowed_imports):
+        seen["state"] = (limits.memory_mb, allowed_imports)
+        fn = lambda s: s["pole_angle"]  # noqa: E731
+        fn.extra_dim = 1
+        return fn
+
+    monkeypatch.setattr(core.sandbox, "prepare_reward", fake_reward)
+    monkeypatch.setattr(core.sandbox, "prepare_state", fake_state)
+    candidate = Candidate("p", 0, reward=RewardProgram(source="", entry="compute_reward"),
+                          state=StateProgram(source="", entry="revise_state"))
+    ctx = _ctx(task, candidate, tiny_cfg, sandbox=SANDBOX, save_policy=False)
+    result = train(task, candidate, tiny_cfg, seed=0, ctx=ctx)
+    assert result.ok, result.error
+    assert seen == {"reward": (0.25, ("math", "torch")), "state": (1024, ("math", "torch"))}
+    assert result.policy_path == ""
+
+
+def test_policy_is_saved_when_the_run_asks(task, tiny_cfg):
+    candidate = Candidate("saved/1", 0)
+    result = train(task, candidate, tiny_cfg, seed=0, ctx=_ctx(task, candidate, tiny_cfg, save_policy=True))
+    assert result.ok, result.error
+    state = torch.load(result.policy_path)
+    assert state["algorithm"] == "ppo" and state["obs_dim"] == 4
+    assert state["actor"]["0.weight"].shape == (16, 4)
+
+
+def test_policy_saving_defaults(task, tiny_cfg):
+    assert not wants_saved_policy(None)
+    assert wants_saved_policy(_ctx(task, Candidate("a", 0), tiny_cfg))
+    path = save_policy({"x": torch.ones(2)}, "a b/c")
+    assert "a_b_c" in path and torch.load(path)["x"].sum() == 2
