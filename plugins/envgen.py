@@ -1,0 +1,369 @@
+"""envgen: the LLM writes training-environment configs adapted to the agent (EnvGen, COLM 2024).
+
+Method (Zala et al., "EnvGen: Generating and Adapting Environments via LLMs for Training
+Embodied Agents"):
+
+1. The LLM sees the task's goal, its achievements, the controllable world parameters
+   with their allowed values, and the game's constraints, and writes N environment
+   configs as JSON, each with a short purpose (which skills it helps the agent learn).
+2. Each config is validated against the parameter schema; what the game implies is
+   repaired (a starting item that needs a tool also gets the tool); invalid output is
+   sent back to the LLM, which tries again.
+3. Training cycles: the agent trains on a mix of the generated envs and the original
+   env, is evaluated on the original env, and the per-achievement success rates
+   (mean +- std over evaluation episodes) go back to the LLM, which updates the envs.
+   The conversation history is kept; the run makes only a few LLM calls.
+
+The hook is generic: any task that declares ``params`` (:class:`core.envs.task.ParamSpec`)
+can use it. Repair rules come from the config (``rules``) and from the task's optional
+``param_rules`` attribute. Config: ``conf/plugins/envgen.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from core import hookimpl
+from core.records import Candidate, EnvConfig, IterationResult, TrainResult
+
+NAME = "envgen"
+ORIGINAL = "original"
+
+# -- prompt pieces -----------------------------------------------------------------------
+
+SYSTEM = """You design training environments for a reinforcement learning agent. Each
+environment is a JSON object of world parameters. Design environments in which the agent
+can practise the skills it is missing, so that it does better in the original game.
+Reply with one ```json code block holding a list of objects."""
+
+TASK = """Game goal: {goal}
+
+Achievements the agent is scored on:
+{achievements}
+
+World parameters you control (any parameter you leave out keeps its default):
+{params}
+
+Constraints:
+{constraints}
+
+Write {n} different environment configs as a JSON list. Each item is an object
+{{"name": "...", "purpose": "<the skills it trains, one sentence>", "params": {{...}}}}.
+Example item: {example}"""
+
+FEEDBACK = """We trained the agent on your environments mixed with the original one and
+evaluated it in the original game. Success rate of each achievement over the evaluation
+episodes (percent, mean +- std):
+{rates}
+Overall {fitness_name}: {fitness:.3g}.
+
+Write {n} updated environment configs (same JSON format) that help the agent improve at the
+achievements it rarely or never unlocks, while keeping the skills it has."""
+
+INVALID = """Your configs could not be used:
+{errors}
+Reply again with {n} configs as a ```json list, using only the parameters and values listed."""
+
+CONSTRAINTS = """- Use only the parameter names listed; categorical values must be one of the listed values.
+- Numeric values must lie in their range.
+- The original game is always part of the training mix; do not copy it."""
+
+
+# -- schema validation and repair ----------------------------------------------------------
+
+
+@dataclass
+class Rule:
+    """A constraint the game implies: when ``when`` is set (> 0), ``then`` needs at least ``min``."""
+
+    when: str
+    then: str
+    min: float = 1
+
+
+@dataclass
+class Checked:
+    """The result of validating one config: usable params, repairs made, and errors."""
+
+    params: dict[str, Any]
+    repairs: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def describe_params(specs: list[Any]) -> str:
+    """One line per controllable parameter: name, allowed values or range, default."""
+    lines = []
+    for p in specs:
+        if p.choices is not None:
+            allowed = "one of " + ", ".join(json.dumps(c) for c in p.choices)
+        else:
+            allowed = f"a number from {p.low:g} to {p.high:g}" if p.low is not None and p.high is not None else "a number"
+        lines.append(f"- {p.name}: {p.description}; {allowed} (default {json.dumps(p.default)})")
+    return "\n".join(lines)
+
+
+def parse_configs(reply: str) -> tuple[list[dict[str, Any]], str]:
+    """The list of config objects in a reply (fenced or bare JSON), or an error text."""
+    text = reply or ""
+    blocks = re.findall(r"```(?:json|JSON)?\s*\n(.*?)(?:```|$)", text, re.DOTALL)
+    candidates = blocks + [text]
+    for chunk in candidates:
+        start = min((i for i in (chunk.find("["), chunk.find("{")) if i >= 0), default=-1)
+        if start < 0:
+            continue
+        decoder = json.JSONDecoder()
+        try:
+            value, _ = decoder.raw_decode(chunk[start:].strip())
+        except json.JSONDecodeError:
+            # small models add trailing commas and comments: strip them and retry once
+            cleaned = re.sub(r"//[^\n]*", "", chunk[start:])
+            cleaned = re.sub(r",\s*([\]}])", r"\1", cleaned)
+            try:
+                value, _ = decoder.raw_decode(cleaned.strip())
+            except json.JSONDecodeError as e:
+                error = f"the JSON does not parse ({e.msg} at line {e.lineno})"
+                continue
+        if isinstance(value, dict):
+            value = value.get("configs", value.get("environments", [value]))
+        if isinstance(value, list):
+            items = [v for v in value if isinstance(v, dict)]
+            if items:
+                return items, ""
+        error = "the JSON is not a list of objects"
+    return [], locals().get("error", "the reply holds no JSON list of configs")
+
+
+def _coerce(spec: Any, value: Any) -> tuple[Any, str]:
+    """``value`` in the spec's type and range, or an error text."""
+    if spec.choices is not None:
+        by_text = {str(c).lower(): c for c in spec.choices}
+        key = str(value).strip().lower()
+        if key in by_text:
+            return by_text[key], ""
+        return None, f"{spec.name}={json.dumps(value)} is not one of {', '.join(map(str, spec.choices))}"
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None, f"{spec.name}={json.dumps(value)} is not a number"
+    if not math.isfinite(number):
+        return None, f"{spec.name} is not finite"
+    if spec.low is not None:
+        number = max(float(spec.low), number)
+    if spec.high is not None:
+        number = min(float(spec.high), number)
+    return (int(round(number)) if isinstance(spec.default, int) else number), ""
+
+
+def check_config(raw: dict[str, Any], specs: list[Any], rules: list[Rule]) -> Checked:
+    """Validate one config's params against the schema, then apply the repair rules.
+
+    Unknown names and disallowed values are errors; out-of-range numbers are clamped and
+    implied requirements are added (both listed as repairs).
+    """
+    by_name = {p.name: p for p in specs}
+    given = raw.get("params", raw)
+    if not isinstance(given, dict):
+        return Checked({}, errors=["`params` must be an object"])
+    out = Checked({})
+    for key, value in given.items():
+        if key in ("name", "purpose", "weight"):
+            continue
+        spec = by_name.get(key)
+        if spec is None:
+            out.errors.append(f"unknown parameter {key!r}")
+            continue
+        coerced, error = _coerce(spec, value)
+        if error:
+            out.errors.append(error)
+            continue
+        if coerced != value and not (isinstance(value, str) and str(coerced).lower() == value.strip().lower()):
+            out.repairs.append(f"{key}: {value!r} -> {coerced!r} (allowed range)")
+        out.params[key] = coerced
+    changed = True
+    while changed:  # rules may chain (iron pickaxe -> stone pickaxe -> wood pickaxe)
+        changed = False
+        for rule in rules:
+            if rule.then not in by_name or not _truthy(out.params.get(rule.when)):
+                continue
+            current = out.params.get(rule.then, by_name[rule.then].default)
+            if float(current or 0) < rule.min:
+                out.params[rule.then] = int(rule.min) if isinstance(by_name[rule.then].default, int) else rule.min
+                out.repairs.append(f"{rule.then} set to {rule.min:g} because {rule.when} requires it")
+                changed = True
+    return out
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, (int, float)):
+        return value > 0
+    return bool(value)
+
+
+def configs_from_reply(reply: str, specs: list[Any], rules: list[Rule], n: int) -> tuple[list[EnvConfig], list[str], list[str]]:
+    """Usable configs (at most ``n``), the repairs made, and the errors to send back."""
+    items, error = parse_configs(reply)
+    if not items:
+        return [], [], [error]
+    configs, repairs, errors = [], [], []
+    for i, item in enumerate(items[:n]):
+        checked = check_config(item, specs, rules)
+        name = str(item.get("name") or f"env{i}")[:40]
+        if not checked.ok:
+            errors += [f"{name}: {e}" for e in checked.errors]
+            continue
+        repairs += [f"{name}: {r}" for r in checked.repairs]
+        configs.append(EnvConfig(name=name, params=checked.params, purpose=str(item.get("purpose", ""))[:200]))
+    return configs, repairs, errors
+
+
+def training_mix(configs: list[EnvConfig], original_share: float) -> list[EnvConfig]:
+    """The original env (default params) with ``original_share`` of the weight, the rest split."""
+    share = min(max(original_share, 0.0), 1.0)
+    rest = (1.0 - share) / max(1, len(configs))
+    mix = [EnvConfig(ORIGINAL, {}, "the original environment", share)] if share > 0 else []
+    return mix + [EnvConfig(c.name, dict(c.params), c.purpose, rest) for c in configs]
+
+
+def achievement_rates(result: TrainResult) -> dict[str, tuple[float, float]]:
+    """Per-achievement success (percent): mean and std over the evaluation episodes."""
+    per_episode = [e.info.get("achievements") for e in result.episodes if isinstance(e.info.get("achievements"), dict)]
+    if per_episode:
+        names = sorted(per_episode[0])
+        return {a: (100 * float(np.mean([bool(ep.get(a)) for ep in per_episode])), 100 * float(np.std([bool(ep.get(a)) for ep in per_episode]))) for a in names}
+    details = result.fitness.details if result.fitness else {}
+    return {k[len("success_"):]: (float(v), float("nan")) for k, v in sorted(details.items()) if k.startswith("success_")}
+
+
+def format_rates(rates: dict[str, tuple[float, float]]) -> str:
+    return "\n".join(f"- {a}: {m:.1f} +- {s:.1f}" if s == s else f"- {a}: {m:.1f}" for a, (m, s) in rates.items()) or "- (none recorded)"
+
+
+def task_achievements(task: Any) -> list[str]:
+    """The task's achievements: fields named ``achievement_*`` of its state, else its goal."""
+    names = [f.name[len("achievement_"):] for f in task.state_fields if f.name.startswith("achievement_")]
+    return names or [task.goal]
+
+
+# -- state -----------------------------------------------------------------------------------
+
+
+@dataclass
+class EnvGenState:
+    """The conversation kept across training cycles, and what was generated."""
+
+    messages: list[dict[str, str]] = field(default_factory=list)
+    configs: list[EnvConfig] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+
+
+STATE = EnvGenState()
+
+
+def first_prompt(run: Any, n: int, example: dict[str, Any]) -> str:
+    cfg = run.plugin_config(NAME)
+    constraints = CONSTRAINTS + "".join(f"\n- {c}" for c in (cfg.get("constraints") or []))
+    constraints += "".join(f"\n- if {r.when} is set, {r.then} must be at least {r.min:g}" for r in rules_of(run))
+    return TASK.format(
+        goal=run.task.goal,
+        achievements=", ".join(task_achievements(run.task)),
+        params=describe_params(run.task.params),
+        constraints=constraints,
+        n=n,
+        example=json.dumps(example),
+    )
+
+
+def rules_of(run: Any) -> list[Rule]:
+    """Repair rules from the config and the task's optional ``param_rules``."""
+    raw = list(run.plugin_config(NAME).get("rules") or []) + list(getattr(run.task, "param_rules", None) or [])
+    names = {p.name for p in run.task.params}
+    rules = [Rule(str(r["when"]), str(r["then"]), float(r.get("min", 1))) for r in raw]
+    return [r for r in rules if r.when in names and r.then in names]
+
+
+def _example(specs: list[Any]) -> dict[str, Any]:
+    params = {p.name: (p.choices[-1] if p.choices else p.default) for p in specs[:2]}
+    return {"name": "example", "purpose": "practise one skill", "params": params}
+
+
+# -- hooks -----------------------------------------------------------------------------------
+
+
+@hookimpl
+def on_run_start(run: Any) -> None:
+    global STATE
+    STATE = EnvGenState()
+    if not run.task.params:
+        from core.errors import UserError
+
+        raise UserError(f"envgen needs a task with controllable params; '{run.task.name}' declares none.")
+
+
+@hookimpl
+def generate_envs(run: Any, iteration: int) -> list[list[EnvConfig]] | None:
+    cfg = run.plugin_config(NAME)
+    if iteration >= int(cfg.iterations):
+        return None
+    n = int(cfg.num_envs)
+    if not STATE.messages:
+        STATE.messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": first_prompt(run, n, _example(run.task.params))}]
+    specs, rules = run.task.params, rules_of(run)
+    configs: list[EnvConfig] = []
+    for attempt in range(1 + int(cfg.retries)):
+        (reply,) = run.llm.chat(STATE.messages, n=1, temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens),
+                                seed=run.seed * 1000 + iteration * 10 + attempt, tag=f"{NAME}-it{iteration}-try{attempt}")
+        STATE.messages.append({"role": "assistant", "content": reply.text})
+        found, repairs, errors = configs_from_reply(reply.text, specs, rules, n)
+        configs += found[: n - len(configs)]
+        STATE.log += [f"it{iteration}: repaired {r}" for r in repairs] + [f"it{iteration}: invalid {e}" for e in errors]
+        if len(configs) >= n or attempt == int(cfg.retries):
+            break
+        STATE.messages.append({"role": "user", "content": INVALID.format(errors="\n".join(f"- {e}" for e in errors) or "- too few configs", n=n - len(configs))})
+    if not configs:  # nothing usable: keep the last cycle's envs rather than stop
+        configs = STATE.configs
+    STATE.configs = configs
+    mix = training_mix(configs, float(cfg.original_share))
+    run.log_text(f"{NAME}/it{iteration}-envs.json", json.dumps([c.__dict__ for c in mix], indent=2))
+    run.log_metrics({f"{NAME}/generated_envs": len(configs), f"{NAME}/original_share": mix[0].weight if mix and mix[0].name == ORIGINAL else 0.0}, step=iteration)
+    return [mix]
+
+
+@hookimpl
+def reflect(run: Any, result: IterationResult) -> str | None:
+    cfg = run.plugin_config(NAME)
+    mine = [(c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c)]
+    if not mine or result.iteration >= int(cfg.iterations):
+        return None
+    ok = [(c, r) for c, r in mine if r.ok and r.fitness is not None]
+    if not ok:
+        text = "Training failed: " + (mine[0][1].error.strip()[-500:] or "unknown error") + f"\nWrite {int(cfg.num_envs)} configs again."
+    else:
+        _, best = max(ok, key=lambda cr: cr[1].score)
+        rates = achievement_rates(best)
+        run.log_metrics({f"{NAME}/success_{a}": m for a, (m, _) in rates.items()}, step=result.iteration)
+        text = FEEDBACK.format(rates=format_rates(rates), fitness_name=best.fitness.name, fitness=best.score, n=int(cfg.num_envs))  # type: ignore[union-attr]
+    STATE.messages.append({"role": "user", "content": text})
+    keep = 2 + 2 * int(cfg.history)  # system + first prompt + the last `history` exchanges
+    if len(STATE.messages) > keep:
+        STATE.messages = STATE.messages[:2] + STATE.messages[-(keep - 2):]
+    return text + ("\n\nRepairs and rejections so far:\n" + "\n".join(STATE.log) if STATE.log else "")
+
+
+@hookimpl
+def on_run_end(run: Any, best: tuple[Candidate, TrainResult] | None) -> None:
+    if STATE.log:
+        run.log_text(f"{NAME}/repairs.txt", "\n".join(STATE.log))
+
+
+def _is_mine(candidate: Candidate) -> bool:
+    return any(e.name == ORIGINAL for e in candidate.envs) or bool(candidate.envs and candidate.envs == STATE.configs)
