@@ -1,0 +1,376 @@
+"""text2reward: dense reward code from an environment abstraction (Text2Reward, ICLR 2024).
+
+Method (Xie et al., "Text2Reward: Reward Shaping with Language Models for Reinforcement
+Learning"):
+
+1. Zero-shot: the LLM sees a compact Pythonic abstraction of the environment (a
+   class-style view of the state's attributes, the action, and helper functions it may
+   call) and the instruction, and writes ``compute_dense_reward`` with staged terms.
+   A reply is retried, with the error shown, until its code parses and passes the
+   sandbox probe on real states.
+2. Few-shot: the ``shots`` most similar examples (by instruction text) are retrieved
+   from a library of ``(instruction, reward code)`` pairs and shown before the task.
+   The plugin builds that library from its own successful runs (``library_min_fitness``).
+3. Optional human feedback: after training, a user's comment on the trained behaviour
+   (``feedback`` or ``feedback_file``) and the previous code go back to the LLM for a
+   revised reward; without one, ``auto_feedback`` writes a short factual comment.
+
+Config: ``conf/plugins/text2reward.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core import hookimpl
+from core.codegen import extract_function
+from core.envs.task import Task
+from core.prompting import action_text
+from core.records import Candidate, IterationResult, RewardProgram, TrainResult
+
+NAME = "text2reward"
+ENTRY = "compute_dense_reward"
+ARGS = ["state", "action", "next_state"]
+
+# -- prompt pieces -----------------------------------------------------------------------
+
+SYSTEM = """You are an expert in robotics and reinforcement learning. Given a Pythonic
+abstraction of an environment and an instruction, you write a dense reward function
+in Python that lets an RL agent learn to follow the instruction. Reply with one
+```python code block."""
+
+#: helpers prepended to every program: the abstraction promises them to the LLM
+HELPERS = '''import torch
+
+
+def distance(a, b):
+    """Euclidean distance over the last axis; |a - b| for scalar fields."""
+    d = a - b
+    return torch.sqrt((d * d).sum(dim=-1)) if d.dim() > 1 else torch.abs(d)
+
+
+def tolerance(x, lower, upper, margin):
+    """1 inside [lower, upper], falling smoothly to 0 at `margin` outside it."""
+    below = torch.clamp(lower - x, min=0.0) / margin
+    above = torch.clamp(x - upper, min=0.0) / margin
+    return torch.exp(-(below + above) ** 2)
+
+
+def stage(done, value):
+    """`value` where the stage condition `done` holds, else 0 (a staged term)."""
+    return torch.where(done, value, torch.zeros_like(value))
+'''
+
+ABSTRACTION = """```python
+class {cls}:
+    \"\"\"The state of the environment, batched over B parallel envs.
+    Read an attribute as state["name"] (and next_state["name"] after the action);
+    each is a float32 torch.Tensor of shape [B] unless its shape is given.\"\"\"
+{attributes}
+
+# action: torch.Tensor [B, ...]. {action}
+
+# Helper functions (already defined; call them, do not redefine them):
+def distance(a, b) -> torch.Tensor:            # Euclidean distance (|a - b| for scalars)
+def tolerance(x, lower, upper, margin) -> torch.Tensor:  # 1 in [lower, upper], smooth 0 outside
+def stage(done, value) -> torch.Tensor:        # value where bool tensor `done` holds, else 0
+```"""
+
+TASK = """Environment abstraction:
+
+{abstraction}
+
+{description}
+
+Instruction: {instruction}
+
+Write the reward with exactly this signature:
+
+```python
+def compute_dense_reward(state, action, next_state):
+    ...
+    return reward, components
+```
+
+`reward` is a float tensor [B]; `components` a dict of the named [B] terms you add up.
+Shape the reward in stages (for example: first approach, then make progress, then
+finish), each stage a term that switches on with torch.where when the previous one is
+done. Use only vectorised torch operations on whole batches: no `if` on tensors, no
+math.* on tensors, no Python loops over envs. You may import only: {imports}."""
+
+EXAMPLE = """An example reward that worked. Instruction: {instruction}
+
+```python
+{code}
+```"""
+
+RETRY = """That code cannot be used: {error}
+Fix it and reply with the complete `compute_dense_reward` in a ```python block."""
+
+FEEDBACK = """We trained a policy with the reward function above. Its result: {summary}
+
+Feedback from the user on the trained behaviour: {comment}
+
+Revise the reward function accordingly and reply with the complete
+`compute_dense_reward` in a ```python block."""
+
+WORD = re.compile(r"[a-z0-9_]+")
+
+
+# -- library of (instruction, code) examples ------------------------------------------------
+
+
+@dataclass
+class Example:
+    """One successful reward function: the instruction it was written for and its code."""
+
+    task: str
+    instruction: str
+    code: str
+    fitness: float
+
+
+def _bag(text: str) -> Counter[str]:
+    return Counter(WORD.findall(text.lower()))
+
+
+def similarity(a: str, b: str) -> float:
+    """Cosine similarity of the two texts' word counts (0 when either is empty)."""
+    x, y = _bag(a), _bag(b)
+    dot = sum(x[w] * y[w] for w in x)
+    norm = math.sqrt(sum(v * v for v in x.values())) * math.sqrt(sum(v * v for v in y.values()))
+    return dot / norm if norm else 0.0
+
+
+def retrieve(library: list[Example], instruction: str, k: int) -> list[Example]:
+    """The ``k`` examples whose instructions are most similar to ``instruction``."""
+    if k <= 0:
+        return []
+    ranked = sorted(library, key=lambda e: (similarity(e.instruction, instruction), e.fitness), reverse=True)
+    return ranked[:k]
+
+
+def load_library(path: Path | None) -> list[Example]:
+    if path is None or not path.exists():
+        return []
+    try:
+        return [Example(**item) for item in json.loads(path.read_text())]
+    except (ValueError, TypeError):
+        return []  # a damaged library only costs the few-shot examples
+
+
+def add_example(library: list[Example], example: Example) -> list[Example]:
+    """Add ``example``, keeping one entry per (task, instruction): the fittest."""
+    same = [e for e in library if e.task == example.task and e.instruction == example.instruction]
+    if same and max(e.fitness for e in same) >= example.fitness:
+        return library
+    rest = [e for e in library if not (e.task == example.task and e.instruction == example.instruction)]
+    return rest + [example]
+
+
+# -- prompts ----------------------------------------------------------------------------------
+
+
+def abstraction(task: Task) -> str:
+    """The Pythonic class-style view of the task's state, action and helpers."""
+    cls = "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", task.name) if part) + "State"
+    rows = []
+    for f in task.state_fields:
+        shape = "" if f.size == 1 and not f.shape else f" shape [B, {', '.join(str(s) for s in (f.shape or (f.size,)))}];"
+        unit = f" [{f.unit}]" if f.unit else ""
+        rows.append(f"    {f.name}: torch.Tensor  #{shape}{unit} {f.description}")
+    return ABSTRACTION.format(cls=cls, attributes="\n".join(rows), action=action_text(task).split("tensor of shape [B, ...] ")[-1])
+
+
+def task_prompt(task: Task, instruction: str, allowed: list[str]) -> str:
+    description = task.description.split("\n\n")[0]  # the prose, not the schema repeated
+    return TASK.format(abstraction=abstraction(task), description=description, instruction=instruction, imports=", ".join(allowed))
+
+
+def messages(task: Task, instruction: str, allowed: list[str], examples: list[Example]) -> list[dict[str, str]]:
+    """System + (retrieved examples) + the task prompt."""
+    user = task_prompt(task, instruction, allowed)
+    if examples:
+        shown = "\n\n".join(EXAMPLE.format(instruction=e.instruction, code=e.code.strip()) for e in examples)
+        user = shown + "\n\nNow your task.\n\n" + user
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def behaviour_summary(result: TrainResult, fitness_name: str) -> str:
+    """A one-line factual account of what the trained policy did."""
+    parts = [f"{fitness_name} = {result.fitness.value:.3g}" if result.fitness else "no fitness"]
+    if result.episodes:
+        lengths = [e.length for e in result.episodes]
+        returns = [e.ret for e in result.episodes]
+        parts.append(f"episode length {min(lengths)}-{max(lengths)} (mean {sum(lengths) / len(lengths):.0f})")
+        parts.append(f"env return mean {sum(returns) / len(returns):.3g}")
+    for name, series in sorted(result.components.items()):
+        if series:
+            parts.append(f"{name} {series[0][1]:.3g} -> {series[-1][1]:.3g}")
+    return "; ".join(parts) + "."
+
+
+def auto_comment(result: TrainResult, fitness_name: str) -> str:
+    """Stands in for a user's comment when none is given: says what went wrong."""
+    value = result.fitness.value if result.fitness else 0.0
+    if value <= 0.0:
+        return "The agent never achieves the goal. The reward must guide it more directly toward the instruction's goal."
+    return f"The agent sometimes achieves the goal ({fitness_name} {value:.2f}) but not reliably. Make the final stage more rewarding."
+
+
+def program_of(reply: str, prompt: str, sample: int) -> tuple[RewardProgram | None, str]:
+    """The reward program in ``reply`` with the helpers prepended, or the error text."""
+    found = extract_function(reply, ENTRY, ARGS)
+    if not found.ok:
+        return None, found.error
+    source = HELPERS + "\n\n" + found.source
+    return RewardProgram(source=source, entry=ENTRY, origin=NAME, prompt=prompt, reply=reply, meta={"sample": sample}), ""
+
+
+# -- state -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Text2RewardState:
+    library: list[Example] = field(default_factory=list)
+    library_path: Path | None = None
+    best: tuple[RewardProgram, TrainResult] | None = None  # the latest iteration's best
+    best_score: float = float("-inf")
+    best_source: str = ""  # the fittest program over the run
+
+
+STATE = Text2RewardState()
+
+
+def _instruction(run: Any) -> str:
+    cfg = run.plugin_config(NAME)
+    return str(cfg.get("instruction") or run.task.goal)
+
+
+def _comment(cfg: Any) -> str:
+    path = cfg.get("feedback_file")
+    if path and Path(str(path)).exists():
+        text = Path(str(path)).read_text().strip()
+        if text:
+            return text
+    return str(cfg.get("feedback") or "").strip()
+
+
+def _validate(run: Any, program: RewardProgram) -> str:
+    """'' when the sandbox accepts the program on real states, else the reason."""
+    from core.sandbox import Limits, SandboxError, prepare_reward
+
+    sb = run.config.sandbox
+    limits = Limits(cpu_s=float(sb.cpu_s), wall_s=float(sb.wall_s), memory_mb=int(sb.memory_mb), call_timeout_s=float(sb.call_timeout_s))
+    try:
+        prepare_reward(program, run.task, limits=limits, allowed_imports=tuple(sb.allowed_imports))
+    except SandboxError as e:
+        return f"{e.report.kind}: {e.report.message}"
+    return ""
+
+
+# -- hooks -------------------------------------------------------------------------------------
+
+
+@hookimpl
+def on_run_start(run) -> None:
+    global STATE
+    cfg = run.plugin_config(NAME)
+    path = cfg.get("library_path")
+    path = Path(str(path)) if path else Path(str(run.config.get("cache_dir", "."))) / "text2reward_library.json"
+    STATE = Text2RewardState(library=load_library(path), library_path=path)
+
+
+@hookimpl
+def propose_rewards(run, iteration: int) -> list[RewardProgram] | None:
+    cfg = run.plugin_config(NAME)
+    if iteration >= int(cfg.iterations):
+        return None
+    allowed = list(run.config.sandbox.allowed_imports)
+    instruction = _instruction(run)
+    if iteration > 0 and STATE.best is not None:
+        comment = _comment(cfg) or (auto_comment(STATE.best[1], run.task.fitness_name) if cfg.auto_feedback else "")
+        if not comment:
+            return None  # no feedback round: keep the zero-/few-shot reward
+        msgs = messages(run.task, instruction, allowed, [])
+        msgs += [
+            {"role": "assistant", "content": STATE.best[0].reply},
+            {"role": "user", "content": FEEDBACK.format(summary=behaviour_summary(STATE.best[1], run.task.fitness_name), comment=comment)},
+        ]
+    else:
+        shots = int(cfg.shots) if cfg.few_shot else 0
+        pool = [e for e in STATE.library if cfg.get("include_same_task", True) or e.task != run.task.name]
+        msgs = messages(run.task, instruction, allowed, retrieve(pool, instruction, shots))
+    return generate(run, msgs, iteration)
+
+
+def generate(run: Any, msgs: list[dict[str, str]], iteration: int) -> list[RewardProgram]:
+    """``samples`` programs, each retried with its error until it parses and validates."""
+    cfg = run.plugin_config(NAME)
+    prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
+    replies = run.llm.chat(msgs, n=int(cfg.samples), temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens),
+                           seed=run.seed * 1000 + iteration, tag=f"{NAME}-it{iteration}")
+    programs: list[RewardProgram] = []
+    for i, reply in enumerate(replies):
+        text, convo = reply.text, list(msgs)
+        for attempt in range(int(cfg.retries) + 1):
+            program, error = program_of(text, prompt, i)
+            if program is not None:
+                error = _validate(run, program) if cfg.validate else ""
+                if not error:
+                    program.meta["attempts"] = attempt + 1
+                    programs.append(program)
+                    break
+            if attempt == int(cfg.retries):
+                break
+            convo = convo + [{"role": "assistant", "content": text}, {"role": "user", "content": RETRY.format(error=error[-1200:])}]
+            text = run.llm.chat(convo, n=1, temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens),
+                                seed=run.seed * 1000 + iteration * 100 + i * 10 + attempt, tag=f"{NAME}-it{iteration}-retry")[0].text
+    return programs
+
+
+@hookimpl
+def reflect(run, result: IterationResult) -> str | None:
+    cfg = run.plugin_config(NAME)
+    mine = [(c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c, result.iteration)]
+    if not mine:
+        return None
+    ok = [(c, r) for c, r in mine if r.ok]
+    lines = [f"iteration {result.iteration}: {len(ok)}/{len(mine)} reward functions trained"]
+    lines += [f"- {c.id}: {r.fitness.value:.4g}" if r.ok and r.fitness else f"- {c.id}: failed ({r.error_kind})" for c, r in mine]
+    if not ok:
+        return "\n".join(lines)
+    best_c, best_r = max(ok, key=lambda cr: cr[1].score)
+    STATE.best = (best_c.reward, best_r)  # type: ignore[assignment]
+    if best_r.score > STATE.best_score:
+        STATE.best_score, STATE.best_source = best_r.score, best_c.reward.source  # type: ignore[union-attr]
+    if best_r.score >= float(cfg.library_min_fitness) and best_c.reward is not None:
+        code = best_c.reward.source.replace(HELPERS, "").strip()
+        STATE.library = add_example(STATE.library, Example(run.task.name, _instruction(run), code, best_r.score))
+        _save_library()
+        lines.append(f"added {best_c.id} to the few-shot library ({len(STATE.library)} examples)")
+    lines.append("behaviour of the best: " + behaviour_summary(best_r, run.task.fitness_name))
+    return "\n".join(lines)
+
+
+@hookimpl
+def on_run_end(run, best: tuple[Candidate, TrainResult] | None) -> None:
+    if STATE.best_source:
+        run.log_text(f"{NAME}/best_reward.py", STATE.best_source)
+
+
+def _save_library() -> None:
+    if STATE.library_path is None:
+        return
+    STATE.library_path.parent.mkdir(parents=True, exist_ok=True)
+    STATE.library_path.write_text(json.dumps([asdict(e) for e in STATE.library], indent=1))
+
+
+def _is_mine(candidate: Candidate, iteration: int) -> bool:
+    return candidate.reward is not None and candidate.reward.origin == NAME and candidate.iteration == iteration

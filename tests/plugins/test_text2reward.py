@@ -1,0 +1,273 @@
+"""text2reward plugin: abstraction prompt, retries until valid, few-shot library, feedback round."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+
+from core.envs import make_task
+from core.records import Candidate, Episode, Fitness, IterationResult, RewardProgram, TrainResult
+from plugins import text2reward as t2r
+
+GOOD = """```python
+import torch
+
+def compute_dense_reward(state, action, next_state):
+    height = next_state["car_position"]
+    reached = height >= 0.5
+    approach = tolerance(height, 0.5, 0.6, 1.0)
+    speed = distance(next_state["car_velocity"], torch.zeros_like(height))
+    finish = stage(reached, torch.ones_like(height) * 10.0)
+    reward = approach + 10.0 * speed + finish
+    return reward, {"approach": approach, "speed": speed, "finish": finish}
+```"""
+
+SCALAR = """```python
+def compute_dense_reward(state, action, next_state):
+    if next_state["car_position"] > 0.5:
+        return 1.0
+    return 0.0
+```"""
+
+PROSE = "Reward the car for height."
+
+
+class FakeLLM:
+    """Replies in order (cycling); records each call."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts, self.calls, self.i = texts, [], 0
+
+    def chat(self, messages, *, n=1, temperature=None, max_tokens=None, seed=0, tag="", stop=None):
+        self.calls.append({"messages": messages, "n": n, "seed": seed, "tag": tag, "temperature": temperature})
+        out = []
+        for _ in range(n):
+            out.append(SimpleNamespace(text=self.texts[self.i % len(self.texts)], cached=False, latency_s=0.0))
+            self.i += 1
+        return out
+
+
+def make_run(texts: list[str], tmp_path: Path, **cfg) -> SimpleNamespace:
+    base = OmegaConf.load(Path(t2r.__file__).parents[1] / "conf" / "plugins" / "text2reward.yaml")
+    plugin = OmegaConf.merge(base, {"samples": 2, "retries": 1, "library_path": str(tmp_path / "lib.json"), **cfg})
+    config = OmegaConf.create(
+        {
+            "cache_dir": str(tmp_path),
+            "sandbox": {"allowed_imports": ["math", "numpy", "torch"], "cpu_s": 10, "wall_s": 20, "memory_mb": 4096, "call_timeout_s": 1.0},
+            "plugins": {"text2reward": plugin},
+        }
+    )
+    logged: dict[str, str] = {}
+    run = SimpleNamespace(
+        config=config,
+        task=make_task({"name": "mountaincar"}),
+        llm=FakeLLM(texts),
+        seed=1,
+        plugin_config=lambda name: config.plugins.get(name),
+        log_text=lambda path, text: logged.__setitem__(path, text),
+        logged=logged,
+    )
+    t2r.on_run_start(run=run)
+    return run
+
+
+def _result(value: float) -> TrainResult:
+    return TrainResult(
+        candidate_id="x",
+        ok=True,
+        fitness=Fitness("success_rate", value),
+        episodes=[Episode(-120.0, 120, True), Episode(-200.0, 200, False)],
+        components={"approach": [(0, 0.1), (100, 0.4)]},
+    )
+
+
+def _candidate(i: int, source: str = "def compute_dense_reward(state, action, next_state):\n    return 1", iteration: int = 0) -> Candidate:
+    program = RewardProgram(source=t2r.HELPERS + "\n\n" + source, entry=t2r.ENTRY, origin="text2reward", reply=f"reply {i}")
+    return Candidate(id=f"it{iteration}-c{i}", iteration=iteration, reward=program)
+
+
+# -- prompt building ----------------------------------------------------------------------------
+
+
+def test_abstraction_is_a_class_view_of_every_state_field_with_helpers():
+    task = make_task({"name": "mountaincar"})
+    text = t2r.abstraction(task)
+    assert "class MountaincarState:" in text
+    for f in task.state_fields:
+        assert f"    {f.name}: torch.Tensor" in text
+    assert "def distance(a, b)" in text and "def tolerance(" in text and "def stage(" in text
+    assert "Discrete(3)" in text  # the action
+
+
+def test_zero_shot_prompt_has_abstraction_instruction_signature_and_stages(tmp_path):
+    run = make_run([GOOD], tmp_path, instruction="Reach the flag quickly.")
+    t2r.propose_rewards(run=run, iteration=0)
+    msgs = run.llm.calls[0]["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user"]
+    user = msgs[1]["content"]
+    assert "Instruction: Reach the flag quickly." in user
+    assert "def compute_dense_reward(state, action, next_state)" in user
+    assert "stages" in user and "An example reward" not in user
+
+
+def test_programs_carry_the_helpers_and_pass_the_sandbox(tmp_path):
+    run = make_run([GOOD], tmp_path)
+    programs = t2r.propose_rewards(run=run, iteration=0)
+    assert len(programs) == 2
+    p = programs[0]
+    assert p.entry == "compute_dense_reward" and p.origin == "text2reward"
+    assert p.source.startswith(t2r.HELPERS) and "def compute_dense_reward" in p.source
+    assert p.meta["attempts"] == 1
+
+    from core.sandbox import prepare_reward
+
+    fn = prepare_reward(p, run.task)
+    assert set(fn.component_names) == {"approach", "speed", "finish"}
+
+
+def test_invalid_code_is_retried_with_its_error_until_it_validates(tmp_path):
+    # sample 0: prose then good; sample 1: scalar code (fails the probe) then good
+    run = make_run([PROSE, SCALAR, GOOD, GOOD], tmp_path)
+    programs = t2r.propose_rewards(run=run, iteration=0)
+    assert len(programs) == 2 and all(p.meta["attempts"] == 2 for p in programs)
+    retries = [c for c in run.llm.calls if c["tag"].endswith("retry")]
+    assert len(retries) == 2
+    first_error = retries[0]["messages"][-1]["content"]
+    assert first_error.startswith("That code cannot be used") and "compute_dense_reward" in first_error
+    assert retries[0]["messages"][-2] == {"role": "assistant", "content": PROSE}
+    assert "cannot be used" in retries[1]["messages"][-1]["content"]
+
+
+def test_a_sample_that_never_validates_is_dropped(tmp_path):
+    run = make_run([PROSE], tmp_path, samples=1, retries=2)
+    assert t2r.propose_rewards(run=run, iteration=0) == []
+    assert len(run.llm.calls) == 3  # the sample and two retries
+
+
+# -- few-shot library ------------------------------------------------------------------------------
+
+
+def test_retrieval_ranks_by_instruction_similarity():
+    lib = [
+        t2r.Example("a", "open the drawer by pulling its handle", "A", 1.0),
+        t2r.Example("b", "drive the car up the hill to the flag", "B", 1.0),
+        t2r.Example("c", "balance the pole on the cart", "C", 1.0),
+    ]
+    top = t2r.retrieve(lib, "Drive the under-powered car up the right hill to reach the flag", 2)
+    assert [e.code for e in top][0] == "B"
+    assert len(top) == 2
+    assert t2r.retrieve(lib, "anything", 0) == []
+    assert t2r.similarity("a b", "") == 0.0
+
+
+def test_library_keeps_the_fittest_entry_per_instruction():
+    lib = t2r.add_example([], t2r.Example("t", "go", "old", 0.6))
+    lib = t2r.add_example(lib, t2r.Example("t", "go", "worse", 0.5))
+    assert [e.code for e in lib] == ["old"]
+    lib = t2r.add_example(lib, t2r.Example("t", "go", "new", 0.9))
+    assert [e.code for e in lib] == ["new"]
+
+
+def test_successful_run_joins_the_library_and_is_shown_as_an_example_next_time(tmp_path):
+    run = make_run([GOOD], tmp_path)
+    good_source = "def compute_dense_reward(state, action, next_state):\n    return 7"
+    text = t2r.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1, good_source)], [_result(0.2), _result(0.9)]))
+    assert "added it0-c1 to the few-shot library" in text
+    saved = t2r.load_library(tmp_path / "lib.json")
+    assert len(saved) == 1 and saved[0].code == good_source and saved[0].fitness == 0.9
+    assert t2r.HELPERS not in saved[0].code
+
+    run2 = make_run([GOOD], tmp_path)  # a new run loads the library
+    t2r.propose_rewards(run=run2, iteration=0)
+    user = run2.llm.calls[0]["messages"][1]["content"]
+    assert user.startswith("An example reward that worked.") and "return 7" in user
+    assert user.index("return 7") < user.index("Now your task.") < user.index("Instruction: " + run2.task.goal, user.index("Now your task."))
+
+
+def test_low_fitness_does_not_join_the_library(tmp_path):
+    run = make_run([GOOD], tmp_path)
+    t2r.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result(0.1)]))
+    assert not (tmp_path / "lib.json").exists()
+
+
+def test_zero_shot_ignores_the_library(tmp_path):
+    t2r.STATE.library_path = tmp_path / "lib.json"
+    run = make_run([GOOD], tmp_path, few_shot=False)
+    run_lib = [t2r.Example("mountaincar", run.task.goal, "X", 1.0)]
+    t2r.STATE.library = run_lib
+    t2r.propose_rewards(run=run, iteration=0)
+    assert "An example reward" not in run.llm.calls[0]["messages"][1]["content"]
+
+
+# -- human feedback round --------------------------------------------------------------------------
+
+
+def test_feedback_round_sends_the_previous_code_and_the_users_comment(tmp_path):
+    run = make_run([GOOD], tmp_path, iterations=2, feedback="The car stops abruptly before the flag.")
+    t2r.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1)], [_result(0.1), _result(0.3)]))
+    programs = t2r.propose_rewards(run=run, iteration=1)
+    assert programs
+    msgs = run.llm.calls[-1]["messages"] if not run.llm.calls[-1]["tag"].endswith("retry") else run.llm.calls[0]["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    assert msgs[2]["content"] == "reply 1"  # the best candidate's reply
+    assert "The car stops abruptly before the flag." in msgs[3]["content"]
+    assert "success_rate = 0.3" in msgs[3]["content"] and "episode length 120-200" in msgs[3]["content"]
+
+
+def test_feedback_file_wins_over_the_config_string(tmp_path):
+    path = tmp_path / "comment.txt"
+    path.write_text("It jitters near the top.\n")
+    run = make_run([GOOD], tmp_path, iterations=2, feedback="ignored", feedback_file=str(path))
+    t2r.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result(0.3)]))
+    t2r.propose_rewards(run=run, iteration=1)
+    assert "It jitters near the top." in run.llm.calls[0]["messages"][-1]["content"]
+
+
+def test_no_comment_and_no_auto_feedback_means_no_second_round(tmp_path):
+    run = make_run([GOOD], tmp_path, iterations=2)
+    t2r.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result(0.3)]))
+    assert t2r.propose_rewards(run=run, iteration=1) is None
+    run_auto = make_run([GOOD], tmp_path, iterations=2, auto_feedback=True)
+    t2r.reflect(run=run_auto, result=IterationResult(0, [_candidate(0)], [_result(0.0)]))
+    t2r.propose_rewards(run=run_auto, iteration=1)
+    assert "never achieves the goal" in run_auto.llm.calls[0]["messages"][-1]["content"]
+
+
+def test_reflect_selects_the_fittest_and_logs_it_at_the_end(tmp_path):
+    run = make_run([GOOD], tmp_path)
+    failed = TrainResult(candidate_id="f", ok=False, error="boom", error_kind="exception")
+    text = t2r.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1), _candidate(2)], [_result(0.2), failed, _result(0.4)]))
+    assert "2/3 reward functions trained" in text and "failed (exception)" in text
+    assert t2r.STATE.best[0].reply == "reply 2"
+    t2r.on_run_end(run=run, best=None)
+    assert "text2reward/best_reward.py" in run.logged
+
+
+# -- end to end ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_end_to_end_on_a_continuous_task_with_the_embedded_model(tmp_path: Path):
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    cmd = [
+        sys.executable, "-m", "core", "+plugins=[text2reward]", "env=pendulum",
+        "plugins.text2reward.samples=2", "plugins.text2reward.retries=1", "plugins.text2reward.max_tokens=400",
+        "trainer.frames=2048", "trainer.eval_episodes=2", "executor=inprocess", "progress=false",
+        "save_policy=false", f"cache_dir={tmp_path / 'cache'}",
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_location={tmp_path / 'art'}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert children, "no candidate was trained"
+    assert all("fitness" in r.data.metrics for r in children if r.data.tags.get("ok") == "True")
