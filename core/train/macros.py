@@ -1,0 +1,249 @@
+"""Macro-actions: coded skills added to a discrete action space (RL-GPT's code-as-policy).
+
+RL-GPT (Liu et al., 2024, "RL-GPT: Integrating Reinforcement Learning and Code-as-policy")
+lets an LLM write some skills as code and has the RL agent choose among them and the
+primitive actions. Here a candidate's :class:`~core.records.MacroAction` list extends a
+``Discrete(n)`` action space to ``Discrete(n + len(macros))``: action ``n + j`` runs macro
+``j``, a program ``entry(state) -> primitive action``, step after step, until it has run
+``max_steps`` steps, ``done_entry(state)`` is true on the new state, or the episode ends.
+The agent sees one transition whose reward is the sum of the primitive rewards (a
+semi-MDP option; the discount is not adjusted for the option's length).
+
+Calling convention: ``state`` maps the task's state-field names to tensors of ONE env,
+batched as ``[1, ...]`` (the same layout as reward programs see, with a batch of one);
+``entry`` returns an int, or a tensor/array holding one integer in ``[0, n)``;
+``done_entry`` returns a bool or a one-element tensor. Macros run per env because a
+vector env cannot hold some envs still while others run a macro.
+
+Programs are checked by the sandbox (AST policy, one isolated probe run on a real state
+of the task), then compiled in-process; each call runs under the per-call timer.
+Failures raise :class:`core.sandbox.SandboxError`, which the trainer turns into a failed
+candidate with the report as feedback.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from core.envs.task import Task
+from core.records import MacroAction
+
+STATE_ARGS = ("state",)
+
+
+def _as_action(value: Any, n_actions: int, name: str) -> int:
+    """A macro's return value as a primitive action index; ValueError with feedback if not."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if (value.size if isinstance(value, np.ndarray) else value.numel()) != 1:
+            shape = list(value.shape)
+            raise ValueError(f"macro {name!r} must return one action (an int), got shape {shape}.")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"macro {name!r} must return an int action, got {type(value).__name__}.")
+    if float(value) != int(value) or not 0 <= int(value) < n_actions:
+        raise ValueError(f"macro {name!r} returned {value!r}; actions are the integers 0..{n_actions - 1}.")
+    return int(value)
+
+
+def _as_flag(value: Any, name: str) -> bool:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if (value.size if isinstance(value, np.ndarray) else value.numel()) != 1:
+            raise ValueError(f"done function of macro {name!r} must return one bool, got shape {list(value.shape)}.")
+        value = value.item()
+    if not isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
+        raise ValueError(f"done function of macro {name!r} must return a bool, got {type(value).__name__}.")
+    return bool(value)
+
+
+def validate_action(result: Any, args: tuple[Any, ...], *, n_actions: int, name: str) -> Any:
+    """Probe validator (runs in the sandbox child): one valid primitive action."""
+    from core.sandbox import SandboxReport
+
+    try:
+        _as_action(result, n_actions, name)
+    except ValueError as e:
+        return SandboxReport(False, "output", str(e))
+    return SandboxReport(True, "ok", "")
+
+
+def validate_flag(result: Any, args: tuple[Any, ...], *, name: str) -> Any:
+    """Probe validator for ``done_entry``: one bool."""
+    from core.sandbox import SandboxReport
+
+    try:
+        _as_flag(result, name)
+    except ValueError as e:
+        return SandboxReport(False, "output", str(e))
+    return SandboxReport(True, "ok", "")
+
+
+@dataclass
+class CompiledMacro:
+    """A checked macro: its entry (and done) functions compiled in the sandbox namespace."""
+
+    name: str
+    act: Any  # core.sandbox.CompiledProgram: state -> action
+    done: Any  # CompiledProgram: state -> bool, or None
+    max_steps: int
+
+
+class MacroSet:
+    """The candidate's macros, compiled; wraps vector envs and counts calls.
+
+    ``calls[name]`` counts how often the policy picked each macro (training and
+    evaluation alike) and ``env_steps`` the primitive steps they ran.
+    """
+
+    def __init__(self, macros: list[CompiledMacro], task: Task, call_timeout_s: float) -> None:
+        self.macros, self.task, self.call_timeout_s = macros, task, float(call_timeout_s)
+        self.calls = {m.name: 0 for m in macros}
+        self.env_steps = 0
+
+    @classmethod
+    def prepare(cls, macros: list[MacroAction], task: Task, *, limits: Any = None,
+                allowed_imports: tuple[str, ...] | None = None, probe: bool = True) -> MacroSet:
+        """Check, probe (in the isolated child, on a real state) and compile every macro.
+
+        :raises core.sandbox.SandboxError: with the first failing program's report.
+        """
+        from core import sandbox
+
+        limits = limits or sandbox.Limits()
+        imports = tuple(allowed_imports or sandbox.DEFAULT_IMPORTS)
+        names = [m.name for m in macros]
+        if len(set(names)) != len(names):
+            raise ValueError(f"macro names must be unique, got {names}")
+        n_actions = _discrete_actions(task)
+        obs, _, _ = sandbox.probe_batch(task, num_envs=1, steps=1)
+        state = task.split_state(obs[:1])
+        compiled = []
+        for macro in macros:
+            if int(macro.max_steps) < 1:
+                raise ValueError(f"macro {macro.name!r}: max_steps must be >= 1")
+            checks = [(macro.program, functools.partial(validate_action, n_actions=n_actions, name=macro.name))]
+            if macro.done_entry:
+                checks.append((replace(macro.program, entry=macro.done_entry),
+                               functools.partial(validate_flag, name=macro.name)))
+            fns = []
+            for program, validate in checks:
+                report = sandbox.check_source(program.source, program.entry, arg_names=STATE_ARGS,
+                                              allowed_imports=imports)
+                if report.ok and probe:
+                    report = sandbox.run_isolated(program, (state,), limits=limits, validate=validate,
+                                                  allowed_imports=imports)
+                if not report.ok:
+                    report.message = f"macro {macro.name!r} ({program.entry}): {report.message}"
+                    raise sandbox.SandboxError(report)
+                fns.append(sandbox.compile_program(program, allowed_imports=imports, arg_names=STATE_ARGS,
+                                                   max_output_chars=limits.max_output_chars,
+                                                   timeout_s=limits.call_timeout_s))
+            compiled.append(CompiledMacro(macro.name, fns[0], fns[1] if len(fns) > 1 else None, int(macro.max_steps)))
+        return cls(compiled, task, limits.call_timeout_s)
+
+    # -- running ----------------------------------------------------------------------
+    def _call(self, fn: Any, obs: np.ndarray, name: str) -> Any:
+        from core import sandbox
+
+        state = self.task.split_state(torch.as_tensor(np.asarray(obs, dtype=np.float32)).reshape(1, -1))
+        try:
+            return fn(state, timeout_s=self.call_timeout_s)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - the program's failure is feedback
+            report = sandbox.report_exception(e, fn.filename)
+            report.message = f"macro {name!r}: {report.message}"
+            raise sandbox.SandboxError(report) from None
+
+    def action(self, j: int, obs: np.ndarray, n_actions: int) -> int:
+        macro = self.macros[j]
+        return self._checked(lambda: _as_action(self._call(macro.act, obs, macro.name), n_actions, macro.name))
+
+    def finished(self, j: int, obs: np.ndarray) -> bool:
+        macro = self.macros[j]
+        if macro.done is None:
+            return False
+        return self._checked(lambda: _as_flag(self._call(macro.done, obs, macro.name), macro.name))
+
+    @staticmethod
+    def _checked(get: Any) -> Any:
+        from core import sandbox
+
+        try:
+            return get()
+        except ValueError as e:
+            raise sandbox.SandboxError(sandbox.SandboxReport(False, "output", str(e))) from None
+
+    # -- envs -------------------------------------------------------------------------
+    def wrap(self, vec: gym.vector.VectorEnv) -> gym.vector.VectorEnv:
+        """Give every sub-env of a ``SyncVectorEnv`` the macro actions (in place); returns it."""
+        envs = getattr(vec, "envs", None)
+        if not isinstance(vec, gym.vector.SyncVectorEnv) or envs is None:
+            raise ValueError(f"macro-actions need a SyncVectorEnv task env, got {type(vec).__name__}")
+        vec.envs = [MacroEnv(e, self) for e in envs]
+        vec.single_action_space = vec.envs[0].action_space
+        vec.action_space = gym.vector.utils.batch_space(vec.single_action_space, vec.num_envs)
+        return vec
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"macros/{name}_calls": float(n) for name, n in self.calls.items()}
+        out["macros/env_steps"] = float(self.env_steps)
+        return out
+
+
+def _discrete_actions(task: Task) -> int:
+    env = task.make_env(1, 0, None)
+    try:
+        space = env.single_action_space
+    finally:
+        env.close()
+    if not isinstance(space, gym.spaces.Discrete):
+        raise ValueError(f"macro-actions need a discrete action space; {task.name} has {space}")
+    return int(space.n)
+
+
+class MacroEnv(gym.Wrapper):
+    """One env with ``Discrete(n + k)`` actions: ``n + j`` runs macro ``j`` to its end.
+
+    Every step's info has ``env_steps``: the primitive steps it took.
+    """
+
+    def __init__(self, env: gym.Env, macros: MacroSet) -> None:
+        super().__init__(env)
+        self.n = int(env.action_space.n)
+        self.macros = macros
+        self.action_space = gym.spaces.Discrete(self.n + len(macros.macros))
+        self._obs: Any = None
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        obs, info = self.env.reset(**kwargs)
+        self._obs = obs
+        return obs, info
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        action = int(action)
+        if action < self.n:
+            obs, reward, term, trunc, info = self.env.step(action)
+            self._obs = obs
+            info["env_steps"] = 1
+            return obs, reward, term, trunc, info
+        j = action - self.n
+        macro = self.macros.macros[j]
+        self.macros.calls[macro.name] += 1
+        total, steps = 0.0, 0
+        while True:
+            primitive = self.macros.action(j, self._obs, self.n)
+            obs, reward, term, trunc, info = self.env.step(primitive)
+            self._obs = obs
+            total += float(reward)
+            steps += 1
+            if term or trunc or steps >= macro.max_steps or self.macros.finished(j, obs):
+                break
+        self.macros.env_steps += steps
+        info["env_steps"] = steps
+        return obs, total, term, trunc, info
