@@ -143,3 +143,11 @@ class Task:
         """The ground-truth score of evaluation episodes (default: mean return)."""
         value = float(np.mean([e.ret for e in episodes])) if episodes else float("nan")
         return Fitness(self.fitness_name, value)
+
+    def failure_modes(self, episodes: list[Episode]) -> str:
+        """A short text classifying how evaluation episodes failed, for LLM feedback ("" if none).
+
+        Tasks that record per-episode facts in :meth:`episode_info` override this
+        (e.g. the Kuka grasp task: never reached the block, grasp slipped, dropped).
+        """
+        return ""
