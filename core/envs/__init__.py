@@ -39,6 +39,10 @@ BUILTIN_TASKS: dict[str, str] = {
     "minecraft": "core.envs.crafter:Crafter",
     "crafter": "core.envs.crafter:Crafter",
     "minedojo": "core.envs.minedojo:MineDojo",
+    "kuka_grasp": "core.envs.pybullet_grasp:KukaGrasp",
+    "panda_reach": "core.envs.panda:PandaReach",
+    "panda_push": "core.envs.panda:PandaPush",
+    "panda_pick_and_place": "core.envs.panda:PandaPickAndPlace",
 }
 
 
