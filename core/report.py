@@ -1,0 +1,220 @@
+"""``python -m core.report``: the comparison report of a study (an MLflow experiment).
+
+For every task: each arm's final fitness over seeds (interquartile mean and mean with
+95 % stratified-bootstrap intervals), the probability of improvement between arms,
+sample-efficiency curves (IQM fitness over frames with bands), and the LLM cost per arm.
+Runs that failed, never finished or are missing for a seed other arms have are listed
+per arm and flagged; the statistics use the finished runs only and say how many.
+
+    python -m core -m '+plugins=[eureka],[]' env=cartpole seed=0,1   # the study
+    python -m core.report                                          # -> reports/llm4rl/
+
+Writes ``report.md``, ``report.html``, ``summary.json``, ``runs.csv`` and PNG figures,
+and logs the folder to a ``report`` run of the same experiment (``--no-log`` skips it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core.report_data import OK, REPORT_TAG, StudyRun, assign_arms, load_study
+from core.report_stats import Interval, curve_band, final_score_intervals, improvement
+
+#: per-run LLM/compute metrics summed per arm in the cost table: (metric, column title)
+COST_METRICS = (
+    ("llm/calls", "LLM calls"),
+    ("llm/prompt_tokens", "prompt tokens"),
+    ("llm/completion_tokens", "completion tokens"),
+    ("llm/cache_hits", "cache hits"),
+    ("llm/cost", "cost (USD)"),
+    ("llm/latency_s", "LLM time (s)"),
+    ("seconds", "wall time (s)"),
+    ("frames", "frames"),
+    ("candidates", "candidates"),
+)
+
+
+@dataclass
+class ArmResult:
+    """One arm on one task."""
+
+    arm: str
+    scores: dict[int, float]  # seed -> final fitness of the finished runs
+    failed: dict[int, str]  # seed -> why (failed or unfinished runs)
+    missing: list[int]  # seeds other arms of the task ran and this arm did not
+    duplicates: int  # extra runs of an (arm, seed) that were set aside (latest kept)
+    iqm: Interval
+    mean: Interval
+    cost: dict[str, float]  # COST_METRICS summed over all this arm's runs (failed ones too)
+    curve: dict[str, list[float]] = field(default_factory=dict)  # frames, iqm, low, high, runs
+
+    @property
+    def complete(self) -> bool:
+        return not self.failed and not self.missing
+
+    def status(self) -> str:
+        parts = []
+        if self.failed:
+            parts.append("failed seed " + ", ".join(f"{s} ({why})" for s, why in sorted(self.failed.items())))
+        if self.missing:
+            parts.append("missing seed " + ", ".join(map(str, self.missing)))
+        if self.duplicates:
+            parts.append(f"{self.duplicates} repeated run(s) set aside")
+        return "complete" if not parts else "PARTIAL: " + "; ".join(parts)
+
+
+@dataclass
+class TaskResult:
+    """Every arm of one task, and the pairwise probabilities of improvement."""
+
+    env: str
+    fitness_name: str
+    seeds: list[int]
+    arms: list[ArmResult]
+    improvement: list[tuple[str, str, Interval]]  # (X, Y, P(X > Y))
+
+
+def analyze(runs: list[StudyRun], reps: int = 2000, seed: int = 0) -> list[TaskResult]:
+    """Group runs by task and arm and compute every statistic of the report."""
+    tasks = []
+    for env in sorted({r.env for r in runs}):
+        group = [r for r in runs if r.env == env]
+        seeds = sorted({r.seed for r in group})
+        arms = [_arm_result(arm, [r for r in group if r.arm == arm], seeds, reps, seed) for arm in sorted({r.arm for r in group})]
+        pairs = []
+        for a in arms:
+            for b in arms:
+                if a.arm != b.arm:
+                    pairs.append((a.arm, b.arm, improvement(list(a.scores.values()), list(b.scores.values()), reps, seed)))
+        names = {r.fitness_name for r in group if r.status == OK}
+        tasks.append(TaskResult(env, ", ".join(sorted(names)) or "fitness", seeds, arms, pairs))
+    return tasks
+
+
+def _arm_result(arm: str, runs: list[StudyRun], seeds: list[int], reps: int, seed: int) -> ArmResult:
+    chosen: dict[int, StudyRun] = {}
+    duplicates = 0
+    for r in sorted(runs, key=lambda r: (r.status == OK, r.start_time)):  # finished and latest win
+        duplicates += r.seed in chosen
+        chosen[r.seed] = r
+    scores = {s: float(r.fitness) for s, r in sorted(chosen.items()) if r.status == OK and r.fitness is not None}
+    failed = {s: (r.note or r.status) for s, r in sorted(chosen.items()) if s not in scores}
+    iqm, mean = final_score_intervals(list(scores.values()), reps, seed)
+    cost = {key: float(sum(r.metrics.get(key, 0.0) for r in runs)) for key, _ in COST_METRICS}
+    result = ArmResult(arm, scores, failed, [s for s in seeds if s not in chosen], duplicates, iqm, mean, cost)
+    result.curve = _curve(arm, [chosen[s] for s in scores], reps, seed)
+    return result
+
+
+def _curve(arm: str, runs: list[StudyRun], reps: int, seed: int) -> dict[str, list[float]]:
+    """IQM fitness over frames across runs, on the frames every run's curve covers."""
+    curves = [r.curve for r in runs if r.curve]
+    if not curves:
+        return {}
+    end = min(c[-1][0] for c in curves)
+    grid = sorted({f for c in curves for f, _ in c if f <= end})
+    matrix = np.array([np.interp(grid, [f for f, _ in c], [v for _, v in c]) for c in curves])
+    mid, low, high = curve_band(matrix, reps=max(reps // 2, 200), seed=seed)
+    return {"frames": [float(g) for g in grid], "iqm": mid.tolist(), "low": low.tolist(), "high": high.tolist(), "runs": [float(len(curves))]}
+
+
+# -- output -------------------------------------------------------------------------------
+
+
+def write_report(tasks: list[TaskResult], runs: list[StudyRun], out: Path, experiment: str, reps: int) -> list[Path]:
+    """Markdown, HTML, JSON, CSV and PNG files of the report in ``out``; returns them."""
+    from core.report_render import render_figures, render_html, render_markdown
+
+    out.mkdir(parents=True, exist_ok=True)
+    figures = render_figures(tasks, out)
+    md = render_markdown(tasks, runs, experiment, reps, figures)
+    files = [out / "report.md", out / "report.html", out / "summary.json", out / "runs.csv"]
+    files[0].write_text(md)
+    files[1].write_text(render_html(md, experiment))
+    files[2].write_text(json.dumps([_jsonable(asdict(t)) for t in tasks], indent=2))
+    with files[3].open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["run_id", "name", "env", "arm", "plugins", "seed", "status", "fitness", "note"])
+        for r in sorted(runs, key=lambda r: (r.env, r.arm, r.seed)):
+            writer.writerow([r.run_id, r.name, r.env, r.arm, r.plugins, r.seed, r.status, r.fitness, r.note])
+    return files + [out / name for names in figures.values() for name in names]
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    return obj
+
+
+def log_to_mlflow(uri: str, experiment: str, out: Path, tasks: list[TaskResult]) -> str:
+    """Log the report folder (figures included) to a ``report`` run of the experiment."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    run = client.create_run(exp.experiment_id, run_name="report", tags={REPORT_TAG: "true"})
+    rid = run.info.run_id
+    client.log_artifacts(rid, str(out), "report")
+    for t in tasks:
+        for a in t.arms:
+            if np.isfinite(a.iqm.value):
+                key = "".join(ch if ch.isalnum() or ch in "_-./ " else "_" for ch in f"iqm/{t.env}/{a.arm}")
+                client.log_metric(rid, key, a.iqm.value)
+    client.set_terminated(rid)
+    return rid
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m core.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experiment", default="llm4rl", help="MLflow experiment of the study (default: llm4rl)")
+    parser.add_argument("--uri", default="sqlite:///mlflow.db", help="MLflow tracking URI (default: ./mlflow.db)")
+    parser.add_argument("--out", default=None, help="report folder (default: reports/<experiment>)")
+    parser.add_argument("--by", nargs="*", default=None, help="config keys that define an arm (default: plugins + what varies)")
+    parser.add_argument("--metric", default="fitness", help="parent-run metric to compare (e.g. final/fitness_mean)")
+    parser.add_argument("--filter", default="", help="MLflow filter on the runs, e.g. \"attributes.run_name LIKE 'abl-%%'\"")
+    parser.add_argument("--reps", type=int, default=2000, help="bootstrap replications")
+    parser.add_argument("--no-log", action="store_true", help="do not log the report back to MLflow")
+    args = parser.parse_args(argv)
+
+    from rich.console import Console
+
+    from core.errors import UserError
+    from core.quiet import quiet_third_party
+
+    quiet_third_party()
+    console = Console()
+    try:
+        runs = assign_arms(load_study(args.uri, args.experiment, args.metric, args.filter), args.by)
+    except UserError as err:
+        console.print(f"[bold red]error:[/bold red] {err}")
+        return 2
+    if not runs:
+        console.print(f"[bold red]error:[/bold red] experiment '{args.experiment}' has no runs of `python -m core`.")
+        return 2
+    tasks = analyze(runs, reps=args.reps)
+    out = Path(args.out or f"reports/{args.experiment}")
+    write_report(tasks, runs, out, args.experiment, args.reps)
+    for t in tasks:
+        for a in t.arms:
+            console.print(f"{t.env:14} {a.arm:28} n={len(a.scores)}/{len(t.seeds)}  IQM {a.iqm.fmt()}  {a.status()}")
+    if not args.no_log:
+        rid = log_to_mlflow(args.uri, args.experiment, out, tasks)
+        console.print(f"logged to MLflow run {rid}")
+    console.print(f"report: {out / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Reading a study back from MLflow: one :class:`StudyRun` per ``python -m core`` run.
+
+A study is an MLflow experiment. Its parent runs (tags ``plugins``, ``env``, ``seed``)
+are the runs of the study; nested runs are candidates, and the nested run of the best
+candidate (tag ``best_candidate`` on the parent) carries the learning curve. An *arm*
+is what changed between runs apart from the seed: the plugin set, plus any config value
+that differs between runs of the same task (``trainer.lr=0.001``), or the keys given
+with ``--by``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PARENT_TAG = "mlflow.parentRunId"
+REPORT_TAG = "llm4rl.report"  # marks the runs that hold reports (skipped when reading)
+
+#: config keys that never define an arm: bookkeeping, where things run, the task itself
+IGNORED_PREFIXES = (
+    "seed",
+    "run_name",
+    "experiment",
+    "cache_dir",
+    "progress",
+    "resume",
+    "save_policy",
+    "tracking.",
+    "executor.",
+    "env.",
+    "trainer.threads",
+    "trainer.device",
+    "sandbox.",
+)
+
+OK, FAILED, UNFINISHED = "ok", "failed", "unfinished"
+
+
+@dataclass
+class StudyRun:
+    """One run of a study as the report sees it."""
+
+    run_id: str
+    name: str
+    env: str
+    plugins: str  # comma-joined plugin names, "none" for the baseline
+    seed: int
+    status: str  # OK | FAILED | UNFINISHED
+    fitness: float | None = None
+    fitness_name: str = "fitness"
+    metrics: dict[str, float] = field(default_factory=dict)  # final metrics of the parent
+    params: dict[str, str] = field(default_factory=dict)
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (frames, fitness) of the best candidate
+    start_time: int = 0
+    arm: str = ""
+    note: str = ""  # why a run is not ok
+
+
+def run_status(mlflow_status: str, fitness: float | None) -> str:
+    """A run counts only if it finished and recorded a finite fitness."""
+    if mlflow_status == "RUNNING" or mlflow_status == "SCHEDULED":
+        return UNFINISHED
+    if mlflow_status != "FINISHED" or fitness is None or fitness != fitness:
+        return FAILED
+    return OK
+
+
+def load_study(uri: str, experiment: str, metric: str = "fitness", filter_string: str = "") -> list[StudyRun]:
+    """The parent runs of ``experiment`` at tracking ``uri`` (with curves of their best candidates)."""
+    import mlflow
+
+    from core.errors import UserError
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        names = [e.name for e in client.search_experiments()]
+        raise UserError(f"No MLflow experiment '{experiment}' at {uri}. Experiments there: {', '.join(names) or 'none'}.")
+    runs = _search_all(client, exp.experiment_id, filter_string)
+    children: dict[str, list[Any]] = {}
+    for r in runs:
+        parent = r.data.tags.get(PARENT_TAG)
+        if parent:
+            children.setdefault(parent, []).append(r)
+    study = []
+    for r in runs:
+        tags = r.data.tags
+        if tags.get(PARENT_TAG) or tags.get(REPORT_TAG) or "env" not in tags or "seed" not in tags:
+            continue
+        value = r.data.metrics.get(metric)
+        status = run_status(r.info.status, value)
+        run = StudyRun(
+            run_id=r.info.run_id,
+            name=r.info.run_name or r.info.run_id,
+            env=tags["env"],
+            plugins=tags.get("plugins", "none"),
+            seed=int(tags["seed"]),
+            status=status,
+            fitness=value if status == OK else None,
+            fitness_name=tags.get("fitness_name", metric),
+            metrics=dict(r.data.metrics),
+            params=dict(r.data.params),
+            start_time=int(r.info.start_time or 0),
+        )
+        if status != OK:
+            run.note = _failure_note(r, children.get(r.info.run_id, []), metric)
+        run.curve = _best_curve(client, tags.get("best_candidate", ""), children.get(r.info.run_id, []), run.seed)
+        study.append(run)
+    return study
+
+
+def _search_all(client: Any, experiment_id: str, filter_string: str) -> list[Any]:
+    runs, token = [], None
+    while True:
+        page = client.search_runs([experiment_id], filter_string=filter_string, max_results=1000, page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def _failure_note(run: Any, children: list[Any], metric: str) -> str:
+    if run.info.status in ("RUNNING", "SCHEDULED"):
+        return "still running or interrupted without an end"
+    if run.info.status != "FINISHED":
+        return f"run {run.info.status.lower()}"
+    failed = sum(c.data.tags.get("ok") == "False" for c in children)
+    if children and failed == len(children):
+        return f"all {failed} candidate(s) failed"
+    return f"no '{metric}' recorded"
+
+
+def _best_curve(client: Any, best: str, children: list[Any], seed: int) -> list[tuple[int, float]]:
+    """The fitness-over-frames history of the best candidate's nested run."""
+    matches = [c for c in children if c.data.tags.get("candidate") == best]
+    same_seed = [c for c in matches if c.data.tags.get("seed") == str(seed)]
+    if not (same_seed or matches):
+        return []
+    child = (same_seed or matches)[0]
+    points: dict[int, float] = {}
+    for m in client.get_metric_history(child.info.run_id, "fitness"):
+        points[int(m.step)] = float(m.value)  # the final value repeats the last evaluation's step
+    return sorted(points.items())
+
+
+# -- arms ---------------------------------------------------------------------------------
+
+
+def plugins_label(plugins: str) -> str:
+    return "baseline" if plugins in ("", "none") else plugins.replace(",", "+")
+
+
+def varying_keys(runs: list[StudyRun]) -> list[str]:
+    """Config keys whose value differs between runs that have them (seed and bookkeeping excluded)."""
+    values: dict[str, set[str]] = {}
+    for r in runs:
+        for k, v in r.params.items():
+            if not k.startswith(IGNORED_PREFIXES) and not k.startswith("plugins."):
+                values.setdefault(k, set()).add(v)
+            elif k.startswith("plugins."):
+                # a plugin knob separates arms only among runs with the same plugin set
+                values.setdefault(f"{r.plugins}|{k}", set()).add(v)
+    keys = {k.split("|", 1)[-1] for k, vs in values.items() if len(vs) > 1}
+    return sorted(keys)
+
+
+def assign_arms(runs: list[StudyRun], by: list[str] | None = None) -> list[StudyRun]:
+    """Name each run's arm: plugin set + varying keys (or exactly the ``by`` keys)."""
+    for env in {r.env for r in runs}:
+        group = [r for r in runs if r.env == env]
+        keys = by if by else varying_keys(group)
+        for r in group:
+            parts = [] if by else [plugins_label(r.plugins)]
+            for k in keys:
+                if k == "plugins":
+                    parts.append(plugins_label(r.plugins))
+                elif k in r.params:
+                    parts.append(f"{k}={r.params[k]}")
+            r.arm = " ".join(parts) or "all"
+    return runs

@@ -1,0 +1,201 @@
+"""Rendering a study report: Markdown tables, an HTML page, and the PNG figures.
+
+The Markdown is the source of truth; the HTML page is made from it by a converter for
+the small subset the report uses (headings, paragraphs, bullet lists, pipe tables,
+images), so the two never disagree and no Markdown package is needed.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from core.report_data import FAILED, OK, UNFINISHED, StudyRun  # noqa: E402
+
+if TYPE_CHECKING:
+    from core.report import TaskResult
+
+
+def _num(v: float) -> str:
+    if v != v:
+        return "—"
+    return f"{v:,.0f}" if abs(v) >= 100 or float(v).is_integer() else f"{v:.3g}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    cells = [[c.replace("|", "\\|") for c in row] for row in rows]
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"] + ["| " + " | ".join(r) + " |" for r in cells]
+
+
+def render_markdown(tasks: list[TaskResult], runs: list[StudyRun], experiment: str, reps: int, figures: dict[str, list[str]]) -> str:
+    """The whole report as Markdown."""
+    from core.report import COST_METRICS
+
+    count = {s: sum(r.status == s for r in runs) for s in (OK, FAILED, UNFINISHED)}
+    lines = [
+        f"# Study report: `{experiment}`",
+        "",
+        f"{len(runs)} runs: {count[OK]} finished, {count[FAILED]} failed, {count[UNFINISHED]} unfinished; "
+        f"{len(tasks)} task(s). Final fitness per run is the best candidate's fitness (metric `fitness` of the run).",
+        "",
+        f"Statistics over seeds (runs): interquartile mean (IQM) and mean with 95 % stratified-bootstrap "
+        f"confidence intervals ({reps} replications, percentile method), and the probability of improvement "
+        "P(X > Y) (Agarwal et al., NeurIPS 2021, computed with `rliable`). Only finished runs enter the "
+        "statistics; an arm with failed or missing seeds is marked **PARTIAL** and its `n` says how many runs it has.",
+    ]
+    for t in tasks:
+        lines += ["", f"## {t.env}: {t.fitness_name}", ""]
+        rows = []
+        for a in t.arms:
+            per_seed = ", ".join(f"{s}: {_num(v)}" for s, v in a.scores.items()) or "—"
+            status = a.status() if not a.complete else "complete"
+            rows.append([a.arm, f"{len(a.scores)}/{len(t.seeds)}", a.iqm.fmt(), a.mean.fmt(), per_seed, status])
+        lines += _table(["arm", "n", "IQM [95% CI]", "mean [95% CI]", "per seed", "status"], rows)
+        partial = [a.arm for a in t.arms if not a.complete]
+        if partial:
+            lines += ["", f"**Partial study**: {', '.join(partial)} lack finished runs for some seeds; "
+                      "their statistics cover fewer runs than the other arms."]
+        if t.improvement:
+            lines += ["", "### Probability of improvement", ""]
+            rows = [[x, y, p.fmt()] for x, y, p in t.improvement]
+            lines += _table(["X", "Y", "P(X > Y) [95% CI]"], rows)
+        for name in figures.get(t.env, []):
+            lines += ["", f"![{name}]({name})"]
+        lines += ["", "### LLM cost and compute (totals over the arm's runs)", ""]
+        rows = [[a.arm] + [_num(a.cost[k]) for k, _ in COST_METRICS] for a in t.arms]
+        lines += _table(["arm"] + [title for _, title in COST_METRICS], rows)
+    problems = [r for r in runs if r.status != OK]
+    if problems:
+        lines += ["", "## Runs left out of the statistics", ""]
+        lines += [f"- `{r.name}` ({r.env}, {r.arm}, seed {r.seed}): {r.status}, {r.note}" for r in problems]
+    return "\n".join(lines) + "\n"
+
+
+def render_html(markdown: str, title: str) -> str:
+    """An HTML page of the report's Markdown subset."""
+    body: list[str] = []
+    table: list[str] = []
+    in_list = False
+
+    def inline(text: str) -> str:
+        text = html.escape(text).replace("\\|", "|")
+        text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
+        return re.sub(r"`(.+?)`", r"<code>\1</code>", text)
+
+    def flush_table() -> None:
+        if table:
+            rows = [[c.strip() for c in re.split(r"(?<!\\)\|", row.strip()[1:-1])] for row in table]
+            head, data = rows[0], rows[2:]
+            body.append("<table><tr>" + "".join(f"<th>{inline(c)}</th>" for c in head) + "</tr>")
+            body.extend("<tr>" + "".join(f"<td>{inline(c)}</td>" for c in r) + "</tr>" for r in data)
+            body.append("</table>")
+            table.clear()
+
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        flush_table()
+        if in_list and not line.startswith("- "):
+            body.append("</ul>")
+            in_list = False
+        if m := re.match(r"^(#{1,6}) (.*)$", line):
+            level = len(m.group(1))
+            body.append(f"<h{level}>{inline(m.group(2))}</h{level}>")
+        elif m := re.match(r"^!\[(.*?)\]\((.*?)\)$", line):
+            body.append(f'<p><img src="{html.escape(m.group(2))}" alt="{html.escape(m.group(1))}"></p>')
+        elif line.startswith("- "):
+            if not in_list:
+                body.append("<ul>")
+                in_list = True
+            body.append(f"<li>{inline(line[2:])}</li>")
+        elif line.strip():
+            body.append(f"<p>{inline(line)}</p>")
+    flush_table()
+    if in_list:
+        body.append("</ul>")
+    style = "body{font-family:sans-serif;max-width:70em;margin:2em auto}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.3em .6em}img{max-width:100%}"
+    return f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+
+
+# -- figures ------------------------------------------------------------------------------
+
+
+def render_figures(tasks: list[TaskResult], out: Path) -> dict[str, list[str]]:
+    """PNG files per task (final scores, improvement, curves); env -> file names."""
+    files: dict[str, list[str]] = {}
+    for t in tasks:
+        names = []
+        for suffix, draw in (("final", _final_figure), ("improvement", _improvement_figure), ("curves", _curve_figure)):
+            fig = draw(t)
+            if fig is None:
+                continue
+            name = f"{_safe(t.env)}_{suffix}.png"
+            fig.savefig(out / name)
+            plt.close(fig)
+            names.append(name)
+        files[t.env] = names
+    return files
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^\w\-]+", "_", name)
+
+
+def _final_figure(t: TaskResult):  # type: ignore[no-untyped-def]
+    arms = t.arms
+    fig, ax = plt.subplots(figsize=(6.4, 0.6 + 0.55 * len(arms)), dpi=110)
+    for i, a in enumerate(arms):
+        if np.isfinite(a.iqm.value):
+            ax.plot([a.iqm.low, a.iqm.high], [i, i], lw=6, alpha=0.35, color=f"C{i}", solid_capstyle="butt")
+            ax.plot([a.iqm.value], [i], "|", ms=16, mew=2, color=f"C{i}")
+        ax.scatter(list(a.scores.values()), [i] * len(a.scores), s=14, color="k", zorder=3)
+    ax.set_yticks(range(len(arms)), [f"{a.arm} (n={len(a.scores)})" for a in arms])
+    ax.set_xlabel(f"final {t.fitness_name}: IQM, 95% CI, runs")
+    ax.set_title(t.env)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def _improvement_figure(t: TaskResult):  # type: ignore[no-untyped-def]
+    pairs = [(x, y, p) for x, y, p in t.improvement if np.isfinite(p.value) and x < y]
+    if not pairs:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 0.6 + 0.5 * len(pairs)), dpi=110)
+    for i, (_, _, p) in enumerate(pairs):
+        ax.plot([p.low, p.high], [i, i], lw=6, alpha=0.35, color="C0", solid_capstyle="butt")
+        ax.plot([p.value], [i], "|", ms=16, mew=2, color="C0")
+    ax.axvline(0.5, color="grey", ls="--", lw=1)
+    ax.set_xlim(0, 1)
+    ax.set_yticks(range(len(pairs)), [f"P({x} > {y})" for x, y, _ in pairs])
+    ax.set_xlabel("probability of improvement (95% CI)")
+    ax.set_title(t.env)
+    fig.tight_layout()
+    return fig
+
+
+def _curve_figure(t: TaskResult):  # type: ignore[no-untyped-def]
+    arms = [a for a in t.arms if a.curve]
+    if not arms:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
+    for i, a in enumerate(arms):
+        c = a.curve
+        ax.plot(c["frames"], c["iqm"], marker="o", ms=3, color=f"C{i}", label=f"{a.arm} (n={int(c['runs'][0])})")
+        ax.fill_between(c["frames"], c["low"], c["high"], color=f"C{i}", alpha=0.2)
+    ax.set_xlabel("frames (best candidate's training)")
+    ax.set_ylabel(f"{t.fitness_name} (IQM, 95% CI)")
+    ax.set_title(f"{t.env}: sample efficiency")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
