@@ -1,0 +1,577 @@
+"""progress_reward: the LLM judges the agent's progress; its score is blended into the reward.
+
+Method (design note "Progress Reward Model for Reinforcement Learning via Large Language
+Models"):
+
+1. Semantic channel: the task's text rendering of a state, with the recent actions, goes
+   to the LLM with at most three sentences of background, a list of evaluation
+   dimensions and a fixed output format (``Score: 1-10`` and ``Reason: ...``). Replies
+   without a usable score are rejected.
+2. Consistency: each state is scored ``samples`` times; the median is kept when the
+   samples agree (confidence >= ``confidence``), otherwise a rule scores the state
+   (how the episode's env return so far ranks among the returns seen).
+3. Cost: states are judged only every ``eval_every`` steps (the score is reused in
+   between); a KD-tree over judged states serves similar states within ``cache_radius``;
+   once ``distill.min_labels`` states are scored, a small ensemble regresses the score
+   from the state and answers wherever it agrees with itself and the state is not novel.
+4. Asynchrony: a worker thread asks the LLM; the reward transform never waits, it reads
+   the results the worker left in a ring buffer.
+5. Mixed reward: ``w_env * r + w_llm * z(progress) + w_exp * bonus`` with stage weights
+   (early / middle / late fractions of the budget), a running z-score (EMA 0.99) of the
+   progress score, and a count-based novelty bonus. With ``shaping`` the LLM term is the
+   potential difference ``gamma * z(s') - z(s)``, which keeps the optimal policy.
+6. Sparse-signal guard: when the LLM keeps scoring no progress, its weight moves to the
+   exploration bonus until a better score comes (logged).
+
+Config: ``conf/plugins/progress_reward.yaml``. The evaluator's reasons are logged as the
+text artifact ``progress_reward/reasons.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import re
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from core import hookimpl
+
+NAME = "progress_reward"
+
+# -- prompt pieces -----------------------------------------------------------------------
+
+SYSTEM = "You are a strict coach who rates how much progress an agent has made towards its goal."
+
+PROMPT = """Task: {background}
+Judge the agent on:
+{dimensions}
+Recent actions: {actions}
+Current state:
+{state}
+
+Reply with exactly two lines:
+Score: <integer 1-10>
+Reason: <one short sentence>"""
+
+_SCORE = re.compile(r"(?:score|rating|评分)\W{0,4}?\s*[:：=]?\s*\**\s*(-?\d+(?:\.\d+)?)\s*(/\s*10)?", re.I)
+_FRACTION = re.compile(r"(-?\d+(?:\.\d+)?)\s*/\s*10\b")
+_REASON = re.compile(r"(?:reason|理由)\W{0,3}?\s*[:：=]\s*\**\s*(.+)", re.I)
+
+
+# -- pure pieces ---------------------------------------------------------------------------
+
+
+def background_of(goal: str, limit: int = 3) -> str:
+    """The task background: the goal cut to at most ``limit`` sentences."""
+    sentences = re.split(r"(?<=[.!?])\s+", goal.strip())
+    return " ".join(s for s in sentences[:limit] if s)
+
+
+def build_prompt(background: str, dimensions: list[str], state: str, actions: str) -> list[dict[str, str]]:
+    """The chat messages that ask for one progress score."""
+    dims = "\n".join(f"- {d}" for d in dimensions)
+    user = PROMPT.format(background=background, dimensions=dims, actions=actions or "none", state=state)
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+@dataclass
+class Judgement:
+    """One parsed reply: a score in [1, 10] and the reason (empty when absent)."""
+
+    score: float
+    reason: str
+
+
+def parse_reply(text: str) -> Judgement | None:
+    """The score and reason of a reply, or None when it is malformed.
+
+    Accepts ``Score: 7``, ``**Score:** 7/10``, ``评分：7``; falls back to a lone ``7/10``.
+    Rejects replies with no score, a score outside 1-10, or two different scores.
+    """
+    found = [float(m.group(1)) for m in _SCORE.finditer(text)]
+    if not found:
+        found = [float(m.group(1)) for m in _FRACTION.finditer(text)]
+    if not found or len(set(found)) > 1:
+        return None
+    score = found[0]
+    if not 1.0 <= score <= 10.0:
+        return None
+    reason = _REASON.search(text)
+    return Judgement(score, reason.group(1).strip().strip("*").strip()[:200] if reason else "")
+
+
+def consensus(scores: list[float], asked: int, tol: float = 1.0) -> tuple[float, float]:
+    """(median, confidence) of the valid scores of ``asked`` samples.
+
+    Confidence is the share of the samples asked whose score lies within ``tol`` of the
+    median, so malformed replies and disagreement both lower it.
+    """
+    if not scores:
+        return float("nan"), 0.0
+    median = float(statistics.median(scores))
+    agree = sum(abs(s - median) <= tol for s in scores)
+    return median, agree / max(1, asked)
+
+
+def rule_score(episode_return: float, returns_seen: list[float]) -> float:
+    """The fallback rule: 1 + 9 * the rank of the return so far among the returns seen."""
+    if not returns_seen:
+        return 5.5
+    rank = float(np.mean(np.asarray(returns_seen) <= episode_return))
+    return 1.0 + 9.0 * rank
+
+
+def stage_weights(progress: float, boundaries: list[float], stages: list[list[float]]) -> tuple[float, float, float]:
+    """(env, llm, exploration) weights of the stage ``progress`` (budget fraction) is in."""
+    index = sum(progress >= b for b in boundaries)
+    w = stages[min(index, len(stages) - 1)]
+    return float(w[0]), float(w[1]), float(w[2])
+
+
+class RunningZ:
+    """Running z-score with exponential moving mean and variance (decay 0.99 by default).
+
+    ``mean <- d*mean + (1-d)*x``; ``var <- d*var + (1-d)*(x-mean)^2``; the first value
+    sets the mean, the variance starts at ``var0``.
+    """
+
+    def __init__(self, decay: float = 0.99, var0: float = 1.0) -> None:
+        self.decay, self.mean, self.var, self.count = decay, 0.0, var0, 0
+
+    def update(self, x: float) -> None:
+        if self.count == 0:
+            self.mean = x
+        else:
+            self.mean = self.decay * self.mean + (1 - self.decay) * x
+            self.var = self.decay * self.var + (1 - self.decay) * (x - self.mean) ** 2
+        self.count += 1
+
+    def normalize(self, x: np.ndarray) -> np.ndarray:
+        return (x - self.mean) / (math.sqrt(self.var) + 1e-8)
+
+
+class StateCache:
+    """Judged states in a KD-tree: a similar state (within ``radius``) reuses the score."""
+
+    def __init__(self, radius: float) -> None:
+        self.radius = radius
+        self.points: list[np.ndarray] = []
+        self.values: list[float] = []
+        self._tree: Any = None
+
+    def add(self, x: np.ndarray, value: float) -> None:
+        self.points.append(np.asarray(x, np.float64))
+        self.values.append(float(value))
+        self._tree = None  # rebuilt on the next query
+
+    def query(self, xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(nearest distance, its value) per row; ``inf``/``nan`` when the cache is empty."""
+        if not self.points:
+            return np.full(len(xs), np.inf), np.full(len(xs), np.nan)
+        if self._tree is None:
+            from scipy.spatial import cKDTree
+
+            self._tree = cKDTree(np.stack(self.points))
+        dist, idx = self._tree.query(np.asarray(xs, np.float64), k=1)
+        return np.asarray(dist), np.asarray(self.values)[idx]
+
+
+class Distiller:
+    """A small ensemble regressing the LLM score from state features (mean and spread)."""
+
+    def __init__(self, dim: int, hidden: int = 64, members: int = 3, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.nets = [self._net(dim, hidden, gen) for _ in range(members)]
+
+    @staticmethod
+    def _net(dim: int, hidden: int, gen: torch.Generator) -> torch.nn.Module:
+        net = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
+        return net
+
+    def fit(self, x: np.ndarray, y: np.ndarray, epochs: int = 200, lr: float = 1e-2) -> float:
+        """Fit every member on a bootstrap of (x, y); returns the final mean squared error."""
+        xt, yt = torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y, dtype=torch.float32)
+        losses = []
+        for k, net in enumerate(self.nets):
+            idx = torch.randint(len(xt), (len(xt),), generator=torch.Generator().manual_seed(k))
+            opt = torch.optim.Adam(net.parameters(), lr=lr)
+            for _ in range(epochs):
+                loss = torch.nn.functional.mse_loss(net(xt[idx]).squeeze(-1), yt[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            losses.append(float(loss))
+        return float(np.mean(losses))
+
+    @torch.no_grad()
+    def predict(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        xt = torch.as_tensor(x, dtype=torch.float32)
+        out = torch.stack([net(xt).squeeze(-1) for net in self.nets])
+        return out.mean(0).numpy(), out.std(0).numpy()
+
+
+def novelty_key(feature: np.ndarray, cell: float) -> bytes:
+    """The count-table key of a state: its features on a grid of ``cell``."""
+    return np.floor(feature / cell).astype(np.int32).tobytes()
+
+
+def preload(llm: Any) -> None:
+    """Load an in-process model now: loading holds the GIL for seconds, so it must not
+    happen in the worker while the training loop runs."""
+    settings = getattr(llm, "settings", None)
+    if settings is not None and getattr(settings, "is_embedded", False):
+        from core.llm import embedded
+
+        embedded.get_server(llm.model.split("/", 1)[1])
+
+
+def render_actions(actions: list[Any]) -> str:
+    return ", ".join(str(a) for a in actions)
+
+
+# -- the judge -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Request:
+    env: int
+    episode: int
+    obs: np.ndarray
+    feature: np.ndarray
+    actions: str
+    episode_return: float
+    frames: int
+
+
+@dataclass
+class _Result:
+    request: _Request
+    score: float
+    confidence: float
+    source: str  # "llm" or "rule"
+    samples: list[float]
+    reason: str
+    latency_s: float
+
+
+@dataclass
+class _Counters:
+    llm_calls: int = 0
+    llm_replies_cached: int = 0
+    cache_hits: int = 0
+    distilled: int = 0
+    rejected: int = 0
+    fallbacks: int = 0
+    dropped: int = 0
+    llm_errors: int = 0
+    llm_latency: list[float] = field(default_factory=list)
+    distilled_latency: list[float] = field(default_factory=list)
+    sparse_steps: int = 0
+    steps: int = 0
+
+
+class ProgressJudge:
+    """Per-training state: the reward side (main thread) and the LLM worker thread."""
+
+    def __init__(self, train: Any, cfg: Any) -> None:
+        self.train, self.cfg = train, cfg
+        self.task = train.task
+        self.background = cfg.get("background") or background_of(self.task.goal)
+        self.z = RunningZ(float(cfg.ema))
+        self.cache = StateCache(float(cfg.cache_radius))
+        self.requests: queue.Queue[_Request] = queue.Queue(maxsize=int(cfg.max_pending))
+        self.ring: deque[_Result] = deque(maxlen=int(cfg.ring_size))
+        self.counts = _Counters()
+        self.counts_table: dict[bytes, int] = {}
+        self.returns_seen: deque[float] = deque(maxlen=512)
+        self.recent_scores: deque[float] = deque(maxlen=int(cfg.sparse.window))
+        self.sparse = False
+        self.reasons: list[str] = []
+        self.distiller: Distiller | None = None
+        self.labels: list[tuple[np.ndarray, float]] = []
+        self._fitted_at = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._step = 0
+        self._scale: np.ndarray | None = None
+        self._scale_rows: list[np.ndarray] = []
+        self._b = 0
+
+    # -- features ----------------------------------------------------------------------
+    def features(self, obs: np.ndarray) -> np.ndarray:
+        """States scaled per dimension by their spread in the first batches seen."""
+        if self._scale is None:
+            self._scale_rows.append(obs)
+            rows = np.concatenate(self._scale_rows)
+            if len(rows) >= int(self.cfg.scale_states):
+                std = rows.std(0)
+                self._scale = np.where(std > 1e-6, std, 1.0)
+            else:
+                std = rows.std(0) if len(rows) > 1 else np.ones(obs.shape[-1])
+                return obs / np.where(std > 1e-6, std, 1.0)
+        return obs / self._scale
+
+    # -- main thread: per step ---------------------------------------------------------
+    def reward(self, batch: Any) -> torch.Tensor:
+        cfg, c = self.cfg, self.counts
+        obs = batch.next_obs.detach().cpu().numpy().astype(np.float64)
+        B = obs.shape[0]
+        if self._b != B:
+            self._init_envs(B)
+        feats = self.features(obs)
+        env_r = batch.env_reward.detach().cpu().numpy().astype(np.float64)
+        done = batch.done.detach().cpu().numpy().astype(bool)
+        action = batch.action.detach().cpu().numpy()
+        for i in range(B):
+            a = action[i]
+            self.actions[i].append(int(a.argmax()) if a.ndim and a.size > 1 and set(np.unique(a)) <= {0, 1}
+                                   else (np.round(a, 2).tolist() if a.ndim else int(a)))
+        self.ep_return += env_r
+        self._drain()
+        # exploration bonus: 1 / sqrt(visits) of the state's grid cell
+        bonus = np.empty(B)
+        for i in range(B):
+            key = novelty_key(feats[i], float(cfg.novelty_cell))
+            n = self.counts_table.get(key, 0) + 1
+            self.counts_table[key] = n
+            bonus[i] = 1.0 / math.sqrt(n)
+        if self._step % int(cfg.eval_every) == 0:
+            self._judge(obs, feats)
+        self._step += 1
+        # mixed reward
+        w_env, w_llm, w_exp = stage_weights(self.train.progress, list(cfg.stages.boundaries),
+                                            [list(cfg.stages.early), list(cfg.stages.middle), list(cfg.stages.late)])
+        c.steps += 1
+        if self.sparse:  # the LLM says nothing useful: its share goes to exploration
+            w_exp, w_llm = w_exp + w_llm, 0.0
+            c.sparse_steps += 1
+        known = ~np.isnan(self.progress)
+        z = np.where(known, self.z.normalize(np.nan_to_num(self.progress)), 0.0)
+        if cfg.shaping:
+            llm_term = float(cfg.gamma) * z - self.prev_phi
+            self.prev_phi = np.where(done, 0.0, z)
+        else:
+            llm_term = z
+        base = batch.reward.detach().cpu().numpy().astype(np.float64)
+        mixed = w_env * base + w_llm * llm_term + w_exp * bonus
+        if done.any():  # a new episode starts: its progress is unknown again
+            for i in np.flatnonzero(done):
+                self.returns_seen.append(float(self.ep_return[i]))
+                self.ep_return[i] = 0.0
+                self.episode[i] += 1
+                self.progress[i] = np.nan
+                self.actions[i].clear()
+        return torch.as_tensor(mixed - base, dtype=torch.float32)
+
+    def _init_envs(self, B: int) -> None:
+        self._b = B
+        self.progress = np.full(B, np.nan)
+        self.prev_phi = np.zeros(B)
+        self.ep_return = np.zeros(B)
+        self.episode = np.zeros(B, dtype=np.int64)
+        self.actions = [deque(maxlen=int(self.cfg.recent_actions)) for _ in range(B)]
+
+    def _judge(self, obs: np.ndarray, feats: np.ndarray) -> None:
+        """Score every env's state from the cache, the distilled model, or queue it for the LLM."""
+        cfg, c = self.cfg, self.counts
+        dist, cached = self.cache.query(feats)
+        need = []
+        for i in range(len(obs)):
+            if dist[i] <= self.cache.radius:
+                self.progress[i] = cached[i]
+                c.cache_hits += 1
+            else:
+                need.append(i)
+        distiller = self.distiller
+        if need and distiller is not None:
+            t0 = time.perf_counter()
+            mean, std = distiller.predict(feats[need])
+            c.distilled_latency.append((time.perf_counter() - t0) / len(need))
+            rest = []
+            for j, i in enumerate(need):
+                if std[j] <= float(cfg.distill.max_std) and dist[i] <= float(cfg.distill.novelty_radius):
+                    self.progress[i] = float(np.clip(mean[j], 1.0, 10.0))
+                    c.distilled += 1
+                else:
+                    rest.append(i)
+            need = rest
+        for i in need:
+            req = _Request(i, int(self.episode[i]), obs[i].astype(np.float32), feats[i].copy(),
+                           render_actions(list(self.actions[i])), float(self.ep_return[i]), int(self.train.frames))
+            try:
+                self.requests.put_nowait(req)
+            except queue.Full:  # never wait: the LLM is busy, reuse the last score
+                c.dropped += 1
+
+    def _drain(self) -> None:
+        """Take what the worker finished: cache it, update the z-score, set env progress."""
+        while self.ring:
+            res = self.ring.popleft()
+            req = res.request
+            self.cache.add(req.feature, res.score)
+            self.z.update(res.score)
+            if req.episode == self.episode[req.env]:
+                self.progress[req.env] = res.score
+            if res.source == "llm":
+                self._sparse_guard(res.score)
+
+    def _sparse_guard(self, score: float) -> None:
+        self.recent_scores.append(score)
+        window = self.recent_scores.maxlen or 1
+        now = len(self.recent_scores) == window and max(self.recent_scores) <= float(self.cfg.sparse.max_score)
+        if now != self.sparse:
+            self.sparse = now
+            what = ("sparse signal: the last %d LLM scores were all <= %s; using the exploration bonus instead"
+                    % (window, self.cfg.sparse.max_score)) if now else "sparse signal over: the LLM scored progress again"
+            self.reasons.append(f"- frames {self.train.frames}: **{what}**")
+            self.train.log_metric("judge/sparse", float(now))
+
+    # -- worker thread -----------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="progress-judge", daemon=True)
+            self._thread.start()
+
+    def stop(self, wait_s: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(wait_s)
+
+    def _work(self) -> None:
+        torch.set_num_threads(1)
+        llm = self.train.llm
+        while not self._stop.is_set():
+            try:
+                req = self.requests.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                self.ring.append(self._evaluate(llm, req))
+            except Exception as exc:  # noqa: BLE001 - an LLM failure costs one evaluation
+                self.counts.llm_errors += 1
+                self.reasons.append(f"- frames {req.frames}: LLM error {type(exc).__name__}: {str(exc)[:200]}")
+            self._maybe_distill()
+
+    def _evaluate(self, llm: Any, req: _Request) -> _Result:
+        cfg, c = self.cfg, self.counts
+        state = self.task.render_state(req.obs)
+        messages = build_prompt(self.background, list(cfg.dimensions), state, req.actions)
+        t0 = time.perf_counter()
+        replies = llm.chat(messages, n=int(cfg.samples), temperature=float(cfg.temperature),
+                           max_tokens=int(cfg.max_tokens), seed=int(self.train.seed), tag=f"{NAME}/evaluate")
+        latency = time.perf_counter() - t0
+        c.llm_calls += 1
+        c.llm_replies_cached += sum(bool(r.cached) for r in replies)
+        if not all(r.cached for r in replies):
+            c.llm_latency.append(latency)
+        parsed = [parse_reply(r.text) for r in replies]
+        c.rejected += sum(p is None for p in parsed)
+        valid = [p for p in parsed if p is not None]
+        median, conf = consensus([p.score for p in valid], len(replies), float(cfg.agree_tol))
+        source, score = "llm", median
+        if conf < float(cfg.confidence):
+            source, score = "rule", rule_score(req.episode_return, list(self.returns_seen))
+            c.fallbacks += 1
+        else:
+            self.labels.append((req.feature, median))
+        reason = next((p.reason for p in valid if p.reason and abs(p.score - median) <= cfg.agree_tol), "")
+        if len(self.reasons) < int(cfg.max_reasons):
+            scores = ", ".join(f"{p.score:g}" for p in valid) or "none parsed"
+            first_line = state.splitlines()[0] if state else ""
+            self.reasons.append(f"- frames {req.frames}, env {req.env}: **{score:.1f}** ({source}; samples {scores}; "
+                                f"confidence {conf:.2f}; {latency:.2f} s) {reason} | state: {first_line}")
+        return _Result(req, float(score), conf, source, [p.score for p in valid], reason, latency)
+
+    def _maybe_distill(self) -> None:
+        d = self.cfg.distill
+        n = len(self.labels)
+        if not d.enabled or n < int(d.min_labels) or n - self._fitted_at < int(d.refit_every):
+            return
+        x = np.stack([f for f, _ in self.labels])
+        y = np.array([s for _, s in self.labels])
+        model = Distiller(x.shape[1], int(d.hidden), int(d.members), seed=int(self.train.seed))
+        mse = model.fit(x, y, epochs=int(d.epochs))
+        self.distiller, self._fitted_at = model, n  # one assignment: the reward side sees old or new
+        self.train.log_metric("judge/distill_mse", mse)
+
+    # -- summary -----------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        c = self.counts
+        evaluations = c.cache_hits + c.distilled + c.llm_calls
+        return {
+            "judge/llm_calls": float(c.llm_calls),
+            "judge/llm_replies_cached": float(c.llm_replies_cached),
+            "judge/cache_hits": float(c.cache_hits),
+            "judge/distilled": float(c.distilled),
+            "judge/rejected_replies": float(c.rejected),
+            "judge/fallbacks": float(c.fallbacks),
+            "judge/dropped": float(c.dropped),
+            "judge/llm_errors": float(c.llm_errors),
+            "judge/llm_share": c.llm_calls / evaluations if evaluations else 0.0,
+            "judge/latency_llm_s": float(np.mean(c.llm_latency)) if c.llm_latency else float("nan"),
+            "judge/latency_distilled_s": float(np.mean(c.distilled_latency)) if c.distilled_latency else float("nan"),
+            "judge/sparse_fraction": c.sparse_steps / max(1, c.steps),
+            "judge/progress_mean": self.z.mean,
+        }
+
+
+_JUDGES: dict[int, ProgressJudge] = {}
+
+
+def _judge_for(train: Any) -> ProgressJudge:
+    judge = _JUDGES.get(id(train))
+    if judge is None or judge.train is not train:
+        cfg = OmegaConf.create(train.plugin_config(NAME) or {})  # attribute access on a plain dict
+        judge = _JUDGES[id(train)] = ProgressJudge(train, cfg)
+    return judge
+
+
+# -- hooks -----------------------------------------------------------------------------------
+
+
+@hookimpl
+def on_train_start(train: Any) -> None:
+    """Start the LLM worker thread (the client and model are loaded here, before the loop)."""
+    preload(train.llm)
+    _judge_for(train).start()
+
+
+@hookimpl
+def compute_reward(train: Any, batch: Any) -> torch.Tensor:
+    """The mixed reward minus the reward so far (the hook's terms are added)."""
+    return _judge_for(train).reward(batch)
+
+
+@hookimpl
+def on_rollout(train: Any, batch: Any) -> None:
+    """Log the judge's counters once per collected batch."""
+    judge = _JUDGES.get(id(train))
+    if judge is not None:
+        c = judge.counts
+        train.log_metric("judge/llm_calls", c.llm_calls)
+        train.log_metric("judge/cache_hits", c.cache_hits)
+        train.log_metric("judge/distilled", c.distilled)
+
+
+@hookimpl
+def on_train_end(train: Any, result: Any) -> None:
+    """Stop the worker; put the judge's metrics on the result and its reasons in a text."""
+    judge = _JUDGES.pop(id(train), None)
+    if judge is None:
+        return
+    judge.stop()
+    result.metrics.update({k: v for k, v in judge.metrics().items() if v == v})
+    header = f"# Progress judge reasons ({judge.counts.llm_calls} LLM evaluations)\n\n"
+    train.log_text(f"{NAME}/reasons.md", header + "\n".join(judge.reasons) + "\n")
