@@ -1,0 +1,342 @@
+"""llm_state_repr: the LLM writes state features and an intrinsic reward over them (LESR, ICML 2024).
+
+Method (Wang et al., "LLM-Empowered State Representation for Reinforcement Learning"):
+
+1. From a per-dimension description of the state and the task goal, the LLM writes
+   ``revise_state(state)`` (extra task-relevant features appended to the original state)
+   and ``intrinsic_reward(state, features)`` over the revised state.
+2. Each sample is checked on real random states before it trains (finite features,
+   finite and bounded intrinsic reward); failing samples are sent back with the error and
+   resampled (``retries``).
+3. K samples per iteration each train briefly with ``r_env + w * r_int``. Feedback lists
+   each sample's score and, per dimension of the revised state, the Lipschitz constant
+   between that dimension and the env reward over the collected states; the next prompt
+   holds earlier code, scores and suggestions. The best pair is retrained at the end
+   (``final_seeds``).
+
+Design: a candidate holds one :class:`StateProgram` (the revised state reaches the policy
+through the core's ``ProgramState`` TorchRL transform) whose ``meta["intrinsic"]`` holds
+the paired intrinsic-reward program. That program is prepared through the sandbox in
+``on_train_start`` and added per step by this plugin's ``compute_reward`` hook. Proposing
+the reward through ``propose_rewards`` instead would make the loop pair every state program
+with every reward program (K x K candidates), and would take the reward role away from
+plugins that combine with this one (e.g. ``+plugins=[llm_state_repr,eureka]``).
+
+Config: ``conf/plugins/llm_state_repr.yaml``.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from core import hookimpl
+from core.codegen import extract_function
+from core.records import Candidate, IterationResult, RewardProgram, StateProgram, TrainResult
+from core.sandbox import SandboxReport, normalize_reward, validate_state
+
+NAME = "llm_state_repr"
+STATE_ENTRY, REWARD_ENTRY = "revise_state", "intrinsic_reward"
+
+# -- prompt pieces -----------------------------------------------------------------------
+
+SYSTEM = """You are an expert in reinforcement learning and state representation. You write
+Python functions over batched torch tensors. Reply with one ```python code block."""
+
+TASK = """Task goal: {goal}
+
+The state is a dict of named float32 tensors batched over B environments:
+{schema}
+
+Write two functions in one code block:
+
+```python
+import torch
+
+def revise_state(state):
+    # extra task-relevant features computed from the state fields
+    # (distances, relative positions, velocities, ...); returns a float tensor [B, k]
+    ...
+    return torch.stack([f1, f2, ...], dim=-1)
+
+def intrinsic_reward(state, features):
+    # features is the output of revise_state(state); returns a float tensor [B]
+    # that rewards progress on the task, bounded in magnitude (about -1 to 1)
+    ...
+```
+
+Use vectorised torch operations only (torch.where, torch.clamp, torch.norm; no Python
+loops over the batch, no in-place edits of the inputs). You may import only: {imports}."""
+
+HISTORY = """Earlier attempts (code, score of the trained policy on {fitness_name}, and feedback):
+
+{attempts}
+
+Write an improved pair of functions, using the feedback."""
+
+SUGGESTIONS = """Suggestions: dimensions with a Lipschitz constant near 0 barely relate to the
+reward (drop or rework the features among them); features with large constants change the
+reward sharply and are promising; keep the features of the best-scoring sample and add ones
+that explain what it still misses."""
+
+INVALID = """The code above failed a check on real states ({kind}):
+{error}
+Fix it and reply with both functions in one ```python block."""
+
+WRAPPER = f"""
+
+def compute_reward(state, action, next_state):
+    features = {STATE_ENTRY}(next_state)
+    if features.dim() == 1:
+        features = features.unsqueeze(-1)
+    reward = {REWARD_ENTRY}(next_state, features)
+    return reward, {{"feature_" + str(i): features[:, i] for i in range(features.shape[1])}}
+"""
+
+
+# -- code assembly and checks ----------------------------------------------------------------
+
+
+def defined_functions(source: str) -> set[str]:
+    """Top-level function names of ``source`` (empty when it does not parse)."""
+    try:
+        return {n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
+    except SyntaxError:
+        return set()
+
+
+def extract_pair(reply: str) -> tuple[str, str]:
+    """The reply's code defining both functions (and helpers), or ``("", error)``."""
+    found = extract_function(reply, STATE_ENTRY, ["state"])
+    if not found.ok:
+        return "", found.error
+    source = found.source
+    if REWARD_ENTRY not in defined_functions(source):
+        other = extract_function(reply, REWARD_ENTRY, ["state", "features"])
+        if not other.ok:
+            return "", other.error
+        source = source.rstrip() + "\n\n" + other.source
+    if "compute_reward" in defined_functions(source):
+        return "", "Do not define `compute_reward`; write only `revise_state` and `intrinsic_reward` (and helpers)."
+    return source, ""
+
+
+def intrinsic_program(source: str, weight: float) -> RewardProgram:
+    """The paired intrinsic reward as a reward program on the task's original state fields:
+    ``compute_reward(s, a, s') = intrinsic_reward(s', revise_state(s'))`` with the
+    features as components (the Lipschitz feedback reads them)."""
+    return RewardProgram(source=source.rstrip() + "\n" + WRAPPER, entry="compute_reward", origin=NAME, mode="add", weight=weight)
+
+
+def validate_bounded(result: Any, args: tuple[Any, ...], bound: float) -> SandboxReport:
+    """Probe validator (runs in the sandbox child): finite ``[B]`` reward with ``|r| <= bound``."""
+    try:
+        reward, _ = normalize_reward(result, int(next(iter(args[0].values())).shape[0]))
+    except Exception as e:  # noqa: BLE001 - the sandbox's own invalid-output error
+        return SandboxReport(False, getattr(e, "kind", "output"), str(e))
+    peak = float(reward.abs().max()) if reward.numel() else 0.0
+    if peak > bound:
+        return SandboxReport(False, "output", f"the intrinsic reward reaches {peak:.3g}; keep it within +-{bound:g} (scale or clamp it).")
+    return SandboxReport(True, "ok", "")
+
+
+def check_pair(source: str, states: tuple[Any, ...], cfg: Any, sandbox: Any) -> SandboxReport:
+    """Run both functions once on real states in the sandbox child and validate the outputs."""
+    from core.sandbox import Limits, run_isolated
+
+    limits = Limits(cpu_s=float(sandbox.cpu_s), wall_s=float(sandbox.wall_s), memory_mb=int(sandbox.memory_mb))
+    imports = tuple(sandbox.allowed_imports)
+    state, action, next_state = states
+    report = run_isolated(StateProgram(source, STATE_ENTRY), (state,), limits=limits, validate=validate_state, allowed_imports=imports)
+    if not report.ok:
+        return report
+    program = intrinsic_program(source, float(cfg.weight))
+    check = functools.partial(validate_bounded, bound=float(cfg.reward_bound))
+    return run_isolated(program, (state, action, next_state), limits=limits, validate=check, allowed_imports=imports)
+
+
+def lipschitz(values: np.ndarray, reward: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Per dimension ``d``: ``max |r_i - r_j| / |s_i,d - s_j,d|`` over neighbours in sorted ``s_d``.
+
+    ``values`` is ``[N, D]``, ``reward`` ``[N]``. Pairs closer than ``eps`` are skipped; a
+    constant dimension gets 0.
+    """
+    out = np.zeros(values.shape[1])
+    for d in range(values.shape[1]):
+        order = np.argsort(values[:, d], kind="stable")
+        ds = np.diff(values[order, d])
+        dr = np.abs(np.diff(reward[order]))
+        keep = ds > eps
+        out[d] = float(np.max(dr[keep] / ds[keep])) if keep.any() else 0.0
+    return out
+
+
+def dimension_names(task: Any, extra_dim: int) -> list[str]:
+    """A name per dimension of the revised state: the task's fields, then ``feature_i``."""
+    names = []
+    for f in task.state_fields:
+        names += [f.name] if f.size == 1 else [f"{f.name}.{i}" for i in range(f.size)]
+    return names + [f"feature_{i}" for i in range(extra_dim)]
+
+
+def format_lipschitz(metrics: dict[str, float]) -> str:
+    items = [(k.split("/", 2)[-1], v) for k, v in metrics.items() if k.startswith(f"{NAME}/lipschitz/")]
+    return ", ".join(f"{k}: {v:.3g}" for k, v in items) or "not measured"
+
+
+# -- state -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Attempt:
+    source: str
+    score: float
+    feedback: str
+
+
+@dataclass
+class LesrState:
+    attempts: list[Attempt] = field(default_factory=list)
+    probe: tuple[Any, ...] | None = None
+
+
+STATE = LesrState()
+_TRAINING: dict[str, dict[str, Any]] = {}  # per candidate, in the training process
+
+
+def messages(run: Any, cfg: Any) -> list[dict[str, str]]:
+    imports = ", ".join(run.config.sandbox.allowed_imports)
+    user = TASK.format(goal=run.task.goal, schema=run.task.schema_text(), imports=imports)
+    shown = sorted(STATE.attempts, key=lambda a: a.score)[-int(cfg.history):] if STATE.attempts else []
+    if shown:
+        attempts = "\n\n".join(f"```python\n{a.source.strip()}\n```\nScore: {a.score:.4g}\n{a.feedback}" for a in shown)
+        user += "\n\n" + HISTORY.format(fitness_name=run.task.fitness_name, attempts=attempts) + "\n" + SUGGESTIONS
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+# -- hooks: proposal and reflection (main process) --------------------------------------------
+
+
+@hookimpl
+def on_run_start(run: Any) -> None:
+    global STATE
+    STATE = LesrState()
+
+
+@hookimpl
+def propose_state_reprs(run: Any, iteration: int) -> list[StateProgram] | None:
+    cfg = run.plugin_config(NAME)
+    if iteration >= int(cfg.iterations):
+        return None
+    if STATE.probe is None:
+        from core.sandbox import probe_batch
+
+        obs, action, next_obs = probe_batch(run.task, num_envs=4, steps=8, seed=run.seed)
+        STATE.probe = (run.task.split_state(obs), action, run.task.split_state(next_obs))
+    msgs = messages(run, cfg)
+    prompt = msgs[-1]["content"]
+    programs: list[StateProgram] = []
+    pending = [(list(msgs), None)] * int(cfg.samples)  # (conversation, previous failure)
+    for attempt in range(1 + int(cfg.retries)):
+        if not pending:
+            break
+        replies = []
+        for j, (conv, _) in enumerate(pending):
+            replies += run.llm.chat(conv, n=1, temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens),
+                                    seed=run.seed * 10_000 + iteration * 100 + attempt * 10 + j, tag=f"{NAME}-it{iteration}-try{attempt}")
+        retry = []
+        for (conv, _), reply in zip(pending, replies):
+            source, error = extract_pair(reply.text)
+            kind = "no_code" if error else ""
+            if source:
+                report = check_pair(source, STATE.probe, cfg, run.config.sandbox)
+                kind, error = (report.kind, report.message) if not report.ok else ("", "")
+            if not error:
+                meta = {"pair": len(programs), "intrinsic": intrinsic_program(source, float(cfg.weight)).source, "weight": float(cfg.weight)}
+                programs.append(StateProgram(source=source, entry=STATE_ENTRY, origin=NAME, prompt=prompt, reply=reply.text, meta=meta))
+            else:
+                follow = conv + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": INVALID.format(kind=kind, error=error)}]
+                retry.append((follow, error))
+        pending = retry
+    if not programs:
+        run.log_text(f"{NAME}/it{iteration}-no-valid-sample.txt", "\n\n".join(err or "" for _, err in pending))
+    return programs or None
+
+
+@hookimpl
+def reflect(run: Any, result: IterationResult) -> str | None:
+    mine = [(c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c) and c.iteration == result.iteration]
+    if not mine:
+        return None
+    lines = [f"iteration {result.iteration}:"]
+    for c, r in mine:
+        assert c.state is not None
+        if r.ok and r.fitness is not None:
+            feedback = f"Lipschitz constant of each dimension with the env reward: {format_lipschitz(r.metrics)}"
+            lines.append(f"- {c.id}: score {r.score:.4g}; {feedback}")
+        else:
+            feedback = f"Training failed ({r.error_kind}): {r.error.strip()[-400:]}"
+            lines.append(f"- {c.id}: {feedback}")
+        STATE.attempts.append(Attempt(c.state.source, r.score if r.ok else float("-inf"), feedback))
+    return "\n".join(lines) + "\n\n" + SUGGESTIONS
+
+
+# -- hooks: training (the process that trains a candidate) ------------------------------------
+
+
+def _session(train: Any) -> dict[str, Any] | None:
+    """This candidate's prepared intrinsic reward and Lipschitz samples, made on first use."""
+    state = train.candidate.state
+    if state is None or state.origin != NAME or "intrinsic" not in state.meta:
+        return None
+    key = train.candidate.id
+    if key not in _TRAINING:
+        from core.sandbox import Limits, prepare_reward
+
+        sandbox = train.config.get("sandbox") or {}
+        limits = Limits(call_timeout_s=float(sandbox.get("call_timeout_s", 1.0)))
+        program = RewardProgram(source=state.meta["intrinsic"], entry="compute_reward", origin=NAME, mode="add", weight=float(state.meta["weight"]))
+        fn = prepare_reward(program, train.task, limits=limits, allowed_imports=tuple(sandbox.get("allowed_imports", ("math", "numpy", "torch"))))
+        _TRAINING[key] = {"fn": fn, "weight": program.weight, "rows": [], "rewards": [], "kept": 0}
+    return _TRAINING[key]
+
+
+@hookimpl
+def on_train_start(train: Any) -> None:
+    _session(train)
+
+
+@hookimpl
+def compute_reward(train: Any, batch: Any) -> torch.Tensor | None:
+    session = _session(train)
+    if session is None:
+        return None
+    r_int, feats = session["fn"](batch.state, batch.action, batch.next_state)
+    cfg = train.plugin_config(NAME) or {}
+    if session["kept"] < int(cfg.get("lipschitz_samples", 20_000)):
+        features = torch.stack([feats[k] for k in sorted(feats, key=lambda k: int(k.split("_")[-1]))], -1) if feats else batch.next_obs[:, :0]
+        session["rows"].append(torch.cat([batch.next_obs, features], -1).numpy().copy())
+        session["rewards"].append(batch.env_reward.numpy().copy())
+        session["kept"] += int(batch.env_reward.shape[0])
+    train.log_metric(f"{NAME}/intrinsic_reward", float(r_int.mean()))
+    return session["weight"] * r_int
+
+
+@hookimpl
+def on_train_end(train: Any, result: TrainResult) -> None:
+    session = _TRAINING.pop(train.candidate.id, None)
+    if session is None or not session["rows"]:
+        return
+    values, reward = np.concatenate(session["rows"]), np.concatenate(session["rewards"])
+    names = dimension_names(train.task, values.shape[1] - train.task.obs_dim)
+    for name, value in zip(names, lipschitz(values, reward)):
+        result.metrics[f"{NAME}/lipschitz/{name}"] = float(value)
+
+
+def _is_mine(candidate: Candidate) -> bool:
+    return candidate.state is not None and candidate.state.origin == NAME

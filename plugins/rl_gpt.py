@@ -1,0 +1,327 @@
+"""rl_gpt: a slow agent plans, a fast agent codes macro-actions, RL learns when to use them (RL-GPT, NeurIPS 2024).
+
+Method (Liu et al., "RL-GPT: Integrating Reinforcement Learning and Code-as-policy"):
+
+1. Slow agent (``plan``): the LLM decomposes the task into sub-actions and marks each as
+   ``code`` (simple enough to write as a program over primitive actions) or ``rl`` (left
+   to the RL agent to learn from primitive actions).
+2. Fast agent (``propose_actions``): for every ``code`` sub-action the LLM writes a
+   macro-action, ``act(state) -> primitive action`` plus ``done(state) -> bool``, over the
+   task's named state fields; the macros are added to the policy's discrete action space
+   (:mod:`core.train.macros`), so RL learns when to call each one.
+3. Critic: each macro is rolled out on its own on a small env of the task (in plan order,
+   so that a later skill starts where the earlier one left off); failures (exceptions,
+   bad actions, never reaching ``done``) go back to the LLM, which revises the code.
+   After training, the macros' call counts and the task fitness feed the next round.
+
+Config: ``conf/plugins/rl_gpt.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from core import hookimpl
+from core.codegen import extract_function
+from core.records import Candidate, IterationResult, MacroAction, Program, TrainResult
+
+NAME = "rl_gpt"
+ACT, DONE = "act", "done"
+
+# -- prompt pieces -----------------------------------------------------------------------
+
+SLOW_SYSTEM = """You are the planner of an agent that combines coded skills with reinforcement
+learning. You split a task into short sub-actions in order. A sub-action whose steps are
+easy to write as a rule (walk to a visible thing, use it, craft an item) is "code"; one
+that needs trial and error is "rl". Reply with a ```json list only."""
+
+SLOW_TASK = """Task: {goal}
+{hint}
+Actions: {actions}
+
+Reply with a JSON list of at most {max_subactions} items in order, each
+{{"name": "<snake_case>", "how": "code" or "rl", "what": "<one sentence>"}}."""
+
+FAST_SYSTEM = """You write small Python skills (code-as-policy) for a game agent. Reply with one
+```python code block."""
+
+FAST_TASK = """Environment fields (`state` is a dict of these names to torch tensors with a
+batch dimension of 1, e.g. state["wood"] has shape [1]):
+{schema}
+
+Actions: {actions}
+
+Write the skill "{name}": {what}
+
+```python
+import torch
+
+def act(state):
+    # returns one primitive action index (an int) for this step
+    ...
+
+def done(state):
+    # returns True once the skill has finished
+    ...
+```
+`act` is called once per step until `done` is true or {max_steps} steps have passed.
+You may import only: {imports}. Example for a different skill (walk right until x >= 10):
+```python
+def act(state):
+    return 2
+
+def done(state):
+    return bool(state["position"][0, 0] >= 10)
+```"""
+
+CRITIC = """We ran the skill "{name}" in the game {runs} times. It failed:
+{failures}
+Revise the code so that it reaches `done` reliably. Reply with both functions in one
+```python block."""
+
+FEEDBACK = """With the skills {skills} added to the agent's actions, training reached
+{fitness_name} {fitness:.3g}. The agent called them: {calls}."""
+
+
+# -- pure pieces ---------------------------------------------------------------------------
+
+
+@dataclass
+class SubAction:
+    name: str
+    how: str  # "code" or "rl"
+    what: str
+
+
+def parse_plan(reply: str, max_items: int) -> list[SubAction]:
+    """Sub-actions from the slow agent's JSON (fenced or bare); lines ``name: code|rl: what`` too."""
+    text = reply or ""
+    match = re.search(r"\[.*\]", text, re.DOTALL)
+    items: list[Any] = []
+    if match:
+        chunk = re.sub(r",\s*([\]}])", r"\1", match.group(0))
+        try:
+            items = json.loads(chunk)
+        except json.JSONDecodeError:
+            items = []
+    out: list[SubAction] = []
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, dict) and item.get("name"):
+            how = "code" if str(item.get("how", "")).strip().lower().startswith("code") else "rl"
+            out.append(SubAction(_snake(str(item["name"])), how, str(item.get("what", item["name"]))[:200]))
+    if not out:
+        for line in text.splitlines():
+            m = re.match(r"\s*[-*\d.]*\s*([A-Za-z_ ]+?)\s*[:|-]\s*(code|rl)\b\s*[:|-]?\s*(.*)", line, re.IGNORECASE)
+            if m:
+                out.append(SubAction(_snake(m.group(1)), m.group(2).lower(), m.group(3).strip() or m.group(1)))
+    seen: set[str] = set()
+    unique = [s for s in out if s.name and not (s.name in seen or seen.add(s.name))]  # type: ignore[func-returns-value]
+    return unique[:max_items]
+
+
+def _snake(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.strip().lower()).strip("_")[:40]
+
+
+def plan_text(subs: list[SubAction]) -> str:
+    return "\n".join(f"{i + 1}. {s.name} [{s.how}]: {s.what}" for i, s in enumerate(subs))
+
+
+def extract_macro(reply: str, name: str, max_steps: int) -> tuple[MacroAction | None, str]:
+    """A macro from a fast-agent reply (``act`` and ``done`` in one source), or an error text."""
+    found = extract_function(reply, ACT, ["state"])
+    if not found.ok:
+        return None, found.error
+    source = found.source
+    if f"def {DONE}(" not in source:
+        other = extract_function(reply, DONE, ["state"])
+        if not other.ok:
+            return None, other.error
+        source = source.rstrip() + "\n\n" + other.source
+    program = Program(source=source, entry=ACT, origin=NAME, reply=reply, meta={"skill": name})
+    return MacroAction(name=name, program=program, max_steps=max_steps, done_entry=DONE), ""
+
+
+@dataclass
+class Rollout:
+    """How one macro fared in the critic's rollouts."""
+
+    name: str
+    runs: int = 0
+    finished: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.runs > 0 and self.finished == self.runs
+
+
+def rollout_macros(macros: list[MacroAction], task: Any, *, runs: int, seed: int, limits: Any, imports: tuple[str, ...]) -> list[Rollout]:
+    """Run the macros in order, each from where the previous one stopped, ``runs`` times.
+
+    Programs go through the sandbox (check, isolated probe, compile) via
+    :class:`core.train.macros.MacroSet`; a macro that fails to prepare fails every run.
+    """
+    from core.sandbox import SandboxError
+    from core.train.macros import MacroSet
+
+    stats = [Rollout(m.name) for m in macros]
+    prepared: list[Any] = []
+    for m, st in zip(macros, stats):
+        try:
+            prepared.append(MacroSet.prepare([m], task, limits=limits, allowed_imports=imports))
+        except (SandboxError, ValueError) as e:
+            prepared.append(None)
+            st.runs, st.failures = runs, [f"the code does not run: {getattr(e, 'report', None).message if hasattr(e, 'report') else e}"]
+    env = task.make_env(1, seed, None)
+    n = int(env.single_action_space.n)
+    try:
+        for r in range(runs):
+            obs, _ = env.reset(seed=seed + r)
+            for macro, st, mset in zip(macros, stats, prepared):
+                if mset is None:
+                    continue
+                st.runs += 1
+                obs, outcome = _run_one(env, mset, obs[0], n, macro.max_steps)
+                if outcome == "done":
+                    st.finished += 1
+                elif outcome not in st.failures:
+                    st.failures.append(outcome)
+    finally:
+        env.close()
+    return stats
+
+
+def _run_one(env: Any, mset: Any, obs: np.ndarray, n: int, max_steps: int) -> tuple[np.ndarray, str]:
+    from core.sandbox import SandboxError
+
+    batch = np.asarray(obs)[None]
+    for step in range(max_steps):
+        try:
+            action = mset.action(0, batch[0], n)
+        except SandboxError as e:
+            return batch, f"error at step {step}: {e.report.message}"
+        batch, _, term, trunc, _ = env.step(np.array([action]))
+        if term[0] or trunc[0]:
+            return batch, f"the episode ended after {step + 1} steps (the agent died or time ran out)"
+        try:
+            if mset.finished(0, batch[0]):
+                return batch, "done"
+        except SandboxError as e:
+            return batch, f"error in done() at step {step}: {e.report.message}"
+    return batch, f"`done` was still false after {max_steps} steps"
+
+
+# -- state -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RlGptState:
+    subactions: list[SubAction] = field(default_factory=list)
+    feedback: str = ""
+    rollouts: dict[str, Rollout] = field(default_factory=dict)
+    macros: list[MacroAction] = field(default_factory=list)
+
+
+STATE = RlGptState()
+
+
+def _actions(task: Any) -> str:
+    return task.action_description or "the env's discrete actions, 0..n-1"
+
+
+def _chat(run: Any, cfg: Any, msgs: list[dict[str, str]], seed: int, tag: str) -> str:
+    (reply,) = run.llm.chat(msgs, n=1, temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens), seed=seed, tag=tag)
+    return reply.text
+
+
+# -- hooks -----------------------------------------------------------------------------------
+
+
+@hookimpl
+def on_run_start(run: Any) -> None:
+    global STATE
+    STATE = RlGptState()
+
+
+@hookimpl
+def plan(run: Any, iteration: int) -> str | None:
+    cfg = run.plugin_config(NAME)
+    if iteration >= int(cfg.iterations):
+        return None
+    hint = f"Suggested decomposition: {cfg.hint}" if cfg.get("hint") else ""
+    user = SLOW_TASK.format(goal=run.task.goal, hint=hint, actions=_actions(run.task), max_subactions=int(cfg.max_subactions))
+    if STATE.feedback:
+        user += "\n\nLast round:\n" + STATE.feedback + "\nRevise the plan (you may move sub-actions between code and rl)."
+    reply = _chat(run, cfg, [{"role": "system", "content": SLOW_SYSTEM}, {"role": "user", "content": user}], run.seed * 1000 + iteration, f"{NAME}-slow-it{iteration}")
+    subs = parse_plan(reply, int(cfg.max_subactions))
+    if not subs and STATE.subactions:
+        subs = STATE.subactions  # keep the last usable plan
+    STATE.subactions = subs
+    return plan_text(subs) or None
+
+
+@hookimpl
+def propose_actions(run: Any, iteration: int) -> list[list[MacroAction]] | None:
+    cfg = run.plugin_config(NAME)
+    if iteration >= int(cfg.iterations):
+        return None
+    from core.sandbox import Limits
+
+    sandbox = run.config.sandbox
+    limits = Limits(cpu_s=float(sandbox.cpu_s), wall_s=float(sandbox.wall_s), memory_mb=int(sandbox.memory_mb), call_timeout_s=float(sandbox.call_timeout_s))
+    imports = tuple(sandbox.allowed_imports)
+    macros: list[MacroAction] = []
+    for k, sub in enumerate(s for s in STATE.subactions if s.how == "code"):
+        user = FAST_TASK.format(schema=run.task.schema_text(), actions=_actions(run.task), name=sub.name, what=sub.what,
+                                max_steps=int(cfg.max_steps), imports=", ".join(imports))
+        msgs = [{"role": "system", "content": FAST_SYSTEM}, {"role": "user", "content": user}]
+        best: MacroAction | None = None
+        for rnd in range(1 + int(cfg.critic_rounds)):
+            reply = _chat(run, cfg, msgs, run.seed * 100_000 + iteration * 1000 + k * 10 + rnd, f"{NAME}-fast-{sub.name}-r{rnd}")
+            macro, error = extract_macro(reply, sub.name, int(cfg.max_steps))
+            if macro is not None:
+                # the critic rolls the new macro out after the ones already accepted
+                (st,) = rollout_macros(macros + [macro], run.task, runs=int(cfg.rollouts), seed=run.seed, limits=limits, imports=imports)[-1:]
+                STATE.rollouts[sub.name] = st
+                runnable = not any(f.startswith(("the code does not run", "error")) for f in st.failures)
+                if runnable:
+                    best = macro
+                if st.ok:
+                    break
+                error = CRITIC.format(name=sub.name, runs=st.runs, failures="\n".join(f"- {f}" for f in st.failures[:4]))
+            msgs = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": error if macro is not None else f"{error}\nReply with `act` and `done` in one ```python block."}]
+        if best is not None:
+            macros.append(best)
+    STATE.macros = macros
+    report = {name: {"runs": r.runs, "finished": r.finished, "failures": r.failures} for name, r in STATE.rollouts.items()}
+    run.log_text(f"{NAME}/it{iteration}-critic.json", json.dumps(report, indent=2))
+    run.log_metrics({f"{NAME}/macros": len(macros)}, step=iteration)
+    return [macros] if macros else None
+
+
+@hookimpl
+def reflect(run: Any, result: IterationResult) -> str | None:
+    mine = [(c, r) for c, r in zip(result.candidates, result.results) if c.macros and any(m.program.origin == NAME for m in c.macros)]
+    if not mine:
+        return None
+    c, r = max(mine, key=lambda cr: cr[1].score)
+    if r.ok and r.fitness is not None:
+        calls = ", ".join(f"{m.name} {int(r.metrics.get(f'macros/{m.name}_calls', 0))} times" for m in c.macros)
+        STATE.feedback = FEEDBACK.format(skills=", ".join(m.name for m in c.macros), fitness_name=r.fitness.name, fitness=r.score, calls=calls)
+    else:
+        STATE.feedback = f"Training with the skills failed ({r.error_kind}): {r.error.strip()[-400:]}"
+    rollouts = "\n".join(f"- {n}: finished {s.finished}/{s.runs} critic rollouts" for n, s in STATE.rollouts.items())
+    return STATE.feedback + ("\n\nCritic rollouts:\n" + rollouts if rollouts else "")
+
+
+@hookimpl
+def on_run_end(run: Any, best: tuple[Candidate, TrainResult] | None) -> None:
+    for m in STATE.macros:
+        run.log_text(f"{NAME}/macros/{m.name}.py", m.program.source)
+

@@ -1,0 +1,171 @@
+"""llm_state_repr (LESR): pair extraction, validation on real states, Lipschitz feedback, hooks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from core.envs import make_task
+from core.records import Candidate, Fitness, IterationResult, StateProgram, TrainResult
+from core.train.context import StepBatch, TrainContext
+from plugins import llm_state_repr as lesr
+
+GOOD = '''```python
+import torch
+
+def revise_state(state):
+    angle = torch.atan2(state["sin_theta"], state["cos_theta"])
+    return torch.stack([angle.abs(), state["angular_velocity"] ** 2], dim=-1)
+
+def intrinsic_reward(state, features):
+    return -0.1 * features[:, 0]
+```'''
+NAN = GOOD.replace("-0.1 * features[:, 0]", "features[:, 0] / 0.0 * 0.0")
+HUGE = GOOD.replace("-0.1 * features[:, 0]", "1e6 + features[:, 0]")
+NO_REWARD = '''```python
+import torch
+
+def revise_state(state):
+    return state["cos_theta"]
+```'''
+
+
+@pytest.fixture(scope="module")
+def task():
+    return make_task({"name": "pendulum", "max_episode_steps": 50})
+
+
+@pytest.fixture(scope="module")
+def probe(task):
+    from core.sandbox import probe_batch
+
+    obs, action, nxt = probe_batch(task, num_envs=2, steps=4)
+    return task.split_state(obs), action, task.split_state(nxt)
+
+
+def cfg(**overrides):
+    c = OmegaConf.load(Path(__file__).parents[2] / "conf/plugins/llm_state_repr.yaml")
+    c.update(overrides)
+    return c
+
+
+SANDBOX = OmegaConf.create({"allowed_imports": ["math", "numpy", "torch"], "cpu_s": 10, "wall_s": 20, "memory_mb": 4096, "call_timeout_s": 1.0})
+
+
+def test_extract_pair_needs_both_functions():
+    source, error = lesr.extract_pair(GOOD)
+    assert "def revise_state" in source and "def intrinsic_reward" in source and error == ""
+    source, error = lesr.extract_pair(NO_REWARD)
+    assert source == "" and "intrinsic_reward" in error
+
+
+def test_extract_pair_refuses_own_compute_reward():
+    reply = GOOD.replace("```\n", "") + "\n\ndef compute_reward(state, action, next_state):\n    return 0\n```"
+    _, error = lesr.extract_pair(GOOD[:-3] + "\ndef compute_reward(s, a, n):\n    return 0\n```")
+    assert "compute_reward" in error
+
+
+def test_check_pair_accepts_good_code(probe):
+    source, _ = lesr.extract_pair(GOOD)
+    report = lesr.check_pair(source, probe, cfg(), SANDBOX)
+    assert report.ok, report.message
+
+
+@pytest.mark.parametrize("reply,kind", [(NAN, "nonfinite"), (HUGE, "output")])
+def test_check_pair_rejects_nonfinite_and_unbounded(probe, reply, kind):
+    source, _ = lesr.extract_pair(reply)
+    report = lesr.check_pair(source, probe, cfg(reward_bound=100.0), SANDBOX)
+    assert not report.ok and report.kind == kind
+
+
+def test_lipschitz_of_a_linear_and_a_constant_dimension():
+    x = np.linspace(0, 1, 50)
+    values = np.stack([x, np.ones_like(x), x ** 2], -1)
+    reward = 3 * x
+    est = lesr.lipschitz(values, reward)
+    assert est[0] == pytest.approx(3.0) and est[1] == 0.0
+    assert est[2] > 3.0  # r = 3 sqrt(s): steep near 0
+
+
+def test_dimension_names(task):
+    names = lesr.dimension_names(task, 2)
+    assert names[-2:] == ["feature_0", "feature_1"] and len(names) == task.obs_dim + 2
+
+
+class FakeLLM:
+    def __init__(self, replies):
+        self.replies, self.calls = list(replies), []
+
+    def chat(self, messages, **kw):
+        self.calls.append(messages)
+        return [SimpleNamespace(text=self.replies.pop(0), cached=False)]
+
+
+def make_run(task, replies, **overrides):
+    c = cfg(**overrides)
+    run = SimpleNamespace(task=task, llm=FakeLLM(replies), seed=0, config=OmegaConf.create({"sandbox": SANDBOX}), texts={})
+    run.plugin_config = lambda name: c
+    run.log_text = lambda p, t: run.texts.__setitem__(p, t)
+    return run
+
+
+def test_propose_retries_failed_samples_with_feedback(task):
+    run = make_run(task, [GOOD, NAN, GOOD], samples=2, retries=1)
+    lesr.on_run_start(run)
+    programs = lesr.propose_state_reprs(run, 0)
+    assert len(programs) == 2 and all(p.origin == "llm_state_repr" for p in programs)
+    assert "nonfinite" in run.llm.calls[2][-1]["content"]  # the retry saw the error
+    assert "def compute_reward" in programs[0].meta["intrinsic"]
+
+
+def test_training_hooks_add_intrinsic_reward_and_measure_lipschitz(task, probe):
+    source, _ = lesr.extract_pair(GOOD)
+    program = StateProgram(source, "revise_state", origin="llm_state_repr",
+                           meta={"intrinsic": lesr.intrinsic_program(source, 0.5).source, "weight": 0.5})
+    cand = Candidate("it0-c0", 0, state=program)
+    ctx = TrainContext(task=task, candidate=cand, config={"sandbox": dict(SANDBOX), "plugins": {}}, seed=0, total_frames=10)
+    lesr.on_train_start(ctx)
+    obs = torch.rand(8, task.obs_dim)
+    batch = StepBatch(obs, torch.zeros(8, 1), obs, torch.rand(8), torch.zeros(8), torch.zeros(8, dtype=torch.bool), task)
+    extra = lesr.compute_reward(ctx, batch)
+    angle = torch.atan2(obs[:, 1], obs[:, 0]).abs()
+    assert torch.allclose(extra, -0.05 * angle, atol=1e-5)
+    result = TrainResult("it0-c0", True)
+    lesr.on_train_end(ctx, result)
+    assert "llm_state_repr/lipschitz/feature_0" in result.metrics and len([k for k in result.metrics if "lipschitz" in k]) == task.obs_dim + 2
+
+
+def test_reflect_reports_scores_and_lipschitz(task):
+    run = make_run(task, [])
+    lesr.on_run_start(run)
+    cand = Candidate("it0-c0", 0, state=StateProgram("def revise_state(state): ...", origin="llm_state_repr"))
+    res = TrainResult("it0-c0", True, fitness=Fitness("return", -150.0), metrics={"llm_state_repr/lipschitz/feature_0": 2.5})
+    text = lesr.reflect(run, IterationResult(0, [cand], [res]))
+    assert "score -150" in text and "feature_0: 2.5" in text
+    prompt = lesr.messages(run, cfg())[-1]["content"]
+    assert "Score: -150" in prompt and "Lipschitz" in prompt
+
+
+@pytest.mark.slow
+def test_end_to_end_halfcheetah(tmp_path):
+    cmd = [sys.executable, "-m", "core", "+plugins=[llm_state_repr]", "env=halfcheetah", "env.max_episode_steps=100",
+           "plugins.llm_state_repr.iterations=1", "plugins.llm_state_repr.samples=1", "plugins.llm_state_repr.retries=1",
+           "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=64", "trainer.epochs=2", "trainer.eval_episodes=2",
+           "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    children = [r for r in runs if "candidate" in r.data.tags]
+    assert children, out.stdout[-2000:]
+    ok = [r for r in children if r.data.tags.get("ok") == "True"]
+    assert ok and any(k.startswith("llm_state_repr/lipschitz/") for k in ok[0].data.metrics)

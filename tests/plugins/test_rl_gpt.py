@@ -1,0 +1,118 @@
+"""rl_gpt: plan parsing, macro extraction, macro execution in critic rollouts, the critic loop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+
+from core.envs import make_task
+from core.records import Candidate, Fitness, IterationResult, MacroAction, Program, TrainResult
+from core.sandbox import Limits
+from plugins import rl_gpt
+
+IMPORTS = ("math", "numpy", "torch")
+DONE_AT_ONCE = "```python\ndef act(state):\n    return 5\n\ndef done(state):\n    return True\n```"
+NEVER_DONE = "```python\ndef act(state):\n    return 1\n\ndef done(state):\n    return False\n```"
+BAD_ACTION = "```python\ndef act(state):\n    return 99\n\ndef done(state):\n    return True\n```"
+WOOD = '```python\ndef act(state):\n    return 5\n\ndef done(state):\n    return bool(state["wood"][0] >= 1)\n```'
+
+
+@pytest.fixture(scope="module")
+def task():
+    return make_task({"name": "minecraft", "max_episode_steps": 60, "pixels": False})
+
+
+def test_parse_plan_json_and_lines():
+    reply = '```json\n[{"name": "Collect Wood", "how": "code", "what": "hit trees"}, {"name": "survive", "how": "rl", "what": "stay alive"},]\n```'
+    subs = rl_gpt.parse_plan(reply, 4)
+    assert [(s.name, s.how) for s in subs] == [("collect_wood", "code"), ("survive", "rl")]
+    subs = rl_gpt.parse_plan("1. place table: code: put a table down\n2. fight: rl", 4)
+    assert [(s.name, s.how) for s in subs] == [("place_table", "code"), ("fight", "rl")]
+    assert rl_gpt.parse_plan("no plan here", 4) == []
+
+
+def test_extract_macro_needs_act_and_done():
+    macro, error = rl_gpt.extract_macro(DONE_AT_ONCE, "hit", 8)
+    assert error == "" and macro.done_entry == "done" and macro.max_steps == 8 and "def done" in macro.program.source
+    macro, error = rl_gpt.extract_macro("```python\ndef act(state):\n    return 1\n```", "x", 8)
+    assert macro is None and "done" in error
+
+
+def _macro(reply: str, name: str, steps: int = 5) -> MacroAction:
+    macro, _ = rl_gpt.extract_macro(reply, name, steps)
+    return macro
+
+
+def test_rollouts_execute_macros_and_classify_failures(task):
+    macros = [_macro(DONE_AT_ONCE, "ok"), _macro(NEVER_DONE, "stuck"), _macro(BAD_ACTION, "bad")]
+    stats = rl_gpt.rollout_macros(macros, task, runs=2, seed=0, limits=Limits(), imports=IMPORTS)
+    ok, stuck, bad = stats
+    assert ok.ok and ok.finished == 2
+    assert stuck.finished == 0 and "still false after 5 steps" in stuck.failures[0]
+    assert bad.runs == 2 and "does not run" in bad.failures[0] and "99" in bad.failures[0]
+
+
+class FakeLLM:
+    def __init__(self, replies):
+        self.replies, self.calls = list(replies), []
+
+    def chat(self, messages, **kw):
+        self.calls.append(messages)
+        return [SimpleNamespace(text=self.replies.pop(0), cached=False)]
+
+
+def make_run(task, replies, **overrides):
+    cfg = OmegaConf.load(Path(__file__).parents[2] / "conf/plugins/rl_gpt.yaml")
+    cfg.update(overrides)
+    sandbox = OmegaConf.create({"allowed_imports": list(IMPORTS), "cpu_s": 10, "wall_s": 20, "memory_mb": 4096, "call_timeout_s": 1.0})
+    run = SimpleNamespace(task=task, llm=FakeLLM(replies), seed=0, config=OmegaConf.create({"sandbox": sandbox}), texts={}, metrics={})
+    run.plugin_config = lambda name: cfg
+    run.log_text = lambda p, t: run.texts.__setitem__(p, t)
+    run.log_metrics = lambda m, step=None: run.metrics.update(m)
+    return run
+
+
+def test_plan_then_critic_revises_a_failing_macro(task):
+    plan = '[{"name": "chop", "how": "code", "what": "hit the tree in front"}, {"name": "explore", "how": "rl", "what": "find trees"}]'
+    run = make_run(task, [plan, NEVER_DONE, DONE_AT_ONCE], critic_rounds=1, rollouts=1, max_steps=4)
+    rl_gpt.on_run_start(run)
+    text = rl_gpt.plan(run, 0)
+    assert "chop [code]" in text and "explore [rl]" in text
+    (macros,) = rl_gpt.propose_actions(run, 0)
+    assert [m.name for m in macros] == ["chop"]
+    assert "return True" in macros[0].program.source  # the revised code was kept
+    critic_prompt = run.llm.calls[2][-1]["content"]
+    assert "still false after 4 steps" in critic_prompt
+    assert "rl_gpt/it0-critic.json" in run.texts
+
+
+def test_reflect_reports_macro_calls(task):
+    run = make_run(task, [])
+    rl_gpt.on_run_start(run)
+    cand = Candidate("it0-c0", 0, macros=[_macro(DONE_AT_ONCE, "chop")])
+    res = TrainResult("it0-c0", True, fitness=Fitness("crafter_score", 2.0), metrics={"macros/chop_calls": 7.0})
+    text = rl_gpt.reflect(run, IterationResult(0, [cand], [res]))
+    assert "chop 7 times" in text and "crafter_score 2" in text
+
+
+@pytest.mark.slow
+def test_end_to_end_minecraft(tmp_path):
+    cmd = [sys.executable, "-m", "core", "+plugins=[rl_gpt]", "env=minecraft", "env.max_episode_steps=100",
+           "plugins.rl_gpt.iterations=1", "plugins.rl_gpt.max_subactions=2", "plugins.rl_gpt.critic_rounds=0",
+           "plugins.rl_gpt.rollouts=1", "plugins.rl_gpt.hint='collect wood, place a table, make a wood pickaxe'",
+           "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=64", "trainer.epochs=2", "trainer.eval_episodes=2",
+           "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    parent = next(r for r in runs if "candidate" not in r.data.tags)
+    arts = [a.path for a in client.list_artifacts(parent.info.run_id, "rl_gpt")]
+    assert any("critic" in a for a in arts)
