@@ -1,0 +1,296 @@
+"""lares plugin: selection, Thompson sampling, rescaling, relabelling, behaviour text, prompts, evolution."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from core.envs import make_task
+from core.errors import UserError
+from core.records import Candidate, Fitness, IterationResult, RewardProgram, TrainResult
+from plugins import lares
+
+UPRIGHT = """```python
+import torch
+
+def compute_reward(state, action, next_state):
+    upright = next_state["cos_theta"]
+    spin = torch.abs(next_state["angular_velocity"])
+    reward = upright - 0.1 * spin
+    return reward, {"upright": upright, "spin": spin}
+```"""
+
+SMOOTH = """```python
+import torch
+
+def compute_reward(state, action, next_state):
+    upright = next_state["cos_theta"]
+    effort = (action ** 2).sum(dim=-1)
+    reward = 2.0 * upright - 0.01 * effort
+    return reward, {"upright": upright, "effort": effort}
+```"""
+
+BROKEN = """```python
+def compute_reward(state, action, next_state):
+    return state["no_such_field"]
+```"""
+
+ANALYSIS = "- jitter: the torque flips sign every step; penalise action changes."
+
+
+class FakeLLM:
+    """Reward replies for code calls, the analysis text for analysis calls; records calls."""
+
+    def __init__(self, codes: list[str]) -> None:
+        self.codes, self.calls, self.i = codes, [], 0
+
+    def chat(self, messages, *, n=1, temperature=None, max_tokens=None, seed=0, tag="", stop=None):
+        self.calls.append({"messages": messages, "n": n, "temperature": temperature, "tag": tag, "seed": seed})
+        if "analysis" in tag:
+            return [SimpleNamespace(text=ANALYSIS, cached=False, latency_s=0.0)]
+        out = []
+        for _ in range(n):
+            out.append(SimpleNamespace(text=self.codes[self.i % len(self.codes)], cached=False, latency_s=0.0))
+            self.i += 1
+        return out
+
+
+def make_run(codes: list[str], tmp_path: Path, env: str = "pendulum", **cfg) -> SimpleNamespace:
+    base = OmegaConf.load(Path(lares.__file__).parents[1] / "conf" / "plugins" / "lares.yaml")
+    plugin = OmegaConf.merge(base, cfg)
+    config = OmegaConf.create(
+        {
+            "cache_dir": str(tmp_path),
+            "trainer": {"frames": 1000},
+            "sandbox": {"allowed_imports": ["math", "numpy", "torch"], "cpu_s": 10, "wall_s": 20, "memory_mb": 4096, "call_timeout_s": 1.0},
+            "plugins": {"lares": plugin},
+        }
+    )
+    metrics: list[tuple[dict, int]] = []
+    logged: dict[str, str] = {}
+    run = SimpleNamespace(
+        config=config, task=make_task({"name": env}), llm=FakeLLM(codes), seed=0,
+        plugin_config=lambda name: config.plugins.get(name),
+        log_metrics=lambda m, step=None: metrics.append((m, step)),
+        log_text=lambda path, text: logged.__setitem__(path, text),
+        metrics=metrics, logged=logged,
+    )  # fmt: skip
+    lares.on_run_start(run=run)
+    return run
+
+
+# -- selection and sampling -----------------------------------------------------------------------
+
+
+def test_top_selection_keeps_the_best_scores():
+    assert lares.select_elites([0.1, 0.9, 0.5, 0.7, 0.2], 3) == [1, 2, 3]
+    assert lares.select_elites([0.1, 0.2], 3) == [0, 1]
+
+
+def test_tournament_selection_picks_distinct_winners_of_each_tournament():
+    scores = [0.1, 0.9, 0.5, 0.7, 0.2]
+    chosen = lares.select_elites(scores, 3, "tournament", tournament=5, rng=random.Random(1))
+    assert chosen == [1, 2, 3]  # a tournament of everyone is top-k
+    small = lares.select_elites(scores, 2, "tournament", tournament=2, rng=random.Random(3))
+    assert len(set(small)) == 2
+    with pytest.raises(UserError):
+        lares.select_elites(scores, 2, "roulette")
+
+
+def test_complexity_penalty_prefers_the_simpler_of_equally_fit_rewards():
+    simple = "def compute_reward(s, a, n):\n    return n['x']"
+    fancy = "def compute_reward(s, a, n):\n    return n['x'] + 0 * (n['x'] ** 3 - n['x'] ** 2 + n['x'])"
+    sizes = [lares.complexity(simple), lares.complexity(fancy)]
+    assert sizes[0] < sizes[1]
+    scores = lares.selection_scores([0.5, 0.5], sizes, 0.001)
+    assert scores[0] > scores[1]
+    assert lares.complexity("def (") == 0
+
+
+def test_thompson_sampling_favours_the_agent_that_succeeds():
+    rng = np.random.default_rng(0)
+    outcomes = [deque([0.0] * 10), deque([1.0] * 10), deque([0.0, 1.0] * 5)]
+    picks = [lares.thompson_pick(outcomes, rng) for _ in range(200)]
+    assert picks.count(1) > 150
+    fresh = [deque(), deque()]  # no data: both get picked
+    assert {lares.thompson_pick(fresh, rng) for _ in range(50)} == {0, 1}
+
+
+# -- rescaling, diversity, relabelling -----------------------------------------------------------------
+
+
+def test_affine_rescale_matches_the_elites_mean_and_std():
+    new = torch.randn(1000) * 7.0 + 3.0
+    scale = lares.rescale(new, target_mean=-1.0, target_std=0.5)
+    out = lares.apply_scale(new, scale)
+    assert abs(float(out.mean()) + 1.0) < 1e-4 and abs(float(out.std()) - 0.5) < 1e-4
+
+
+def test_sigmoid_rescale_squashes_into_zero_one():
+    new = torch.randn(1000) * 100.0
+    out = lares.apply_scale(new, lares.rescale(new, 0.0, 1.0, "sigmoid"))
+    assert float(out.min()) >= 0.0 and float(out.max()) <= 1.0 and abs(float(out.mean()) - 0.5) < 0.05
+
+
+def test_diversity_is_zero_for_copies_and_high_for_unrelated_rewards():
+    x = torch.randn(500)
+    assert lares.diversity(torch.stack([x, 2 * x + 1, -x], 1)) == pytest.approx(0.0, abs=1e-6)
+    assert lares.diversity(torch.stack([x, torch.randn(500)], 1)) > 0.8
+    assert lares.diversity(torch.stack([x, torch.ones(500)], 1)) == pytest.approx(1.0)
+
+
+def test_shared_buffer_relabels_a_column_with_a_new_function():
+    task = make_task({"name": "pendulum"})
+    buf = lares.SharedBuffer(capacity=8, obs_dim=3, act_dim=1, members=2)
+    obs = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, -0.5], [-1.0, 0.0, 2.0]])
+    buf.add(obs, torch.zeros(3, 1), obs, torch.zeros(3), torch.ones(3), torch.zeros(3, 2))
+    assert buf.size == 3 and float(buf.env_reward.sum()) == 3.0
+
+    def fn(state, action, next_state):
+        return next_state["cos_theta"] * 10, {}
+
+    buf.relabel(1, fn, task, chunk=2)
+    assert buf.raw[:3, 1].tolist() == [10.0, 0.0, -10.0]
+    assert buf.raw[:3, 0].tolist() == [0.0, 0.0, 0.0]  # other columns untouched
+    for _ in range(3):  # ring buffer wraps at capacity
+        buf.add(obs, torch.zeros(3, 1), obs, torch.zeros(3), torch.ones(3), torch.zeros(3, 2))
+    assert buf.size == 8 and buf.ptr == 4
+
+
+# -- behaviour analysis text ------------------------------------------------------------------------------
+
+
+def test_behaviour_description_is_bounded_and_names_motion_defects():
+    task = make_task({"name": "pendulum"})
+    steps = 200
+    obs = np.stack([np.cos(np.linspace(0, 3, steps + 1)), np.sin(np.linspace(0, 3, steps + 1)), np.zeros(steps + 1)], 1)
+    actions = np.array([[2.0], [-2.0]] * (steps // 2))  # flips every step: jitter
+    text = lares.describe_behaviour(task, obs, actions, success=None)
+    assert len(text) <= lares.BEHAVIOUR_CHARS
+    assert text.startswith("Episode of 200 steps")
+    assert "cos_theta" in text and "t=0:" in text and f"t={steps}:" in text
+    assert "mean |change| per step 4.00" in text
+    long_task = SimpleNamespace(render_state=lambda o: "x" * 1000)
+    assert len(lares.describe_behaviour(long_task, obs, actions, True)) == lares.BEHAVIOUR_CHARS
+
+
+# -- prompts ----------------------------------------------------------------------------------------------
+
+
+def test_initial_population_prompt_and_parsing(tmp_path):
+    run = make_run([UPRIGHT, "no code here", SMOOTH], tmp_path, population=3)
+    programs = lares.propose_rewards(run=run, iteration=0)
+    (call,) = run.llm.calls
+    assert call["n"] == 3 and call["temperature"] == 1.0
+    system, user = call["messages"][0]["content"], call["messages"][1]["content"]
+    assert "reward engineer" in system and "simple" in system
+    assert run.task.goal in user and "def compute_reward(state, action, next_state)" in user
+    assert len(programs) == 2 and all(p.origin == "lares" for p in programs)
+    assert "2/3 replies held a reward function" in lares.STATE.log[0]
+    assert lares.propose_rewards(run=run, iteration=1) is None  # later generations are born in training
+
+
+def test_retrieval_shows_the_most_similar_cases_first(tmp_path):
+    run = make_run([UPRIGHT], tmp_path, retrieval=True, retrieve_k=1)
+    lares.STATE.cases = [
+        {"task": "x", "goal": "open the drawer", "code": "def compute_reward(s, a, n):\n    return DRAWER", "fitness": 1.0},
+        {"task": "y", "goal": "swing the pendulum up and keep it upright", "code": "def compute_reward(s, a, n):\n    return SWING", "fitness": 1.0},
+    ]
+    lares.propose_rewards(run=run, iteration=0)
+    user = run.llm.calls[0]["messages"][1]["content"]
+    assert user.startswith("Reward functions that worked") and "SWING" in user and "DRAWER" not in user
+
+
+def test_evolve_prompt_holds_best_code_feedback_and_analysis():
+    base = [{"role": "system", "content": "s"}, {"role": "user", "content": "task"}]
+    msgs = lares.evolve_messages(base, "def compute_reward(s, a, n):\n    return 1", "fitness: [0.1]", ANALYSIS)
+    text = msgs[-1]["content"]
+    assert "return 1" in text and "fitness: [0.1]" in text and "jitter" in text
+    assert len(msgs) == 3
+
+
+# -- the joint training ---------------------------------------------------------------------------------
+
+
+def _candidates(run, codes: list[str]) -> list[Candidate]:
+    programs, _ = lares.programs_from([SimpleNamespace(text=t) for t in codes], "p", 0)
+    return [Candidate(id=f"it0-c{i}", iteration=0, reward=p) for i, p in enumerate(programs)]
+
+
+def test_evolution_replaces_non_elites_relabels_and_reports_each_member(tmp_path):
+    run = make_run([SMOOTH], tmp_path, population=3, elites=1, llm_freq=400, frames=800, warmup=200,
+                   batch_size=32, num_envs=2, eval_episodes=1, hidden=[16])
+    candidates = _candidates(run, [UPRIGHT, UPRIGHT, BROKEN])
+    results = lares.train_candidates(run=run, candidates=candidates, seed=0)
+    assert len(results) == 3 and all(isinstance(r, TrainResult) for r in results)
+    assert sum(r.frames for r in results) == 800
+    tags = [c["tag"] for c in run.llm.calls]
+    assert tags == ["lares-analysis-g1", "lares-evolve-g1"]
+    analysis_prompt = run.llm.calls[0]["messages"][0]["content"]
+    assert "Episode of" in analysis_prompt and "name the defects" in analysis_prompt
+    evolve = run.llm.calls[1]
+    assert evolve["n"] == 2 and evolve["temperature"] == 0.4
+    assert "jitter" in evolve["messages"][-1]["content"] and "fitness (return)" in evolve["messages"][-1]["content"]
+    # the broken member was replaced by the LLM's new function and now trains
+    assert results[2].ok and "effort" in results[2].texts["lares_final_reward.py"]
+    assert "replaced" in results[2].texts["lares_history.md"]
+    assert all(r.fitness is not None and r.curve for r in results)
+    assert any(m.get("lares/diversity") is not None for m, _ in run.metrics)
+    log = "\n".join(lares.STATE.log)
+    assert "## generation 1" in log and "elites:" in log and "### analysis" in log
+
+
+def test_discrete_tasks_are_refused_with_a_clear_message(tmp_path):
+    run = make_run([UPRIGHT], tmp_path, env="cartpole")
+    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return next_state['pole_angle']", origin="lares")
+    with pytest.raises(UserError, match="continuous action space"):
+        lares.train_candidates(run=run, candidates=[Candidate("c", 0, reward=program)], seed=0)
+
+
+def test_other_plugins_candidates_are_left_to_the_executor(tmp_path):
+    run = make_run([UPRIGHT], tmp_path)
+    program = RewardProgram(source="x", origin="eureka")
+    assert lares.train_candidates(run=run, candidates=[Candidate("c", 0, reward=program)], seed=0) is None
+
+
+def test_reflect_adds_the_best_final_reward_to_the_case_base(tmp_path):
+    run = make_run([UPRIGHT], tmp_path, retrieval=True, case_min_fitness=-500.0)
+    program = RewardProgram(source="old", origin="lares")
+    result = TrainResult("c", ok=True, fitness=Fitness("return", -150.0), texts={"lares_final_reward.py": "evolved code"})
+    text = lares.reflect(run=run, result=IterationResult(0, [Candidate("c", 0, reward=program)], [result]))
+    assert "case base (1 cases)" in text
+    assert lares.load_cases(tmp_path / "lares_cases.json")[0]["code"] == "evolved code"
+    lares.on_run_end(run=run, best=None)
+    assert run.logged["lares/best_reward.py"] == "evolved code"
+
+
+@pytest.mark.slow
+def test_end_to_end_on_pendulum_with_the_embedded_model(tmp_path: Path):
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    cmd = [
+        sys.executable, "-m", "core", "+plugins=[lares]", "env=pendulum",
+        "plugins.lares.population=3", "plugins.lares.elites=2", "plugins.lares.llm_freq=1000",
+        "plugins.lares.max_tokens=400", "plugins.lares.analysis_tokens=120", "plugins.lares.warmup=400",
+        "plugins.lares.eval_episodes=2", "trainer.frames=2000", "progress=false", "save_policy=false",
+        f"cache_dir={tmp_path / 'cache'}",
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_location={tmp_path / 'art'}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) >= 1
+    assert any("fitness" in r.data.metrics for r in children)
