@@ -58,9 +58,8 @@ Recent actions: {actions}
 Current state:
 {state}
 
-Reply with exactly two lines:
-Score: <integer 1-10>
-Reason: <one short sentence>"""
+Reply with one line exactly like this:
+Score: <integer 1-10> | Reason: <one short sentence>"""
 
 _SCORE = re.compile(r"(?:score|rating|评分)\W{0,4}?\s*[:：=]?\s*\**\s*(-?\d+(?:\.\d+)?)\s*(/\s*10)?", re.I)
 _FRACTION = re.compile(r"(-?\d+(?:\.\d+)?)\s*/\s*10\b")
@@ -212,7 +211,7 @@ class Distiller:
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         return float(np.mean(losses))
 
     @torch.no_grad()
@@ -470,7 +469,8 @@ class ProgressJudge:
         messages = build_prompt(self.background, list(cfg.dimensions), state, req.actions)
         t0 = time.perf_counter()
         replies = llm.chat(messages, n=int(cfg.samples), temperature=float(cfg.temperature),
-                           max_tokens=int(cfg.max_tokens), seed=int(self.train.seed), tag=f"{NAME}/evaluate")
+                           max_tokens=int(cfg.max_tokens), stop=["\n"], seed=int(self.train.seed),
+                           tag=f"{NAME}/evaluate")
         latency = time.perf_counter() - t0
         c.llm_calls += 1
         c.llm_replies_cached += sum(bool(r.cached) for r in replies)

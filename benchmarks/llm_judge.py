@@ -1,0 +1,156 @@
+"""Cost and quality of the LLM-as-judge plugins (progress_reward, rlaif_preference).
+
+1. Frames/s of PPO on CartPole with each plugin against the plain trainer, same settings
+   and seed; only training is timed (the model is loaded before the loop, evaluation is
+   off). The LLM works in a worker thread, so the ratio shows what async evaluation and
+   caching leave of the trainer's speed.
+2. Label agreement: segments of a random policy on CartPole, paired so that their env
+   returns differ; the fraction of decided labels that prefer the segment with the
+   higher return.
+
+Prints one JSON object::
+
+    {"plain_fps": ..., "progress_fps": ..., "preference_fps": ...,
+     "progress_fps_ratio": ..., "preference_fps_ratio": ..., "label_agreement": ...,
+     "label_decided": ..., "label_pairs": ..., "progress_llm_calls": ..., ...}
+
+Run: ``python benchmarks/llm_judge.py [--frames 16384] [--pairs 12] [--llm embedded]``
+(``--llm fake`` answers instantly: it measures the plugins' own overhead only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+from core.envs import make_task  # noqa: E402
+from core.records import Candidate  # noqa: E402
+from core.registry import make_plugin_manager  # noqa: E402
+from core.resources import conf_dir  # noqa: E402
+from core.train.context import TrainContext  # noqa: E402
+from core.train.ppo import PPOConfig, train  # noqa: E402
+
+
+class FakeLLM:
+    """Answers at once (score 5 / answer 1): isolates the plugins' own per-step cost."""
+
+    class _Reply:
+        def __init__(self, text: str) -> None:
+            self.text, self.cached, self.latency_s = text, False, 0.0
+
+    def chat(self, messages: list[dict[str, str]], n: int = 1, **_: Any) -> list[Any]:
+        text = "Answer: 1" if "Segment 1" in messages[-1]["content"] else "Score: 5 | Reason: fine"
+        return [self._Reply(text) for _ in range(n)]
+
+
+def make_llm(kind: str) -> Any:
+    if kind == "fake":
+        return FakeLLM()
+    from core.llm import make_client
+
+    llm_cfg = OmegaConf.load(conf_dir() / "llm" / f"{kind}.yaml")
+    llm_cfg.cache_path = None
+    llm_cfg.show_progress = False
+    return make_client(OmegaConf.to_container(llm_cfg, resolve=False))
+
+
+def plugin_cfg(name: str) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.load(conf_dir() / "plugins" / f"{name}.yaml"))  # type: ignore[return-value]
+
+
+def train_fps(task: Any, plugin: str | None, frames: int, llm: Any, seed: int) -> tuple[float, dict[str, float]]:
+    """Frames/s of one training (and the plugin's metrics)."""
+    cfg = PPOConfig(frames=frames, eval_episodes=0, eval_every=0)
+    hook, ctx = None, None
+    if plugin:
+        hook = make_plugin_manager([plugin]).hook
+        config = {"plugins": {plugin: plugin_cfg(plugin)}}
+        ctx = TrainContext(task=task, candidate=Candidate("bench", 0), config=config, seed=seed,
+                           total_frames=frames, llm_factory=lambda: llm)
+    result = train(task, Candidate("bench", 0), cfg, seed=seed, hook=hook, ctx=ctx)
+    if not result.ok:
+        raise RuntimeError(result.error)
+    return float(result.metrics["charts/fps"]), result.metrics
+
+
+def label_agreement(task: Any, llm: Any, pairs: int, seed: int) -> dict[str, float]:
+    """Agreement of LLM labels with the env's return on random-policy CartPole segments."""
+    from plugins import rlaif_preference as rp
+
+    cfg = OmegaConf.create(plugin_cfg("rlaif_preference"))
+    env = task.make_env(8, seed)
+    obs, _ = env.reset(seed=seed)
+    rows: dict[str, list[np.ndarray]] = {k: [] for k in ("obs", "act", "rew", "term", "done")}
+    for _ in range(64):
+        act = env.action_space.sample()
+        nobs, rew, term, trunc, info = env.step(act)
+        final = np.array(nobs, copy=True)
+        for i in np.flatnonzero(np.logical_or(term, trunc)):
+            final[i] = info["final_obs"][i]
+        for k, v in zip(rows, (final, act, rew, term, np.logical_or(term, trunc))):
+            rows[k].append(np.asarray(v))
+    env.close()
+    arr = {k: np.stack(v, axis=1) for k, v in rows.items()}
+    segments = []
+    for e in range(arr["obs"].shape[0]):
+        segments += rp.split_segments(arr["obs"][e].astype(np.float32), arr["act"][e], arr["rew"][e], arr["term"][e],
+                                      arr["done"][e], int(cfg.segment_len), int(cfg.min_segment_len))
+    rng = random.Random(seed)
+    chosen = []
+    while len(chosen) < pairs:
+        a, b = rng.sample(segments, 2)
+        if rp.env_preference(a, b) != 0.5:
+            chosen.append((a, b))
+    for seg in (s for p in chosen for s in p):
+        seg.text = rp.render_segment(task, seg)
+    labeller = rp.Labeller()
+    t0 = time.perf_counter()
+    labels = labeller.label(llm, cfg, task.goal, [(a.text, b.text) for a, b in chosen])
+    acc, decided = rp.label_accuracy(labels, [rp.env_preference(a, b) for a, b in chosen])
+    return {"label_agreement": acc, "label_decided": decided, "label_pairs": len(chosen),
+            "label_ties": sum(x == 0.5 for x in labels), "label_seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=16384)
+    parser.add_argument("--pairs", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--llm", default="embedded", help="an llm config name (conf/llm/) or 'fake'")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    task = make_task({"name": "cartpole"})
+    llm = make_llm(args.llm)
+    if args.llm != "fake":
+        from plugins.progress_reward import preload
+
+        preload(llm)
+    out: dict[str, float] = {}
+    out["plain_fps"], _ = train_fps(task, None, args.frames, llm, args.seed)
+    out["progress_fps"], pm = train_fps(task, "progress_reward", args.frames, llm, args.seed)
+    out["preference_fps"], fm = train_fps(task, "rlaif_preference", args.frames, llm, args.seed)
+    out["progress_fps_ratio"] = out["progress_fps"] / out["plain_fps"]
+    out["preference_fps_ratio"] = out["preference_fps"] / out["plain_fps"]
+    for key in ("judge/llm_calls", "judge/cache_hits", "judge/distilled", "judge/latency_llm_s",
+                "judge/latency_distilled_s", "judge/dropped"):
+        if key in pm:
+            out["progress_" + key.split("/", 1)[1]] = pm[key]
+    for key in ("preference/labels", "preference/label_accuracy", "judge/latency_llm_s"):
+        if key in fm:
+            out["preference_" + key.split("/", 1)[1]] = fm[key]
+    out.update(label_agreement(task, llm, args.pairs, args.seed))
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,497 @@
+"""rlaif_preference: reward from an LLM's preferences between trajectory segments (RLAIF).
+
+Methods: Motif (Klissarov et al., "Motif: Intrinsic Motivation from Artificial
+Intelligence Feedback", ICLR 2024) and RL-VLM-F (Wang et al., "RL-VLM-F: Reinforcement
+Learning from Vision Language Foundation Model Feedback", ICML 2024), both after the
+preference-based RL of Christiano et al. (2017).
+
+1. Segments: training rollouts are cut into segments of ``segment_len`` steps (never
+   across an episode end); each has a text rendering (the task's rendering of its first
+   and last states, its actions, whether the episode ended) and its env return.
+2. Labels: the LLM sees two renderings and the goal; Motif's prompt shape (describe each,
+   compare, then a fixed-format answer) gives 1 (first better), 0 (second), 0.5 (tie)
+   or None (cannot tell). Labels are cached; the ``label_preferences`` hook makes the
+   labeller replaceable by another plugin.
+3. Reward model: an ensemble (3 by default) of MLPs ``r(s)``; a segment's score is the
+   sum over its states; trained with the Bradley-Terry loss, i.e. the cross-entropy of
+   ``sigmoid(R_a - R_b)`` against the (soft) label.
+4. Reward: the ensemble mean, z-scored with running statistics, times ``scale``, zeroed
+   below ``threshold`` (Motif's thresholding), added to or replacing the env reward.
+5. Modes: ``online`` asks for ``pairs_per_query`` labels every ``label_every`` frames up
+   to ``label_budget`` (RL-VLM-F); ``offline`` labels segments of a random-policy dataset
+   before training and keeps the reward model fixed (Motif). Online, a worker thread
+   labels and trains; the training loop never waits for it.
+
+Label accuracy against the env's own segment returns is logged when they differ.
+Config: ``conf/plugins/rlaif_preference.yaml``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import queue
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from core import hookimpl
+
+NAME = "rlaif_preference"
+
+# -- prompt pieces -----------------------------------------------------------------------
+
+SYSTEM = "You are a fair and careful judge of how well an agent is doing at its task."
+
+PROMPT = """Goal: {goal}
+
+Two segments of the agent's behaviour follow.
+
+Segment 1:
+{a}
+
+Segment 2:
+{b}
+
+First describe in one short sentence what happens in each segment. Then compare them:
+which one makes more progress towards the goal? End with exactly one line, one of:
+Answer: 1
+Answer: 2
+Answer: tie
+Answer: unknown"""
+
+_ANSWER = re.compile(r"answer\W{0,3}\s*[:=]?\s*\**\s*\(?(segment\s*1|segment\s*2|1|2|tie|unknown|none|cannot tell)\b",
+                     re.I)
+_VALUES = {"1": 1.0, "2": 0.0, "tie": 0.5}
+
+
+# -- pure pieces ---------------------------------------------------------------------------
+
+
+@dataclass
+class Segment:
+    """A piece of one episode: its states (after each step), actions, env return, end."""
+
+    obs: np.ndarray  # [L, D] the states reached by the segment's steps
+    actions: list[Any]
+    env_return: float
+    ended: bool  # the episode terminated at the segment's last step
+    text: str = ""
+
+
+def build_prompt(goal: str, a: str, b: str) -> list[dict[str, str]]:
+    """The chat messages that ask which of two segment renderings is better."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT.format(goal=goal, a=a, b=b)}]
+
+
+def parse_label(text: str) -> float | None:
+    """1.0 / 0.0 / 0.5 from the reply's last ``Answer:`` line; None for unknown or malformed."""
+    found = _ANSWER.findall(text)
+    if not found:
+        return None
+    answer = re.sub(r"\s+", "", found[-1].lower()).replace("segment", "")
+    return _VALUES.get(answer)
+
+
+def vote(labels: list[float | None]) -> float | None:
+    """The soft label of several samples: the mean of the decided ones (None if none)."""
+    decided = [x for x in labels if x is not None]
+    return float(np.mean(decided)) if decided else None
+
+
+def env_preference(a: Segment, b: Segment, tol: float = 1e-6) -> float:
+    """What the env's own return says: 1.0 (a higher), 0.0 (b higher), 0.5 (equal)."""
+    if abs(a.env_return - b.env_return) <= tol:
+        return 0.5
+    return 1.0 if a.env_return > b.env_return else 0.0
+
+
+def label_accuracy(labels: list[float | None], truths: list[float]) -> tuple[float, int]:
+    """(agreement, count) over pairs where both the label and the env return decide."""
+    pairs = [(lab, t) for lab, t in zip(labels, truths) if lab is not None and lab != 0.5 and t != 0.5]
+    if not pairs:
+        return float("nan"), 0
+    return float(np.mean([(lab > 0.5) == (t > 0.5) for lab, t in pairs])), len(pairs)
+
+
+def render_segment(task: Any, seg: Segment) -> str:
+    """A segment as text: the task's rendering of its first and last states, actions, end."""
+    first = task.render_state(seg.obs[0])
+    last = task.render_state(seg.obs[-1])
+    counts: dict[str, int] = {}
+    for a in seg.actions:
+        counts[str(a)] = counts.get(str(a), 0) + 1
+    acts = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+    end = "The episode ENDED (terminated) at the last step." if seg.ended else "The episode was still running."
+    return f"Start state:\n{first}\nActions taken over {len(seg.obs)} steps: {acts}\nEnd state:\n{last}\n{end}"
+
+
+def split_segments(obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
+                   done: np.ndarray, length: int, min_len: int) -> list[Segment]:
+    """Cut one env's rollout ``[T, ...]`` into segments of ``length`` steps within episodes.
+
+    A segment shorter than ``min_len`` is kept only when the episode terminated in it (a
+    failure or a success is what preferences are about).
+    """
+    out, start = [], 0
+    T = len(obs)
+    while start < T:
+        stop = start
+        while stop < T and stop - start < length:
+            stop += 1
+            if done[stop - 1]:
+                break
+        ended = bool(terminated[stop - 1])
+        if stop - start >= min_len or ended:
+            acts = [int(a) if np.ndim(a) == 0 else np.round(a, 2).tolist() for a in actions[start:stop]]
+            out.append(Segment(obs[start:stop].copy(), acts, float(rewards[start:stop].sum()), ended))
+        start = stop
+    return out
+
+
+def bt_loss(score_a: torch.Tensor, score_b: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """Bradley-Terry loss: cross-entropy of ``P(a > b) = sigmoid(R_a - R_b)`` with soft labels."""
+    return torch.nn.functional.binary_cross_entropy_with_logits(score_a - score_b, label)
+
+
+class RewardModel:
+    """An ensemble of MLPs ``r(s)``; a segment's score is the sum of ``r`` over its states."""
+
+    def __init__(self, dim: int, members: int = 3, hidden: int = 64, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.nets = [torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden),
+                                         torch.nn.Tanh(), torch.nn.Linear(hidden, 1)) for _ in range(members)]
+
+    @staticmethod
+    def _pad(segments: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        L = max(len(s) for s in segments)
+        x = np.zeros((len(segments), L, segments[0].shape[-1]), np.float32)
+        mask = np.zeros((len(segments), L), np.float32)
+        for i, s in enumerate(segments):
+            x[i, : len(s)], mask[i, : len(s)] = s, 1.0
+        return torch.from_numpy(x), torch.from_numpy(mask)
+
+    def fit(self, a: list[np.ndarray], b: list[np.ndarray], y: list[float], epochs: int = 100, lr: float = 3e-3) -> float:
+        """Fit every member on a bootstrap of the labelled pairs; returns the mean final loss."""
+        xa, ma = self._pad(a)
+        xb, mb = self._pad(b)
+        yt = torch.tensor(y, dtype=torch.float32)
+        losses = []
+        for k, net in enumerate(self.nets):
+            idx = torch.randint(len(yt), (len(yt),), generator=torch.Generator().manual_seed(k))
+            opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=1e-4)
+            for _ in range(epochs):
+                ra = (net(xa[idx]).squeeze(-1) * ma[idx]).sum(-1)
+                rb = (net(xb[idx]).squeeze(-1) * mb[idx]).sum(-1)
+                loss = bt_loss(ra, rb, yt[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            losses.append(float(loss.detach()))
+        return float(np.mean(losses))
+
+    @torch.no_grad()
+    def reward(self, x: np.ndarray) -> np.ndarray:
+        xt = torch.as_tensor(x, dtype=torch.float32)
+        return torch.stack([net(xt).squeeze(-1) for net in self.nets]).mean(0).numpy()
+
+
+# -- the labeller (behind the label_preferences hook) --------------------------------------
+
+
+@dataclass
+class Labeller:
+    """Asks the LLM for preference labels; caches them (both orders) and counts its work."""
+
+    cache: dict[str, float | None] = field(default_factory=dict)
+    calls: int = 0
+    cache_hits: int = 0
+    rejected: int = 0
+    latency: list[float] = field(default_factory=list)
+    replies: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def key(goal: str, a: str, b: str) -> str:
+        return hashlib.sha256("\x00".join((goal, a, b)).encode()).hexdigest()
+
+    def label(self, llm: Any, cfg: Any, goal: str, pairs: list[tuple[str, str]]) -> list[float | None]:
+        out: list[float | None] = []
+        for a, b in pairs:
+            k, k_rev = self.key(goal, a, b), self.key(goal, b, a)
+            if k in self.cache or k_rev in self.cache:
+                self.cache_hits += 1
+                hit = self.cache.get(k, None) if k in self.cache else self.cache[k_rev]
+                out.append(hit if k in self.cache or hit is None else 1.0 - hit)
+                continue
+            t0 = time.perf_counter()
+            replies = llm.chat(build_prompt(goal, a, b), n=int(cfg.get("samples", 1)),
+                               temperature=float(cfg.get("temperature", 0.3)),
+                               max_tokens=int(cfg.get("max_tokens", 96)), seed=int(cfg.get("seed", 0)),
+                               tag=f"{NAME}/label")
+            self.calls += 1
+            if not all(r.cached for r in replies):
+                self.latency.append(time.perf_counter() - t0)
+            labels = [parse_label(r.text) for r in replies]
+            self.rejected += sum(x is None for x in labels)
+            value = vote(labels)
+            self.cache[k] = value
+            out.append(value)
+            self.replies.append(f"label {value}: " + replies[0].text.strip().replace("\n", " ")[:400])
+        return out
+
+
+_LABELLER = Labeller()
+
+
+# -- the preference learner ---------------------------------------------------------------
+
+
+class PreferenceLearner:
+    """Per-training state: segment pool, labelling worker, reward model, statistics."""
+
+    def __init__(self, train: Any, cfg: Any) -> None:
+        self.train, self.cfg, self.task = train, cfg, train.task
+        self.goal = cfg.get("goal") or train.task.goal
+        self.pool: list[Segment] = []
+        self.jobs: queue.Queue[list[tuple[Segment, Segment]]] = queue.Queue(maxsize=2)
+        self.pairs: list[tuple[Segment, Segment, float]] = []  # labelled (a, b, label)
+        self.labels: list[float | None] = []
+        self.truths: list[float] = []
+        self.requested = 0
+        self.model: RewardModel | None = None
+        self.rm_loss = float("nan")
+        self.scale_obs: np.ndarray | None = None
+        self.mean, self.var = 0.0, 1.0
+        self.next_label_at = int(cfg.label_every)
+        self.rng = random.Random(int(train.seed))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- data --------------------------------------------------------------------------
+    def features(self, obs: np.ndarray) -> np.ndarray:
+        if self.scale_obs is None:
+            return obs
+        return obs / self.scale_obs
+
+    def add_rollout(self, batch: Any) -> None:
+        """Cut the batch ``[envs, steps]`` into segments and keep them in the pool."""
+        dim = self.task.obs_dim
+        nxt = batch.get("next")
+        obs = nxt.get("observation")[..., :dim].numpy()
+        rew = (nxt.get("env_reward") if "env_reward" in nxt.keys() else nxt.get("reward")).squeeze(-1).numpy()
+        done = nxt.get("done").squeeze(-1).numpy()
+        term = nxt.get("terminated").squeeze(-1).numpy() if "terminated" in nxt.keys() else done
+        act = batch.get("action").numpy()
+        if self.scale_obs is None:
+            std = obs.reshape(-1, dim).std(0)
+            self.scale_obs = np.where(std > 1e-6, std, 1.0)
+        for e in range(obs.shape[0]):
+            self.pool += split_segments(obs[e], act[e], rew[e], term[e], done[e], int(self.cfg.segment_len),
+                                        int(self.cfg.min_segment_len))
+        self.pool = self.pool[-int(self.cfg.pool_size):]
+
+    def sample_pairs(self, n: int) -> list[tuple[Segment, Segment]]:
+        if len(self.pool) < 2:
+            return []
+        return [tuple(self.rng.sample(self.pool, 2)) for _ in range(n)]  # type: ignore[misc]
+
+    # -- labelling and fitting (the worker in online mode) -----------------------------
+    def label_and_fit(self, pairs: list[tuple[Segment, Segment]]) -> None:
+        for seg in (s for p in pairs for s in p):
+            if not seg.text:
+                seg.text = render_segment(self.task, seg)
+        texts = [(a.text, b.text) for a, b in pairs]
+        hook = getattr(self.train, "hook", None)
+        labels = hook.label_preferences(run=self.train, goal=self.goal, pairs=texts) if hook is not None else None
+        if labels is None:
+            labels = _LABELLER.label(self.train.llm, self.cfg, self.goal, texts)
+        for (a, b), lab in zip(pairs, labels):
+            self.labels.append(lab)
+            self.truths.append(env_preference(a, b))
+            if lab is not None:
+                self.pairs.append((a, b, float(lab)))
+        self.fit()
+
+    def fit(self) -> None:
+        if len(self.pairs) < int(self.cfg.min_pairs):
+            return
+        a = [self.features(p[0].obs) for p in self.pairs]
+        b = [self.features(p[1].obs) for p in self.pairs]
+        model = RewardModel(a[0].shape[-1], int(self.cfg.members), int(self.cfg.hidden), seed=int(self.train.seed))
+        self.rm_loss = model.fit(a, b, [p[2] for p in self.pairs], epochs=int(self.cfg.epochs))
+        self.model = model  # one assignment: the reward side sees the old or the new model
+        self.train.log_metric("preference/rm_loss", self.rm_loss)
+
+    def maybe_request(self) -> None:
+        """Online mode: queue a labelling job every ``label_every`` frames within the budget."""
+        cfg = self.cfg
+        if self.train.frames < self.next_label_at or self.requested >= int(cfg.label_budget):
+            return
+        self.next_label_at += int(cfg.label_every)
+        n = min(int(cfg.pairs_per_query), int(cfg.label_budget) - self.requested)
+        pairs = self.sample_pairs(n)
+        if pairs:
+            try:
+                self.jobs.put_nowait(pairs)
+                self.requested += len(pairs)
+            except queue.Full:  # the worker is still busy: skip this round, never wait
+                pass
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._work, name="preference-labeller", daemon=True)
+        self._thread.start()
+
+    def stop(self, wait_s: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(wait_s)
+
+    def _work(self) -> None:
+        torch.set_num_threads(1)
+        while not self._stop.is_set():
+            try:
+                pairs = self.jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                self.label_and_fit(pairs)
+            except Exception as exc:  # noqa: BLE001 - a failed labelling round costs its labels
+                _LABELLER.replies.append(f"labelling failed: {type(exc).__name__}: {str(exc)[:300]}")
+
+    # -- offline mode ------------------------------------------------------------------
+    def offline(self) -> None:
+        """Motif: label pairs from a random-policy dataset before training, fit once."""
+        cfg = self.cfg
+        env = self.task.make_env(int(cfg.offline.envs), int(self.train.seed) + 7)
+        obs, _ = env.reset(seed=int(self.train.seed) + 7)
+        rows: dict[str, list[np.ndarray]] = {k: [] for k in ("obs", "act", "rew", "term", "done")}
+        for _ in range(int(cfg.offline.steps)):
+            act = env.action_space.sample()
+            nobs, rew, term, trunc, info = env.step(act)
+            final = np.array(nobs, copy=True)
+            for i in np.flatnonzero(np.logical_or(term, trunc)):
+                final[i] = info["final_obs"][i]
+            for k, v in zip(rows, (final, act, rew, term, np.logical_or(term, trunc))):
+                rows[k].append(np.asarray(v))
+        env.close()
+        arr = {k: np.stack(v, axis=1) for k, v in rows.items()}  # [envs, T, ...]
+        dim = self.task.obs_dim
+        std = arr["obs"][..., :dim].reshape(-1, dim).std(0)
+        self.scale_obs = np.where(std > 1e-6, std, 1.0)
+        for e in range(arr["obs"].shape[0]):
+            self.pool += split_segments(arr["obs"][e][:, :dim].astype(np.float32), arr["act"][e], arr["rew"][e],
+                                        arr["term"][e], arr["done"][e], int(cfg.segment_len), int(cfg.min_segment_len))
+        pairs = self.sample_pairs(int(cfg.label_budget))
+        self.requested = len(pairs)
+        self.label_and_fit(pairs)
+
+    # -- reward ------------------------------------------------------------------------
+    def reward(self, batch: Any) -> torch.Tensor | None:
+        model = self.model
+        if model is None:
+            return None
+        r = model.reward(self.features(batch.next_obs.detach().cpu().numpy()))
+        d = float(self.cfg.ema)
+        self.mean = d * self.mean + (1 - d) * float(r.mean())
+        self.var = d * self.var + (1 - d) * float(((r - self.mean) ** 2).mean())
+        z = (r - self.mean) / (math.sqrt(self.var) + 1e-8)
+        if self.cfg.threshold is not None:
+            z = np.where(z >= float(self.cfg.threshold), z, 0.0)
+        term = float(self.cfg.scale) * z
+        if self.cfg.mode == "replace":
+            term = term - batch.reward.detach().cpu().numpy()
+        return torch.as_tensor(term, dtype=torch.float32)
+
+    def metrics(self) -> dict[str, float]:
+        acc, n = label_accuracy(self.labels, self.truths)
+        lab = _LABELLER
+        return {
+            "preference/labels": float(len(self.labels)),
+            "preference/label_accuracy": acc,
+            "preference/label_decisive": float(n),
+            "preference/ties": float(sum(x == 0.5 for x in self.labels)),
+            "preference/unknown": float(sum(x is None for x in self.labels)),
+            "preference/rm_loss": self.rm_loss,
+            "preference/segments": float(len(self.pool)),
+            "judge/llm_calls": float(lab.calls),
+            "judge/cache_hits": float(lab.cache_hits),
+            "judge/rejected_replies": float(lab.rejected),
+            "judge/latency_llm_s": float(np.mean(lab.latency)) if lab.latency else float("nan"),
+        }
+
+
+_LEARNERS: dict[int, PreferenceLearner] = {}
+
+
+def _learner_for(train: Any) -> PreferenceLearner:
+    learner = _LEARNERS.get(id(train))
+    if learner is None or learner.train is not train:
+        cfg = OmegaConf.create(train.plugin_config(NAME) or {})  # attribute access on a plain dict
+        learner = _LEARNERS[id(train)] = PreferenceLearner(train, cfg)
+    return learner
+
+
+def _preload(llm: Any) -> None:
+    """Load an in-process model before the loop: loading holds the GIL for seconds."""
+    settings = getattr(llm, "settings", None)
+    if settings is not None and getattr(settings, "is_embedded", False):
+        from core.llm import embedded
+
+        embedded.get_server(llm.model.split("/", 1)[1])
+
+
+# -- hooks -----------------------------------------------------------------------------------
+
+
+@hookimpl
+def label_preferences(run: Any, goal: str, pairs: list[tuple[str, str]]) -> list[float | None] | None:
+    """Label segment pairs with the run's LLM (Motif's prompt shape), through the label cache."""
+    cfg = run.plugin_config(NAME) or {}
+    return _LABELLER.label(run.llm, cfg, goal, pairs)
+
+
+@hookimpl
+def on_train_start(train: Any) -> None:
+    """Online: start the labelling worker. Offline: label a random-policy dataset first."""
+    learner = _learner_for(train)
+    _preload(train.llm)
+    if learner.cfg.labelling == "offline":
+        learner.offline()
+    else:
+        learner.start()
+
+
+@hookimpl
+def on_rollout(train: Any, batch: Any) -> None:
+    """Keep the batch's segments; online, ask for labels on schedule (never waits)."""
+    learner = _learner_for(train)
+    if learner.cfg.labelling == "online":
+        learner.add_rollout(batch)
+        learner.maybe_request()
+    train.log_metric("preference/labels", len(learner.labels))
+
+
+@hookimpl
+def compute_reward(train: Any, batch: Any) -> torch.Tensor | None:
+    """The reward model's scaled, thresholded reward (added, or replacing the reward)."""
+    return _learner_for(train).reward(batch)
+
+
+@hookimpl
+def on_train_end(train: Any, result: Any) -> None:
+    """Stop the worker; metrics on the result, the LLM's labelling replies as a text."""
+    learner = _LEARNERS.pop(id(train), None)
+    if learner is None:
+        return
+    learner.stop()
+    result.metrics.update({k: v for k, v in learner.metrics().items() if v == v})
+    text = "\n".join(f"- {r}" for r in _LABELLER.replies[-int(learner.cfg.max_reasons):])
+    train.log_text(f"{NAME}/labels.md", f"# Preference labels ({len(learner.labels)})\n\n{text}\n")
