@@ -1,8 +1,10 @@
 """Environment steps/s per task family: bare vector env vs. our training stack.
 
 For each task, a random policy steps (1) the task's bare gymnasium vector env and
-(2) the same vector env through the training stack: TorchRL's ``GymWrapper`` and a
-``torchrl.collectors.Collector``. Prints one JSON object::
+(2) the same vector env through the stack training actually uses: the thin TorchRL env
+:class:`core.train.envs.VecGymEnv` and a ``torchrl.collectors.Collector`` built with the
+same options as :mod:`core.train.ppo` (``trust_policy``, no trajectory ids, no policy
+transforms), with a random policy in place of the actor. Prints one JSON object::
 
     {"tasks": {"cartpole": {"bare_sps": ..., "stack_sps": ..., "ratio": ...}, ...},
      "targets": {"minecraft": "stack >= 0.75 x bare", "cartpole": "stack >= 0.5 x bare"}}
@@ -40,13 +42,15 @@ def bare_sps(name: str, num_envs: int, frames: int) -> float:
 
 
 def stack_sps(name: str, num_envs: int, frames: int) -> float:
-    """Random-policy frames/s through GymWrapper + Collector."""
+    """Random-policy frames/s through VecGymEnv + Collector, as ``core.train.ppo`` builds them."""
     from torchrl.collectors import Collector
-    from torchrl.envs import GymWrapper
 
-    env = GymWrapper(make_task({"name": name}).make_env(num_envs, seed=0))
+    from core.train.envs import VecGymEnv
+
+    env = VecGymEnv(make_task({"name": name}).make_env(num_envs, seed=0), seed=0)
     per_batch = num_envs * 64
-    collector = Collector(env, policy=None, frames_per_batch=per_batch, total_frames=frames + per_batch)
+    collector = Collector(env, policy=None, frames_per_batch=per_batch, total_frames=frames + per_batch,
+                          trust_policy=True, track_traj_ids=False, auto_register_policy_transforms=False)
     batches = iter(collector)
     next(batches)  # warm-up batch (first reset, spec checks)
     start = time.perf_counter()
