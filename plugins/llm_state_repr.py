@@ -70,7 +70,8 @@ def intrinsic_reward(state, features):
     ...
 ```
 
-Use vectorised torch operations only (torch.where, torch.clamp, torch.norm; no Python
+Every feature must be a [B] tensor computed from the fields (a constant or a goal
+position is not a feature). Use vectorised torch operations only (torch.where, torch.clamp, torch.norm; no Python
 loops over the batch, no in-place edits of the inputs). You may import only: {imports}."""
 
 HISTORY = """Earlier attempts (code, score of the trained policy on {fitness_name}, and feedback):

@@ -156,7 +156,7 @@ def test_reflect_reports_scores_and_lipschitz(task):
 @pytest.mark.slow
 def test_end_to_end_halfcheetah(tmp_path):
     cmd = [sys.executable, "-m", "core", "+plugins=[llm_state_repr]", "env=halfcheetah", "env.max_episode_steps=100",
-           "plugins.llm_state_repr.iterations=1", "plugins.llm_state_repr.samples=1", "plugins.llm_state_repr.retries=1",
+           "plugins.llm_state_repr.iterations=1", "plugins.llm_state_repr.samples=2", "plugins.llm_state_repr.retries=1",
            "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=64", "trainer.epochs=2", "trainer.eval_episodes=2",
            "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
