@@ -181,10 +181,14 @@ class MacroSet:
 
     # -- envs -------------------------------------------------------------------------
     def wrap(self, vec: gym.vector.VectorEnv) -> gym.vector.VectorEnv:
-        """Give every sub-env of a ``SyncVectorEnv`` the macro actions (in place); returns it."""
+        """Give every sub-env of a vector env the macro actions (in place); returns it.
+
+        Works with any vector env that steps a list of gymnasium envs in ``.envs``
+        (``SyncVectorEnv``, Crafter's vector env).
+        """
         envs = getattr(vec, "envs", None)
-        if not isinstance(vec, gym.vector.SyncVectorEnv) or envs is None:
-            raise ValueError(f"macro-actions need a SyncVectorEnv task env, got {type(vec).__name__}")
+        if not isinstance(envs, list) or not envs:
+            raise ValueError(f"macro-actions need a vector env that steps a list of envs (.envs), got {type(vec).__name__}")
         vec.envs = [MacroEnv(e, self) for e in envs]
         vec.single_action_space = vec.envs[0].action_space
         vec.action_space = gym.vector.utils.batch_space(vec.single_action_space, vec.num_envs)
