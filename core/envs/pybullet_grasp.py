@@ -32,6 +32,7 @@ import os
 import random
 import sys
 import types
+import warnings
 from collections import Counter
 from typing import Any, Iterator
 
@@ -211,7 +212,9 @@ class KukaGraspEnv(gym.Env):
         module.print = lambda *a, **k: None  # type: ignore[attr-defined] - "successfully grasped a block!!!"
         module.kuka = kuka  # type: ignore[attr-defined]
         # the env's own step counter ends episodes after maxSteps; the time limit is ours
-        self.env = module.KukaGymEnv(renders=False, isDiscrete=False, maxSteps=self.max_episode_steps + 10)
+        with warnings.catch_warnings():  # gym warns that its float64 Box bounds become float32
+            warnings.simplefilter("ignore")
+            self.env = module.KukaGymEnv(renders=False, isDiscrete=False, maxSteps=self.max_episode_steps + 10)
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, (14,), np.float32)
         self.action_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
         self._steps = 0
