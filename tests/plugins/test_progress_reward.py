@@ -1,0 +1,290 @@
+"""progress_reward: prompt parsing, consensus and fallback, normalisation, weight schedule,
+caching, distillation, the sparse guard, the async reward path, and an end-to-end run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from core.envs import make_task
+from core.records import Candidate, TrainResult
+from core.resources import conf_dir
+from core.train.context import StepBatch, TrainContext
+from plugins import progress_reward as pr
+
+torch.set_num_threads(1)  # as in training: small nets with 2 threads stall on a busy machine
+DEFAULTS = OmegaConf.to_container(OmegaConf.load(conf_dir() / "plugins" / "progress_reward.yaml"))
+
+
+class FakeLLM:
+    """Replies from a list (cycled); optionally slow; counts calls."""
+
+    def __init__(self, texts: list[str], delay_s: float = 0.0) -> None:
+        self.texts, self.delay_s, self.calls, self.messages = texts, delay_s, 0, []
+
+    def chat(self, messages, *, n=1, **_):
+        self.calls += 1
+        self.messages.append(messages)
+        time.sleep(self.delay_s)
+        return [SimpleNamespace(text=self.texts[i % len(self.texts)], cached=False, latency_s=self.delay_s) for i in range(n)]
+
+
+def make_ctx(llm: FakeLLM, frames: int = 10_000, **overrides) -> TrainContext:
+    cfg = {**DEFAULTS, **overrides}
+    return TrainContext(task=make_task({"name": "cartpole"}), candidate=Candidate("c", 0),
+                        config={"plugins": {"progress_reward": cfg}}, seed=0, total_frames=frames,
+                        llm_factory=lambda: llm)
+
+
+def step_batch(task, obs: torch.Tensor, done: bool = False) -> StepBatch:
+    B = obs.shape[0]
+    return StepBatch(obs=obs, action=torch.zeros(B, dtype=torch.int64), next_obs=obs, env_reward=torch.ones(B),
+                     reward=torch.ones(B), done=torch.full((B,), done), task=task)
+
+
+def wait_for(cond, timeout: float = 5.0) -> None:
+    end = time.time() + timeout
+    while not cond() and time.time() < end:
+        time.sleep(0.01)
+
+
+# -- prompt and parsing ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, score, reason", [
+    ("Score: 7 | Reason: the pole is upright", 7.0, "the pole is upright"),
+    ("**Score:** 8/10\n**Reason:** close to the flag", 8.0, "close to the flag"),
+    ("评分：6 理由：不错", 6.0, "不错"),
+    ("Rating = 3", 3.0, ""),
+    ("I would give it 4/10.", 4.0, ""),
+])  # fmt: skip
+def test_parse_reply_accepts_the_format_and_its_variants(text, score, reason):
+    got = pr.parse_reply(text)
+    assert got is not None and got.score == score and got.reason == reason
+
+
+@pytest.mark.parametrize("text", ["Score: 12", "Score: 0", "no idea", "Score: 3 ... no wait, Score: 8", ""])
+def test_parse_reply_rejects_malformed_replies(text):
+    assert pr.parse_reply(text) is None
+
+
+def test_prompt_has_short_background_dimensions_state_and_format():
+    background = pr.background_of("One. Two! Three? Four. Five.")
+    assert background == "One. Two! Three?"
+    messages = pr.build_prompt(background, ["closeness", "safety"], "x: 1.0", "0, 1")
+    user = messages[-1]["content"]
+    assert "- closeness\n- safety" in user and "x: 1.0" in user and "Recent actions: 0, 1" in user
+    assert "Score: <integer 1-10> | Reason:" in user
+
+
+# -- consensus and fallback -------------------------------------------------------------------
+
+
+def test_consensus_median_and_agreement():
+    assert pr.consensus([6, 7, 7], 3) == (7.0, 1.0)
+    median, conf = pr.consensus([2, 7, 9], 3)
+    assert median == 7.0 and conf == pytest.approx(1 / 3)
+    assert pr.consensus([7, 7], 3)[1] == pytest.approx(2 / 3)  # a malformed sample lowers confidence
+    assert pr.consensus([], 3)[1] == 0.0
+
+
+def test_rule_score_ranks_the_return_so_far():
+    assert pr.rule_score(10.0, []) == 5.5
+    assert pr.rule_score(100.0, [1.0, 2.0, 3.0]) == 10.0
+    assert pr.rule_score(0.0, [1.0, 2.0, 3.0]) == 1.0
+
+
+def test_low_agreement_falls_back_to_the_rule_and_agreement_uses_the_median():
+    task = make_task({"name": "cartpole"})
+    agree = pr.ProgressJudge(make_ctx(FakeLLM(["Score: 8 | Reason: good"])), pr.settings(DEFAULTS))
+    res = agree._evaluate(agree.train.llm, pr._Request(0, 0, np.zeros(4, np.float32), np.zeros(4), "", 5.0, 0))
+    assert (res.source, res.score, res.reason) == ("llm", 8.0, "good") and agree.counts.fallbacks == 0
+    split = pr.ProgressJudge(make_ctx(FakeLLM(["Score: 1", "Score: 9", "garbage"])), pr.settings(DEFAULTS))
+    split.returns_seen.extend([1.0, 2.0, 3.0, 4.0])
+    res = split._evaluate(split.train.llm, pr._Request(0, 0, np.zeros(4, np.float32), np.zeros(4), "", 2.5, 0))
+    assert res.source == "rule" and res.score == pytest.approx(1 + 9 * 0.5)
+    assert split.counts.fallbacks == 1 and split.counts.rejected == 1
+    assert task.render_state(np.zeros(4)) in split.train.llm.messages[0][-1]["content"]
+
+
+# -- normalisation, schedule, cache, distillation ----------------------------------------------
+
+
+def test_running_z_follows_the_ema_formula():
+    z = pr.RunningZ(0.99, var0=1.0)
+    xs = [5.0, 7.0, 3.0]
+    mean, var = xs[0], 1.0
+    for x in xs:
+        z.update(x)
+    for x in xs[1:]:
+        mean = 0.99 * mean + 0.01 * x
+        var = 0.99 * var + 0.01 * (x - mean) ** 2
+    assert z.mean == pytest.approx(mean) and z.var == pytest.approx(var)
+    assert z.normalize(np.array([mean]))[0] == pytest.approx(0.0)
+    assert z.normalize(np.array([mean + np.sqrt(var)]))[0] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_stage_weights_follow_the_default_schedule():
+    stages = DEFAULTS["stages"]
+    table = [stages["early"], stages["middle"], stages["late"]]
+    assert pr.stage_weights(0.0, stages["boundaries"], table) == (0.5, 0.4, 0.1)
+    assert pr.stage_weights(0.3, stages["boundaries"], table) == (0.7, 0.25, 0.05)
+    assert pr.stage_weights(0.95, stages["boundaries"], table) == (0.9, 0.08, 0.02)
+    assert pr.stage_weights(0.5, [0.1, 0.2], table) == (0.9, 0.08, 0.02)  # boundaries are configurable
+
+
+def test_state_cache_reuses_scores_of_near_states_only():
+    cache = pr.StateCache(radius=0.5)
+    dist, _ = cache.query(np.zeros((1, 3)))
+    assert np.isinf(dist[0])
+    cache.add(np.zeros(3), 7.0)
+    cache.add(np.full(3, 5.0), 2.0)
+    dist, value = cache.query(np.array([[0.1, 0.0, 0.0], [3.0, 3.0, 3.0]]))
+    assert dist[0] <= 0.5 and value[0] == 7.0
+    assert dist[1] > 0.5
+
+
+def test_distiller_learns_a_score_and_is_unsure_far_away():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (128, 2))
+    y = 5.5 + 4 * x[:, 0]
+    model = pr.Distiller(2, hidden=32, members=3)
+    model.fit(x, y, epochs=300)
+    mean, std = model.predict(np.array([[0.5, 0.0], [-0.5, 0.0]]))
+    assert abs(mean[0] - 7.5) < 0.7 and abs(mean[1] - 3.5) < 0.7
+    _, far = model.predict(np.array([[30.0, -30.0]]))
+    assert far[0] > std.max()
+
+
+# -- the reward path -------------------------------------------------------------------------
+
+
+def test_compute_reward_never_waits_for_a_slow_llm_and_uses_its_scores_later():
+    llm = FakeLLM(["Score: 9 | Reason: great"], delay_s=0.5)
+    ctx = make_ctx(llm, eval_every=1)
+    task = ctx.task
+    pr.on_train_start(ctx)
+    try:
+        obs = torch.zeros(2, 4)
+        t0 = time.perf_counter()
+        out = pr.compute_reward(ctx, step_batch(task, obs))
+        assert time.perf_counter() - t0 < 0.2  # the call returned long before the LLM
+        assert out.shape == (2,)
+        wait_for(lambda: llm.calls >= 1 and not pr._JUDGES[id(ctx)].requests.qsize(), 3.0)
+        time.sleep(0.7)
+        pr.compute_reward(ctx, step_batch(task, obs))  # drains the ring buffer
+        judge = pr._JUDGES[id(ctx)]
+        assert judge.cache.values and judge.cache.values[0] == 9.0
+        pr.compute_reward(ctx, step_batch(task, obs))
+        assert judge.counts.cache_hits >= 2  # the same state now comes from the cache
+    finally:
+        result = TrainResult("c", True)
+        pr.on_train_end(ctx, result)
+    assert result.metrics["judge/llm_calls"] >= 1 and result.metrics["judge/cache_hits"] >= 2
+    assert "great" in ctx.texts["progress_reward/reasons.md"]
+
+
+def test_mixed_reward_blends_env_llm_and_exploration_with_the_stage_weights():
+    ctx = make_ctx(FakeLLM(["Score: 5"]))
+    judge = pr._judge_for(ctx)
+    task = ctx.task
+    obs = torch.zeros(1, 4)
+    first = judge.reward(step_batch(task, obs))  # unknown progress: LLM term 0, bonus 1 (first visit)
+    assert float(first[0]) == pytest.approx(0.5 * 1 + 0.1 * 1.0 - 1.0)
+    judge.progress[:] = 8.0
+    judge.z.mean, judge.z.var = 6.0, 4.0
+    second = judge.reward(step_batch(task, obs))  # z = (8-6)/2 = 1; second visit: bonus 1/sqrt(2)
+    assert float(second[0]) == pytest.approx(0.5 + 0.4 * 1.0 + 0.1 / np.sqrt(2) - 1.0, abs=1e-5)
+    pr._JUDGES.pop(id(ctx))
+
+
+def test_potential_shaping_uses_the_difference_of_potentials():
+    ctx = make_ctx(FakeLLM(["Score: 5"]), shaping=True, gamma=0.9)
+    judge = pr._judge_for(ctx)
+    task = ctx.task
+    judge.reward(step_batch(task, torch.zeros(1, 4)))
+    judge.z.mean, judge.z.var = 5.0, 1.0
+    judge.progress[:] = 6.0  # z = 1, previous potential 0
+    out = judge.reward(step_batch(task, torch.zeros(1, 4)))
+    assert float(out[0]) == pytest.approx(0.5 + 0.4 * (0.9 * 1.0 - 0.0) + 0.1 / np.sqrt(2) - 1.0, abs=1e-5)
+    out = judge.reward(step_batch(task, torch.zeros(1, 4)))  # potential unchanged: 0.9*1 - 1
+    assert float(out[0]) == pytest.approx(0.5 + 0.4 * (0.9 - 1.0) + 0.1 / np.sqrt(3) - 1.0, abs=1e-5)
+    pr._JUDGES.pop(id(ctx))
+
+
+def test_sparse_guard_moves_the_llm_weight_to_exploration_and_says_so():
+    ctx = make_ctx(FakeLLM(["Score: 1"]))
+    judge = pr._judge_for(ctx)
+    for _ in range(DEFAULTS["sparse"]["window"]):
+        judge._sparse_guard(1.0)
+    assert judge.sparse and any("sparse signal" in r for r in judge.reasons)
+    task = ctx.task
+    judge.reward(step_batch(task, torch.zeros(1, 4)))
+    judge.progress[:] = 9.0
+    out = judge.reward(step_batch(task, torch.zeros(1, 4)))  # LLM term ignored, bonus weighted 0.5
+    assert float(out[0]) == pytest.approx(0.5 + 0.5 / np.sqrt(2) - 1.0, abs=1e-5)
+    judge._sparse_guard(8.0)
+    assert not judge.sparse
+    pr._JUDGES.pop(id(ctx))
+
+
+def test_distilled_evaluator_serves_states_near_judged_ones():
+    ctx = make_ctx(FakeLLM(["Score: 5"]), eval_every=1, cache_radius=0.01)
+    judge = pr._judge_for(ctx)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4))
+    for row in x:
+        judge.labels.append((row, 6.0))
+        judge.cache.add(row, 6.0)
+    judge.cfg.distill.min_labels = 32
+    judge._maybe_distill()
+    assert judge.distiller is not None
+    judge._scale = np.ones(4)
+    judge.reward(step_batch(ctx.task, torch.as_tensor(x[:2] + 0.05, dtype=torch.float32)))
+    assert judge.counts.distilled == 2
+    assert judge.progress == pytest.approx([6.0, 6.0], abs=0.5)
+    assert judge.metrics()["judge/latency_distilled_s"] < 0.05
+    pr._JUDGES.pop(id(ctx))
+
+
+# -- end to end ------------------------------------------------------------------------------
+
+
+def _artifact_paths(client, run_id: str, path: str | None = None) -> list[str]:
+    out = []
+    for item in client.list_artifacts(run_id, path):
+        out += _artifact_paths(client, run_id, item.path) if item.is_dir else [item.path]
+    return out
+
+
+@pytest.mark.slow
+def test_end_to_end_with_the_embedded_model_logs_calls_latency_and_reasons(tmp_path: Path):
+    """``python -m core +plugins=[progress_reward] env=cartpole`` with a small budget."""
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    cmd = [
+        sys.executable, "-m", "core", "+plugins=[progress_reward]", "env=cartpole", "trainer.frames=16384",
+        "trainer.eval_episodes=2", "trainer.eval_every=0", "executor=inprocess", "progress=false",
+        "save_policy=false", "plugins.progress_reward.samples=2", f"cache_dir={tmp_path / 'cache'}",
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_location={tmp_path / 'art'}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "llm4rl"]
+    (child,) = [r for r in client.search_runs([experiment.experiment_id]) if "mlflow.parentRunId" in r.data.tags]
+    metrics = child.data.metrics
+    assert metrics["judge/llm_calls"] >= 1, metrics
+    assert "judge/cache_hits" in metrics and metrics["judge/latency_llm_s"] > 0
+    assert "texts/progress_reward/reasons.md" in _artifact_paths(client, child.info.run_id)
