@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import ray
 from omegaconf import OmegaConf
 
 from core.executor import InProcessExecutor, TrainJob, make_executor
 from core.records import Candidate
-
-import ray  # noqa: E402  (the ray extra is a test dependency)
 
 TINY = ["env=cartpole", "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=2",
         "trainer.eval_every=512", "trainer.eval_episodes=2", "save_policy=false"]
