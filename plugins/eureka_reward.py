@@ -104,8 +104,12 @@ def messages(run) -> list[dict[str, str]]:
     return msgs
 
 
-def reflection(result: TrainResult, fitness_name: str) -> str:
-    """Eureka's reward reflection: components and fitness sampled over training."""
+def reflection(result: TrainResult, fitness_name: str, failure_modes: str = "") -> str:
+    """Eureka's reward reflection: components and fitness sampled over training.
+
+    ``failure_modes`` is the task's summary of how evaluation episodes ended (e.g. the
+    Kuka grasp's "never reached the block"), appended when the task provides one.
+    """
     lines = []
     for name, series in sorted(result.components.items()):
         values = [v for _, v in sample_evenly(series, 10)]
@@ -117,7 +121,10 @@ def reflection(result: TrainResult, fitness_name: str) -> str:
     lengths = [e.length for e in result.episodes]
     if lengths:
         lines.append(f"episode length: {summarize_series([float(n) for n in lengths])}")
-    return REFLECTION.format(fitness_name=fitness_name, series="\n".join(lines))
+    text = REFLECTION.format(fitness_name=fitness_name, series="\n".join(lines))
+    if failure_modes:
+        text += "\n\nHow the evaluation episodes ended:\n" + failure_modes
+    return text
 
 
 # -- hooks ---------------------------------------------------------------------------------
@@ -169,7 +176,11 @@ def reflect(run, result: IterationResult) -> str | None:
     if ok:
         best_c, best_r = max(ok, key=lambda cr: cr[1].score)
         STATE.best_reply = best_c.reward.reply  # type: ignore[union-attr]
-        STATE.feedback = reflection(best_r, run.task.fitness_name)
+        STATE.feedback = reflection(best_r, run.task.fitness_name, run.task.failure_modes(best_r.episodes))
+        for c, r in ok:
+            modes = run.task.failure_modes(r.episodes)
+            if modes:
+                run.log_text(f"{NAME}/{c.id}/failure_modes.txt", modes)
         if best_r.score > STATE.best_score:
             STATE.best_score, STATE.best_source = best_r.score, best_c.reward.source  # type: ignore[union-attr]
     else:
