@@ -98,6 +98,15 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
         )
 
 
+def _warm_worker() -> None:
+    """Import the training stack once when a worker starts, not inside the first job."""
+    import torch  # noqa: F401
+
+    import core.train.ppo  # noqa: F401
+
+    torch.set_num_threads(1)
+
+
 def _make_llm(llm_cfg: dict[str, Any]) -> Any:
     from core.llm import make_client
 
@@ -138,9 +147,15 @@ class PoolExecutor(Executor):
         self.workers = workers
         self._pool: futures.ProcessPoolExecutor | None = None
 
-    def run(self, jobs: list[TrainJob], on_done: Done | None = None) -> list[TrainResult]:
+    def start(self) -> None:
+        """Start the workers and wait until each has imported the training stack."""
         if self._pool is None:
-            self._pool = futures.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+            self._pool = futures.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_warm_worker)
+            futures.wait([self._pool.submit(_warm_worker) for _ in range(self.workers)])
+
+    def run(self, jobs: list[TrainJob], on_done: Done | None = None) -> list[TrainResult]:
+        self.start()
+        assert self._pool is not None
         pending = {self._pool.submit(run_job, job): i for i, job in enumerate(jobs)}
         results: list[TrainResult | None] = [None] * len(jobs)
         for fut in futures.as_completed(pending):

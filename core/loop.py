@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from core.executor import Runtime, TrainJob, build_runtime, make_executor
+from core.executor import Executor, Runtime, TrainJob, build_runtime, make_executor
 from core.progress import make_progress
 from core.records import Candidate, IterationResult, TrainResult
 from core.store import ResultStore, job_key
@@ -157,6 +157,7 @@ class Loop:
         self.tracker = tracker
         self.store = ResultStore(Path(config.cache_dir) / "results.sqlite") if config.get("resume", True) else None
         self.reused = 0
+        self._executor: Executor | None = None
         self.run = Run(
             config=config,
             task=self.runtime.task,
@@ -165,6 +166,15 @@ class Loop:
             seed=int(config.seed),
             iterations=iterations_from(config),
         )
+
+    def executor(self, jobs: int, progress: Any) -> Executor:
+        """The run's executor, kept across iterations so workers start once per run."""
+        wanted = make_executor(self.config.executor, self.runtime, jobs, progress)
+        if self._executor is None or type(self._executor) is not type(wanted):
+            if self._executor is not None:
+                self._executor.close()
+            self._executor = wanted
+        return self._executor
 
     # -- one iteration ------------------------------------------------------------------
     def propose(self, iteration: int) -> list[Candidate]:
@@ -199,11 +209,7 @@ class Loop:
             for j, result in enumerate(joint):
                 done(j, result)
         elif todo:
-            executor = make_executor(self.config.executor, self.runtime, len(todo), progress)
-            try:
-                executor.run([jobs[i] for i in todo], done)
-            finally:
-                executor.close()
+            self.executor(len(todo), progress).run([jobs[i] for i in todo], done)
         if progress is not None:
             progress.remove_task(bar)
         final: list[TrainResult] = []
@@ -240,6 +246,8 @@ class Loop:
                 if progress is not None:
                     progress.advance(outer)
             final = self.final_seeds(progress)
+        if self._executor is not None:
+            self._executor.close()
         best = run.best
         hook.on_run_end(run=run, best=best)
         return self.summarize(best, final, time.perf_counter() - start)
