@@ -14,7 +14,8 @@ import os
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from dataclasses import fields
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -202,3 +203,28 @@ def corr_sums(batch: Any) -> np.ndarray:
     x = batch.get(("next", "reward")).reshape(-1).double()
     y = batch.get(("next", "env_reward")).reshape(-1).double()
     return np.array([x.numel(), x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum()], dtype=float)
+
+
+def config_from(cls: type, cfg: Mapping[str, Any], algorithm: str) -> Any:
+    """A trainer config dataclass from the Hydra ``trainer`` node (or a dict).
+
+    ``name`` and ``_target_`` are ignored; unknown keys and a missing ``frames`` raise
+    ``ValueError``; ``hidden`` becomes a list of ints; ``validate()`` runs if defined.
+    """
+    if hasattr(cfg, "items") and not isinstance(cfg, dict):
+        from omegaconf import OmegaConf  # a DictConfig
+
+        cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    values = {k: v for k, v in dict(cfg).items() if k not in ("name", "_target_")}
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown trainer setting(s) {unknown}; {algorithm} knows {sorted(known)}")
+    if "frames" not in values:
+        raise ValueError("trainer.frames (the training budget) is required")
+    config = cls(**values)
+    if hasattr(config, "hidden"):
+        config.hidden = [int(h) for h in config.hidden]
+    if hasattr(config, "validate"):
+        config.validate()
+    return config

@@ -1,23 +1,29 @@
-"""Actor and critic networks, their TorchRL wrappers, and a lean collection policy.
+"""Actor and critic networks, their lean TorchRL wrappers, and a lean collection policy.
 
 The actor and the critic are separate MLPs (tanh, orthogonal init: the usual PPO
-choice). ``ClipPPOLoss`` needs them as TorchRL modules; collection instead runs
-:class:`SamplingPolicy`, one plain ``nn.Module`` that samples an action and its
-log-probability with the same formulas, without building a distribution object per step.
+choice). ``ClipPPOLoss`` runs them through :class:`LossActor` and :class:`LossCritic`:
+minimal ``TensorDictModuleBase`` modules (one key in, one key out) whose ``get_dist``
+returns a small distribution (:class:`LightCategorical`, :class:`LightNormal`) computing
+``log_prob`` and ``entropy`` straight from the network output. That skips
+``ProbabilisticActor``'s parameter-TensorDict plumbing and ``torch.distributions``'
+argument checks and broadcasting, which were most of the loss's time on small MLPs.
+Collection runs :class:`SamplingPolicy`, one plain ``nn.Module`` that samples an action
+and its log-probability with the same formulas.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModule
+from tensordict.nn import TensorDictModuleBase
 from torch import nn
 from torchrl.data import Categorical as CategoricalSpec
 from torchrl.data import TensorSpec
-from torchrl.modules import IndependentNormal, ProbabilisticActor, ValueOperator
-from torch.distributions import Categorical
+
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def mlp(n_in: int, hidden: list[int], n_out: int, out_std: float) -> nn.Sequential:
@@ -79,12 +85,74 @@ class SamplingPolicy(nn.Module):
         return td
 
 
+class LightCategorical:
+    """Categorical over the last dim of ``logits``: ``log_prob`` and ``entropy`` only."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logp = torch.log_softmax(logits, dim=-1)
+
+    def log_prob(self, action: torch.Tensor) -> torch.Tensor:
+        return self.logp.gather(-1, action.long().unsqueeze(-1)).squeeze(-1)
+
+    def entropy(self) -> torch.Tensor:
+        return -(self.logp.exp() * self.logp).sum(-1)
+
+
+class LightNormal:
+    """Diagonal Gaussian, densities summed over the last dim (``IndependentNormal``)."""
+
+    def __init__(self, loc: torch.Tensor, scale: torch.Tensor) -> None:
+        self.loc, self.scale = loc, scale
+
+    def log_prob(self, action: torch.Tensor) -> torch.Tensor:
+        z = (action - self.loc) / self.scale
+        return (-0.5 * z.pow(2) - self.scale.log() - _HALF_LOG_2PI).sum(-1)
+
+    def entropy(self) -> torch.Tensor:
+        return (0.5 + _HALF_LOG_2PI + self.scale.log()).sum(-1)
+
+
+class LossActor(TensorDictModuleBase):
+    """The actor as ``ClipPPOLoss`` sees it: ``observation`` -> a light distribution.
+
+    ``forward`` samples (``action`` and its log-probability), like the collection policy.
+    """
+
+    def __init__(self, actor_net: nn.Module, discrete: bool, log_prob_key: str = "action_log_prob") -> None:
+        super().__init__()
+        self.actor_net, self.discrete = actor_net, discrete
+        self.in_keys = ["observation"]
+        self.out_keys = ["action"]
+        self._sampler = SamplingPolicy(actor_net, discrete, log_prob_key)
+
+    def get_dist(self, tensordict: TensorDictBase) -> LightCategorical | LightNormal:
+        out = self.actor_net(tensordict.get("observation"))
+        return LightCategorical(out) if self.discrete else LightNormal(*out)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        return self._sampler(tensordict)
+
+
+class LossCritic(TensorDictModuleBase):
+    """The critic as ``ClipPPOLoss`` and ``GAE`` see it: ``observation`` -> ``state_value``."""
+
+    def __init__(self, critic_net: nn.Module) -> None:
+        super().__init__()
+        self.critic_net = critic_net
+        self.in_keys = ["observation"]
+        self.out_keys = ["state_value"]
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        tensordict.set("state_value", self.critic_net(tensordict.get("observation")))
+        return tensordict
+
+
 @dataclass
 class Networks:
     """Everything built from one actor net and one critic net."""
 
-    actor: ProbabilisticActor  # for ClipPPOLoss
-    critic: ValueOperator  # writes "state_value"
+    actor: LossActor  # for ClipPPOLoss: get_dist(td)
+    critic: LossCritic  # writes "state_value"
     actor_net: nn.Module
     critic_net: nn.Module
     discrete: bool
@@ -106,16 +174,11 @@ class Networks:
 def build_networks(obs_dim: int, action_spec: TensorSpec, hidden: list[int]) -> Networks:
     """Actor and critic for ``obs_dim`` inputs and a Categorical or Bounded action spec."""
     critic_net = mlp(obs_dim, hidden, 1, 1.0)
-    critic = ValueOperator(critic_net, in_keys=["observation"])
     if isinstance(action_spec, CategoricalSpec):
         actor_net: nn.Module = mlp(obs_dim, hidden, int(action_spec.n), 0.01)
-        module = TensorDictModule(actor_net, in_keys=["observation"], out_keys=["logits"])
-        actor = ProbabilisticActor(module, in_keys=["logits"], distribution_class=Categorical,
-                                   distribution_kwargs={"validate_args": False}, return_log_prob=True, spec=action_spec)
-        return Networks(actor, critic, actor_net, critic_net, True)
-    action_dim = int(action_spec.shape[-1])
-    actor_net = GaussianHead(mlp(obs_dim, hidden, action_dim, 0.01), action_dim)
-    module = TensorDictModule(actor_net, in_keys=["observation"], out_keys=["loc", "scale"])
-    actor = ProbabilisticActor(module, in_keys=["loc", "scale"], distribution_class=IndependentNormal,
-                               return_log_prob=True, spec=action_spec)
-    return Networks(actor, critic, actor_net, critic_net, False)
+        discrete = True
+    else:
+        action_dim = int(action_spec.shape[-1])
+        actor_net = GaussianHead(mlp(obs_dim, hidden, action_dim, 0.01), action_dim)
+        discrete = False
+    return Networks(LossActor(actor_net, discrete), LossCritic(critic_net), actor_net, critic_net, discrete)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
@@ -26,7 +26,7 @@ from torchrl.objectives.value import GAE
 
 from core.envs.task import Task
 from core.records import Candidate, Episode, TrainResult
-from core.train.common import (CandidateEnv, corr_sums, pearson, save_policy, split_env_params,  # noqa: F401
+from core.train.common import (CandidateEnv, config_from, corr_sums, pearson, save_policy, split_env_params,  # noqa: F401
                                train_safely, wants_saved_policy)
 from core.train.context import TrainContext
 from core.train.evaluate import evaluate_and_record
@@ -59,24 +59,7 @@ class PPOConfig:
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> PPOConfig:
         """Build from the Hydra ``trainer`` node; unknown keys raise ``ValueError``."""
-        if hasattr(cfg, "items") and not isinstance(cfg, dict):
-            try:  # an OmegaConf DictConfig
-                from omegaconf import OmegaConf
-
-                cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-            except ImportError:  # pragma: no cover
-                cfg = dict(cfg)
-        values = {k: v for k, v in dict(cfg).items() if k not in ("name", "_target_")}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown trainer setting(s) {unknown}; PPO knows {sorted(known)}")
-        if "frames" not in values:
-            raise ValueError("trainer.frames (the training budget) is required")
-        config = cls(**values)
-        config.hidden = [int(h) for h in config.hidden]
-        config.validate()
-        return config
+        return config_from(cls, cfg, "PPO")
 
     def validate(self) -> None:
         """Raise ``ValueError`` on settings that cannot train."""
@@ -141,7 +124,7 @@ class _Run:
         self.nets = nets
         loss = ClipPPOLoss(nets.actor, nets.critic, clip_epsilon=cfg.clip, entropy_bonus=cfg.ent_coef > 0,
                            entropy_coeff=cfg.ent_coef, critic_coeff=cfg.vf_coef, loss_critic_type="l2",
-                           normalize_advantage=True, functional=False)
+                           normalize_advantage=True, functional=False, log_explained_variance=False)
         gae = GAE(gamma=cfg.gamma, lmbda=cfg.gae_lambda, value_network=nets.critic, average_gae=False)
         params = nets.parameters()
         # fused Adam: one kernel for all parameters instead of a Python loop over them
@@ -229,7 +212,10 @@ class _Run:
         cfg = self.cfg
         with torch.no_grad():
             gae(batch)
-        flat = batch.reshape(-1)
+        keys_ = loss.tensor_keys
+        # only what the loss reads: every TensorDict op per minibatch scales with the keys
+        flat = batch.reshape(-1).select("observation", keys_.action, keys_.sample_log_prob, keys_.advantage,
+                                        keys_.value_target)
         n = flat.numel()
         size = min(cfg.minibatch, n)
         keys = [k for k in ("loss_objective", "loss_critic", "loss_entropy")]
