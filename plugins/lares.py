@@ -95,6 +95,12 @@ Analysis of the agent's behaviour:
 Write a new, improved reward function that fixes these defects. Reply with the complete
 function in a ```python block."""
 
+FAILURE = """Running the reward function above failed ({kind}):
+
+{error}
+
+Fix the problem and reply with the complete corrected reward function in a ```python block."""
+
 WORD = re.compile(r"[a-z0-9_]+")
 BEHAVIOUR_CHARS = 2000  # ~512 tokens: the paper bounds the trajectory description
 
@@ -453,6 +459,26 @@ class Evolution:
         except SandboxError as e:
             return None, e.report.message, e.report.kind
 
+    def _repair(self, m: Member) -> None:
+        """Send a failing function's error back to the LLM until it passes (``retries`` times)."""
+        for attempt in range(int(self.cfg.retries)):
+            if m.fn is not None or m.program is None:
+                return
+            msgs = base_messages(self.run, []) + [
+                {"role": "assistant", "content": m.program.reply or f"```python\n{m.program.source}\n```"},
+                {"role": "user", "content": FAILURE.format(kind=m.error_kind, error=m.error.strip()[-1500:])},
+            ]
+            replies = self.run.llm.chat(msgs, n=1, temperature=float(self.cfg.temperature), max_tokens=int(self.cfg.max_tokens),
+                                        seed=self.run.seed * 1000 + 300 + 10 * int(m.program.meta.get("sample", 0)) + attempt,
+                                        tag=f"{NAME}-repair")
+            programs, errors = programs_from(replies, "\n\n".join(x["content"] for x in msgs), m.generation)
+            if not programs:
+                m.error = errors[0] if errors else m.error
+                continue
+            fn, error, kind = self._prepare(programs[0])
+            m.program, m.fn, m.error, m.error_kind = programs[0], fn, error, kind
+            m.history.append(f"generation {m.generation}: repair {attempt + 1} {'ok' if fn else f'failed ({kind})'}")
+
     def _column(self, member: Member, state: dict, action: torch.Tensor, next_state: dict, env_reward: torch.Tensor) -> torch.Tensor:
         if member.fn is None:
             return env_reward
@@ -488,6 +514,8 @@ class Evolution:
             agent = Agent(obs_dim, np.asarray(space.low, dtype=np.float32), np.asarray(space.high, dtype=np.float32), cfg)
             m = Member(c.reward, fn, agent, error=error, error_kind=kind)
             m.history.append(f"generation 0: {'ok' if fn else f'failed ({kind}): {error[:200]}'}")
+            if fn is None:
+                self._repair(m)
             self.members.append(m)
         self.buffer = SharedBuffer(int(cfg.buffer_size), obs_dim, int(np.prod(space.shape)), len(self.members))
         try:
@@ -591,21 +619,30 @@ class Evolution:
         fitness = [self._evaluate(m) if m.fn is not None else float("-inf") for m in self.members]
         sizes = [complexity(m.program.source) if m.program else 0 for m in self.members]
         scores = selection_scores(fitness, sizes, float(cfg.complexity_penalty))
-        elites = select_elites(scores, int(cfg.elites), str(cfg.selection), int(cfg.tournament_size), random.Random(self.seed + g))
-        best = max(range(len(scores)), key=lambda i: scores[i])
-        behaviour = describe_behaviour(self.task, *self._rollout(self.members[best].agent))
-        analysis = run.llm.chat([{"role": "user", "content": ANALYSE.format(goal=self.task.goal, behaviour=behaviour)}],
-                                n=1, temperature=float(cfg.temperature), max_tokens=int(cfg.analysis_tokens),
-                                seed=run.seed * 1000 + 500 + g, tag=f"{NAME}-analysis-g{g}")[0].text
+        alive = [i for i, m in enumerate(self.members) if m.fn is not None]
+        picked = select_elites([scores[i] for i in alive], int(cfg.elites), str(cfg.selection), int(cfg.tournament_size), random.Random(self.seed + g))
+        elites = [alive[i] for i in picked]  # a failed function is never an elite
+        best = max(alive or range(len(scores)), key=lambda i: scores[i])
         bm = self.members[best]
-        feedback = member_feedback([p.fitness for p in bm.curve], {k: [v for _, v in s] for k, s in bm.components.items()}, self.task.fitness_name)
-        msgs = evolve_messages(base_messages(run, _cases_for(run)), bm.program.source if bm.program else "", feedback, analysis)
+        behaviour = describe_behaviour(self.task, *self._rollout(bm.agent))
+        if alive:
+            analysis = run.llm.chat([{"role": "user", "content": ANALYSE.format(goal=self.task.goal, behaviour=behaviour)}],
+                                    n=1, temperature=float(cfg.temperature), max_tokens=int(cfg.analysis_tokens),
+                                    seed=run.seed * 1000 + 500 + g, tag=f"{NAME}-analysis-g{g}")[0].text
+            feedback = member_feedback([p.fitness for p in bm.curve], {k: [v for _, v in s] for k, s in bm.components.items()}, self.task.fitness_name)
+            msgs = evolve_messages(base_messages(run, _cases_for(run)), bm.program.source if bm.program else "", feedback, analysis)
+        else:  # nothing runs: the error is the feedback (as in Eureka)
+            analysis = "(no working reward function: no behaviour analysis)"
+            msgs = base_messages(run, _cases_for(run)) + [
+                {"role": "assistant", "content": bm.program.reply if bm.program else ""},
+                {"role": "user", "content": FAILURE.format(kind=bm.error_kind, error=bm.error.strip()[-1500:])},
+            ]
         losers = [i for i in range(len(self.members)) if i not in elites]
         replies = run.llm.chat(msgs, n=max(1, len(losers)), temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens),
                                seed=run.seed * 1000 + 600 + g, tag=f"{NAME}-evolve-g{g}") if losers else []
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
         programs, errors = programs_from(replies, prompt, g)
-        target = apply_scale(self.buffer.raw[: self.buffer.size, best], bm.scale)
+        target = apply_scale(self.buffer.raw[: self.buffer.size, best], bm.scale) if alive else self.buffer.env_reward[: self.buffer.size]
         replaced = []
         for j in losers:
             while programs:
@@ -619,8 +656,9 @@ class Evolution:
                 self.buffer.relabel(j, fn, self.task)
                 mode = str(cfg.rescale)
                 m.scale = (1.0, 0.0, "affine") if mode == "none" else rescale(self.buffer.raw[: self.buffer.size, j], float(target.mean()), float(target.std()), mode)
-                m.agent.copy_from(bm.agent)
-                m.outcomes = deque(bm.outcomes, maxlen=20)
+                if alive and j != best:
+                    m.agent.copy_from(bm.agent)
+                    m.outcomes = deque(bm.outcomes, maxlen=20)
                 m.history.append(f"generation {g}: replaced (the old one scored {scores[j]:.3g})")
                 replaced.append(j)
                 break

@@ -235,19 +235,33 @@ def test_evolution_replaces_non_elites_relabels_and_reports_each_member(tmp_path
     assert len(results) == 3 and all(isinstance(r, TrainResult) for r in results)
     assert sum(r.frames for r in results) == 800
     tags = [c["tag"] for c in run.llm.calls]
-    assert tags == ["lares-analysis-g1", "lares-evolve-g1"]
-    analysis_prompt = run.llm.calls[0]["messages"][0]["content"]
+    assert tags == ["lares-repair", "lares-analysis-g1", "lares-evolve-g1"]
+    repair = run.llm.calls[0]["messages"]
+    assert repair[-1]["content"].startswith("Running the reward function above failed (exception)")
+    assert "no_such_field" in repair[-1]["content"] and repair[-2]["content"] == BROKEN
+    analysis_prompt = run.llm.calls[1]["messages"][0]["content"]
     assert "Episode of" in analysis_prompt and "name the defects" in analysis_prompt
-    evolve = run.llm.calls[1]
-    assert evolve["n"] == 2 and evolve["temperature"] == 0.4
+    evolve = run.llm.calls[2]
+    assert evolve["n"] == 2 and evolve["temperature"] == 0.4  # population 3, one elite
     assert "jitter" in evolve["messages"][-1]["content"] and "fitness (return)" in evolve["messages"][-1]["content"]
-    # the broken member was replaced by the LLM's new function and now trains
-    assert results[2].ok and "effort" in results[2].texts["lares_final_reward.py"]
-    assert "replaced" in results[2].texts["lares_history.md"]
-    assert all(r.fitness is not None and r.curve for r in results)
+    assert all(r.ok and r.fitness is not None and r.curve for r in results)
+    assert sum("replaced" in r.texts["lares_history.md"] for r in results) == 2
+    assert "effort" in results[2].texts["lares_final_reward.py"]  # repaired (or regenerated) from SMOOTH
     assert any(m.get("lares/diversity") is not None for m, _ in run.metrics)
     log = "\n".join(lares.STATE.log)
     assert "## generation 1" in log and "elites:" in log and "### analysis" in log
+
+
+def test_failed_functions_are_never_elites_and_all_get_regenerated(tmp_path):
+    run = make_run([SMOOTH], tmp_path, population=2, elites=1, retries=0, llm_freq=200, frames=400, warmup=100,
+                   batch_size=16, num_envs=2, eval_episodes=1, hidden=[8])
+    results = lares.train_candidates(run=run, candidates=_candidates(run, [BROKEN, BROKEN]), seed=0)
+    tags = [c["tag"] for c in run.llm.calls]
+    assert tags == ["lares-evolve-g1"]  # no behaviour to analyse, no repair allowed
+    evolve = run.llm.calls[0]
+    assert evolve["n"] == 2 and "failed (exception)" in evolve["messages"][-1]["content"]
+    assert all(r.ok for r in results)
+    assert all("effort" in r.texts["lares_final_reward.py"] for r in results)
 
 
 def test_discrete_tasks_are_refused_with_a_clear_message(tmp_path):
