@@ -67,8 +67,12 @@ Answer: 2
 Answer: tie
 Answer: unknown"""
 
-_ANSWER = re.compile(r"answer\W{0,3}\s*[:=]?\s*\**\s*\(?(segment\s*1|segment\s*2|1|2|tie|unknown|none|cannot tell)\b",
+_ANSWER = re.compile(r"answer(?:\s+is)?\W{0,3}\s*[:=]?\s*\**\s*\(?(segment\s*1|segment\s*2|1|2|tie|unknown|none|cannot tell)\b",
                      re.I)
+# small models often skip the answer line and end with a sentence instead
+_VERDICT = re.compile(r"segment\s*(1|2)\b[^.\n]{0,40}?\b(?:makes|made|is|shows|has|achieves|does)\b[^.\n]{0,30}?"
+                      r"\b(?:more|better|most|greater)\b|(neither|both) segments?\b[^.\n]{0,40}?\b(?:more|better|equal|same)",
+                      re.I)
 _VALUES = {"1": 1.0, "2": 0.0, "tie": 0.5}
 
 
@@ -108,10 +112,18 @@ def build_prompt(goal: str, a: str, b: str) -> list[dict[str, str]]:
 
 
 def parse_label(text: str) -> float | None:
-    """1.0 / 0.0 / 0.5 from the reply's last ``Answer:`` line; None for unknown or malformed."""
+    """1.0 / 0.0 / 0.5 from the reply's last ``Answer:`` line; None for unknown or malformed.
+
+    Without an answer line, the last verdict sentence counts ("Segment 2 makes more
+    progress", "neither segment is better" = tie).
+    """
     found = _ANSWER.findall(text)
     if not found:
-        return None
+        verdicts = _VERDICT.findall(text)
+        if not verdicts:
+            return None
+        number, neither = verdicts[-1]
+        return _VALUES[number] if number else 0.5
     answer = re.sub(r"\s+", "", found[-1].lower()).replace("segment", "")
     return _VALUES.get(answer)
 

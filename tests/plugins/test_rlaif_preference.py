@@ -60,6 +60,10 @@ def fresh_labeller(monkeypatch):
     ("Answer: unknown", None),
     ("Answer: 1 ... on reflection, Answer: 2", 0.0),  # the last answer counts
     ("I cannot decide.", None),
+    ("Therefore, the episode in Segment 2 makes more progress towards the goal.", 0.0),  # no answer line
+    ("In both... Segment 1 makes more progress towards the goal.", 1.0),
+    ("Neither segment makes more progress towards the goal.", 0.5),
+    ("Therefore, the answer is: tie", 0.5),
 ])  # fmt: skip
 def test_parse_label(text, label):
     assert rp.parse_label(text) == label
