@@ -587,7 +587,7 @@ def on_train_end(train: Any, result: Any) -> None:
     judge = _JUDGES.pop(id(train), None)
     if judge is None:
         return
-    judge.stop()
+    judge.stop(float(judge.cfg.get("finish_s", 2.0)))
     result.metrics.update({k: v for k, v in judge.metrics().items() if v == v})
     header = f"# Progress judge reasons ({judge.counts.llm_calls} LLM evaluations)\n\n"
     train.log_text(f"{NAME}/reasons.md", header + "\n".join(judge.reasons) + "\n")

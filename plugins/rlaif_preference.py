@@ -519,7 +519,7 @@ def on_train_end(train: Any, result: Any) -> None:
     learner = _LEARNERS.pop(id(train), None)
     if learner is None:
         return
-    learner.stop()
+    learner.stop(float(learner.cfg.get("finish_s", 2.0)))
     result.metrics.update({k: v for k, v in learner.metrics().items() if v == v})
     text = "\n".join(f"- {r}" for r in _LABELLER.replies[-int(learner.cfg.max_reasons):])
     train.log_text(f"{NAME}/labels.md", f"# Preference labels ({len(learner.labels)})\n\n{text}\n")
