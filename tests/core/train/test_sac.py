@@ -121,7 +121,8 @@ def test_reward_program_and_failures(pendulum, monkeypatch):
 
 @pytest.mark.slow
 def test_pendulum_is_learned_within_20k_frames(pendulum):
-    cfg = SACConfig.from_config({**_yaml(), "hidden": [64, 64], "eval_every": 0})
+    # learns by ~4k frames (-130 measured); 8k leaves a margin and keeps the test to minutes
+    cfg = SACConfig.from_config({**_yaml(), "frames": 8000, "hidden": [64, 64], "eval_every": 0})
     result = train(pendulum, Candidate("pendulum", 0), cfg, seed=0)
     assert result.ok, result.error
     assert result.frames <= 20_000
