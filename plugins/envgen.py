@@ -21,6 +21,7 @@ can use it. Repair rules come from the config (``rules``) and from the task's op
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
@@ -150,6 +151,9 @@ def _coerce(spec: Any, value: Any) -> tuple[Any, str]:
         key = str(value).strip().lower()
         if key in by_text:
             return by_text[key], ""
+        close = difflib.get_close_matches(key, list(by_text), n=1, cutoff=0.8)  # "mountains" -> "mountain"
+        if close:
+            return by_text[close[0]], ""
         return None, f"{spec.name}={json.dumps(value)} is not one of {', '.join(map(str, spec.choices))}"
     try:
         number = float(value)
@@ -209,21 +213,36 @@ def _truthy(value: Any) -> bool:
     return bool(value)
 
 
-def configs_from_reply(reply: str, specs: list[Any], rules: list[Rule], n: int) -> tuple[list[EnvConfig], list[str], list[str]]:
-    """Usable configs (at most ``n``), the repairs made, and the errors to send back."""
+@dataclass
+class Parsed:
+    """What one reply yields: usable configs, repairs made, errors to send back, and the
+    salvaged configs (invalid ones with their bad parameters dropped, used only when the
+    retries leave too few valid configs)."""
+
+    configs: list[EnvConfig] = field(default_factory=list)
+    repairs: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    salvaged: list[EnvConfig] = field(default_factory=list)
+
+
+def configs_from_reply(reply: str, specs: list[Any], rules: list[Rule], n: int) -> Parsed:
+    """Validate and repair the configs of one reply (at most ``n``)."""
     items, error = parse_configs(reply)
     if not items:
-        return [], [], [error]
-    configs, repairs, errors = [], [], []
+        return Parsed(errors=[error])
+    out = Parsed()
     for i, item in enumerate(items[:n]):
         checked = check_config(item, specs, rules)
         name = str(item.get("name") or f"env{i}")[:40]
+        config = EnvConfig(name=name, params=checked.params, purpose=str(item.get("purpose", ""))[:200])
         if not checked.ok:
-            errors += [f"{name}: {e}" for e in checked.errors]
+            out.errors += [f"{name}: {e}" for e in checked.errors]
+            if checked.params:
+                out.salvaged.append(config)
             continue
-        repairs += [f"{name}: {r}" for r in checked.repairs]
-        configs.append(EnvConfig(name=name, params=checked.params, purpose=str(item.get("purpose", ""))[:200]))
-    return configs, repairs, errors
+        out.repairs += [f"{name}: {r}" for r in checked.repairs]
+        out.configs.append(config)
+    return out
 
 
 def training_mix(configs: list[EnvConfig], original_share: float) -> list[EnvConfig]:
@@ -319,16 +338,23 @@ def generate_envs(run: Any, iteration: int) -> list[list[EnvConfig]] | None:
         STATE.messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": first_prompt(run, n, _example(run.task.params))}]
     specs, rules = run.task.params, rules_of(run)
     configs: list[EnvConfig] = []
+    salvaged: list[EnvConfig] = []
     for attempt in range(1 + int(cfg.retries)):
         (reply,) = run.llm.chat(STATE.messages, n=1, temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens),
                                 seed=run.seed * 1000 + iteration * 10 + attempt, tag=f"{NAME}-it{iteration}-try{attempt}")
         STATE.messages.append({"role": "assistant", "content": reply.text})
-        found, repairs, errors = configs_from_reply(reply.text, specs, rules, n)
-        configs += found[: n - len(configs)]
-        STATE.log += [f"it{iteration}: repaired {r}" for r in repairs] + [f"it{iteration}: invalid {e}" for e in errors]
+        parsed = configs_from_reply(reply.text, specs, rules, n)
+        configs += parsed.configs[: n - len(configs)]
+        salvaged += parsed.salvaged
+        STATE.log += [f"it{iteration}: repaired {r}" for r in parsed.repairs] + [f"it{iteration}: invalid {e}" for e in parsed.errors]
         if len(configs) >= n or attempt == int(cfg.retries):
             break
-        STATE.messages.append({"role": "user", "content": INVALID.format(errors="\n".join(f"- {e}" for e in errors) or "- too few configs", n=n - len(configs))})
+        errors = "\n".join(f"- {e}" for e in parsed.errors) or "- too few configs"
+        STATE.messages.append({"role": "user", "content": INVALID.format(errors=errors, n=n - len(configs))})
+    if len(configs) < n and salvaged:  # retries spent: train on what survives of the invalid ones
+        extra = salvaged[: n - len(configs)]
+        configs += extra
+        STATE.log += [f"it{iteration}: used {c.name} without its invalid parameters" for c in extra]
     if not configs:  # nothing usable: keep the last cycle's envs rather than stop
         configs = STATE.configs
     STATE.configs = configs

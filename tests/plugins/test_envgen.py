@@ -75,6 +75,28 @@ def test_check_config_clamps_and_normalises_case():
     assert any("allowed range" in r for r in checked.repairs)
 
 
+def test_check_config_maps_near_miss_choice():
+    checked = envgen.check_config({"params": {"biome": "mountains"}}, SPECS, [])
+    assert checked.ok and checked.params == {"biome": "mountain"}
+
+
+def test_configs_from_reply_salvages_valid_part_of_invalid_config():
+    reply = json.dumps([{"name": "forest", "params": {"biome": "forest", "start_iron": 2}}, {"name": "bad", "params": {"lava": 1}}])
+    parsed = envgen.configs_from_reply(reply, SPECS, RULES, 2)
+    assert parsed.configs == [] and len(parsed.errors) == 2
+    assert [c.name for c in parsed.salvaged] == ["forest"]  # "bad" has nothing valid left
+    assert parsed.salvaged[0].params == {"start_iron": 2, "start_stone_pickaxe": 1, "start_wood_pickaxe": 1}
+
+
+def test_generate_envs_uses_salvaged_configs_when_retries_are_spent():
+    reply = json.dumps([{"name": "forest", "params": {"biome": "forest", "start_wood_pickaxe": 1}}])
+    run = make_run([reply], num_envs=1, retries=0)
+    envgen.on_run_start(run)
+    (mix,) = envgen.generate_envs(run, 0)
+    assert [c.name for c in mix] == ["original", "forest"] and mix[1].params == {"start_wood_pickaxe": 1}
+    assert any("without its invalid parameters" in line for line in envgen.STATE.log)
+
+
 def test_repair_rules_chain():
     checked = envgen.check_config({"params": {"start_iron": 2}}, SPECS, RULES)
     assert checked.params == {"start_iron": 2, "start_stone_pickaxe": 1, "start_wood_pickaxe": 1}
