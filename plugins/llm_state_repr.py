@@ -50,29 +50,37 @@ Python functions over batched torch tensors. Reply with one ```python code block
 
 TASK = """Task goal: {goal}
 
-The state is a dict of named float32 tensors batched over B environments:
+The state is a dict of named float32 tensors, each of shape [B] (B environments):
 {schema}
 
-Write two functions in one code block:
+Write two functions in one ```python block:
+- revise_state(state): k extra task-relevant features computed from the fields
+  (distances, relative positions, velocities, energies, ...), a float tensor [B, k].
+- intrinsic_reward(state, features): a float tensor [B] that rewards progress on the
+  task, between about -1 and 1; `features` is the output of revise_state(state).
+
+Worked example for a made-up task (not yours) with fields x, y (position) and vx, vy
+(velocity), whose goal is to reach the origin:
 
 ```python
 import torch
 
 def revise_state(state):
-    # extra task-relevant features computed from the state fields
-    # (distances, relative positions, velocities, ...); returns a float tensor [B, k]
-    ...
-    return torch.stack([f1, f2, ...], dim=-1)
+    distance = torch.sqrt(state["x"] ** 2 + state["y"] ** 2)  # [B]
+    speed = torch.sqrt(state["vx"] ** 2 + state["vy"] ** 2)  # [B]
+    approach = -(state["x"] * state["vx"] + state["y"] * state["vy"]) / (distance + 1e-6)  # [B]
+    return torch.stack([distance, speed, approach], dim=-1)  # [B, 3]
 
 def intrinsic_reward(state, features):
-    # features is the output of revise_state(state); returns a float tensor [B]
-    # that rewards progress on the task, bounded in magnitude (about -1 to 1)
-    ...
+    distance, approach = features[:, 0], features[:, 2]
+    return torch.tanh(approach) - 0.1 * torch.tanh(distance)  # [B]
 ```
 
-Every feature must be a [B] tensor computed from the fields (a constant or a goal
-position is not a feature). Use vectorised torch operations only (torch.where, torch.clamp, torch.norm; no Python
-loops over the batch, no in-place edits of the inputs). You may import only: {imports}."""
+Rules: use only the field names listed above; every feature is a [B] tensor computed
+from them (not a constant, a Python number or a [B, 1] tensor), stacked with
+torch.stack(..., dim=-1). Vectorised torch operations only (torch.where, torch.clamp,
+torch.tanh; no `if` on tensors, no loops over the batch, no in-place edits of the
+inputs). You may import only: {imports}."""
 
 HISTORY = """Earlier attempts (code, score of the trained policy on {fitness_name}, and feedback):
 
@@ -87,7 +95,24 @@ that explain what it still misses."""
 
 INVALID = """The code above failed a check on real states ({kind}):
 {error}
-Fix it and reply with both functions in one ```python block."""
+{hint}Fix it and reply with both functions in one ```python block."""
+
+#: error text -> a hint sent with it (the mistakes small models make most)
+HINTS = (
+    ("stack expects each tensor to be equal size", "Every feature passed to torch.stack must have shape [B]: no constants, Python numbers or [B, 1] tensors."),
+    ("KeyError", "Use only these field names: {fields}."),
+    ("Boolean value of Tensor", "Do not use `if` on tensors: use torch.where(condition, a, b)."),
+    ("must be a torch tensor", "revise_state must return one float tensor [B, k] (torch.stack([...], dim=-1))."),
+    ("shape", "revise_state returns [B, k]; intrinsic_reward returns [B]."),
+)
+
+
+def hint_for(error: str, fields: list[str]) -> str:
+    """A one-line fix hint for a known kind of error (with a trailing newline), or ""."""
+    for needle, text in HINTS:
+        if needle.lower() in error.lower():
+            return text.format(fields=", ".join(fields)) + "\n"
+    return ""
 
 WRAPPER = f"""
 
@@ -242,6 +267,7 @@ def propose_state_reprs(run: Any, iteration: int) -> list[StateProgram] | None:
     msgs = messages(run, cfg)
     prompt = msgs[-1]["content"]
     programs: list[StateProgram] = []
+    fields = [f.name for f in run.task.state_fields]
     pending = [(list(msgs), None)] * int(cfg.samples)  # (conversation, previous failure)
     for attempt in range(1 + int(cfg.retries)):
         if not pending:
@@ -261,7 +287,7 @@ def propose_state_reprs(run: Any, iteration: int) -> list[StateProgram] | None:
                 meta = {"pair": len(programs), "intrinsic": intrinsic_program(source, float(cfg.weight)).source, "weight": float(cfg.weight)}
                 programs.append(StateProgram(source=source, entry=STATE_ENTRY, origin=NAME, prompt=prompt, reply=reply.text, meta=meta))
             else:
-                follow = conv + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": INVALID.format(kind=kind, error=error)}]
+                follow = conv + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": INVALID.format(kind=kind, error=error, hint=hint_for(error, fields))}]
                 retry.append((follow, error))
         pending = retry
     if not programs:

@@ -85,6 +85,29 @@ def test_check_pair_rejects_nonfinite_and_unbounded(probe, reply, kind):
     assert not report.ok and report.kind == kind
 
 
+STACK_MISMATCH = GOOD.replace('state["angular_velocity"] ** 2', 'torch.ones(1)')
+
+
+def test_shape_error_gets_a_hint_in_the_retry(task):
+    run = make_run(task, [STACK_MISMATCH, GOOD], samples=1, retries=1)
+    lesr.on_run_start(run)
+    programs = lesr.propose_state_reprs(run, 0)
+    assert len(programs) == 1
+    retry = run.llm.calls[1][-1]["content"]
+    assert "stack expects each tensor" in retry and "must have shape [B]" in retry
+
+
+def test_hint_for_unknown_field_lists_the_fields():
+    assert "cos_theta, sin_theta" in lesr.hint_for("KeyError: 'theta'", ["cos_theta", "sin_theta"])
+    assert lesr.hint_for("something else", ["x"]) == ""
+
+
+def test_prompt_shows_a_worked_example_and_the_schema(task):
+    prompt = lesr.messages(make_run(task, []), cfg())[-1]["content"]
+    assert "def revise_state(state)" in prompt and "torch.stack([distance, speed, approach], dim=-1)" in prompt
+    assert "angular_velocity" in prompt and "{" not in prompt.split("```")[0]  # formatted, no stray braces
+
+
 def test_lipschitz_of_a_linear_and_a_constant_dimension():
     x = np.linspace(0, 1, 50)
     values = np.stack([x, np.ones_like(x), x ** 2], -1)
@@ -156,7 +179,7 @@ def test_reflect_reports_scores_and_lipschitz(task):
 @pytest.mark.slow
 def test_end_to_end_halfcheetah(tmp_path):
     cmd = [sys.executable, "-m", "core", "+plugins=[llm_state_repr]", "env=halfcheetah", "env.max_episode_steps=100",
-           "plugins.llm_state_repr.iterations=1", "plugins.llm_state_repr.samples=2", "plugins.llm_state_repr.retries=1",
+           "plugins.llm_state_repr.iterations=1", "plugins.llm_state_repr.samples=3", "plugins.llm_state_repr.retries=1",
            "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=64", "trainer.epochs=2", "trainer.eval_episodes=2",
            "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
