@@ -99,6 +99,7 @@ FAILURE = """Running the reward function above failed ({kind}):
 
 {error}
 
+The only keys of `state` and `next_state` are: {fields}.
 Fix the problem and reply with the complete corrected reward function in a ```python block."""
 
 WORD = re.compile(r"[a-z0-9_]+")
@@ -182,7 +183,7 @@ def diversity(columns: torch.Tensor) -> float:
         idx = torch.nonzero(keep).flatten()
         corr[idx.unsqueeze(1), idx.unsqueeze(0)] = sub
     mask = ~torch.eye(n, dtype=torch.bool)
-    return float(1.0 - corr.abs()[mask].mean())
+    return float(min(1.0, max(0.0, 1.0 - float(corr.abs()[mask].mean()))))
 
 
 def describe_behaviour(task: Any, observations: np.ndarray, actions: np.ndarray, success: bool | None, points: int = 6) -> str:
@@ -207,6 +208,10 @@ def member_feedback(fitness_curve: list[float], components: dict[str, list[float
     lines = [f"fitness ({fitness_name}): {summarize_series(sample_evenly(fitness_curve, 10))}"]
     lines += [f"{name}: {summarize_series(sample_evenly(vals, 10))}" for name, vals in sorted(components.items())]
     return "\n".join(lines)
+
+
+def _fields(task: Any) -> str:
+    return ", ".join(f'"{f.name}"' for f in task.state_fields)
 
 
 # -- case base -----------------------------------------------------------------------------
@@ -466,7 +471,7 @@ class Evolution:
                 return
             msgs = base_messages(self.run, []) + [
                 {"role": "assistant", "content": m.program.reply or f"```python\n{m.program.source}\n```"},
-                {"role": "user", "content": FAILURE.format(kind=m.error_kind, error=m.error.strip()[-1500:])},
+                {"role": "user", "content": FAILURE.format(kind=m.error_kind, error=m.error.strip()[-1500:], fields=_fields(self.task))},
             ]
             replies = self.run.llm.chat(msgs, n=1, temperature=float(self.cfg.temperature), max_tokens=int(self.cfg.max_tokens),
                                         seed=self.run.seed * 1000 + 300 + 10 * int(m.program.meta.get("sample", 0)) + attempt,
@@ -528,7 +533,7 @@ class Evolution:
         return [self._result(c, m, seconds) for c, m in zip(self.candidates, self.members)]
 
     def _train(self, env: Any) -> None:
-        cfg, task, n = self.cfg, self.task, len(self.members)
+        cfg, task = self.cfg, self.task
         obs_np, _ = env.reset(seed=self.seed)
         obs = torch.as_tensor(obs_np, dtype=torch.float32)
         num_envs = obs.shape[0]
@@ -635,7 +640,7 @@ class Evolution:
             analysis = "(no working reward function: no behaviour analysis)"
             msgs = base_messages(run, _cases_for(run)) + [
                 {"role": "assistant", "content": bm.program.reply if bm.program else ""},
-                {"role": "user", "content": FAILURE.format(kind=bm.error_kind, error=bm.error.strip()[-1500:])},
+                {"role": "user", "content": FAILURE.format(kind=bm.error_kind, error=bm.error.strip()[-1500:], fields=_fields(self.task))},
             ]
         losers = [i for i in range(len(self.members)) if i not in elites]
         replies = run.llm.chat(msgs, n=max(1, len(losers)), temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens),

@@ -111,6 +111,7 @@ EXAMPLE = """An example reward that worked. Instruction: {instruction}
 ```"""
 
 RETRY = """That code cannot be used: {error}
+The only keys of `state` and `next_state` are: {fields}.
 Fix it and reply with the complete `compute_dense_reward` in a ```python block."""
 
 FEEDBACK = """We trained a policy with the reward function above. Its result: {summary}
@@ -329,7 +330,7 @@ def generate(run: Any, msgs: list[dict[str, str]], iteration: int) -> list[Rewar
                     break
             if attempt == int(cfg.retries):
                 break
-            convo = convo + [{"role": "assistant", "content": text}, {"role": "user", "content": RETRY.format(error=error[-1200:])}]
+            convo = convo + [{"role": "assistant", "content": text}, {"role": "user", "content": RETRY.format(error=error[-1200:], fields=", ".join(f'"{f.name}"' for f in run.task.state_fields))}]
             text = run.llm.chat(convo, n=1, temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens),
                                 seed=run.seed * 1000 + iteration * 100 + i * 10 + attempt, tag=f"{NAME}-it{iteration}-retry")[0].text
     return programs
