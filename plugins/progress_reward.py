@@ -456,7 +456,9 @@ class ProgressJudge:
     # -- worker thread -----------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="progress-judge", daemon=True)
+            # not a daemon: at exit Python waits for the LLM call in progress instead of
+            # freeing the model under it (a crash)
+            self._thread = threading.Thread(target=self._work, name="progress-judge", daemon=False)
             self._thread.start()
 
     def stop(self, wait_s: float = 2.0) -> None:

@@ -374,7 +374,9 @@ class PreferenceLearner:
                 pass
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="preference-labeller", daemon=True)
+        # not a daemon: at exit Python waits for the LLM call in progress instead of
+        # freeing the model under it (a crash)
+        self._thread = threading.Thread(target=self._work, name="preference-labeller", daemon=False)
         self._thread.start()
 
     def stop(self, wait_s: float = 2.0) -> None:
