@@ -336,12 +336,13 @@ class PreferenceLearner:
         for seg in (s for p in pairs for s in p):
             if not seg.text:
                 seg.text = render_segment(self.task, seg)
-        texts = [(a.text, b.text) for a, b in pairs]
         hook = getattr(self.train, "hook", None)
-        labels = hook.label_preferences(run=self.train, goal=self.goal, pairs=texts) if hook is not None else None
-        if labels is None:
-            labels = _LABELLER.label(self.train.llm, self.cfg, self.goal, texts)
-        for (a, b), lab in zip(pairs, labels):
+        for a, b in pairs:  # one pair per request: each label counts as soon as it is back
+            texts = [(a.text, b.text)]
+            labels = hook.label_preferences(run=self.train, goal=self.goal, pairs=texts) if hook is not None else None
+            if labels is None:
+                labels = _LABELLER.label(self.train.llm, self.cfg, self.goal, texts)
+            lab = labels[0]
             self.labels.append(lab)
             self.truths.append(env_preference(a, b))
             if lab is not None:
