@@ -35,7 +35,8 @@ def run_one(plugins: list[str], seed: int, args: argparse.Namespace, scratch: Pa
         "progress=false", "save_policy=false", "resume=false",
     ]
     if plugins:
-        overrides += [f"+plugins=[{','.join(plugins)}]", "plugins.envgen.iterations=1", f"plugins.envgen.num_envs={args.generated}"]
+        overrides += [f"+plugins=[{','.join(plugins)}]", "plugins.envgen.iterations=1", f"plugins.envgen.num_envs={args.generated}",
+                      f"plugins.envgen.max_tokens={args.max_tokens}"]
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
     with open_dict(cfg):
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=100_000, help="training frames per run (both arms)")
     parser.add_argument("--num-envs", type=int, default=8)
     parser.add_argument("--generated", type=int, default=4, help="env configs the LLM writes")
+    parser.add_argument("--max-tokens", type=int, default=600, help="cap on the LLM's reply")
     parser.add_argument("--episode-steps", type=int, default=10_000, help="Crafter episode length")
     parser.add_argument("--eval-episodes", type=int, default=16)
     parser.add_argument("--cache-dir", type=Path, default=None, help="LLM reply cache (default: a scratch dir)")
@@ -72,7 +74,9 @@ def main() -> None:
         "baseline_score": baseline,
         "envgen_mean": statistics.fmean(envgen),
         "baseline_mean": statistics.fmean(baseline),
+        "envgen_wins": sum(e > b for e, b in zip(envgen, baseline)),
         "episode_steps": args.episode_steps,
+        "generated_envs": args.generated,
         "seconds": round(time.perf_counter() - start, 1),
     }
     print(json.dumps(out))

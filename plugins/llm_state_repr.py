@@ -76,9 +76,11 @@ def intrinsic_reward(state, features):
     return torch.tanh(approach) - 0.1 * torch.tanh(distance)  # [B]
 ```
 
-Rules: use only the field names listed above; every feature is a [B] tensor computed
-from them (not a constant, a Python number or a [B, 1] tensor), stacked with
-torch.stack(..., dim=-1). Vectorised torch operations only (torch.where, torch.clamp,
+Rules: the example's fields (x, y, vx, vy) are not yours: use only the field names
+listed above. Write 2 to 4 new features: the policy already sees every field, so combine
+fields rather than copy them, and keep each function a few lines long. Every feature is
+a [B] tensor computed from the fields (not a constant, a Python number or a [B, 1]
+tensor), stacked with torch.stack(..., dim=-1). Vectorised torch operations only (torch.where, torch.clamp,
 torch.tanh; no `if` on tensors, no loops over the batch, no in-place edits of the
 inputs). You may import only: {imports}."""
 
