@@ -10,6 +10,14 @@ vector env already produced in the same step.
 
 It also keeps the env's own reward under ``("next", "env_reward")`` when asked (reward
 transforms then rewrite ``"reward"``), and the returns of finished episodes.
+
+Speed: the collector calls :meth:`VecGymEnv.step_and_maybe_reset` once per vector step.
+TorchRL's generic version runs spec/done completion, ``step_mdp`` and, whenever an env
+finished, a partial ``reset`` that merges old and new data with ``where``; here the
+vector env has already reset those envs, so one override builds the step's ``"next"``
+and the next root tensordict directly (same keys and values as the generic path,
+checked in ``tests/core/train/test_envs.py``). Per step it costs one vector-env step,
+a few ``torch.from_numpy`` views and two unvalidated ``TensorDict`` constructions.
 """
 
 from __future__ import annotations
@@ -22,6 +30,15 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
+
+
+class _StepState:
+    """First observations, returns and lengths of the running episodes."""
+
+    __slots__ = ("obs", "running", "lengths")
+
+    def __init__(self, obs: np.ndarray, running: np.ndarray, lengths: np.ndarray) -> None:
+        self.obs, self.running, self.lengths = obs, running, lengths
 
 
 class VecGymEnv(EnvBase):
@@ -59,22 +76,25 @@ class VecGymEnv(EnvBase):
         self.reward_spec = Unbounded(shape=(n, 1), dtype=torch.float32)
         flag = Categorical(2, shape=(n, 1), dtype=torch.bool)
         self.done_spec = Composite(done=flag, terminated=flag.clone(), truncated=flag.clone(), shape=(n,))
-        self._obs = np.zeros((n, obs_dim), dtype=np.float32)  # first obs of the current episodes
-        self._running = np.zeros(n, dtype=np.float64)  # return of the running episodes
-        self._lengths = np.zeros(n, dtype=np.int64)
+        # per-step state lives in a plain object: EnvBase.__setattr__ costs ~10 us a call
+        self._state = _StepState(obs=np.zeros((n, obs_dim), dtype=np.float32),
+                                 running=np.zeros(n, dtype=np.float64), lengths=np.zeros(n, dtype=np.int64))
         self.finished: list[tuple[float, int]] = []  # (return, length) of finished episodes
         self._zero_reward = torch.zeros(n, 1)
+        self._false = torch.zeros(n, 1, dtype=torch.bool)
+        self._reuses_buffers = getattr(env, "copy", True) is False  # gymnasium vector envs' copy=False
 
     # -- EnvBase ----------------------------------------------------------------------
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
         if tensordict is None or "_reset" not in tensordict.keys():
             obs, _ = self.env.reset(seed=self._seed)
             self._seed = None  # later full resets continue the RNG stream
-            self._obs = np.asarray(obs, dtype=np.float32).reshape(self._obs.shape)
-            self._running[:] = 0.0
-            self._lengths[:] = 0
+            st = self._state
+            st.obs = np.asarray(obs, dtype=np.float32).reshape(st.obs.shape)
+            st.running[:] = 0.0
+            st.lengths[:] = 0
         # partial reset: the vector env already reset those envs in the last step
-        out = {"observation": torch.from_numpy(self._obs.copy())}
+        out = {"observation": torch.from_numpy(self._state.obs.copy())}
         if self.keep_env_reward:
             out["env_reward"] = self._zero_reward
         n = self.batch_size[0]
@@ -83,35 +103,76 @@ class VecGymEnv(EnvBase):
         return TensorDict(out, batch_size=self.batch_size)
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        action = tensordict.get("action").numpy()
+        return self._vector_step(tensordict.get("action"))
+
+    def _vector_step(self, action_t: torch.Tensor) -> TensorDictBase:
+        """Step the vector env; the ``"next"`` tensordict (final observations where done)."""
+        action = action_t.numpy()
         if not self.discrete:  # Gaussian policies sample outside the bounds
             action = np.clip(action, self._low, self._high)
         obs, reward, term, trunc, info = self.env.step(action)
-        obs = np.asarray(obs, dtype=np.float32).reshape(self._obs.shape)
-        done = np.logical_or(term, trunc)
-        self._running += reward
-        self._lengths += 1
+        st = self._state
+        if self._reuses_buffers:  # the collector keeps views of each step's arrays until it stacks
+            obs = np.array(obs, dtype=np.float32)
+        obs = np.asarray(obs, dtype=np.float32).reshape(st.obs.shape)
+        term = np.asarray(term, dtype=bool)
+        trunc = np.asarray(trunc, dtype=bool)
+        done = term | trunc
+        st.running += reward
+        st.lengths += 1
         next_obs = obs
         if done.any():
+            # the vector env already holds the next episodes' first observations:
+            # swap in the final ones for the finished envs (vectorised, no per-env loop)
+            idx = np.flatnonzero(done)
             next_obs = obs.copy()
             final = info["final_obs"]
-            for i in np.flatnonzero(done):
-                next_obs[i] = final[i]
-                self.finished.append((float(self._running[i]), int(self._lengths[i])))
-            self._running[done] = 0.0
-            self._lengths[done] = 0
-        self._obs = obs
-        reward_t = torch.from_numpy(np.asarray(reward, dtype=np.float32)).unsqueeze(-1)
+            next_obs[idx] = np.stack([final[i] for i in idx]).reshape(len(idx), -1)
+            self.finished.extend(zip(st.running[idx].tolist(), st.lengths[idx].tolist()))
+            st.running[idx] = 0.0
+            st.lengths[idx] = 0
+        st.obs = obs
+        reward_np = np.asarray(reward, dtype=np.float32)[:, None]
+        # numpy views with the trailing 1 are cheaper than torch unsqueeze; each step gets
+        # fresh arrays, so the collector may keep these tensors until it stacks the batch
+        reward_t = torch.from_numpy(reward_np)
         out = {
             "observation": torch.from_numpy(next_obs),
             "reward": reward_t,
-            "done": torch.from_numpy(done).unsqueeze(-1),
-            "terminated": torch.from_numpy(np.asarray(term, dtype=bool)).unsqueeze(-1),
-            "truncated": torch.from_numpy(np.asarray(trunc, dtype=bool)).unsqueeze(-1),
+            "done": torch.from_numpy(done[:, None]),
+            "terminated": torch.from_numpy(term[:, None]),
+            "truncated": torch.from_numpy(trunc[:, None]),
         }
         if self.keep_env_reward:
             out["env_reward"] = reward_t
-        return TensorDict(out, batch_size=self.batch_size)
+        # the values are built here with the specs' shapes and dtypes: skip validation
+        return TensorDict._new_unsafe(out, batch_size=self.batch_size)
+
+    def step_and_maybe_reset(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
+        """One vector step: ``(tensordict with "next", root tensordict of the next step)``.
+
+        Same result as ``EnvBase.step_and_maybe_reset`` (the root of the next step keeps
+        the input's keys, takes the new observations and all-false done flags, since
+        finished envs are already reset), without its generic done/reset machinery. One
+        difference nobody reads: the generic reset zeroes carried-over policy outputs
+        (``action``, log-probs) of reset envs, this keeps them; the policy overwrites them.
+        """
+        nxt = self._vector_step(tensordict.get("action"))
+        tensordict._set_str("next", nxt, validated=True, inplace=False, non_blocking=False)
+        if type(tensordict) is TensorDict:  # the collector's carrier: copy its entries directly
+            entries = {k: v for k, v in tensordict._tensordict.items() if k != "next"}
+            root = TensorDict._new_unsafe(entries, batch_size=tensordict.batch_size)
+        else:
+            root = tensordict.exclude("next")
+        root._set_str("observation", torch.from_numpy(self._state.obs), validated=True, inplace=False,
+                      non_blocking=False)
+        false = self._false  # never written in place: the collector copies it when stacking
+        for key in ("done", "terminated", "truncated"):
+            root._set_str(key, false, validated=True, inplace=False, non_blocking=False)
+        if self.keep_env_reward:  # a reset env's first observation has no env reward yet
+            fresh = nxt._get_str("env_reward", None).masked_fill(nxt._get_str("done", None), 0.0)
+            root._set_str("env_reward", fresh, validated=True, inplace=False, non_blocking=False)
+        return tensordict, root
 
     def _set_seed(self, seed: int | None) -> None:
         self._seed = seed
