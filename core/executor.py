@@ -81,6 +81,7 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
             seed=job.seed,
             total_frames=cfg.frames,
             llm_factory=(lambda: _make_llm(llm_cfg)) if llm_cfg else None,
+            hook=runtime.hook,
         )
         result = trainer(runtime.task, job.candidate, cfg, seed=job.seed, hook=runtime.hook, ctx=ctx, progress=progress)
         # what plugins recorded through the context travels back with the result

@@ -57,6 +57,7 @@ class TrainContext:
     metrics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     texts: dict[str, str] = field(default_factory=dict)
     llm_factory: Callable[[], Any] | None = None
+    hook: Any = None  # the plugin manager's hook caller, to call other plugins' hooks (label_preferences)
     _llm: Any = None
 
     def plugin_config(self, name: str) -> Any:
