@@ -61,6 +61,7 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
     try:
         import torch
 
+        from core.tracking import format_llm_call
         from core.train import get_trainer
         from core.train.context import TrainContext
 
@@ -74,13 +75,17 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
         trainer, config_cls = get_trainer(trainer_cfg.get("name", "ppo"))
         cfg = config_cls.from_config({k: v for k, v in trainer_cfg.items() if k != "name"})
         llm_cfg = job.config.get("llm")
+
+        def log_call(record: Any) -> None:  # LLM calls made during training join the candidate's artifacts
+            ctx.log_text("llm_calls.md", format_llm_call(record) + "\n\n---\n\n")
+
         ctx = TrainContext(
             task=runtime.task,
             candidate=job.candidate,
             config=job.config,
             seed=job.seed,
             total_frames=cfg.frames,
-            llm_factory=(lambda: _make_llm(llm_cfg)) if llm_cfg else None,
+            llm_factory=(lambda: _make_llm(llm_cfg, log_call)) if llm_cfg else None,
             hook=runtime.hook,
         )
         result = trainer(runtime.task, job.candidate, cfg, seed=job.seed, hook=runtime.hook, ctx=ctx, progress=progress)
@@ -108,10 +113,10 @@ def _warm_worker() -> None:
     torch.set_num_threads(1)
 
 
-def _make_llm(llm_cfg: dict[str, Any]) -> Any:
+def _make_llm(llm_cfg: dict[str, Any], on_call: Callable[[Any], None] | None = None) -> Any:
     from core.llm import make_client
 
-    return make_client(llm_cfg)
+    return make_client(llm_cfg, on_call=on_call)
 
 
 class Executor:

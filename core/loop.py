@@ -25,7 +25,7 @@ from core.executor import Executor, Runtime, TrainJob, build_runtime, make_execu
 from core.progress import make_progress
 from core.records import Candidate, IterationResult, TrainResult
 from core.store import ResultStore, job_key
-from core.tracking import Tracker
+from core.tracking import Tracker, format_llm_call
 
 #: proposal hook -> the Candidate field it fills
 ROLE_HOOKS = {
@@ -73,11 +73,7 @@ class Run:
         if self.tracker is None:
             return
         n = len(getattr(self._llm, "records", []) or []) if self._llm is not None else 0
-        lines = [f"## {m['role']}\n{m['content']}" for m in record.messages]
-        for i, reply in enumerate(record.replies):
-            lines.append(f"## reply {i}{' (cached)' if reply.cached else ''}\n{reply.text}")
-        tag = record.tag or "call"
-        self.tracker.log_text("\n\n".join(lines), f"llm/{n:04d}-{tag}.md")
+        self.tracker.log_text(format_llm_call(record), f"llm/{n:04d}-{record.tag or 'call'}.md")
 
     def log_text(self, path: str, text: str) -> None:
         if self.tracker is not None:

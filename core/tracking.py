@@ -169,6 +169,14 @@ class Tracker:
         return f"open {uri} (experiment id {self.experiment_id})"
 
 
+def format_llm_call(record: Any) -> str:
+    """One LLM call (a ``core.llm.CallRecord``) as Markdown: the messages, then each reply."""
+    lines = [f"## {m['role']}\n{m['content']}" for m in record.messages]
+    for i, reply in enumerate(record.replies):
+        lines.append(f"## reply {i}{' (cached)' if reply.cached else ''}\n{reply.text}")
+    return "\n\n".join(lines)
+
+
 def _finite(v: Any) -> bool:
     try:
         f = float(v)
