@@ -13,9 +13,23 @@ than rewritten. Three things stand in its way and are worked around here:
 - It speaks the old gym API (4-tuple steps, no seeding of its block placement);
   :class:`KukaGraspEnv` speaks gymnasium's.
 
-The agent moves the gripper in x/y and turns it while the arm descends 2 mm per step; when
-the gripper touches the tray the env closes the fingers and lifts by itself (up to 1,100
-physics steps inside that one env step). The adapter then holds the block for
+The agent moves the gripper in x/y and turns it while the arm descends by itself; when the
+gripper touches the tray the env closes the fingers and lifts by itself (up to 1,100
+physics steps inside that one env step).
+
+The original ``step`` lowers the arm's inverse-kinematics target 2 mm per physics step
+(0.48 m/s). The arm follows at about 1 mm per step at best, so within ~200 steps the
+target is tens of centimetres below the arm and below the tray; the IK solution for that
+unreachable target swings the gripper 10-30 cm off in x-y and the fingers hit the tray
+at speed. With that descent no policy reaches the block: a scripted controller that reads
+the block position and steers onto it closed 17-38 cm from it in every episode. (The
+same trajectories come out of the original env on the module-level ``pybullet`` server,
+so this is the env's own dynamics, not the per-copy client.) The adapter therefore builds
+the env's low-level action ``[dx, dy, dz, da, finger]`` itself and calls the env's own
+``step2`` (as PyBullet's ``kukaGymEnvTest.py`` does): ``dx, dy, da`` are the original
+scaling of the agent's action; ``dz`` is ``descent`` while the arm is high and
+``approach_descent`` below ``approach_z``, and the target is never let more than
+``max_lead`` below the arm. With the defaults a scripted controller grasps most blocks. The adapter then holds the block for
 ``hold_steps`` physics steps, records facts about the episode (closest approach, how far
 the gripper was from the block when it closed, highest and final block height) and
 classifies each evaluation episode into a failure mode (:func:`classify_episode`).
@@ -34,6 +48,7 @@ import sys
 import types
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import gymnasium as gym
@@ -189,20 +204,42 @@ def load_kuka_modules() -> tuple[types.ModuleType, types.ModuleType]:
 # The gymnasium env
 # -------------------------------------------------------------------------------------
 
+#: the original env's action scaling (``KukaGymEnv.step``): metres and radians per unit action
+MOVE_SCALE, TURN_SCALE, FINGER_OPEN = 0.005, 0.05, 0.3
+
+
+@dataclass(frozen=True)
+class Descent:
+    """How the arm's IK target descends each step (the original: 2 mm always, unbounded)."""
+
+    descent: float = 0.002  #: m per step while the arm is high (the original's rate)
+    approach_descent: float = 0.0005  #: m per step once the arm is below ``approach_z``
+    approach_z: float = 0.2  #: world z of the arm's end link (link 6) where the slow approach starts
+    max_lead: float = 0.1  #: the target never gets more than this far below the arm (m)
+
+    def target_z(self, target: float, arm: float) -> float:
+        """The next IK target height given the current target and the arm's actual height."""
+        step = self.descent if arm >= self.approach_z else self.approach_descent
+        return max(target - step, arm - self.max_lead)
+
+
 
 class KukaGraspEnv(gym.Env):
     """One ``KukaGymEnv`` behind the gymnasium API, with named extra state and episode facts.
 
-    Observation (14 float32): the env's own 9 values (gripper position and Euler angles,
+    Observation (17 float32): the env's own 9 values (gripper position and Euler angles,
     block x-y and yaw in the gripper frame), then block position (3), block height above
-    the table (1) and gripper opening (1).
+    the table (1), gripper opening (1) and the fingertips' mean position (3) (the gripper
+    base is ~0.22 m above the tips and tilts, so only the tips say where the grasp lands).
     """
 
     metadata = {"render_modes": []}
 
-    def __init__(self, max_episode_steps: int = 1000, hold_steps: int = 60, seed: int | None = None) -> None:
+    def __init__(self, max_episode_steps: int = 1000, hold_steps: int = 60, seed: int | None = None,
+                 descent: Descent | None = None) -> None:
         self.max_episode_steps = int(max_episode_steps)
         self.hold_steps = int(hold_steps)
+        self.descent = descent or Descent()
         kuka, module = load_kuka_modules()
         self.client = BulletClient()
         self._rng = random.Random(seed)
@@ -215,7 +252,7 @@ class KukaGraspEnv(gym.Env):
         with warnings.catch_warnings():  # gym warns that its float64 Box bounds become float32
             warnings.simplefilter("ignore")
             self.env = module.KukaGymEnv(renders=False, isDiscrete=False, maxSteps=self.max_episode_steps + 10)
-        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (14,), np.float32)
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (17,), np.float32)
         self.action_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
         self._steps = 0
         self._facts: dict[str, float] = {}
@@ -236,7 +273,7 @@ class KukaGraspEnv(gym.Env):
 
     def _observe(self, native: Any) -> np.ndarray:
         block = self._block_pos()
-        extra = [*block, block[2] - TABLE_TOP_Z, self._opening()]
+        extra = [*block, block[2] - TABLE_TOP_Z, self._opening(), *self._fingertips()]
         return np.asarray([*list(native)[:9], *extra], dtype=np.float32)
 
     def _watch_block(self) -> None:
@@ -259,11 +296,22 @@ class KukaGraspEnv(gym.Env):
         self._facts = {"rest_height": rest, "max_block_height": rest, "min_xy_distance": self._xy_distance()}
         return self._observe(native), {}
 
+    def _low_level(self, action: np.ndarray) -> list[float]:
+        """The env's ``[dx, dy, dz, da, finger]`` for an agent action, with the bounded descent.
+
+        ``applyAction`` adds ``dz`` to the target, so ``dz`` is the gap to the next target height.
+        """
+        kuka = self.env._kuka
+        arm_z = float(self.client.getLinkState(kuka.kukaUid, kuka.kukaEndEffectorIndex)[0][2])
+        target_z = float(kuka.endEffectorPos[2])
+        dz = self.descent.target_z(target_z, arm_z) - target_z
+        return [float(action[0]) * MOVE_SCALE, float(action[1]) * MOVE_SCALE, dz, float(action[2]) * TURN_SCALE, FINGER_OPEN]
+
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         action = np.clip(np.asarray(action, dtype=np.float64), -1.0, 1.0)
         xy_before = self._xy_distance()  # where the gripper is if this step starts the grasp
         self.client.on_step = self._watch_block
-        native, reward, done, _ = self.env.step(action)
+        native, reward, done, _ = self.env.step2(self._low_level(action))
         self._steps += 1
         facts = self._facts
         attempted = bool(self.env.terminated)
@@ -344,7 +392,7 @@ EPISODE_FACTS = ("grasp_attempted", "grasp_xy_distance", "min_xy_distance", "res
 
 
 def kuka_fields() -> list[StateField]:
-    """The 14 observation values of :class:`KukaGraspEnv`."""
+    """The 17 observation values of :class:`KukaGraspEnv`."""
     spec = [
         ("gripper_pos", 3, "position x, y, z of the gripper base (world frame; the fingertips are ~0.25 m below it)", "m"),
         ("gripper_euler", 3, "orientation of the gripper as roll, pitch, yaw Euler angles", "rad"),
@@ -353,6 +401,7 @@ def kuka_fields() -> list[StateField]:
         ("block_pos", 3, "position x, y, z of the block centre (world frame)", "m"),
         ("block_height", 1, f"height of the block centre above the table top; about 0.019 at rest in the tray, success above {SUCCESS_Z - TABLE_TOP_Z:.3f}", "m"),
         ("gripper_opening", 1, "finger opening angle: about 0.3 open (the agent's whole approach), 0 closed (during the env's automatic grasp)", "rad"),
+        ("fingertips_pos", 3, "mean position x, y, z of the two fingertips (world frame): the grasp lands where these are when the gripper reaches the tray", "m"),
     ]
     fields, start = [], 0
     for name, size, text, unit in spec:
@@ -364,8 +413,10 @@ def kuka_fields() -> list[StateField]:
 class KukaGrasp(Task):
     """Kuka iiwa with a two-finger gripper picks up a block from a tray (PyBullet)."""
 
-    def __init__(self, max_episode_steps: int = 1000, hold_steps: int = 60) -> None:
+    def __init__(self, max_episode_steps: int = 1000, hold_steps: int = 60, descent: float = 0.002,
+                 approach_descent: float = 0.0005, approach_z: float = 0.2, max_lead: float = 0.1) -> None:
         self.hold_steps = int(hold_steps)
+        self.descent = Descent(float(descent), float(approach_descent), float(approach_z), float(max_lead))
         threshold = SUCCESS_Z - TABLE_TOP_Z
         super().__init__(
             name="kuka_grasp",
@@ -378,11 +429,11 @@ class KukaGrasp(Task):
             description=(
                 "PyBullet KukaGymEnv: a Kuka iiwa arm with a two-finger gripper above a tray on a table; a block "
                 "(10 x 4 x 4 cm) lies at a random position and yaw in the tray. Positions are metres in the world "
-                "frame (z up; the table top is at z = -0.194). Observation (14 values, float32): gripper_pos (3), "
+                "frame (z up; the table top is at z = -0.194). Observation (17 values, float32): gripper_pos (3), "
                 "gripper_euler (3), block_rel_xy (2), block_rel_yaw (1) (these 9 are the env's own observation), "
-                "then block_pos (3), block_height (1) and gripper_opening (1). Each step the gripper moves by "
-                "(dx, dy) and turns, while the arm descends 2 mm by itself. When the gripper touches the tray "
-                "(after roughly 500 steps) the env closes the fingers and lifts the arm on its own within that "
+                "then block_pos (3), block_height (1), gripper_opening (1) and fingertips_pos (3). Each step the gripper moves by "
+                "(dx, dy) and turns, while the arm descends by itself (quickly while high, slowly over the last "
+                "~25 cm). When the gripper touches the tray (after roughly 500 steps) the env closes the fingers and lifts the arm on its own within that "
                 "one step, then holds the block; the episode ends there (terminated) or after max_episode_steps "
                 f"({max_episode_steps}, truncated). The env's own reward is -10 x the gripper-block distance each "
                 "step, +10000 once the block is above z = 0.2, minus a turning cost. An episode is a success if "
@@ -407,7 +458,7 @@ class KukaGrasp(Task):
                 )
 
     def make_single(self, seed: int | None = None) -> KukaGraspEnv:
-        return KukaGraspEnv(self.max_episode_steps, self.hold_steps, seed=seed)
+        return KukaGraspEnv(self.max_episode_steps, self.hold_steps, seed=seed, descent=self.descent)
 
     def make_env(self, num_envs: int, seed: int, params: Any = None) -> gym.vector.VectorEnv:
         if params:

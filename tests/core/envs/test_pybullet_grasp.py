@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
 from core.envs import make_task
-from core.envs.pybullet_grasp import FAILURE_MODES, TABLE_TOP_Z, KukaGrasp, classify_episode, summarize_failures
+from core.envs.pybullet_grasp import (FAILURE_MODES, TABLE_TOP_Z, Descent, KukaGrasp, classify_episode,
+                                      summarize_failures)
 from core.records import Episode
 from core.train.evaluate import evaluate
 
@@ -33,7 +36,7 @@ RECORDED = {
 
 def test_schema_and_fields_match_the_simulation(schema_check):
     task = make_task({"name": "kuka_grasp"})
-    assert isinstance(task, KukaGrasp) and task.obs_dim == 14 and task.fitness_name == "success_rate"
+    assert isinstance(task, KukaGrasp) and task.obs_dim == 17 and task.fitness_name == "success_rate"
     schema_check(task, num_envs=2, steps=3)
     env = task.make_single(seed=0)
     try:
@@ -49,6 +52,8 @@ def test_schema_and_fields_match_the_simulation(schema_check):
         np.testing.assert_allclose(obs[:9], np.asarray(inner.getExtendedObservation(), np.float32), atol=1e-5)
         assert float(parts["block_height"][0]) == pytest.approx(block[2] - TABLE_TOP_Z, abs=1e-5)
         assert 0.25 < float(parts["gripper_opening"][0]) < 0.35  # open during the approach
+        tips = np.mean([c.getLinkState(inner._kuka.kukaUid, i)[0] for i in (10, 13)], axis=0)
+        np.testing.assert_allclose(parts["fingertips_pos"][0].numpy(), tips, atol=1e-5)
     finally:
         env.close()
 
@@ -120,3 +125,35 @@ def test_failure_modes_go_through_episode_info():
     for mode in RECORDED:
         assert FAILURE_MODES[mode] in text
     assert task.fitness(episodes).value == pytest.approx(1 / len(RECORDED))
+
+
+def scripted_policy(obs: torch.Tensor) -> torch.Tensor:
+    """Steer the fingertips over the block in x-y and turn the fingers across it (block_rel_yaw -> +-pi/2)."""
+    move = torch.clamp(0.5 * (obs[:, 9:11] - obs[:, 14:16]) / 0.005, -1.0, 1.0)
+    turn_error = torch.remainder(obs[:, 8] + math.pi, math.pi) - math.pi / 2
+    return torch.cat([move, torch.clamp(0.3 * turn_error / 0.05, -1.0, 1.0)[:, None]], dim=1)
+
+
+def test_descent_follows_the_arm():
+    d = Descent(descent=0.002, approach_descent=0.0005, approach_z=0.2, max_lead=0.1)
+    assert d.target_z(0.40, 0.45) == pytest.approx(0.398)  # high: the original rate
+    assert d.target_z(0.10, 0.15) == pytest.approx(0.0995)  # near the tray: slow
+    assert d.target_z(0.20, 0.35) == pytest.approx(0.25)  # never more than max_lead below the arm
+
+
+def test_a_scripted_policy_grasps_most_blocks():
+    task = make_task({"name": "kuka_grasp"})
+    episodes = evaluate(task, scripted_policy, episodes=6, seed=0)
+    fit = task.fitness(episodes)
+    assert fit.value >= 0.5, task.failure_modes(episodes)
+    assert all(e.info["failure_mode"] in ("success", "missed_grasp", "slipped") for e in episodes)
+    assert fit.details["mode_never_reached"] == 0.0
+    assert all(e.info["grasp_xy_distance"] < 0.05 for e in episodes)
+
+
+def test_the_original_descent_never_reaches_the_block():
+    # the env's own step: 2 mm per step, unbounded lead; the same controller closes far off
+    task = KukaGrasp(descent=0.002, approach_descent=0.002, max_lead=10.0)
+    episodes = evaluate(task, scripted_policy, episodes=2, seed=0)
+    assert [e.info["failure_mode"] for e in episodes] == ["never_reached", "never_reached"]
+    assert min(e.info["grasp_xy_distance"] for e in episodes) > 0.1
