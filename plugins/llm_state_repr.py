@@ -103,6 +103,7 @@ INVALID = """The code above failed a check on real states ({kind}):
 HINTS = (
     ("stack expects each tensor to be equal size", "Every feature passed to torch.stack must have shape [B]: no constants, Python numbers or [B, 1] tensors."),
     ("KeyError", "Use only these field names: {fields}."),
+    ("was never closed", "The reply was cut off at its length limit: write shorter functions (2 to 4 features)."),
     ("Boolean value of Tensor", "Do not use `if` on tensors: use torch.where(condition, a, b)."),
     ("must be a torch tensor", "revise_state must return one float tensor [B, k] (torch.stack([...], dim=-1))."),
     ("shape", "revise_state returns [B, k]; intrinsic_reward returns [B]."),

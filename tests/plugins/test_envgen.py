@@ -156,18 +156,30 @@ def test_crafter_params_validate_against_task():
 
 
 @pytest.mark.slow
-def test_end_to_end_minecraft(tmp_path):
-    cmd = [sys.executable, "-m", "core", "+plugins=[envgen]", "env=minecraft", "env.max_episode_steps=100",
+def test_end_to_end_eureka_envgen_minecraft(tmp_path):
+    """The command users type first, with a tiny budget: Eureka rewards x EnvGen envs on Crafter."""
+    cmd = [sys.executable, "-m", "core", "+plugins=[eureka,envgen]", "env=minecraft", "env.max_episode_steps=100", "seed=1",
+           "plugins.eureka.iterations=1", "plugins.eureka.samples=2", "plugins.eureka.max_tokens=600",
            "plugins.envgen.iterations=1", "plugins.envgen.num_envs=2", "plugins.envgen.retries=0", "plugins.envgen.max_tokens=300",
            "trainer.frames=2048", "trainer.num_envs=4", "trainer.rollout_steps=64", "trainer.epochs=2", "trainer.eval_episodes=4",
            "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    child = next(r for r in runs if "candidate" in r.data.tags)
-    assert any(k.startswith("fitness/success_collect_wood") for k in child.data.metrics)
-    arts = [a.path for a in client.list_artifacts(child.info.run_id)]
-    assert "envs.json" in arts
+    parent = next(r for r in runs if "candidate" not in r.data.tags)
+    assert parent.data.metrics["envgen/generated_envs"] >= 1
+    generated = json.loads(Path(client.download_artifacts(parent.info.run_id, "envgen/it0-envs.json")).read_text())
+    children = [r for r in runs if "candidate" in r.data.tags]
+    assert children, out.stdout[-2000:]
+    for child in children:  # every candidate pairs a Eureka reward with the generated training mix
+        arts = [a.path for a in client.list_artifacts(child.info.run_id)] + [a.path for a in client.list_artifacts(child.info.run_id, "reward")]
+        assert "envs.json" in arts and "reward/compute_reward.py" in arts
+        mix = json.loads(Path(client.download_artifacts(child.info.run_id, "envs.json")).read_text())
+        assert mix == generated and sum(e["weight"] for e in mix) == pytest.approx(1.0)
+    ok = [r for r in children if r.data.tags.get("ok") == "True"]
+    assert ok, out.stdout[-2000:]
+    success = [k for k in ok[0].data.metrics if k.startswith("fitness/success_")]
+    assert len(success) == 22  # per-achievement success of every Crafter achievement

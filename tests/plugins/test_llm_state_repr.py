@@ -99,6 +99,7 @@ def test_shape_error_gets_a_hint_in_the_retry(task):
 
 def test_hint_for_unknown_field_lists_the_fields():
     assert "cos_theta, sin_theta" in lesr.hint_for("KeyError: 'theta'", ["cos_theta", "sin_theta"])
+    assert "cut off" in lesr.hint_for("SyntaxError in code block 1, line 34: '[' was never closed", ["x"])
     assert lesr.hint_for("something else", ["x"]) == ""
 
 
