@@ -110,7 +110,8 @@ def parse_reply(text: str) -> Judgement | None:
     """The score and reason of a reply, or None when it is malformed.
 
     Accepts ``Score: 7``, ``**Score:** 7/10``, ``评分：7``; falls back to a lone ``7/10``.
-    Rejects replies with no score, a score outside 1-10, or two different scores.
+    ``Score: 0`` (the small model's "no progress at all") counts as 1. Rejects replies
+    with no score, a score outside 0-10, or two different scores.
     """
     found = [float(m.group(1)) for m in _SCORE.finditer(text)]
     if not found:
@@ -118,8 +119,9 @@ def parse_reply(text: str) -> Judgement | None:
     if not found or len(set(found)) > 1:
         return None
     score = found[0]
-    if not 1.0 <= score <= 10.0:
+    if not 0.0 <= score <= 10.0:
         return None
+    score = max(1.0, score)
     reason = _REASON.search(text)
     return Judgement(score, reason.group(1).strip().strip("*").strip()[:200] if reason else "")
 
@@ -237,9 +239,33 @@ class Distiller:
         return out.mean(0).numpy(), out.std(0).numpy()
 
 
-def novelty_key(feature: np.ndarray, cell: float) -> bytes:
-    """The count-table key of a state: its features on a grid of ``cell``."""
-    return np.floor(feature / cell).astype(np.int32).tobytes()
+class NoveltyCounter:
+    """Visit counts of grid cells (features floored to ``cell``) in a hashed table.
+
+    :meth:`visit` counts a batch of states and returns each one's bonus ``1/sqrt(n)``,
+    vectorised: a cell's integer coordinates are hashed into ``2**bits`` slots (a
+    collision merges two cells' counts; rare at the state counts training reaches).
+    """
+
+    def __init__(self, cell: float, bits: int = 20, seed: int = 0) -> None:
+        self.cell, self.mask = cell, (1 << bits) - 1
+        self.counts = np.zeros(1 << bits, dtype=np.int64)
+        self._mult: np.ndarray | None = None
+        self._seed = seed
+
+    def slots(self, feats: np.ndarray) -> np.ndarray:
+        """The table slot of each row's cell."""
+        keys = np.floor(feats / self.cell).astype(np.int64)
+        if self._mult is None or len(self._mult) != keys.shape[-1]:
+            self._mult = np.random.default_rng(self._seed).integers(1, 2**61, size=keys.shape[-1], dtype=np.int64) | 1
+        with np.errstate(over="ignore"):
+            h = (keys * self._mult).sum(-1)
+        return (h ^ (h >> 29)) & self.mask
+
+    def visit(self, feats: np.ndarray) -> np.ndarray:
+        idx = self.slots(feats)
+        np.add.at(self.counts, idx, 1)
+        return 1.0 / np.sqrt(self.counts[idx])
 
 
 def preload(llm: Any) -> None:
@@ -309,7 +335,6 @@ class ProgressJudge:
         self.requests: queue.Queue[_Request] = queue.Queue(maxsize=int(cfg.max_pending))
         self.ring: deque[_Result] = deque(maxlen=int(cfg.ring_size))
         self.counts = _Counters()
-        self.counts_table: dict[bytes, int] = {}
         self.returns_seen: deque[float] = deque(maxlen=512)
         self.recent_scores: deque[float] = deque(maxlen=int(cfg.sparse.window))
         self.sparse = False
@@ -323,6 +348,13 @@ class ProgressJudge:
         self._scale: np.ndarray | None = None
         self._scale_rows: list[np.ndarray] = []
         self._b = 0
+        self._one_hot: bool | None = None
+        self.novelty = NoveltyCounter(float(cfg.novelty_cell))
+        # per-step constants read once: attribute lookups and list building cost every step
+        self._eval_every = int(cfg.eval_every)
+        self._boundaries = list(cfg.stages.boundaries)
+        self._stages = [list(cfg.stages.early), list(cfg.stages.middle), list(cfg.stages.late)]
+        self._shaping, self._gamma = bool(cfg.shaping), float(cfg.gamma)
 
     # -- features ----------------------------------------------------------------------
     def features(self, obs: np.ndarray) -> np.ndarray:
@@ -340,95 +372,94 @@ class ProgressJudge:
 
     # -- main thread: per step ---------------------------------------------------------
     def reward(self, batch: Any) -> torch.Tensor:
-        cfg, c = self.cfg, self.counts
+        """The per-step path, vectorised over envs (no Python loop over envs)."""
+        c = self.counts
         obs = batch.next_obs.detach().cpu().numpy().astype(np.float64)
         B = obs.shape[0]
         if self._b != B:
             self._init_envs(B)
         feats = self.features(obs)
-        env_r = batch.env_reward.detach().cpu().numpy().astype(np.float64)
-        done = batch.done.detach().cpu().numpy().astype(bool)
-        action = batch.action.detach().cpu().numpy()
-        for i in range(B):
-            a = action[i]
-            self.actions[i].append(int(a.argmax()) if a.ndim and a.size > 1 and set(np.unique(a)) <= {0, 1}
-                                   else (np.round(a, 2).tolist() if a.ndim else int(a)))
-        self.ep_return += env_r
+        done = batch.done.detach().cpu().numpy().astype(bool).reshape(B)
+        self.act_hist[:, self._step % self.act_hist.shape[1]] = self.action_codes(batch.action)
+        self.ep_steps += 1
+        self.ep_return += batch.env_reward.detach().cpu().numpy()
         self._drain()
-        # exploration bonus: 1 / sqrt(visits) of the state's grid cell
-        bonus = np.empty(B)
-        for i in range(B):
-            key = novelty_key(feats[i], float(cfg.novelty_cell))
-            n = self.counts_table.get(key, 0) + 1
-            self.counts_table[key] = n
-            bonus[i] = 1.0 / math.sqrt(n)
-        if self._step % int(cfg.eval_every) == 0:
+        bonus = self.novelty.visit(feats)  # exploration bonus 1/sqrt(visits of the state's cell)
+        if self._step % self._eval_every == 0:
             self._judge(obs, feats)
         self._step += 1
         # mixed reward
-        w_env, w_llm, w_exp = stage_weights(self.train.progress, list(cfg.stages.boundaries),
-                                            [list(cfg.stages.early), list(cfg.stages.middle), list(cfg.stages.late)])
+        w_env, w_llm, w_exp = stage_weights(self.train.progress, self._boundaries, self._stages)
         c.steps += 1
         if self.sparse:  # the LLM says nothing useful: its share goes to exploration
             w_exp, w_llm = w_exp + w_llm, 0.0
             c.sparse_steps += 1
         known = ~np.isnan(self.progress)
         z = np.where(known, self.z.normalize(np.nan_to_num(self.progress)), 0.0)
-        if cfg.shaping:
-            llm_term = float(cfg.gamma) * z - self.prev_phi
+        if self._shaping:
+            llm_term = self._gamma * z - self.prev_phi
             self.prev_phi = np.where(done, 0.0, z)
         else:
             llm_term = z
         base = batch.reward.detach().cpu().numpy().astype(np.float64)
         mixed = w_env * base + w_llm * llm_term + w_exp * bonus
         if done.any():  # a new episode starts: its progress is unknown again
-            for i in np.flatnonzero(done):
-                self.returns_seen.append(float(self.ep_return[i]))
-                self.ep_return[i] = 0.0
-                self.episode[i] += 1
-                self.progress[i] = np.nan
-                self.actions[i].clear()
-        return torch.as_tensor(mixed - base, dtype=torch.float32)
+            self.returns_seen.extend(self.ep_return[done].tolist())
+            self.ep_return[done] = 0.0
+            self.ep_steps[done] = 0
+            self.episode[done] += 1
+            self.progress[done] = np.nan
+        return torch.from_numpy(mixed - base).float()
+
+    def action_codes(self, action: torch.Tensor) -> np.ndarray:
+        """One number per env for the action history: the index of a one-hot action, else
+        the first component (one-hot or not is decided once, on the first batch)."""
+        a = action.detach().cpu().numpy()
+        if a.ndim == 1:
+            return a
+        if self._one_hot is None:
+            self._one_hot = bool(a.shape[-1] > 1 and np.isin(a, (0, 1)).all())
+        return a.argmax(-1) if self._one_hot else a.reshape(len(a), -1)[:, 0]
+
+    def recent_actions(self, env: int) -> str:
+        """The env's last actions in this episode, oldest first, as text."""
+        K = self.act_hist.shape[1]
+        n = int(min(self.ep_steps[env], K))
+        values = self.act_hist[env, [(self._step - n + k) % K for k in range(n)]]
+        return render_actions([int(v) if float(v).is_integer() else round(float(v), 2) for v in values])
 
     def _init_envs(self, B: int) -> None:
         self._b = B
         self.progress = np.full(B, np.nan)
         self.prev_phi = np.zeros(B)
         self.ep_return = np.zeros(B)
+        self.ep_steps = np.zeros(B, dtype=np.int64)
         self.episode = np.zeros(B, dtype=np.int64)
-        self.actions = [deque(maxlen=int(self.cfg.recent_actions)) for _ in range(B)]
+        self.act_hist = np.zeros((B, max(1, int(self.cfg.recent_actions))))
 
     def _judge(self, obs: np.ndarray, feats: np.ndarray) -> None:
         """Score every env's state from the cache, the distilled model, or queue it for the LLM."""
         cfg, c = self.cfg, self.counts
         dist, cached = self.cache.query(feats)
-        need = []
-        for i in range(len(obs)):
-            if dist[i] <= self.cache.radius:
-                self.progress[i] = cached[i]
-                c.cache_hits += 1
-            else:
-                need.append(i)
+        hit = dist <= self.cache.radius
+        self.progress[hit] = cached[hit]
+        c.cache_hits += int(hit.sum())
+        need = np.flatnonzero(~hit)
         distiller = self.distiller
-        if need and distiller is not None:
+        if len(need) and distiller is not None:
             t0 = time.perf_counter()
             mean, std = distiller.predict(feats[need])
             c.distilled_latency.append((time.perf_counter() - t0) / len(need))
-            rest = []
-            for j, i in enumerate(need):
-                if std[j] <= float(cfg.distill.max_std) and dist[i] <= float(cfg.distill.novelty_radius):
-                    self.progress[i] = float(np.clip(mean[j], 1.0, 10.0))
-                    c.distilled += 1
-                else:
-                    rest.append(i)
-            need = rest
-        for i in need:
-            req = _Request(i, int(self.episode[i]), obs[i].astype(np.float32), feats[i].copy(),
-                           render_actions(list(self.actions[i])), float(self.ep_return[i]), int(self.train.frames))
-            try:
-                self.requests.put_nowait(req)
-            except queue.Full:  # never wait: the LLM is busy, reuse the last score
-                c.dropped += 1
+            sure = (std <= float(cfg.distill.max_std)) & (dist[need] <= float(cfg.distill.novelty_radius))
+            self.progress[need[sure]] = np.clip(mean[sure], 1.0, 10.0)
+            c.distilled += int(sure.sum())
+            need = need[~sure]
+        for k, i in enumerate(need):
+            if self.requests.full():  # never wait: the LLM is busy, the envs keep their last score
+                c.dropped += len(need) - k
+                break
+            self.requests.put_nowait(_Request(int(i), int(self.episode[i]), obs[i].astype(np.float32), feats[i].copy(),
+                                              self.recent_actions(int(i)), float(self.ep_return[i]), int(self.train.frames)))
 
     def _drain(self) -> None:
         """Take what the worker finished: cache it, update the z-score, set env progress."""

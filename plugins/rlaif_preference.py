@@ -6,12 +6,15 @@ Learning from Vision Language Foundation Model Feedback", ICML 2024), both after
 preference-based RL of Christiano et al. (2017).
 
 1. Segments: training rollouts are cut into segments of ``segment_len`` steps (never
-   across an episode end); each has a text rendering (the task's rendering of its first
-   and last states, its actions, whether the episode ended) and its env return.
-2. Labels: the LLM sees two renderings and the goal; Motif's prompt shape (describe each,
-   compare, then a fixed-format answer) gives 1 (first better), 0 (second), 0.5 (tie)
-   or None (cannot tell). Labels are cached; the ``label_preferences`` hook makes the
-   labeller replaceable by another plugin.
+   across an episode end); each has a text rendering (its length and whether the
+   episode ended, the task's rendering of its last state, how the task's scalar fields
+   moved over it, its actions) and its env return.
+2. Labels: the LLM sees the goal and two renderings and answers 1 (first better), 0
+   (second), 0.5 (tie) or None (cannot tell), either in Motif's shape (describe each,
+   compare, then answer) or answer first with a short reason (cheaper). ``samples``
+   votes per pair, every other one with the pair swapped (cancels position bias); the
+   label is the votes' mean. Labels are cached; the ``label_preferences`` hook makes
+   the labeller replaceable by another plugin.
 3. Reward model: an ensemble (3 by default) of MLPs ``r(s)``; a segment's score is the
    sum over its states; trained with the Bradley-Terry loss, i.e. the cross-entropy of
    ``sigmoid(R_a - R_b)`` against the (soft) label.
@@ -50,22 +53,31 @@ NAME = "rlaif_preference"
 
 SYSTEM = "You are a fair and careful judge of how well an agent is doing at its task."
 
+# Instructions come before the segments: the shared prefix is reused by the model's
+# prompt cache from one pair to the next (prompt processing dominates a short reply).
 PROMPT = """Goal: {goal}
 
-Two segments of the agent's behaviour follow.
+Below are two segments of the agent's behaviour. An episode that ENDED inside a segment
+means the agent either failed or completed the task: judge which from the goal.
+{instruction}
 
 Segment 1:
 {a}
 
 Segment 2:
-{b}
+{b}"""
 
-First describe in one short sentence what happens in each segment. Then compare them:
+# Motif's shape: describe each segment, compare, then a fixed-format answer
+DESCRIBE = """First describe in one short sentence what happens in each segment. Then compare them:
 which one makes more progress towards the goal? End with exactly one line, one of:
 Answer: 1
 Answer: 2
 Answer: tie
 Answer: unknown"""
+
+# the answer first, then a short reason: a few tokens per label on a slow local model
+ANSWER_FIRST = """Which segment makes more progress towards the goal? Reply with one line exactly like this:
+Answer: <1, 2, tie or unknown> | Reason: <one short sentence>"""
 
 _ANSWER = re.compile(r"answer(?:\s+is)?\W{0,3}\s*[:=]?\s*\**\s*\(?(segment\s*1|segment\s*2|1|2|tie|unknown|none|cannot tell)\b",
                      re.I)
@@ -106,9 +118,13 @@ class Segment:
     text: str = ""
 
 
-def build_prompt(goal: str, a: str, b: str) -> list[dict[str, str]]:
-    """The chat messages that ask which of two segment renderings is better."""
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT.format(goal=goal, a=a, b=b)}]
+def build_prompt(goal: str, a: str, b: str, describe: bool = False) -> list[dict[str, str]]:
+    """The chat messages that ask which of two segment renderings is better.
+
+    ``describe``: Motif's analysis before the answer; otherwise the answer comes first.
+    """
+    user = PROMPT.format(goal=goal, a=a, b=b, instruction=DESCRIBE if describe else ANSWER_FIRST)
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
 def parse_label(text: str) -> float | None:
@@ -129,7 +145,10 @@ def parse_label(text: str) -> float | None:
 
 
 def vote(labels: list[float | None]) -> float | None:
-    """The soft label of several samples: the mean of the decided ones (None if none)."""
+    """The soft label of several samples: the mean of the decided ones (None if none).
+
+    Its side of 0.5 is the majority; votes that cancel out give a tie (0.5).
+    """
     decided = [x for x in labels if x is not None]
     return float(np.mean(decided)) if decided else None
 
@@ -149,16 +168,42 @@ def label_accuracy(labels: list[float | None], truths: list[float]) -> tuple[flo
     return float(np.mean([(lab > 0.5) == (t > 0.5) for lab, t in pairs])), len(pairs)
 
 
-def render_segment(task: Any, seg: Segment) -> str:
-    """A segment as text: the task's rendering of its first and last states, actions, end."""
-    first = task.render_state(seg.obs[0])
-    last = task.render_state(seg.obs[-1])
+def _number(x: float) -> str:
+    return f"{x:.3g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.1e}"
+
+
+def summarize_fields(task: Any, obs: np.ndarray, limit: int = 6) -> str:
+    """How the task's scalar fields moved over a segment, in words: start -> end and range.
+
+    Generic over tasks (read from ``task.state_fields``): fields that did not change are
+    left out; at most ``limit`` fields, those that changed most relative to their range.
+    """
+    rows = []
+    for f in task.state_fields:
+        if f.size != 1 or f.shape:
+            continue
+        v = np.asarray(obs[:, f.start], np.float64)
+        lo, hi = float(v.min()), float(v.max())
+        if hi - lo <= 1e-9:
+            continue
+        unit = f" {f.unit}" if f.unit else ""
+        weight = abs(v[-1] - v[0]) / (max(abs(lo), abs(hi)) + 1e-9)
+        rows.append((weight, f"{f.name} {_number(v[0])} -> {_number(v[-1])}{unit} (range {_number(lo)} to {_number(hi)})"))
+    rows.sort(key=lambda r: -r[0])
+    return "; ".join(text for _, text in rows[:limit]) or "nothing changed"
+
+
+def render_segment(task: Any, seg: Segment, fields: int = 6) -> str:
+    """A segment as text: its length and end first (the facts a judge weighs most), the
+    task's rendering of its last state, how its scalar fields moved, its actions."""
     counts: dict[str, int] = {}
     for a in seg.actions:
         counts[str(a)] = counts.get(str(a), 0) + 1
     acts = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
-    end = "The episode ENDED (terminated) at the last step." if seg.ended else "The episode was still running."
-    return f"Start state:\n{first}\nActions taken over {len(seg.obs)} steps: {acts}\nEnd state:\n{last}\n{end}"
+    end = ("the episode ENDED (terminated) at its last step" if seg.ended
+           else "the episode was still running at its end")
+    return (f"{len(seg.obs)} steps; {end}.\nEnd state:\n{task.render_state(seg.obs[-1])}\n"
+            f"Changes: {summarize_fields(task, seg.obs, fields)}\nActions: {acts}")
 
 
 def split_segments(obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
@@ -258,21 +303,41 @@ class Labeller:
                 hit = self.cache.get(k, None) if k in self.cache else self.cache[k_rev]
                 out.append(hit if k in self.cache or hit is None else 1.0 - hit)
                 continue
+            value, votes, texts = self.ask(llm, cfg, goal, a, b)
+            self.cache[k] = value
+            out.append(value)
+            shown = " || ".join(t.strip().replace("\n", " ")[:300] for t in texts)
+            self.replies.append(f"label {value} (votes {votes}): {shown}")
+        return out
+
+    def ask(self, llm: Any, cfg: Any, goal: str, a: str, b: str) -> tuple[float | None, list[float | None], list[str]]:
+        """``samples`` votes on one pair (label, votes, reply texts).
+
+        With ``swap`` every other sample shows the pair in the other order (its vote is
+        flipped back): a model that always picks one position then votes a tie instead
+        of a wrong label.
+        """
+        samples, swap = max(1, int(cfg.get("samples", 1))), bool(cfg.get("swap", True))
+        describe = bool(cfg.get("describe", False))
+        orders = [(a, b, False), (b, a, True)] if swap and samples > 1 else [(a, b, False)]
+        votes: list[float | None] = []
+        texts: list[str] = []
+        for j, (first, second, flipped) in enumerate(orders):
+            n = samples // len(orders) + (j < samples % len(orders))
             t0 = time.perf_counter()
-            replies = llm.chat(build_prompt(goal, a, b), n=int(cfg.get("samples", 1)),
+            replies = llm.chat(build_prompt(goal, first, second, describe), n=n,
                                temperature=float(cfg.get("temperature", 0.3)),
                                max_tokens=int(cfg.get("max_tokens", 96)), seed=int(cfg.get("seed", 0)),
                                tag=f"{NAME}/label")
             self.calls += 1
             if not all(r.cached for r in replies):
                 self.latency.append(time.perf_counter() - t0)
-            labels = [parse_label(r.text) for r in replies]
-            self.rejected += sum(x is None for x in labels)
-            value = vote(labels)
-            self.cache[k] = value
-            out.append(value)
-            self.replies.append(f"label {value}: " + replies[0].text.strip().replace("\n", " ")[:400])
-        return out
+            for r in replies:
+                x = parse_label(r.text)
+                self.rejected += x is None
+                votes.append(None if x is None else (1.0 - x if flipped else x))
+                texts.append(r.text)
+        return vote(votes), votes, texts
 
 
 _LABELLER = Labeller()
@@ -335,7 +400,7 @@ class PreferenceLearner:
     def label_and_fit(self, pairs: list[tuple[Segment, Segment]]) -> None:
         for seg in (s for p in pairs for s in p):
             if not seg.text:
-                seg.text = render_segment(self.task, seg)
+                seg.text = render_segment(self.task, seg, int(self.cfg.get("summary_fields", 6)))
         hook = getattr(self.train, "hook", None)
         for a, b in pairs:  # one pair per request: each label counts as soon as it is back
             texts = [(a.text, b.text)]

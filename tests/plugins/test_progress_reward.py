@@ -67,13 +67,14 @@ def wait_for(cond, timeout: float = 5.0) -> None:
     ("评分：6 理由：不错", 6.0, "不错"),
     ("Rating = 3", 3.0, ""),
     ("I would give it 4/10.", 4.0, ""),
+    ("Score: 0 | Reason: nothing done", 1.0, "nothing done"),  # "no progress" is the lowest score
 ])  # fmt: skip
 def test_parse_reply_accepts_the_format_and_its_variants(text, score, reason):
     got = pr.parse_reply(text)
     assert got is not None and got.score == score and got.reason == reason
 
 
-@pytest.mark.parametrize("text", ["Score: 12", "Score: 0", "no idea", "Score: 3 ... no wait, Score: 8", ""])
+@pytest.mark.parametrize("text", ["Score: 12", "Score: -1", "no idea", "Score: 3 ... no wait, Score: 8", ""])
 def test_parse_reply_rejects_malformed_replies(text):
     assert pr.parse_reply(text) is None
 

@@ -95,7 +95,12 @@ def test_render_segment_shows_states_actions_and_end():
     task = make_task({"name": "cartpole"})
     seg = rp.Segment(np.zeros((3, 4), np.float32), [0, 1, 1], 3.0, True)
     text = rp.render_segment(task, seg)
-    assert "Start state" in text and "End state" in text and "1 x2" in text and "ENDED" in text
+    assert "End state" in text and "1 x2" in text and "ENDED" in text
+    moving = np.zeros((3, 4), np.float32)
+    moving[:, 2] = [0.0, 0.1, 0.2]  # the pole leans more and more
+    text = rp.render_segment(task, rp.Segment(moving, [1, 1, 1], 3.0, False))
+    assert "pole_angle 0 -> 0.2 rad (range 0 to 0.2)" in text and "still running" in text
+    assert "cart_position" not in text.split("Changes:")[1]  # unchanged fields are left out
 
 
 # -- Bradley-Terry --------------------------------------------------------------------------
@@ -124,10 +129,22 @@ def test_reward_model_recovers_the_order_of_synthetic_preferences():
 # -- labeller, cache, hook ------------------------------------------------------------------
 
 
+def test_swapped_votes_cancel_a_position_bias_and_are_flipped_back():
+    biased = FakeLLM(["Answer: 1"])  # always picks the first shown
+    cfg = rp.settings({**DEFAULTS, "samples": 2, "swap": True})
+    assert rp.Labeller().label(biased, cfg, "goal", [("A", "B")]) == [0.5]
+    assert biased.calls == 2  # one call per order
+    sure = rp.Labeller()
+    llm = FakeLLM(["Answer: 2 | Reason: longer"])
+    llm.chat = lambda messages, n=1, **_: [SimpleNamespace(  # noqa: E731 - prefers the segment "B"
+        text="Answer: 2" if messages[-1]["content"].endswith("B") else "Answer: 1", cached=False)] * n
+    assert sure.label(llm, cfg, "goal", [("A", "B")]) == [0.0]
+
+
 def test_label_cache_answers_repeats_and_reversed_pairs_without_the_llm():
     llm = FakeLLM(["Answer: 1"])
     lab = rp.Labeller()
-    cfg = rp.settings(DEFAULTS)
+    cfg = rp.settings({**DEFAULTS, "samples": 1})
     assert lab.label(llm, cfg, "goal", [("A", "B")]) == [1.0]
     assert lab.label(llm, cfg, "goal", [("A", "B"), ("B", "A")]) == [1.0, 0.0]
     assert llm.calls == 1 and lab.cache_hits == 2
@@ -135,7 +152,7 @@ def test_label_cache_answers_repeats_and_reversed_pairs_without_the_llm():
 
 def test_label_preferences_hook_uses_the_runs_llm():
     llm = FakeLLM(["Answer: 2"])
-    run = SimpleNamespace(llm=llm, plugin_config=lambda name: DEFAULTS)
+    run = SimpleNamespace(llm=llm, plugin_config=lambda name: {**DEFAULTS, "samples": 1})
     assert rp.label_preferences(run=run, goal="g", pairs=[("x", "y")]) == [0.0]
     assert llm.calls == 1
 
@@ -161,7 +178,7 @@ def test_online_requests_follow_the_schedule_and_budget_and_never_wait():
 
 
 def test_labelling_fits_the_reward_model_and_logs_label_accuracy():
-    ctx = make_ctx(FakeLLM(["Answer: 1"]), min_pairs=2)
+    ctx = make_ctx(FakeLLM(["Answer: 1"]), min_pairs=2, samples=1)
     learner = rp._learner_for(ctx)
     learner.scale_obs = np.ones(4)
     segs = _segments(8)
