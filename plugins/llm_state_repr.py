@@ -10,7 +10,7 @@ Method (Wang et al., "LLM-Empowered State Representation for Reinforcement Learn
    resampled (``retries``).
 3. K samples per iteration each train briefly with ``r_env + w * r_int``. Feedback lists
    each sample's score and, per dimension of the revised state, the Lipschitz constant
-   between that dimension and the env reward over the collected states; the next prompt
+   between that dimension and the (binned mean) env reward over the collected states; the next prompt
    holds earlier code, scores and suggestions. The best pair is retrained at the end
    (``final_seeds``).
 
@@ -189,17 +189,23 @@ def check_pair(source: str, states: tuple[Any, ...], cfg: Any, sandbox: Any) -> 
     return run_isolated(program, (state, action, next_state), limits=limits, validate=check, allowed_imports=imports)
 
 
-def lipschitz(values: np.ndarray, reward: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """Per dimension ``d``: ``max |r_i - r_j| / |s_i,d - s_j,d|`` over neighbours in sorted ``s_d``.
+def lipschitz(values: np.ndarray, reward: np.ndarray, eps: float = 1e-6, bins: int = 100) -> np.ndarray:
+    """Per dimension ``d``: the Lipschitz constant of the mean reward as a function of ``s_d``.
 
-    ``values`` is ``[N, D]``, ``reward`` ``[N]``. Pairs closer than ``eps`` are skipped; a
-    constant dimension gets 0.
+    ``values`` is ``[N, D]``, ``reward`` ``[N]``. The samples are sorted by ``s_d`` and cut
+    into at most ``bins`` equal-count bins; the estimate is ``max |dr| / |ds|`` between the
+    means of neighbouring bins (pairs closer than ``eps`` skipped; a constant dimension
+    gets 0). Averaging first keeps the many near-equal neighbours of a large sample from
+    turning reward noise into constants of 1e6.
     """
     out = np.zeros(values.shape[1])
+    n = len(reward)
     for d in range(values.shape[1]):
         order = np.argsort(values[:, d], kind="stable")
-        ds = np.diff(values[order, d])
-        dr = np.abs(np.diff(reward[order]))
+        groups = np.array_split(np.arange(n), min(bins, n)) if n else []
+        s = np.array([values[order[g], d].mean() for g in groups])
+        r = np.array([reward[order[g]].mean() for g in groups])
+        ds, dr = np.diff(s), np.abs(np.diff(r))
         keep = ds > eps
         out[d] = float(np.max(dr[keep] / ds[keep])) if keep.any() else 0.0
     return out

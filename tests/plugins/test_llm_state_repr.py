@@ -118,6 +118,14 @@ def test_lipschitz_of_a_linear_and_a_constant_dimension():
     assert est[2] > 3.0  # r = 3 sqrt(s): steep near 0
 
 
+def test_lipschitz_is_not_blown_up_by_noise():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 1, 20_000)
+    reward = 2 * x + rng.normal(0, 0.1, x.shape)  # noisy but 2-Lipschitz in the mean
+    est = lesr.lipschitz(x[:, None], reward)
+    assert 1.0 < est[0] < 10.0
+
+
 def test_dimension_names(task):
     names = lesr.dimension_names(task, 2)
     assert names[-2:] == ["feature_0", "feature_1"] and len(names) == task.obs_dim + 2
