@@ -667,6 +667,18 @@ def _probe_and_compile(program: Program, args: tuple[Any, ...], arg_names: tuple
     return compiled, report
 
 
+@contextlib.contextmanager
+def _name_fields_on_key_error(task: Task) -> Iterator[None]:
+    """A KeyError on the state is usually a made-up field name: list the real ones."""
+    try:
+        yield
+    except SandboxError as e:
+        if "KeyError" in e.report.message:
+            names = ", ".join(f.name for f in task.state_fields)
+            e.report.message += f"\nThe state has exactly these fields: {names}."
+        raise
+
+
 def prepare_reward(program: RewardProgram, task: Task, *, limits: Limits | None = None, allowed_imports: tuple[str, ...] = DEFAULT_IMPORTS, probe_envs: int = 4, probe_steps: int = 4) -> RewardFunction:
     """Check, probe on real states of ``task`` in the isolated child, then compile.
 
@@ -675,7 +687,8 @@ def prepare_reward(program: RewardProgram, task: Task, *, limits: Limits | None 
     limits = limits or Limits()
     obs, action, next_obs = probe_batch(task, num_envs=probe_envs, steps=probe_steps)
     args = (task.split_state(obs), action, task.split_state(next_obs))
-    compiled, report = _probe_and_compile(program, args, REWARD_ARGS, validate_reward, limits, allowed_imports)
+    with _name_fields_on_key_error(task):
+        compiled, report = _probe_and_compile(program, args, REWARD_ARGS, validate_reward, limits, allowed_imports)
     return RewardFunction(compiled, call_timeout_s=limits.call_timeout_s, components=tuple(report.data.get("components", ())), allowed_imports=allowed_imports)
 
 
@@ -683,7 +696,8 @@ def prepare_state(program: StateProgram, task: Task, *, limits: Limits | None = 
     """Like :func:`prepare_reward` for ``revise_state(state) -> [B, k]``; sets ``program.extra_dim``."""
     limits = limits or Limits()
     obs, _, _ = probe_batch(task, num_envs=probe_envs, steps=probe_steps)
-    compiled, report = _probe_and_compile(program, (task.split_state(obs),), STATE_ARGS, validate_state, limits, allowed_imports)
+    with _name_fields_on_key_error(task):
+        compiled, report = _probe_and_compile(program, (task.split_state(obs),), STATE_ARGS, validate_state, limits, allowed_imports)
     extra_dim = int(report.data["extra_dim"])
     program.extra_dim = extra_dim
     return StateFunction(compiled, call_timeout_s=limits.call_timeout_s, extra_dim=extra_dim, allowed_imports=allowed_imports)

@@ -10,7 +10,7 @@ import hashlib
 import json
 import pickle
 import sqlite3
-from dataclasses import asdict
+from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,17 @@ class ResultStore:
     def get(self, key: str) -> TrainResult | None:
         with self._connect() as db:
             row = db.execute("SELECT result FROM results WHERE key = ?", (key,)).fetchone()
-        return pickle.loads(row[0]) if row else None
+        return _upgrade(pickle.loads(row[0])) if row else None
 
     def put(self, key: str, result: TrainResult) -> None:
         with self._connect() as db:
             db.execute("INSERT OR REPLACE INTO results VALUES (?, ?)", (key, pickle.dumps(result)))
+
+
+def _upgrade(result: TrainResult) -> TrainResult:
+    """Give a record stored by an older version the fields added since (their defaults)."""
+    for f in fields(TrainResult):
+        if f.name not in result.__dict__:
+            value = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
+            setattr(result, f.name, value)
+    return result

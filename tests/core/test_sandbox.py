@@ -290,3 +290,14 @@ def test_module_level_loop_cannot_hang_compile() -> None:
     with pytest.raises(SandboxError) as err:
         compile_program(RewardProgram(P.MODULE_LEVEL_LOOP), timeout_s=0.3)
     assert err.value.report.kind == "timeout"
+
+
+def test_key_error_feedback_names_the_real_fields():
+    from core.envs import make_task
+
+    task = make_task({"name": "pendulum"})
+    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return state['theta']\n")
+    with pytest.raises(SandboxError) as err:
+        prepare_reward(program, task)
+    assert "KeyError" in err.value.report.message
+    assert "cos_theta, sin_theta, angular_velocity" in err.value.report.message
