@@ -66,6 +66,48 @@ class SuccessInfo(gym.Wrapper):
         return obs, reward, terminated, truncated, info
 
 
+class PotentialShaping(gym.Wrapper):
+    """Potential-based reward shaping (Ng, Harada & Russell, ICML 1999).
+
+    Adds ``F = gamma * potential(s') - potential(s)`` to the env reward, with the potential
+    of a terminal state taken as 0. With ``gamma`` equal to the agent's discount, every
+    policy's return changes by the same ``-potential(s_0)``, so the optimal policy does not
+    change; only how fast it is found. ``info["env_reward"]`` keeps the unshaped reward.
+    """
+
+    def __init__(self, env: gym.Env, potential: Callable[[np.ndarray], float], gamma: float) -> None:
+        super().__init__(env)
+        self._potential, self._gamma = potential, float(gamma)
+        self._last = 0.0
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        obs, info = self.env.reset(**kwargs)
+        self._last = self._potential(obs)
+        return obs, info
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        now = 0.0 if terminated else self._potential(obs)
+        info["env_reward"] = reward
+        shaped = float(reward) + self._gamma * now - self._last
+        self._last = now
+        return obs, shaped, terminated, truncated, info
+
+
+def mountaincar_energy_potential(obs: np.ndarray) -> float:
+    """Mechanical energy of the car relative to resting at the flag, in units of 1/10 of
+    the valley-to-flag energy gap: about -10 at rest in the valley, 0 at rest at the flag.
+
+    From the dynamics ``v' = v + 0.001 * force - 0.0025 * cos(3 x)``: potential energy
+    ``0.0025 / 3 * sin(3 x)`` plus kinetic ``v ** 2 / 2``. Pumping energy is exactly what
+    the car has to learn, so this potential guides it without hand-coding the swing.
+    """
+    x, v = float(obs[0]), float(obs[1])
+    energy = 0.0025 / 3.0 * np.sin(3.0 * x) + 0.5 * v * v
+    at_flag = 0.0025 / 3.0 * np.sin(3.0 * 0.5)
+    return float(10.0 * (energy - at_flag) / (2.0 * at_flag))
+
+
 def terminated_is_success(terminated: bool, info: dict[str, Any]) -> bool:
     """Success judge for envs that terminate only on reaching the goal (MountainCar)."""
     return terminated
@@ -233,7 +275,14 @@ class MountainCar(GymTask):
     env_id = "MountainCar-v0"
     _goal_position = 0.5
 
-    def __init__(self, max_episode_steps: int = 200, show_source: bool = False) -> None:
+    def __init__(self, max_episode_steps: int = 200, show_source: bool = False, shaped: bool = False,
+                 shaping_gamma: float = 0.98) -> None:
+        self.shaped, self.shaping_gamma = bool(shaped), float(shaping_gamma)
+        shaping = (
+            " With shaped=true the env reward also gets the potential-based shaping term "
+            "gamma * phi(s') - phi(s), phi = the car's mechanical energy (0.0025 / 3 * sin(3 * car_position) "
+            "+ car_velocity ** 2 / 2) scaled to about -10 in the valley and 0 at the flag (0 at termination)."
+        ) if self.shaped else ""
         super().__init__(
             name="mountaincar",
             max_episode_steps=max_episode_steps,
@@ -247,14 +296,17 @@ class MountainCar(GymTask):
                 "in [-0.07, 0.07]. Dynamics: velocity += (action - 1) * 0.001 - 0.0025 * cos(3 * position). "
                 "Reward: -1 every step (sparse: the only signal is ending early). The episode terminates when "
                 "car_position >= 0.5 (success) and is truncated after max_episode_steps (200). "
-                "Fitness is the success rate: the share of evaluation episodes that reach the flag."
+                "Fitness is the success rate: the share of evaluation episodes that reach the flag." + shaping
             ),
             action_description="Discrete(3): 0 accelerates left, 1 does nothing, 2 accelerates right.",
             show_source=show_source,
         )
 
     def wrap(self, env: gym.Env) -> gym.Env:
-        return SuccessInfo(env, terminated_is_success)
+        env = SuccessInfo(env, terminated_is_success)
+        if self.shaped:
+            env = PotentialShaping(env, mountaincar_energy_potential, self.shaping_gamma)
+        return env
 
     def fitness(self, episodes: list[Episode]) -> Fitness:
         return success_fitness(self.fitness_name, episodes)
@@ -266,6 +318,7 @@ class MountainCarContinuous(MountainCar):
     env_id = "MountainCarContinuous-v0"
 
     def __init__(self, max_episode_steps: int = 999, show_source: bool = False) -> None:
+        self.shaped, self.shaping_gamma = False, 1.0  # its own reward is already dense near the flag
         GymTask.__init__(
             self,
             name="mountaincar_continuous",
