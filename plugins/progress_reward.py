@@ -177,29 +177,48 @@ class RunningZ:
 
 
 class StateCache:
-    """Judged states in a KD-tree: a similar state (within ``radius``) reuses the score."""
+    """Judged states in a KD-tree: a similar state (within ``radius``) reuses the score.
 
-    def __init__(self, radius: float) -> None:
-        self.radius = radius
+    New states wait in a small list searched by brute force; the tree is rebuilt only when
+    that list reaches a quarter of the tree (at least ``rebuild_min``), so the reward
+    side never rebuilds it after every finished evaluation.
+    """
+
+    def __init__(self, radius: float, rebuild_min: int = 64) -> None:
+        self.radius, self.rebuild_min = radius, rebuild_min
         self.points: list[np.ndarray] = []
         self.values: list[float] = []
         self._tree: Any = None
+        self._indexed = 0  # points[:_indexed] are in the tree
 
     def add(self, x: np.ndarray, value: float) -> None:
         self.points.append(np.asarray(x, np.float64))
         self.values.append(float(value))
-        self._tree = None  # rebuilt on the next query
 
     def query(self, xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(nearest distance, its value) per row; ``inf``/``nan`` when the cache is empty."""
-        if not self.points:
+        xs = np.asarray(xs, np.float64)
+        n = len(self.points)
+        if not n:
             return np.full(len(xs), np.inf), np.full(len(xs), np.nan)
-        if self._tree is None:
+        if n - self._indexed >= max(self.rebuild_min, self._indexed // 4):
             from scipy.spatial import cKDTree
 
-            self._tree = cKDTree(np.stack(self.points))
-        dist, idx = self._tree.query(np.asarray(xs, np.float64), k=1)
-        return np.asarray(dist), np.asarray(self.values)[idx]
+            self._tree, self._indexed = cKDTree(np.stack(self.points[:n])), n
+        values = np.asarray(self.values[:n])
+        dist, value = np.full(len(xs), np.inf), np.full(len(xs), np.nan)
+        if self._tree is not None:
+            dist, idx = self._tree.query(xs, k=1)
+            value = values[idx]
+        if n > self._indexed:  # recent points, not in the tree yet
+            recent = np.stack(self.points[self._indexed:n])
+            d = np.sqrt(((xs[:, None, :] - recent[None]) ** 2).sum(-1))
+            j = d.argmin(1)
+            near = d[np.arange(len(xs)), j]
+            closer = near < dist
+            dist = np.where(closer, near, dist)
+            value = np.where(closer, values[self._indexed + j], value)
+        return np.asarray(dist), np.asarray(value)
 
 
 class Distiller:

@@ -155,6 +155,32 @@ def test_state_cache_reuses_scores_of_near_states_only():
     assert dist[1] > 0.5
 
 
+def test_state_cache_is_exact_between_rare_tree_rebuilds():
+    from scipy.spatial import cKDTree
+
+    rng = np.random.default_rng(0)
+    cache = pr.StateCache(radius=0.5, rebuild_min=8)
+    points = rng.normal(size=(200, 3))
+    rebuilds = 0
+    for k, p in enumerate(points):
+        cache.add(p, float(k))
+        before = cache._tree
+        query = rng.normal(size=(4, 3))
+        dist, value = cache.query(query)
+        rebuilds += cache._tree is not before
+        d_exact, i_exact = cKDTree(points[: k + 1]).query(query)
+        assert np.allclose(dist, d_exact) and np.allclose(value, i_exact)
+    assert rebuilds < 20  # not once per added state
+
+
+def test_novelty_bonus_is_one_over_sqrt_visits_per_cell():
+    counter = pr.NoveltyCounter(cell=0.5)
+    first = counter.visit(np.array([[0.1, 0.1], [0.2, 0.3], [3.0, 3.0]]))  # the first two share a cell
+    assert first == pytest.approx([1 / np.sqrt(2), 1 / np.sqrt(2), 1.0])
+    again = counter.visit(np.array([[3.1, 3.2]]))
+    assert again == pytest.approx([1 / np.sqrt(2)])
+
+
 def test_distiller_learns_a_score_and_is_unsure_far_away():
     rng = np.random.default_rng(0)
     x = rng.uniform(-1, 1, (128, 2))
