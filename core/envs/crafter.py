@@ -16,6 +16,8 @@ steps a batch of games without gymnasium's per-env wrapper overhead.
 
 from __future__ import annotations
 
+import collections
+
 import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +138,16 @@ class WorldParams:
         if params:
             raise UserError(f"Unknown Crafter params: {', '.join(sorted(params))}. Known: {', '.join(p.name for p in crafter_params())}.")
         return cls(inventory=tuple(sorted(inventory.items())), **kwargs)
+
+
+class _OrderedObjects(dict):
+    """The set API Crafter's world uses for a chunk's objects, in insertion order."""
+
+    def add(self, obj: Any) -> None:
+        self[obj] = None
+
+    def remove(self, obj: Any) -> None:
+        del self[obj]
 
 
 class TerrainNoise:
@@ -288,6 +300,10 @@ class CrafterEnv(gym.Env):
         game._episode += 1
         game._step = 0
         game._world.reset(seed=int(self._rng.randint(0, 2**31 - 1)))
+        # Crafter keeps each chunk's objects in a set, whose order follows memory addresses:
+        # which creature despawns then differs between runs of the same seed. Ordered
+        # chunks make an episode a function of its seed and actions.
+        game._world._chunks = collections.defaultdict(_OrderedObjects)
         game._update_time()
         center = (game._world.area[0] // 2, game._world.area[1] // 2)
         game._player = objects.Player(game._world, center)
