@@ -171,6 +171,15 @@ class Networks:
         return self.actor_net(obs)[0]
 
 
+    @torch.no_grad()
+    def act_sampled(self, obs: torch.Tensor) -> torch.Tensor:
+        """An action sampled from the policy (evaluation of stochastic behaviour)."""
+        if self.discrete:
+            return torch.multinomial(torch.softmax(self.actor_net(obs), dim=-1), 1).squeeze(-1)
+        loc, std = self.actor_net(obs)
+        return loc + std * torch.randn_like(loc)
+
+
 def build_networks(obs_dim: int, action_spec: TensorSpec, hidden: list[int]) -> Networks:
     """Actor and critic for ``obs_dim`` inputs and a Categorical or Bounded action spec."""
     critic_net = mlp(obs_dim, hidden, 1, 1.0)

@@ -53,6 +53,7 @@ class PPOConfig:
     hidden: list[int] = field(default_factory=lambda: [64, 64])  # actor and critic MLP sizes
     eval_every: int = 25_000  # frames between periodic evaluations (0: only at the end)
     eval_episodes: int = 10  # episodes per evaluation (0: none)
+    eval_deterministic: bool = True  # greedy actions in evaluation; false samples the policy (Crafter's protocol)
     threads: int = 1  # torch intra-op threads
     device: str = "cpu"  # torch device of the networks
 
@@ -248,7 +249,9 @@ class _Run:
         """Deterministic episodes on the original env (with the candidate's macros)."""
 
         def act(obs: torch.Tensor) -> torch.Tensor:
-            return self.nets.act_deterministic(self.cenv.augment(obs))
+            if self.cfg.eval_deterministic:
+                return self.nets.act_deterministic(self.cenv.augment(obs))
+            return self.nets.act_sampled(self.cenv.augment(obs))
 
         macros = self.cenv.macros
         return evaluate_and_record(self.task, act, self.cfg.eval_episodes, seed=self.seed + 10_000, frames=frames,
