@@ -1,21 +1,29 @@
 """Cost and quality of the LLM-as-judge plugins (progress_reward, rlaif_preference).
 
 1. Frames/s of PPO on CartPole with each plugin against the plain trainer, same settings
-   and seed; only training is timed (the model is loaded before the loop, evaluation is
-   off). The LLM works in a worker thread, so the ratio shows what async evaluation and
-   caching leave of the trainer's speed.
+   and seed; only training is timed (the model is loaded before the loop, periodic
+   evaluation is off). The LLM works in a worker thread beside the training loop, so
+   the ratio shows what async evaluation and caching leave of the trainer's speed. The
+   LLM cache starts empty (a fresh folder), so every evaluation is a real generation;
+   the JSON says how many evaluations finished during each timed training
+   (``*_llm_calls``, ``preference_labels``) — a ratio measured while no evaluation
+   finished would not measure a working judge. The plain trainer is timed before and
+   after the plugins (load on a shared machine drifts); its mean is the reference.
 2. Label agreement: segments of a random policy on CartPole, paired so that their env
-   returns differ; the fraction of decided labels that prefer the segment with the
-   higher return.
+   returns differ, labelled with the plugin's default settings (votes in both orders);
+   the fraction of decided labels (ties and unknowns excluded, and counted) that prefer
+   the segment with the higher return.
 
 Prints one JSON object::
 
     {"plain_fps": ..., "progress_fps": ..., "preference_fps": ...,
-     "progress_fps_ratio": ..., "preference_fps_ratio": ..., "label_agreement": ...,
-     "label_decided": ..., "label_pairs": ..., "progress_llm_calls": ..., ...}
+     "progress_fps_ratio": ..., "preference_fps_ratio": ..., "progress_llm_calls": ...,
+     "preference_labels": ..., "label_agreement": ..., "label_decided": ...,
+     "label_pairs": ..., "label_ties": ..., "label_unknown": ..., "load_before": ..., ...}
 
-Run: ``python benchmarks/llm_judge.py [--frames 16384] [--pairs 12] [--llm embedded]``
-(``--llm fake`` answers instantly: it measures the plugins' own overhead only).
+Run: ``python benchmarks/llm_judge.py [--frames 65536] [--pairs 24] [--llm embedded]``
+(``--llm fake`` answers instantly: it measures the plugins' own overhead only;
+``--skip-fps`` / ``--skip-labels`` run one part).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import tempfile
 import time
 from typing import Any
 
@@ -53,13 +62,13 @@ class FakeLLM:
         return [self._Reply(text) for _ in range(n)]
 
 
-def make_llm(kind: str) -> Any:
+def make_llm(kind: str, cache_dir: str) -> Any:
     if kind == "fake":
         return FakeLLM()
     from core.llm import make_client
 
     llm_cfg = OmegaConf.load(conf_dir() / "llm" / f"{kind}.yaml")
-    llm_cfg.cache_path = None
+    llm_cfg.cache_path = cache_dir  # a fresh folder: no reply comes from an earlier run
     llm_cfg.show_progress = False
     return make_client(OmegaConf.to_container(llm_cfg, resolve=False))
 
@@ -111,44 +120,55 @@ def label_agreement(task: Any, llm: Any, pairs: int, seed: int) -> dict[str, flo
         a, b = rng.sample(segments, 2)
         if rp.env_preference(a, b) != 0.5:
             chosen.append((a, b))
+    fields = int(cfg.get("summary_fields", 6))
     for seg in (s for p in chosen for s in p):
-        seg.text = rp.render_segment(task, seg)
+        seg.text = rp.render_segment(task, seg, fields)
     labeller = rp.Labeller()
     t0 = time.perf_counter()
     labels = labeller.label(llm, cfg, task.goal, [(a.text, b.text) for a, b in chosen])
     acc, decided = rp.label_accuracy(labels, [rp.env_preference(a, b) for a, b in chosen])
     return {"label_agreement": acc, "label_decided": decided, "label_pairs": len(chosen),
-            "label_ties": sum(x == 0.5 for x in labels), "label_seconds": time.perf_counter() - t0}
+            "label_ties": sum(x == 0.5 for x in labels), "label_unknown": sum(x is None for x in labels),
+            "label_llm_calls": labeller.calls, "label_seconds": time.perf_counter() - t0}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--frames", type=int, default=16384)
-    parser.add_argument("--pairs", type=int, default=12)
+    parser.add_argument("--frames", type=int, default=65536)
+    parser.add_argument("--pairs", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--llm", default="embedded", help="an llm config name (conf/llm/) or 'fake'")
+    parser.add_argument("--cache-dir", default=None, help="LLM reply cache folder (default: a fresh temporary one)")
+    parser.add_argument("--skip-fps", action="store_true")
+    parser.add_argument("--skip-labels", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = make_task({"name": "cartpole"})
-    llm = make_llm(args.llm)
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="llm_judge_cache_")
+    llm = make_llm(args.llm, cache_dir)
     if args.llm != "fake":
         from plugins.progress_reward import preload
 
         preload(llm)
-    out: dict[str, float] = {}
-    out["plain_fps"], _ = train_fps(task, None, args.frames, llm, args.seed)
-    out["progress_fps"], pm = train_fps(task, "progress_reward", args.frames, llm, args.seed)
-    out["preference_fps"], fm = train_fps(task, "rlaif_preference", args.frames, llm, args.seed)
-    out["progress_fps_ratio"] = out["progress_fps"] / out["plain_fps"]
-    out["preference_fps_ratio"] = out["preference_fps"] / out["plain_fps"]
-    for key in ("judge/llm_calls", "judge/cache_hits", "judge/distilled", "judge/latency_llm_s",
-                "judge/latency_distilled_s", "judge/dropped"):
-        if key in pm:
-            out["progress_" + key.split("/", 1)[1]] = pm[key]
-    for key in ("preference/labels", "preference/label_accuracy", "judge/latency_llm_s"):
-        if key in fm:
-            out["preference_" + key.split("/", 1)[1]] = fm[key]
-    out.update(label_agreement(task, llm, args.pairs, args.seed))
+    out: dict[str, float] = {"frames": args.frames, "load_before": os.getloadavg()[0]}
+    if not args.skip_fps:
+        plain = [train_fps(task, None, args.frames, llm, args.seed)[0]]
+        out["progress_fps"], pm = train_fps(task, "progress_reward", args.frames, llm, args.seed)
+        out["preference_fps"], fm = train_fps(task, "rlaif_preference", args.frames, llm, args.seed)
+        plain.append(train_fps(task, None, args.frames, llm, args.seed)[0])
+        out["plain_fps"] = float(np.mean(plain))
+        out["plain_fps_spread"] = abs(plain[1] - plain[0]) / out["plain_fps"]
+        out["progress_fps_ratio"] = out["progress_fps"] / out["plain_fps"]
+        out["preference_fps_ratio"] = out["preference_fps"] / out["plain_fps"]
+        for key in ("judge/llm_calls", "judge/cache_hits", "judge/distilled", "judge/fallbacks", "judge/latency_llm_s",
+                    "judge/latency_distilled_s", "judge/dropped"):
+            out["progress_" + key.split("/", 1)[1]] = pm.get(key, 0.0)
+        for key in ("preference/labels", "preference/label_accuracy", "judge/llm_calls", "judge/latency_llm_s"):
+            out["preference_" + key.split("/", 1)[1]] = fm.get(key, 0.0)
+        out["load_after_fps"] = os.getloadavg()[0]
+    if not args.skip_labels:
+        out.update(label_agreement(task, llm, args.pairs, args.seed))
+        out["load_after_labels"] = os.getloadavg()[0]
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}))
 
 

@@ -76,8 +76,12 @@ Answer: tie
 Answer: unknown"""
 
 # the answer first, then a short reason: a few tokens per label on a slow local model
-ANSWER_FIRST = """Which segment makes more progress towards the goal? Reply with one line exactly like this:
-Answer: <1, 2, tie or unknown> | Reason: <one short sentence>"""
+ANSWER_FIRST = """Which segment makes more progress towards the goal? Reply with ONE of these lines,
+then " | Reason: " and one short sentence:
+Answer: 1
+Answer: 2
+Answer: tie
+Answer: unknown"""
 
 _ANSWER = re.compile(r"answer(?:\s+is)?\W{0,3}\s*[:=]?\s*\**\s*\(?(segment\s*1|segment\s*2|1|2|tie|unknown|none|cannot tell)\b",
                      re.I)
@@ -86,6 +90,7 @@ _VERDICT = re.compile(r"segment\s*(1|2)\b[^.\n]{0,40}?\b(?:makes|made|is|shows|h
                       r"\b(?:more|better|most|greater)\b|(neither|both) segments?\b[^.\n]{0,40}?\b(?:more|better|equal|same)",
                       re.I)
 _VALUES = {"1": 1.0, "2": 0.0, "tie": 0.5}
+_PARROT = re.compile(r"answer\W{0,3}\s*[:=]?\s*(?:1|2|tie)\s*(?:,|/|\bor\b)\s*(?:1|2|tie|unknown)\b", re.I)
 
 
 # -- pure pieces ---------------------------------------------------------------------------
@@ -128,11 +133,14 @@ def build_prompt(goal: str, a: str, b: str, describe: bool = False) -> list[dict
 
 
 def parse_label(text: str) -> float | None:
-    """1.0 / 0.0 / 0.5 from the reply's last ``Answer:`` line; None for unknown or malformed.
+    """1.0 / 0.0 / 0.5 from the reply's last ``Answer:`` line; None for unknown or malformed
+    (including the answer template copied back with its options).
 
     Without an answer line, the last verdict sentence counts ("Segment 2 makes more
     progress", "neither segment is better" = tie).
     """
+    if _PARROT.search(text):  # the template copied back ("Answer: 2, tie or unknown") decides nothing
+        return None
     found = _ANSWER.findall(text)
     if not found:
         verdicts = _VERDICT.findall(text)

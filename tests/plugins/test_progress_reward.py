@@ -295,14 +295,15 @@ def _artifact_paths(client, run_id: str, path: str | None = None) -> list[str]:
 
 
 @pytest.mark.slow
-def test_end_to_end_with_the_embedded_model_logs_calls_latency_and_reasons(tmp_path: Path):
-    """``python -m core +plugins=[progress_reward] env=cartpole`` with a small budget."""
+def test_end_to_end_on_minecraft_with_the_embedded_model_logs_calls_latency_and_reasons(tmp_path: Path):
+    """``python -m core +plugins=[progress_reward] env=minecraft`` with a small budget."""
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     cmd = [
-        sys.executable, "-m", "core", "+plugins=[progress_reward]", "env=cartpole", "trainer.frames=16384",
-        "trainer.eval_episodes=2", "trainer.eval_every=0", "executor=inprocess", "progress=false",
-        "save_policy=false", "plugins.progress_reward.samples=2", f"cache_dir={tmp_path / 'cache'}",
-        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_location={tmp_path / 'art'}",
+        sys.executable, "-m", "core", "+plugins=[progress_reward]", "env=minecraft", "env.max_episode_steps=300",
+        "trainer.frames=2048", "trainer.eval_episodes=1", "trainer.eval_every=0", "executor=inprocess", "progress=false",
+        "save_policy=false", "plugins.progress_reward.samples=2", "plugins.progress_reward.finish_s=120",
+        f"cache_dir={tmp_path / 'cache'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"tracking.artifact_location={tmp_path / 'art'}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -314,4 +315,7 @@ def test_end_to_end_with_the_embedded_model_logs_calls_latency_and_reasons(tmp_p
     metrics = child.data.metrics
     assert metrics["judge/llm_calls"] >= 1, metrics
     assert "judge/cache_hits" in metrics and metrics["judge/latency_llm_s"] > 0
-    assert "texts/progress_reward/reasons.md" in _artifact_paths(client, child.info.run_id)
+    artifacts = _artifact_paths(client, child.info.run_id)
+    assert "texts/progress_reward/reasons.md" in artifacts and "texts/llm_calls.md" in artifacts
+    reasons = Path(client.download_artifacts(child.info.run_id, "texts/progress_reward/reasons.md", str(tmp_path)))
+    assert "Vitals:" in reasons.read_text()  # the Crafter state the judge saw

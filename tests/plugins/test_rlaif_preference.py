@@ -64,6 +64,9 @@ def fresh_labeller(monkeypatch):
     ("In both... Segment 1 makes more progress towards the goal.", 1.0),
     ("Neither segment makes more progress towards the goal.", 0.5),
     ("Therefore, the answer is: tie", 0.5),
+    ("Answer: 2, tie or unknown | Reason: both fine", None),  # the template copied back
+    ("Answer: 1 or 2", None),
+    ("Answer: 2 | Reason: segment 2 survives, 1 or 2 more steps", 0.0),
 ])  # fmt: skip
 def test_parse_label(text, label):
     assert rp.parse_label(text) == label
@@ -230,13 +233,14 @@ def _artifact_paths(client, run_id: str, path: str | None = None) -> list[str]:
 
 
 @pytest.mark.slow
-def test_end_to_end_with_the_embedded_model_learns_from_labels(tmp_path: Path):
-    """``python -m core +plugins=[rlaif_preference] env=cartpole`` with a small budget."""
+def test_end_to_end_on_minecraft_with_the_embedded_model_labels_segments(tmp_path: Path):
+    """``python -m core +plugins=[rlaif_preference] env=minecraft`` with a small budget."""
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     cmd = [
-        sys.executable, "-m", "core", "+plugins=[rlaif_preference]", "env=cartpole", "trainer.frames=16384",
-        "trainer.eval_episodes=2", "trainer.eval_every=0", "executor=inprocess", "progress=false",
-        "save_policy=false", "plugins.rlaif_preference.label_every=1024", "plugins.rlaif_preference.label_budget=4",
+        sys.executable, "-m", "core", "+plugins=[rlaif_preference]", "env=minecraft", "env.max_episode_steps=300",
+        "trainer.frames=2048", "trainer.eval_episodes=1", "trainer.eval_every=0", "executor=inprocess", "progress=false",
+        "save_policy=false", "plugins.rlaif_preference.label_every=256", "plugins.rlaif_preference.label_budget=2",
+        "plugins.rlaif_preference.pairs_per_query=1", "plugins.rlaif_preference.finish_s=150",
         f"cache_dir={tmp_path / 'cache'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
         f"tracking.artifact_location={tmp_path / 'art'}",
     ]  # fmt: skip
@@ -249,4 +253,8 @@ def test_end_to_end_with_the_embedded_model_learns_from_labels(tmp_path: Path):
     (child,) = [r for r in client.search_runs([experiment.experiment_id]) if "mlflow.parentRunId" in r.data.tags]
     metrics = child.data.metrics
     assert metrics["judge/llm_calls"] >= 1 and metrics["preference/labels"] >= 1, metrics
-    assert "texts/rlaif_preference/labels.md" in _artifact_paths(client, child.info.run_id)
+    assert "judge/cache_hits" in metrics and metrics["judge/latency_llm_s"] > 0
+    artifacts = _artifact_paths(client, child.info.run_id)
+    assert "texts/rlaif_preference/labels.md" in artifacts and "texts/llm_calls.md" in artifacts
+    labels = Path(client.download_artifacts(child.info.run_id, "texts/rlaif_preference/labels.md", str(tmp_path)))
+    assert "votes" in labels.read_text()  # each label with its votes and the LLM's replies
