@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
+from rich.markup import escape
 
 from core.errors import UserError, did_you_mean
 from core.resources import conf_dir
@@ -91,7 +92,7 @@ def hydra_main(cfg: DictConfig) -> float:
     try:
         summary = run_experiment(cfg)
     except UserError as err:
-        console.print(f"[bold red]error:[/bold red] {err}")
+        console.print(f"[bold red]error:[/bold red] {escape(str(err))}")  # keeps "llm4rl[extra]"
         sys.exit(2)
     print_summary(summary)
     if summary.failed == summary.candidates and HydraConfig.get().mode == RunMode.RUN:
@@ -108,7 +109,7 @@ def main() -> None:
         check_argv(argv)
         register_third_party_configs()
     except UserError as err:
-        console.print(f"[bold red]error:[/bold red] {err}")
+        console.print(f"[bold red]error:[/bold red] {escape(str(err))}")  # keeps "llm4rl[extra]"
         sys.exit(2)
     sys.argv[0] = str(Path(sys.argv[0]).with_name("core"))
     hydra_main()
