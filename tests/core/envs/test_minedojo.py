@@ -93,3 +93,29 @@ def test_adapter_runs_over_minedojo_when_everything_is_there(fake_minedojo, monk
     env.step(0)
     *_, terminated, truncated, info = env.step(0)
     assert terminated and not truncated and info["success"] is True
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_cli_prints_the_clear_message_not_a_traceback(tmp_path, installed):
+    """``python -m core env=minedojo``: without MineDojo, and with a (stand-in) MineDojo but
+    only a JDK 17 on PATH, the run stops with the recipe, exit code 2, no traceback."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "LLM4RL_CACHE_DIR": str(tmp_path / "cache")}
+    if installed:
+        (tmp_path / "pkgs" / "minedojo").mkdir(parents=True)
+        (tmp_path / "pkgs" / "minedojo" / "__init__.py").write_text("def make(**kwargs):\n    raise RuntimeError('launched')\n")
+        (tmp_path / "bin").mkdir()
+        java = tmp_path / "bin" / "java"
+        java.write_text('#!/bin/sh\necho \'openjdk version "17.0.15" 2025-04-15\' >&2\n')
+        java.chmod(0o755)
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "pkgs"), env.get("PYTHONPATH", "")])
+        env["PATH"] = os.pathsep.join([str(tmp_path / "bin"), env["PATH"]])
+    out = subprocess.run([sys.executable, "-m", "core", "env=minedojo", "progress=false"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    text = " ".join((out.stdout + out.stderr).split())
+    assert out.returncode == 2, text[-2000:]
+    assert "Traceback" not in text and "launched" not in text
+    expected = "needs JDK 8, but 'java -version' reports 17" if installed else "'minedojo' package, which is not installed"
+    assert expected in text and 'llm4rl[minedojo]' in text
