@@ -20,8 +20,9 @@ Search"):
 4. Optional retrieval: a case base of earlier successful reward functions; the most
    similar ones are shown as examples before generating.
 
-The joint training runs in :func:`train_candidates` (:class:`Evolution`); the learner is a
-compact SAC (:class:`Agent`) over the :class:`SharedBuffer`. Config: ``conf/plugins/lares.yaml``.
+The joint training runs in :func:`train_candidates` (:class:`Evolution`); each member is
+a core SAC agent (:mod:`core.train.sac`: ``make_sac_modules`` + ``sac_update``, settings
+from ``trainer=sac``) learning from the :class:`SharedBuffer`. Config: ``conf/plugins/lares.yaml``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from core import hookimpl
 from core.codegen import extract_function
 from core.errors import UserError
 from core.prompting import reward_interface, sample_evenly, summarize_series
-from core.records import Candidate, CurvePoint, Episode, Fitness, IterationResult, RewardProgram, TrainResult
+from core.records import Candidate, Fitness, IterationResult, RewardProgram, TrainResult
 
 NAME = "lares"
 ENTRY = "compute_reward"
@@ -291,105 +292,16 @@ def _cases_for(run: Any) -> list[dict[str, Any]]:
     return retrieve(STATE.cases, run.task.goal, int(cfg.retrieve_k))
 
 
-# -- learner and shared buffer ---------------------------------------------------------------------
-
-
-def _mlp(n_in: int, hidden: list[int], n_out: int) -> torch.nn.Sequential:
-    layers: list[torch.nn.Module] = []
-    for h in hidden:
-        layers += [torch.nn.Linear(n_in, h), torch.nn.ReLU()]
-        n_in = h
-    layers.append(torch.nn.Linear(n_in, n_out))
-    return torch.nn.Sequential(*layers)
-
-
-class Agent:
-    """SAC (tanh-Gaussian actor, twin Q critics, learned entropy temperature).
-
-    Actions are in [-1, 1] here; :meth:`act` maps them to the env's bounds.
-    """
-
-    def __init__(self, obs_dim: int, low: np.ndarray, high: np.ndarray, cfg: Any) -> None:
-        hidden = [int(h) for h in cfg.hidden]
-        self.act_dim = int(low.shape[0])
-        self.low, self.high = torch.as_tensor(low, dtype=torch.float32), torch.as_tensor(high, dtype=torch.float32)
-        self.actor = _mlp(obs_dim, hidden, 2 * self.act_dim)
-        self.q1, self.q2 = _mlp(obs_dim + self.act_dim, hidden, 1), _mlp(obs_dim + self.act_dim, hidden, 1)
-        self.q1_t, self.q2_t = _mlp(obs_dim + self.act_dim, hidden, 1), _mlp(obs_dim + self.act_dim, hidden, 1)
-        self.log_alpha = torch.zeros((), requires_grad=True)
-        self.sync_targets(1.0)
-        lr = float(cfg.lr)
-        self.opt_actor = torch.optim.Adam(self.actor.parameters(), lr=lr)
-        self.opt_q = torch.optim.Adam([*self.q1.parameters(), *self.q2.parameters()], lr=lr)
-        self.opt_alpha = torch.optim.Adam([self.log_alpha], lr=lr)
-        self.gamma, self.tau, self.target_entropy = float(cfg.gamma), float(cfg.tau), -float(self.act_dim)
-
-    def _policy(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        mean, log_std = self.actor(obs).chunk(2, dim=-1)
-        std = log_std.clamp(-5.0, 2.0).exp()
-        u = mean + std * torch.randn_like(mean)
-        a = torch.tanh(u)
-        logp = (torch.distributions.Normal(mean, std).log_prob(u) - torch.log(1 - a.pow(2) + 1e-6)).sum(-1)
-        return a, logp, torch.tanh(mean)
-
-    @torch.no_grad()
-    def act(self, obs: torch.Tensor, deterministic: bool = False) -> torch.Tensor:
-        a, _, mode = self._policy(obs)
-        return self.to_env(mode if deterministic else a)
-
-    def to_env(self, a: torch.Tensor) -> torch.Tensor:
-        return self.low + (a + 1.0) * 0.5 * (self.high - self.low)
-
-    def from_env(self, a: torch.Tensor) -> torch.Tensor:
-        return (2.0 * (a - self.low) / (self.high - self.low) - 1.0).clamp(-1.0, 1.0)
-
-    def update(self, obs: torch.Tensor, action: torch.Tensor, reward: torch.Tensor, next_obs: torch.Tensor, term: torch.Tensor) -> float:
-        """One gradient step on critics, actor and temperature; returns the critic loss."""
-        a = self.from_env(action)
-        alpha = self.log_alpha.exp().detach()
-        with torch.no_grad():
-            a2, logp2, _ = self._policy(next_obs)
-            x2 = torch.cat([next_obs, a2], -1)
-            q_next = torch.min(self.q1_t(x2), self.q2_t(x2)).squeeze(-1) - alpha * logp2
-            target = reward + self.gamma * (1.0 - term) * q_next
-        x = torch.cat([obs, a], -1)
-        q_loss = (self.q1(x).squeeze(-1) - target).pow(2).mean() + (self.q2(x).squeeze(-1) - target).pow(2).mean()
-        self.opt_q.zero_grad(set_to_none=True)
-        q_loss.backward()
-        self.opt_q.step()
-        a_new, logp, _ = self._policy(obs)
-        xn = torch.cat([obs, a_new], -1)
-        actor_loss = (alpha * logp - torch.min(self.q1(xn), self.q2(xn)).squeeze(-1)).mean()
-        self.opt_actor.zero_grad(set_to_none=True)
-        actor_loss.backward()
-        self.opt_actor.step()
-        alpha_loss = -(self.log_alpha * (logp.detach() + self.target_entropy)).mean()
-        self.opt_alpha.zero_grad(set_to_none=True)
-        alpha_loss.backward()
-        self.opt_alpha.step()
-        self.sync_targets(self.tau)
-        return float(q_loss.detach())
-
-    @torch.no_grad()
-    def sync_targets(self, tau: float) -> None:
-        for net, target in ((self.q1, self.q1_t), (self.q2, self.q2_t)):
-            for p, t in zip(net.parameters(), target.parameters()):
-                t.mul_(1.0 - tau).add_(tau * p)
-
-    @torch.no_grad()
-    def copy_from(self, other: Agent) -> None:
-        """Start from another agent's weights (a new reward function inherits the elite's policy)."""
-        for mine, theirs in ((self.actor, other.actor), (self.q1, other.q1), (self.q2, other.q2),
-                             (self.q1_t, other.q1_t), (self.q2_t, other.q2_t)):
-            mine.load_state_dict(theirs.state_dict())
-        self.log_alpha.copy_(other.log_alpha)
+# -- shared buffer -------------------------------------------------------------------------------------
 
 
 class SharedBuffer:
     """One replay buffer for the population: transitions plus every reward function's value.
 
     ``raw[:, j]`` is reward function ``j``'s unscaled value of each transition; the
-    reward agent ``j`` trains on is ``apply_scale(raw[:, j], scales[j])``.
+    reward agent ``j`` trains on is ``apply_scale(raw[:, j], scales[j])``. This buffer is
+    the method (a new function relabels every stored transition), so it is LaRes's own
+    rather than the core SAC's single-reward replay buffer.
     """
 
     def __init__(self, capacity: int, obs_dim: int, act_dim: int, members: int) -> None:
@@ -397,18 +309,18 @@ class SharedBuffer:
         self.obs = torch.zeros(capacity, obs_dim)
         self.next_obs = torch.zeros(capacity, obs_dim)
         self.action = torch.zeros(capacity, act_dim)
-        self.term = torch.zeros(capacity)
+        self.term = torch.zeros(capacity, dtype=torch.bool)
         self.env_reward = torch.zeros(capacity)
         self.raw = torch.zeros(capacity, members)
 
     def add(self, obs: torch.Tensor, action: torch.Tensor, next_obs: torch.Tensor, term: torch.Tensor,
             env_reward: torch.Tensor, raw: torch.Tensor) -> None:
-        for i in range(obs.shape[0]):  # a few envs per step: a plain ring write
-            k = self.ptr
-            self.obs[k], self.action[k], self.next_obs[k] = obs[i], action[i], next_obs[i]
-            self.term[k], self.env_reward[k], self.raw[k] = term[i], env_reward[i], raw[i]
-            self.ptr = (self.ptr + 1) % self.capacity
-            self.size = min(self.size + 1, self.capacity)
+        """Append one vector step (``B`` transitions), overwriting the oldest when full."""
+        rows = (self.ptr + torch.arange(obs.shape[0])) % self.capacity
+        self.obs[rows], self.action[rows], self.next_obs[rows] = obs, action.reshape(len(rows), -1), next_obs
+        self.term[rows], self.env_reward[rows], self.raw[rows] = term.bool(), env_reward, raw
+        self.ptr = int(rows[-1] + 1) % self.capacity
+        self.size = min(self.size + obs.shape[0], self.capacity)
 
     def relabel(self, j: int, fn: Any, task: Any, chunk: int = 4096) -> None:
         """Recompute column ``j`` over every stored transition with reward function ``fn``."""
@@ -417,29 +329,79 @@ class SharedBuffer:
             reward, _ = fn(task.split_state(self.obs[lo:hi]), self.action[lo:hi], task.split_state(self.next_obs[lo:hi]))
             self.raw[lo:hi, j] = reward
 
+    def sample(self, batch_size: int, column: int, scale: tuple[float, float, str], generator: torch.Generator | None = None) -> Any:
+        """A uniform minibatch in the keys ``SACLoss`` reads, rewarded by member ``column``."""
+        from tensordict import TensorDict
+
+        idx = torch.randint(0, self.size, (batch_size,), generator=generator)
+        term = self.term[idx].unsqueeze(-1)
+        reward = apply_scale(self.raw[idx, column], scale).unsqueeze(-1)
+        # a truncated episode stores its real final observation and is not terminal, so
+        # the target bootstraps through it; done = terminated is then exact
+        nxt = {"observation": self.next_obs[idx], "reward": reward, "done": term, "terminated": term}
+        return TensorDict({"observation": self.obs[idx], "action": self.action[idx], "next": nxt}, batch_size=[batch_size])
+
+
+# -- SAC agents (the core's) ----------------------------------------------------------------------------
+
+
+def sac_settings(run: Any, frames: int | None = None) -> Any:
+    """The agents' :class:`core.train.sac.SACConfig`: the run's ``trainer`` (must be SAC).
+
+    ``frames`` (the population's budget) replaces ``trainer.frames`` when given.
+    """
+    from dataclasses import replace
+
+    from core.train.sac import SACConfig
+
+    trainer = run.config.trainer
+    if str(trainer.get("name", "")) != "sac":
+        raise UserError("lares trains one SAC agent per reward function: run it with trainer=sac "
+                        f"(the trainer is {trainer.get('name')!r}); trainer.* sets the agents' hyperparameters.")
+    try:
+        cfg = SACConfig.from_config(trainer)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    return replace(cfg, frames=int(frames)) if frames else cfg
+
+
+def explore(modules: Any, obs: torch.Tensor) -> torch.Tensor:
+    """A sampled (exploring) action of a core SAC agent for a batch of observations."""
+    from tensordict import TensorDict
+    from torchrl.envs.utils import ExplorationType, set_exploration_type
+
+    with torch.no_grad(), set_exploration_type(ExplorationType.RANDOM):
+        return modules.actor(TensorDict({"observation": obs}, batch_size=obs.shape[:1])).get("action")
+
+
+def inherit(dst: Any, src: Any) -> None:
+    """Copy an agent's actor, critics, targets, temperature and optimiser state into another."""
+    dst.loss.load_state_dict(src.loss.state_dict())
+    for mine, theirs in zip(dst.optimizers, src.optimizers):
+        mine.load_state_dict(theirs.state_dict())
+
 
 # -- the evolutionary loop -------------------------------------------------------------------------
 
 
 @dataclass
 class Member:
-    """One slot of the population: its reward function, scale, agent and history."""
+    """One slot of the population: its reward function, scale, SAC agent and record."""
 
     program: RewardProgram | None
     fn: Any  # sandbox RewardFunction, or None (then the env's reward stands in)
-    agent: Agent
+    sac: Any  # core.train.sac.SACModules
+    result: TrainResult  # curve, components and episodes, filled as it trains
     scale: tuple[float, float, str] = (1.0, 0.0, "affine")
     error: str = ""
     error_kind: str = ""
     frames: int = 0
     generation: int = 0
     outcomes: deque = field(default_factory=lambda: deque(maxlen=20))
-    curve: list[CurvePoint] = field(default_factory=list)
-    components: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     sums: dict[str, float] = field(default_factory=dict)
     steps: int = 0
+    owed: float = 0.0  # gradient steps due (updates_per_frame x frames collected)
     history: list[str] = field(default_factory=list)
-    episodes: list[Episode] = field(default_factory=list)
 
 
 class Evolution:
@@ -447,7 +409,8 @@ class Evolution:
 
     def __init__(self, run: Any, candidates: list[Candidate], seed: int, cfg: Any, state: LaResState) -> None:
         self.run, self.task, self.candidates, self.seed, self.cfg, self.state = run, run.task, candidates, seed, cfg, state
-        self.frames_budget = int(cfg.frames or run.config.trainer.frames)
+        self.sac_cfg = sac_settings(run, cfg.frames)
+        self.frames_budget = int(self.sac_cfg.frames)
         self.rng = np.random.default_rng(seed)
         self.generation = 0
         self.diversity: list[tuple[int, float]] = []
@@ -502,27 +465,32 @@ class Evolution:
     # -- the loop -----------------------------------------------------------------------------------
     def train_all(self) -> list[TrainResult]:
         import gymnasium as gym
+        from torchrl.data import Bounded
 
-        cfg, task = self.cfg, self.task
-        torch.set_num_threads(1)
+        from core.train.sac import make_sac_modules
+
+        cfg, task, sac = self.cfg, self.task, self.sac_cfg
+        torch.set_num_threads(int(sac.threads))
         torch.manual_seed(self.seed)
         start = time.perf_counter()
-        env = task.make_env(int(cfg.num_envs), self.seed)
+        env = task.make_env(int(sac.num_envs), self.seed)
         if not isinstance(env.single_action_space, gym.spaces.Box):
             env.close()
             raise UserError(f"lares trains SAC, which needs a continuous action space; '{task.name}' has {env.single_action_space}.")
         space = env.single_action_space
-        obs_dim = int(env.single_observation_space.shape[0])
+        spec = Bounded(low=torch.as_tensor(space.low, dtype=torch.float32), high=torch.as_tensor(space.high, dtype=torch.float32),
+                       shape=space.shape, dtype=torch.float32)
+        obs_dim = int(np.prod(env.single_observation_space.shape))
         self.members = []
         for c in self.candidates:
             fn, error, kind = self._prepare(c.reward)  # type: ignore[arg-type]
-            agent = Agent(obs_dim, np.asarray(space.low, dtype=np.float32), np.asarray(space.high, dtype=np.float32), cfg)
-            m = Member(c.reward, fn, agent, error=error, error_kind=kind)
+            m = Member(c.reward, fn, make_sac_modules(obs_dim, spec, sac), TrainResult(candidate_id=c.id, ok=False),
+                       error=error, error_kind=kind)
             m.history.append(f"generation 0: {'ok' if fn else f'failed ({kind}): {error[:200]}'}")
             if fn is None:
                 self._repair(m)
             self.members.append(m)
-        self.buffer = SharedBuffer(int(cfg.buffer_size), obs_dim, int(np.prod(space.shape)), len(self.members))
+        self.buffer = SharedBuffer(int(sac.buffer_size), obs_dim, int(np.prod(space.shape)), len(self.members))
         try:
             self._train(env)
         finally:
@@ -533,15 +501,17 @@ class Evolution:
         return [self._result(c, m, seconds) for c, m in zip(self.candidates, self.members)]
 
     def _train(self, env: Any) -> None:
-        cfg, task = self.cfg, self.task
+        cfg, task, sac = self.cfg, self.task, self.sac_cfg
+        from core.train.sac import sac_update
+
         obs_np, _ = env.reset(seed=self.seed)
-        obs = torch.as_tensor(obs_np, dtype=torch.float32)
+        obs = torch.as_tensor(np.asarray(obs_np), dtype=torch.float32)
         num_envs = obs.shape[0]
         acting = [thompson_pick([m.outcomes for m in self.members], self.rng) for _ in range(num_envs)]
         returns = np.zeros(num_envs)
         recent: deque = deque(maxlen=50)
         next_llm = int(cfg.llm_freq)
-        warmup, batch = int(cfg.warmup), int(cfg.batch_size)
+        warmup = int(sac.init_random_frames)
         while self.frames < self.frames_budget:
             if self.frames < warmup:
                 action = torch.as_tensor(np.stack([env.single_action_space.sample() for _ in range(num_envs)]), dtype=torch.float32)
@@ -549,7 +519,7 @@ class Evolution:
                 action = torch.zeros(num_envs, *env.single_action_space.shape)
                 for i in set(acting):
                     rows = [e for e in range(num_envs) if acting[e] == i]
-                    action[rows] = self.members[i].agent.act(obs[rows])
+                    action[rows] = explore(self.members[i].sac, obs[rows])
             next_np, env_r, term, trunc, info = env.step(action.numpy())
             real_next = np.array(next_np, copy=True)
             done = np.logical_or(term, trunc)
@@ -559,7 +529,7 @@ class Evolution:
             env_reward = torch.as_tensor(env_r, dtype=torch.float32)
             state, next_state = task.split_state(obs), task.split_state(next_obs)
             raw = torch.stack([self._column(m, state, action, next_state, env_reward) for m in self.members], dim=1)
-            self.buffer.add(obs, action, next_obs, torch.as_tensor(term, dtype=torch.float32), env_reward, raw)
+            self.buffer.add(obs, action, next_obs, torch.as_tensor(term), env_reward, raw)
             returns += env_r
             for e in range(num_envs):
                 self.members[acting[e]].frames += 1
@@ -571,39 +541,41 @@ class Evolution:
                 self.members[acting[e]].outcomes.append(outcome)
                 returns[e] = 0.0
                 acting[e] = thompson_pick([m.outcomes for m in self.members], self.rng)
-            obs = torch.as_tensor(next_np, dtype=torch.float32)
+            obs = torch.as_tensor(np.asarray(next_np), dtype=torch.float32)
             self.frames += num_envs
-            if self.buffer.size >= batch and self.frames >= warmup:
-                for j, m in enumerate(self.members):
-                    for _ in range(int(cfg.updates_per_step)):
-                        idx = torch.randint(0, self.buffer.size, (batch,))
-                        b = self.buffer
-                        reward = apply_scale(b.raw[idx, j], m.scale)
-                        m.agent.update(b.obs[idx], b.action[idx], reward, b.next_obs[idx], b.term[idx])
+            if self.buffer.size >= int(sac.batch_size) and self.frames >= warmup:
+                for j, m in enumerate(self.members):  # every agent learns from every transition
+                    m.owed += num_envs * float(sac.updates_per_frame)
+                    while m.owed >= 1.0:
+                        losses = sac_update(m.sac, self.buffer.sample(int(sac.batch_size), j, m.scale))
+                        m.owed -= 1.0
+                        m.result.metrics.update({f"losses/{k}": float(v) for k, v in losses.items()})
             if self.frames >= next_llm and self.frames < self.frames_budget:
                 self.evolve()
                 next_llm += int(cfg.llm_freq)
 
     # -- evaluation -------------------------------------------------------------------------------
     def _evaluate(self, m: Member) -> float:
-        from core.train.evaluate import evaluate
+        from core.train.evaluate import evaluate_and_record
+        from core.train.sac import act_deterministic
 
-        episodes = evaluate(self.task, lambda o: m.agent.act(o, deterministic=True), int(self.cfg.eval_episodes), seed=self.seed + 10_000)
-        fitness = self.task.fitness(episodes).value
-        for name, total in m.sums.items():
-            m.components.setdefault(name, []).append((self.frames, total / max(1, m.steps)))
+        for name, total in m.sums.items():  # component means since the last evaluation
+            m.result.components.setdefault(name, []).append((self.frames, total / max(1, m.steps)))
         m.sums, m.steps = {}, 0
-        m.curve.append(CurvePoint(self.frames, fitness, float(np.mean([e.ret for e in episodes])), {k: v[-1][1] for k, v in m.components.items()}))
-        m.episodes = episodes
-        return fitness
+        episodes = evaluate_and_record(self.task, lambda o: act_deterministic(m.sac, o), max(1, int(self.sac_cfg.eval_episodes)),
+                                       seed=self.seed + 10_000, frames=self.frames, result=m.result)
+        m.result.episodes = episodes
+        return m.result.curve[-1].fitness
 
-    def _rollout(self, agent: Agent) -> tuple[np.ndarray, np.ndarray, bool | None]:
+    def _rollout(self, m: Member) -> tuple[np.ndarray, np.ndarray, bool | None]:
+        from core.train.sac import act_deterministic
+
         env = self.task.make_env(1, self.seed + 20_000 + self.generation)
         try:
             obs, _ = env.reset(seed=self.seed + 20_000 + self.generation)
             observations, actions, success = [obs[0]], [], None
             for _ in range(self.task.max_episode_steps):
-                a = agent.act(torch.as_tensor(obs, dtype=torch.float32), deterministic=True)
+                a = act_deterministic(m.sac, torch.as_tensor(np.asarray(obs), dtype=torch.float32))
                 obs, _, term, trunc, info = env.step(a.numpy())
                 actions.append(a.numpy()[0])
                 if term[0] or trunc[0]:
@@ -629,12 +601,13 @@ class Evolution:
         elites = [alive[i] for i in picked]  # a failed function is never an elite
         best = max(alive or range(len(scores)), key=lambda i: scores[i])
         bm = self.members[best]
-        behaviour = describe_behaviour(self.task, *self._rollout(bm.agent))
+        behaviour = describe_behaviour(self.task, *self._rollout(bm))
         if alive:
             analysis = run.llm.chat([{"role": "user", "content": ANALYSE.format(goal=self.task.goal, behaviour=behaviour)}],
                                     n=1, temperature=float(cfg.temperature), max_tokens=int(cfg.analysis_tokens),
                                     seed=run.seed * 1000 + 500 + g, tag=f"{NAME}-analysis-g{g}")[0].text
-            feedback = member_feedback([p.fitness for p in bm.curve], {k: [v for _, v in s] for k, s in bm.components.items()}, self.task.fitness_name)
+            feedback = member_feedback([p.fitness for p in bm.result.curve], {k: [v for _, v in s] for k, s in bm.result.components.items()},
+                                       self.task.fitness_name)
             msgs = evolve_messages(base_messages(run, _cases_for(run)), bm.program.source if bm.program else "", feedback, analysis)
         else:  # nothing runs: the error is the feedback (as in Eureka)
             analysis = "(no working reward function: no behaviour analysis)"
@@ -662,7 +635,7 @@ class Evolution:
                 mode = str(cfg.rescale)
                 m.scale = (1.0, 0.0, "affine") if mode == "none" else rescale(self.buffer.raw[: self.buffer.size, j], float(target.mean()), float(target.std()), mode)
                 if alive and j != best:
-                    m.agent.copy_from(bm.agent)
+                    inherit(m.sac, bm.sac)
                     m.outcomes = deque(bm.outcomes, maxlen=20)
                 m.history.append(f"generation {g}: replaced (the old one scored {scores[j]:.3g})")
                 replaced.append(j)
@@ -679,19 +652,23 @@ class Evolution:
         )
 
     def _result(self, candidate: Candidate, m: Member, seconds: float) -> TrainResult:
-        ok = m.fn is not None
-        result = TrainResult(candidate_id=candidate.id, ok=ok, frames=m.frames, seconds=seconds, curve=m.curve,
-                             components=m.components, episodes=m.episodes, error=m.error, error_kind=m.error_kind)
-        if m.curve:
-            result.fitness = Fitness(self.task.fitness_name, m.curve[-1].fitness)
-        result.metrics = {"lares/generation": float(m.generation), "lares/frames_acted": float(m.frames),
-                          "lares/diversity": self.diversity[-1][1] if self.diversity else 0.0}
+        from core.train.common import save_policy
+
+        result = m.result
+        result.ok, result.frames, result.seconds, result.error, result.error_kind = m.fn is not None, m.frames, seconds, m.error, m.error_kind
+        if result.curve:
+            result.fitness = Fitness(self.task.fitness_name, result.curve[-1].fitness)
+        result.metrics.update({"lares/generation": float(m.generation), "lares/frames_acted": float(m.frames),
+                               "lares/diversity": self.diversity[-1][1] if self.diversity else 0.0})
         result.series = {"lares/diversity": list(self.diversity)}
         result.texts = {"lares_history.md": "\n".join(m.history)}
         if m.program is not None:
             result.texts["lares_final_reward.py"] = m.program.source
+        if self.run.config.get("save_policy", False):
+            result.policy_path = save_policy({"algorithm": "sac", "obs_dim": int(self.buffer.obs.shape[1]), "hidden": list(self.sac_cfg.hidden),
+                                              "actor": m.sac.actor.state_dict(), "qvalue": m.sac.loss.qvalue_network_params.to_dict()},
+                                             candidate.id)
         return result
-
 
 
 # -- hooks ----------------------------------------------------------------------------------------

@@ -65,13 +65,20 @@ class FakeLLM:
         return out
 
 
+SAC_KEYS = {"num_envs", "buffer_size", "batch_size", "updates_per_frame", "init_random_frames", "hidden", "lr", "eval_episodes", "name"}
+
+
 def make_run(codes: list[str], tmp_path: Path, env: str = "pendulum", **cfg) -> SimpleNamespace:
+    """A fake run: ``cfg`` keys of the SAC trainer go to ``trainer``, the rest to the plugin."""
     base = OmegaConf.load(Path(lares.__file__).parents[1] / "conf" / "plugins" / "lares.yaml")
-    plugin = OmegaConf.merge(base, cfg)
+    plugin = OmegaConf.merge(base, {k: v for k, v in cfg.items() if k not in SAC_KEYS})
+    trainer = OmegaConf.load(Path(lares.__file__).parents[1] / "conf" / "trainer" / "sac.yaml")
+    trainer = OmegaConf.merge(trainer, {"frames": 1000}, {k: v for k, v in cfg.items() if k in SAC_KEYS})
     config = OmegaConf.create(
         {
             "cache_dir": str(tmp_path),
-            "trainer": {"frames": 1000},
+            "save_policy": False,
+            "trainer": trainer,
             "sandbox": {"allowed_imports": ["math", "numpy", "torch"], "cpu_s": 10, "wall_s": 20, "memory_mb": 4096, "call_timeout_s": 1.0},
             "plugins": {"lares": plugin},
         }
@@ -167,6 +174,46 @@ def test_shared_buffer_relabels_a_column_with_a_new_function():
     assert buf.size == 8 and buf.ptr == 4
 
 
+def test_buffer_samples_a_sac_batch_rewarded_by_one_scaled_column():
+    buf = lares.SharedBuffer(capacity=8, obs_dim=2, act_dim=1, members=2)
+    obs = torch.arange(8.0).reshape(4, 2)
+    buf.add(obs, torch.ones(4, 1), obs + 1, torch.tensor([0, 0, 0, 1]), torch.zeros(4), torch.tensor([[1.0, 5.0]] * 4))
+    batch = buf.sample(16, 1, (2.0, -1.0, "affine"))
+    assert batch.batch_size == torch.Size([16])
+    assert set(batch.keys(True, True)) >= {"observation", "action", ("next", "observation"), ("next", "reward"),
+                                           ("next", "done"), ("next", "terminated")}
+    assert batch["next", "reward"].shape == (16, 1) and torch.all(batch["next", "reward"] == 9.0)
+    assert batch["next", "terminated"].dtype == torch.bool
+    assert torch.equal(batch["next", "observation"], batch["observation"] + 1)
+
+
+def test_agents_are_core_sac_modules_and_a_newcomer_inherits_the_elites_weights(tmp_path):
+    from torchrl.data import Bounded
+
+    from core.train.sac import act_deterministic, make_sac_modules, sac_update
+
+    run = make_run([UPRIGHT], tmp_path, hidden=[8], batch_size=4)
+    cfg = lares.sac_settings(run, frames=500)
+    assert cfg.frames == 500 and cfg.hidden == [8]
+    spec = Bounded(low=-2.0, high=2.0, shape=(1,), dtype=torch.float32)
+    elite, newcomer = make_sac_modules(3, spec, cfg), make_sac_modules(3, spec, cfg)
+    buf = lares.SharedBuffer(capacity=8, obs_dim=3, act_dim=1, members=1)
+    buf.add(torch.randn(8, 3), torch.rand(8, 1), torch.randn(8, 3), torch.zeros(8), torch.zeros(8), torch.randn(8, 1))
+    sac_update(elite, buf.sample(4, 0, (1.0, 0.0, "affine")))
+    obs = torch.randn(5, 3)
+    assert not torch.allclose(act_deterministic(elite, obs), act_deterministic(newcomer, obs))
+    lares.inherit(newcomer, elite)
+    assert torch.allclose(act_deterministic(elite, obs), act_deterministic(newcomer, obs))
+    action = lares.explore(newcomer, obs)
+    assert action.shape == (5, 1) and float(action.abs().max()) <= 2.0
+
+
+def test_a_non_sac_trainer_is_refused_with_a_clear_message(tmp_path):
+    run = make_run([UPRIGHT], tmp_path, name="ppo")
+    with pytest.raises(UserError, match="trainer=sac"):
+        lares.sac_settings(run)
+
+
 # -- behaviour analysis text ------------------------------------------------------------------------------
 
 
@@ -228,7 +275,7 @@ def _candidates(run, codes: list[str]) -> list[Candidate]:
 
 
 def test_evolution_replaces_non_elites_relabels_and_reports_each_member(tmp_path):
-    run = make_run([SMOOTH], tmp_path, population=3, elites=1, llm_freq=400, frames=800, warmup=200,
+    run = make_run([SMOOTH], tmp_path, population=3, elites=1, llm_freq=400, frames=800, init_random_frames=200, updates_per_frame=0.25,
                    batch_size=32, num_envs=2, eval_episodes=1, hidden=[16])
     candidates = _candidates(run, [UPRIGHT, UPRIGHT, BROKEN])
     results = lares.train_candidates(run=run, candidates=candidates, seed=0)
@@ -253,7 +300,7 @@ def test_evolution_replaces_non_elites_relabels_and_reports_each_member(tmp_path
 
 
 def test_failed_functions_are_never_elites_and_all_get_regenerated(tmp_path):
-    run = make_run([SMOOTH], tmp_path, population=2, elites=1, retries=0, llm_freq=200, frames=400, warmup=100,
+    run = make_run([SMOOTH], tmp_path, population=2, elites=1, retries=0, llm_freq=200, frames=400, init_random_frames=100, updates_per_frame=0.25,
                    batch_size=16, num_envs=2, eval_episodes=1, hidden=[8])
     results = lares.train_candidates(run=run, candidates=_candidates(run, [BROKEN, BROKEN]), seed=0)
     tags = [c["tag"] for c in run.llm.calls]
@@ -294,8 +341,8 @@ def test_end_to_end_on_pendulum_with_the_embedded_model(tmp_path: Path):
     cmd = [
         sys.executable, "-m", "core", "+plugins=[lares]", "env=pendulum",
         "plugins.lares.population=3", "plugins.lares.elites=2", "plugins.lares.llm_freq=1000",
-        "plugins.lares.max_tokens=400", "plugins.lares.analysis_tokens=120", "plugins.lares.warmup=400",
-        "plugins.lares.eval_episodes=2", "trainer.frames=2000", "progress=false", "save_policy=false",
+        "plugins.lares.max_tokens=400", "plugins.lares.analysis_tokens=120", "trainer=sac",
+        "trainer.init_random_frames=400", "trainer.eval_episodes=2", "trainer.frames=2000", "progress=false", "save_policy=false",
         f"cache_dir={tmp_path / 'cache'}",
         f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_location={tmp_path / 'art'}",
     ]  # fmt: skip
