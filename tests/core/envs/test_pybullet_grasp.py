@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,3 +161,48 @@ def test_the_original_descent_never_reaches_the_block():
     episodes = evaluate(task, scripted_policy, episodes=2, seed=0)
     assert [e.info["failure_mode"] for e in episodes] == ["never_reached", "never_reached"]
     assert min(e.info["grasp_xy_distance"] for e in episodes) > 0.1
+
+
+@pytest.mark.slow
+def test_worked_example_logs_reward_code_fitness_and_failure_modes(tmp_path: Path):
+    """``python -m core +plugins=[eureka] env=kuka_grasp`` with a tiny budget; check MLflow."""
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cmd = [
+        sys.executable, "-m", "core", "+plugins=[eureka]", "env=kuka_grasp",
+        "plugins.eureka.iterations=1", "plugins.eureka.samples=2", "plugins.eureka.max_tokens=300",
+        "trainer.frames=512", "trainer.num_envs=2", "trainer.rollout_steps=64", "trainer.eval_episodes=2",
+        "trainer.eval_every=0", "executor=inprocess", "progress=false", "save_policy=false",
+        f"cache_dir={tmp_path / 'cache'}", f"tracking.uri={db}", f"tracking.artifact_location={tmp_path / 'art'}",
+    ]  # fmt: skip
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=db)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 2
+    parent_files = _artifact_paths(client, parent.info.run_id)
+    reflections = [f for f in parent_files if f.startswith("reflection/")]
+    assert reflections
+    trained = 0
+    for child in children:  # each candidate: its reward code, and its grasp success when it trained
+        assert any(f.endswith(".py") for f in _artifact_paths(client, child.info.run_id))
+        if "fitness" in child.data.metrics:
+            trained += 1
+            assert 0.0 <= child.data.metrics["fitness"] <= 1.0
+            modes = [f for f in parent_files if f.startswith("eureka/") and f.endswith("/failure_modes.txt")]
+            assert modes, parent_files
+    if trained:  # the failure-mode summary of the best candidate is fed back in the reflection
+        text = Path(client.download_artifacts(parent.info.run_id, reflections[0], str(tmp_path))).read_text()
+        assert "How the evaluation episodes ended" in text and "evaluation episodes:" in text
+
+
+def _artifact_paths(client, run_id: str, path: str | None = None) -> list[str]:
+    out: list[str] = []
+    for item in client.list_artifacts(run_id, path):
+        out += _artifact_paths(client, run_id, item.path) if item.is_dir else [item.path]
+    return out
