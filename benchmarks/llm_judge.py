@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 from typing import Any
@@ -125,8 +126,14 @@ def label_agreement(task: Any, llm: Any, pairs: int, seed: int) -> dict[str, flo
         seg.text = rp.render_segment(task, seg, fields)
     labeller = rp.Labeller()
     t0 = time.perf_counter()
-    labels = labeller.label(llm, cfg, task.goal, [(a.text, b.text) for a, b in chosen])
-    acc, decided = rp.label_accuracy(labels, [rp.env_preference(a, b) for a, b in chosen])
+    labels: list[float | None] = []
+    truths = [rp.env_preference(a, b) for a, b in chosen]
+    for k, (a, b) in enumerate(chosen):  # pair by pair, with a running tally on stderr
+        labels += labeller.label(llm, cfg, task.goal, [(a.text, b.text)])
+        acc, decided = rp.label_accuracy(labels, truths[: k + 1])
+        print(f"pair {k + 1}/{len(chosen)}: label {labels[-1]} truth {truths[k]}; agreement {acc:.2f} over {decided} "
+              f"decided; {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    acc, decided = rp.label_accuracy(labels, truths)
     return {"label_agreement": acc, "label_decided": decided, "label_pairs": len(chosen),
             "label_ties": sum(x == 0.5 for x in labels), "label_unknown": sum(x is None for x in labels),
             "label_llm_calls": labeller.calls, "label_seconds": time.perf_counter() - t0}
