@@ -337,21 +337,33 @@ def test_reflect_adds_the_best_final_reward_to_the_case_base(tmp_path):
 
 @pytest.mark.slow
 def test_end_to_end_on_pendulum_with_the_embedded_model(tmp_path: Path):
+    """``python -m core +plugins=[lares] trainer=sac``, one LLM update; check MLflow."""
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     cmd = [
-        sys.executable, "-m", "core", "+plugins=[lares]", "env=pendulum",
-        "plugins.lares.population=3", "plugins.lares.elites=2", "plugins.lares.llm_freq=1000",
-        "plugins.lares.max_tokens=400", "plugins.lares.analysis_tokens=120", "trainer=sac",
-        "trainer.init_random_frames=400", "trainer.eval_episodes=2", "trainer.frames=2000", "progress=false", "save_policy=false",
-        f"cache_dir={tmp_path / 'cache'}",
+        sys.executable, "-m", "core", "+plugins=[lares]", "env=pendulum", "trainer=sac",
+        "plugins.lares.population=2", "plugins.lares.elites=1", "plugins.lares.llm_freq=600",
+        "plugins.lares.max_tokens=300", "plugins.lares.analysis_tokens=80", "plugins.lares.retries=1",
+        "trainer.frames=1000", "trainer.init_random_frames=200", "trainer.updates_per_frame=0.25",
+        "trainer.hidden=[32,32]", "trainer.batch_size=64", "trainer.eval_episodes=1", "executor=inprocess",
+        "progress=false", "save_policy=false", f"cache_dir={tmp_path / 'cache'}",
         f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_location={tmp_path / 'art'}",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    assert len(children) >= 1
-    assert any("fitness" in r.data.metrics for r in children)
+    assert len(children) == 2  # one per member
+    for child in children:  # each member: its final code, and its fitness unless its code failed
+        files = [a.path for a in client.list_artifacts(child.info.run_id, "texts")]
+        assert "texts/lares_final_reward.py" in files and "texts/lares_history.md" in files, files
+        if child.data.tags["ok"] == "True":
+            assert "fitness" in child.data.metrics and "lares/diversity" in child.data.metrics
+    assert any(c.data.tags["ok"] == "True" for c in children)
+    assert 0.0 <= parent.data.metrics["lares/diversity"] <= 1.0
+    evolution = Path(client.download_artifacts(parent.info.run_id, "lares/evolution.md", str(tmp_path)))
+    text = evolution.read_text()
+    assert "## generation 1" in text and "### behaviour of the best agent" in text and "### analysis" in text
