@@ -405,6 +405,8 @@ def kuka_fields() -> list[StateField]:
     ]
     fields, start = [], 0
     for name, size, text, unit in spec:
+        if size > 1:  # small models index the batch dimension by mistake (block_pos[2])
+            text += f"; a [B, {size}] tensor whose values, in the order named, are " + ", ".join(f"[:, {i}]" for i in range(size))
         fields.append(StateField(name, start, start + size, text, unit, (size,) if size > 1 else ()))
         start += size
     return fields
