@@ -73,6 +73,7 @@ Reply again with {n} configs as a ```json list, using only the parameters and va
 
 CONSTRAINTS = """- Use only the parameter names listed; categorical values must be one of the listed values.
 - Numeric values must lie in their range.
+- List only the parameters you change from their defaults (keep each config short).
 - The original game is always part of the training mix; do not copy it."""
 
 
@@ -132,8 +133,10 @@ def parse_configs(reply: str) -> tuple[list[dict[str, Any]], str]:
             try:
                 value, _ = decoder.raw_decode(cleaned.strip())
             except json.JSONDecodeError as e:
-                error = f"the JSON does not parse ({e.msg} at line {e.lineno})"
-                continue
+                value = complete_objects(cleaned.strip())  # a reply cut off at max_tokens
+                if not value:
+                    error = f"the JSON does not parse ({e.msg} at line {e.lineno})"
+                    continue
         if isinstance(value, dict):
             value = value.get("configs", value.get("environments", [value]))
         if isinstance(value, list):
@@ -142,6 +145,22 @@ def parse_configs(reply: str) -> tuple[list[dict[str, Any]], str]:
                 return items, ""
         error = "the JSON is not a list of objects"
     return [], locals().get("error", "the reply holds no JSON list of configs")
+
+
+def complete_objects(text: str) -> list[dict[str, Any]]:
+    """The complete objects at the start of a JSON list that breaks off (or is malformed) later."""
+    if not text.startswith("["):
+        return []
+    decoder, items, pos = json.JSONDecoder(), [], 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return items
+        if isinstance(value, dict):
+            items.append(value)
 
 
 def _coerce(spec: Any, value: Any) -> tuple[Any, str]:

@@ -58,6 +58,12 @@ def test_parse_fenced_json_with_trailing_commas():
     assert error == "" and items[0]["params"]["biome"] == "mountain"
 
 
+def test_parse_keeps_complete_configs_of_a_cut_off_reply():
+    reply = '```json\n[\n  {"name": "a", "params": {"biome": "beach"}},\n  {"name": "b", "params": {"biome": "mount'
+    items, error = envgen.parse_configs(reply)
+    assert error == "" and [i["name"] for i in items] == ["a"]
+
+
 def test_parse_reports_missing_json():
     items, error = envgen.parse_configs("I would make a mountain world.")
     assert items == [] and "no JSON" in error
