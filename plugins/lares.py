@@ -501,9 +501,10 @@ class Evolution:
         return [self._result(c, m, seconds) for c, m in zip(self.candidates, self.members)]
 
     def _train(self, env: Any) -> None:
-        cfg, task, sac = self.cfg, self.task, self.sac_cfg
+        from core.train.evaluate import _env_info  # env i's entries of a vector info (nested dicts, masks)
         from core.train.sac import sac_update
 
+        cfg, task, sac = self.cfg, self.task, self.sac_cfg
         obs_np, _ = env.reset(seed=self.seed)
         obs = torch.as_tensor(np.asarray(obs_np), dtype=torch.float32)
         num_envs = obs.shape[0]
@@ -534,7 +535,7 @@ class Evolution:
             for e in range(num_envs):
                 self.members[acting[e]].frames += 1
             for e in np.flatnonzero(done):
-                final = {k: v[e] for k, v in (info.get("final_info") or {}).items() if not k.startswith("_") and hasattr(v, "__len__")}
+                final = _env_info(info.get("final_info") or {}, int(e))
                 success, _ = task.episode_info(final)
                 recent.append(returns[e])
                 outcome = float(success) if success is not None else float(returns[e] >= np.median(recent))
@@ -568,6 +569,7 @@ class Evolution:
         return m.result.curve[-1].fitness
 
     def _rollout(self, m: Member) -> tuple[np.ndarray, np.ndarray, bool | None]:
+        from core.train.evaluate import _env_info
         from core.train.sac import act_deterministic
 
         env = self.task.make_env(1, self.seed + 20_000 + self.generation)
@@ -580,7 +582,7 @@ class Evolution:
                 actions.append(a.numpy()[0])
                 if term[0] or trunc[0]:
                     observations.append(info["final_obs"][0])
-                    final = {k: v[0] for k, v in (info.get("final_info") or {}).items() if not k.startswith("_") and hasattr(v, "__len__")}
+                    final = _env_info(info.get("final_info") or {}, 0)
                     success, _ = self.task.episode_info(final)
                     break
                 observations.append(obs[0])
