@@ -32,6 +32,7 @@ def run_one(plugins: list[str], seed: int, args: argparse.Namespace, scratch: Pa
         f"trainer.frames={args.frames}", f"trainer.num_envs={args.num_envs}", "trainer.rollout_steps=128",
         "trainer.epochs=4", "trainer.minibatch=512", "trainer.ent_coef=0.01", "trainer.gamma=0.95",
         f"trainer.eval_episodes={args.eval_episodes}", "trainer.eval_every=0", "executor=inprocess",
+        "trainer.eval_deterministic=false",  # Crafter's protocol samples the policy; greedy short-trained policies collapse to one action
         "progress=false", "save_policy=false", "resume=false",
     ]
     if plugins:

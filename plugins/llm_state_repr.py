@@ -295,6 +295,8 @@ def propose_state_reprs(run: Any, iteration: int) -> list[StateProgram] | None:
             if not error:
                 meta = {"pair": len(programs), "intrinsic": intrinsic_program(source, float(cfg.weight)).source, "weight": float(cfg.weight)}
                 programs.append(StateProgram(source=source, entry=STATE_ENTRY, origin=NAME, prompt=prompt, reply=reply.text, meta=meta))
+            elif kind == "no_code":  # cut off or incomplete: shown its own reply, the model repeats it; sample afresh
+                retry.append((list(msgs), error))
             else:
                 follow = conv + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": INVALID.format(kind=kind, error=error, hint=hint_for(error, fields))}]
                 retry.append((follow, error))

@@ -97,6 +97,14 @@ def test_shape_error_gets_a_hint_in_the_retry(task):
     assert "stack expects each tensor" in retry and "must have shape [B]" in retry
 
 
+def test_cut_off_reply_is_resampled_from_the_first_prompt(task):
+    cut = GOOD[: GOOD.index("dim=-1)")]
+    run = make_run(task, [cut, GOOD], samples=1, retries=1)
+    lesr.on_run_start(run)
+    assert len(lesr.propose_state_reprs(run, 0)) == 1
+    assert run.llm.calls[1] == run.llm.calls[0]  # a fresh sample (new seed), not the cut-off reply repeated
+
+
 def test_hint_for_unknown_field_lists_the_fields():
     assert "cos_theta, sin_theta" in lesr.hint_for("KeyError: 'theta'", ["cos_theta", "sin_theta"])
     assert "cut off" in lesr.hint_for("SyntaxError in code block 1, line 34: '[' was never closed", ["x"])
@@ -191,7 +199,7 @@ def test_end_to_end_halfcheetah(tmp_path):
            "plugins.llm_state_repr.iterations=1", "plugins.llm_state_repr.samples=3", "plugins.llm_state_repr.retries=1",
            "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=64", "trainer.epochs=2", "trainer.eval_episodes=2",
            "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     import mlflow
 
