@@ -176,7 +176,10 @@ def test_worked_example_logs_reward_code_fitness_and_failure_modes(tmp_path: Pat
     ]  # fmt: skip
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # exit 1 is the app's answer when every candidate failed (the small model often writes
+    # shape errors for this task); anything else is a crash
+    all_failed = proc.returncode == 1 and "every candidate failed" in proc.stdout
+    assert proc.returncode == 0 or all_failed, proc.stderr[-3000:]
 
     import mlflow
 
@@ -189,13 +192,15 @@ def test_worked_example_logs_reward_code_fitness_and_failure_modes(tmp_path: Pat
     reflections = [f for f in parent_files if f.startswith("reflection/")]
     assert reflections
     trained = 0
-    for child in children:  # each candidate: its reward code, and its grasp success when it trained
-        assert any(f.endswith(".py") for f in _artifact_paths(client, child.info.run_id))
+    for child in children:  # each candidate: its reward code, and its grasp success or its error
+        files = _artifact_paths(client, child.info.run_id)
+        assert "reward/compute_reward.py" in files and ("fitness" in child.data.metrics or "error.txt" in files)
         if "fitness" in child.data.metrics:
             trained += 1
             assert 0.0 <= child.data.metrics["fitness"] <= 1.0
             modes = [f for f in parent_files if f.startswith("eureka/") and f.endswith("/failure_modes.txt")]
             assert modes, parent_files
+    assert (trained == 0) == all_failed
     if trained:  # the failure-mode summary of the best candidate is fed back in the reflection
         text = Path(client.download_artifacts(parent.info.run_id, reflections[0], str(tmp_path))).read_text()
         assert "How the evaluation episodes ended" in text and "evaluation episodes:" in text
