@@ -84,9 +84,15 @@ def print_summary(summary) -> None:  # type: ignore[no-untyped-def]
     out.print(f"MLflow run: {summary.run_id}   look at it: {summary.ui_hint}")
 
 
-@hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
-def hydra_main(cfg: DictConfig) -> float:
-    """One run; returns the fitness so that Hydra sweepers (Optuna) can optimise it."""
+def run_one(cfg: DictConfig) -> float:
+    """One run; returns the fitness so that Hydra sweepers (Optuna) can optimise it.
+
+    Kept undecorated and importable so that launchers which ship the task function to
+    other processes (``hydra/launcher=ray``) pickle it by reference.
+    """
+    from core.quiet import quiet_third_party
+
+    quiet_third_party()
     from core.loop import run_experiment
 
     try:
@@ -98,6 +104,9 @@ def hydra_main(cfg: DictConfig) -> float:
     if summary.failed == summary.candidates and HydraConfig.get().mode == RunMode.RUN:
         sys.exit(1)  # a single run that produced nothing is a failure; a sweep goes on
     return summary.fitness
+
+
+hydra_main = hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")(run_one)
 
 
 def main() -> None:

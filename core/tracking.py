@@ -20,6 +20,24 @@ from core.records import Candidate, RewardProgram, StateProgram, TrainResult
 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
 
+@contextmanager
+def _first_contact_lock(uri: str) -> Iterator[None]:
+    """Serialise creating a sqlite store and its experiment across processes.
+
+    Jobs that a parallel launcher (``hydra/launcher=ray`` or ``joblib``) starts at once
+    would otherwise race to create the same tables and experiment.
+    """
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    from filelock import FileLock
+
+    path = Path(uri[len("sqlite:///"):]).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock", timeout=300):
+        yield
+
+
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     """Nested mappings -> ``{"a.b.c": value}`` (lists become JSON strings)."""
     out: dict[str, Any] = {}
@@ -43,14 +61,15 @@ class Tracker:
         self.mlflow = mlflow
         self.cfg = cfg
         mlflow.set_tracking_uri(cfg["uri"])
-        self.client = mlflow.MlflowClient()
-        existing = self.client.get_experiment_by_name(experiment)
-        if existing is None:
-            location = cfg.get("artifact_location")
-            uri = Path(location).resolve().as_uri() if location and "://" not in str(location) else location
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=uri)
-        else:
-            self.experiment_id = existing.experiment_id
+        with _first_contact_lock(cfg["uri"]):
+            self.client = mlflow.MlflowClient()
+            existing = self.client.get_experiment_by_name(experiment)
+            if existing is None:
+                location = cfg.get("artifact_location")
+                uri = Path(location).resolve().as_uri() if location and "://" not in str(location) else location
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=uri)
+            else:
+                self.experiment_id = existing.experiment_id
         self.parent_id = ""
         self.uri = cfg["uri"]
 
