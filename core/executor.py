@@ -106,6 +106,9 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
 
 def _warm_worker() -> None:
     """Import the training stack once when a worker starts, not inside the first job."""
+    # one thread per job: the pool already fills the cores (set before torch/numpy load)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
     import torch  # noqa: F401
 
     import core.train.ppo  # noqa: F401

@@ -94,6 +94,8 @@ class Limits:
     torch start-up); ``call_timeout_s`` bounds one call of the program;
     ``memory_mb`` is the child's address space; ``max_procs`` the processes and
     threads of the unprivileged ``uid``; ``max_output_chars`` what ``print`` may write.
+    ``per_row_fallback`` lets the probe accept a program written for one state rather
+    than a batch (it then runs once per row: :func:`call_per_row`).
     """
 
     cpu_s: float = 10
@@ -105,6 +107,7 @@ class Limits:
     max_open_files: int = 64
     uid: int = 65534  # the child runs as this user (nobody) when started as root
     gid: int = 65534
+    per_row_fallback: bool = True
 
 
 # -------------------------------------------------------------------------------------
@@ -360,6 +363,54 @@ def _batch_size(args: tuple[Any, ...]) -> int:
     raise ValueError("cannot tell the batch size of the arguments")
 
 
+def _row(arg: Any, i: int) -> Any:
+    """Row ``i`` of a batched argument (a tensor, or a dict of tensors)."""
+    if isinstance(arg, dict):
+        return {k: (v[i] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in arg.items()}
+    if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+        return arg[i]
+    return arg
+
+
+def _stack_rows(values: list[Any], what: str) -> torch.Tensor:
+    """One value per row (a number, or a ``[k]`` vector) -> ``[B]`` or ``[B, k]``."""
+    rows = []
+    for v in values:
+        t = torch.as_tensor(v.detach() if isinstance(v, torch.Tensor) else v)
+        if t.numel() == 1:
+            t = t.reshape(())
+        if t.dim() > 1:
+            raise _Invalid("shape", f"{what} for one state must be a number or a flat vector, got shape {list(t.shape)}.")
+        rows.append(t.to(torch.float32) if t.dtype == torch.bool or not t.is_floating_point() else t)
+    try:
+        return torch.stack(rows)
+    except RuntimeError as e:
+        raise _Invalid("shape", f"{what} changed shape from one state to the next: {e}") from None
+
+
+def call_per_row(compiled: "CompiledProgram", args: tuple[Any, ...], timeout_s: float) -> Any:
+    """Call a program once per row of the batch and stack the results.
+
+    For programs written for one state (scalar fields, ``[n]`` vector fields; ``if``
+    on a value) instead of a batch: their per-row results are stacked into what the
+    batched call should have returned (``reward`` or ``(reward, components)``, or
+    features). The whole batch runs under one deadline.
+    """
+    batch = _batch_size(args)
+    compiled.printer.reset()
+    with call_deadline(timeout_s):
+        outs = [compiled.fn(*(_row(a, i) for a in args)) for i in range(batch)]
+    if outs and all(isinstance(o, tuple) and len(o) == 2 and isinstance(o[1], dict) for o in outs):
+        names = list(outs[0][1])
+        comps = {n: _stack_rows([o[1].get(n, 0.0) for o in outs], f"component {n!r}") for n in names}
+        return _stack_rows([o[0] for o in outs], "the reward"), comps
+    return _stack_rows(outs, "the value")
+
+
+#: failures of a batched call that a per-row call may not have (not limits: time, memory, output)
+PER_ROW_RETRY_KINDS = ("exception", "shape", "dtype")
+
+
 def normalize_reward(value: Any, batch: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Check a reward program's return value: ``reward`` or ``(reward, components)``."""
     components: dict[str, torch.Tensor] = {}
@@ -437,9 +488,14 @@ def run_isolated(
     limits: Limits,
     validate: Callable[[Any, tuple[Any, ...]], SandboxReport] | None = None,
     allowed_imports: tuple[str, ...] = DEFAULT_IMPORTS,
+    per_row_retry: bool = False,
     _skip_check: bool = False,
 ) -> SandboxReport:
     """Run ``program.entry(*args)`` once in a limited child process and report.
+
+    With ``per_row_retry``, a batched call that raises or returns the wrong shape or
+    dtype is tried again row by row (:func:`call_per_row`); if that passes, the report
+    is ok with ``data["per_row"] = True``.
 
     The child (:mod:`core.sandbox_worker`) imports torch and numpy, sets its resource
     limits, drops root privileges, then compiles and calls the program with
@@ -463,6 +519,7 @@ def run_isolated(
             "validate": validate,
             "allowed_imports": tuple(allowed_imports),
             "skip_check": _skip_check,
+            "per_row_retry": per_row_retry,
         }
     )
     start = time.monotonic()
@@ -599,17 +656,21 @@ class RewardFunction:
     :class:`SandboxError`. Pickles as its program (recompiled on load).
     """
 
-    def __init__(self, compiled: CompiledProgram, *, call_timeout_s: float, components: tuple[str, ...] = (), allowed_imports: tuple[str, ...] = DEFAULT_IMPORTS) -> None:
+    def __init__(self, compiled: CompiledProgram, *, call_timeout_s: float, components: tuple[str, ...] = (), allowed_imports: tuple[str, ...] = DEFAULT_IMPORTS, per_row: bool = False) -> None:
         self.compiled = compiled
         self.program = compiled.program
         self.call_timeout_s = call_timeout_s
         self.component_names = tuple(components)
         self.allowed_imports = tuple(allowed_imports)
+        self.per_row = per_row  # the probe found it written for one state: map it over the batch
 
     def __call__(self, state: dict[str, torch.Tensor], action: torch.Tensor, next_state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         args = (_clone_state(state), action.clone(), _clone_state(next_state))
         try:
-            value = self.compiled(*args, timeout_s=self.call_timeout_s)
+            if self.per_row:
+                value = call_per_row(self.compiled, args, self.call_timeout_s)
+            else:
+                value = self.compiled(*args, timeout_s=self.call_timeout_s)
             return normalize_reward(value, _batch_size(args))
         except _Invalid as e:
             raise SandboxError(_fail(e.kind, str(e))) from None
@@ -619,23 +680,28 @@ class RewardFunction:
             raise SandboxError(report_exception(e, self.compiled.filename)) from None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (RewardFunction, self.program, self.call_timeout_s, self.allowed_imports, {"components": self.component_names}))
+        return (_rebuild, (RewardFunction, self.program, self.call_timeout_s, self.allowed_imports,
+                           {"components": self.component_names, "per_row": self.per_row}))
 
 
 class StateFunction:
     """A probed state program: ``state -> features [B, extra_dim]`` (float32)."""
 
-    def __init__(self, compiled: CompiledProgram, *, call_timeout_s: float, extra_dim: int, allowed_imports: tuple[str, ...] = DEFAULT_IMPORTS) -> None:
+    def __init__(self, compiled: CompiledProgram, *, call_timeout_s: float, extra_dim: int, allowed_imports: tuple[str, ...] = DEFAULT_IMPORTS, per_row: bool = False) -> None:
         self.compiled = compiled
         self.program = compiled.program
         self.call_timeout_s = call_timeout_s
         self.extra_dim = int(extra_dim)
         self.allowed_imports = tuple(allowed_imports)
+        self.per_row = per_row
 
     def __call__(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
         args = (_clone_state(state),)
         try:
-            value = self.compiled(*args, timeout_s=self.call_timeout_s)
+            if self.per_row:
+                value = call_per_row(self.compiled, args, self.call_timeout_s)
+            else:
+                value = self.compiled(*args, timeout_s=self.call_timeout_s)
             feats = normalize_state(value, _batch_size(args))
         except _Invalid as e:
             raise SandboxError(_fail(e.kind, str(e))) from None
@@ -648,7 +714,8 @@ class StateFunction:
         return feats
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (StateFunction, self.program, self.call_timeout_s, self.allowed_imports, {"extra_dim": self.extra_dim}))
+        return (_rebuild, (StateFunction, self.program, self.call_timeout_s, self.allowed_imports,
+                           {"extra_dim": self.extra_dim, "per_row": self.per_row}))
 
 
 def _rebuild(cls: type, program: Program, call_timeout_s: float, allowed_imports: tuple[str, ...], extra: dict[str, Any]) -> Any:
@@ -660,9 +727,12 @@ def _probe_and_compile(program: Program, args: tuple[Any, ...], arg_names: tuple
     report = check_source(program.source, program.entry, arg_names=arg_names, allowed_imports=allowed_imports)
     if not report.ok:
         raise SandboxError(report)
-    report = run_isolated(program, args, limits=limits, validate=validate, allowed_imports=allowed_imports)
+    report = run_isolated(program, args, limits=limits, validate=validate, allowed_imports=allowed_imports,
+                          per_row_retry=limits.per_row_fallback)
     if not report.ok:
         raise SandboxError(report)
+    if report.data.get("per_row"):
+        program.meta["per_row"] = True  # logged with the program: it runs once per state
     compiled = compile_program(program, allowed_imports=allowed_imports, arg_names=arg_names, max_output_chars=limits.max_output_chars, timeout_s=limits.call_timeout_s)
     return compiled, report
 
@@ -682,6 +752,9 @@ def _name_fields_on_key_error(task: Task) -> Iterator[None]:
 def prepare_reward(program: RewardProgram, task: Task, *, limits: Limits | None = None, allowed_imports: tuple[str, ...] = DEFAULT_IMPORTS, probe_envs: int = 4, probe_steps: int = 4) -> RewardFunction:
     """Check, probe on real states of ``task`` in the isolated child, then compile.
 
+    With ``limits.per_row_fallback``, a program written for one state rather than a
+    batch is accepted and runs once per row (:func:`call_per_row`): slower, but correct.
+
     :raises SandboxError: with the report of the first failure.
     """
     limits = limits or Limits()
@@ -689,7 +762,8 @@ def prepare_reward(program: RewardProgram, task: Task, *, limits: Limits | None 
     args = (task.split_state(obs), action, task.split_state(next_obs))
     with _name_fields_on_key_error(task):
         compiled, report = _probe_and_compile(program, args, REWARD_ARGS, validate_reward, limits, allowed_imports)
-    return RewardFunction(compiled, call_timeout_s=limits.call_timeout_s, components=tuple(report.data.get("components", ())), allowed_imports=allowed_imports)
+    return RewardFunction(compiled, call_timeout_s=limits.call_timeout_s, components=tuple(report.data.get("components", ())),
+                          allowed_imports=allowed_imports, per_row=bool(report.data.get("per_row")))
 
 
 def prepare_state(program: StateProgram, task: Task, *, limits: Limits | None = None, allowed_imports: tuple[str, ...] = DEFAULT_IMPORTS, probe_envs: int = 4, probe_steps: int = 4) -> StateFunction:
@@ -700,4 +774,5 @@ def prepare_state(program: StateProgram, task: Task, *, limits: Limits | None = 
         compiled, report = _probe_and_compile(program, (task.split_state(obs),), STATE_ARGS, validate_state, limits, allowed_imports)
     extra_dim = int(report.data["extra_dim"])
     program.extra_dim = extra_dim
-    return StateFunction(compiled, call_timeout_s=limits.call_timeout_s, extra_dim=extra_dim, allowed_imports=allowed_imports)
+    return StateFunction(compiled, call_timeout_s=limits.call_timeout_s, extra_dim=extra_dim, allowed_imports=allowed_imports,
+                         per_row=bool(report.data.get("per_row")))

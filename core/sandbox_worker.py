@@ -100,11 +100,15 @@ def main() -> None:
             timeout_s=limits.call_timeout_s,
             _skip_check=request["skip_check"],
         )
-        result = compiled(*args, timeout_s=limits.call_timeout_s)
-        report = validate(result, args) if validate is not None else sb.SandboxReport(True, "ok", "")
-        if report is None:
-            report = sb.SandboxReport(True, "ok", "")
-        report.detail = (report.detail + ("\n[stdout]\n" + compiled.printer.text[-2000:] if compiled.printer.text else "")).strip()
+        report = _probe(sb, compiled, args, validate, limits, per_row=False)
+        if not report.ok and report.kind in sb.PER_ROW_RETRY_KINDS and request.get("per_row_retry"):
+            # written for one state rather than a batch? mapped over the rows, it may work
+            per_row = _probe(sb, compiled, args, validate, limits, per_row=True)
+            if per_row.ok:
+                per_row.data["per_row"] = True
+                per_row.detail = (f"the batched call failed ({report.message.splitlines()[-1][:200]}); "
+                                  f"called once per state instead\n{per_row.detail}").strip()
+                report = per_row
     except sb.SandboxError as e:
         report = e.report
     except BaseException as e:  # noqa: BLE001 - every failure is data
@@ -114,6 +118,27 @@ def main() -> None:
     except BaseException:  # noqa: BLE001
         os._exit(4)
     os._exit(0)  # skip interpreter teardown (torch atexit hooks, the program's objects)
+
+
+def _probe(sb: Any, compiled: Any, args: tuple[Any, ...], validate: Any, limits: Any, *, per_row: bool) -> Any:
+    """Call the program on the probe batch (or row by row) and validate what it returned."""
+    try:
+        if per_row:
+            result = sb.call_per_row(compiled, args, limits.call_timeout_s)
+        else:
+            result = compiled(*args, timeout_s=limits.call_timeout_s)
+        report = validate(result, args) if validate is not None else None
+    except sb.SandboxError as e:
+        return e.report
+    except sb._Invalid as e:
+        return sb._fail(e.kind, str(e))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - every failure is data
+        return sb.report_exception(e, f"<{compiled.program.entry}>")
+    report = report or sb.SandboxReport(True, "ok", "")
+    report.detail = (report.detail + ("\n[stdout]\n" + compiled.printer.text[-2000:] if compiled.printer.text else "")).strip()
+    return report
 
 
 if __name__ == "__main__":

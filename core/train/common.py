@@ -28,7 +28,7 @@ from core.train.envs import VecGymEnv
 from core.train.transforms import ProgramReward, build_transforms, has_impls
 
 #: keys of the run's ``sandbox:`` node that are :class:`core.sandbox.Limits` fields
-_LIMIT_KEYS = ("cpu_s", "wall_s", "memory_mb", "call_timeout_s")
+_LIMIT_KEYS = ("cpu_s", "wall_s", "memory_mb", "call_timeout_s", "per_row_fallback")
 
 
 def sandbox_settings(ctx: TrainContext | None) -> tuple[Any, tuple[str, ...]]:
@@ -41,7 +41,8 @@ def sandbox_settings(ctx: TrainContext | None) -> tuple[Any, tuple[str, ...]]:
     if not node:
         return Limits(), tuple(DEFAULT_IMPORTS)
     values = {k: node.get(k) for k in _LIMIT_KEYS if node.get(k) is not None}
-    limits = Limits(**{k: (int(v) if k == "memory_mb" else float(v)) for k, v in values.items()})
+    kinds = {"memory_mb": int, "per_row_fallback": bool}
+    limits = Limits(**{k: kinds.get(k, float)(v) for k, v in values.items()})
     imports = node.get("allowed_imports")
     return limits, tuple(str(m) for m in imports) if imports is not None else tuple(DEFAULT_IMPORTS)
 

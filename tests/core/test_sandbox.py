@@ -301,3 +301,77 @@ def test_key_error_feedback_names_the_real_fields():
         prepare_reward(program, task)
     assert "KeyError" in err.value.report.message
     assert "cos_theta, sin_theta, angular_velocity" in err.value.report.message
+
+
+# -- programs written for one state, not a batch --------------------------------------
+
+PER_STATE_REWARD = '''def compute_reward(state, action, next_state):
+    angle = next_state["pole_angle"]
+    if abs(float(angle)) < 0.1:          # a Python branch on one value
+        bonus = 1.0
+    else:
+        bonus = 0.0
+    return bonus - abs(float(next_state["cart_position"])), {"bonus": bonus}
+'''
+
+PER_STATE_FEATURES = '''import torch
+
+
+def revise_state(state):
+    return torch.stack([state["pole_angle"] ** 2, state["cart_velocity"] * 2.0])
+'''
+
+
+def _cartpole():
+    from core.envs import make_task
+
+    return make_task({"name": "cartpole"})
+
+
+def test_per_state_reward_runs_once_per_row() -> None:
+    task = _cartpole()
+    program = RewardProgram(source=PER_STATE_REWARD)
+    fn = prepare_reward(program, task)
+    assert fn.per_row and program.meta["per_row"] is True
+    obs = torch.tensor([[0.5, 0.0, 0.05, 0.0], [-1.0, 0.0, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    state = task.split_state(obs)
+    reward, comps = fn(state, torch.zeros(3, dtype=torch.long), state)
+    assert reward.shape == (3,) and torch.allclose(reward, torch.tensor([0.5, -1.0, 1.0]))
+    assert torch.equal(comps["bonus"], torch.tensor([1.0, 0.0, 1.0]))
+    assert pickle.loads(pickle.dumps(fn)).per_row  # workers rebuild it in the same mode
+
+
+def test_batched_reward_stays_batched() -> None:
+    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return -next_state['pole_angle'].abs()\n")
+    assert not prepare_reward(program, _cartpole()).per_row
+    assert "per_row" not in program.meta
+
+
+def test_per_row_fallback_can_be_switched_off() -> None:
+    with pytest.raises(SandboxError) as err:
+        prepare_reward(RewardProgram(source=PER_STATE_REWARD), _cartpole(), limits=Limits(per_row_fallback=False))
+    assert err.value.report.kind == "exception"  # the batched call's error, as feedback
+
+
+def test_per_row_keeps_the_batched_error_when_rows_fail_too() -> None:
+    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return state['pole_angle'] / 0 + state['nope']\n")
+    with pytest.raises(SandboxError) as err:
+        prepare_reward(program, _cartpole())
+    assert "KeyError" in err.value.report.message
+
+
+def test_per_row_results_still_checked_for_nan() -> None:
+    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return float('nan') if float(state['pole_angle']) > -9 else 0.0\n")
+    with pytest.raises(SandboxError) as err:
+        prepare_reward(program, _cartpole())
+    assert err.value.report.kind in ("nonfinite", "exception", "dtype")
+
+
+def test_per_state_features_stack_to_a_matrix() -> None:
+    task = _cartpole()
+    program = StateProgram(source=PER_STATE_FEATURES)
+    fn = prepare_state(program, task)
+    assert fn.per_row and program.extra_dim == 2
+    obs = torch.tensor([[0.0, 1.0, 0.5, 0.0], [0.0, -2.0, 0.1, 0.0]])
+    feats = fn(task.split_state(obs))
+    assert torch.allclose(feats, torch.tensor([[0.25, 2.0], [0.01, -4.0]]))

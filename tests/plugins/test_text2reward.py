@@ -28,11 +28,9 @@ def compute_dense_reward(state, action, next_state):
     return reward, {"approach": approach, "speed": speed, "finish": finish}
 ```"""
 
-SCALAR = """```python
+BROKEN = """```python
 def compute_dense_reward(state, action, next_state):
-    if next_state["car_position"] > 0.5:
-        return 1.0
-    return 0.0
+    return next_state["car_height"] * 2.0
 ```"""
 
 PROSE = "Reward the car for height."
@@ -132,8 +130,8 @@ def test_programs_carry_the_helpers_and_pass_the_sandbox(tmp_path):
 
 
 def test_invalid_code_is_retried_with_its_error_until_it_validates(tmp_path):
-    # sample 0: prose then good; sample 1: scalar code (fails the probe) then good
-    run = make_run([PROSE, SCALAR, GOOD, GOOD], tmp_path)
+    # sample 0: prose then good; sample 1: a made-up field (fails the probe) then good
+    run = make_run([PROSE, BROKEN, GOOD, GOOD], tmp_path)
     programs = t2r.propose_rewards(run=run, iteration=0)
     assert len(programs) == 2 and all(p.meta["attempts"] == 2 for p in programs)
     retries = [c for c in run.llm.calls if c["tag"].endswith("retry")]
