@@ -87,13 +87,16 @@ class CandidateEnv:
     Attributes a trainer reads: ``env`` (the TorchRL env to collect from), ``base``
     (the :class:`VecGymEnv`, for finished-episode returns), ``postproc`` (a batch-wise
     reward rewrite for the collector, or None), ``program_reward`` (for component
-    means), ``rewrites_reward``, ``macros`` (a :class:`core.train.macros.MacroSet` or
+    means), ``rewrites_reward``, ``program_metrics`` (1.0 per program that runs per
+    row, for the result's metrics), ``macros`` (a :class:`core.train.macros.MacroSet` or
     None) and :meth:`augment` (the policy's input for a task observation).
     """
 
     def __init__(self, task: Task, candidate: Candidate, num_envs: int, seed: int, hook: Any,
                  ctx: TrainContext | None) -> None:
         reward_fn, state_fn, state_dim = prepare_programs(task, candidate, ctx)
+        self.program_metrics = {f"sandbox/{role}_per_row": 1.0 for role, fn in (("reward", reward_fn), ("state", state_fn))
+                                if getattr(fn, "per_row", False)}
         self.macros = None
         if candidate.macros:
             from core.train.macros import MacroSet

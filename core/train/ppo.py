@@ -187,6 +187,7 @@ class _Run:
         result.frames = frames
         result.metrics.update(stats)
         result.metrics["charts/fps"] = frames / max(train_seconds, 1e-9)
+        result.metrics.update(cenv.program_metrics)
         if returns:
             result.metrics["charts/episodic_return"] = float(np.mean(returns[-20:]))
         result.metrics.update(cenv.macro_metrics())

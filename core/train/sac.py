@@ -272,6 +272,7 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
     result.frames = frames
     result.metrics.update(stats)
     result.metrics["charts/fps"] = frames / max(train_seconds, 1e-9)
+    result.metrics.update(cenv.program_metrics)
     result.metrics.update(cenv.macro_metrics())
     if returns:
         result.metrics["charts/episodic_return"] = float(np.mean(returns[-20:]))

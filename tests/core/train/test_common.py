@@ -69,3 +69,13 @@ def test_policy_saving_defaults(task, tiny_cfg):
     assert wants_saved_policy(_ctx(task, Candidate("a", 0), tiny_cfg))
     path = save_policy({"x": torch.ones(2)}, "a b/c")
     assert "a_b_c" in path and torch.load(path)["x"].sum() == 2
+
+
+def test_a_per_state_reward_trains_and_is_reported(task, tiny_cfg):
+    source = ("def compute_reward(state, action, next_state):\n"
+              "    return 1.0 if abs(float(next_state['pole_angle'])) < 0.1 else 0.0\n")
+    candidate = Candidate("per-row", 0, reward=RewardProgram(source=source))
+    result = train(task, candidate, tiny_cfg, seed=0, ctx=_ctx(task, candidate, tiny_cfg, save_policy=False))
+    assert result.ok, result.error
+    assert result.metrics["sandbox/reward_per_row"] == 1.0
+    assert "sandbox/state_per_row" not in result.metrics
