@@ -10,6 +10,8 @@ import pytest
 
 from core import app
 
+pytestmark = pytest.mark.xdist_group("ray")  # one local Ray at a time
+
 
 def test_task_function_pickles_by_reference() -> None:
     # launchers ship the task function to workers; by value it would drag the console along

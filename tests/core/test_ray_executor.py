@@ -9,6 +9,8 @@ from omegaconf import OmegaConf
 from core.executor import InProcessExecutor, TrainJob, make_executor
 from core.records import Candidate
 
+pytestmark = pytest.mark.xdist_group("ray")  # one local Ray at a time
+
 TINY = ["env=cartpole", "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=2",
         "trainer.eval_every=512", "trainer.eval_episodes=2", "save_policy=false"]
 
