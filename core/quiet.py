@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
+import sys
 import warnings
 
 
@@ -18,3 +21,15 @@ def quiet_third_party() -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*Gym.*")
+
+
+def import_gym_quietly() -> None:
+    """Import the old ``gym`` (if installed) without its deprecation notice on stderr.
+
+    Crafter subclasses ``gym.Env`` when ``gym`` is importable, and ``gym`` 0.26 prints a
+    notice on every import; the ``pybullet`` extra installs it.
+    """
+    if "gym" in sys.modules:
+        return
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(ImportError):
+        import gym  # noqa: F401

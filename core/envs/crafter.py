@@ -255,6 +255,9 @@ class CrafterEnv(gym.Env):
     metadata = {"render_modes": ["rgb_array"]}
 
     def __init__(self, params: WorldParams | None = None, max_episode_steps: int = 10000, pixels: bool = False, seed: int | None = None) -> None:
+        from core.quiet import import_gym_quietly
+
+        import_gym_quietly()  # before crafter, which imports gym when it is installed
         import crafter
 
         _single_thread_numba()
@@ -457,6 +460,9 @@ def _rules_text() -> str:
     place = "stone, table (from wood), furnace (from stone), plant (from a sapling, onto grass)"
     making = "pickaxes and swords from wood (+ stone, or + coal + iron) next to a table (and a furnace for iron tools)"
     if importlib.util.find_spec("crafter") is not None:
+        from core.quiet import import_gym_quietly
+
+        import_gym_quietly()
         import crafter.constants as constants
 
         place = "; ".join(
