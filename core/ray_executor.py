@@ -32,6 +32,19 @@ def _train(job: TrainJob) -> TrainResult:
     return run_job(job)
 
 
+def _warm() -> int:
+    """A no-op task that imports the training stack, so the first real job does not."""
+    import torch
+
+    import core.train.ppo  # noqa: F401
+
+    torch.set_num_threads(1)
+    return os.getpid()
+
+
+_warmed = False
+
+
 def ensure_ray(cfg: Any) -> Any:
     """Connect to (or start) Ray as the executor config says; returns the ``ray`` module."""
     try:
@@ -65,6 +78,17 @@ class RayExecutor(Executor):
         options: dict[str, Any] = {"num_cpus": float(cfg.get("cpus_per_job", 1)), "max_retries": int(cfg.get("max_retries", 0))}
         self._remote = self.ray.remote(_train).options(**options)
         self._pending: list[Any] = []
+        self._warm_workers(options["num_cpus"])
+
+    def _warm_workers(self, cpus_per_job: float) -> None:
+        """Start one worker per job slot once per process (as the local pool does)."""
+        global _warmed
+        if _warmed or not self.cfg.get("warm", True):
+            return
+        slots = int(self.ray.cluster_resources().get("CPU", 1) // max(cpus_per_job, 1e-9))
+        warm = self.ray.remote(_warm).options(num_cpus=cpus_per_job)
+        self.ray.get([warm.remote() for _ in range(max(1, min(slots, 32)))])
+        _warmed = True
 
     def run(self, jobs: list[TrainJob], on_done: Done | None = None) -> list[TrainResult]:
         ray = self.ray
