@@ -236,7 +236,8 @@ def call_deadline(seconds: float) -> Iterator[None]:
 class CompiledProgram:
     """A checked program's entry function with its bounded ``print``.
 
-    Calling it runs the entry under :func:`call_deadline`; exceptions propagate.
+    Calling it runs the entry under :func:`call_deadline` (once per row of the batch
+    with ``per_row=True``: :func:`call_per_row`); exceptions propagate.
     """
 
     def __init__(self, fn: Callable[..., Any], program: Program, printer: _BoundedPrint, filename: str) -> None:
@@ -245,7 +246,9 @@ class CompiledProgram:
         self.printer = printer
         self.filename = filename
 
-    def __call__(self, *args: Any, timeout_s: float = 0.0) -> Any:
+    def __call__(self, *args: Any, timeout_s: float = 0.0, per_row: bool = False) -> Any:
+        if per_row:
+            return call_per_row(self, args, timeout_s)
         self.printer.reset()
         with call_deadline(timeout_s):
             return self.fn(*args)
@@ -667,10 +670,7 @@ class RewardFunction:
     def __call__(self, state: dict[str, torch.Tensor], action: torch.Tensor, next_state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         args = (_clone_state(state), action.clone(), _clone_state(next_state))
         try:
-            if self.per_row:
-                value = call_per_row(self.compiled, args, self.call_timeout_s)
-            else:
-                value = self.compiled(*args, timeout_s=self.call_timeout_s)
+            value = self.compiled(*args, timeout_s=self.call_timeout_s, per_row=self.per_row)
             return normalize_reward(value, _batch_size(args))
         except _Invalid as e:
             raise SandboxError(_fail(e.kind, str(e))) from None
@@ -698,10 +698,7 @@ class StateFunction:
     def __call__(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
         args = (_clone_state(state),)
         try:
-            if self.per_row:
-                value = call_per_row(self.compiled, args, self.call_timeout_s)
-            else:
-                value = self.compiled(*args, timeout_s=self.call_timeout_s)
+            value = self.compiled(*args, timeout_s=self.call_timeout_s, per_row=self.per_row)
             feats = normalize_state(value, _batch_size(args))
         except _Invalid as e:
             raise SandboxError(_fail(e.kind, str(e))) from None
@@ -732,7 +729,7 @@ def _probe_and_compile(program: Program, args: tuple[Any, ...], arg_names: tuple
     if not report.ok:
         raise SandboxError(report)
     if report.data.get("per_row"):
-        program.meta["per_row"] = True  # logged with the program: it runs once per state
+        program.meta["per_row"] = True  # for the caller; trainings log sandbox/<role>_per_row
     compiled = compile_program(program, allowed_imports=allowed_imports, arg_names=arg_names, max_output_chars=limits.max_output_chars, timeout_s=limits.call_timeout_s)
     return compiled, report
 

@@ -123,10 +123,7 @@ def main() -> None:
 def _probe(sb: Any, compiled: Any, args: tuple[Any, ...], validate: Any, limits: Any, *, per_row: bool) -> Any:
     """Call the program on the probe batch (or row by row) and validate what it returned."""
     try:
-        if per_row:
-            result = sb.call_per_row(compiled, args, limits.call_timeout_s)
-        else:
-            result = compiled(*args, timeout_s=limits.call_timeout_s)
+        result = compiled(*args, timeout_s=limits.call_timeout_s, per_row=per_row)
         report = validate(result, args) if validate is not None else None
     except sb.SandboxError as e:
         return e.report
