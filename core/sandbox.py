@@ -110,6 +110,19 @@ class Limits:
     per_row_fallback: bool = True
 
 
+#: keys of a run's ``sandbox:`` config node that are :class:`Limits` fields, with their types
+_LIMIT_KEYS = {"cpu_s": float, "wall_s": float, "memory_mb": int, "call_timeout_s": float, "per_row_fallback": bool}
+
+
+def settings_from_config(node: Any) -> tuple[Limits, tuple[str, ...]]:
+    """``(Limits, allowed_imports)`` from a run's ``sandbox:`` node (defaults for what it omits)."""
+    if not node:
+        return Limits(), tuple(DEFAULT_IMPORTS)
+    limits = Limits(**{k: kind(node.get(k)) for k, kind in _LIMIT_KEYS.items() if node.get(k) is not None})
+    imports = node.get("allowed_imports")
+    return limits, tuple(str(m) for m in imports) if imports is not None else tuple(DEFAULT_IMPORTS)
+
+
 # -------------------------------------------------------------------------------------
 # Exceptions raised into running programs. BaseException, so `except Exception:` in
 # LLM code cannot swallow them (bare `except:` and `finally` are refused statically).

@@ -418,12 +418,11 @@ class Evolution:
 
     # -- setup --------------------------------------------------------------------------------
     def _prepare(self, program: RewardProgram) -> tuple[Any, str, str]:
-        from core.sandbox import Limits, SandboxError, prepare_reward
+        from core.sandbox import SandboxError, prepare_reward, settings_from_config
 
-        sb = self.run.config.sandbox
-        limits = Limits(cpu_s=float(sb.cpu_s), wall_s=float(sb.wall_s), memory_mb=int(sb.memory_mb), call_timeout_s=float(sb.call_timeout_s))
+        limits, imports = settings_from_config(self.run.config.sandbox)
         try:
-            return prepare_reward(program, self.task, limits=limits, allowed_imports=tuple(sb.allowed_imports)), "", ""
+            return prepare_reward(program, self.task, limits=limits, allowed_imports=imports), "", ""
         except SandboxError as e:
             return None, e.report.message, e.report.kind
 

@@ -176,10 +176,9 @@ def validate_bounded(result: Any, args: tuple[Any, ...], bound: float) -> Sandbo
 
 def check_pair(source: str, states: tuple[Any, ...], cfg: Any, sandbox: Any) -> SandboxReport:
     """Run both functions once on real states in the sandbox child and validate the outputs."""
-    from core.sandbox import Limits, run_isolated
+    from core.sandbox import run_isolated, settings_from_config
 
-    limits = Limits(cpu_s=float(sandbox.cpu_s), wall_s=float(sandbox.wall_s), memory_mb=int(sandbox.memory_mb))
-    imports = tuple(sandbox.allowed_imports)
+    limits, imports = settings_from_config(sandbox)
     state, action, next_state = states
     report = run_isolated(StateProgram(source, STATE_ENTRY), (state,), limits=limits, validate=validate_state, allowed_imports=imports)
     if not report.ok:
@@ -334,12 +333,11 @@ def _session(train: Any) -> dict[str, Any] | None:
         return None
     key = train.candidate.id
     if key not in _TRAINING:
-        from core.sandbox import Limits, prepare_reward
+        from core.sandbox import prepare_reward, settings_from_config
 
-        sandbox = train.config.get("sandbox") or {}
-        limits = Limits(call_timeout_s=float(sandbox.get("call_timeout_s", 1.0)))
+        limits, imports = settings_from_config(train.config.get("sandbox"))
         program = RewardProgram(source=state.meta["intrinsic"], entry="compute_reward", origin=NAME, mode="add", weight=float(state.meta["weight"]))
-        fn = prepare_reward(program, train.task, limits=limits, allowed_imports=tuple(sandbox.get("allowed_imports", ("math", "numpy", "torch"))))
+        fn = prepare_reward(program, train.task, limits=limits, allowed_imports=imports)
         _TRAINING[key] = {"fn": fn, "weight": program.weight, "rows": [], "rewards": [], "kept": 0}
     return _TRAINING[key]
 

@@ -271,11 +271,9 @@ def propose_actions(run: Any, iteration: int) -> list[list[MacroAction]] | None:
     cfg = run.plugin_config(NAME)
     if iteration >= int(cfg.iterations):
         return None
-    from core.sandbox import Limits
+    from core.sandbox import settings_from_config
 
-    sandbox = run.config.sandbox
-    limits = Limits(cpu_s=float(sandbox.cpu_s), wall_s=float(sandbox.wall_s), memory_mb=int(sandbox.memory_mb), call_timeout_s=float(sandbox.call_timeout_s))
-    imports = tuple(sandbox.allowed_imports)
+    limits, imports = settings_from_config(run.config.sandbox)
     macros: list[MacroAction] = []
     for k, sub in enumerate(s for s in STATE.subactions if s.how == "code"):
         user = FAST_TASK.format(schema=run.task.schema_text(), actions=_actions(run.task), name=sub.name, what=sub.what,

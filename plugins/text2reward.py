@@ -265,12 +265,11 @@ def _comment(cfg: Any) -> str:
 
 def _validate(run: Any, program: RewardProgram) -> str:
     """'' when the sandbox accepts the program on real states, else the reason."""
-    from core.sandbox import Limits, SandboxError, prepare_reward
+    from core.sandbox import SandboxError, prepare_reward, settings_from_config
 
-    sb = run.config.sandbox
-    limits = Limits(cpu_s=float(sb.cpu_s), wall_s=float(sb.wall_s), memory_mb=int(sb.memory_mb), call_timeout_s=float(sb.call_timeout_s))
+    limits, imports = settings_from_config(run.config.sandbox)
     try:
-        prepare_reward(program, run.task, limits=limits, allowed_imports=tuple(sb.allowed_imports))
+        prepare_reward(program, run.task, limits=limits, allowed_imports=imports)
     except SandboxError as e:
         return f"{e.report.kind}: {e.report.message}"
     return ""

@@ -27,24 +27,14 @@ from core.train.context import TrainContext
 from core.train.envs import VecGymEnv
 from core.train.transforms import ProgramReward, build_transforms, has_impls
 
-#: keys of the run's ``sandbox:`` node that are :class:`core.sandbox.Limits` fields
-_LIMIT_KEYS = ("cpu_s", "wall_s", "memory_mb", "call_timeout_s", "per_row_fallback")
-
-
 def sandbox_settings(ctx: TrainContext | None) -> tuple[Any, tuple[str, ...]]:
     """``(Limits, allowed_imports)`` from the run's ``sandbox:`` config (defaults without one)."""
-    from core.sandbox import DEFAULT_IMPORTS, Limits  # lazy: the sandbox is heavy
+    from core.sandbox import settings_from_config  # lazy: the sandbox is heavy
 
     node = None
     if ctx is not None and ctx.config is not None and hasattr(ctx.config, "get"):
         node = ctx.config.get("sandbox")
-    if not node:
-        return Limits(), tuple(DEFAULT_IMPORTS)
-    values = {k: node.get(k) for k in _LIMIT_KEYS if node.get(k) is not None}
-    kinds = {"memory_mb": int, "per_row_fallback": bool}
-    limits = Limits(**{k: kinds.get(k, float)(v) for k, v in values.items()})
-    imports = node.get("allowed_imports")
-    return limits, tuple(str(m) for m in imports) if imports is not None else tuple(DEFAULT_IMPORTS)
+    return settings_from_config(node)
 
 
 def prepare_programs(task: Task, candidate: Candidate, ctx: TrainContext | None) -> tuple[Any, Any, int]:
