@@ -52,14 +52,14 @@ from core.train.ppo import PPOConfig, train  # noqa: E402
 
 
 class FakeLLM:
-    """Answers at once (score 5 / answer 1): isolates the plugins' own per-step cost."""
+    """Answers at once (score 5 / segment 1): isolates the plugins' own per-step cost."""
 
     class _Reply:
         def __init__(self, text: str) -> None:
-            self.text, self.cached, self.latency_s = text, False, 0.0
+            self.text, self.cached, self.latency_s, self.logprobs = text, False, 0.0, None
 
     def chat(self, messages: list[dict[str, str]], n: int = 1, **_: Any) -> list[Any]:
-        text = "Answer: 1" if "Segment 1" in messages[-1]["content"] else "Score: 5 | Reason: fine"
+        text = "1" if "Segment 1" in messages[-1]["content"] else "Score: 5 | Reason: fine"
         return [self._Reply(text) for _ in range(n)]
 
 

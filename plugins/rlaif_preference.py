@@ -6,15 +6,17 @@ Learning from Vision Language Foundation Model Feedback", ICML 2024), both after
 preference-based RL of Christiano et al. (2017).
 
 1. Segments: training rollouts are cut into segments of ``segment_len`` steps (never
-   across an episode end); each has a text rendering (its length and whether the
-   episode ended, the task's rendering of its last state, how the task's scalar fields
-   moved over it, its actions) and its env return.
-2. Labels: the LLM sees the goal and two renderings and answers 1 (first better), 0
-   (second), 0.5 (tie) or None (cannot tell), either in Motif's shape (describe each,
-   compare, then answer) or answer first with a short reason (cheaper). ``samples``
-   votes per pair, every other one with the pair swapped (cancels position bias); the
-   label is the votes' mean. Labels are cached; the ``label_preferences`` hook makes
-   the labeller replaceable by another plugin.
+   across an episode end); each has a text rendering (the task's plain-language account
+   of it when the task has one, else its length and end, the task's rendering of its
+   last state, how the task's scalar fields moved, its actions) and its env return.
+2. Labels: the LLM sees the goal and two renderings. With ``judge: logprobs`` it answers
+   with one digit; the vote is the probability of "1" against "2", and the label the
+   mean log-odds of the votes from both orders of the pair, which cancels a position
+   bias (soft AI labels as in Lee et al., "RLAIF: Scaling Reinforcement Learning from
+   Human Feedback with AI Feedback", 2023). With ``judge: text`` it writes 1 (first better), 0 (second), 0.5 (tie) or None (cannot tell), in
+   Motif's shape (describe each, compare, then answer) or answer first; ``samples``
+   votes per pair, every other one with the pair swapped, and the label is their mean.
+   Labels are cached; the ``label_preferences`` hook makes the labeller replaceable.
 3. Reward model: an ensemble (3 by default) of MLPs ``r(s)``; a segment's score is the
    sum over its states; trained with the Bradley-Terry loss, i.e. the cross-entropy of
    ``sigmoid(R_a - R_b)`` against the (soft) label.
@@ -53,19 +55,19 @@ NAME = "rlaif_preference"
 
 SYSTEM = "You are a fair and careful judge of how well an agent is doing at its task."
 
-# Instructions come before the segments: the shared prefix is reused by the model's
-# prompt cache from one pair to the next (prompt processing dominates a short reply).
+# The question comes last: a 1.5B model answered near chance with it before the
+# segments (docs/plugins/rlaif_preference.md has the measurements).
 PROMPT = """Goal: {goal}
 
-Below are two segments of the agent's behaviour. An episode that ENDED inside a segment
-means the agent either failed or completed the task: judge which from the goal.
-{instruction}
+Segment 1: {a}
 
-Segment 1:
-{a}
+Segment 2: {b}
 
-Segment 2:
-{b}"""
+{instruction}"""
+
+# judge=logprobs: one token, read as P("1") against P("2")
+DIGIT = ("Which segment is better for the goal? Reply with a single digit: 1 if Segment 1 is better, "
+         "2 if Segment 2 is better.")
 
 # Motif's shape: describe each segment, compare, then a fixed-format answer
 DESCRIBE = """First describe in one short sentence what happens in each segment. Then compare them:
@@ -123,12 +125,14 @@ class Segment:
     text: str = ""
 
 
-def build_prompt(goal: str, a: str, b: str, describe: bool = False) -> list[dict[str, str]]:
+def build_prompt(goal: str, a: str, b: str, judge: str = "logprobs", describe: bool = False) -> list[dict[str, str]]:
     """The chat messages that ask which of two segment renderings is better.
 
-    ``describe``: Motif's analysis before the answer; otherwise the answer comes first.
+    ``judge="logprobs"``: a one-digit answer; ``"text"``: a written answer, with Motif's
+    analysis before it when ``describe``, else answer first with a short reason.
     """
-    user = PROMPT.format(goal=goal, a=a, b=b, instruction=DESCRIBE if describe else ANSWER_FIRST)
+    instruction = DIGIT if judge == "logprobs" else DESCRIBE if describe else ANSWER_FIRST
+    user = PROMPT.format(goal=goal, a=a, b=b, instruction=instruction)
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
@@ -152,6 +156,18 @@ def parse_label(text: str) -> float | None:
     return _VALUES.get(answer)
 
 
+def digit_preference(reply: Any, min_mass: float = 1e-3) -> float | None:
+    """P(first segment better) from a one-digit reply: ``P("1") / (P("1") + P("2"))`` over
+    the first token's alternatives; without log-probabilities (a backend that drops
+    them) the digit itself (1.0 / 0.0). None when neither digit is likely (< ``min_mass``)
+    or the reply is not a digit."""
+    logprobs = getattr(reply, "logprobs", None)
+    if logprobs:
+        p1, p2 = math.exp(logprobs.get("1", -math.inf)), math.exp(logprobs.get("2", -math.inf))
+        return p1 / (p1 + p2) if p1 + p2 >= min_mass else None
+    return _VALUES.get(reply.text.strip()[:1]) if reply.text.strip()[:1] in ("1", "2") else None
+
+
 def vote(labels: list[float | None]) -> float | None:
     """The soft label of several samples: the mean of the decided ones (None if none).
 
@@ -159,6 +175,21 @@ def vote(labels: list[float | None]) -> float | None:
     """
     decided = [x for x in labels if x is not None]
     return float(np.mean(decided)) if decided else None
+
+
+def logit_vote(probs: list[float | None]) -> float | None:
+    """The soft label of probability votes from both orders: the sigmoid of their mean
+    log-odds (None if none decided).
+
+    If showing a segment first adds ``b`` to the judge's log-odds, the two orders give
+    ``t + b`` and ``t - b`` (flipped back), and their mean is the unbiased ``t``; the
+    mean of the probabilities instead is pulled towards 0.5 when ``b`` is large. Votes
+    of exactly 0 or 1 (digits read without log-probabilities) are averaged as they are.
+    """
+    decided = [x for x in probs if x is not None]
+    if not decided or not all(0.0 < x < 1.0 for x in decided):
+        return vote(decided)
+    return float(1 / (1 + np.exp(-np.mean([np.log(x / (1 - x)) for x in decided]))))
 
 
 def env_preference(a: Segment, b: Segment, tol: float = 1e-6) -> float:
@@ -202,14 +233,18 @@ def summarize_fields(task: Any, obs: np.ndarray, limit: int = 6) -> str:
 
 
 def render_segment(task: Any, seg: Segment, fields: int = 6) -> str:
-    """A segment as text: its length and end first (the facts a judge weighs most), the
-    task's rendering of its last state, how its scalar fields moved, its actions."""
+    """A segment as text: the task's plain-language account (``Task.describe_segment``)
+    when it has one; otherwise its length and end first (the facts a judge weighs most),
+    the task's rendering of its last state, how its scalar fields moved, its actions."""
+    account = task.describe_segment(seg.obs, seg.ended)
+    if account:
+        return account
     counts: dict[str, int] = {}
     for a in seg.actions:
         counts[str(a)] = counts.get(str(a), 0) + 1
     acts = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
-    end = ("the episode ENDED (terminated) at its last step" if seg.ended
-           else "the episode was still running at its end")
+    end = ("the episode ENDED (terminated) at its last step: a failure or a success, judge which from the goal"
+           if seg.ended else "the episode was still running at its end")
     return (f"{len(seg.obs)} steps; {end}.\nEnd state:\n{task.render_state(seg.obs[-1])}\n"
             f"Changes: {summarize_fields(task, seg.obs, fields)}\nActions: {acts}")
 
@@ -319,33 +354,44 @@ class Labeller:
         return out
 
     def ask(self, llm: Any, cfg: Any, goal: str, a: str, b: str) -> tuple[float | None, list[float | None], list[str]]:
-        """``samples`` votes on one pair (label, votes, reply texts).
+        """Votes on one pair (label, votes, reply texts).
 
-        With ``swap`` every other sample shows the pair in the other order (its vote is
-        flipped back): a model that always picks one position then votes a tie instead
-        of a wrong label.
+        With ``swap`` the pair is also shown in the other order (its vote is flipped
+        back), which cancels position bias: a model that always picks one position
+        then votes a tie instead of a wrong label. ``judge=logprobs``: one greedy digit
+        per order, the vote is P(first better) (:func:`digit_preference`).
+        ``judge=text``: ``samples`` sampled replies, shared between the orders.
         """
+        judge = str(cfg.get("judge", "logprobs"))
+        if judge not in ("logprobs", "text"):
+            raise ValueError(f"plugins.{NAME}.judge must be 'logprobs' or 'text', got {judge!r}")
         samples, swap = max(1, int(cfg.get("samples", 1))), bool(cfg.get("swap", True))
-        describe = bool(cfg.get("describe", False))
+        if judge == "logprobs":
+            samples = 2 if swap else 1
         orders = [(a, b, False), (b, a, True)] if swap and samples > 1 else [(a, b, False)]
         votes: list[float | None] = []
         texts: list[str] = []
         for j, (first, second, flipped) in enumerate(orders):
             n = samples // len(orders) + (j < samples % len(orders))
             t0 = time.perf_counter()
-            replies = llm.chat(build_prompt(goal, first, second, describe), n=n,
-                               temperature=float(cfg.get("temperature", 0.3)),
-                               max_tokens=int(cfg.get("max_tokens", 96)), seed=int(cfg.get("seed", 0)),
-                               tag=f"{NAME}/label")
+            messages = build_prompt(goal, first, second, judge, bool(cfg.get("describe", False)))
+            if judge == "logprobs":
+                replies = llm.chat(messages, n=1, temperature=0.0, max_tokens=1, seed=int(cfg.get("seed", 0)),
+                                   top_logprobs=int(cfg.get("top_logprobs", 10)), tag=f"{NAME}/label")
+            else:
+                replies = llm.chat(messages, n=n, temperature=float(cfg.get("temperature", 0.3)),
+                                   max_tokens=int(cfg.get("max_tokens", 96)), seed=int(cfg.get("seed", 0)),
+                                   tag=f"{NAME}/label")
             self.calls += 1
             if not all(r.cached for r in replies):
                 self.latency.append(time.perf_counter() - t0)
             for r in replies:
-                x = parse_label(r.text)
+                x = digit_preference(r) if judge == "logprobs" else parse_label(r.text)
                 self.rejected += x is None
                 votes.append(None if x is None else (1.0 - x if flipped else x))
-                texts.append(r.text)
-        return vote(votes), votes, texts
+                texts.append(f"{r.text.strip()} (P(1st better) {x:.3f})" if judge == "logprobs" and x is not None
+                             else r.text)
+        return (logit_vote(votes) if judge == "logprobs" else vote(votes)), votes, texts
 
 
 _LABELLER = Labeller()

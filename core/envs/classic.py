@@ -268,6 +268,15 @@ class CartPole(GymTask):
             show_source=show_source,
         )
 
+    def describe_segment(self, obs: np.ndarray, ended: bool) -> str:
+        steps, x, angle = len(obs), float(obs[-1, 0]), float(obs[-1, 2])
+        if ended:
+            why = "the cart left the track" if abs(x) > 2.4 else "the pole fell past 12 degrees"
+            return f"The agent kept the pole up for {steps} steps, then {why} and the episode ended in failure."
+        return (f"The agent kept the pole up for all {steps} steps; at the end the pole leans "
+                f"{abs(np.degrees(angle)):.0f} degrees to the {'right' if angle > 0 else 'left'} and the cart is "
+                f"{abs(x):.1f} m {'right' if x > 0 else 'left'} of the centre.")
+
 
 class MountainCar(GymTask):
     """MountainCar-v0: sparse reward; fitness = success rate of reaching the flag."""

@@ -1,7 +1,8 @@
 """The task abstraction: what every LLM-for-RL method needs from an environment.
 
 A :class:`Task` bundles a vectorised env factory, a natural-language goal, a state
-schema over the flat observation vector, a text rendering of a state (for LLM judges),
+schema over the flat observation vector, text renderings of a state and of a piece of an
+episode (for LLM judges),
 the environment description the LLM sees (Eureka shows the env's observation code),
 and the ground-truth fitness of a set of evaluation episodes.
 """
@@ -123,6 +124,18 @@ class Task:
             unit = f" {f.unit}" if f.unit else ""
             lines.append(f"{f.name}: {shown}{unit}")
         return "\n".join(lines)
+
+    def describe_segment(self, obs: np.ndarray, ended: bool) -> str:
+        """A plain-language account of a piece of one episode, for LLM judges ("" if none).
+
+        ``obs`` ``[L, obs_dim]`` holds the states reached by the piece's ``L`` steps;
+        ``ended``: the episode terminated at the last of them. Say what happened and how it
+        ended in words (what a termination means here, how the state stands relative to
+        the goal) rather than raw numbers: small models compare such sentences far better
+        than tables of floats. Tasks that return "" get the judge's generic rendering
+        (step count, end, last state, field changes).
+        """
+        return ""
 
     def schema_text(self) -> str:
         """The state schema as prompt text: one line per field."""

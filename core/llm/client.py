@@ -54,6 +54,9 @@ class Reply:
     cost: float
     cached: bool
     model: str
+    # the most likely first tokens of the reply, token text -> log-probability; set only
+    # when the call asked for ``top_logprobs`` and the backend returns them
+    logprobs: dict[str, float] | None = None
 
 
 @dataclass
@@ -236,12 +239,16 @@ class LLMClient:
         stop: list[str] | None = None,
         seed: int = 0,
         tag: str = "",
+        top_logprobs: int = 0,
     ) -> list[Reply]:
         """``n`` sampled replies to ``messages`` (OpenAI chat format).
 
         ``temperature``/``max_tokens`` default to the config's; ``stop`` ends a reply
         at any of the given strings; ``seed`` makes the call reproducible through the
         cache; ``tag`` labels the call in records (e.g. ``"eureka/propose"``).
+        ``top_logprobs > 0`` asks for that many alternatives of the reply's first token
+        with their log-probabilities (:attr:`Reply.logprobs`); backends without them
+        (the parameter is dropped) leave it None, so callers need a text fallback.
         Raises :class:`LLMError` when the backend cannot answer after the retries.
         """
         messages = _check_messages(messages)
@@ -252,6 +259,7 @@ class LLMClient:
             "max_tokens": int(self.settings.max_tokens if max_tokens is None else max_tokens),
             "stop": list(stop) if stop else None,
             "top_p": self.settings.top_p,
+            "top_logprobs": int(top_logprobs) if top_logprobs > 0 else None,
         }
         keys = [cache_key(self.model, messages, params, seed, i) for i in range(n)]
         replies: list[Reply | None] = [None] * n
@@ -319,6 +327,9 @@ class LLMClient:
             kwargs["stop"] = params["stop"]
         if params["top_p"] is not None:
             kwargs["top_p"] = params["top_p"]
+        if params.get("top_logprobs"):
+            kwargs["logprobs"] = True
+            kwargs["top_logprobs"] = params["top_logprobs"]
         if s.api_base:
             kwargs["api_base"] = s.api_base
         if s.api_key_env:
@@ -395,6 +406,7 @@ class LLMClient:
                 cost=cost / k,
                 cached=False,
                 model=self.model,
+                logprobs=first_token_logprobs(choice),
             ))
         with self._lock:
             self.stats.requests += 1
@@ -457,6 +469,27 @@ def _cache_file(cache_path: str | None) -> Path:
     if path.is_dir() or not path.suffix:
         return path / default_cache_path().name
     return path
+
+
+def first_token_logprobs(choice: Any) -> dict[str, float] | None:
+    """``{token: logprob}`` of the alternatives for a choice's first token (None if absent).
+
+    Reads the OpenAI shape (``choice.logprobs.content[0].top_logprobs``) as objects or
+    dicts; tokens are stripped of surrounding whitespace, keeping the likeliest spelling.
+    """
+    def get(x: Any, key: str) -> Any:
+        return x.get(key) if isinstance(x, dict) else getattr(x, key, None)
+
+    content = get(get(choice, "logprobs") or {}, "content") or []
+    if not content:
+        return None
+    top = get(content[0], "top_logprobs") or [content[0]]
+    out: dict[str, float] = {}
+    for alt in top:
+        token, lp = str(get(alt, "token") or "").strip(), get(alt, "logprob")
+        if lp is not None and float(lp) > out.get(token, float("-inf")):
+            out[token] = float(lp)
+    return out or None
 
 
 def _chunks(items: list[int], size: int) -> list[list[int]]:

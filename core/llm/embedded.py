@@ -352,8 +352,12 @@ def generate(
     stop: Sequence[str] | None = None,
     seed: int = 0,
     top_p: float | None = None,
+    top_logprobs: int = 0,
 ) -> dict[str, Any]:
-    """One chat completion as an OpenAI-style dict (``choices``, ``usage``)."""
+    """One chat completion as an OpenAI-style dict (``choices``, ``usage``).
+
+    ``top_logprobs > 0``: each choice carries ``logprobs.content``, per generated token
+    its ``top_logprobs`` alternatives (the OpenAI shape)."""
     server = get_server(name)
     request: dict[str, Any] = {
         "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
@@ -366,6 +370,8 @@ def generate(
         request["stop"] = list(stop)
     if top_p is not None:
         request["top_p"] = float(top_p)
+    if top_logprobs > 0:
+        request["logprobs"], request["top_logprobs"] = True, int(top_logprobs)
     with _lock:
         result = server.handle_chat_completions(request)
     if not isinstance(result, dict) or "choices" not in result:
@@ -400,6 +406,7 @@ def _provider_class() -> type:
                 stop=stop,
                 seed=opts.get("seed", 0) or 0,
                 top_p=opts.get("top_p"),
+                top_logprobs=int(opts.get("top_logprobs") or 0) if opts.get("logprobs") else 0,
             )
             choice = result["choices"][0]
             usage = result.get("usage", {})
@@ -409,6 +416,7 @@ def _provider_class() -> type:
                     index=0,
                     finish_reason=choice.get("finish_reason", "stop"),
                     message=Message(role="assistant", content=choice["message"].get("content") or ""),
+                    logprobs=choice.get("logprobs"),
                 )
             ]
             response.model = f"{PROVIDER}/{name}"

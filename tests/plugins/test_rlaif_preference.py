@@ -26,7 +26,8 @@ DEFAULTS = OmegaConf.to_container(OmegaConf.load(conf_dir() / "plugins" / "rlaif
 
 
 class FakeLLM:
-    """Replies from a list (cycled); counts calls."""
+    """Replies from a list (cycled); counts calls. Replies carry no log-probabilities, so
+    the logprobs judge reads their digit."""
 
     def __init__(self, texts: list[str], delay_s: float = 0.0) -> None:
         self.texts, self.delay_s, self.calls = texts, delay_s, 0
@@ -35,6 +36,24 @@ class FakeLLM:
         self.calls += 1
         time.sleep(self.delay_s)
         return [SimpleNamespace(text=self.texts[i % len(self.texts)], cached=False) for i in range(n)]
+
+
+class LogprobLLM:
+    """A one-digit judge that prefers the segment containing ``best`` with probability
+    ``p`` and the first-shown segment by ``bias`` (log-odds); records the calls' options."""
+
+    def __init__(self, best: str, p: float = 0.8, bias: float = 0.0) -> None:
+        self.best, self.p, self.bias, self.calls = best, p, bias, []
+
+    def chat(self, messages, *, n=1, **options):
+        self.calls.append(options)
+        user = messages[-1]["content"]
+        first = user.split("Segment 1: ")[1].split("\n")[0]
+        p_first = self.p if first == self.best else 1 - self.p
+        logit = float(np.log(p_first / (1 - p_first))) + self.bias
+        p1 = 1 / (1 + np.exp(-logit))
+        logprobs = {"1": float(np.log(p1)), "2": float(np.log(1 - p1)), "The": -9.0}
+        return [SimpleNamespace(text="1" if p1 >= 0.5 else "2", cached=False, logprobs=logprobs)] * n
 
 
 def make_ctx(llm, **overrides) -> TrainContext:
@@ -72,6 +91,14 @@ def test_parse_label(text, label):
     assert rp.parse_label(text) == label
 
 
+def test_logit_vote_cancels_an_additive_position_bias():
+    t, bias = 1.0, 3.0
+    sig = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+    assert rp.logit_vote([sig(t + bias), sig(t - bias)]) == pytest.approx(sig(t))
+    assert rp.vote([sig(t + bias), sig(t - bias)]) < sig(t) - 0.1  # the plain mean shrinks it
+    assert rp.logit_vote([1.0, None, 0.0]) == 0.5 and rp.logit_vote([None]) is None  # hard digits: the mean
+
+
 def test_vote_accuracy_and_env_preference():
     assert rp.vote([1.0, 0.0, None, 1.0]) == pytest.approx(2 / 3)
     assert rp.vote([None]) is None
@@ -94,8 +121,21 @@ def test_split_segments_stays_within_episodes():
     assert [len(s.obs) for s in short] == [4]  # short pieces without a termination are dropped
 
 
+class Undescribed:
+    """CartPole's rendering without its plain-language account: the generic path."""
+
+    def __init__(self) -> None:
+        self.task = make_task({"name": "cartpole"})
+
+    def describe_segment(self, obs, ended) -> str:
+        return ""
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+
 def test_render_segment_shows_states_actions_and_end():
-    task = make_task({"name": "cartpole"})
+    task = Undescribed()
     seg = rp.Segment(np.zeros((3, 4), np.float32), [0, 1, 1], 3.0, True)
     text = rp.render_segment(task, seg)
     assert "End state" in text and "1 x2" in text and "ENDED" in text
@@ -104,6 +144,12 @@ def test_render_segment_shows_states_actions_and_end():
     text = rp.render_segment(task, rp.Segment(moving, [1, 1, 1], 3.0, False))
     assert "pole_angle 0 -> 0.2 rad (range 0 to 0.2)" in text and "still running" in text
     assert "cart_position" not in text.split("Changes:")[1]  # unchanged fields are left out
+
+
+def test_render_segment_prefers_the_tasks_account():
+    task = make_task({"name": "cartpole"})
+    fell = rp.render_segment(task, rp.Segment(np.zeros((7, 4), np.float32), [0] * 7, 7.0, True))
+    assert fell.startswith("The agent kept the pole up for 7 steps") and "failure" in fell
 
 
 # -- Bradley-Terry --------------------------------------------------------------------------
@@ -134,28 +180,55 @@ def test_reward_model_recovers_the_order_of_synthetic_preferences():
 
 def test_swapped_votes_cancel_a_position_bias_and_are_flipped_back():
     biased = FakeLLM(["Answer: 1"])  # always picks the first shown
-    cfg = rp.settings({**DEFAULTS, "samples": 2, "swap": True})
+    cfg = rp.settings({**DEFAULTS, "judge": "text", "samples": 2, "swap": True})
     assert rp.Labeller().label(biased, cfg, "goal", [("A", "B")]) == [0.5]
     assert biased.calls == 2  # one call per order
     sure = rp.Labeller()
     llm = FakeLLM(["Answer: 2 | Reason: longer"])
     llm.chat = lambda messages, n=1, **_: [SimpleNamespace(  # noqa: E731 - prefers the segment "B"
-        text="Answer: 2" if messages[-1]["content"].endswith("B") else "Answer: 1", cached=False)] * n
+        text="Answer: 2" if "Segment 2: B" in messages[-1]["content"] else "Answer: 1", cached=False)] * n
     assert sure.label(llm, cfg, "goal", [("A", "B")]) == [0.0]
 
 
+def test_digit_preference_reads_the_first_tokens_probabilities():
+    reply = SimpleNamespace(text="1", logprobs={"1": np.log(0.6), "2": np.log(0.2), "The": np.log(0.2)})
+    assert rp.digit_preference(reply) == pytest.approx(0.75)
+    assert rp.digit_preference(SimpleNamespace(text="2", logprobs=None)) == 0.0  # no logprobs: the digit
+    assert rp.digit_preference(SimpleNamespace(text=" 1\n", logprobs={})) == 1.0
+    assert rp.digit_preference(SimpleNamespace(text="The", logprobs={"The": -0.01, "1": -12.0})) is None
+    assert rp.digit_preference(SimpleNamespace(text="Answer: 1", logprobs=None)) is None
+
+
+def test_logprob_judge_averages_both_orders_and_cancels_position_bias():
+    llm = LogprobLLM(best="B", p=0.8, bias=2.0)  # strongly favours whatever is shown first
+    cfg = rp.settings({**DEFAULTS, "judge": "logprobs", "swap": True, "top_logprobs": 5})
+    label, votes, texts = rp.Labeller().ask(llm, cfg, "goal", "A", "B")
+    assert len(llm.calls) == 2 and all(c["max_tokens"] == 1 and c["top_logprobs"] == 5 for c in llm.calls)
+    assert all(c["temperature"] == 0.0 for c in llm.calls)
+    assert votes[0] > 0.5 and votes[1] < 0.5  # alone, the bias wins in both orders...
+    assert label == pytest.approx(0.2)  # ...their mean log-odds removes it: B better with p=0.8
+    assert "P(1st better)" in texts[0]
+    unbiased = rp.Labeller().ask(LogprobLLM(best="A", p=0.8), cfg, "goal", "A", "B")[0]
+    assert unbiased == pytest.approx(0.8)
+
+
+def test_unknown_judge_is_an_actionable_error():
+    with pytest.raises(ValueError, match="logprobs' or 'text'"):
+        rp.Labeller().ask(FakeLLM(["1"]), {**DEFAULTS, "judge": "vibes"}, "goal", "A", "B")
+
+
 def test_label_cache_answers_repeats_and_reversed_pairs_without_the_llm():
-    llm = FakeLLM(["Answer: 1"])
+    llm = FakeLLM(["1"])
     lab = rp.Labeller()
-    cfg = rp.settings({**DEFAULTS, "samples": 1})
+    cfg = rp.settings({**DEFAULTS, "swap": False})
     assert lab.label(llm, cfg, "goal", [("A", "B")]) == [1.0]
     assert lab.label(llm, cfg, "goal", [("A", "B"), ("B", "A")]) == [1.0, 0.0]
     assert llm.calls == 1 and lab.cache_hits == 2
 
 
 def test_label_preferences_hook_uses_the_runs_llm():
-    llm = FakeLLM(["Answer: 2"])
-    run = SimpleNamespace(llm=llm, plugin_config=lambda name: {**DEFAULTS, "samples": 1})
+    llm = FakeLLM(["2"])
+    run = SimpleNamespace(llm=llm, plugin_config=lambda name: {**DEFAULTS, "swap": False})
     assert rp.label_preferences(run=run, goal="g", pairs=[("x", "y")]) == [0.0]
     assert llm.calls == 1
 
@@ -181,7 +254,7 @@ def test_online_requests_follow_the_schedule_and_budget_and_never_wait():
 
 
 def test_labelling_fits_the_reward_model_and_logs_label_accuracy():
-    ctx = make_ctx(FakeLLM(["Answer: 1"]), min_pairs=2, samples=1)
+    ctx = make_ctx(FakeLLM(["1"]), min_pairs=2, swap=False)
     learner = rp._learner_for(ctx)
     learner.scale_obs = np.ones(4)
     segs = _segments(8)
@@ -211,7 +284,7 @@ def test_reward_is_none_before_a_model_and_replace_mode_removes_the_reward():
 
 
 def test_offline_mode_labels_a_random_dataset_before_training():
-    llm = FakeLLM(["Answer: 1", "Answer: 2"])
+    llm = FakeLLM(["1", "2"])
     ctx = make_ctx(llm, labelling="offline", label_budget=6, min_pairs=2, offline={"envs": 2, "steps": 64})
     rp.on_train_start(ctx)
     learner = rp._LEARNERS[id(ctx)]

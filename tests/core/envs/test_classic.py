@@ -91,3 +91,15 @@ def test_params_are_rejected_for_tasks_without_params():
     with pytest.raises(UserError, match="no controllable params"):
         make_task({"name": "cartpole"}).make_env(1, 0, params={"gravity": 3})
     assert isinstance(make_task({"name": "cartpole"}), GymTask)
+
+
+def test_cartpole_describes_a_segment_in_words():
+    task = make_task({"name": "cartpole"})
+    obs = np.zeros((5, 4), np.float32)
+    obs[-1] = [-0.5, 0.0, np.radians(4.0), 0.0]
+    running = task.describe_segment(obs, ended=False)
+    assert "all 5 steps" in running and "4 degrees to the right" in running and "0.5 m left" in running
+    assert "pole fell past 12 degrees" in task.describe_segment(obs, ended=True)
+    obs[-1, 0] = 2.5
+    assert "cart left the track" in task.describe_segment(obs, ended=True)
+    assert make_task({"name": "mountaincar"}).describe_segment(obs[:, :2], ended=False) == ""

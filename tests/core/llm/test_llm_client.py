@@ -52,6 +52,30 @@ def test_n_is_chunked_by_max_n(llm_cfg, fake_backend):
     assert len({r.text for r in replies}) == 7
 
 
+def test_top_logprobs_reach_the_backend_and_come_back_cached(llm_cfg, fake_backend):
+    client = make_client(llm_cfg)
+    (plain,) = client.chat(MSG)
+    assert plain.logprobs is None and "logprobs" not in fake_backend.calls[0]
+    (reply,) = client.chat(MSG, top_logprobs=3)
+    assert fake_backend.calls[1]["logprobs"] is True and fake_backend.calls[1]["top_logprobs"] == 3
+    assert reply.logprobs == {"1": -0.1, "2": -2.5}  # stripped, the likelier spelling kept
+    (again,) = client.chat(MSG, top_logprobs=3)
+    assert again.cached and again.logprobs == reply.logprobs and len(fake_backend.calls) == 2
+
+
+def test_first_token_logprobs_reads_objects_and_dicts():
+    from core.llm.client import first_token_logprobs
+    from litellm.types.utils import Choices, Message
+
+    as_dict = {"logprobs": {"content": [{"token": "2", "logprob": -0.2}]}}  # no alternatives: the token itself
+    assert first_token_logprobs(as_dict) == {"2": -0.2}
+    assert first_token_logprobs({"logprobs": None}) is None
+    choice = Choices(index=0, message=Message(role="assistant", content="x"),
+                     logprobs={"content": [{"token": "x", "logprob": -1.0,
+                                            "top_logprobs": [{"token": "x", "logprob": -1.0}]}]})
+    assert first_token_logprobs(choice) == {"x": -1.0}
+
+
 def test_ask_returns_text_and_sends_system(llm_cfg, fake_backend):
     text = make_client(llm_cfg).ask("ping", system="sys")
     assert text.startswith("ping|")

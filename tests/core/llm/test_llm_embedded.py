@@ -90,7 +90,8 @@ def test_provider_is_registered_and_passes_sampling_params(monkeypatch, tmp_path
 
     def fake_generate(name, messages, **kw):
         seen.update(kw, name=name)
-        return {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}],
+        logprobs = {"content": [{"token": "ok", "logprob": -0.5}]} if kw.get("top_logprobs") else None
+        return {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop", "logprobs": logprobs}],
                 "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}
 
     monkeypatch.setattr(embedded, "generate", fake_generate)
@@ -102,6 +103,9 @@ def test_provider_is_registered_and_passes_sampling_params(monkeypatch, tmp_path
     assert seen["max_tokens"] == 9 and seen["stop"] == ["END"] and seen["temperature"] == 0.2
     assert client.stats.requests == 2 and client.stats.cost == 0.0
     assert client.stats.prompt_tokens == 8 and client.stats.completion_tokens == 4
+    assert seen["top_logprobs"] == 0  # not asked for
+    (scored,) = client.chat([{"role": "user", "content": "q"}], max_tokens=1, top_logprobs=4)
+    assert seen["top_logprobs"] == 4 and scored.logprobs == {"ok": -0.5}
     litellm = import_litellm()
     assert any(p["provider"] == "embedded" for p in litellm.custom_provider_map)
 
