@@ -243,8 +243,10 @@ def label_preferences(run: Any, goal: str, pairs: list[tuple[str, str]]) -> list
     """Preference role: which of two described trajectory segments better achieves ``goal``.
 
     :param pairs: text renderings ``(a, b)`` of segment pairs.
-    :return: one label per pair: 1.0 (a better), 0.0 (b better), 0.5 (tie), None
-        (cannot tell); or None to abstain. Stops at first non-None result.
+    :return: one label per pair: the probability that a is better, 1.0 (a better),
+        0.0 (b better), 0.5 (tie) or anything between (a soft label, e.g. read from the
+        judge's token probabilities), None (cannot tell); or None to abstain. Stops at
+        first non-None result.
     """
 
 
