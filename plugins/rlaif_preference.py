@@ -13,9 +13,10 @@ preference-based RL of Christiano et al. (2017).
    with one digit; the vote is the probability of "1" against "2", and the label the
    mean log-odds of the votes from both orders of the pair, which cancels a position
    bias (soft AI labels as in Lee et al., "RLAIF: Scaling Reinforcement Learning from
-   Human Feedback with AI Feedback", 2023). With ``judge: text`` it writes 1 (first better), 0 (second), 0.5 (tie) or None (cannot tell), in
-   Motif's shape (describe each, compare, then answer) or answer first; ``samples``
-   votes per pair, every other one with the pair swapped, and the label is their mean.
+   Human Feedback with AI Feedback", 2023). With ``judge: text`` it writes 1 (first
+   better), 0 (second), 0.5 (tie) or None (cannot tell), in Motif's shape (describe
+   each, compare, then answer) or answer first; ``samples`` votes per pair, every other
+   one with the pair swapped, and the label is their mean.
    Labels are cached; the ``label_preferences`` hook makes the labeller replaceable.
 3. Reward model: an ensemble (3 by default) of MLPs ``r(s)``; a segment's score is the
    sum over its states; trained with the Bradley-Terry loss, i.e. the cross-entropy of
@@ -165,7 +166,8 @@ def digit_preference(reply: Any, min_mass: float = 1e-3) -> float | None:
     if logprobs:
         p1, p2 = math.exp(logprobs.get("1", -math.inf)), math.exp(logprobs.get("2", -math.inf))
         return p1 / (p1 + p2) if p1 + p2 >= min_mass else None
-    return _VALUES.get(reply.text.strip()[:1]) if reply.text.strip()[:1] in ("1", "2") else None
+    digit = reply.text.strip()[:1]
+    return _VALUES.get(digit) if digit in ("1", "2") else None
 
 
 def vote(labels: list[float | None]) -> float | None:
@@ -365,9 +367,13 @@ class Labeller:
         judge = str(cfg.get("judge", "logprobs"))
         if judge not in ("logprobs", "text"):
             raise ValueError(f"plugins.{NAME}.judge must be 'logprobs' or 'text', got {judge!r}")
-        samples, swap = max(1, int(cfg.get("samples", 1))), bool(cfg.get("swap", True))
-        if judge == "logprobs":
+        swap = bool(cfg.get("swap", True))
+        if judge == "logprobs":  # one greedy digit per order
             samples = 2 if swap else 1
+            options = {"temperature": 0.0, "max_tokens": 1, "top_logprobs": int(cfg.get("top_logprobs", 10))}
+        else:
+            samples = max(1, int(cfg.get("samples", 1)))
+            options = {"temperature": float(cfg.get("temperature", 0.3)), "max_tokens": int(cfg.get("max_tokens", 96))}
         orders = [(a, b, False), (b, a, True)] if swap and samples > 1 else [(a, b, False)]
         votes: list[float | None] = []
         texts: list[str] = []
@@ -375,13 +381,7 @@ class Labeller:
             n = samples // len(orders) + (j < samples % len(orders))
             t0 = time.perf_counter()
             messages = build_prompt(goal, first, second, judge, bool(cfg.get("describe", False)))
-            if judge == "logprobs":
-                replies = llm.chat(messages, n=1, temperature=0.0, max_tokens=1, seed=int(cfg.get("seed", 0)),
-                                   top_logprobs=int(cfg.get("top_logprobs", 10)), tag=f"{NAME}/label")
-            else:
-                replies = llm.chat(messages, n=n, temperature=float(cfg.get("temperature", 0.3)),
-                                   max_tokens=int(cfg.get("max_tokens", 96)), seed=int(cfg.get("seed", 0)),
-                                   tag=f"{NAME}/label")
+            replies = llm.chat(messages, n=n, seed=int(cfg.get("seed", 0)), tag=f"{NAME}/label", **options)
             self.calls += 1
             if not all(r.cached for r in replies):
                 self.latency.append(time.perf_counter() - t0)
