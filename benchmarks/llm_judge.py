@@ -47,7 +47,7 @@ from core.envs import make_task  # noqa: E402
 from core.records import Candidate  # noqa: E402
 from core.registry import make_plugin_manager  # noqa: E402
 from core.resources import conf_dir  # noqa: E402
-from core.train.context import TrainContext  # noqa: E402
+from core.context import TrainContext  # noqa: E402
 from core.train.ppo import PPOConfig, train  # noqa: E402
 
 

@@ -51,14 +51,15 @@ def check_argv(argv: list[str]) -> None:
 
 
 def register_third_party_configs() -> None:
-    """Give entry-point plugins without a conf/plugins file a config node (their CONFIG)."""
-    from core.registry import entry_point_plugins, plugin_defaults
+    """Give entry-point plugins without a conf/plugins file a config node: their ``Config`` schema."""
+    from core.config import config_class
+    from core.registry import entry_point_plugins, load_module
 
     store = ConfigStore.instance()
     shipped = {p.stem for p in (conf_dir() / "plugins").glob("*.yaml")}
     for info in entry_point_plugins():
         if info.name not in shipped:
-            store.store(group="plugins", name=info.name, node=plugin_defaults(info), package=f"plugins.{info.name}")
+            store.store(group="plugins", name=info.name, node=config_class(load_module(info)), package=f"plugins.{info.name}")
 
 
 def print_summary(summary) -> None:  # type: ignore[no-untyped-def]
@@ -74,7 +75,10 @@ def print_summary(summary) -> None:  # type: ignore[no-untyped-def]
         out.print("[red]every candidate failed; the first error:[/red]")
         out.print(summary.first_error.strip()[-1200:], markup=False, highlight=False)
     if summary.reused:
-        out.print(f"{summary.reused} training(s) reused from an earlier identical run (resume=false retrains)")
+        out.print(
+            f"{summary.reused} training(s) reused from an earlier run with the same code, config and seed "
+            f"({summary.results_store}; resume=false retrains)"
+        )
     if summary.llm:
         llm = summary.llm
         out.print(

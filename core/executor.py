@@ -11,11 +11,15 @@ from __future__ import annotations
 import concurrent.futures as futures
 import multiprocessing as mp
 import os
+import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from omegaconf import DictConfig, OmegaConf
+
+from core.config import Settings
 from core.records import Candidate, TrainResult
 
 Done = Callable[[int, TrainResult], None]
@@ -28,31 +32,51 @@ class TrainJob:
     config: dict[str, Any]  # the resolved run config (plain containers)
     candidate: Candidate
     seed: int
+    run_key: str = ""  # the run this job belongs to: a worker keeps one runtime per run
 
 
 @dataclass
 class Runtime:
-    """What a process needs to train: built once per process and reused."""
+    """What a process needs to train for one run: built once per run and process."""
 
     task: Any
     hook: Any
-    config: dict[str, Any]
+    settings: Settings
+    fingerprint: dict[str, str] = field(default_factory=dict)  # code hashes: framework and each plugin
+    run_key: str = ""
+
+    @property
+    def config(self) -> Any:
+        return self.settings.config
 
 
-_RUNTIME: Runtime | None = None  # the worker process's runtime (pool workers)
+_RUNTIME: Runtime | None = None  # the worker process's runtime (pool workers), for one run at a time
 
 
-def build_runtime(config: dict[str, Any], extra_plugins: tuple[object, ...] = ()) -> Runtime:
-    """Build the task and the plugin manager a run config names."""
+def build_runtime(config: DictConfig | dict[str, Any], extra_plugins: tuple[object, ...] = (), run_key: str = "") -> Runtime:
+    """Validate a run config and build its task and plugin manager (fresh plugin objects).
+
+    :raises core.errors.UserError: for an unknown plugin, a bad config value or a hook
+        that does not match its spec, before any work.
+    """
+    from core.config import framework_hash, source_hash, validate
     from core.envs import make_task
-    from core.registry import make_plugin_manager
+    from core.registry import load_plugins, make_plugin_manager
 
-    pm = make_plugin_manager((config.get("plugins") or {}).keys(), extra=extra_plugins)
+    if not isinstance(config, DictConfig):
+        config = OmegaConf.create(config)
+    modules = load_plugins((config.get("plugins") or {}).keys())
+    settings = validate(config, modules)
+    pm = make_plugin_manager(settings, modules, extra=extra_plugins)
     extra_tasks: dict[str, Any] = {}
     for contributed in pm.hook.register_tasks():
         extra_tasks.update(contributed or {})
-    task = make_task(config["env"], extra=extra_tasks)
-    return Runtime(task=task, hook=pm.hook, config=config)
+    task = make_task(OmegaConf.to_container(config["env"], resolve=True), extra=extra_tasks)
+    fingerprint = {"framework": framework_hash(), **{f"plugin:{n}": source_hash(m) for n, m in modules.items()}}
+    for obj in extra_plugins:
+        module = sys.modules.get(getattr(obj, "__module__", "") or "") or obj
+        fingerprint[f"extra:{getattr(obj, '__name__', type(obj).__name__)}"] = source_hash(module)
+    return Runtime(task=task, hook=pm.hook, settings=settings, fingerprint=fingerprint, run_key=run_key)
 
 
 def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None) -> TrainResult:
@@ -63,12 +87,12 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
 
         from core.tracking import format_llm_call
         from core.train import get_trainer
-        from core.train.context import TrainContext
+        from core.context import TrainContext
 
         global _RUNTIME
         if runtime is None:
-            if _RUNTIME is None or _RUNTIME.config != job.config:
-                _RUNTIME = build_runtime(job.config)
+            if _RUNTIME is None or _RUNTIME.run_key != job.run_key or not job.run_key:
+                _RUNTIME = build_runtime(job.config, run_key=job.run_key)
             runtime = _RUNTIME
         trainer_cfg = job.config["trainer"]
         torch.set_num_threads(int(trainer_cfg.get("threads", 1)))
@@ -80,9 +104,9 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
             ctx.log_text("llm_calls.md", format_llm_call(record) + "\n\n---\n\n")
 
         ctx = TrainContext(
+            settings=runtime.settings,
             task=runtime.task,
             candidate=job.candidate,
-            config=job.config,
             seed=job.seed,
             total_frames=cfg.frames,
             llm_factory=(lambda: _make_llm(llm_cfg, log_call)) if llm_cfg else None,

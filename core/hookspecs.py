@@ -24,7 +24,7 @@ Each run goes through these stages::
     on_run_end
 
 Context objects: ``run`` is a :class:`core.loop.Run` (config, task, LLM client,
-sandbox, tracker, iteration history); ``train`` is a :class:`core.train.context.TrainContext`
+sandbox, tracker, iteration history); ``train`` is a :class:`core.context.TrainContext`
 (the candidate, the task, frames done and budget, the plugin configs, a metrics logger).
 """
 
@@ -38,7 +38,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from core.envs.task import Task
-    from core.loop import Run
     from core.records import (
         Candidate,
         EnvConfig,
@@ -48,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
         StateProgram,
         TrainResult,
     )
-    from core.train.context import StepBatch, TrainContext
+    from core.context import RunContext, StepBatch, TrainContext
 
 PROJECT = "llm4rl"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -76,7 +75,7 @@ def register_tasks() -> dict[str, type[Task]] | None:
 
 
 @hookspec
-def on_run_start(run: Run) -> None:
+def on_run_start(run: RunContext) -> None:
     """Called once before the first iteration, after the task and LLM client exist.
 
     Plugins read their config from ``run.plugin_config(name)`` and may set up state
@@ -87,17 +86,17 @@ def on_run_start(run: Run) -> None:
 
 
 @hookspec
-def on_iteration_start(run: Run, iteration: int) -> None:
+def on_iteration_start(run: RunContext, iteration: int) -> None:
     """Called at the start of every outer iteration (0-based)."""
 
 
 @hookspec
-def on_iteration_end(run: Run, result: IterationResult) -> None:
+def on_iteration_end(run: RunContext, result: IterationResult) -> None:
     """Called after every candidate of an iteration is trained, scored and reflected on."""
 
 
 @hookspec
-def on_run_end(run: Run, best: tuple[Candidate, TrainResult] | None) -> None:
+def on_run_end(run: RunContext, best: tuple[Candidate, TrainResult] | None) -> None:
     """Called once after the last iteration (and the final multi-seed retrain, if any).
 
     :param best: the best candidate over all iterations and its result, or None when
@@ -114,7 +113,7 @@ def on_run_end(run: Run, best: tuple[Candidate, TrainResult] | None) -> None:
 
 
 @hookspec(firstresult=True)
-def plan(run: Run, iteration: int) -> str | None:
+def plan(run: RunContext, iteration: int) -> str | None:
     """Skills planning: decompose the task into sub-goals (RL-GPT's slow agent, ELLM).
 
     Called before the other proposal hooks; the plan is stored in ``run.plan`` so that
@@ -125,7 +124,7 @@ def plan(run: Run, iteration: int) -> str | None:
 
 
 @hookspec
-def propose_rewards(run: Run, iteration: int) -> list[RewardProgram] | None:
+def propose_rewards(run: RunContext, iteration: int) -> list[RewardProgram] | None:
     """Reward role: write reward functions as code (Eureka, Text2Reward, LaRes).
 
     Each :class:`core.records.RewardProgram` is compiled and probed by the sandbox
@@ -137,7 +136,7 @@ def propose_rewards(run: Run, iteration: int) -> list[RewardProgram] | None:
 
 
 @hookspec
-def propose_state_reprs(run: Run, iteration: int) -> list[StateProgram] | None:
+def propose_state_reprs(run: RunContext, iteration: int) -> list[StateProgram] | None:
     """State-representation role: write feature code appended to the observation (LESR).
 
     :return: the programs to try this iteration, or None.
@@ -145,7 +144,7 @@ def propose_state_reprs(run: Run, iteration: int) -> list[StateProgram] | None:
 
 
 @hookspec
-def propose_actions(run: Run, iteration: int) -> list[list[MacroAction]] | None:
+def propose_actions(run: RunContext, iteration: int) -> list[list[MacroAction]] | None:
     """Action role: write coded skills added to the action space (RL-GPT's fast agent).
 
     :return: alternatives, each a list of macro-actions trained together; or None.
@@ -153,7 +152,7 @@ def propose_actions(run: Run, iteration: int) -> list[list[MacroAction]] | None:
 
 
 @hookspec
-def generate_envs(run: Run, iteration: int) -> list[list[EnvConfig]] | None:
+def generate_envs(run: RunContext, iteration: int) -> list[list[EnvConfig]] | None:
     """Environment-generation role: write training-environment configs (EnvGen).
 
     Each config sets values for the task's controllable ``params``; the trainer splits
@@ -165,7 +164,7 @@ def generate_envs(run: Run, iteration: int) -> list[list[EnvConfig]] | None:
 
 
 @hookspec(firstresult=True)
-def train_candidates(run: Run, candidates: list[Candidate], seed: int) -> list[TrainResult] | None:
+def train_candidates(run: RunContext, candidates: list[Candidate], seed: int) -> list[TrainResult] | None:
     """Train an iteration's candidates jointly instead of one by one (population methods).
 
     Called in the main process with the candidates not yet trained. Population-based
@@ -256,7 +255,7 @@ def label_preferences(run: Any, goal: str, pairs: list[tuple[str, str]]) -> list
 
 
 @hookspec
-def reflect(run: Run, result: IterationResult) -> str | None:
+def reflect(run: RunContext, result: IterationResult) -> str | None:
     """Turn an iteration's results into this plugin's context for the next proposals.
 
     Called once per iteration in the main process after every candidate is scored.

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import itertools
 import time
+import uuid
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from core.context import RunContext
 from core.executor import Executor, Runtime, TrainJob, build_runtime, make_executor
 from core.progress import make_progress
 from core.records import Candidate, IterationResult, TrainResult
-from core.store import ResultStore, job_key
+from core.registry import call_each
+from core.store import ResultStore, job_key, results_path
 from core.tracking import Tracker, format_llm_call
 
 #: proposal hook -> the Candidate field it fills
@@ -34,60 +36,6 @@ ROLE_HOOKS = {
     "propose_actions": "macros",
     "generate_envs": "envs",
 }
-
-
-@dataclass
-class Run:
-    """The context every run-level hook receives.
-
-    - ``config``: the resolved run config (OmegaConf); ``plugin_config(name)`` one section.
-    - ``task``: the :class:`core.envs.task.Task`; ``seed``; ``iterations``.
-    - ``llm``: the LLM client (created on first use; every call is logged to MLflow).
-    - ``history``: the :class:`IterationResult` of every finished iteration.
-    - ``plan``: this iteration's plan (from the ``plan`` hook), or "".
-    - ``log_text(path, text)`` / ``log_metrics(dict, step)``: record on the parent run.
-    """
-
-    config: DictConfig
-    task: Any
-    hook: Any
-    tracker: Tracker | None
-    seed: int
-    iterations: int
-    history: list[IterationResult] = field(default_factory=list)
-    plan: str = ""
-    _llm: Any = None
-
-    def plugin_config(self, name: str) -> Any:
-        return (self.config.get("plugins") or {}).get(name)
-
-    @property
-    def llm(self) -> Any:
-        if self._llm is None:
-            from core.llm import make_client
-
-            self._llm = make_client(self.config.llm, on_call=self._log_llm_call)
-        return self._llm
-
-    def _log_llm_call(self, record: Any) -> None:
-        if self.tracker is None:
-            return
-        n = len(getattr(self._llm, "records", []) or []) if self._llm is not None else 0
-        self.tracker.log_text(format_llm_call(record), f"llm/{n:04d}-{record.tag or 'call'}.md")
-
-    def log_text(self, path: str, text: str) -> None:
-        if self.tracker is not None:
-            self.tracker.log_text(text, path)
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        if self.tracker is not None:
-            self.tracker.log_metrics(metrics, step)
-
-    @property
-    def best(self) -> tuple[Candidate, TrainResult] | None:
-        """The best candidate over all finished iterations."""
-        pairs = [it.best for it in self.history if it.best is not None]
-        return max(pairs, key=lambda cr: cr[1].score) if pairs else None  # type: ignore[arg-type, return-value]
 
 
 @dataclass
@@ -106,13 +54,8 @@ class RunSummary:
     final_fitness: list[float] = field(default_factory=list)
     llm: dict[str, float] = field(default_factory=dict)
     reused: int = 0  # trainings taken from an earlier identical run (resume=true)
+    results_store: str = ""  # where finished trainings are kept (and reused from)
     first_error: str = ""  # the first failed candidate's error, shown when nothing succeeded
-
-
-def iterations_from(config: DictConfig) -> int:
-    """The outer iteration count: the largest ``plugins.<name>.iterations`` (default 1)."""
-    counts = [int(p.get("iterations", 1) or 1) for p in (config.get("plugins") or {}).values() if p is not None]
-    return max(counts, default=1)
 
 
 def combine(iteration: int, proposals: dict[str, list[Any]], previous_best: Candidate | None) -> list[Candidate]:
@@ -138,10 +81,6 @@ def combine(iteration: int, proposals: dict[str, list[Any]], previous_best: Cand
     return candidates
 
 
-def _flatten(results: list[Any]) -> list[Any]:
-    return [item for result in results if result for item in result]
-
-
 class Loop:
     """Runs one experiment run: iterations of propose -> train -> reflect."""
 
@@ -149,19 +88,36 @@ class Loop:
         self.config = config
         self.container: dict[str, Any] = OmegaConf.to_container(config, resolve=True)  # type: ignore[assignment]
         self.container.pop("hydra", None)
-        self.runtime = runtime or build_runtime(self.container)
+        self.run_key = uuid.uuid4().hex
+        self.runtime = runtime or build_runtime(self.container, run_key=self.run_key)
+        self.runtime.run_key = self.runtime.run_key or self.run_key
+        self.settings = self.runtime.settings
         self.tracker = tracker
-        self.store = ResultStore(Path(config.cache_dir) / "results.sqlite") if config.get("resume", True) else None
+        self.store_path = results_path(self.settings)
+        self.store = ResultStore(self.store_path) if self.settings.run.resume else None
         self.reused = 0
         self._executor: Executor | None = None
-        self.run = Run(
-            config=config,
+        self.run = RunContext(
+            settings=self.settings,
             task=self.runtime.task,
+            seed=self.settings.run.seed,
             hook=self.runtime.hook,
+            llm_factory=self._make_llm,
             tracker=tracker,
-            seed=int(config.seed),
-            iterations=iterations_from(config),
+            iterations=self.settings.iterations,
         )
+
+    def _make_llm(self) -> Any:
+        from core.llm import make_client
+
+        return make_client(self.config.llm, on_call=self._log_llm_call)
+
+    def _log_llm_call(self, record: Any) -> None:
+        if self.tracker is None:
+            return
+        llm = self.run._llm
+        n = len(getattr(llm, "records", []) or []) if llm is not None else 0
+        self.tracker.log_text(format_llm_call(record), f"llm/{n:04d}-{record.tag or 'call'}.md")
 
     def executor(self, jobs: int, progress: Any) -> Executor:
         """The run's executor, kept across iterations so workers start once per run."""
@@ -176,17 +132,29 @@ class Loop:
     def propose(self, iteration: int) -> list[Candidate]:
         hook, run = self.run.hook, self.run
         run.plan = hook.plan(run=run, iteration=iteration) or ""
-        proposals = {role: _flatten(getattr(hook, name)(run=run, iteration=iteration)) for name, role in ROLE_HOOKS.items()}
+        proposals = {role: self._proposals(getattr(hook, name), iteration) for name, role in ROLE_HOOKS.items()}
         previous = run.best[0] if run.best else None
         candidates = combine(iteration, proposals, previous)
         for c in candidates:
             c.plan = run.plan
         return candidates
 
+    def _proposals(self, caller: Any, iteration: int) -> list[Any]:
+        """Every plugin's alternatives for one role, each part marked with its plugin (``origin``)."""
+        out: list[Any] = []
+        for name, result in call_each(caller, run=self.run, iteration=iteration):
+            for item in result or []:
+                for part in item if isinstance(item, list) else [item]:
+                    program = getattr(part, "program", part)  # a macro-action's program
+                    if hasattr(program, "origin") and not program.origin:
+                        program.origin = name
+                out.append(item)
+        return out
+
     def train(self, candidates: list[Candidate], seed: int, progress: Any) -> list[TrainResult]:
         """Train every candidate (reusing finished trainings), log each as a nested run."""
-        jobs = [TrainJob(self.container, c, seed) for c in candidates]
-        keys = [job_key(c, self.container, seed) for c in candidates]
+        jobs = [TrainJob(self.container, c, seed, self.runtime.run_key) for c in candidates]
+        keys = [job_key(c, self.container, seed, self.runtime.fingerprint) for c in candidates]
         results: list[TrainResult | None] = [self.store.get(k) if self.store else None for k in keys]
         todo = [i for i, r in enumerate(results) if r is None]
         self.reused += len(jobs) - len(todo)
@@ -214,7 +182,12 @@ class Loop:
             result = replace(result, candidate_id=candidate.id)
             if self.tracker is not None:
                 tags = {"seed": str(seed), "resumed": str(i not in todo)}
+                if i not in todo:  # say where the reused training was recorded first
+                    tags["reused_from_run"] = result.run_id or "unknown"
+                    tags["results_store"] = str(self.store_path)
                 self.tracker.log_candidate(candidate, result, tags)
+                if i in todo and self.store is not None and result.ok and result.run_id:
+                    self.store.put(keys[i], result)  # again, now with its MLflow run id
             final.append(result)
         return final
 
@@ -223,7 +196,7 @@ class Loop:
         start = time.perf_counter()
         run, hook = self.run, self.run.hook
         hook.on_run_start(run=run)
-        with make_progress(enabled=bool(self.config.get("progress", True))) as progress:
+        with make_progress(enabled=self.settings.run.progress) as progress:
             outer = progress.add_task("iterations", total=run.iterations) if progress else None
             for iteration in range(run.iterations):
                 hook.on_iteration_start(run=run, iteration=iteration)
@@ -231,7 +204,7 @@ class Loop:
                 results = self.train(candidates, run.seed, progress)
                 result = IterationResult(iteration, candidates, results)
                 run.history.append(result)
-                for text, impl in zip(hook.reflect(run=run, result=result), _impl_names(hook.reflect)):
+                for impl, text in call_each(hook.reflect, run=run, result=result):
                     if text:
                         run.log_text(f"reflection/it{iteration}-{impl}.md", text)
                 best = run.best
@@ -250,8 +223,7 @@ class Loop:
 
     def final_seeds(self, progress: Any) -> list[float]:
         """Retrain the best candidate on ``final_seeds`` more seeds (Eureka's final evaluation)."""
-        plugin_seeds = [int(p.get("final_seeds", 0) or 0) for p in (self.config.get("plugins") or {}).values() if p]
-        n = max([int(self.config.get("final_seeds", 0) or 0), *plugin_seeds])
+        n = self.settings.final_seeds
         best = self.run.best
         if n <= 0 or best is None:
             return []
@@ -297,13 +269,9 @@ class Loop:
             final_fitness=final,
             llm=llm,
             reused=self.reused,
+            results_store=str(self.store_path) if self.store is not None else "",
             first_error=next((r.error for r in results if not r.ok), ""),
         )
-
-
-def _impl_names(hook_caller: Any) -> list[str]:
-    # pluggy calls implementations last-registered first; results come in that order
-    return [impl.plugin_name for impl in reversed(hook_caller.get_hookimpls())]
 
 
 def _iteration_best(result: IterationResult) -> float:
@@ -318,7 +286,7 @@ def run_experiment(config: DictConfig, extra_plugins: tuple[object, ...] = ()) -
     quiet_third_party()
     container = OmegaConf.to_container(config, resolve=True)
     container.pop("hydra", None)  # type: ignore[union-attr]
-    runtime = build_runtime(container, extra_plugins)  # type: ignore[arg-type]
+    runtime = build_runtime(container, extra_plugins, run_key=uuid.uuid4().hex)  # type: ignore[arg-type]  # validates before any work
     tracker = Tracker(config.tracking, config.experiment)
     plugins = sorted((config.get("plugins") or {}).keys())
     tags = {"plugins": ",".join(plugins) or "none", "env": str(config.env.name), "seed": str(config.seed)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -21,6 +22,7 @@ import pluggy
 import yaml
 
 from core import hookspecs
+from core.config import PluginConfig, Settings, config_class
 from core.errors import UserError, did_you_mean
 from core.resources import registry_path
 
@@ -71,7 +73,7 @@ def entry_point_plugins() -> list[PluginInfo]:
                 name=ep.name,
                 module=ep.value,
                 roles=list(getattr(module, "ROLES", [])),
-                hooks=sorted(n for n in dir(module) if _is_hookimpl(getattr(module, n))),
+                hooks=sorted(_hookimpl_names(getattr(module, "Plugin", module))),
                 paper=dict(getattr(module, "PAPER", {})),
                 source=ep.dist.name if ep.dist else "entry point",
             )
@@ -109,28 +111,109 @@ def load_module(info: PluginInfo) -> ModuleType:
     return importlib.import_module(info.module)
 
 
-def plugin_defaults(info: PluginInfo) -> dict[str, Any]:
-    """A third-party plugin's default config: its module's ``CONFIG`` mapping, if any."""
-    return dict(getattr(load_module(info), "CONFIG", {}) or {})
+def load_plugins(names: Iterable[str]) -> dict[str, ModuleType]:
+    """The modules of the named plugins, in order (names checked against the catalogue)."""
+    names = list(names)
+    known = catalogue()
+    check_names(names, known)
+    return {name: load_module(known[name]) for name in names}
 
 
-def make_plugin_manager(enabled: Iterable[str], extra: Iterable[object] = ()) -> pluggy.PluginManager:
-    """A plugin manager with the hook specs and the enabled plugins registered.
+def plugin_object(module: ModuleType, config: PluginConfig) -> object:
+    """What to register for one run: a new ``Plugin(config)`` if the module has a class, else the module.
 
-    :param enabled: plugin names (checked against the catalogue).
+    A plugin that keeps state is a class named ``Plugin`` whose ``@hookimpl`` methods
+    hold its hooks; each run gets its own instance, so two runs in one process share
+    nothing. A module of plain ``@hookimpl`` functions is registered as it is (stateless).
+    """
+    cls = getattr(module, "Plugin", None)
+    if cls is None:
+        return module
+    if not isinstance(cls, type):
+        raise UserError(f"{module.__name__}.Plugin must be a class whose @hookimpl methods are the plugin's hooks.")
+    return cls(config)
+
+
+def make_plugin_manager(
+    settings: Settings | None = None,
+    modules: dict[str, ModuleType] | None = None,
+    extra: Iterable[object] = (),
+) -> pluggy.PluginManager:
+    """A plugin manager with the hook specs and one run's plugin objects registered.
+
+    :param settings: the run's validated settings (each plugin's typed config); None
+        registers the plugins with their default configs.
+    :param modules: enabled plugin name -> module (:func:`load_plugins`); default: the
+        plugins ``settings`` names.
     :param extra: further plugin objects to register (tests, embedding applications).
+    :raises UserError: for a hook name that is no spec or an argument a spec lacks,
+        with the closest names.
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    names = list(enabled)
-    known = catalogue()
-    check_names(names, known)
-    for name in names:
-        pm.register(load_module(known[name]), name=name)
+    if modules is None:
+        modules = load_plugins(settings.plugins if settings is not None else ())
+    for name, module in modules.items():
+        config = settings.plugins.get(name) if settings is not None else None
+        if config is None:
+            config = config_class(module)()
+        _register(pm, plugin_object(module, config), name)
     for obj in extra:
-        pm.register(obj)
-    pm.check_pending()  # a misspelt hook name fails here, not silently
+        _register(pm, obj, None)
+    try:
+        pm.check_pending()  # a misspelt hook name fails here, not silently
+    except pluggy.PluginValidationError as err:
+        raise UserError(_explain_validation(err)) from None
     return pm
+
+
+def _register(pm: pluggy.PluginManager, obj: object, name: str | None) -> None:
+    try:
+        pm.register(obj, name=name)
+    except pluggy.PluginValidationError as err:
+        raise UserError(_explain_validation(err)) from None
+
+
+def _explain_validation(err: pluggy.PluginValidationError) -> str:
+    """One paragraph for pluggy's complaint about a plugin's hooks."""
+    specs = sorted(n for n in dir(hookspecs) if hasattr(getattr(hookspecs, n), f"{hookspecs.PROJECT}_spec"))
+    plugin = getattr(err.plugin, "__name__", None) or type(err.plugin).__name__
+    text = str(err)
+    for name in _hookimpl_names(err.plugin):
+        if name not in specs:
+            return (
+                f"Plugin {plugin} implements '{name}', which is not a hook.{did_you_mean(name, specs)} "
+                f"Hooks: {', '.join(specs)} (core/hookspecs.py documents each)."
+            )
+    for name in _hookimpl_names(err.plugin):
+        if name in specs and name in text:
+            spec_args = list(inspect.signature(getattr(hookspecs, name)).parameters)
+            impl = getattr(err.plugin, name)
+            bad = [a for a in inspect.signature(impl).parameters if a not in spec_args and a != "self"]
+            hint = "".join(did_you_mean(a, spec_args) for a in bad)
+            return (
+                f"Plugin {plugin}: hook '{name}' takes argument(s) {', '.join(repr(b) for b in bad)} that the spec "
+                f"does not pass.{hint} '{name}' passes: {', '.join(spec_args)} (take any subset of them)."
+            )
+    return f"Plugin {plugin} does not match the hook specs: {text}"
+
+
+def _hookimpl_names(obj: object) -> list[str]:
+    return [n for n in dir(obj) if not n.startswith("__") and _is_hookimpl(getattr(obj, n, None))]
+
+
+def call_each(caller: Any, **kwargs: Any) -> list[tuple[str, Any]]:
+    """Call every implementation of a broadcast hook; ``(plugin name, result)`` for each.
+
+    pluggy's own call drops None results, so a list of results cannot be paired with
+    the plugins that gave them; this keeps the pairing (None results included), in
+    pluggy's call order (last registered first).
+    """
+    out = []
+    for impl in reversed(caller.get_hookimpls()):
+        args = [kwargs[name] for name in impl.argnames]
+        out.append((impl.plugin_name, impl.function(*args)))
+    return out
 
 
 def _is_hookimpl(obj: Any) -> bool:

@@ -1,7 +1,11 @@
 """Finished trainings, kept so that an interrupted or repeated run does not pay twice.
 
-A training is identified by what determines its outcome: the candidate's parts, the
-task and trainer config, and the seed. Records are pickled into a small sqlite file.
+A training is identified by what determines its outcome: the candidate's parts (the
+LLM-written programs included), the task, trainer and plugin config, the seed, and the
+code that runs it (a hash of the framework's training code and of every participating
+plugin's source), so that edited code never replays an old result. Records are pickled
+into a small sqlite file that lives beside the tracking store by default
+(:func:`results_path`), so a fresh study folder starts fresh.
 """
 
 from __future__ import annotations
@@ -17,7 +21,23 @@ from typing import Any
 from core.records import Candidate, TrainResult
 
 
-def job_key(candidate: Candidate, config: dict[str, Any], seed: int) -> str:
+def results_path(settings: Any) -> Path:
+    """Where finished trainings are kept: ``results_store``, else beside the tracking store.
+
+    A sqlite tracking URI ``sqlite:///dir/mlflow.db`` puts them in ``dir/llm4rl-results.sqlite``;
+    any other URI (a server, a file store) in ``<cache_dir>/results.sqlite``.
+    """
+    if settings.run.results_store:
+        return Path(settings.run.results_store).expanduser()
+    uri = str((settings.config.get("tracking") or {}).get("uri") or "")
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///"):]).expanduser().resolve().parent / "llm4rl-results.sqlite"
+    if uri and "://" not in uri:  # a plain folder: MLflow's file store
+        return Path(uri).expanduser().resolve() / "llm4rl-results.sqlite"
+    return Path(settings.run.cache_dir or ".").expanduser() / "results.sqlite"
+
+
+def job_key(candidate: Candidate, config: dict[str, Any], seed: int, code: dict[str, str] | None = None) -> str:
     """A stable hash of everything that decides a training's result."""
     parts = {role: asdict(p) if hasattr(p, "__dataclass_fields__") else p for role, p in candidate.parts.items()}
     for part in parts.values():  # the prompt/reply that produced code do not change training
@@ -31,6 +51,7 @@ def job_key(candidate: Candidate, config: dict[str, Any], seed: int) -> str:
         "trainer": config.get("trainer"),
         "plugins": config.get("plugins"),  # per-step plugins change training too
         "seed": seed,
+        "code": code or {},  # framework and plugin source hashes
     }
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()

@@ -171,6 +171,7 @@ class Tracker:
             self.log_text(result.error, "error.txt", rid)
         if result.policy_path and Path(result.policy_path).exists():
             self.log_file(result.policy_path, "policy", rid)
+            Path(result.policy_path).unlink(missing_ok=True)  # the artifact store keeps it now
         if self.cfg.get("log_plots", True) and result.curve:
             from core.plots import learning_curve
 

@@ -13,14 +13,14 @@ Method (Ma et al., "Eureka: Human-Level Reward Design via Coding Large Language 
 4. The context is system + task + the latest best reply + its feedback; after N
    iterations the best reward is retrained on more seeds (``final_seeds``).
 
-Config: ``conf/plugins/eureka.yaml``.
+Config: ``conf/plugins/eureka.yaml`` (schema: :class:`Config`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from core import hookimpl
+from core import PluginConfig, hookimpl
 from core.codegen import extract_function
 from core.prompting import reward_interface, sample_evenly, summarize_series
 from core.records import Candidate, IterationResult, RewardProgram, TrainResult
@@ -28,6 +28,24 @@ from core.records import Candidate, IterationResult, RewardProgram, TrainResult
 NAME = "eureka"
 ENTRY = "compute_reward"
 ARGS = ["state", "action", "next_state"]
+
+
+@dataclass
+class Config(PluginConfig):
+    """``plugins.eureka``; ``iterations`` and ``final_seeds`` come from :class:`core.PluginConfig`."""
+
+    iterations: int = 5  # outer rounds of sampling + training + reflection (paper: 5)
+    samples: int = 16  # reward functions sampled per round, each trained (paper: 16)
+    temperature: float = 1.0  # sampling temperature (paper: 1.0)
+    max_tokens: int = 1024  # cap on each reply
+
+    def check(self) -> None:
+        super().check()
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
 
 # -- prompt pieces -----------------------------------------------------------------------
 
@@ -71,36 +89,22 @@ NO_CODE = """Your reply could not be used: {error}
 Reply with the complete reward function in a ```python block."""
 
 
-# -- state ---------------------------------------------------------------------------------
-
-
-@dataclass
-class EurekaState:
-    """The conversation the plugin carries from one iteration to the next."""
-
-    best_reply: str = ""  # the latest best (or failing) reply, shown as the assistant turn
-    feedback: str = ""  # reflection on it, shown as the next user turn
-    best_score: float = float("-inf")
-    best_source: str = ""
-    extract_errors: list[str] = field(default_factory=list)
-
-
-STATE = EurekaState()
+# -- prompts -------------------------------------------------------------------------------
 
 
 def task_prompt(run) -> str:
     """The user message describing the environment, the interface and the goal."""
-    allowed = list(run.config.sandbox.allowed_imports)
-    return TASK.format(description=run.task.description, interface=reward_interface(run.task, allowed), goal=run.task.goal)
+    return TASK.format(description=run.task.description, interface=reward_interface(run.task, list(run.sandbox.imports)),
+                       goal=run.task.goal)
 
 
-def messages(run) -> list[dict[str, str]]:
+def messages(run, best_reply: str, feedback: str) -> list[dict[str, str]]:
     """System + task + (latest best reply + its feedback), Eureka's context policy."""
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task_prompt(run)}]
-    if STATE.best_reply and STATE.feedback:
-        msgs += [{"role": "assistant", "content": STATE.best_reply}, {"role": "user", "content": STATE.feedback}]
-    elif STATE.feedback:  # nothing usable came back yet: say why and ask again
-        msgs[-1]["content"] += "\n\n" + STATE.feedback
+    if best_reply and feedback:
+        msgs += [{"role": "assistant", "content": best_reply}, {"role": "user", "content": feedback}]
+    elif feedback:  # nothing usable came back yet: say why and ask again
+        msgs[-1]["content"] += "\n\n" + feedback
     return msgs
 
 
@@ -130,72 +134,75 @@ def reflection(result: TrainResult, fitness_name: str, failure_modes: str = "") 
 # -- hooks ---------------------------------------------------------------------------------
 
 
-@hookimpl
-def on_run_start(run) -> None:
-    global STATE
-    STATE = EurekaState()
+class Plugin:
+    """One Eureka search; its state is the conversation it carries between iterations."""
 
+    def __init__(self, config: Config) -> None:
+        self.cfg = config
+        self.best_reply = ""  # the latest best (or failing) reply, shown as the assistant turn
+        self.feedback = ""  # reflection on it, shown as the next user turn
+        self.best_score = float("-inf")
+        self.best_source = ""
+        self.extract_errors: list[str] = []
 
-@hookimpl
-def propose_rewards(run, iteration: int) -> list[RewardProgram] | None:
-    cfg = run.plugin_config(NAME)
-    if iteration >= int(cfg.iterations):
-        return None
-    msgs = messages(run)
-    prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
-    programs: list[RewardProgram] = []
-    STATE.extract_errors = []
-    replies = run.llm.chat(
-        msgs,
-        n=int(cfg.samples),
-        temperature=float(cfg.temperature),
-        max_tokens=int(cfg.max_tokens),
-        seed=run.seed * 1000 + iteration,
-        tag=f"{NAME}-it{iteration}",
-    )
-    for i, reply in enumerate(replies):
-        found = extract_function(reply.text, ENTRY, ARGS)
-        if found.ok:
-            programs.append(
-                RewardProgram(source=found.source, entry=ENTRY, origin=NAME, prompt=prompt, reply=reply.text, meta={"sample": i})
-            )
+    @hookimpl
+    def propose_rewards(self, run, iteration: int) -> list[RewardProgram] | None:
+        cfg = self.cfg
+        if iteration >= cfg.iterations:
+            return None
+        msgs = messages(run, self.best_reply, self.feedback)
+        prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
+        programs: list[RewardProgram] = []
+        self.extract_errors = []
+        replies = run.llm.chat(
+            msgs,
+            n=cfg.samples,
+            temperature=cfg.temperature,
+            max_tokens=cfg.max_tokens,
+            seed=run.seed * 1000 + iteration,
+            tag=f"{NAME}-it{iteration}",
+        )
+        for i, reply in enumerate(replies):
+            found = extract_function(reply.text, ENTRY, ARGS)
+            if found.ok:
+                programs.append(
+                    RewardProgram(source=found.source, entry=ENTRY, origin=NAME, prompt=prompt, reply=reply.text, meta={"sample": i})
+                )
+            else:
+                self.extract_errors.append(found.error)
+        if not programs:
+            # no usable code at all: the next iteration says why (Eureka resamples)
+            self.feedback = NO_CODE.format(error=self.extract_errors[0] if self.extract_errors else "empty replies")
+        return programs
+
+    @hookimpl
+    def reflect(self, run, result: IterationResult) -> str | None:
+        mine = [(c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c, result.iteration)]
+        if not mine:
+            return self.feedback or None
+        ok = [(c, r) for c, r in mine if r.ok]
+        if ok:
+            best_c, best_r = max(ok, key=lambda cr: cr[1].score)
+            self.best_reply = best_c.reward.reply  # type: ignore[union-attr]
+            self.feedback = reflection(best_r, run.task.fitness_name, run.task.failure_modes(best_r.episodes))
+            for c, r in ok:
+                modes = run.task.failure_modes(r.episodes)
+                if modes:
+                    run.log_text(f"{NAME}/{c.id}/failure_modes.txt", modes)
+            if best_r.score > self.best_score:
+                self.best_score, self.best_source = best_r.score, best_c.reward.source  # type: ignore[union-attr]
         else:
-            STATE.extract_errors.append(found.error)
-    if not programs:
-        # no usable code at all: the next iteration says why (Eureka resamples)
-        STATE.feedback = NO_CODE.format(error=STATE.extract_errors[0] if STATE.extract_errors else "empty replies")
-    return programs
+            failed_c, failed_r = mine[0]
+            self.best_reply = failed_c.reward.reply  # type: ignore[union-attr]
+            self.feedback = FAILURE.format(kind=failed_r.error_kind or "error", error=failed_r.error.strip()[-1500:])
+        summary = [f"iteration {result.iteration}: {len(ok)}/{len(mine)} reward functions trained"]
+        summary += [f"- {c.id}: {r.fitness.value:.4g}" if r.ok and r.fitness else f"- {c.id}: failed ({r.error_kind})" for c, r in mine]
+        return "\n".join(summary) + "\n\nFeedback for the next iteration:\n\n" + self.feedback
 
-
-@hookimpl
-def reflect(run, result: IterationResult) -> str | None:
-    mine = [(c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c, result.iteration)]
-    if not mine:
-        return STATE.feedback or None
-    ok = [(c, r) for c, r in mine if r.ok]
-    if ok:
-        best_c, best_r = max(ok, key=lambda cr: cr[1].score)
-        STATE.best_reply = best_c.reward.reply  # type: ignore[union-attr]
-        STATE.feedback = reflection(best_r, run.task.fitness_name, run.task.failure_modes(best_r.episodes))
-        for c, r in ok:
-            modes = run.task.failure_modes(r.episodes)
-            if modes:
-                run.log_text(f"{NAME}/{c.id}/failure_modes.txt", modes)
-        if best_r.score > STATE.best_score:
-            STATE.best_score, STATE.best_source = best_r.score, best_c.reward.source  # type: ignore[union-attr]
-    else:
-        failed_c, failed_r = mine[0]
-        STATE.best_reply = failed_c.reward.reply  # type: ignore[union-attr]
-        STATE.feedback = FAILURE.format(kind=failed_r.error_kind or "error", error=failed_r.error.strip()[-1500:])
-    summary = [f"iteration {result.iteration}: {len(ok)}/{len(mine)} reward functions trained"]
-    summary += [f"- {c.id}: {r.fitness.value:.4g}" if r.ok and r.fitness else f"- {c.id}: failed ({r.error_kind})" for c, r in mine]
-    return "\n".join(summary) + "\n\nFeedback for the next iteration:\n\n" + STATE.feedback
-
-
-@hookimpl
-def on_run_end(run, best: tuple[Candidate, TrainResult] | None) -> None:
-    if STATE.best_source:
-        run.log_text(f"{NAME}/best_reward.py", STATE.best_source)
+    @hookimpl
+    def on_run_end(self, run, best: tuple[Candidate, TrainResult] | None) -> None:
+        if self.best_source:
+            run.log_text(f"{NAME}/best_reward.py", self.best_source)
 
 
 def _is_mine(candidate: Candidate, iteration: int) -> bool:

@@ -23,18 +23,16 @@ from torchrl.envs import Compose, EnvBase, TransformedEnv
 
 from core.envs.task import Task
 from core.records import Candidate, EnvConfig, TrainResult
-from core.train.context import TrainContext
+from core.context import TrainContext
 from core.train.envs import VecGymEnv
 from core.train.transforms import ProgramReward, build_transforms, has_impls
 
 def sandbox_settings(ctx: TrainContext | None) -> tuple[Any, tuple[str, ...]]:
-    """``(Limits, allowed_imports)`` from the run's ``sandbox:`` config (defaults without one)."""
-    from core.sandbox import settings_from_config  # lazy: the sandbox is heavy
+    """``(Limits, allowed_imports)`` from the run's typed ``sandbox:`` settings (defaults without a context)."""
+    from core.config import SandboxConfig
 
-    node = None
-    if ctx is not None and ctx.config is not None and hasattr(ctx.config, "get"):
-        node = ctx.config.get("sandbox")
-    return settings_from_config(node)
+    sandbox = ctx.sandbox if ctx is not None else SandboxConfig()
+    return sandbox.limits(), sandbox.imports
 
 
 def prepare_programs(task: Task, candidate: Candidate, ctx: TrainContext | None) -> tuple[Any, Any, int]:
@@ -168,9 +166,7 @@ def train_safely(body: Callable[[TrainResult], None], candidate: Candidate, hook
 
 def wants_saved_policy(ctx: TrainContext | None) -> bool:
     """Policies are saved in runs (``save_policy``, default true), not in bare calls."""
-    if ctx is None or ctx.config is None or not hasattr(ctx.config, "get"):
-        return False
-    return bool(ctx.config.get("save_policy", True))
+    return ctx is not None and ctx.settings.run.save_policy
 
 
 def save_policy(state: dict[str, Any], candidate_id: str) -> str:

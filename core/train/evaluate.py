@@ -9,7 +9,7 @@ import torch
 
 from core.envs.task import Task
 from core.records import CurvePoint, Episode, TrainResult
-from core.train.context import TrainContext
+from core.context import TrainContext
 
 
 def _env_info(info: dict[str, Any], i: int) -> dict[str, Any]:

@@ -28,7 +28,8 @@ from core.envs.task import Task
 from core.records import Candidate, Episode, TrainResult
 from core.train.common import (CandidateEnv, config_from, corr_sums, pearson, save_policy, split_env_params,  # noqa: F401
                                train_safely, wants_saved_policy)
-from core.train.context import TrainContext
+from core.config import Settings
+from core.context import TrainContext
 from core.train.evaluate import evaluate_and_record
 from core.train.networks import build_networks
 
@@ -98,7 +99,7 @@ def train(
     :param progress: a ``rich.progress.Progress`` to show a bar in, or None.
     """
     if hook is not None and ctx is None:
-        ctx = TrainContext(task=task, candidate=candidate, config={}, seed=seed, total_frames=cfg.frames)
+        ctx = TrainContext(settings=Settings.of(), task=task, candidate=candidate, seed=seed, total_frames=cfg.frames)
 
     def body(result: TrainResult) -> None:
         _Run(task, candidate, cfg, seed, hook, ctx, progress, result).run()

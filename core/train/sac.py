@@ -39,7 +39,8 @@ from torchrl.objectives import SACLoss, SoftUpdate
 from core.envs.task import Task
 from core.records import Candidate, Episode, TrainResult
 from core.train.common import CandidateEnv, config_from, corr_sums, pearson, save_policy, train_safely, wants_saved_policy
-from core.train.context import TrainContext
+from core.config import Settings
+from core.context import TrainContext
 from core.train.evaluate import evaluate_and_record
 
 #: what the replay buffer keeps of a collected batch (all SACLoss reads)
@@ -189,7 +190,7 @@ def train(
     Same contract as :func:`core.train.ppo.train`.
     """
     if hook is not None and ctx is None:
-        ctx = TrainContext(task=task, candidate=candidate, config={}, seed=seed, total_frames=cfg.frames)
+        ctx = TrainContext(settings=Settings.of(), task=task, candidate=candidate, seed=seed, total_frames=cfg.frames)
 
     def body(result: TrainResult) -> None:
         _run(task, candidate, cfg, seed, hook, ctx, progress, result)

@@ -22,7 +22,7 @@ from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
 
 from core.envs.task import Task
-from core.train.context import StepBatch, TrainContext
+from core.context import StepBatch, TrainContext
 
 RewardFn = Callable[[dict, torch.Tensor, dict], Any]  # -> reward [B] or (reward, components)
 StateFn = Callable[[dict], torch.Tensor]  # -> features [B, k]

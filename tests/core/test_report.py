@@ -10,8 +10,8 @@ import pytest
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from core.report import analyze, main
-from core.report_data import FAILED, OK, StudyRun, assign_arms, load_study, varying_keys
-from core.report_stats import final_score_intervals, improvement
+from core.report.data import FAILED, OK, StudyRun, assign_arms, load_study, varying_keys
+from core.report.stats import final_score_intervals, improvement
 
 BASELINE = [1.0, 2.0, 3.0, 4.0]  # seeds 0..3
 EUREKA = [2.0, 4.0, 6.0, 100.0]  # seeds 0..3; seed 4 failed

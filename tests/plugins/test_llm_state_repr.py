@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from core.envs import make_task
 from core.records import Candidate, Fitness, IterationResult, StateProgram, TrainResult
-from core.train.context import StepBatch, TrainContext
+from core.context import StepBatch, TrainContext
 from plugins import llm_state_repr as lesr
 
 GOOD = '''```python

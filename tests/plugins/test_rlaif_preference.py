@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from core.envs import make_task
 from core.records import Candidate, TrainResult
 from core.resources import conf_dir
-from core.train.context import StepBatch, TrainContext
+from core.context import StepBatch, TrainContext
 from plugins import rlaif_preference as rp
 
 torch.set_num_threads(1)  # as in training: small nets with 2 threads stall on a busy machine

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 import core.sandbox
 from core.records import Candidate, RewardProgram, StateProgram
 from core.train.common import sandbox_settings, save_policy, wants_saved_policy
-from core.train.context import TrainContext
+from core.context import TrainContext
 from core.train.ppo import train
 
 SANDBOX = {"allowed_imports": ["math", "torch"], "cpu_s": 3, "wall_s": 7, "memory_mb": 1024, "call_timeout_s": 0.25}

@@ -16,7 +16,7 @@ from core.envs.classic import Pendulum
 from core.records import Candidate, RewardProgram
 from core.resources import conf_dir
 from core.train import get_trainer
-from core.train.context import TrainContext
+from core.context import TrainContext
 from core.train.sac import SACConfig, act_deterministic, make_replay_buffer, make_sac_modules, sac_update, train
 
 

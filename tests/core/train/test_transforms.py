@@ -129,7 +129,7 @@ def test_has_impls_is_false_without_plugins():
 
 def test_hook_transforms(task):
     from core.records import Candidate
-    from core.train.context import TrainContext
+    from core.context import TrainContext
 
     hook = _hook(_Judge())
     ctx = TrainContext(task=task, candidate=Candidate("c", 0), config={}, seed=0, total_frames=100)

@@ -3,12 +3,12 @@
 Layers, outermost first (see ``docs/sandbox.md`` for the threat model):
 
 1. :func:`check_source` parses the code and applies the AST policy of
-   :mod:`core.sandbox_policy` (allowed imports, no I/O or introspection escapes).
+   :mod:`core.sandbox.policy` (allowed imports, no I/O or introspection escapes).
 2. :func:`compile_program` executes the checked code in a namespace whose
    ``__builtins__`` holds only safe functions and an import hook that allows only
    the configured modules.
 3. :func:`run_isolated` runs a program once in a child process
-   (:mod:`core.sandbox_worker`) that sets CPU, memory, process, file-size and
+   (:mod:`core.sandbox.worker`) that sets CPU, memory, process, file-size and
    open-file limits and drops root privileges before the code runs; the parent
    enforces a wall clock and kills the child's process group.
 4. :func:`prepare_reward` / :func:`prepare_state` probe a program on real states of
@@ -45,7 +45,7 @@ import torch
 
 from core.codegen import signature_error
 from core.records import Program, RewardProgram, StateProgram
-from core.sandbox_policy import SAFE_BUILTIN_NAMES, find_violation, module_allowed
+from core.sandbox.policy import SAFE_BUILTIN_NAMES, find_violation, module_allowed
 
 if TYPE_CHECKING:  # pragma: no cover
     from core.envs.task import Task
@@ -513,7 +513,7 @@ def run_isolated(
     dtype is tried again row by row (:func:`call_per_row`); if that passes, the report
     is ok with ``data["per_row"] = True``.
 
-    The child (:mod:`core.sandbox_worker`) imports torch and numpy, sets its resource
+    The child (:mod:`core.sandbox.worker`) imports torch and numpy, sets its resource
     limits, drops root privileges, then compiles and calls the program with
     ``limits.call_timeout_s``; ``validate(result, args)`` (a picklable function) runs
     in the child too. Only a small JSON report comes back, so nothing the program
@@ -540,7 +540,7 @@ def run_isolated(
     )
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-B", "-m", "core.sandbox_worker"],
+        [sys.executable, "-B", "-m", "core.sandbox.worker"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

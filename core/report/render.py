@@ -18,10 +18,10 @@ matplotlib.use("Agg")  # headless
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from core.report_data import FAILED, OK, UNFINISHED, StudyRun  # noqa: E402
+from core.report.data import FAILED, OK, UNFINISHED, StudyRun  # noqa: E402
 
 if TYPE_CHECKING:
-    from core.report import TaskResult
+    from core.report.study import TaskResult
 
 
 def _num(v: float) -> str:
@@ -37,7 +37,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def render_markdown(tasks: list[TaskResult], runs: list[StudyRun], experiment: str, reps: int, figures: dict[str, list[str]]) -> str:
     """The whole report as Markdown."""
-    from core.report import COST_METRICS
+    from core.report.study import COST_METRICS
 
     count = {s: sum(r.status == s for r in runs) for s in (OK, FAILED, UNFINISHED)}
     lines = [

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from core.report_data import OK, REPORT_TAG, StudyRun, assign_arms, load_study
-from core.report_stats import Interval, curve_band, final_score_intervals, improvement
+from core.report.data import OK, REPORT_TAG, StudyRun, assign_arms, load_study
+from core.report.stats import Interval, curve_band, final_score_intervals, improvement
 
 #: per-run LLM/compute metrics summed per arm in the cost table: (metric, column title)
 COST_METRICS = (
@@ -131,7 +131,7 @@ def _curve(arm: str, runs: list[StudyRun], reps: int, seed: int) -> dict[str, li
 
 def write_report(tasks: list[TaskResult], runs: list[StudyRun], out: Path, experiment: str, reps: int) -> list[Path]:
     """Markdown, HTML, JSON, CSV and PNG files of the report in ``out``; returns them."""
-    from core.report_render import render_figures, render_html, render_markdown
+    from core.report.render import render_figures, render_html, render_markdown
 
     out.mkdir(parents=True, exist_ok=True)
     figures = render_figures(tasks, out)

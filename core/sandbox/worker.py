@@ -1,4 +1,4 @@
-"""The child process of :func:`core.sandbox.run_isolated` (``python -m core.sandbox_worker``).
+"""The child process of :func:`core.sandbox.run_isolated` (``python -m core.sandbox.worker``).
 
 Order matters: read the request, import and warm up everything trusted (torch, numpy,
 the allowed submodules), then set resource limits, drop root privileges, and only then
@@ -66,7 +66,7 @@ def main() -> None:
 
     import torch
 
-    from core import sandbox as sb
+    from core.sandbox import programs as sb
 
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):

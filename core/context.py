@@ -1,0 +1,152 @@
+"""What hooks receive: the run context, the training context and one batched step.
+
+Both contexts share :class:`Context`: the run's validated :class:`core.config.Settings`
+(``config`` is the composed config, ``plugin_config(name)`` one plugin's typed config,
+``sandbox`` the typed sandbox limits), the task, the seed, the LLM client (created on
+first use; each call is recorded) and logging. :class:`RunContext` adds what the outer
+loop knows (iteration history, the plan, the plugin manager's hooks);
+:class:`TrainContext` adds the candidate being trained and the frames done.
+
+Plugin state does not live here: a plugin that keeps state is a class, instantiated
+once per run (``docs/writing-a-plugin.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from core.config import PluginConfig, SandboxConfig, Settings
+
+if TYPE_CHECKING:  # pragma: no cover
+    from omegaconf import DictConfig
+
+    from core.envs.task import Task
+    from core.records import Candidate, IterationResult, TrainResult
+
+
+@dataclass
+class Context:
+    """The part both contexts share."""
+
+    settings: Settings
+    task: Task
+    seed: int
+    llm_factory: Callable[[], Any] | None = field(default=None, repr=False)
+    hook: Any = field(default=None, repr=False)  # the plugin manager's hooks, to call other plugins (label_preferences)
+    _llm: Any = field(default=None, repr=False)
+
+    @property
+    def config(self) -> DictConfig:
+        """The composed run config (read-only OmegaConf ``DictConfig``)."""
+        return self.settings.config
+
+    @property
+    def sandbox(self) -> SandboxConfig:
+        """The typed ``sandbox:`` settings (``.limits()``, ``.imports``)."""
+        return self.settings.sandbox
+
+    def plugin_config(self, name: str) -> PluginConfig | None:
+        """An enabled plugin's validated config (its ``Config`` dataclass), or None."""
+        return self.settings.plugins.get(name)
+
+    @property
+    def llm(self) -> Any:
+        """The LLM client of this process (:class:`core.llm.LLMClient`), created on first use."""
+        if self._llm is None and self.llm_factory is not None:
+            self._llm = self.llm_factory()
+        return self._llm
+
+
+@dataclass
+class RunContext(Context):
+    """What run-level hooks receive (``run``).
+
+    - ``iterations``: the outer iteration count; ``history``: every finished
+      :class:`core.records.IterationResult`; ``best``: the best (candidate, result) so far.
+    - ``plan``: this iteration's plan from the ``plan`` hook, or "".
+    - ``log_text(path, text)`` / ``log_metrics(dict, step)``: record on the run's MLflow run.
+    """
+
+    iterations: int = 1
+    history: list[IterationResult] = field(default_factory=list)
+    plan: str = ""
+    tracker: Any = field(default=None, repr=False)
+
+    def log_text(self, path: str, text: str) -> None:
+        if self.tracker is not None:
+            self.tracker.log_text(text, path)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if self.tracker is not None:
+            self.tracker.log_metrics(metrics, step)
+
+    @property
+    def best(self) -> tuple[Candidate, TrainResult] | None:
+        """The best candidate over all finished iterations."""
+        pairs = [it.best for it in self.history if it.best is not None]
+        return max(pairs, key=lambda cr: cr[1].score) if pairs else None  # type: ignore[arg-type, return-value]
+
+
+@dataclass
+class TrainContext(Context):
+    """What training hooks receive (``train``): one candidate's training.
+
+    ``frames`` advances as training goes; ``total_frames`` is the budget; ``progress``
+    their ratio. ``log_metric`` records a metric over frames on the candidate's MLflow
+    run and ``log_text`` a text artifact; both travel back with the result.
+    """
+
+    candidate: Candidate | None = None
+    total_frames: int = 0
+    frames: int = 0
+    metrics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def progress(self) -> float:
+        """Fraction of the training budget done, in [0, 1]."""
+        return min(1.0, self.frames / max(1, self.total_frames))
+
+    def log_metric(self, key: str, value: float) -> None:
+        self.metrics.setdefault(key, []).append((self.frames, float(value)))
+
+    def log_text(self, name: str, text: str) -> None:
+        """Append to a text artifact (``name`` is its file name), e.g. an evaluator's reasons."""
+        self.texts[name] = self.texts.get(name, "") + text
+
+
+@dataclass
+class StepBatch:
+    """One collected step of every env, batched over ``B`` envs (``compute_reward``).
+
+    - ``obs`` / ``next_obs``: the task's observations ``[B, D]`` before any feature a
+      state program or ``represent_state`` appends; ``next_obs`` of a step that ended an
+      episode is that episode's final observation, not the reset one.
+    - ``state`` / ``next_state``: the same as ``{field: [B, ...]}`` (``Task.split_state``).
+    - ``action``: the actions taken, ``[B]`` for discrete tasks, ``[B, A]`` for continuous.
+    - ``env_reward``: the env's own reward ``[B]``; ``reward``: the reward so far ``[B]``
+      (the candidate's reward program if any, plus earlier hooks' terms).
+    - ``done``: ``[B]`` bool, the step ended an episode (terminated or truncated).
+    - ``task``: the :class:`core.envs.task.Task`.
+
+    The tensors are the trainer's own: read them, never change them in place.
+    """
+
+    obs: torch.Tensor
+    action: torch.Tensor
+    next_obs: torch.Tensor
+    env_reward: torch.Tensor
+    reward: torch.Tensor
+    done: torch.Tensor
+    task: Task
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.task.split_state(self.obs)
+
+    @property
+    def next_state(self) -> dict[str, torch.Tensor]:
+        return self.task.split_state(self.next_obs)

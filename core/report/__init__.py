@@ -1,0 +1,9 @@
+"""The comparison report of a study: load runs from MLflow, compute IQMs and CIs, render.
+
+- :mod:`core.report.data`: the study's runs read from MLflow, grouped into arms.
+- :mod:`core.report.stats`: IQM, bootstrap intervals, probability of improvement.
+- :mod:`core.report.render`: markdown, HTML and figures.
+- :mod:`core.report.study`: the analysis and the ``python -m core.report`` command.
+"""
+
+from core.report.study import ArmResult, TaskResult, analyze, main, write_report  # noqa: F401
