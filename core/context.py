@@ -97,6 +97,11 @@ class TrainContext(Context):
     ``frames`` advances as training goes; ``total_frames`` is the budget; ``progress``
     their ratio. ``log_metric`` records a metric over frames on the candidate's MLflow
     run and ``log_text`` a text artifact; both travel back with the result.
+
+    ``state`` holds plugins' per-training objects, keyed by plugin name (a judge, a
+    reward model): made in ``on_train_start``, gone with the training. A population
+    method trains several candidates at once in one process, each with its own
+    context, so per-training state belongs here, never on the plugin object.
     """
 
     candidate: Candidate | None = None
@@ -104,6 +109,7 @@ class TrainContext(Context):
     frames: int = 0
     metrics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     texts: dict[str, str] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def progress(self) -> float:

@@ -170,11 +170,21 @@ def train_candidates(run: RunContext, candidates: list[Candidate], seed: int) ->
     Called in the main process with the candidates not yet trained. Population-based
     methods (LaRes: a population of reward functions with one policy each, a shared
     replay buffer, and LLM updates during training) take over training here and return
-    one :class:`core.records.TrainResult` per candidate, in order. Failures are results
-    with ``ok=False``, never exceptions.
+    one :class:`core.records.TrainResult` per candidate, in order.
 
-    :return: the results, or None to let the executor train each candidate on its own.
-        Stops at first non-None result.
+    The contract: an implementation trains each candidate as the executor would. It
+    honours every part of the candidate (reward program, state program, macro-actions,
+    env configs), builds each member's env with the core's machinery
+    (:class:`core.train.common.CandidateEnv`) so that the per-step hooks
+    (``compute_reward``, ``represent_state``) fire with a :class:`TrainContext` per
+    member, and calls ``on_train_start`` / ``on_rollout`` / ``on_evaluation`` /
+    ``on_train_end`` for each. A candidate it cannot honour gets a failed result
+    (``ok=False``, ``error_kind="unsupported"``, an error naming the part), never a
+    silent drop. Failures are results with ``ok=False``, never exceptions.
+
+    :return: the results, or None to let the executor train each candidate on its own
+        (an implementation returns None for candidates it did not propose). Stops at
+        first non-None result.
     """
 
 
