@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
+import fakes
 import pytest
-from omegaconf import OmegaConf
+from fakes import ScriptedLLM, plugin_object
 
 from core.envs import make_task
 from core.records import Candidate, CurvePoint, Episode, Fitness, IterationResult, RewardProgram, TrainResult
@@ -32,41 +32,16 @@ def compute_reward(state, action, next_state):
 NO_FUNCTION = "I would reward the car for going fast."
 
 
-class FakeLLM:
-    """Replies from a list; records every call's messages and settings."""
-
-    def __init__(self, texts: list[str]) -> None:
-        self.texts = texts
-        self.calls: list[dict] = []
-
-    def chat(self, messages, *, n=1, temperature=None, max_tokens=None, seed=0, tag="", stop=None):
-        self.calls.append({"messages": messages, "n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seed, "tag": tag})
-        return [SimpleNamespace(text=self.texts[i % len(self.texts)], cached=False, latency_s=0.0) for i in range(n)]
+def make_run(texts: list[str], **cfg):
+    """(the plugin object, a run context) as a run makes them, with a scripted LLM."""
+    overrides = {"iterations": 2, "samples": 3, "temperature": 1.0, "max_tokens": 256, **cfg}
+    run = fakes.make_run(make_task({"name": "mountaincar"}), ScriptedLLM(texts), plugin="eureka", module=eureka,
+                         overrides=overrides, seed=3)
+    return plugin_object(eureka, **overrides), run
 
 
-def make_run(texts: list[str], **cfg) -> SimpleNamespace:
-    config = OmegaConf.create(
-        {
-            "sandbox": {"allowed_imports": ["math", "numpy", "torch"]},
-            "plugins": {"eureka": {"iterations": 2, "samples": 3, "temperature": 1.0, "max_tokens": 256, **cfg}},
-        }
-    )
-    logged: dict[str, str] = {}
-    return SimpleNamespace(
-        config=config,
-        task=make_task({"name": "mountaincar"}),
-        llm=FakeLLM(texts),
-        seed=3,
-        plugin_config=lambda name: config.plugins.get(name),
-        log_text=lambda path, text: logged.__setitem__(path, text),
-        logged=logged,
-    )
-
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    eureka.on_run_start(run=None)
-    yield
+def messages(plugin, run) -> list[dict[str, str]]:
+    return eureka.messages(run, plugin.best_reply, plugin.feedback)
 
 
 def _result(cid: str, value: float, components: dict | None = None) -> TrainResult:
@@ -94,8 +69,8 @@ def _candidate(i: int, iteration: int = 0, origin: str = "eureka") -> Candidate:
 
 
 def test_first_prompt_is_system_and_task_with_goal_interface_and_temperature_rule():
-    run = make_run([GOOD])
-    msgs = eureka.messages(run)
+    p, run = make_run([GOOD])
+    msgs = messages(p, run)
     assert [m["role"] for m in msgs] == ["system", "user"]
     assert "reward engineer" in msgs[0]["content"]
     user = msgs[1]["content"]
@@ -107,31 +82,31 @@ def test_first_prompt_is_system_and_task_with_goal_interface_and_temperature_rul
 
 
 def test_propose_samples_k_candidates_and_parses_each_reply():
-    run = make_run([GOOD, NO_FUNCTION, GOOD])
-    programs = eureka.propose_rewards(run=run, iteration=0)
+    p, run = make_run([GOOD, NO_FUNCTION, GOOD])
+    programs = p.propose_rewards(run=run, iteration=0)
     (call,) = run.llm.calls
-    assert call["n"] == 3 and call["temperature"] == 1.0 and call["max_tokens"] == 256
-    assert call["seed"] == 3 * 1000 + 0
+    assert call.n == 3 and call.temperature == 1.0 and call.max_tokens == 256
+    assert call.seed == 3 * 1000 + 0
     assert len(programs) == 2  # the reply without a function is dropped
     assert all(p.entry == "compute_reward" and p.origin == "eureka" for p in programs)
     assert [p.meta["sample"] for p in programs] == [0, 2]
     assert "def compute_reward" in programs[0].source and "Here is" not in programs[0].source
     assert programs[0].reply == GOOD and "[system]" in programs[0].prompt
-    assert len(eureka.STATE.extract_errors) == 1
+    assert len(p.extract_errors) == 1
 
 
 def test_no_usable_reply_asks_again_with_the_reason():
-    run = make_run([NO_FUNCTION])
-    assert eureka.propose_rewards(run=run, iteration=0) == []
-    assert eureka.STATE.feedback.startswith("Your reply could not be used")
-    msgs = eureka.messages(run)
+    p, run = make_run([NO_FUNCTION])
+    assert p.propose_rewards(run=run, iteration=0) == []
+    assert p.feedback.startswith("Your reply could not be used")
+    msgs = messages(p, run)
     assert [m["role"] for m in msgs] == ["system", "user"]  # no assistant turn to attach it to
     assert "could not be used" in msgs[1]["content"]
 
 
 def test_proposes_nothing_after_its_iterations():
-    run = make_run([GOOD], iterations=1)
-    assert eureka.propose_rewards(run=run, iteration=1) is None
+    p, run = make_run([GOOD], iterations=1)
+    assert p.propose_rewards(run=run, iteration=1) is None
     assert run.llm.calls == []
 
 
@@ -162,58 +137,58 @@ def test_reflection_without_curve_uses_the_final_fitness():
 
 
 def test_reflect_keeps_the_best_candidate_and_its_reply_for_the_next_prompt():
-    run = make_run([GOOD])
+    p, run = make_run([GOOD])
     candidates = [_candidate(0), _candidate(1), _candidate(2)]
     results = [_result("it0-c0", 0.2), _failed("it0-c1"), _result("it0-c2", 0.7)]
-    text = eureka.reflect(run=run, result=IterationResult(0, candidates, results))
-    assert eureka.STATE.best_reply == "reply 2"
-    assert eureka.STATE.best_score == 0.7
-    assert eureka.STATE.best_source.endswith("return 2")
+    text = p.reflect(run=run, result=IterationResult(0, candidates, results))
+    assert p.best_reply == "reply 2"
+    assert p.best_score == 0.7
+    assert p.best_source.endswith("return 2")
     assert "2/3 reward functions trained" in text
     assert "it0-c1: failed (exception)" in text
-    msgs = eureka.messages(run)
+    msgs = messages(p, run)
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
     assert msgs[2]["content"] == "reply 2"
-    assert msgs[3]["content"] == eureka.STATE.feedback and "Max:" in msgs[3]["content"]
+    assert msgs[3]["content"] == p.feedback and "Max:" in msgs[3]["content"]
 
 
 def test_context_holds_only_the_latest_best_reply():
-    run = make_run([GOOD])
-    eureka.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result("it0-c0", 0.9)]))
-    eureka.reflect(run=run, result=IterationResult(1, [_candidate(5, 1)], [_result("it1-c5", 0.1)]))
-    msgs = eureka.messages(run)
+    p, run = make_run([GOOD])
+    p.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result("it0-c0", 0.9)]))
+    p.reflect(run=run, result=IterationResult(1, [_candidate(5, 1)], [_result("it1-c5", 0.1)]))
+    msgs = messages(p, run)
     assert len(msgs) == 4 and msgs[2]["content"] == "reply 5"  # latest iteration's best
-    assert eureka.STATE.best_score == 0.9  # the best over the run is still remembered
-    assert eureka.STATE.best_source.endswith("return 0")
+    assert p.best_score == 0.9  # the best over the run is still remembered
+    assert p.best_source.endswith("return 0")
 
 
 def test_all_failed_sends_the_error_back():
-    run = make_run([GOOD])
-    text = eureka.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1)], [_failed("a"), _failed("b")]))
-    assert "KeyError: 'position'" in eureka.STATE.feedback
-    assert eureka.STATE.feedback.startswith("Running the reward function above failed (exception)")
-    assert eureka.STATE.best_reply == "reply 0"
+    p, run = make_run([GOOD])
+    text = p.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1)], [_failed("a"), _failed("b")]))
+    assert "KeyError: 'position'" in p.feedback
+    assert p.feedback.startswith("Running the reward function above failed (exception)")
+    assert p.best_reply == "reply 0"
     assert "0/2" in text
 
 
 def test_reflect_ignores_other_plugins_candidates():
-    run = make_run([GOOD])
-    text = eureka.reflect(run=run, result=IterationResult(0, [_candidate(0, origin="text2reward")], [_result("x", 1.0)]))
-    assert text is None and eureka.STATE.best_reply == ""
+    p, run = make_run([GOOD])
+    text = p.reflect(run=run, result=IterationResult(0, [_candidate(0, origin="text2reward")], [_result("x", 1.0)]))
+    assert text is None and p.best_reply == ""
 
 
 def test_run_end_logs_the_best_reward_source():
-    run = make_run([GOOD])
-    eureka.reflect(run=run, result=IterationResult(0, [_candidate(4)], [_result("it0-c4", 0.4)]))
-    eureka.on_run_end(run=run, best=None)
-    assert run.logged["eureka/best_reward.py"].endswith("return 4")
+    p, run = make_run([GOOD])
+    p.reflect(run=run, result=IterationResult(0, [_candidate(4)], [_result("it0-c4", 0.4)]))
+    p.on_run_end(run=run, best=None)
+    assert run.tracker.texts["eureka/best_reward.py"].endswith("return 4")
 
 
 def test_extracted_program_passes_the_sandbox_on_the_task():
     from core.sandbox import prepare_reward
 
-    run = make_run([GOOD])
-    (program, *_) = eureka.propose_rewards(run=run, iteration=0)
+    p, run = make_run([GOOD])
+    (program, *_) = p.propose_rewards(run=run, iteration=0)
     fn = prepare_reward(program, run.task)
     assert set(fn.component_names) == {"height", "bonus"}
 
