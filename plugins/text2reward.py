@@ -15,7 +15,7 @@ Learning"):
    (``feedback`` or ``feedback_file``) and the previous code go back to the LLM for a
    revised reward; without one, ``auto_feedback`` writes a short factual comment.
 
-Config: ``conf/plugins/text2reward.yaml``.
+Config: ``conf/plugins/text2reward.yaml`` (schema: :class:`Config`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import json
 import math
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from core import hookimpl
+from core import PluginConfig, hookimpl
 from core.codegen import extract_function
 from core.envs.task import Task
 from core.prompting import action_text
@@ -37,6 +37,44 @@ from core.records import Candidate, IterationResult, RewardProgram, TrainResult
 NAME = "text2reward"
 ENTRY = "compute_dense_reward"
 ARGS = ["state", "action", "next_state"]
+
+
+@dataclass
+class Config(PluginConfig):
+    """``plugins.text2reward``; ``iterations`` and ``final_seeds`` come from :class:`core.PluginConfig`."""
+
+    iterations: int = 1  # 1 = zero-/few-shot only; more = feedback rounds (user comment, or auto_feedback)
+    samples: int = 4  # reward functions sampled per round, each trained
+    temperature: float = 0.7  # sampling temperature
+    max_tokens: int = 768  # cap on each reply
+    retries: int = 2  # re-asks per sample, with the error, until the code parses and validates
+    validate: bool = True  # probe each program in the sandbox before accepting it (else only parse)
+    instruction: str | None = None  # the instruction in words; null = the task's goal
+    few_shot: bool = True  # show retrieved examples from the library (zero-shot while it is empty)
+    shots: int = 1  # examples retrieved per prompt (most similar instructions)
+    include_same_task: bool = True  # may retrieve examples written for this very task (false: other tasks only)
+    library_path: str | None = None  # JSON library of (instruction, code) pairs; null = <cache_dir>/text2reward_library.json
+    library_min_fitness: float = 0.5  # a run's best reward joins the library when its fitness reaches this
+    feedback: str | None = None  # a user's comment on the trained behaviour, used in the next round
+    feedback_file: str | None = None  # or a text file holding it (read at each round, so it can be edited between rounds)
+    auto_feedback: bool = False  # with no user comment, write a factual one from the results (else no feedback round)
+    final_seeds: int = 0  # retrain the best reward on this many more seeds after the loop
+
+    def check(self) -> None:
+        super().check()
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+        if self.shots < 0:
+            raise ValueError(f"shots must be >= 0, got {self.shots}")
+        if not math.isfinite(self.library_min_fitness):
+            raise ValueError(f"library_min_fitness must be a finite number, got {self.library_min_fitness}")
+
 
 # -- prompt pieces -----------------------------------------------------------------------
 
@@ -234,42 +272,30 @@ def program_of(reply: str, prompt: str, sample: int) -> tuple[RewardProgram | No
     return RewardProgram(source=source, entry=ENTRY, origin=NAME, prompt=prompt, reply=reply, meta={"sample": sample}), ""
 
 
-# -- state -------------------------------------------------------------------------------------
+# -- helpers reading the config ----------------------------------------------------------------
 
 
-@dataclass
-class Text2RewardState:
-    library: list[Example] = field(default_factory=list)
-    library_path: Path | None = None
-    best: tuple[RewardProgram, TrainResult] | None = None  # the latest iteration's best
-    best_score: float = float("-inf")
-    best_source: str = ""  # the fittest program over the run
+def instruction_of(cfg: Config, task: Task) -> str:
+    """The instruction in words: the configured one, else the task's goal."""
+    return cfg.instruction or task.goal
 
 
-STATE = Text2RewardState()
-
-
-def _instruction(run: Any) -> str:
-    cfg = run.plugin_config(NAME)
-    return str(cfg.get("instruction") or run.task.goal)
-
-
-def _comment(cfg: Any) -> str:
-    path = cfg.get("feedback_file")
-    if path and Path(str(path)).exists():
-        text = Path(str(path)).read_text().strip()
+def user_comment(cfg: Config) -> str:
+    """The user's comment for a feedback round: the file's text if it has any, else ``feedback``."""
+    path = cfg.feedback_file
+    if path and Path(path).exists():
+        text = Path(path).read_text().strip()
         if text:
             return text
-    return str(cfg.get("feedback") or "").strip()
+    return (cfg.feedback or "").strip()
 
 
-def _validate(run: Any, program: RewardProgram) -> str:
+def sandbox_error(run: Any, program: RewardProgram) -> str:
     """'' when the sandbox accepts the program on real states, else the reason."""
-    from core.sandbox import SandboxError, prepare_reward, settings_from_config
+    from core.sandbox import SandboxError, prepare_reward
 
-    limits, imports = settings_from_config(run.config.sandbox)
     try:
-        prepare_reward(program, run.task, limits=limits, allowed_imports=imports)
+        prepare_reward(program, run.task, limits=run.sandbox.limits(), allowed_imports=run.sandbox.imports)
     except SandboxError as e:
         return f"{e.report.kind}: {e.report.message}"
     return ""
@@ -278,98 +304,102 @@ def _validate(run: Any, program: RewardProgram) -> str:
 # -- hooks -------------------------------------------------------------------------------------
 
 
-@hookimpl
-def on_run_start(run) -> None:
-    global STATE
-    cfg = run.plugin_config(NAME)
-    path = cfg.get("library_path")
-    path = Path(str(path)) if path else Path(str(run.config.get("cache_dir", "."))) / "text2reward_library.json"
-    STATE = Text2RewardState(library=load_library(path), library_path=path)
+class Plugin:
+    """One Text2Reward run: the few-shot library, the latest best reward and the run's best."""
 
+    def __init__(self, config: Config) -> None:
+        self.cfg = config
+        self.library: list[Example] = []
+        self.library_path: Path | None = None
+        self.best: tuple[RewardProgram, TrainResult] | None = None  # the latest iteration's best
+        self.best_score = float("-inf")
+        self.best_source = ""  # the fittest program over the run
 
-@hookimpl
-def propose_rewards(run, iteration: int) -> list[RewardProgram] | None:
-    cfg = run.plugin_config(NAME)
-    if iteration >= int(cfg.iterations):
-        return None
-    allowed = list(run.config.sandbox.allowed_imports)
-    instruction = _instruction(run)
-    if iteration > 0 and STATE.best is not None:
-        comment = _comment(cfg) or (auto_comment(STATE.best[1], run.task.fitness_name) if cfg.auto_feedback else "")
-        if not comment:
-            return None  # no feedback round: keep the zero-/few-shot reward
-        msgs = messages(run.task, instruction, allowed, [])
-        msgs += [
-            {"role": "assistant", "content": STATE.best[0].reply},
-            {"role": "user", "content": FEEDBACK.format(summary=behaviour_summary(STATE.best[1], run.task.fitness_name), comment=comment)},
-        ]
-    else:
-        shots = int(cfg.shots) if cfg.few_shot else 0
-        pool = [e for e in STATE.library if cfg.get("include_same_task", True) or e.task != run.task.name]
-        msgs = messages(run.task, instruction, allowed, retrieve(pool, instruction, shots))
-    return generate(run, msgs, iteration)
+    @hookimpl
+    def on_run_start(self, run) -> None:
+        path = self.cfg.library_path
+        self.library_path = Path(path) if path else Path(run.settings.run.cache_dir) / "text2reward_library.json"
+        self.library = load_library(self.library_path)
 
+    @hookimpl
+    def propose_rewards(self, run, iteration: int) -> list[RewardProgram] | None:
+        cfg = self.cfg
+        if iteration >= cfg.iterations:
+            return None
+        allowed = list(run.sandbox.imports)
+        instruction = instruction_of(cfg, run.task)
+        if iteration > 0 and self.best is not None:
+            comment = user_comment(cfg) or (auto_comment(self.best[1], run.task.fitness_name) if cfg.auto_feedback else "")
+            if not comment:
+                return None  # no feedback round: keep the zero-/few-shot reward
+            msgs = messages(run.task, instruction, allowed, [])
+            msgs += [
+                {"role": "assistant", "content": self.best[0].reply},
+                {"role": "user", "content": FEEDBACK.format(summary=behaviour_summary(self.best[1], run.task.fitness_name), comment=comment)},
+            ]
+        else:
+            shots = cfg.shots if cfg.few_shot else 0
+            pool = [e for e in self.library if cfg.include_same_task or e.task != run.task.name]
+            msgs = messages(run.task, instruction, allowed, retrieve(pool, instruction, shots))
+        return self.generate(run, msgs, iteration)
 
-def generate(run: Any, msgs: list[dict[str, str]], iteration: int) -> list[RewardProgram]:
-    """``samples`` programs, each retried with its error until it parses and validates."""
-    cfg = run.plugin_config(NAME)
-    prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
-    replies = run.llm.chat(msgs, n=int(cfg.samples), temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens),
-                           seed=run.seed * 1000 + iteration, tag=f"{NAME}-it{iteration}")
-    programs: list[RewardProgram] = []
-    for i, reply in enumerate(replies):
-        text, convo = reply.text, list(msgs)
-        for attempt in range(int(cfg.retries) + 1):
-            program, error = program_of(text, prompt, i)
-            if program is not None:
-                error = _validate(run, program) if cfg.validate else ""
-                if not error:
-                    program.meta["attempts"] = attempt + 1
-                    programs.append(program)
+    def generate(self, run: Any, msgs: list[dict[str, str]], iteration: int) -> list[RewardProgram]:
+        """``samples`` programs, each retried with its error until it parses and validates."""
+        cfg = self.cfg
+        prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
+        replies = run.llm.chat(msgs, n=cfg.samples, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                               seed=run.seed * 1000 + iteration, tag=f"{NAME}-it{iteration}")
+        fields = ", ".join(f'"{f.name}"' for f in run.task.state_fields)
+        programs: list[RewardProgram] = []
+        for i, reply in enumerate(replies):
+            text, convo = reply.text, list(msgs)
+            for attempt in range(cfg.retries + 1):
+                program, error = program_of(text, prompt, i)
+                if program is not None:
+                    error = sandbox_error(run, program) if cfg.validate else ""
+                    if not error:
+                        program.meta["attempts"] = attempt + 1
+                        programs.append(program)
+                        break
+                if attempt == cfg.retries:
                     break
-            if attempt == int(cfg.retries):
-                break
-            convo = convo + [{"role": "assistant", "content": text}, {"role": "user", "content": RETRY.format(error=error[-1200:], fields=", ".join(f'"{f.name}"' for f in run.task.state_fields))}]
-            text = run.llm.chat(convo, n=1, temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens),
-                                seed=run.seed * 1000 + iteration * 100 + i * 10 + attempt, tag=f"{NAME}-it{iteration}-retry")[0].text
-    return programs
+                convo = convo + [{"role": "assistant", "content": text}, {"role": "user", "content": RETRY.format(error=error[-1200:], fields=fields)}]
+                text = run.llm.chat(convo, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                    seed=run.seed * 1000 + iteration * 100 + i * 10 + attempt, tag=f"{NAME}-it{iteration}-retry")[0].text
+        return programs
 
-
-@hookimpl
-def reflect(run, result: IterationResult) -> str | None:
-    cfg = run.plugin_config(NAME)
-    mine = [(c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c, result.iteration)]
-    if not mine:
-        return None
-    ok = [(c, r) for c, r in mine if r.ok]
-    lines = [f"iteration {result.iteration}: {len(ok)}/{len(mine)} reward functions trained"]
-    lines += [f"- {c.id}: {r.fitness.value:.4g}" if r.ok and r.fitness else f"- {c.id}: failed ({r.error_kind})" for c, r in mine]
-    if not ok:
+    @hookimpl
+    def reflect(self, run, result: IterationResult) -> str | None:
+        mine = [(c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c, result.iteration)]
+        if not mine:
+            return None
+        ok = [(c, r) for c, r in mine if r.ok]
+        lines = [f"iteration {result.iteration}: {len(ok)}/{len(mine)} reward functions trained"]
+        lines += [f"- {c.id}: {r.fitness.value:.4g}" if r.ok and r.fitness else f"- {c.id}: failed ({r.error_kind})" for c, r in mine]
+        if not ok:
+            return "\n".join(lines)
+        best_c, best_r = max(ok, key=lambda cr: cr[1].score)
+        self.best = (best_c.reward, best_r)  # type: ignore[assignment]
+        if best_r.score > self.best_score:
+            self.best_score, self.best_source = best_r.score, best_c.reward.source  # type: ignore[union-attr]
+        if best_r.score >= self.cfg.library_min_fitness and best_c.reward is not None:
+            code = best_c.reward.source.replace(HELPERS, "").strip()
+            self.library = add_example(self.library, Example(run.task.name, instruction_of(self.cfg, run.task), code, best_r.score))
+            self.save_library()
+            lines.append(f"added {best_c.id} to the few-shot library ({len(self.library)} examples)")
+        lines.append("behaviour of the best: " + behaviour_summary(best_r, run.task.fitness_name))
         return "\n".join(lines)
-    best_c, best_r = max(ok, key=lambda cr: cr[1].score)
-    STATE.best = (best_c.reward, best_r)  # type: ignore[assignment]
-    if best_r.score > STATE.best_score:
-        STATE.best_score, STATE.best_source = best_r.score, best_c.reward.source  # type: ignore[union-attr]
-    if best_r.score >= float(cfg.library_min_fitness) and best_c.reward is not None:
-        code = best_c.reward.source.replace(HELPERS, "").strip()
-        STATE.library = add_example(STATE.library, Example(run.task.name, _instruction(run), code, best_r.score))
-        _save_library()
-        lines.append(f"added {best_c.id} to the few-shot library ({len(STATE.library)} examples)")
-    lines.append("behaviour of the best: " + behaviour_summary(best_r, run.task.fitness_name))
-    return "\n".join(lines)
 
+    @hookimpl
+    def on_run_end(self, run, best: tuple[Candidate, TrainResult] | None) -> None:
+        if self.best_source:
+            run.log_text(f"{NAME}/best_reward.py", self.best_source)
 
-@hookimpl
-def on_run_end(run, best: tuple[Candidate, TrainResult] | None) -> None:
-    if STATE.best_source:
-        run.log_text(f"{NAME}/best_reward.py", STATE.best_source)
-
-
-def _save_library() -> None:
-    if STATE.library_path is None:
-        return
-    STATE.library_path.parent.mkdir(parents=True, exist_ok=True)
-    STATE.library_path.write_text(json.dumps([asdict(e) for e in STATE.library], indent=1))
+    def save_library(self) -> None:
+        if self.library_path is None:
+            return
+        self.library_path.parent.mkdir(parents=True, exist_ok=True)
+        self.library_path.write_text(json.dumps([asdict(e) for e in self.library], indent=1))
 
 
 def _is_mine(candidate: Candidate, iteration: int) -> bool:

@@ -6,12 +6,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from fakes import ScriptedLLM, make_run, plugin_object, texts_of
 from omegaconf import OmegaConf
 
+from core.config import typed
+from core.context import RunContext
 from core.envs import make_task
+from core.errors import UserError
 from core.records import Candidate, Episode, Fitness, IterationResult, RewardProgram, TrainResult
 from plugins import text2reward as t2r
 
@@ -36,43 +39,14 @@ def compute_dense_reward(state, action, next_state):
 PROSE = "Reward the car for height."
 
 
-class FakeLLM:
-    """Replies in order (cycling); records each call."""
-
-    def __init__(self, texts: list[str]) -> None:
-        self.texts, self.calls, self.i = texts, [], 0
-
-    def chat(self, messages, *, n=1, temperature=None, max_tokens=None, seed=0, tag="", stop=None):
-        self.calls.append({"messages": messages, "n": n, "seed": seed, "tag": tag, "temperature": temperature})
-        out = []
-        for _ in range(n):
-            out.append(SimpleNamespace(text=self.texts[self.i % len(self.texts)], cached=False, latency_s=0.0))
-            self.i += 1
-        return out
-
-
-def make_run(texts: list[str], tmp_path: Path, **cfg) -> SimpleNamespace:
-    base = OmegaConf.load(Path(t2r.__file__).parents[1] / "conf" / "plugins" / "text2reward.yaml")
-    plugin = OmegaConf.merge(base, {"samples": 2, "retries": 1, "library_path": str(tmp_path / "lib.json"), **cfg})
-    config = OmegaConf.create(
-        {
-            "cache_dir": str(tmp_path),
-            "sandbox": {"allowed_imports": ["math", "numpy", "torch"], "cpu_s": 10, "wall_s": 20, "memory_mb": 4096, "call_timeout_s": 1.0},
-            "plugins": {"text2reward": plugin},
-        }
-    )
-    logged: dict[str, str] = {}
-    run = SimpleNamespace(
-        config=config,
-        task=make_task({"name": "mountaincar"}),
-        llm=FakeLLM(texts),
-        seed=1,
-        plugin_config=lambda name: config.plugins.get(name),
-        log_text=lambda path, text: logged.__setitem__(path, text),
-        logged=logged,
-    )
-    t2r.on_run_start(run=run)
-    return run
+def make(texts: list[str], tmp_path: Path, config: dict | None = None, **cfg) -> tuple[t2r.Plugin, RunContext]:
+    """A started plugin and its run on MountainCar; the library lives in ``tmp_path``."""
+    overrides = {"samples": 2, "retries": 1, "library_path": str(tmp_path / "lib.json"), **cfg}
+    run = make_run(make_task({"name": "mountaincar"}), ScriptedLLM(texts), plugin=t2r.NAME, module=t2r, overrides=overrides,
+                   config={"cache_dir": str(tmp_path), **(config or {})}, seed=1)
+    plugin = t2r.Plugin(run.plugin_config(t2r.NAME))
+    plugin.on_run_start(run=run)
+    return plugin, run
 
 
 def _result(value: float) -> TrainResult:
@@ -104,9 +78,9 @@ def test_abstraction_is_a_class_view_of_every_state_field_with_helpers():
 
 
 def test_zero_shot_prompt_has_abstraction_instruction_signature_and_stages(tmp_path):
-    run = make_run([GOOD], tmp_path, instruction="Reach the flag quickly.")
-    t2r.propose_rewards(run=run, iteration=0)
-    msgs = run.llm.calls[0]["messages"]
+    plugin, run = make([GOOD], tmp_path, instruction="Reach the flag quickly.")
+    plugin.propose_rewards(run=run, iteration=0)
+    msgs = run.llm.calls[0].messages
     assert [m["role"] for m in msgs] == ["system", "user"]
     user = msgs[1]["content"]
     assert "Instruction: Reach the flag quickly." in user
@@ -114,9 +88,16 @@ def test_zero_shot_prompt_has_abstraction_instruction_signature_and_stages(tmp_p
     assert "stages" in user and "An example reward" not in user
 
 
+def test_sampling_settings_come_from_the_typed_config(tmp_path):
+    plugin, run = make([GOOD], tmp_path, samples=3, temperature=0.2, max_tokens=321)
+    plugin.propose_rewards(run=run, iteration=0)
+    (call,) = run.llm.calls
+    assert (call.n, call.temperature, call.max_tokens, call.seed, call.tag) == (3, 0.2, 321, 1 * 1000 + 0, "text2reward-it0")
+
+
 def test_programs_carry_the_helpers_and_pass_the_sandbox(tmp_path):
-    run = make_run([GOOD], tmp_path)
-    programs = t2r.propose_rewards(run=run, iteration=0)
+    plugin, run = make([GOOD], tmp_path)
+    programs = plugin.propose_rewards(run=run, iteration=0)
     assert len(programs) == 2
     p = programs[0]
     assert p.entry == "compute_dense_reward" and p.origin == "text2reward"
@@ -129,22 +110,36 @@ def test_programs_carry_the_helpers_and_pass_the_sandbox(tmp_path):
     assert set(fn.component_names) == {"approach", "speed", "finish"}
 
 
+def test_the_runs_sandbox_settings_decide_the_imports_and_the_probe(tmp_path):
+    # torch is not allowed in this run: the prompt says so and the probe refuses the code
+    plugin, run = make([GOOD], tmp_path, config={"sandbox": {"allowed_imports": ["math"]}}, samples=1, retries=1)
+    assert plugin.propose_rewards(run=run, iteration=0) == []
+    assert "You may import only: math." in run.llm.calls[0].messages[1]["content"]
+    assert "torch" in run.llm.calls[1].last and run.llm.calls[1].tag.endswith("retry")
+
+
 def test_invalid_code_is_retried_with_its_error_until_it_validates(tmp_path):
     # sample 0: prose then good; sample 1: a made-up field (fails the probe) then good
-    run = make_run([PROSE, BROKEN, GOOD, GOOD], tmp_path)
-    programs = t2r.propose_rewards(run=run, iteration=0)
+    plugin, run = make([PROSE, BROKEN, GOOD, GOOD], tmp_path)
+    programs = plugin.propose_rewards(run=run, iteration=0)
     assert len(programs) == 2 and all(p.meta["attempts"] == 2 for p in programs)
-    retries = [c for c in run.llm.calls if c["tag"].endswith("retry")]
+    retries = [c for c in run.llm.calls if c.tag.endswith("retry")]
     assert len(retries) == 2
-    first_error = retries[0]["messages"][-1]["content"]
+    first_error = retries[0].last
     assert first_error.startswith("That code cannot be used") and "compute_dense_reward" in first_error
-    assert retries[0]["messages"][-2] == {"role": "assistant", "content": PROSE}
-    assert "cannot be used" in retries[1]["messages"][-1]["content"]
+    assert retries[0].messages[-2] == {"role": "assistant", "content": PROSE}
+    assert "cannot be used" in retries[1].last
+
+
+def test_without_validate_only_parsing_is_checked(tmp_path):
+    plugin, run = make([BROKEN], tmp_path, samples=1, validate=False)
+    (program,) = plugin.propose_rewards(run=run, iteration=0)
+    assert 'next_state["car_height"]' in program.source and len(run.llm.calls) == 1
 
 
 def test_a_sample_that_never_validates_is_dropped(tmp_path):
-    run = make_run([PROSE], tmp_path, samples=1, retries=2)
-    assert t2r.propose_rewards(run=run, iteration=0) == []
+    plugin, run = make([PROSE], tmp_path, samples=1, retries=2)
+    assert plugin.propose_rewards(run=run, iteration=0) == []
     assert len(run.llm.calls) == 3  # the sample and two retries
 
 
@@ -172,46 +167,59 @@ def test_library_keeps_the_fittest_entry_per_instruction():
     assert [e.code for e in lib] == ["new"]
 
 
+def test_library_defaults_to_the_runs_cache_dir(tmp_path):
+    plugin, run = make([GOOD], tmp_path, library_path=None)
+    assert plugin.library_path == tmp_path / "text2reward_library.json"
+    plugin.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result(0.9)]))
+    assert len(t2r.load_library(tmp_path / "text2reward_library.json")) == 1
+
+
 def test_successful_run_joins_the_library_and_is_shown_as_an_example_next_time(tmp_path):
-    run = make_run([GOOD], tmp_path)
+    plugin, run = make([GOOD], tmp_path)
     good_source = "def compute_dense_reward(state, action, next_state):\n    return 7"
-    text = t2r.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1, good_source)], [_result(0.2), _result(0.9)]))
+    text = plugin.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1, good_source)], [_result(0.2), _result(0.9)]))
     assert "added it0-c1 to the few-shot library" in text
     saved = t2r.load_library(tmp_path / "lib.json")
     assert len(saved) == 1 and saved[0].code == good_source and saved[0].fitness == 0.9
     assert t2r.HELPERS not in saved[0].code
 
-    run2 = make_run([GOOD], tmp_path)  # a new run loads the library
-    t2r.propose_rewards(run=run2, iteration=0)
-    user = run2.llm.calls[0]["messages"][1]["content"]
+    plugin2, run2 = make([GOOD], tmp_path)  # a new run loads the library
+    plugin2.propose_rewards(run=run2, iteration=0)
+    user = run2.llm.calls[0].messages[1]["content"]
     assert user.startswith("An example reward that worked.") and "return 7" in user
     assert user.index("return 7") < user.index("Now your task.") < user.index("Instruction: " + run2.task.goal, user.index("Now your task."))
 
 
+def test_same_task_examples_are_skipped_when_asked(tmp_path):
+    plugin, run = make([GOOD], tmp_path, include_same_task=False)
+    plugin.library = [t2r.Example("mountaincar", run.task.goal, "SAME", 1.0), t2r.Example("other", "drive up the hill", "OTHER", 1.0)]
+    plugin.propose_rewards(run=run, iteration=0)
+    user = run.llm.calls[0].messages[1]["content"]
+    assert "OTHER" in user and "SAME" not in user
+
+
 def test_low_fitness_does_not_join_the_library(tmp_path):
-    run = make_run([GOOD], tmp_path)
-    t2r.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result(0.1)]))
+    plugin, run = make([GOOD], tmp_path)
+    plugin.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result(0.1)]))
     assert not (tmp_path / "lib.json").exists()
 
 
 def test_zero_shot_ignores_the_library(tmp_path):
-    t2r.STATE.library_path = tmp_path / "lib.json"
-    run = make_run([GOOD], tmp_path, few_shot=False)
-    run_lib = [t2r.Example("mountaincar", run.task.goal, "X", 1.0)]
-    t2r.STATE.library = run_lib
-    t2r.propose_rewards(run=run, iteration=0)
-    assert "An example reward" not in run.llm.calls[0]["messages"][1]["content"]
+    plugin, run = make([GOOD], tmp_path, few_shot=False)
+    plugin.library = [t2r.Example("mountaincar", run.task.goal, "X", 1.0)]
+    plugin.propose_rewards(run=run, iteration=0)
+    assert "An example reward" not in run.llm.calls[0].messages[1]["content"]
 
 
 # -- human feedback round --------------------------------------------------------------------------
 
 
 def test_feedback_round_sends_the_previous_code_and_the_users_comment(tmp_path):
-    run = make_run([GOOD], tmp_path, iterations=2, feedback="The car stops abruptly before the flag.")
-    t2r.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1)], [_result(0.1), _result(0.3)]))
-    programs = t2r.propose_rewards(run=run, iteration=1)
+    plugin, run = make([GOOD], tmp_path, iterations=2, feedback="The car stops abruptly before the flag.")
+    plugin.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1)], [_result(0.1), _result(0.3)]))
+    programs = plugin.propose_rewards(run=run, iteration=1)
     assert programs
-    msgs = run.llm.calls[-1]["messages"] if not run.llm.calls[-1]["tag"].endswith("retry") else run.llm.calls[0]["messages"]
+    msgs = run.llm.calls[-1].messages if not run.llm.calls[-1].tag.endswith("retry") else run.llm.calls[0].messages
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
     assert msgs[2]["content"] == "reply 1"  # the best candidate's reply
     assert "The car stops abruptly before the flag." in msgs[3]["content"]
@@ -221,30 +229,64 @@ def test_feedback_round_sends_the_previous_code_and_the_users_comment(tmp_path):
 def test_feedback_file_wins_over_the_config_string(tmp_path):
     path = tmp_path / "comment.txt"
     path.write_text("It jitters near the top.\n")
-    run = make_run([GOOD], tmp_path, iterations=2, feedback="ignored", feedback_file=str(path))
-    t2r.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result(0.3)]))
-    t2r.propose_rewards(run=run, iteration=1)
-    assert "It jitters near the top." in run.llm.calls[0]["messages"][-1]["content"]
+    plugin, run = make([GOOD], tmp_path, iterations=2, feedback="ignored", feedback_file=str(path))
+    plugin.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result(0.3)]))
+    plugin.propose_rewards(run=run, iteration=1)
+    assert "It jitters near the top." in run.llm.calls[0].last and "ignored" not in run.llm.calls[0].last
 
 
 def test_no_comment_and_no_auto_feedback_means_no_second_round(tmp_path):
-    run = make_run([GOOD], tmp_path, iterations=2)
-    t2r.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result(0.3)]))
-    assert t2r.propose_rewards(run=run, iteration=1) is None
-    run_auto = make_run([GOOD], tmp_path, iterations=2, auto_feedback=True)
-    t2r.reflect(run=run_auto, result=IterationResult(0, [_candidate(0)], [_result(0.0)]))
-    t2r.propose_rewards(run=run_auto, iteration=1)
-    assert "never achieves the goal" in run_auto.llm.calls[0]["messages"][-1]["content"]
+    plugin, run = make([GOOD], tmp_path, iterations=2)
+    plugin.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result(0.3)]))
+    assert plugin.propose_rewards(run=run, iteration=1) is None
+    plugin_auto, run_auto = make([GOOD], tmp_path, iterations=2, auto_feedback=True)
+    plugin_auto.reflect(run=run_auto, result=IterationResult(0, [_candidate(0)], [_result(0.0)]))
+    plugin_auto.propose_rewards(run=run_auto, iteration=1)
+    assert "never achieves the goal" in run_auto.llm.calls[0].last
+
+
+def test_proposes_nothing_after_its_iterations(tmp_path):
+    plugin, run = make([GOOD], tmp_path, iterations=1)
+    assert plugin.propose_rewards(run=run, iteration=1) is None
+    assert run.llm.calls == []
 
 
 def test_reflect_selects_the_fittest_and_logs_it_at_the_end(tmp_path):
-    run = make_run([GOOD], tmp_path)
+    plugin, run = make([GOOD], tmp_path)
     failed = TrainResult(candidate_id="f", ok=False, error="boom", error_kind="exception")
-    text = t2r.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1), _candidate(2)], [_result(0.2), failed, _result(0.4)]))
+    text = plugin.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1), _candidate(2)], [_result(0.2), failed, _result(0.4)]))
     assert "2/3 reward functions trained" in text and "failed (exception)" in text
-    assert t2r.STATE.best[0].reply == "reply 2"
-    t2r.on_run_end(run=run, best=None)
-    assert "text2reward/best_reward.py" in run.logged
+    assert plugin.best[0].reply == "reply 2"
+    plugin.on_run_end(run=run, best=None)
+    assert texts_of(run)["text2reward/best_reward.py"].endswith("return 1")
+
+
+def test_two_runs_share_nothing(tmp_path):
+    first, run = make([GOOD], tmp_path, library_min_fitness=2.0)
+    second, _ = make([GOOD], tmp_path, library_min_fitness=2.0)
+    first.reflect(run=run, result=IterationResult(0, [_candidate(0)], [_result(0.4)]))
+    assert first.best is not None and first.best_score == 0.4
+    assert second.best is None and second.best_source == "" and second.best_score == float("-inf")
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+
+def test_config_defaults_are_the_yaml_file():
+    yaml = OmegaConf.load(Path(t2r.__file__).parents[1] / "conf" / "plugins" / "text2reward.yaml")
+    assert typed(t2r.Config, yaml, "plugins.text2reward") == t2r.Config()
+    assert plugin_object(t2r).cfg == t2r.Config()
+
+
+@pytest.mark.parametrize("key,value", [("samples", 0), ("retries", -1), ("shots", -1), ("max_tokens", 0), ("temperature", -0.5)])
+def test_config_refuses_values_that_cannot_work(key, value):
+    with pytest.raises(UserError, match=key):
+        plugin_object(t2r, **{key: value})
+
+
+def test_config_refuses_a_wrong_type():
+    with pytest.raises(UserError, match="plugins.test.samples"):
+        plugin_object(t2r, samples="many")
 
 
 # -- end to end ------------------------------------------------------------------------------------
