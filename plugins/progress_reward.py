@@ -23,8 +23,9 @@ Models"):
 6. Sparse-signal guard: when the LLM keeps scoring no progress, its weight moves to the
    exploration bonus until a better score comes (logged).
 
-Config: ``conf/plugins/progress_reward.yaml``. The evaluator's reasons are logged as the
-text artifact ``progress_reward/reasons.md``.
+Config: ``conf/plugins/progress_reward.yaml`` (schema: :class:`Config`). Each training's
+judge lives in ``train.state["progress_reward"]``. The evaluator's reasons are logged as
+the text artifact ``progress_reward/reasons.md``.
 """
 
 from __future__ import annotations
@@ -37,15 +38,110 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from core import hookimpl
+from core import PluginConfig, hookimpl
+
+if TYPE_CHECKING:  # pragma: no cover
+    from core.context import StepBatch, TrainContext
+    from core.records import TrainResult
 
 NAME = "progress_reward"
+
+
+@dataclass
+class Stages:
+    """``stages``: the reward weights ``(env, llm, exploration)`` per training stage."""
+
+    # stage starts as fractions of the training budget (middle, late)
+    boundaries: list[float] = field(default_factory=lambda: [0.2, 0.6])
+    early: list[float] = field(default_factory=lambda: [0.5, 0.4, 0.1])  # design: early training
+    middle: list[float] = field(default_factory=lambda: [0.7, 0.25, 0.05])  # design: middle
+    late: list[float] = field(default_factory=lambda: [0.9, 0.08, 0.02])  # design: late
+
+
+@dataclass
+class Sparse:
+    """``sparse``: the sparse-signal guard."""
+
+    window: int = 12  # consecutive LLM scores looked at
+    max_score: float = 2.0  # all of them at or below this = "no progress": the LLM weight goes to exploration
+
+
+@dataclass
+class Distill:
+    """``distill``: a small ensemble serves most evaluations once enough states are scored."""
+
+    enabled: bool = True  # fit and use the distilled evaluator
+    min_labels: int = 24  # LLM-scored states before the first fit
+    refit_every: int = 16  # new LLM scores between refits
+    members: int = 3  # ensemble size; their spread is the uncertainty
+    hidden: int = 64  # hidden units of each member
+    epochs: int = 200  # full-batch Adam steps per fit
+    max_std: float = 0.75  # ask the LLM when the members disagree by more than this (score points)
+    novelty_radius: float = 3.0  # ask the LLM when the nearest judged state is farther than this
+
+
+@dataclass
+class Config(PluginConfig):
+    """``plugins.progress_reward``; ``iterations`` and ``final_seeds`` come from :class:`core.PluginConfig`
+    (this plugin proposes nothing: the defaults leave the run's loop as it is)."""
+
+    background: str | None = None  # task background for the prompt (<= 3 sentences); None = the goal cut to 3 sentences
+    dimensions: list[str] = field(default_factory=lambda: [  # evaluation dimensions listed in the prompt
+        "closeness to the goal", "avoiding failure or danger", "useful intermediate steps achieved"])
+    recent_actions: int = 4  # how many of the env's last actions the prompt shows
+    samples: int = 3  # evaluations per state; the median is kept (design: 3)
+    temperature: float = 0.7  # sampling temperature of the evaluations
+    max_tokens: int = 40  # cap on each reply: a score and a short reason
+    agree_tol: float = 1.0  # a sample agrees with the median when within this many points
+    # below this share of agreeing samples, the fallback rule scores the state (design: 0.7; 0.6 = two of three)
+    confidence: float = 0.6
+    eval_every: int = 4  # judge the envs' states every k steps and reuse the score in between (design: 4)
+    cache_radius: float = 0.5  # a judged state within this distance (per-dimension-scaled features) is reused (KD-tree)
+    scale_states: int = 256  # states used to fix the per-dimension feature scale
+    novelty_cell: float = 0.5  # grid cell (scaled features) of the count-based exploration bonus 1/sqrt(n)
+    ema: float = 0.99  # decay of the running mean and variance that z-score the LLM score
+    shaping: bool = False  # true: the LLM term is gamma*z(s') - z(s) (potential-based; keeps the optimal policy)
+    gamma: float = 0.99  # discount of the potential-based shaping
+    max_pending: int = 4  # states waiting for the LLM; more are dropped (the training loop never waits)
+    ring_size: int = 256  # finished evaluations the worker can leave for the reward side
+    # after training, wait up to this long for the LLM call in progress (so it is logged); 0 = do not wait
+    finish_s: float = 30.0
+    max_reasons: int = 300  # reasons kept for the artifact progress_reward/reasons.md
+    stages: Stages = field(default_factory=Stages)  # weights (env, llm, exploration) per training stage
+    sparse: Sparse = field(default_factory=Sparse)  # sparse-signal guard
+    # the distilled evaluator: a small ensemble serves most evaluations once enough states are scored
+    distill: Distill = field(default_factory=Distill)
+
+    def check(self) -> None:
+        super().check()
+        for name in ("samples", "max_tokens", "eval_every", "max_pending", "ring_size", "scale_states"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.confidence <= 1.0:
+            raise ValueError(f"confidence must be in [0, 1], got {self.confidence}")
+        if not 0.0 <= self.ema < 1.0:
+            raise ValueError(f"ema must be in [0, 1), got {self.ema}")
+        if self.cache_radius < 0 or self.novelty_cell <= 0:
+            raise ValueError(f"cache_radius must be >= 0 and novelty_cell > 0, got {self.cache_radius} and {self.novelty_cell}")
+        if not self.dimensions:
+            raise ValueError("dimensions must list at least one evaluation dimension")
+        for stage in ("early", "middle", "late"):
+            if len(getattr(self.stages, stage)) != 3:
+                raise ValueError(f"stages.{stage} must be three weights (env, llm, exploration), "
+                                 f"got {getattr(self.stages, stage)}")
+        if list(self.stages.boundaries) != sorted(self.stages.boundaries):
+            raise ValueError(f"stages.boundaries must be increasing, got {self.stages.boundaries}")
+        if self.sparse.window < 1:
+            raise ValueError(f"sparse.window must be >= 1, got {self.sparse.window}")
+        if self.distill.members < 1 or self.distill.min_labels < 1:
+            raise ValueError(f"distill.members and distill.min_labels must be >= 1, got {self.distill.members}, "
+                             f"{self.distill.min_labels}")
+
 
 # -- prompt pieces -----------------------------------------------------------------------
 
@@ -67,23 +163,6 @@ _REASON = re.compile(r"(?:reason|理由)\W{0,3}?\s*[:：=]\s*\**\s*(.+)", re.I)
 
 
 # -- pure pieces ---------------------------------------------------------------------------
-
-class Settings(SimpleNamespace):
-    """The plugin's config as plain attributes (OmegaConf lookups cost ~20 us each per step)."""
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
-
-
-def settings(cfg: Any) -> Settings:
-    """A (nested) :class:`Settings` from a plugin config mapping (dict or DictConfig)."""
-    if hasattr(cfg, "items") and not isinstance(cfg, dict):
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    return Settings(**{str(k): settings(v) if isinstance(v, dict) else v for k, v in (cfg or {}).items()})
-
-
 
 def background_of(goal: str, limit: int = 3) -> str:
     """The task background: the goal cut to at most ``limit`` sentences."""
@@ -345,17 +424,17 @@ class _Counters:
 class ProgressJudge:
     """Per-training state: the reward side (main thread) and the LLM worker thread."""
 
-    def __init__(self, train: Any, cfg: Any) -> None:
+    def __init__(self, train: TrainContext, cfg: Config) -> None:
         self.train, self.cfg = train, cfg
         self.task = train.task
-        self.background = cfg.get("background") or background_of(self.task.goal)
-        self.z = RunningZ(float(cfg.ema))
-        self.cache = StateCache(float(cfg.cache_radius))
-        self.requests: queue.Queue[_Request] = queue.Queue(maxsize=int(cfg.max_pending))
-        self.ring: deque[_Result] = deque(maxlen=int(cfg.ring_size))
+        self.background = cfg.background or background_of(self.task.goal)
+        self.z = RunningZ(cfg.ema)
+        self.cache = StateCache(cfg.cache_radius)
+        self.requests: queue.Queue[_Request] = queue.Queue(maxsize=cfg.max_pending)
+        self.ring: deque[_Result] = deque(maxlen=cfg.ring_size)
         self.counts = _Counters()
         self.returns_seen: deque[float] = deque(maxlen=512)
-        self.recent_scores: deque[float] = deque(maxlen=int(cfg.sparse.window))
+        self.recent_scores: deque[float] = deque(maxlen=cfg.sparse.window)
         self.sparse = False
         self.reasons: list[str] = []
         self.distiller: Distiller | None = None
@@ -368,12 +447,12 @@ class ProgressJudge:
         self._scale_rows: list[np.ndarray] = []
         self._b = 0
         self._one_hot: bool | None = None
-        self.novelty = NoveltyCounter(float(cfg.novelty_cell))
+        self.novelty = NoveltyCounter(cfg.novelty_cell)
         # per-step constants read once: attribute lookups and list building cost every step
-        self._eval_every = int(cfg.eval_every)
+        self._eval_every = cfg.eval_every
         self._boundaries = list(cfg.stages.boundaries)
         self._stages = [list(cfg.stages.early), list(cfg.stages.middle), list(cfg.stages.late)]
-        self._shaping, self._gamma = bool(cfg.shaping), float(cfg.gamma)
+        self._shaping, self._gamma = cfg.shaping, cfg.gamma
 
     # -- features ----------------------------------------------------------------------
     def features(self, obs: np.ndarray) -> np.ndarray:
@@ -381,7 +460,7 @@ class ProgressJudge:
         if self._scale is None:
             self._scale_rows.append(obs)
             rows = np.concatenate(self._scale_rows)
-            if len(rows) >= int(self.cfg.scale_states):
+            if len(rows) >= self.cfg.scale_states:
                 std = rows.std(0)
                 self._scale = np.where(std > 1e-6, std, 1.0)
             else:
@@ -390,7 +469,7 @@ class ProgressJudge:
         return obs / self._scale
 
     # -- main thread: per step ---------------------------------------------------------
-    def reward(self, batch: Any) -> torch.Tensor:
+    def reward(self, batch: StepBatch) -> torch.Tensor:
         """The per-step path, vectorised over envs (no Python loop over envs)."""
         c = self.counts
         obs = batch.next_obs.detach().cpu().numpy().astype(np.float64)
@@ -454,7 +533,7 @@ class ProgressJudge:
         self.ep_return = np.zeros(B)
         self.ep_steps = np.zeros(B, dtype=np.int64)
         self.episode = np.zeros(B, dtype=np.int64)
-        self.act_hist = np.zeros((B, max(1, int(self.cfg.recent_actions))))
+        self.act_hist = np.zeros((B, max(1, self.cfg.recent_actions)))
 
     def _judge(self, obs: np.ndarray, feats: np.ndarray) -> None:
         """Score every env's state from the cache, the distilled model, or queue it for the LLM."""
@@ -469,7 +548,7 @@ class ProgressJudge:
             t0 = time.perf_counter()
             mean, std = distiller.predict(feats[need])
             c.distilled_latency.append((time.perf_counter() - t0) / len(need))
-            sure = (std <= float(cfg.distill.max_std)) & (dist[need] <= float(cfg.distill.novelty_radius))
+            sure = (std <= cfg.distill.max_std) & (dist[need] <= cfg.distill.novelty_radius)
             self.progress[need[sure]] = np.clip(mean[sure], 1.0, 10.0)
             c.distilled += int(sure.sum())
             need = need[~sure]
@@ -495,11 +574,11 @@ class ProgressJudge:
     def _sparse_guard(self, score: float) -> None:
         self.recent_scores.append(score)
         window = self.recent_scores.maxlen or 1
-        now = len(self.recent_scores) == window and max(self.recent_scores) <= float(self.cfg.sparse.max_score)
+        now = len(self.recent_scores) == window and max(self.recent_scores) <= self.cfg.sparse.max_score
         if now != self.sparse:
             self.sparse = now
-            what = ("sparse signal: the last %d LLM scores were all <= %s; using the exploration bonus instead"
-                    % (window, self.cfg.sparse.max_score)) if now else "sparse signal over: the LLM scored progress again"
+            what = (f"sparse signal: the last {window} LLM scores were all <= {self.cfg.sparse.max_score:g}; using the "
+                    "exploration bonus instead") if now else "sparse signal over: the LLM scored progress again"
             self.reasons.append(f"- frames {self.train.frames}: **{what}**")
             self.train.log_metric("judge/sparse", float(now))
 
@@ -536,8 +615,8 @@ class ProgressJudge:
         state = self.task.render_state(req.obs)
         messages = build_prompt(self.background, list(cfg.dimensions), state, req.actions)
         t0 = time.perf_counter()
-        replies = llm.chat(messages, n=int(cfg.samples), temperature=float(cfg.temperature),
-                           max_tokens=int(cfg.max_tokens), stop=["\n"], seed=int(self.train.seed),
+        replies = llm.chat(messages, n=cfg.samples, temperature=cfg.temperature,
+                           max_tokens=cfg.max_tokens, stop=["\n"], seed=int(self.train.seed),
                            tag=f"{NAME}/evaluate")
         latency = time.perf_counter() - t0
         c.llm_calls += 1
@@ -547,15 +626,15 @@ class ProgressJudge:
         parsed = [parse_reply(r.text) for r in replies]
         c.rejected += sum(p is None for p in parsed)
         valid = [p for p in parsed if p is not None]
-        median, conf = consensus([p.score for p in valid], len(replies), float(cfg.agree_tol))
+        median, conf = consensus([p.score for p in valid], len(replies), cfg.agree_tol)
         source, score = "llm", median
-        if conf < float(cfg.confidence):
+        if conf < cfg.confidence:
             source, score = "rule", rule_score(req.episode_return, list(self.returns_seen))
             c.fallbacks += 1
         else:
             self.labels.append((req.feature, median))
         reason = next((p.reason for p in valid if p.reason and abs(p.score - median) <= cfg.agree_tol), "")
-        if len(self.reasons) < int(cfg.max_reasons):
+        if len(self.reasons) < cfg.max_reasons:
             scores = ", ".join(f"{p.score:g}" for p in valid) or "none parsed"
             first_line = state.splitlines()[0] if state else ""
             self.reasons.append(f"- frames {req.frames}, env {req.env}: **{score:.1f}** ({source}; samples {scores}; "
@@ -565,12 +644,12 @@ class ProgressJudge:
     def _maybe_distill(self) -> None:
         d = self.cfg.distill
         n = len(self.labels)
-        if not d.enabled or n < int(d.min_labels) or n - self._fitted_at < int(d.refit_every):
+        if not d.enabled or n < d.min_labels or n - self._fitted_at < d.refit_every:
             return
         x = np.stack([f for f, _ in self.labels])
         y = np.array([s for _, s in self.labels])
-        model = Distiller(x.shape[1], int(d.hidden), int(d.members), seed=int(self.train.seed))
-        mse = model.fit(x, y, epochs=int(d.epochs))
+        model = Distiller(x.shape[1], d.hidden, d.members, seed=int(self.train.seed))
+        mse = model.fit(x, y, epochs=d.epochs)
         self.distiller, self._fitted_at = model, n  # one assignment: the reward side sees old or new
         self.train.log_metric("judge/distill_mse", mse)
 
@@ -595,51 +674,47 @@ class ProgressJudge:
         }
 
 
-_JUDGES: dict[int, ProgressJudge] = {}
-
-
-def _judge_for(train: Any) -> ProgressJudge:
-    judge = _JUDGES.get(id(train))
-    if judge is None or judge.train is not train:
-        cfg = settings(train.plugin_config(NAME))
-        judge = _JUDGES[id(train)] = ProgressJudge(train, cfg)
-    return judge
-
-
 # -- hooks -----------------------------------------------------------------------------------
 
 
-@hookimpl
-def on_train_start(train: Any) -> None:
-    """Start the LLM worker thread (the client and model are loaded here, before the loop)."""
-    preload(train.llm)
-    _judge_for(train).start()
+class Plugin:
+    """The progress reward of a run. Each training's :class:`ProgressJudge` (its worker
+    thread, caches and statistics) lives in ``train.state[NAME]``, from ``on_train_start``
+    to ``on_train_end``; the plugin object holds only the config."""
 
+    def __init__(self, config: Config) -> None:
+        self.cfg = config
 
-@hookimpl
-def compute_reward(train: Any, batch: Any) -> torch.Tensor:
-    """The mixed reward minus the reward so far (the hook's terms are added)."""
-    return _judge_for(train).reward(batch)
+    @hookimpl
+    def on_train_start(self, train: TrainContext) -> None:
+        """Make the training's judge and start its LLM worker (the model is loaded here, before the loop)."""
+        preload(train.llm)
+        judge = train.state[NAME] = ProgressJudge(train, self.cfg)
+        judge.start()
 
+    @hookimpl
+    def compute_reward(self, train: TrainContext, batch: StepBatch) -> torch.Tensor | None:
+        """The mixed reward minus the reward so far (the hook's terms are added)."""
+        judge = train.state.get(NAME)
+        return judge.reward(batch) if judge is not None else None
 
-@hookimpl
-def on_rollout(train: Any, batch: Any) -> None:
-    """Log the judge's counters once per collected batch."""
-    judge = _JUDGES.get(id(train))
-    if judge is not None:
-        c = judge.counts
-        train.log_metric("judge/llm_calls", c.llm_calls)
-        train.log_metric("judge/cache_hits", c.cache_hits)
-        train.log_metric("judge/distilled", c.distilled)
+    @hookimpl
+    def on_rollout(self, train: TrainContext) -> None:
+        """Log the judge's counters once per collected batch."""
+        judge = train.state.get(NAME)
+        if judge is not None:
+            c = judge.counts
+            train.log_metric("judge/llm_calls", c.llm_calls)
+            train.log_metric("judge/cache_hits", c.cache_hits)
+            train.log_metric("judge/distilled", c.distilled)
 
-
-@hookimpl
-def on_train_end(train: Any, result: Any) -> None:
-    """Stop the worker; put the judge's metrics on the result and its reasons in a text."""
-    judge = _JUDGES.pop(id(train), None)
-    if judge is None:
-        return
-    judge.stop(float(judge.cfg.get("finish_s", 2.0)))
-    result.metrics.update({k: v for k, v in judge.metrics().items() if v == v})
-    header = f"# Progress judge reasons ({judge.counts.llm_calls} LLM evaluations)\n\n"
-    train.log_text(f"{NAME}/reasons.md", header + "\n".join(judge.reasons) + "\n")
+    @hookimpl
+    def on_train_end(self, train: TrainContext, result: TrainResult) -> None:
+        """Stop the worker; put the judge's metrics on the result and its reasons in a text."""
+        judge = train.state.pop(NAME, None)
+        if judge is None:
+            return
+        judge.stop(self.cfg.finish_s)
+        result.metrics.update({k: v for k, v in judge.metrics().items() if v == v})
+        header = f"# Progress judge reasons ({judge.counts.llm_calls} LLM evaluations)\n\n"
+        train.log_text(f"{NAME}/reasons.md", header + "\n".join(judge.reasons) + "\n")

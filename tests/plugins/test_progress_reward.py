@@ -3,47 +3,41 @@ caching, distillation, the sparse guard, the async reward path, and an end-to-en
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
+import fakes
 import numpy as np
 import pytest
 import torch
+from fakes import ScriptedLLM, plugin_object
 from omegaconf import OmegaConf
 
-from core.envs import make_task
-from core.records import Candidate, TrainResult
-from core.resources import conf_dir
 from core.context import StepBatch, TrainContext
+from core.envs import make_task
+from core.errors import UserError
+from core.records import TrainResult
+from core.resources import conf_dir
 from plugins import progress_reward as pr
 
 torch.set_num_threads(1)  # as in training: small nets with 2 threads stall on a busy machine
-DEFAULTS = OmegaConf.to_container(OmegaConf.load(conf_dir() / "plugins" / "progress_reward.yaml"))
+DEFAULTS = pr.Config()
 
 
-class FakeLLM:
-    """Replies from a list (cycled); optionally slow; counts calls."""
-
-    def __init__(self, texts: list[str], delay_s: float = 0.0) -> None:
-        self.texts, self.delay_s, self.calls, self.messages = texts, delay_s, 0, []
-
-    def chat(self, messages, *, n=1, **_):
-        self.calls += 1
-        self.messages.append(messages)
-        time.sleep(self.delay_s)
-        return [SimpleNamespace(text=self.texts[i % len(self.texts)], cached=False, latency_s=self.delay_s) for i in range(n)]
+def make_ctx(llm: ScriptedLLM, frames: int = 10_000, **overrides) -> TrainContext:
+    """A CartPole training context with this plugin's config (defaults + ``overrides``)."""
+    return fakes.make_train(make_task({"name": "cartpole"}), llm, plugin=pr.NAME, module=pr, overrides=overrides,
+                            total_frames=frames)
 
 
-def make_ctx(llm: FakeLLM, frames: int = 10_000, **overrides) -> TrainContext:
-    cfg = {**DEFAULTS, **overrides}
-    return TrainContext(task=make_task({"name": "cartpole"}), candidate=Candidate("c", 0),
-                        config={"plugins": {"progress_reward": cfg}}, seed=0, total_frames=frames,
-                        llm_factory=lambda: llm)
+def make_judge(llm: ScriptedLLM, **overrides) -> pr.ProgressJudge:
+    """A training's judge as ``on_train_start`` makes it, without starting its worker."""
+    ctx = make_ctx(llm, **overrides)
+    return pr.ProgressJudge(ctx, ctx.plugin_config(pr.NAME))
 
 
 def step_batch(task, obs: torch.Tensor, done: bool = False) -> StepBatch:
@@ -107,15 +101,17 @@ def test_rule_score_ranks_the_return_so_far():
 
 def test_low_agreement_falls_back_to_the_rule_and_agreement_uses_the_median():
     task = make_task({"name": "cartpole"})
-    agree = pr.ProgressJudge(make_ctx(FakeLLM(["Score: 8 | Reason: good"])), pr.settings(DEFAULTS))
+    agree = make_judge(ScriptedLLM(["Score: 8 | Reason: good"]))
     res = agree._evaluate(agree.train.llm, pr._Request(0, 0, np.zeros(4, np.float32), np.zeros(4), "", 5.0, 0))
     assert (res.source, res.score, res.reason) == ("llm", 8.0, "good") and agree.counts.fallbacks == 0
-    split = pr.ProgressJudge(make_ctx(FakeLLM(["Score: 1", "Score: 9", "garbage"])), pr.settings(DEFAULTS))
+    split = make_judge(ScriptedLLM(["Score: 1", "Score: 9", "garbage"]))
     split.returns_seen.extend([1.0, 2.0, 3.0, 4.0])
     res = split._evaluate(split.train.llm, pr._Request(0, 0, np.zeros(4, np.float32), np.zeros(4), "", 2.5, 0))
     assert res.source == "rule" and res.score == pytest.approx(1 + 9 * 0.5)
     assert split.counts.fallbacks == 1 and split.counts.rejected == 1
-    assert task.render_state(np.zeros(4)) in split.train.llm.messages[0][-1]["content"]
+    (call,) = split.train.llm.calls
+    assert task.render_state(np.zeros(4)) in call.last
+    assert (call.n, call.temperature, call.max_tokens, call.tag) == (3, 0.7, 40, "progress_reward/evaluate")
 
 
 # -- normalisation, schedule, cache, distillation ----------------------------------------------
@@ -136,11 +132,11 @@ def test_running_z_follows_the_ema_formula():
 
 
 def test_stage_weights_follow_the_default_schedule():
-    stages = DEFAULTS["stages"]
-    table = [stages["early"], stages["middle"], stages["late"]]
-    assert pr.stage_weights(0.0, stages["boundaries"], table) == (0.5, 0.4, 0.1)
-    assert pr.stage_weights(0.3, stages["boundaries"], table) == (0.7, 0.25, 0.05)
-    assert pr.stage_weights(0.95, stages["boundaries"], table) == (0.9, 0.08, 0.02)
+    stages = DEFAULTS.stages
+    table = [stages.early, stages.middle, stages.late]
+    assert pr.stage_weights(0.0, stages.boundaries, table) == (0.5, 0.4, 0.1)
+    assert pr.stage_weights(0.3, stages.boundaries, table) == (0.7, 0.25, 0.05)
+    assert pr.stage_weights(0.95, stages.boundaries, table) == (0.9, 0.08, 0.02)
     assert pr.stage_weights(0.5, [0.1, 0.2], table) == (0.9, 0.08, 0.02)  # boundaries are configurable
 
 
@@ -197,34 +193,60 @@ def test_distiller_learns_a_score_and_is_unsure_far_away():
 
 
 def test_compute_reward_never_waits_for_a_slow_llm_and_uses_its_scores_later():
-    llm = FakeLLM(["Score: 9 | Reason: great"], delay_s=0.5)
+    llm = ScriptedLLM(["Score: 9 | Reason: great"], delay_s=0.5)
     ctx = make_ctx(llm, eval_every=1)
+    plugin = plugin_object(pr, eval_every=1)
     task = ctx.task
-    pr.on_train_start(ctx)
+    plugin.on_train_start(ctx)
+    judge = ctx.state[pr.NAME]
     try:
         obs = torch.zeros(2, 4)
         t0 = time.perf_counter()
-        out = pr.compute_reward(ctx, step_batch(task, obs))
+        out = plugin.compute_reward(ctx, step_batch(task, obs))
         assert time.perf_counter() - t0 < 0.2  # the call returned long before the LLM
         assert out.shape == (2,)
-        wait_for(lambda: llm.calls >= 1 and not pr._JUDGES[id(ctx)].requests.qsize(), 3.0)
+        wait_for(lambda: len(llm.calls) >= 1 and not judge.requests.qsize(), 3.0)
         time.sleep(0.7)
-        pr.compute_reward(ctx, step_batch(task, obs))  # drains the ring buffer
-        judge = pr._JUDGES[id(ctx)]
+        plugin.compute_reward(ctx, step_batch(task, obs))  # drains the ring buffer
         assert judge.cache.values and judge.cache.values[0] == 9.0
-        pr.compute_reward(ctx, step_batch(task, obs))
+        plugin.compute_reward(ctx, step_batch(task, obs))
         assert judge.counts.cache_hits >= 2  # the same state now comes from the cache
     finally:
         result = TrainResult("c", True)
-        pr.on_train_end(ctx, result)
+        plugin.on_train_end(ctx, result)
+    assert pr.NAME not in ctx.state  # the judge goes with its training
     assert result.metrics["judge/llm_calls"] >= 1 and result.metrics["judge/cache_hits"] >= 2
     assert "great" in ctx.texts["progress_reward/reasons.md"]
 
 
+def test_interleaved_trainings_keep_their_own_judges():
+    """One plugin object (one run), two trainings at once: nothing is shared between them."""
+    plugin = plugin_object(pr, finish_s=0.0)
+    first, second = make_ctx(ScriptedLLM(["Score: 3"]), finish_s=0.0), make_ctx(ScriptedLLM(["Score: 7"]), finish_s=0.0)
+    plugin.on_train_start(first)
+    plugin.on_train_start(second)
+    try:
+        assert first.state[pr.NAME] is not second.state[pr.NAME]
+        for _ in range(3):
+            plugin.compute_reward(first, step_batch(first.task, torch.zeros(2, 4)))
+        plugin.compute_reward(second, step_batch(second.task, torch.zeros(1, 4)))
+        assert first.state[pr.NAME].counts.steps == 3 and second.state[pr.NAME].counts.steps == 1
+        assert first.state[pr.NAME].train is first and second.state[pr.NAME].train is second
+    finally:
+        plugin.on_train_end(first, TrainResult("a", True))
+        plugin.on_train_end(second, TrainResult("b", True))
+    assert not first.state and not second.state
+    assert vars(plugin).keys() == {"cfg"}  # the plugin object itself keeps no training's state
+
+
+def test_compute_reward_before_on_train_start_adds_nothing():
+    ctx = make_ctx(ScriptedLLM(["Score: 5"]))
+    assert plugin_object(pr).compute_reward(ctx, step_batch(ctx.task, torch.zeros(1, 4))) is None
+
+
 def test_mixed_reward_blends_env_llm_and_exploration_with_the_stage_weights():
-    ctx = make_ctx(FakeLLM(["Score: 5"]))
-    judge = pr._judge_for(ctx)
-    task = ctx.task
+    judge = make_judge(ScriptedLLM(["Score: 5"]))
+    task = judge.task
     obs = torch.zeros(1, 4)
     first = judge.reward(step_batch(task, obs))  # unknown progress: LLM term 0, bonus 1 (first visit)
     assert float(first[0]) == pytest.approx(0.5 * 1 + 0.1 * 1.0 - 1.0)
@@ -232,13 +254,11 @@ def test_mixed_reward_blends_env_llm_and_exploration_with_the_stage_weights():
     judge.z.mean, judge.z.var = 6.0, 4.0
     second = judge.reward(step_batch(task, obs))  # z = (8-6)/2 = 1; second visit: bonus 1/sqrt(2)
     assert float(second[0]) == pytest.approx(0.5 + 0.4 * 1.0 + 0.1 / np.sqrt(2) - 1.0, abs=1e-5)
-    pr._JUDGES.pop(id(ctx))
 
 
 def test_potential_shaping_uses_the_difference_of_potentials():
-    ctx = make_ctx(FakeLLM(["Score: 5"]), shaping=True, gamma=0.9)
-    judge = pr._judge_for(ctx)
-    task = ctx.task
+    judge = make_judge(ScriptedLLM(["Score: 5"]), shaping=True, gamma=0.9)
+    task = judge.task
     judge.reward(step_batch(task, torch.zeros(1, 4)))
     judge.z.mean, judge.z.var = 5.0, 1.0
     judge.progress[:] = 6.0  # z = 1, previous potential 0
@@ -246,42 +266,56 @@ def test_potential_shaping_uses_the_difference_of_potentials():
     assert float(out[0]) == pytest.approx(0.5 + 0.4 * (0.9 * 1.0 - 0.0) + 0.1 / np.sqrt(2) - 1.0, abs=1e-5)
     out = judge.reward(step_batch(task, torch.zeros(1, 4)))  # potential unchanged: 0.9*1 - 1
     assert float(out[0]) == pytest.approx(0.5 + 0.4 * (0.9 - 1.0) + 0.1 / np.sqrt(3) - 1.0, abs=1e-5)
-    pr._JUDGES.pop(id(ctx))
 
 
 def test_sparse_guard_moves_the_llm_weight_to_exploration_and_says_so():
-    ctx = make_ctx(FakeLLM(["Score: 1"]))
-    judge = pr._judge_for(ctx)
-    for _ in range(DEFAULTS["sparse"]["window"]):
+    judge = make_judge(ScriptedLLM(["Score: 1"]))
+    for _ in range(DEFAULTS.sparse.window):
         judge._sparse_guard(1.0)
-    assert judge.sparse and any("sparse signal" in r for r in judge.reasons)
-    task = ctx.task
+    assert judge.sparse and any("scores were all <= 2;" in r for r in judge.reasons)
+    assert judge.train.metrics["judge/sparse"][-1][1] == 1.0
+    task = judge.task
     judge.reward(step_batch(task, torch.zeros(1, 4)))
     judge.progress[:] = 9.0
     out = judge.reward(step_batch(task, torch.zeros(1, 4)))  # LLM term ignored, bonus weighted 0.5
     assert float(out[0]) == pytest.approx(0.5 + 0.5 / np.sqrt(2) - 1.0, abs=1e-5)
     judge._sparse_guard(8.0)
     assert not judge.sparse
-    pr._JUDGES.pop(id(ctx))
 
 
 def test_distilled_evaluator_serves_states_near_judged_ones():
-    ctx = make_ctx(FakeLLM(["Score: 5"]), eval_every=1, cache_radius=0.01)
-    judge = pr._judge_for(ctx)
+    judge = make_judge(ScriptedLLM(["Score: 5"]), eval_every=1, cache_radius=0.01, distill={"min_labels": 32})
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 4))
     for row in x:
         judge.labels.append((row, 6.0))
         judge.cache.add(row, 6.0)
-    judge.cfg.distill.min_labels = 32
     judge._maybe_distill()
     assert judge.distiller is not None
     judge._scale = np.ones(4)
-    judge.reward(step_batch(ctx.task, torch.as_tensor(x[:2] + 0.05, dtype=torch.float32)))
+    judge.reward(step_batch(judge.task, torch.as_tensor(x[:2] + 0.05, dtype=torch.float32)))
     assert judge.counts.distilled == 2
     assert judge.progress == pytest.approx([6.0, 6.0], abs=0.5)
     assert judge.metrics()["judge/latency_distilled_s"] < 0.05
-    pr._JUDGES.pop(id(ctx))
+
+
+# -- config ----------------------------------------------------------------------------------
+
+
+def test_yaml_holds_the_schema_defaults():
+    yaml = OmegaConf.to_container(OmegaConf.load(conf_dir() / "plugins" / "progress_reward.yaml"))
+    assert yaml == dataclasses.asdict(pr.Config())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"samples": 0}, "samples must be >= 1"),
+    ({"stages": {"early": [0.5, 0.5]}}, "stages.early must be three weights"),
+    ({"confidence": 1.5}, "confidence must be in"),
+    ({"eval_every": "often"}, "plugins.progress_reward.eval_every"),
+])  # fmt: skip
+def test_bad_config_values_are_refused_before_any_work(overrides, message):
+    with pytest.raises(UserError, match=message):
+        make_ctx(ScriptedLLM(["Score: 5"]), **overrides)
 
 
 # -- end to end ------------------------------------------------------------------------------
