@@ -14,7 +14,7 @@ Method (Liu et al., "RL-GPT: Integrating Reinforcement Learning and Code-as-poli
    bad actions, never reaching ``done``) go back to the LLM, which revises the code.
    After training, the macros' call counts and the task fitness feed the next round.
 
-Config: ``conf/plugins/rl_gpt.yaml``.
+Config: ``conf/plugins/rl_gpt.yaml`` (schema: :class:`Config`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,37 @@ from typing import Any
 
 import numpy as np
 
-from core import hookimpl
+from core import PluginConfig, hookimpl
 from core.codegen import extract_function
 from core.records import Candidate, IterationResult, MacroAction, Program, TrainResult
 
 NAME = "rl_gpt"
 ACT, DONE = "act", "done"
+
+
+@dataclass
+class Config(PluginConfig):
+    """``plugins.rl_gpt``; ``iterations`` and ``final_seeds`` come from :class:`core.PluginConfig`."""
+
+    iterations: int = 2  # outer rounds: plan, code + critic, train, feed back (paper: a few)
+    max_subactions: int = 4  # most sub-actions in the slow agent's plan
+    max_steps: int = 32  # most primitive steps one macro-action runs
+    critic_rounds: int = 1  # times the critic may send a macro's failed rollouts back for a revision
+    rollouts: int = 2  # critic rollouts of the macros per check (each on a fresh episode)
+    temperature: float = 0.3  # sampling temperature of both agents
+    max_tokens: int = 500  # cap on each reply
+    hint: str = ""  # optional decomposition hint for the slow agent, e.g. "collect wood, place a table, make a wood pickaxe"
+    final_seeds: int = 0  # retrain the best candidate on this many more seeds after the loop
+
+    def check(self) -> None:
+        super().check()
+        for name in ("max_subactions", "max_steps", "rollouts", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.critic_rounds < 0:
+            raise ValueError(f"critic_rounds must be >= 0, got {self.critic_rounds}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
 # -- prompt pieces -----------------------------------------------------------------------
 
@@ -217,109 +242,93 @@ def _run_one(env: Any, mset: Any, obs: np.ndarray, n: int, max_steps: int) -> tu
     return batch, f"`done` was still false after {max_steps} steps"
 
 
-# -- state -----------------------------------------------------------------------------------
-
-
-@dataclass
-class RlGptState:
-    subactions: list[SubAction] = field(default_factory=list)
-    feedback: str = ""
-    rollouts: dict[str, Rollout] = field(default_factory=dict)
-    macros: list[MacroAction] = field(default_factory=list)
-
-
-STATE = RlGptState()
+# -- hooks -----------------------------------------------------------------------------------
 
 
 def _actions(task: Any) -> str:
     return task.action_description or "the env's discrete actions, 0..n-1"
 
 
-def _chat(run: Any, cfg: Any, msgs: list[dict[str, str]], seed: int, tag: str) -> str:
-    (reply,) = run.llm.chat(msgs, n=1, temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens), seed=seed, tag=tag)
-    return reply.text
+class Plugin:
+    """One RL-GPT run: the slow agent's plan, the fast agent's macros and the critic's record."""
 
+    def __init__(self, config: Config) -> None:
+        self.cfg = config
+        self.subactions: list[SubAction] = []  # the latest usable plan
+        self.feedback = ""  # how the last round's training went, for the next plan
+        self.rollouts: dict[str, Rollout] = {}  # the critic's latest rollouts per skill
+        self.macros: list[MacroAction] = []  # the latest round's accepted macros
 
-# -- hooks -----------------------------------------------------------------------------------
+    def _chat(self, run: Any, msgs: list[dict[str, str]], seed: int, tag: str) -> str:
+        (reply,) = run.llm.chat(msgs, n=1, temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens, seed=seed, tag=tag)
+        return reply.text
 
+    @hookimpl
+    def plan(self, run, iteration: int) -> str | None:
+        cfg = self.cfg
+        if iteration >= cfg.iterations:
+            return None
+        hint = f"Suggested decomposition: {cfg.hint}" if cfg.hint else ""
+        user = SLOW_TASK.format(goal=run.task.goal, hint=hint, actions=_actions(run.task), max_subactions=cfg.max_subactions)
+        if self.feedback:
+            user += "\n\nLast round:\n" + self.feedback + "\nRevise the plan (you may move sub-actions between code and rl)."
+        msgs = [{"role": "system", "content": SLOW_SYSTEM}, {"role": "user", "content": user}]
+        reply = self._chat(run, msgs, run.seed * 1000 + iteration, f"{NAME}-slow-it{iteration}")
+        subs = parse_plan(reply, cfg.max_subactions)
+        if not subs and self.subactions:
+            subs = self.subactions  # keep the last usable plan
+        self.subactions = subs
+        return plan_text(subs) or None
 
-@hookimpl
-def on_run_start(run: Any) -> None:
-    global STATE
-    STATE = RlGptState()
+    @hookimpl
+    def propose_actions(self, run, iteration: int) -> list[list[MacroAction]] | None:
+        cfg = self.cfg
+        if iteration >= cfg.iterations:
+            return None
+        limits, imports = run.sandbox.limits(), run.sandbox.imports
+        macros: list[MacroAction] = []
+        for k, sub in enumerate(s for s in self.subactions if s.how == "code"):
+            user = FAST_TASK.format(schema=run.task.schema_text(), actions=_actions(run.task), name=sub.name, what=sub.what,
+                                    max_steps=cfg.max_steps, imports=", ".join(imports))
+            msgs = [{"role": "system", "content": FAST_SYSTEM}, {"role": "user", "content": user}]
+            best: MacroAction | None = None
+            for rnd in range(1 + cfg.critic_rounds):
+                reply = self._chat(run, msgs, run.seed * 100_000 + iteration * 1000 + k * 10 + rnd, f"{NAME}-fast-{sub.name}-r{rnd}")
+                macro, error = extract_macro(reply, sub.name, cfg.max_steps)
+                if macro is not None:
+                    # the critic rolls the new macro out after the ones already accepted
+                    (st,) = rollout_macros(macros + [macro], run.task, runs=cfg.rollouts, seed=run.seed, limits=limits, imports=imports)[-1:]
+                    self.rollouts[sub.name] = st
+                    runnable = not any(f.startswith(("the code does not run", "error")) for f in st.failures)
+                    if runnable:
+                        best = macro
+                    if st.ok:
+                        break
+                    error = CRITIC.format(name=sub.name, runs=st.runs, failures="\n".join(f"- {f}" for f in st.failures[:4]))
+                msgs = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": error if macro is not None else f"{error}\nReply with `act` and `done` in one ```python block."}]
+            if best is not None:
+                macros.append(best)
+        self.macros = macros
+        report = {name: {"runs": r.runs, "finished": r.finished, "failures": r.failures} for name, r in self.rollouts.items()}
+        run.log_text(f"{NAME}/it{iteration}-critic.json", json.dumps(report, indent=2))
+        run.log_metrics({f"{NAME}/macros": len(macros)}, step=iteration)
+        return [macros] if macros else None
 
+    @hookimpl
+    def reflect(self, run, result: IterationResult) -> str | None:
+        mine = [(c, r) for c, r in zip(result.candidates, result.results) if c.macros and any(m.program.origin == NAME for m in c.macros)]
+        if not mine:
+            return None
+        c, r = max(mine, key=lambda cr: cr[1].score)
+        if r.ok and r.fitness is not None:
+            calls = ", ".join(f"{m.name} {int(r.metrics.get(f'macros/{m.name}_calls', 0))} times" for m in c.macros)
+            self.feedback = FEEDBACK.format(skills=", ".join(m.name for m in c.macros), fitness_name=r.fitness.name, fitness=r.score, calls=calls)
+        else:
+            self.feedback = f"Training with the skills failed ({r.error_kind}): {r.error.strip()[-400:]}"
+        rollouts = "\n".join(f"- {n}: finished {s.finished}/{s.runs} critic rollouts" for n, s in self.rollouts.items())
+        return self.feedback + ("\n\nCritic rollouts:\n" + rollouts if rollouts else "")
 
-@hookimpl
-def plan(run: Any, iteration: int) -> str | None:
-    cfg = run.plugin_config(NAME)
-    if iteration >= int(cfg.iterations):
-        return None
-    hint = f"Suggested decomposition: {cfg.hint}" if cfg.get("hint") else ""
-    user = SLOW_TASK.format(goal=run.task.goal, hint=hint, actions=_actions(run.task), max_subactions=int(cfg.max_subactions))
-    if STATE.feedback:
-        user += "\n\nLast round:\n" + STATE.feedback + "\nRevise the plan (you may move sub-actions between code and rl)."
-    reply = _chat(run, cfg, [{"role": "system", "content": SLOW_SYSTEM}, {"role": "user", "content": user}], run.seed * 1000 + iteration, f"{NAME}-slow-it{iteration}")
-    subs = parse_plan(reply, int(cfg.max_subactions))
-    if not subs and STATE.subactions:
-        subs = STATE.subactions  # keep the last usable plan
-    STATE.subactions = subs
-    return plan_text(subs) or None
-
-
-@hookimpl
-def propose_actions(run: Any, iteration: int) -> list[list[MacroAction]] | None:
-    cfg = run.plugin_config(NAME)
-    if iteration >= int(cfg.iterations):
-        return None
-    from core.sandbox import settings_from_config
-
-    limits, imports = settings_from_config(run.config.sandbox)
-    macros: list[MacroAction] = []
-    for k, sub in enumerate(s for s in STATE.subactions if s.how == "code"):
-        user = FAST_TASK.format(schema=run.task.schema_text(), actions=_actions(run.task), name=sub.name, what=sub.what,
-                                max_steps=int(cfg.max_steps), imports=", ".join(imports))
-        msgs = [{"role": "system", "content": FAST_SYSTEM}, {"role": "user", "content": user}]
-        best: MacroAction | None = None
-        for rnd in range(1 + int(cfg.critic_rounds)):
-            reply = _chat(run, cfg, msgs, run.seed * 100_000 + iteration * 1000 + k * 10 + rnd, f"{NAME}-fast-{sub.name}-r{rnd}")
-            macro, error = extract_macro(reply, sub.name, int(cfg.max_steps))
-            if macro is not None:
-                # the critic rolls the new macro out after the ones already accepted
-                (st,) = rollout_macros(macros + [macro], run.task, runs=int(cfg.rollouts), seed=run.seed, limits=limits, imports=imports)[-1:]
-                STATE.rollouts[sub.name] = st
-                runnable = not any(f.startswith(("the code does not run", "error")) for f in st.failures)
-                if runnable:
-                    best = macro
-                if st.ok:
-                    break
-                error = CRITIC.format(name=sub.name, runs=st.runs, failures="\n".join(f"- {f}" for f in st.failures[:4]))
-            msgs = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": error if macro is not None else f"{error}\nReply with `act` and `done` in one ```python block."}]
-        if best is not None:
-            macros.append(best)
-    STATE.macros = macros
-    report = {name: {"runs": r.runs, "finished": r.finished, "failures": r.failures} for name, r in STATE.rollouts.items()}
-    run.log_text(f"{NAME}/it{iteration}-critic.json", json.dumps(report, indent=2))
-    run.log_metrics({f"{NAME}/macros": len(macros)}, step=iteration)
-    return [macros] if macros else None
-
-
-@hookimpl
-def reflect(run: Any, result: IterationResult) -> str | None:
-    mine = [(c, r) for c, r in zip(result.candidates, result.results) if c.macros and any(m.program.origin == NAME for m in c.macros)]
-    if not mine:
-        return None
-    c, r = max(mine, key=lambda cr: cr[1].score)
-    if r.ok and r.fitness is not None:
-        calls = ", ".join(f"{m.name} {int(r.metrics.get(f'macros/{m.name}_calls', 0))} times" for m in c.macros)
-        STATE.feedback = FEEDBACK.format(skills=", ".join(m.name for m in c.macros), fitness_name=r.fitness.name, fitness=r.score, calls=calls)
-    else:
-        STATE.feedback = f"Training with the skills failed ({r.error_kind}): {r.error.strip()[-400:]}"
-    rollouts = "\n".join(f"- {n}: finished {s.finished}/{s.runs} critic rollouts" for n, s in STATE.rollouts.items())
-    return STATE.feedback + ("\n\nCritic rollouts:\n" + rollouts if rollouts else "")
-
-
-@hookimpl
-def on_run_end(run: Any, best: tuple[Candidate, TrainResult] | None) -> None:
-    for m in STATE.macros:
-        run.log_text(f"{NAME}/macros/{m.name}.py", m.program.source)
-
+    @hookimpl
+    def on_run_end(self, run, best: tuple[Candidate, TrainResult] | None) -> None:
+        for m in self.macros:
+            run.log_text(f"{NAME}/macros/{m.name}.py", m.program.source)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from fakes import ScriptedLLM, make_run, plugin_object, texts_of
 from omegaconf import OmegaConf
 
+from core.config import typed
 from core.envs import make_task
+from core.errors import UserError
 from core.records import Candidate, Fitness, IterationResult, MacroAction, Program, TrainResult
 from core.sandbox import Limits
 from plugins import rl_gpt
@@ -57,47 +59,80 @@ def test_rollouts_execute_macros_and_classify_failures(task):
     assert bad.runs == 2 and "does not run" in bad.failures[0] and "99" in bad.failures[0]
 
 
-class FakeLLM:
-    def __init__(self, replies):
-        self.replies, self.calls = list(replies), []
-
-    def chat(self, messages, **kw):
-        self.calls.append(messages)
-        return [SimpleNamespace(text=self.replies.pop(0), cached=False)]
+def make(task, replies, config=None, **overrides):
+    """A plugin object and its run, the LLM answering ``replies`` in order."""
+    run = make_run(task, ScriptedLLM(list(replies)), plugin=rl_gpt.NAME, module=rl_gpt, overrides=overrides, config=config)
+    return rl_gpt.Plugin(run.plugin_config(rl_gpt.NAME)), run
 
 
-def make_run(task, replies, **overrides):
-    cfg = OmegaConf.load(Path(__file__).parents[2] / "conf/plugins/rl_gpt.yaml")
-    cfg.update(overrides)
-    sandbox = OmegaConf.create({"allowed_imports": list(IMPORTS), "cpu_s": 10, "wall_s": 20, "memory_mb": 4096, "call_timeout_s": 1.0})
-    run = SimpleNamespace(task=task, llm=FakeLLM(replies), seed=0, config=OmegaConf.create({"sandbox": sandbox}), texts={}, metrics={})
-    run.plugin_config = lambda name: cfg
-    run.log_text = lambda p, t: run.texts.__setitem__(p, t)
-    run.log_metrics = lambda m, step=None: run.metrics.update(m)
-    return run
+PLAN = '[{"name": "chop", "how": "code", "what": "hit the tree in front"}, {"name": "explore", "how": "rl", "what": "find trees"}]'
 
 
 def test_plan_then_critic_revises_a_failing_macro(task):
-    plan = '[{"name": "chop", "how": "code", "what": "hit the tree in front"}, {"name": "explore", "how": "rl", "what": "find trees"}]'
-    run = make_run(task, [plan, NEVER_DONE, DONE_AT_ONCE], critic_rounds=1, rollouts=1, max_steps=4)
-    rl_gpt.on_run_start(run)
-    text = rl_gpt.plan(run, 0)
+    plugin, run = make(task, [PLAN, NEVER_DONE, DONE_AT_ONCE], critic_rounds=1, rollouts=1, max_steps=4)
+    text = plugin.plan(run, 0)
     assert "chop [code]" in text and "explore [rl]" in text
-    (macros,) = rl_gpt.propose_actions(run, 0)
+    (macros,) = plugin.propose_actions(run, 0)
     assert [m.name for m in macros] == ["chop"]
     assert "return True" in macros[0].program.source  # the revised code was kept
-    critic_prompt = run.llm.calls[2][-1]["content"]
+    assert len(run.llm.calls) == 3  # plan, the first code, the revision
+    critic_prompt = run.llm.calls[2].last
     assert "still false after 4 steps" in critic_prompt
-    assert "rl_gpt/it0-critic.json" in run.texts
+    assert "rl_gpt/it0-critic.json" in texts_of(run)
+    assert run.tracker.metrics["rl_gpt/macros"] == 1
+
+
+def test_sampling_settings_and_hint_come_from_the_typed_config(task):
+    plugin, run = make(task, [PLAN], temperature=0.9, max_tokens=77, max_subactions=1, hint="chop first")
+    assert plugin.plan(run, 0) == "1. chop [code]: hit the tree in front"  # cut to max_subactions
+    (call,) = run.llm.calls
+    assert (call.temperature, call.max_tokens, call.tag) == (0.9, 77, "rl_gpt-slow-it0")
+    assert "Suggested decomposition: chop first" in call.last and "at most 1 items" in call.last
+
+
+def test_the_fast_agent_is_told_the_runs_allowed_imports(task):
+    plugin, run = make(task, [PLAN, DONE_AT_ONCE], config={"sandbox": {"allowed_imports": ["math", "torch"]}}, critic_rounds=0, rollouts=1)
+    plugin.plan(run, 0)
+    plugin.propose_actions(run, 0)
+    assert "You may import only: math, torch." in run.llm.calls[1].last
+
+
+def test_nothing_after_its_iterations(task):
+    plugin, run = make(task, [PLAN], iterations=1)
+    assert plugin.plan(run, 1) is None and plugin.propose_actions(run, 1) is None
+    assert run.llm.calls == []
 
 
 def test_reflect_reports_macro_calls(task):
-    run = make_run(task, [])
-    rl_gpt.on_run_start(run)
+    plugin, run = make(task, [])
     cand = Candidate("it0-c0", 0, macros=[_macro(DONE_AT_ONCE, "chop")])
     res = TrainResult("it0-c0", True, fitness=Fitness("crafter_score", 2.0), metrics={"macros/chop_calls": 7.0})
-    text = rl_gpt.reflect(run, IterationResult(0, [cand], [res]))
+    text = plugin.reflect(run, IterationResult(0, [cand], [res]))
     assert "chop 7 times" in text and "crafter_score 2" in text
+    assert plugin.feedback in text
+
+
+def test_the_next_plan_sees_the_last_rounds_feedback_and_other_runs_do_not(task):
+    plugin, run = make(task, [PLAN])
+    other, other_run = make(task, [PLAN])
+    cand = Candidate("it0-c0", 0, macros=[_macro(DONE_AT_ONCE, "chop")])
+    res = TrainResult("it0-c0", True, fitness=Fitness("crafter_score", 2.0), metrics={"macros/chop_calls": 7.0})
+    plugin.reflect(run, IterationResult(0, [cand], [res]))
+    plugin.plan(run, 1)
+    other.plan(other_run, 1)
+    assert "Last round:" in run.llm.calls[0].last and "chop 7 times" in run.llm.calls[0].last
+    assert "Last round:" not in other_run.llm.calls[0].last and other.feedback == ""
+
+
+def test_config_defaults_are_the_yaml_file():
+    yaml = OmegaConf.load(Path(__file__).parents[2] / "conf/plugins/rl_gpt.yaml")
+    assert typed(rl_gpt.Config, yaml, "plugins.rl_gpt") == rl_gpt.Config() == plugin_object(rl_gpt).cfg
+
+
+@pytest.mark.parametrize("key,value", [("max_subactions", 0), ("max_steps", 0), ("rollouts", 0), ("critic_rounds", -1), ("max_tokens", 0)])
+def test_config_refuses_values_that_cannot_work(key, value):
+    with pytest.raises(UserError, match=key):
+        plugin_object(rl_gpt, **{key: value})
 
 
 @pytest.mark.slow
