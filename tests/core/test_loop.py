@@ -1,8 +1,9 @@
 from __future__ import annotations
 
-from omegaconf import OmegaConf
+from dataclasses import dataclass
 
-from core.loop import combine, iterations_from
+from core.config import PluginConfig, Settings
+from core.loop import combine
 from core.records import Candidate, EnvConfig, RewardProgram, StateProgram
 
 
@@ -35,7 +36,15 @@ def test_a_silent_role_keeps_the_previous_best_part():
     assert [c.reward.source[-1] for c in candidates] == ["1", "2"]
 
 
-def test_iterations_is_the_largest_plugin_setting():
-    assert iterations_from(OmegaConf.create({"plugins": {}})) == 1
-    cfg = OmegaConf.create({"plugins": {"eureka": {"iterations": 5}, "envgen": {"iterations": 2}, "x": {}}})
-    assert iterations_from(cfg) == 5
+@dataclass
+class _Rounds(PluginConfig):
+    samples: int = 4  # a plugin's own knob, not read by the core
+
+
+def test_iterations_and_final_seeds_are_the_largest_plugin_settings():
+    assert Settings.of({}).iterations == 1
+    assert Settings.of({}, {"x": PluginConfig(iterations=0)}).iterations == 1  # a run has at least one round
+    plugins = {"eureka": _Rounds(iterations=5), "envgen": PluginConfig(iterations=2), "x": PluginConfig()}
+    assert Settings.of({}, plugins).iterations == 5
+    assert Settings.of({"final_seeds": 2}, {"a": PluginConfig(final_seeds=3)}).final_seeds == 3
+    assert Settings.of({"final_seeds": 4}, {"a": PluginConfig(final_seeds=3)}).final_seeds == 4

@@ -35,7 +35,7 @@ def test_plugin_manager_registers_extra_objects_and_checks_hook_names():
         def on_run_start(self, run):
             run.append("seen")
 
-    pm = make_plugin_manager([], extra=[Good()])
+    pm = make_plugin_manager(extra=[Good()])
     seen: list[str] = []
     pm.hook.on_run_start(run=seen)
     assert seen == ["seen"]
@@ -45,8 +45,8 @@ def test_plugin_manager_registers_extra_objects_and_checks_hook_names():
         def propose_reward(self, run):  # the spec is propose_rewards
             return None
 
-    with pytest.raises(Exception, match="propose_reward"):
-        make_plugin_manager([], extra=[Misspelt()])
+    with pytest.raises(UserError, match="implements 'propose_reward', which is not a hook. Did you mean 'propose_rewards'"):
+        make_plugin_manager(extra=[Misspelt()])
 
 
 def test_catalogue_contains_builtins_first():

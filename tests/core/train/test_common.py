@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from omegaconf import OmegaConf
 
 import core.sandbox
+from core.config import Settings
+from core.context import TrainContext
 from core.records import Candidate, RewardProgram, StateProgram
 from core.train.common import sandbox_settings, save_policy, wants_saved_policy
-from core.context import TrainContext
 from core.train.ppo import train
 
 SANDBOX = {"allowed_imports": ["math", "torch"], "cpu_s": 3, "wall_s": 7, "memory_mb": 1024, "call_timeout_s": 0.25}
 
 
 def _ctx(task, candidate, tiny_cfg, **config) -> TrainContext:
-    return TrainContext(task=task, candidate=candidate, config=OmegaConf.create(config), seed=0,
+    return TrainContext(settings=Settings.of(config), task=task, candidate=candidate, seed=0,
                         total_frames=tiny_cfg.frames)
 
 
@@ -60,6 +62,7 @@ def test_policy_is_saved_when_the_run_asks(task, tiny_cfg):
     result = train(task, candidate, tiny_cfg, seed=0, ctx=_ctx(task, candidate, tiny_cfg, save_policy=True))
     assert result.ok, result.error
     state = torch.load(result.policy_path)
+    Path(result.policy_path).unlink()  # in a run the tracker uploads it and deletes it
     assert state["algorithm"] == "ppo" and state["obs_dim"] == 4
     assert state["actor"]["0.weight"].shape == (16, 4)
 
@@ -68,7 +71,9 @@ def test_policy_saving_defaults(task, tiny_cfg):
     assert not wants_saved_policy(None)
     assert wants_saved_policy(_ctx(task, Candidate("a", 0), tiny_cfg))
     path = save_policy({"x": torch.ones(2)}, "a b/c")
-    assert "a_b_c" in path and torch.load(path)["x"].sum() == 2
+    saved = torch.load(path)
+    Path(path).unlink()
+    assert "a_b_c" in Path(path).name and saved["x"].sum() == 2
 
 
 def test_a_per_state_reward_trains_and_is_reported(task, tiny_cfg):
