@@ -29,7 +29,9 @@ preference-based RL of Christiano et al. (2017).
    labels and trains; the training loop never waits for it.
 
 Label accuracy against the env's own segment returns is logged when they differ.
-Config: ``conf/plugins/rlaif_preference.yaml``.
+Config: ``conf/plugins/rlaif_preference.yaml`` (schema: :class:`Config`). Each
+training's learner lives in ``train.state["rlaif_preference"]``; the labeller and its
+label cache belong to the run's plugin object.
 """
 
 from __future__ import annotations
@@ -42,15 +44,95 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from core import hookimpl
+from core import PluginConfig, hookimpl
+
+if TYPE_CHECKING:  # pragma: no cover
+    from core.context import StepBatch, TrainContext
+    from core.records import TrainResult
 
 NAME = "rlaif_preference"
+JUDGES = ("logprobs", "text")
+LABELLING = ("online", "offline")
+MODES = ("add", "replace")
+
+
+@dataclass
+class Offline:
+    """``offline``: the random-policy dataset that offline labelling draws pairs from."""
+
+    envs: int = 4  # random-policy envs
+    steps: int = 256  # steps per env
+
+
+@dataclass
+class Config(PluginConfig):
+    """``plugins.rlaif_preference``; ``iterations`` and ``final_seeds`` come from :class:`core.PluginConfig`
+    (this plugin proposes nothing: the defaults leave the run's loop as it is)."""
+
+    goal: str | None = None  # goal text shown to the labeller; null = the task's goal
+    # online: labels during training (RL-VLM-F); offline: label a random-policy dataset first (Motif)
+    labelling: str = "online"
+    segment_len: int = 16  # steps per segment (segments never cross an episode end)
+    min_segment_len: int = 4  # shorter segments are kept only when their episode terminated in them
+    pool_size: int = 512  # most recent segments kept to draw pairs from
+    label_every: int = 2048  # online: frames between labelling requests
+    pairs_per_query: int = 2  # online: pairs labelled per request
+    label_budget: int = 8  # total pairs labelled per training (online and offline)
+    # logprobs: a one-digit answer, the vote is P("1") / (P("1") + P("2")) (Lee et al. 2023), the label their
+    # mean log-odds over both orders; text: written answers, parsed
+    judge: str = "logprobs"
+    # judge=logprobs: alternatives of the answer token read (a backend without log-probabilities falls back to the
+    # digit itself)
+    top_logprobs: int = 10
+    # judge=text: votes per pair; the label is their mean (its side of 0.5 = the majority; a split = a tie)
+    samples: int = 2
+    # every other vote (logprobs: the second call) sees the pair in the other order (cancels the small model's
+    # position bias)
+    swap: bool = True
+    # judge=text, true: Motif's shape (describe each segment, compare, then answer); false: answer first, then a
+    # short reason
+    describe: bool = False
+    summary_fields: int = 6  # scalar fields whose change over the segment is stated (start -> end, min, max)
+    temperature: float = 0.3  # judge=text: sampling temperature (logprobs reads one greedy token)
+    # judge=text: cap on each reply: the answer and a short reason (use ~96 with describe: true)
+    max_tokens: int = 40
+    seed: int = 0  # labeller sampling seed (the LLM cache makes labels reproducible)
+    min_pairs: int = 2  # labelled pairs needed before the reward model is trained
+    members: int = 3  # reward-model ensemble size
+    hidden: int = 64  # hidden units of each member
+    epochs: int = 100  # full-batch Adam steps per fit (the model is refit after each labelling round)
+    ema: float = 0.99  # decay of the running mean and variance that z-score the model's reward
+    scale: float = 0.1  # the z-scored reward is multiplied by this
+    threshold: float | None = None  # z-scored rewards below this become 0 (Motif's thresholding); null = keep all
+    mode: str = "add"  # add: env reward + scaled model reward; replace: the scaled model reward alone
+    # after training, wait up to this long for the LLM call in progress (so it is logged); 0 = do not wait
+    finish_s: float = 30.0
+    max_reasons: int = 200  # labelling replies kept for the artifact rlaif_preference/labels.md
+    offline: Offline = field(default_factory=Offline)  # offline labelling dataset
+
+    def check(self) -> None:
+        super().check()
+        for name, allowed in (("labelling", LABELLING), ("judge", JUDGES), ("mode", MODES)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
+        for name in ("segment_len", "min_segment_len", "label_every", "pairs_per_query", "top_logprobs", "samples",
+                     "max_tokens", "min_pairs", "members", "hidden", "epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.pool_size < 2:
+            raise ValueError(f"pool_size must be >= 2 (pairs are drawn from it), got {self.pool_size}")
+        if self.label_budget < 0:
+            raise ValueError(f"label_budget must be >= 0, got {self.label_budget}")
+        if not 0.0 <= self.ema < 1.0:
+            raise ValueError(f"ema must be in [0, 1), got {self.ema}")
+        if self.offline.envs < 1 or self.offline.steps < 1:
+            raise ValueError(f"offline.envs and offline.steps must be >= 1, got {self.offline.envs} and {self.offline.steps}")
 
 # -- prompt pieces -----------------------------------------------------------------------
 
@@ -97,23 +179,6 @@ _PARROT = re.compile(r"answer\W{0,3}\s*[:=]?\s*(?:1|2|tie)\s*(?:,|/|\bor\b)\s*(?
 
 
 # -- pure pieces ---------------------------------------------------------------------------
-
-class Settings(SimpleNamespace):
-    """The plugin's config as plain attributes (OmegaConf lookups cost ~20 us each per step)."""
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
-
-
-def settings(cfg: Any) -> Settings:
-    """A (nested) :class:`Settings` from a plugin config mapping (dict or DictConfig)."""
-    if hasattr(cfg, "items") and not isinstance(cfg, dict):
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    return Settings(**{str(k): settings(v) if isinstance(v, dict) else v for k, v in (cfg or {}).items()})
-
-
 
 @dataclass
 class Segment:
@@ -339,7 +404,7 @@ class Labeller:
     def key(goal: str, a: str, b: str) -> str:
         return hashlib.sha256("\x00".join((goal, a, b)).encode()).hexdigest()
 
-    def label(self, llm: Any, cfg: Any, goal: str, pairs: list[tuple[str, str]]) -> list[float | None]:
+    def label(self, llm: Any, cfg: Config, goal: str, pairs: list[tuple[str, str]]) -> list[float | None]:
         out: list[float | None] = []
         for a, b in pairs:
             k, k_rev = self.key(goal, a, b), self.key(goal, b, a)
@@ -355,7 +420,7 @@ class Labeller:
             self.replies.append(f"label {value} (votes {votes}): {shown}")
         return out
 
-    def ask(self, llm: Any, cfg: Any, goal: str, a: str, b: str) -> tuple[float | None, list[float | None], list[str]]:
+    def ask(self, llm: Any, cfg: Config, goal: str, a: str, b: str) -> tuple[float | None, list[float | None], list[str]]:
         """Votes on one pair (label, votes, reply texts).
 
         With ``swap`` the pair is also shown in the other order (its vote is flipped
@@ -364,24 +429,21 @@ class Labeller:
         per order, the vote is P(first better) (:func:`digit_preference`).
         ``judge=text``: ``samples`` sampled replies, shared between the orders.
         """
-        judge = str(cfg.get("judge", "logprobs"))
-        if judge not in ("logprobs", "text"):
-            raise ValueError(f"plugins.{NAME}.judge must be 'logprobs' or 'text', got {judge!r}")
-        swap = bool(cfg.get("swap", True))
+        judge, swap = cfg.judge, cfg.swap
         if judge == "logprobs":  # one greedy digit per order
             samples = 2 if swap else 1
-            options = {"temperature": 0.0, "max_tokens": 1, "top_logprobs": int(cfg.get("top_logprobs", 10))}
+            options = {"temperature": 0.0, "max_tokens": 1, "top_logprobs": cfg.top_logprobs}
         else:
-            samples = max(1, int(cfg.get("samples", 1)))
-            options = {"temperature": float(cfg.get("temperature", 0.3)), "max_tokens": int(cfg.get("max_tokens", 96))}
+            samples = cfg.samples
+            options = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
         orders = [(a, b, False), (b, a, True)] if swap and samples > 1 else [(a, b, False)]
         votes: list[float | None] = []
         texts: list[str] = []
         for j, (first, second, flipped) in enumerate(orders):
             n = samples // len(orders) + (j < samples % len(orders))
             t0 = time.perf_counter()
-            messages = build_prompt(goal, first, second, judge, bool(cfg.get("describe", False)))
-            replies = llm.chat(messages, n=n, seed=int(cfg.get("seed", 0)), tag=f"{NAME}/label", **options)
+            messages = build_prompt(goal, first, second, judge, cfg.describe)
+            replies = llm.chat(messages, n=n, seed=cfg.seed, tag=f"{NAME}/label", **options)
             self.calls += 1
             if not all(r.cached for r in replies):
                 self.latency.append(time.perf_counter() - t0)
@@ -394,18 +456,20 @@ class Labeller:
         return (logit_vote(votes) if judge == "logprobs" else vote(votes)), votes, texts
 
 
-_LABELLER = Labeller()
-
 
 # -- the preference learner ---------------------------------------------------------------
 
 
 class PreferenceLearner:
-    """Per-training state: segment pool, labelling worker, reward model, statistics."""
+    """Per-training state: segment pool, labelling worker, reward model, statistics.
 
-    def __init__(self, train: Any, cfg: Any) -> None:
-        self.train, self.cfg, self.task = train, cfg, train.task
-        self.goal = cfg.get("goal") or train.task.goal
+    ``labeller`` is the run's (the plugin object's): its label cache serves every
+    training of the run in this process.
+    """
+
+    def __init__(self, train: TrainContext, cfg: Config, labeller: Labeller) -> None:
+        self.train, self.cfg, self.task, self.labeller = train, cfg, train.task, labeller
+        self.goal = cfg.goal or train.task.goal
         self.pool: list[Segment] = []
         self.jobs: queue.Queue[list[tuple[Segment, Segment]]] = queue.Queue(maxsize=2)
         self.pairs: list[tuple[Segment, Segment, float]] = []  # labelled (a, b, label)
@@ -416,7 +480,7 @@ class PreferenceLearner:
         self.rm_loss = float("nan")
         self.scale_obs: np.ndarray | None = None
         self.mean, self.var = 0.0, 1.0
-        self.next_label_at = int(cfg.label_every)
+        self.next_label_at = cfg.label_every
         self.rng = random.Random(int(train.seed))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -441,9 +505,9 @@ class PreferenceLearner:
             std = obs.reshape(-1, dim).std(0)
             self.scale_obs = np.where(std > 1e-6, std, 1.0)
         for e in range(obs.shape[0]):
-            self.pool += split_segments(obs[e], act[e], rew[e], term[e], done[e], int(self.cfg.segment_len),
-                                        int(self.cfg.min_segment_len))
-        self.pool = self.pool[-int(self.cfg.pool_size):]
+            self.pool += split_segments(obs[e], act[e], rew[e], term[e], done[e], self.cfg.segment_len,
+                                        self.cfg.min_segment_len)
+        self.pool = self.pool[-self.cfg.pool_size:]
 
     def sample_pairs(self, n: int) -> list[tuple[Segment, Segment]]:
         if len(self.pool) < 2:
@@ -454,13 +518,13 @@ class PreferenceLearner:
     def label_and_fit(self, pairs: list[tuple[Segment, Segment]]) -> None:
         for seg in (s for p in pairs for s in p):
             if not seg.text:
-                seg.text = render_segment(self.task, seg, int(self.cfg.get("summary_fields", 6)))
-        hook = getattr(self.train, "hook", None)
+                seg.text = render_segment(self.task, seg, self.cfg.summary_fields)
+        hook = self.train.hook
         for a, b in pairs:  # one pair per request: each label counts as soon as it is back
             texts = [(a.text, b.text)]
             labels = hook.label_preferences(run=self.train, goal=self.goal, pairs=texts) if hook is not None else None
             if labels is None:
-                labels = _LABELLER.label(self.train.llm, self.cfg, self.goal, texts)
+                labels = self.labeller.label(self.train.llm, self.cfg, self.goal, texts)
             lab = labels[0]
             self.labels.append(lab)
             self.truths.append(env_preference(a, b))
@@ -469,22 +533,22 @@ class PreferenceLearner:
         self.fit()
 
     def fit(self) -> None:
-        if len(self.pairs) < int(self.cfg.min_pairs):
+        if len(self.pairs) < self.cfg.min_pairs:
             return
         a = [self.features(p[0].obs) for p in self.pairs]
         b = [self.features(p[1].obs) for p in self.pairs]
-        model = RewardModel(a[0].shape[-1], int(self.cfg.members), int(self.cfg.hidden), seed=int(self.train.seed))
-        self.rm_loss = model.fit(a, b, [p[2] for p in self.pairs], epochs=int(self.cfg.epochs))
+        model = RewardModel(a[0].shape[-1], self.cfg.members, self.cfg.hidden, seed=int(self.train.seed))
+        self.rm_loss = model.fit(a, b, [p[2] for p in self.pairs], epochs=self.cfg.epochs)
         self.model = model  # one assignment: the reward side sees the old or the new model
         self.train.log_metric("preference/rm_loss", self.rm_loss)
 
     def maybe_request(self) -> None:
         """Online mode: queue a labelling job every ``label_every`` frames within the budget."""
         cfg = self.cfg
-        if self.train.frames < self.next_label_at or self.requested >= int(cfg.label_budget):
+        if self.train.frames < self.next_label_at or self.requested >= cfg.label_budget:
             return
-        self.next_label_at += int(cfg.label_every)
-        n = min(int(cfg.pairs_per_query), int(cfg.label_budget) - self.requested)
+        self.next_label_at += cfg.label_every
+        n = min(cfg.pairs_per_query, cfg.label_budget - self.requested)
         pairs = self.sample_pairs(n)
         if pairs:
             try:
@@ -514,16 +578,16 @@ class PreferenceLearner:
             try:
                 self.label_and_fit(pairs)
             except Exception as exc:  # noqa: BLE001 - a failed labelling round costs its labels
-                _LABELLER.replies.append(f"labelling failed: {type(exc).__name__}: {str(exc)[:300]}")
+                self.labeller.replies.append(f"labelling failed: {type(exc).__name__}: {str(exc)[:300]}")
 
     # -- offline mode ------------------------------------------------------------------
     def offline(self) -> None:
         """Motif: label pairs from a random-policy dataset before training, fit once."""
         cfg = self.cfg
-        env = self.task.make_env(int(cfg.offline.envs), int(self.train.seed) + 7)
+        env = self.task.make_env(cfg.offline.envs, int(self.train.seed) + 7)
         obs, _ = env.reset(seed=int(self.train.seed) + 7)
         rows: dict[str, list[np.ndarray]] = {k: [] for k in ("obs", "act", "rew", "term", "done")}
-        for _ in range(int(cfg.offline.steps)):
+        for _ in range(cfg.offline.steps):
             act = env.action_space.sample()
             nobs, rew, term, trunc, info = env.step(act)
             final = np.array(nobs, copy=True)
@@ -538,31 +602,31 @@ class PreferenceLearner:
         self.scale_obs = np.where(std > 1e-6, std, 1.0)
         for e in range(arr["obs"].shape[0]):
             self.pool += split_segments(arr["obs"][e][:, :dim].astype(np.float32), arr["act"][e], arr["rew"][e],
-                                        arr["term"][e], arr["done"][e], int(cfg.segment_len), int(cfg.min_segment_len))
-        pairs = self.sample_pairs(int(cfg.label_budget))
+                                        arr["term"][e], arr["done"][e], cfg.segment_len, cfg.min_segment_len)
+        pairs = self.sample_pairs(cfg.label_budget)
         self.requested = len(pairs)
         self.label_and_fit(pairs)
 
     # -- reward ------------------------------------------------------------------------
-    def reward(self, batch: Any) -> torch.Tensor | None:
+    def reward(self, batch: StepBatch) -> torch.Tensor | None:
         model = self.model
         if model is None:
             return None
         r = model.reward(self.features(batch.next_obs.detach().cpu().numpy()))
-        d = float(self.cfg.ema)
+        d = self.cfg.ema
         self.mean = d * self.mean + (1 - d) * float(r.mean())
         self.var = d * self.var + (1 - d) * float(((r - self.mean) ** 2).mean())
         z = (r - self.mean) / (math.sqrt(self.var) + 1e-8)
         if self.cfg.threshold is not None:
-            z = np.where(z >= float(self.cfg.threshold), z, 0.0)
-        term = float(self.cfg.scale) * z
+            z = np.where(z >= self.cfg.threshold, z, 0.0)
+        term = self.cfg.scale * z
         if self.cfg.mode == "replace":
             term = term - batch.reward.detach().cpu().numpy()
         return torch.as_tensor(term, dtype=torch.float32)
 
     def metrics(self) -> dict[str, float]:
         acc, n = label_accuracy(self.labels, self.truths)
-        lab = _LABELLER
+        lab = self.labeller
         return {
             "preference/labels": float(len(self.labels)),
             "preference/label_accuracy": acc,
@@ -578,17 +642,6 @@ class PreferenceLearner:
         }
 
 
-_LEARNERS: dict[int, PreferenceLearner] = {}
-
-
-def _learner_for(train: Any) -> PreferenceLearner:
-    learner = _LEARNERS.get(id(train))
-    if learner is None or learner.train is not train:
-        cfg = settings(train.plugin_config(NAME))
-        learner = _LEARNERS[id(train)] = PreferenceLearner(train, cfg)
-    return learner
-
-
 def _preload(llm: Any) -> None:
     """Load an in-process model before the loop: loading holds the GIL for seconds."""
     settings = getattr(llm, "settings", None)
@@ -601,47 +654,54 @@ def _preload(llm: Any) -> None:
 # -- hooks -----------------------------------------------------------------------------------
 
 
-@hookimpl
-def label_preferences(run: Any, goal: str, pairs: list[tuple[str, str]]) -> list[float | None] | None:
-    """Label segment pairs with the run's LLM (Motif's prompt shape), through the label cache."""
-    cfg = run.plugin_config(NAME) or {}
-    return _LABELLER.label(run.llm, cfg, goal, pairs)
+class Plugin:
+    """RLAIF for a run. The labeller (and its label cache) is the run's; each training's
+    :class:`PreferenceLearner` (segments, worker thread, reward model) lives in
+    ``train.state[NAME]``, from ``on_train_start`` to ``on_train_end``."""
 
+    def __init__(self, config: Config) -> None:
+        self.cfg = config
+        self.labeller = Labeller()
 
-@hookimpl
-def on_train_start(train: Any) -> None:
-    """Online: start the labelling worker. Offline: label a random-policy dataset first."""
-    learner = _learner_for(train)
-    _preload(train.llm)
-    if learner.cfg.labelling == "offline":
-        learner.offline()
-    else:
-        learner.start()
+    @hookimpl
+    def label_preferences(self, run: Any, goal: str, pairs: list[tuple[str, str]]) -> list[float | None] | None:
+        """Label segment pairs with the run's LLM (the configured judge), through the label cache."""
+        return self.labeller.label(run.llm, self.cfg, goal, pairs)
 
+    @hookimpl
+    def on_train_start(self, train: TrainContext) -> None:
+        """Online: start the labelling worker. Offline: label a random-policy dataset first."""
+        learner = train.state[NAME] = PreferenceLearner(train, self.cfg, self.labeller)
+        _preload(train.llm)
+        if self.cfg.labelling == "offline":
+            learner.offline()
+        else:
+            learner.start()
 
-@hookimpl
-def on_rollout(train: Any, batch: Any) -> None:
-    """Keep the batch's segments; online, ask for labels on schedule (never waits)."""
-    learner = _learner_for(train)
-    if learner.cfg.labelling == "online":
-        learner.add_rollout(batch)
-        learner.maybe_request()
-    train.log_metric("preference/labels", len(learner.labels))
+    @hookimpl
+    def on_rollout(self, train: TrainContext, batch: Any) -> None:
+        """Keep the batch's segments; online, ask for labels on schedule (never waits)."""
+        learner = train.state.get(NAME)
+        if learner is None:
+            return
+        if self.cfg.labelling == "online":
+            learner.add_rollout(batch)
+            learner.maybe_request()
+        train.log_metric("preference/labels", len(learner.labels))
 
+    @hookimpl
+    def compute_reward(self, train: TrainContext, batch: StepBatch) -> torch.Tensor | None:
+        """The reward model's scaled, thresholded reward (added, or replacing the reward)."""
+        learner = train.state.get(NAME)
+        return learner.reward(batch) if learner is not None else None
 
-@hookimpl
-def compute_reward(train: Any, batch: Any) -> torch.Tensor | None:
-    """The reward model's scaled, thresholded reward (added, or replacing the reward)."""
-    return _learner_for(train).reward(batch)
-
-
-@hookimpl
-def on_train_end(train: Any, result: Any) -> None:
-    """Stop the worker; metrics on the result, the LLM's labelling replies as a text."""
-    learner = _LEARNERS.pop(id(train), None)
-    if learner is None:
-        return
-    learner.stop(float(learner.cfg.get("finish_s", 2.0)))
-    result.metrics.update({k: v for k, v in learner.metrics().items() if v == v})
-    text = "\n".join(f"- {r}" for r in _LABELLER.replies[-int(learner.cfg.max_reasons):])
-    train.log_text(f"{NAME}/labels.md", f"# Preference labels ({len(learner.labels)})\n\n{text}\n")
+    @hookimpl
+    def on_train_end(self, train: TrainContext, result: TrainResult) -> None:
+        """Stop the worker; metrics on the result, the LLM's labelling replies as a text."""
+        learner = train.state.pop(NAME, None)
+        if learner is None:
+            return
+        learner.stop(self.cfg.finish_s)
+        result.metrics.update({k: v for k, v in learner.metrics().items() if v == v})
+        text = "\n".join(f"- {r}" for r in self.labeller.replies[-self.cfg.max_reasons:])
+        train.log_text(f"{NAME}/labels.md", f"# Preference labels ({len(learner.labels)})\n\n{text}\n")

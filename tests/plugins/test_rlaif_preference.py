@@ -3,69 +3,58 @@ the label cache and hook, online scheduling, offline mode, the reward, and an en
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import fakes
 import numpy as np
 import pytest
 import torch
+from fakes import ScriptedLLM, plugin_object
 from omegaconf import OmegaConf
 
-from core.envs import make_task
-from core.records import Candidate, TrainResult
-from core.resources import conf_dir
 from core.context import StepBatch, TrainContext
+from core.envs import make_task
+from core.errors import UserError
+from core.records import TrainResult
+from core.resources import conf_dir
 from plugins import rlaif_preference as rp
 
 torch.set_num_threads(1)  # as in training: small nets with 2 threads stall on a busy machine
-DEFAULTS = OmegaConf.to_container(OmegaConf.load(conf_dir() / "plugins" / "rlaif_preference.yaml"))
 
 
-class FakeLLM:
-    """Replies from a list (cycled); counts calls. Replies carry no log-probabilities, so
-    the logprobs judge reads their digit."""
-
-    def __init__(self, texts: list[str], delay_s: float = 0.0) -> None:
-        self.texts, self.delay_s, self.calls = texts, delay_s, 0
-
-    def chat(self, messages, *, n=1, **_):
-        self.calls += 1
-        time.sleep(self.delay_s)
-        return [SimpleNamespace(text=self.texts[i % len(self.texts)], cached=False) for i in range(n)]
+def config(**overrides) -> rp.Config:
+    """The plugin's validated config: defaults + ``overrides``."""
+    return plugin_object(rp, **overrides).cfg
 
 
-class LogprobLLM:
-    """A one-digit judge that prefers the segment containing ``best`` with probability
-    ``p`` and the first-shown segment by ``bias`` (log-odds); records the calls' options."""
+def logprob_llm(best: str, p: float = 0.8, bias: float = 0.0) -> ScriptedLLM:
+    """A one-digit judge that prefers the segment shown as ``best`` with probability ``p``
+    and the first-shown segment by ``bias`` (log-odds)."""
 
-    def __init__(self, best: str, p: float = 0.8, bias: float = 0.0) -> None:
-        self.best, self.p, self.bias, self.calls = best, p, bias, []
+    def p_first_better(messages) -> float:
+        first = messages[-1]["content"].split("Segment 1: ")[1].split("\n")[0]
+        p_first = p if first == best else 1 - p
+        return float(1 / (1 + np.exp(-(np.log(p_first / (1 - p_first)) + bias))))
 
-    def chat(self, messages, *, n=1, **options):
-        self.calls.append(options)
-        user = messages[-1]["content"]
-        first = user.split("Segment 1: ")[1].split("\n")[0]
-        p_first = self.p if first == self.best else 1 - self.p
-        logit = float(np.log(p_first / (1 - p_first))) + self.bias
-        p1 = 1 / (1 + np.exp(-logit))
-        logprobs = {"1": float(np.log(p1)), "2": float(np.log(1 - p1)), "The": -9.0}
-        return [SimpleNamespace(text="1" if p1 >= 0.5 else "2", cached=False, logprobs=logprobs)] * n
+    return ScriptedLLM(answer=lambda messages, tag: "1" if p_first_better(messages) >= 0.5 else "2",
+                       logprobs=lambda messages: {"1": float(np.log(p_first_better(messages))),
+                                                  "2": float(np.log(1 - p_first_better(messages))), "The": -9.0})
 
 
-def make_ctx(llm, **overrides) -> TrainContext:
-    cfg = {**DEFAULTS, **overrides}
-    return TrainContext(task=make_task({"name": "cartpole"}), candidate=Candidate("c", 0),
-                        config={"plugins": {"rlaif_preference": cfg}}, seed=0, total_frames=10_000,
-                        llm_factory=lambda: llm)
+def make_ctx(llm: ScriptedLLM, **overrides) -> TrainContext:
+    """A CartPole training context with this plugin's config (defaults + ``overrides``)."""
+    return fakes.make_train(make_task({"name": "cartpole"}), llm, plugin=rp.NAME, module=rp, overrides=overrides)
 
 
-@pytest.fixture(autouse=True)
-def fresh_labeller(monkeypatch):
-    monkeypatch.setattr(rp, "_LABELLER", rp.Labeller())
+def make_learner(llm: ScriptedLLM, **overrides) -> rp.PreferenceLearner:
+    """A training's learner as ``on_train_start`` makes it, without starting its worker."""
+    ctx = make_ctx(llm, **overrides)
+    return rp.PreferenceLearner(ctx, ctx.plugin_config(rp.NAME), rp.Labeller())
 
 
 # -- parsing and labels ---------------------------------------------------------------------
@@ -179,15 +168,14 @@ def test_reward_model_recovers_the_order_of_synthetic_preferences():
 
 
 def test_swapped_votes_cancel_a_position_bias_and_are_flipped_back():
-    biased = FakeLLM(["Answer: 1"])  # always picks the first shown
-    cfg = rp.settings({**DEFAULTS, "judge": "text", "samples": 2, "swap": True})
+    biased = ScriptedLLM(["Answer: 1"])  # always picks the first shown
+    cfg = config(judge="text", samples=2, swap=True)
     assert rp.Labeller().label(biased, cfg, "goal", [("A", "B")]) == [0.5]
-    assert biased.calls == 2  # one call per order
-    sure = rp.Labeller()
-    llm = FakeLLM(["Answer: 2 | Reason: longer"])
-    llm.chat = lambda messages, n=1, **_: [SimpleNamespace(  # noqa: E731 - prefers the segment "B"
-        text="Answer: 2" if "Segment 2: B" in messages[-1]["content"] else "Answer: 1", cached=False)] * n
-    assert sure.label(llm, cfg, "goal", [("A", "B")]) == [0.0]
+    assert len(biased.calls) == 2  # one call per order
+    assert all((c.n, c.temperature, c.max_tokens) == (1, 0.3, 40) for c in biased.calls)  # the YAML's defaults
+    prefers_b = ScriptedLLM(answer=lambda messages, tag: "Answer: 2" if "Segment 2: B" in messages[-1]["content"]
+                            else "Answer: 1")
+    assert rp.Labeller().label(prefers_b, cfg, "goal", [("A", "B")]) == [0.0]
 
 
 def test_digit_preference_reads_the_first_tokens_probabilities():
@@ -200,37 +188,50 @@ def test_digit_preference_reads_the_first_tokens_probabilities():
 
 
 def test_logprob_judge_averages_both_orders_and_cancels_position_bias():
-    llm = LogprobLLM(best="B", p=0.8, bias=2.0)  # strongly favours whatever is shown first
-    cfg = rp.settings({**DEFAULTS, "judge": "logprobs", "swap": True, "top_logprobs": 5})
+    llm = logprob_llm(best="B", p=0.8, bias=2.0)  # strongly favours whatever is shown first
+    cfg = config(judge="logprobs", swap=True, top_logprobs=5)
     label, votes, texts = rp.Labeller().ask(llm, cfg, "goal", "A", "B")
-    assert len(llm.calls) == 2 and all(c["max_tokens"] == 1 and c["top_logprobs"] == 5 for c in llm.calls)
-    assert all(c["temperature"] == 0.0 for c in llm.calls)
+    assert len(llm.calls) == 2 and all(c.max_tokens == 1 and c.top_logprobs == 5 for c in llm.calls)
+    assert all(c.temperature == 0.0 and c.tag == "rlaif_preference/label" for c in llm.calls)
     assert votes[0] > 0.5 and votes[1] < 0.5  # alone, the bias wins in both orders...
     assert label == pytest.approx(0.2)  # ...their mean log-odds removes it: B better with p=0.8
     assert "P(1st better)" in texts[0]
-    unbiased = rp.Labeller().ask(LogprobLLM(best="A", p=0.8), cfg, "goal", "A", "B")[0]
+    unbiased = rp.Labeller().ask(logprob_llm(best="A", p=0.8), cfg, "goal", "A", "B")[0]
     assert unbiased == pytest.approx(0.8)
 
 
-def test_unknown_judge_is_an_actionable_error():
-    with pytest.raises(ValueError, match="logprobs' or 'text'"):
-        rp.Labeller().ask(FakeLLM(["1"]), {**DEFAULTS, "judge": "vibes"}, "goal", "A", "B")
+@pytest.mark.parametrize("overrides, message", [
+    ({"judge": "vibes"}, "judge must be one of 'logprobs', 'text', got 'vibes'"),
+    ({"labelling": "later"}, "labelling must be one of"),
+    ({"mode": "multiply"}, "mode must be one of"),
+    ({"samples": 0}, "samples must be >= 1"),
+    ({"offline": {"steps": 0}}, "offline.envs and offline.steps must be >= 1"),
+    ({"label_every": "often"}, "plugins.rlaif_preference.label_every"),
+])  # fmt: skip
+def test_bad_config_values_are_refused_before_any_work(overrides, message):
+    with pytest.raises(UserError, match=message):
+        make_ctx(ScriptedLLM(["1"]), **overrides)
 
 
 def test_label_cache_answers_repeats_and_reversed_pairs_without_the_llm():
-    llm = FakeLLM(["1"])
+    llm = ScriptedLLM(["1"])
     lab = rp.Labeller()
-    cfg = rp.settings({**DEFAULTS, "swap": False})
+    cfg = config(swap=False)
     assert lab.label(llm, cfg, "goal", [("A", "B")]) == [1.0]
     assert lab.label(llm, cfg, "goal", [("A", "B"), ("B", "A")]) == [1.0, 0.0]
-    assert llm.calls == 1 and lab.cache_hits == 2
+    assert len(llm.calls) == 1 and lab.cache_hits == 2
 
 
-def test_label_preferences_hook_uses_the_runs_llm():
-    llm = FakeLLM(["2"])
-    run = SimpleNamespace(llm=llm, plugin_config=lambda name: {**DEFAULTS, "swap": False})
-    assert rp.label_preferences(run=run, goal="g", pairs=[("x", "y")]) == [0.0]
-    assert llm.calls == 1
+def test_label_preferences_hook_uses_the_runs_llm_and_its_own_cache():
+    llm = ScriptedLLM(["2"])
+    run = fakes.make_run(make_task({"name": "cartpole"}), llm, plugin=rp.NAME, module=rp, overrides={"swap": False})
+    plugin = plugin_object(rp, swap=False)
+    assert plugin.label_preferences(run=run, goal="g", pairs=[("x", "y")]) == [0.0]
+    assert plugin.label_preferences(run=run, goal="g", pairs=[("y", "x")]) == [1.0]  # from the run's cache
+    assert len(llm.calls) == 1
+    other_run = plugin_object(rp, swap=False)  # another run's plugin object shares no labels
+    assert other_run.label_preferences(run=run, goal="g", pairs=[("x", "y")]) == [0.0]
+    assert len(llm.calls) == 2 and other_run.labeller is not plugin.labeller
 
 
 # -- online / offline -----------------------------------------------------------------------
@@ -241,7 +242,7 @@ def _segments(n: int, ret=lambda i: float(i)) -> list[rp.Segment]:
 
 
 def test_online_requests_follow_the_schedule_and_budget_and_never_wait():
-    learner = rp._learner_for(make_ctx(FakeLLM(["Answer: 1"]), label_every=100, pairs_per_query=2, label_budget=3))
+    learner = make_learner(ScriptedLLM(["Answer: 1"]), label_every=100, pairs_per_query=2, label_budget=3)
     learner.pool = _segments(10)
     learner.train.frames = 50
     learner.maybe_request()
@@ -250,12 +251,10 @@ def test_online_requests_follow_the_schedule_and_budget_and_never_wait():
         learner.train.frames = frames
         learner.maybe_request()  # no worker runs: the queue fills up, and nothing blocks
     assert learner.requested == 3 and learner.jobs.qsize() == 2
-    rp._LEARNERS.clear()
 
 
 def test_labelling_fits_the_reward_model_and_logs_label_accuracy():
-    ctx = make_ctx(FakeLLM(["1"]), min_pairs=2, swap=False)
-    learner = rp._learner_for(ctx)
+    learner = make_learner(ScriptedLLM(["1"]), min_pairs=2, swap=False)
     learner.scale_obs = np.ones(4)
     segs = _segments(8)
     learner.label_and_fit([(segs[7], segs[0]), (segs[1], segs[6]), (segs[5], segs[2])])
@@ -264,35 +263,73 @@ def test_labelling_fits_the_reward_model_and_logs_label_accuracy():
     assert out["preference/labels"] == 3 and out["preference/label_accuracy"] == pytest.approx(2 / 3)
     reward = learner.reward(StepBatch(obs=torch.zeros(2, 4), action=torch.zeros(2), next_obs=torch.zeros(2, 4),
                                       env_reward=torch.ones(2), reward=torch.ones(2), done=torch.zeros(2, dtype=torch.bool),
-                                      task=ctx.task))
+                                      task=learner.task))
     assert reward.shape == (2,) and torch.isfinite(reward).all()
-    rp._LEARNERS.clear()
 
 
 def test_reward_is_none_before_a_model_and_replace_mode_removes_the_reward():
-    ctx = make_ctx(FakeLLM(["Answer: 1"]), mode="replace", scale=1.0, threshold=0.0)
-    learner = rp._learner_for(ctx)
+    overrides = {"mode": "replace", "scale": 1.0, "threshold": 0.0, "finish_s": 0.0}
+    ctx = make_ctx(ScriptedLLM(["Answer: 1"]), **overrides)
+    plugin = plugin_object(rp, **overrides)
     batch = StepBatch(obs=torch.zeros(3, 4), action=torch.zeros(3), next_obs=torch.randn(3, 4),
                       env_reward=torch.ones(3), reward=torch.full((3,), 2.0), done=torch.zeros(3, dtype=torch.bool),
                       task=ctx.task)
-    assert rp.compute_reward(ctx, batch) is None
-    learner.model, learner.scale_obs = rp.RewardModel(4), np.ones(4)
-    out = rp.compute_reward(ctx, batch)
-    z = out + 2.0  # replace: the term is scale * thresholded z minus the reward so far
-    assert (z >= 0).all()  # thresholded at 0
-    rp._LEARNERS.clear()
+    assert plugin.compute_reward(ctx, batch) is None  # before on_train_start: no learner, no term
+    plugin.on_train_start(ctx)
+    try:
+        learner = ctx.state[rp.NAME]
+        assert plugin.compute_reward(ctx, batch) is None  # no reward model yet
+        learner.model, learner.scale_obs = rp.RewardModel(4), np.ones(4)
+        out = plugin.compute_reward(ctx, batch)
+        z = out + 2.0  # replace: the term is scale * thresholded z minus the reward so far
+        assert (z >= 0).all()  # thresholded at 0
+    finally:
+        plugin.on_train_end(ctx, TrainResult("c", True))
+    assert rp.NAME not in ctx.state
+
+
+def test_interleaved_trainings_keep_their_own_learners_and_share_the_runs_labeller():
+    """One plugin object (one run), two trainings at once: their segments and models stay apart."""
+    overrides = {"label_every": 1, "finish_s": 0.0}
+    plugin = plugin_object(rp, **overrides)
+    first, second = make_ctx(ScriptedLLM(["1"]), **overrides), make_ctx(ScriptedLLM(["2"]), **overrides)
+    plugin.on_train_start(first)
+    plugin.on_train_start(second)
+    try:
+        a, b = first.state[rp.NAME], second.state[rp.NAME]
+        assert a is not b and a.train is first and b.train is second
+        assert a.labeller is b.labeller is plugin.labeller  # the label cache is the run's
+        a.pool = _segments(6)
+        assert not b.pool
+    finally:
+        plugin.on_train_end(first, TrainResult("a", True))
+        plugin.on_train_end(second, TrainResult("b", True))
+    assert not first.state and not second.state
+    assert vars(plugin).keys() == {"cfg", "labeller"}
 
 
 def test_offline_mode_labels_a_random_dataset_before_training():
-    llm = FakeLLM(["1", "2"])
-    ctx = make_ctx(llm, labelling="offline", label_budget=6, min_pairs=2, offline={"envs": 2, "steps": 64})
-    rp.on_train_start(ctx)
-    learner = rp._LEARNERS[id(ctx)]
-    assert learner.pool and llm.calls >= 1 and learner.model is not None
+    llm = ScriptedLLM(["1", "2"])
+    overrides = {"labelling": "offline", "label_budget": 6, "min_pairs": 2, "offline": {"envs": 2, "steps": 64}}
+    ctx = make_ctx(llm, **overrides)
+    plugin = plugin_object(rp, **overrides)
+    plugin.on_train_start(ctx)
+    learner = ctx.state[rp.NAME]
+    assert learner.pool and len(llm.calls) >= 1 and learner.model is not None
     result = TrainResult("c", True)
-    rp.on_train_end(ctx, result)
+    plugin.on_train_end(ctx, result)
+    assert rp.NAME not in ctx.state
     assert result.metrics["preference/labels"] == 6
     assert "Preference labels (6)" in ctx.texts["rlaif_preference/labels.md"]
+
+
+# -- config ----------------------------------------------------------------------------------
+
+
+def test_yaml_holds_the_schema_defaults():
+    yaml = OmegaConf.to_container(OmegaConf.load(conf_dir() / "plugins" / "rlaif_preference.yaml"))
+    assert yaml == dataclasses.asdict(rp.Config())
+    assert (rp.Config().max_tokens, rp.Config().finish_s) == (40, 30.0)  # once 96 and 2.0 in code, 40 and 30 in YAML
 
 
 # -- end to end ------------------------------------------------------------------------------
