@@ -43,11 +43,12 @@ from omegaconf import OmegaConf
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
+from core.config import PluginConfig, Settings, config_class, typed  # noqa: E402
+from core.context import TrainContext  # noqa: E402
 from core.envs import make_task  # noqa: E402
 from core.records import Candidate  # noqa: E402
-from core.registry import make_plugin_manager  # noqa: E402
+from core.registry import load_plugins, make_plugin_manager  # noqa: E402
 from core.resources import conf_dir  # noqa: E402
-from core.context import TrainContext  # noqa: E402
 from core.train.ppo import PPOConfig, train  # noqa: E402
 
 
@@ -74,8 +75,10 @@ def make_llm(kind: str, cache_dir: str) -> Any:
     return make_client(OmegaConf.to_container(llm_cfg, resolve=False))
 
 
-def plugin_cfg(name: str) -> dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.load(conf_dir() / "plugins" / f"{name}.yaml"))  # type: ignore[return-value]
+def plugin_cfg(name: str) -> PluginConfig:
+    """The plugin's validated config as ``conf/plugins/<name>.yaml`` sets it."""
+    (module,) = load_plugins([name]).values()
+    return typed(config_class(module), OmegaConf.load(conf_dir() / "plugins" / f"{name}.yaml"), f"plugins.{name}")
 
 
 def train_fps(task: Any, plugin: str | None, frames: int, llm: Any, seed: int) -> tuple[float, dict[str, float]]:
@@ -83,10 +86,11 @@ def train_fps(task: Any, plugin: str | None, frames: int, llm: Any, seed: int) -
     cfg = PPOConfig(frames=frames, eval_episodes=0, eval_every=0)
     hook, ctx = None, None
     if plugin:
-        hook = make_plugin_manager([plugin]).hook
-        config = {"plugins": {plugin: plugin_cfg(plugin)}}
-        ctx = TrainContext(task=task, candidate=Candidate("bench", 0), config=config, seed=seed,
-                           total_frames=frames, llm_factory=lambda: llm)
+        # the settings a run with +plugins=[<plugin>] would have; no policy files are saved
+        settings = Settings.of({"seed": seed, "save_policy": False}, {plugin: plugin_cfg(plugin)})
+        hook = make_plugin_manager(settings).hook
+        ctx = TrainContext(settings=settings, task=task, seed=seed, llm_factory=lambda: llm, hook=hook,
+                           candidate=Candidate("bench", 0), total_frames=frames)
     result = train(task, Candidate("bench", 0), cfg, seed=seed, hook=hook, ctx=ctx)
     if not result.ok:
         raise RuntimeError(result.error)
@@ -97,7 +101,7 @@ def label_agreement(task: Any, llm: Any, pairs: int, seed: int) -> dict[str, flo
     """Agreement of LLM labels with the env's return on random-policy CartPole segments."""
     from plugins import rlaif_preference as rp
 
-    cfg = OmegaConf.create(plugin_cfg("rlaif_preference"))
+    cfg = plugin_cfg("rlaif_preference")
     env = task.make_env(8, seed)
     obs, _ = env.reset(seed=seed)
     rows: dict[str, list[np.ndarray]] = {k: [] for k in ("obs", "act", "rew", "term", "done")}
@@ -114,16 +118,15 @@ def label_agreement(task: Any, llm: Any, pairs: int, seed: int) -> dict[str, flo
     segments = []
     for e in range(arr["obs"].shape[0]):
         segments += rp.split_segments(arr["obs"][e].astype(np.float32), arr["act"][e], arr["rew"][e], arr["term"][e],
-                                      arr["done"][e], int(cfg.segment_len), int(cfg.min_segment_len))
+                                      arr["done"][e], cfg.segment_len, cfg.min_segment_len)
     rng = random.Random(seed)
     chosen = []
     while len(chosen) < pairs:
         a, b = rng.sample(segments, 2)
         if rp.env_preference(a, b) != 0.5:
             chosen.append((a, b))
-    fields = int(cfg.get("summary_fields", 6))
     for seg in (s for p in chosen for s in p):
-        seg.text = rp.render_segment(task, seg, fields)
+        seg.text = rp.render_segment(task, seg, cfg.summary_fields)
     labeller = rp.Labeller()
     t0 = time.perf_counter()
     labels: list[float | None] = []
