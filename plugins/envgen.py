@@ -16,7 +16,7 @@ Embodied Agents"):
 
 The hook is generic: any task that declares ``params`` (:class:`core.envs.task.ParamSpec`)
 can use it. Repair rules come from the config (``rules``) and from the task's optional
-``param_rules`` attribute. Config: ``conf/plugins/envgen.yaml``.
+``param_rules`` attribute. Config: ``conf/plugins/envgen.yaml`` (schema: :class:`Config`).
 """
 
 from __future__ import annotations
@@ -30,11 +30,68 @@ from typing import Any
 
 import numpy as np
 
-from core import hookimpl
+from core import PluginConfig, hookimpl
 from core.records import Candidate, EnvConfig, IterationResult, TrainResult
 
 NAME = "envgen"
 ORIGINAL = "original"
+
+
+@dataclass
+class Rule:
+    """A constraint the game implies: when ``when`` is set (> 0), ``then`` needs at least ``min``."""
+
+    when: str  # the parameter that, when set, requires another
+    then: str  # the parameter it requires (raised when below ``min``)
+    min: float = 1.0  # the least value ``then`` must have
+
+
+#: the default constraints and repair rules: Crafter's (rules naming params a task lacks are skipped)
+CRAFTER_CONSTRAINTS = ("Starting tools (pickaxes, swords) only help if the agent can also find what they collect.",)
+CRAFTER_RULES = (
+    ("start_stone_pickaxe", "start_wood_pickaxe", 1.0),
+    ("start_iron_pickaxe", "start_stone_pickaxe", 1.0),
+    ("start_stone_sword", "start_wood_sword", 1.0),
+    ("start_iron_sword", "start_stone_sword", 1.0),
+    ("start_stone", "start_wood_pickaxe", 1.0),
+    ("start_coal", "start_wood_pickaxe", 1.0),
+    ("start_iron", "start_stone_pickaxe", 1.0),
+    ("start_diamond", "start_iron_pickaxe", 1.0),
+)
+
+
+@dataclass
+class Config(PluginConfig):
+    """``plugins.envgen``; ``iterations`` and ``final_seeds`` come from :class:`core.PluginConfig`."""
+
+    iterations: int = 4  # training cycles: generate envs, train on the mix, evaluate, feed back (paper: 4)
+    num_envs: int = 4  # environment configs the LLM writes per cycle (paper: 4)
+    original_share: float = 0.5  # share of the training envs that run the original env (the rest split among the generated ones)
+    retries: int = 1  # extra LLM calls per cycle when configs are invalid (the errors are fed back)
+    history: int = 3  # earlier exchanges kept in the conversation (besides the first prompt)
+    temperature: float = 0.7  # sampling temperature
+    max_tokens: int = 800  # cap on each reply (a reply cut off keeps its complete configs)
+    final_seeds: int = 0  # retrain the best candidate on this many more seeds after the loop
+    constraints: list[str] = field(default_factory=lambda: list(CRAFTER_CONSTRAINTS))  # extra constraints stated in the prompt (the game's rules)
+    rules: list[Rule] = field(default_factory=lambda: [Rule(*r) for r in CRAFTER_RULES])  # repairs: when `when` is set (> 0), `then` is raised to at least `min` (a tool an item requires)
+
+    def check(self) -> None:
+        super().check()
+        for name in ("num_envs", "history", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+        if not 0.0 <= self.original_share <= 1.0:
+            raise ValueError(f"original_share must be in [0, 1], got {self.original_share}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for i, rule in enumerate(self.rules):
+            if not rule.when or not rule.then:
+                raise ValueError(f"rules[{i}] needs both `when` and `then` parameter names, got {rule}")
+            if not math.isfinite(rule.min):
+                raise ValueError(f"rules[{i}].min must be a finite number, got {rule.min}")
+
 
 # -- prompt pieces -----------------------------------------------------------------------
 
@@ -78,15 +135,6 @@ CONSTRAINTS = """- Use only the parameter names listed; categorical values must 
 
 
 # -- schema validation and repair ----------------------------------------------------------
-
-
-@dataclass
-class Rule:
-    """A constraint the game implies: when ``when`` is set (> 0), ``then`` needs at least ``min``."""
-
-    when: str
-    then: str
-    min: float = 1
 
 
 @dataclass
@@ -292,41 +340,28 @@ def task_achievements(task: Any) -> list[str]:
     return names or [task.goal]
 
 
-# -- state -----------------------------------------------------------------------------------
+# -- prompts -----------------------------------------------------------------------------------
 
 
-@dataclass
-class EnvGenState:
-    """The conversation kept across training cycles, and what was generated."""
-
-    messages: list[dict[str, str]] = field(default_factory=list)
-    configs: list[EnvConfig] = field(default_factory=list)
-    log: list[str] = field(default_factory=list)
-
-
-STATE = EnvGenState()
+def rules_of(cfg: Config, task: Any) -> list[Rule]:
+    """Repair rules from the config and the task's optional ``param_rules`` (Rules or mappings)."""
+    task_rules = [r if isinstance(r, Rule) else Rule(str(r["when"]), str(r["then"]), float(r.get("min", 1)))
+                  for r in getattr(task, "param_rules", None) or []]
+    names = {p.name for p in task.params}
+    return [r for r in list(cfg.rules) + task_rules if r.when in names and r.then in names]
 
 
-def first_prompt(run: Any, n: int, example: dict[str, Any]) -> str:
-    cfg = run.plugin_config(NAME)
-    constraints = CONSTRAINTS + "".join(f"\n- {c}" for c in (cfg.get("constraints") or []))
-    constraints += "".join(f"\n- if {r.when} is set, {r.then} must be at least {r.min:g}" for r in rules_of(run))
+def first_prompt(cfg: Config, task: Any, n: int, example: dict[str, Any]) -> str:
+    constraints = CONSTRAINTS + "".join(f"\n- {c}" for c in cfg.constraints)
+    constraints += "".join(f"\n- if {r.when} is set, {r.then} must be at least {r.min:g}" for r in rules_of(cfg, task))
     return TASK.format(
-        goal=run.task.goal,
-        achievements=", ".join(task_achievements(run.task)),
-        params=describe_params(run.task.params),
+        goal=task.goal,
+        achievements=", ".join(task_achievements(task)),
+        params=describe_params(task.params),
         constraints=constraints,
         n=n,
         example=json.dumps(example),
     )
-
-
-def rules_of(run: Any) -> list[Rule]:
-    """Repair rules from the config and the task's optional ``param_rules``."""
-    raw = list(run.plugin_config(NAME).get("rules") or []) + list(getattr(run.task, "param_rules", None) or [])
-    names = {p.name for p in run.task.params}
-    rules = [Rule(str(r["when"]), str(r["then"]), float(r.get("min", 1))) for r in raw]
-    return [r for r in rules if r.when in names and r.then in names]
 
 
 def _example(specs: list[Any]) -> dict[str, Any]:
@@ -337,78 +372,82 @@ def _example(specs: list[Any]) -> dict[str, Any]:
 # -- hooks -----------------------------------------------------------------------------------
 
 
-@hookimpl
-def on_run_start(run: Any) -> None:
-    global STATE
-    STATE = EnvGenState()
-    if not run.task.params:
-        from core.errors import UserError
+class Plugin:
+    """One EnvGen run: the conversation kept across training cycles, and what was generated."""
 
-        raise UserError(f"envgen needs a task with controllable params; '{run.task.name}' declares none.")
+    def __init__(self, config: Config) -> None:
+        self.cfg = config
+        self.messages: list[dict[str, str]] = []  # system + first prompt + the latest exchanges
+        self.configs: list[EnvConfig] = []  # the latest cycle's generated envs
+        self.log: list[str] = []  # repairs and rejections so far
 
+    @hookimpl
+    def on_run_start(self, run) -> None:
+        if not run.task.params:
+            from core.errors import UserError
 
-@hookimpl
-def generate_envs(run: Any, iteration: int) -> list[list[EnvConfig]] | None:
-    cfg = run.plugin_config(NAME)
-    if iteration >= int(cfg.iterations):
-        return None
-    n = int(cfg.num_envs)
-    if not STATE.messages:
-        STATE.messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": first_prompt(run, n, _example(run.task.params))}]
-    specs, rules = run.task.params, rules_of(run)
-    configs: list[EnvConfig] = []
-    salvaged: list[EnvConfig] = []
-    for attempt in range(1 + int(cfg.retries)):
-        (reply,) = run.llm.chat(STATE.messages, n=1, temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens),
-                                seed=run.seed * 1000 + iteration * 10 + attempt, tag=f"{NAME}-it{iteration}-try{attempt}")
-        STATE.messages.append({"role": "assistant", "content": reply.text})
-        parsed = configs_from_reply(reply.text, specs, rules, n)
-        configs += parsed.configs[: n - len(configs)]
-        salvaged += parsed.salvaged
-        STATE.log += [f"it{iteration}: repaired {r}" for r in parsed.repairs] + [f"it{iteration}: invalid {e}" for e in parsed.errors]
-        if len(configs) >= n or attempt == int(cfg.retries):
-            break
-        errors = "\n".join(f"- {e}" for e in parsed.errors) or "- too few configs"
-        STATE.messages.append({"role": "user", "content": INVALID.format(errors=errors, n=n - len(configs))})
-    if len(configs) < n and salvaged:  # retries spent: train on what survives of the invalid ones
-        extra = salvaged[: n - len(configs)]
-        configs += extra
-        STATE.log += [f"it{iteration}: used {c.name} without its invalid parameters" for c in extra]
-    if not configs:  # nothing usable: keep the last cycle's envs rather than stop
-        configs = STATE.configs
-    STATE.configs = configs
-    mix = training_mix(configs, float(cfg.original_share))
-    run.log_text(f"{NAME}/it{iteration}-envs.json", json.dumps([c.__dict__ for c in mix], indent=2))
-    run.log_metrics({f"{NAME}/generated_envs": len(configs), f"{NAME}/original_share": mix[0].weight if mix and mix[0].name == ORIGINAL else 0.0}, step=iteration)
-    return [mix]
+            raise UserError(f"envgen needs a task with controllable params; '{run.task.name}' declares none.")
 
+    @hookimpl
+    def generate_envs(self, run, iteration: int) -> list[list[EnvConfig]] | None:
+        cfg = self.cfg
+        if iteration >= cfg.iterations:
+            return None
+        n = cfg.num_envs
+        if not self.messages:
+            self.messages = [{"role": "system", "content": SYSTEM},
+                             {"role": "user", "content": first_prompt(cfg, run.task, n, _example(run.task.params))}]
+        specs, rules = run.task.params, rules_of(cfg, run.task)
+        configs: list[EnvConfig] = []
+        salvaged: list[EnvConfig] = []
+        for attempt in range(1 + cfg.retries):
+            (reply,) = run.llm.chat(self.messages, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                    seed=run.seed * 1000 + iteration * 10 + attempt, tag=f"{NAME}-it{iteration}-try{attempt}")
+            self.messages.append({"role": "assistant", "content": reply.text})
+            parsed = configs_from_reply(reply.text, specs, rules, n)
+            configs += parsed.configs[: n - len(configs)]
+            salvaged += parsed.salvaged
+            self.log += [f"it{iteration}: repaired {r}" for r in parsed.repairs] + [f"it{iteration}: invalid {e}" for e in parsed.errors]
+            if len(configs) >= n or attempt == cfg.retries:
+                break
+            errors = "\n".join(f"- {e}" for e in parsed.errors) or "- too few configs"
+            self.messages.append({"role": "user", "content": INVALID.format(errors=errors, n=n - len(configs))})
+        if len(configs) < n and salvaged:  # retries spent: train on what survives of the invalid ones
+            extra = salvaged[: n - len(configs)]
+            configs += extra
+            self.log += [f"it{iteration}: used {c.name} without its invalid parameters" for c in extra]
+        if not configs:  # nothing usable: keep the last cycle's envs rather than stop
+            configs = self.configs
+        self.configs = configs
+        mix = training_mix(configs, cfg.original_share)
+        run.log_text(f"{NAME}/it{iteration}-envs.json", json.dumps([c.__dict__ for c in mix], indent=2))
+        run.log_metrics({f"{NAME}/generated_envs": len(configs), f"{NAME}/original_share": mix[0].weight if mix and mix[0].name == ORIGINAL else 0.0}, step=iteration)
+        return [mix]
 
-@hookimpl
-def reflect(run: Any, result: IterationResult) -> str | None:
-    cfg = run.plugin_config(NAME)
-    mine = [(c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c)]
-    if not mine or result.iteration >= int(cfg.iterations):
-        return None
-    ok = [(c, r) for c, r in mine if r.ok and r.fitness is not None]
-    if not ok:
-        text = "Training failed: " + (mine[0][1].error.strip()[-500:] or "unknown error") + f"\nWrite {int(cfg.num_envs)} configs again."
-    else:
-        _, best = max(ok, key=lambda cr: cr[1].score)
-        rates = achievement_rates(best)
-        run.log_metrics({f"{NAME}/success_{a}": m for a, (m, _) in rates.items()}, step=result.iteration)
-        text = FEEDBACK.format(rates=format_rates(rates), fitness_name=best.fitness.name, fitness=best.score, n=int(cfg.num_envs))  # type: ignore[union-attr]
-    STATE.messages.append({"role": "user", "content": text})
-    keep = 2 + 2 * int(cfg.history)  # system + first prompt + the last `history` exchanges
-    if len(STATE.messages) > keep:
-        STATE.messages = STATE.messages[:2] + STATE.messages[-(keep - 2):]
-    return text + ("\n\nRepairs and rejections so far:\n" + "\n".join(STATE.log) if STATE.log else "")
+    @hookimpl
+    def reflect(self, run, result: IterationResult) -> str | None:
+        cfg = self.cfg
+        mine = [(c, r) for c, r in zip(result.candidates, result.results) if self._is_mine(c)]
+        if not mine or result.iteration >= cfg.iterations:
+            return None
+        ok = [(c, r) for c, r in mine if r.ok and r.fitness is not None]
+        if not ok:
+            text = "Training failed: " + (mine[0][1].error.strip()[-500:] or "unknown error") + f"\nWrite {cfg.num_envs} configs again."
+        else:
+            _, best = max(ok, key=lambda cr: cr[1].score)
+            rates = achievement_rates(best)
+            run.log_metrics({f"{NAME}/success_{a}": m for a, (m, _) in rates.items()}, step=result.iteration)
+            text = FEEDBACK.format(rates=format_rates(rates), fitness_name=best.fitness.name, fitness=best.score, n=cfg.num_envs)  # type: ignore[union-attr]
+        self.messages.append({"role": "user", "content": text})
+        keep = 2 + 2 * cfg.history  # system + first prompt + the last `history` exchanges
+        if len(self.messages) > keep:
+            self.messages = self.messages[:2] + self.messages[-(keep - 2):]
+        return text + ("\n\nRepairs and rejections so far:\n" + "\n".join(self.log) if self.log else "")
 
+    @hookimpl
+    def on_run_end(self, run, best: tuple[Candidate, TrainResult] | None) -> None:
+        if self.log:
+            run.log_text(f"{NAME}/repairs.txt", "\n".join(self.log))
 
-@hookimpl
-def on_run_end(run: Any, best: tuple[Candidate, TrainResult] | None) -> None:
-    if STATE.log:
-        run.log_text(f"{NAME}/repairs.txt", "\n".join(STATE.log))
-
-
-def _is_mine(candidate: Candidate) -> bool:
-    return any(e.name == ORIGINAL for e in candidate.envs) or bool(candidate.envs and candidate.envs == STATE.configs)
+    def _is_mine(self, candidate: Candidate) -> bool:
+        return any(e.name == ORIGINAL for e in candidate.envs) or bool(candidate.envs and candidate.envs == self.configs)

@@ -7,12 +7,14 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from fakes import ScriptedLLM, make_run, plugin_object, texts_of
 from omegaconf import OmegaConf
 
+from core.config import typed
 from core.envs.task import ParamSpec, StateField
+from core.errors import UserError
 from core.records import Candidate, EnvConfig, Episode, Fitness, IterationResult, TrainResult
 from plugins import envgen
 
@@ -33,23 +35,15 @@ class FakeTask:
     state_fields: list = field(default_factory=lambda: [StateField("achievement_collect_wood", 0, 1, "wood"), StateField("x", 1, 2, "x")])
 
 
-class FakeLLM:
-    def __init__(self, replies: list[str]) -> None:
-        self.replies, self.calls = list(replies), []
-
-    def chat(self, messages, **kw):
-        self.calls.append([dict(m) for m in messages])
-        return [SimpleNamespace(text=self.replies.pop(0), cached=False)]
+YAML = Path(__file__).parents[2] / "conf/plugins/envgen.yaml"
 
 
-def make_run(replies: list[str], **overrides) -> SimpleNamespace:
-    cfg = OmegaConf.load(Path(__file__).parents[2] / "conf/plugins/envgen.yaml")
-    cfg.update(overrides)
-    run = SimpleNamespace(task=FakeTask(), llm=FakeLLM(replies), seed=0, texts={}, metrics={})
-    run.plugin_config = lambda name: cfg
-    run.log_text = lambda path, text: run.texts.__setitem__(path, text)
-    run.log_metrics = lambda m, step=None: run.metrics.update(m)
-    return run
+def make(replies: list[str], task=None, **overrides):
+    """A started plugin and its run; the LLM answers ``replies`` in order."""
+    run = make_run(task or FakeTask(), ScriptedLLM(list(replies)), plugin=envgen.NAME, module=envgen, overrides=overrides)
+    plugin = envgen.Plugin(run.plugin_config(envgen.NAME))
+    plugin.on_run_start(run=run)
+    return plugin, run
 
 
 def test_parse_fenced_json_with_trailing_commas():
@@ -96,11 +90,12 @@ def test_configs_from_reply_salvages_valid_part_of_invalid_config():
 
 def test_generate_envs_uses_salvaged_configs_when_retries_are_spent():
     reply = json.dumps([{"name": "forest", "params": {"biome": "forest", "start_wood_pickaxe": 1}}])
-    run = make_run([reply], num_envs=1, retries=0)
-    envgen.on_run_start(run)
-    (mix,) = envgen.generate_envs(run, 0)
+    plugin, run = make([reply], num_envs=1, retries=0)
+    (mix,) = plugin.generate_envs(run, 0)
     assert [c.name for c in mix] == ["original", "forest"] and mix[1].params == {"start_wood_pickaxe": 1}
-    assert any("without its invalid parameters" in line for line in envgen.STATE.log)
+    assert any("without its invalid parameters" in line for line in plugin.log)
+    plugin.on_run_end(run, None)
+    assert "without its invalid parameters" in texts_of(run)["envgen/repairs.txt"]
 
 
 def test_repair_rules_chain():
@@ -123,38 +118,86 @@ def test_achievement_rates_mean_and_std():
 
 def test_generate_envs_feeds_invalid_output_back():
     good = json.dumps([{"name": "mine", "purpose": "iron", "params": {"start_iron": 1}}, {"name": "hills", "params": {"biome": "mountain"}}])
-    run = make_run(["not json at all", good], num_envs=2, retries=1)
-    envgen.on_run_start(run)
-    (mix,) = envgen.generate_envs(run, 0)
+    plugin, run = make(["not json at all", good], num_envs=2, retries=1)
+    (mix,) = plugin.generate_envs(run, 0)
     assert [c.name for c in mix] == ["original", "mine", "hills"]
-    assert mix[1].params["start_stone_pickaxe"] == 1  # repaired
-    retry_prompt = run.llm.calls[1][-1]["content"]
+    assert mix[1].params["start_stone_pickaxe"] == 1  # repaired by a default rule
+    assert len(run.llm.calls) == 2 and run.llm.calls[0].max_tokens == 800 and run.llm.calls[0].temperature == 0.7
+    retry_prompt = run.llm.calls[1].last
     assert "could not be used" in retry_prompt and "no JSON" in retry_prompt
-    assert "envgen/it0-envs.json" in run.texts
+    assert "envgen/it0-envs.json" in texts_of(run)
+    assert run.tracker.metrics["envgen/generated_envs"] == 2 and run.tracker.metrics["envgen/original_share"] == 0.5
 
 
 def test_reflect_sends_rates_and_keeps_history():
     good = json.dumps([{"name": "a", "params": {"biome": "mountain"}}])
-    run = make_run([good, good], num_envs=1, retries=0)
-    envgen.on_run_start(run)
-    (mix,) = envgen.generate_envs(run, 0)
+    plugin, run = make([good, good], num_envs=1, retries=0)
+    (mix,) = plugin.generate_envs(run, 0)
     cand = Candidate("it0-c0", 0, envs=mix)
     eps = [Episode(1, 10, None, {"achievements": {"collect_wood": True, "place_table": False}})] * 2
     res = TrainResult("it0-c0", True, fitness=Fitness("crafter_score", 1.2), episodes=eps)
-    text = envgen.reflect(run, IterationResult(0, [cand], [res]))
+    text = plugin.reflect(run, IterationResult(0, [cand], [res]))
     assert "collect_wood: 100.0 +- 0.0" in text and "place_table: 0.0" in text
-    envgen.generate_envs(run, 1)
-    second = run.llm.calls[1]
+    plugin.generate_envs(run, 1)
+    second = run.llm.calls[1].messages
     assert [m["role"] for m in second] == ["system", "user", "assistant", "user"]
-    assert run.metrics["envgen/success_collect_wood"] == 100.0
+    assert run.tracker.metrics["envgen/success_collect_wood"] == 100.0
+
+
+def test_history_keeps_the_first_prompt_and_the_last_exchanges():
+    good = json.dumps([{"name": "a", "params": {"biome": "mountain"}}])
+    plugin, run = make([good], num_envs=1, retries=0, history=1, iterations=3)
+    eps = [Episode(1, 10, None, {"achievements": {"collect_wood": True}})]
+    for it in range(2):
+        (mix,) = plugin.generate_envs(run, it)
+        plugin.reflect(run, IterationResult(it, [Candidate(f"it{it}-c0", it, envs=mix)], [TrainResult(f"it{it}-c0", True, fitness=Fitness("crafter_score", 1.0), episodes=eps)]))
+    assert [m["role"] for m in plugin.messages] == ["system", "user", "assistant", "user"]
+    assert plugin.messages[1] == run.llm.calls[0].messages[1]  # the first prompt stays
+
+
+def test_prompt_states_the_configured_constraints_and_rules():
+    plugin, run = make([json.dumps([{"name": "a", "params": {}}])], num_envs=1, retries=0,
+                       constraints=["Never start in the mountains."], rules=[{"when": "start_iron", "then": "start_wood_pickaxe", "min": 2}])
+    plugin.generate_envs(run, 0)
+    prompt = run.llm.calls[0].messages[1]["content"]
+    assert "- Never start in the mountains." in prompt
+    assert "- if start_iron is set, start_wood_pickaxe must be at least 2" in prompt
+    assert "start_stone_pickaxe must be" not in prompt  # the default rules are replaced, not added to
+
+
+def test_a_task_without_params_is_refused():
+    with pytest.raises(UserError, match="controllable params"):
+        make([], task=FakeTask(params=[]))
+
+
+def test_two_runs_share_no_conversation():
+    good = json.dumps([{"name": "a", "params": {"biome": "mountain"}}])
+    first, run = make([good], num_envs=1, retries=0)
+    second, _ = make([good], num_envs=1, retries=0)
+    first.generate_envs(run, 0)
+    assert len(first.messages) == 3 and [c.name for c in first.configs] == ["a"]
+    assert second.messages == [] and second.configs == [] and second.log == []
+
+
+def test_config_defaults_are_the_yaml_file():
+    assert typed(envgen.Config, OmegaConf.load(YAML), "plugins.envgen") == envgen.Config() == plugin_object(envgen).cfg
+    assert envgen.Config().rules[0] == envgen.Rule("start_stone_pickaxe", "start_wood_pickaxe", 1.0)
+
+
+@pytest.mark.parametrize("key,value", [("num_envs", 0), ("history", 0), ("retries", -1), ("original_share", 1.5),
+                                       ("rules", [{"when": "", "then": "start_iron"}])])
+def test_config_refuses_values_that_cannot_work(key, value):
+    with pytest.raises(UserError, match=key):
+        plugin_object(envgen, **{key: value})
 
 
 def test_crafter_params_validate_against_task():
     from core.envs import make_task
 
     task = make_task({"name": "minecraft", "max_episode_steps": 50, "pixels": False})
-    cfg = OmegaConf.load(Path(__file__).parents[2] / "conf/plugins/envgen.yaml")
-    rules = [envgen.Rule(r["when"], r["then"], r["min"]) for r in cfg.rules]
+    cfg = typed(envgen.Config, OmegaConf.load(YAML), "plugins.envgen")  # the rules users get
+    rules = envgen.rules_of(cfg, task)
+    assert len(rules) == len(cfg.rules)  # every rule names two of Crafter's params
     checked = envgen.check_config({"params": {"biome": "mountain", "start_iron_pickaxe": 1, "iron_rarity": "common"}}, task.params, rules)
     assert checked.ok and checked.params["start_wood_pickaxe"] == 1
     env = task.make_env(2, 0, [checked.params, {}])  # the task accepts what validation lets through
