@@ -21,6 +21,7 @@ console = Console(stderr=True)
 
 _PLUGIN_OVERRIDE = re.compile(r"^[+~]{0,2}plugins=(.*)$")
 _ENV_OVERRIDE = re.compile(r"^env=(.*)$")
+_PLUGIN_KEY_OVERRIDE = re.compile(r"^\+{0,2}plugins\.([A-Za-z_][\w\-]*)\.([\w.]+)=")  # not ~ (a deletion)
 
 
 def requested_plugins(argv: list[str]) -> list[str]:
@@ -34,10 +35,21 @@ def requested_plugins(argv: list[str]) -> list[str]:
 
 
 def check_argv(argv: list[str]) -> None:
-    """Fail early, in one paragraph, on an unknown plugin or env name."""
-    from core.registry import check_names
+    """Fail early, in one paragraph, on an unknown plugin or env name or plugin key.
 
-    check_names(requested_plugins(argv))
+    Runs before Hydra composes the config, whose own messages for these mistakes point
+    the wrong way (for an unknown key it suggests ``+plugins.<name>.<key>=...``, which
+    would silently add a key nobody reads).
+    """
+    from core.registry import catalogue, check_names
+
+    known = catalogue()
+    requested = requested_plugins(argv)
+    check_names(requested, known)
+    for arg in argv:
+        m = _PLUGIN_KEY_OVERRIDE.match(arg)
+        if m:
+            check_plugin_override(m.group(1), m.group(2), requested, known, _other_config(argv))
     envs = sorted(p.stem for p in (conf_dir() / "env").glob("*.yaml"))
     for arg in argv:
         m = _ENV_OVERRIDE.match(arg)
@@ -48,6 +60,31 @@ def check_argv(argv: list[str]) -> None:
                         f"Unknown env '{name}'.{did_you_mean(name, envs)} Available envs: {', '.join(envs)}. "
                         "Any gymnasium id works with env=gym env.id=<id>."
                     )
+
+
+def _other_config(argv: list[str]) -> bool:
+    """Whether the run's config may come from another file (which could enable plugins itself)."""
+    return any(a.split("=")[0] in ("--config-name", "-cn", "--config-dir", "-cd", "--config-path", "-cp") for a in argv)
+
+
+def check_plugin_override(name: str, key: str, requested: list[str], known: dict, other_config: bool = False) -> None:
+    """``plugins.<name>.<key>=...``: the plugin must be enabled and ``key`` a field of its schema."""
+    from core.config import check_key, config_class
+    from core.registry import load_module
+
+    where = f"plugins.{name}"
+    if name not in known:
+        raise UserError(
+            f"'{where}.{key}' sets a key of plugin '{name}', which does not exist.{did_you_mean(name, [*requested, *known])} "
+            f"Plugins enabled in this run: {', '.join(requested) or 'none'}."
+        )
+    if name not in requested and not other_config:
+        raise UserError(
+            f"'{where}.{key}' is set but plugin '{name}' is not enabled in this run. Enable it with "
+            f"+plugins=[{name}] (or add it to the list you have), or, in a study whose arms differ in plugins, "
+            f"set the knob inside the arm's plugin list (docs/ablations.md, 'Sweeping a plugin's knob')."
+        )
+    check_key(config_class(load_module(known[name])), key, where)
 
 
 def register_third_party_configs() -> None:
@@ -74,11 +111,14 @@ def print_summary(summary) -> None:  # type: ignore[no-untyped-def]
     if summary.failed == summary.candidates and summary.first_error:
         out.print("[red]every candidate failed; the first error:[/red]")
         out.print(summary.first_error.strip()[-1200:], markup=False, highlight=False)
-    if summary.reused:
-        out.print(
-            f"{summary.reused} training(s) reused from an earlier run with the same code, config and seed "
-            f"({summary.results_store}; resume=false retrains)"
+    if summary.results_store:
+        reused = (
+            f"{summary.reused} training(s) reused from an earlier run with the same code, config and seed; "
+            "resume=false retrains"
+            if summary.reused
+            else "none reused"
         )
+        out.print(f"results store: {summary.results_store} ({reused})", markup=False, highlight=False)
     if summary.llm:
         llm = summary.llm
         out.print(

@@ -181,6 +181,28 @@ def typed(schema: type, node: Any, where: str) -> Any:
     return obj
 
 
+def check_key(schema: type, dotted: str, where: str) -> None:
+    """Refuse a dotted key that ``schema`` (a dataclass, nested ones included) does not declare.
+
+    For overrides checked before Hydra composes the config (``plugins.<name>.<key>=...``).
+
+    :raises UserError: naming the key, the closest field and the fields there are.
+    """
+    cls: Any = schema
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            return  # below a mapping or list field: any key
+        names = [f.name for f in dataclasses.fields(cls)]
+        section = ".".join([where, *parts[:i]])
+        if part not in names:
+            raise UserError(
+                f"Unknown config key '{section}.{part}'.{did_you_mean(part, names)} '{section}' accepts: "
+                f"{', '.join(names)}. A plugin's keys are the fields of its Config schema; '+' cannot add one."
+            )
+        cls = _hints(cls).get(part)
+
+
 def _explain(err: OmegaConfBaseException, schema: type, where: str) -> str:
     key = getattr(err, "full_key", None) or getattr(err, "key", None) or ""
     path = f"{where}.{key}" if key else where

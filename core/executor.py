@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import traceback
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -50,7 +51,26 @@ class Runtime:
         return self.settings.config
 
 
-_RUNTIME: Runtime | None = None  # the worker process's runtime (pool workers), for one run at a time
+#: a worker process's runtimes (pool and Ray workers), one per run, the most recently used last:
+#: jobs of several runs may reach one worker interleaved, and each keeps its own plugin objects
+_RUNTIMES: OrderedDict[str, Runtime] = OrderedDict()
+_RUNTIMES_KEPT = 4
+
+
+def worker_runtime(job: TrainJob) -> Runtime:
+    """The runtime of ``job``'s run in this process, built on its run's first job.
+
+    A job without a ``run_key`` gets a fresh runtime of its own.
+    """
+    if not job.run_key:
+        return build_runtime(job.config)
+    runtime = _RUNTIMES.get(job.run_key)
+    if runtime is None:
+        runtime = _RUNTIMES[job.run_key] = build_runtime(job.config, run_key=job.run_key)
+        while len(_RUNTIMES) > _RUNTIMES_KEPT:
+            _RUNTIMES.popitem(last=False)
+    _RUNTIMES.move_to_end(job.run_key)
+    return runtime
 
 
 def build_runtime(config: DictConfig | dict[str, Any], extra_plugins: tuple[object, ...] = (), run_key: str = "") -> Runtime:
@@ -85,15 +105,12 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
     try:
         import torch
 
+        from core.context import TrainContext
         from core.tracking import format_llm_call
         from core.train import get_trainer
-        from core.context import TrainContext
 
-        global _RUNTIME
         if runtime is None:
-            if _RUNTIME is None or _RUNTIME.run_key != job.run_key or not job.run_key:
-                _RUNTIME = build_runtime(job.config, run_key=job.run_key)
-            runtime = _RUNTIME
+            runtime = worker_runtime(job)
         trainer_cfg = job.config["trainer"]
         torch.set_num_threads(int(trainer_cfg.get("threads", 1)))
         trainer, config_cls = get_trainer(trainer_cfg.get("name", "ppo"))

@@ -17,6 +17,7 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -188,6 +189,8 @@ class Loop:
                 self.tracker.log_candidate(candidate, result, tags)
                 if i in todo and self.store is not None and result.ok and result.run_id:
                     self.store.put(keys[i], result)  # again, now with its MLflow run id
+            if i in todo and result.policy_path:  # uploaded by the tracker or wanted by nobody: never left in the temp folder
+                Path(result.policy_path).unlink(missing_ok=True)
             final.append(result)
         return final
 
