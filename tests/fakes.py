@@ -3,7 +3,14 @@
 - :class:`ScriptedLLM` has :meth:`core.llm.LLMClient.chat`'s signature and returns real
   :class:`core.llm.client.Reply` records, from a script: a list of texts (used in order,
   cycled) or a function ``answer(messages, tag) -> text``. Every call is recorded in
-  ``calls`` with its settings.
+  ``calls`` with its settings. ``ScriptedLLM.plausible()`` answers with :func:`answer`.
+- :func:`answer` gives a plausible reply to each kind of prompt the built-in plugins
+  send (reward code, LESR features, EnvGen configs, RL-GPT plans and skills, progress
+  scores, preference digits, LaRes behaviour analyses), valid on any task.
+- :class:`FakeLiteLLM` stands in for ``litellm.completion`` (install it with
+  :func:`install_fake_litellm`) so that a whole run, training hooks included, talks to
+  :func:`answer` through the real :class:`core.llm.LLMClient`; :data:`FAKE_LLM_OVERRIDES`
+  are the Hydra overrides that point the run at it.
 - :func:`make_run` / :func:`make_train` build a real :class:`core.context.RunContext` /
   :class:`core.context.TrainContext` with validated settings for one plugin, so a unit
   test sees what a hook sees in a run: typed config, sandbox settings, logging.
@@ -11,7 +18,11 @@
 
 from __future__ import annotations
 
+import json
+import math
+import re
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -78,6 +89,11 @@ class ScriptedLLM:
                              cost=0.0, cached=False, model="scripted", logprobs=lp))
         return out
 
+    @classmethod
+    def plausible(cls, **kwargs: Any) -> ScriptedLLM:
+        """A ScriptedLLM that answers every prompt kind with :func:`answer` (digits with log-probabilities)."""
+        return cls(answer=lambda messages, tag: answer(messages), logprobs=lambda messages: dict(DIGIT_LOGPROBS), **kwargs)
+
     def _text(self, messages: list[dict[str, str]], tag: str) -> str:
         if self.answer is not None:
             return self.answer(messages, tag)
@@ -86,6 +102,161 @@ class ScriptedLLM:
         text = self.replies[self._next % len(self.replies)]
         self._next += 1
         return text
+
+# -------------------------------------------------------------------------------------
+# One plausible reply per prompt kind
+# -------------------------------------------------------------------------------------
+
+#: a comment in every program :func:`answer` writes, so a test can tell its code trained
+MARK = "# written by the fake LLM"
+
+#: the reward: a small bounded term over the mean of every state field (any task's state dict)
+REWARD = f"""```python
+import torch
+
+
+def {{entry}}(state, action, next_state):
+    {MARK}
+    fields = [v.float().reshape(v.shape[0], -1).mean(dim=-1) for v in next_state.values()]
+    level = torch.tanh(torch.stack(fields, dim=-1).mean(dim=-1))
+    alive = torch.ones_like(level)
+    reward = alive + 0.1 * level
+    return reward, {{{{"alive": alive, "level": 0.1 * level}}}}
+```"""
+
+#: LESR's pair: two features of the state and an intrinsic reward on the first
+LESR = f"""```python
+import torch
+
+
+def revise_state(state):
+    {MARK}
+    fields = torch.stack([v.float().reshape(v.shape[0], -1).mean(dim=-1) for v in state.values()], dim=-1)
+    level = torch.tanh(fields.mean(dim=-1))
+    spread = torch.tanh(fields.abs().sum(dim=-1))
+    return torch.stack([level, spread], dim=-1)
+
+
+def intrinsic_reward(state, features):
+    return 0.1 * torch.tanh(features[:, 0])
+```"""
+
+#: an RL-GPT skill: the first primitive action, once (valid for any discrete task)
+SKILL = f"""```python
+def act(state):
+    {MARK}
+    return 0
+
+
+def done(state):
+    return True
+```"""
+
+PLAN = """```json
+[{"name": "first_step", "how": "code", "what": "take the first primitive action once"},
+ {"name": "the_rest", "how": "rl", "what": "learn the remaining behaviour from primitive actions"}]
+```"""
+
+PROGRESS = "Score: 7 | Reason: the agent keeps the task going and moves towards the goal."
+PREFERENCE = "Answer: 1 | Reason: segment 1 makes more progress towards the goal."
+ANALYSIS = ("- jitter: the actions switch back and forth; add a small penalty on action changes.\n"
+            "- slow progress: reward the distance closed towards the goal each step.")
+#: the first answer token's alternatives for a one-digit preference (the judge prefers "1")
+DIGIT_LOGPROBS = {"1": math.log(0.7), "2": math.log(0.3)}
+
+
+def answer(messages: list[dict[str, str]]) -> str:
+    """A plausible reply to the conversation ``messages``, by the kind of prompt it holds.
+
+    Reward code (``compute_reward`` or Text2Reward's ``compute_dense_reward``), LESR's
+    ``revise_state`` + ``intrinsic_reward``, EnvGen's JSON env configs (copies of the
+    prompt's own example item), RL-GPT's JSON plan and ``act``/``done`` skill, a
+    progress score (``Score: 7``), a preference (``1`` or ``Answer: 1``), a LaRes
+    behaviour analysis; anything else gets a short sentence.
+    """
+    text = "\n".join(m["content"] for m in messages)
+    last = messages[-1]["content"]
+    if "name the defects" in last:
+        return ANALYSIS
+    if "Score: <integer 1-10>" in text:
+        return PROGRESS
+    if "Segment 1" in text and "Segment 2" in text:
+        return "1" if "single digit" in last else PREFERENCE
+    if "revise_state" in text and "intrinsic_reward" in text:
+        return LESR
+    if '"how": "code" or "rl"' in text and "Write the skill" not in last:
+        return PLAN
+    if "def act(state)" in text:
+        return SKILL
+    if "environment configs" in text or "configs as a ```json list" in text:
+        return env_configs(text)
+    if "compute_dense_reward" in text:
+        return REWARD.format(entry="compute_dense_reward")
+    if "compute_reward" in text:
+        return REWARD.format(entry="compute_reward")
+    return "The agent should keep going as it does."
+
+
+def env_configs(prompt: str, n: int = 4) -> str:
+    """EnvGen's reply: ``n`` named copies of the example item the first prompt shows."""
+    found = re.search(r"Example item: (\{.*\})", prompt)
+    example = json.loads(found.group(1)) if found else {"params": {}}
+    items = [{"name": f"fake_env_{i}", "purpose": "practise one skill", "params": example.get("params", {})} for i in range(n)]
+    return "```json\n" + json.dumps(items, indent=1) + "\n```"
+
+
+# -------------------------------------------------------------------------------------
+# litellm stand-in: a whole run talks to `answer` through the real client
+# -------------------------------------------------------------------------------------
+
+#: Hydra overrides that point a run at :class:`FakeLiteLLM` (a remote-style model, no key, no cache)
+FAKE_LLM_OVERRIDES = ["llm=openai", "llm.model=openai/fake-llm", "llm.api_key_env=null", "llm.cache=false",
+                      "llm.retries=0", "llm.max_n=16"]
+
+
+class FakeLiteLLM:
+    """Stands in for ``litellm.completion``: :func:`answer` for every request.
+
+    ``calls`` holds each request's keyword arguments, ``kinds`` counts the replies by
+    their first line (``kinds_of``). Requests asking for ``logprobs`` get the first
+    token's alternatives :data:`DIGIT_LOGPROBS` in the OpenAI shape. Thread-safe enough
+    for judges that ask from a worker thread (appends and counter updates only).
+    """
+
+    def __init__(self, reply: Callable[[list[dict[str, str]]], str] = answer) -> None:
+        self.reply = reply
+        self.calls: list[dict[str, Any]] = []
+        self.replies: list[str] = []
+
+    def __call__(self, **kwargs: Any) -> Any:
+        from litellm.types.utils import Choices, Message, ModelResponse, Usage
+
+        self.calls.append(kwargs)
+        text = self.reply(kwargs["messages"])
+        self.replies.append(text)
+        logprobs = None
+        if kwargs.get("logprobs"):
+            top = [{"token": t, "logprob": lp} for t, lp in DIGIT_LOGPROBS.items()]
+            logprobs = {"content": [{"token": text[:1], "logprob": DIGIT_LOGPROBS.get(text[:1], -5.0), "top_logprobs": top}]}
+        n = int(kwargs.get("n") or 1)
+        choices = [Choices(index=j, finish_reason="stop", logprobs=logprobs, message=Message(role="assistant", content=text))
+                   for j in range(n)]
+        tokens = len(text.split())
+        return ModelResponse(choices=choices, model=kwargs["model"],
+                             usage=Usage(prompt_tokens=100, completion_tokens=tokens * n, total_tokens=100 + tokens * n))
+
+    def count(self, needle: str) -> int:
+        """How many replies contain ``needle`` (e.g. ``"def compute_reward"``, ``"Score:"``)."""
+        return sum(needle in r for r in self.replies)
+
+
+def install_fake_litellm(monkeypatch: Any, reply: Callable[[list[dict[str, str]]], str] = answer) -> FakeLiteLLM:
+    """Replace ``litellm.completion`` with a :class:`FakeLiteLLM` for one test (``monkeypatch`` undoes it)."""
+    from core.llm.client import import_litellm
+
+    backend = FakeLiteLLM(reply)
+    monkeypatch.setattr(import_litellm(), "completion", backend)
+    return backend
 
 
 def settings_for(plugin: str | None = None, module: Any = None, overrides: dict[str, Any] | None = None,
