@@ -22,26 +22,57 @@ the reward through ``propose_rewards`` instead would make the loop pair every st
 with every reward program (K x K candidates), and would take the reward role away from
 plugins that combine with this one (e.g. ``+plugins=[llm_state_repr,eureka]``).
 
-Config: ``conf/plugins/llm_state_repr.yaml``.
+Config: ``conf/plugins/llm_state_repr.yaml`` (schema: :class:`Config`).
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from core import hookimpl
+from core import PluginConfig, hookimpl
 from core.codegen import extract_function
+from core.config import SandboxConfig
 from core.records import Candidate, IterationResult, RewardProgram, StateProgram, TrainResult
 from core.sandbox import SandboxReport, normalize_reward, validate_state
 
 NAME = "llm_state_repr"
 STATE_ENTRY, REWARD_ENTRY = "revise_state", "intrinsic_reward"
+
+
+@dataclass
+class Config(PluginConfig):
+    """``plugins.llm_state_repr``; ``iterations`` and ``final_seeds`` come from :class:`core.PluginConfig`."""
+
+    iterations: int = 3  # outer rounds of sampling + short training + Lipschitz feedback (paper: 3)
+    samples: int = 3  # feature/reward pairs sampled per round, each trained (paper: 6)
+    retries: int = 1  # resample a pair that fails the check on real states, with the error, this many times
+    weight: float = 0.1  # w in r_env + w * r_int
+    reward_bound: float = 100.0  # a sample whose |intrinsic reward| exceeds this on the probe states is rejected
+    history: int = 3  # earlier attempts (code, score, feedback) shown in the next prompt
+    lipschitz_samples: int = 20000  # collected states per candidate used to estimate the Lipschitz constants
+    temperature: float = 0.8  # sampling temperature
+    max_tokens: int = 700  # cap on each reply (a pair takes ~150-600 tokens; small models list every field)
+    final_seeds: int = 0  # retrain the best pair on this many more seeds after the loop
+
+    def check(self) -> None:
+        super().check()
+        for name in ("samples", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("retries", "history", "lipschitz_samples", "temperature"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not math.isfinite(self.weight):
+            raise ValueError(f"weight must be a finite number, got {self.weight}")
+        if not self.reward_bound > 0:
+            raise ValueError(f"reward_bound must be > 0, got {self.reward_bound}")
 
 # -- prompt pieces -----------------------------------------------------------------------
 
@@ -174,17 +205,20 @@ def validate_bounded(result: Any, args: tuple[Any, ...], bound: float) -> Sandbo
     return SandboxReport(True, "ok", "")
 
 
-def check_pair(source: str, states: tuple[Any, ...], cfg: Any, sandbox: Any) -> SandboxReport:
-    """Run both functions once on real states in the sandbox child and validate the outputs."""
-    from core.sandbox import run_isolated, settings_from_config
+def check_pair(source: str, states: tuple[Any, ...], cfg: Config, sandbox: SandboxConfig) -> SandboxReport:
+    """Run both functions once on real states in the sandbox child and validate the outputs.
 
-    limits, imports = settings_from_config(sandbox)
+    :param sandbox: the run's sandbox settings (``run.sandbox``): limits and allowed imports.
+    """
+    from core.sandbox import run_isolated
+
+    limits, imports = sandbox.limits(), sandbox.imports
     state, action, next_state = states
     report = run_isolated(StateProgram(source, STATE_ENTRY), (state,), limits=limits, validate=validate_state, allowed_imports=imports)
     if not report.ok:
         return report
-    program = intrinsic_program(source, float(cfg.weight))
-    check = functools.partial(validate_bounded, bound=float(cfg.reward_bound))
+    program = intrinsic_program(source, cfg.weight)
+    check = functools.partial(validate_bounded, bound=cfg.reward_bound)
     return run_isolated(program, (state, action, next_state), limits=limits, validate=check, allowed_imports=imports)
 
 
@@ -223,155 +257,158 @@ def format_lipschitz(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k}: {v:.3g}" for k, v in items) or "not measured"
 
 
-# -- state -----------------------------------------------------------------------------------
+# -- state and prompts ------------------------------------------------------------------------
 
 
 @dataclass
 class Attempt:
+    """One trained pair, as the next prompt shows it."""
+
     source: str
     score: float
     feedback: str
 
 
 @dataclass
-class LesrState:
-    attempts: list[Attempt] = field(default_factory=list)
-    probe: tuple[Any, ...] | None = None
+class Training:
+    """One candidate's training (in ``train.state[NAME]``): its prepared intrinsic reward and
+    the (revised state, env reward) rows kept for the Lipschitz estimate."""
+
+    fn: Any  # the sandboxed ``compute_reward`` wrapper of the pair
+    weight: float
+    rows: list[np.ndarray] = field(default_factory=list)
+    rewards: list[np.ndarray] = field(default_factory=list)
+    kept: int = 0
 
 
-STATE = LesrState()
-_TRAINING: dict[str, dict[str, Any]] = {}  # per candidate, in the training process
-
-
-def messages(run: Any, cfg: Any) -> list[dict[str, str]]:
-    imports = ", ".join(run.config.sandbox.allowed_imports)
-    user = TASK.format(goal=run.task.goal, schema=run.task.schema_text(), imports=imports)
-    shown = sorted(STATE.attempts, key=lambda a: a.score)[-int(cfg.history):] if STATE.attempts else []
+def messages(run: Any, cfg: Config, attempts: list[Attempt]) -> list[dict[str, str]]:
+    """System + task (schema, worked example, allowed imports) + the best ``history`` earlier attempts."""
+    user = TASK.format(goal=run.task.goal, schema=run.task.schema_text(), imports=", ".join(run.sandbox.imports))
+    shown = sorted(attempts, key=lambda a: a.score)[-cfg.history:] if cfg.history else []
     if shown:
-        attempts = "\n\n".join(f"```python\n{a.source.strip()}\n```\nScore: {a.score:.4g}\n{a.feedback}" for a in shown)
-        user += "\n\n" + HISTORY.format(fitness_name=run.task.fitness_name, attempts=attempts) + "\n" + SUGGESTIONS
+        text = "\n\n".join(f"```python\n{a.source.strip()}\n```\nScore: {a.score:.4g}\n{a.feedback}" for a in shown)
+        user += "\n\n" + HISTORY.format(fitness_name=run.task.fitness_name, attempts=text) + "\n" + SUGGESTIONS
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
-# -- hooks: proposal and reflection (main process) --------------------------------------------
+# -- hooks -----------------------------------------------------------------------------------
 
 
-@hookimpl
-def on_run_start(run: Any) -> None:
-    global STATE
-    STATE = LesrState()
+class Plugin:
+    """One LESR run: earlier attempts and the probe states (main process); the training
+    hooks keep each candidate's objects in ``train.state[NAME]``."""
 
+    def __init__(self, config: Config) -> None:
+        self.cfg = config
+        self.attempts: list[Attempt] = []
+        self.probe: tuple[Any, ...] | None = None  # (state, action, next_state) of real steps, made once
 
-@hookimpl
-def propose_state_reprs(run: Any, iteration: int) -> list[StateProgram] | None:
-    cfg = run.plugin_config(NAME)
-    if iteration >= int(cfg.iterations):
-        return None
-    if STATE.probe is None:
-        from core.sandbox import probe_batch
+    # proposal and reflection (main process)
 
-        obs, action, next_obs = probe_batch(run.task, num_envs=4, steps=8, seed=run.seed)
-        STATE.probe = (run.task.split_state(obs), action, run.task.split_state(next_obs))
-    msgs = messages(run, cfg)
-    prompt = msgs[-1]["content"]
-    programs: list[StateProgram] = []
-    fields = [f.name for f in run.task.state_fields]
-    pending = [(list(msgs), None)] * int(cfg.samples)  # (conversation, previous failure)
-    for attempt in range(1 + int(cfg.retries)):
-        if not pending:
-            break
-        replies = []
-        for j, (conv, _) in enumerate(pending):
-            replies += run.llm.chat(conv, n=1, temperature=float(cfg.temperature), max_tokens=int(cfg.max_tokens),
-                                    seed=run.seed * 10_000 + iteration * 100 + attempt * 10 + j, tag=f"{NAME}-it{iteration}-try{attempt}")
-        retry = []
-        for (conv, _), reply in zip(pending, replies):
-            source, error = extract_pair(reply.text)
-            kind = "no_code" if error else ""
-            if source:
-                report = check_pair(source, STATE.probe, cfg, run.config.sandbox)
-                kind, error = (report.kind, report.message) if not report.ok else ("", "")
-            if not error:
-                meta = {"pair": len(programs), "intrinsic": intrinsic_program(source, float(cfg.weight)).source, "weight": float(cfg.weight)}
-                programs.append(StateProgram(source=source, entry=STATE_ENTRY, origin=NAME, prompt=prompt, reply=reply.text, meta=meta))
-            elif kind == "no_code":  # cut off or incomplete: shown its own reply, the model repeats it; sample afresh
-                retry.append((list(msgs), error))
+    @hookimpl
+    def propose_state_reprs(self, run, iteration: int) -> list[StateProgram] | None:
+        cfg = self.cfg
+        if iteration >= cfg.iterations:
+            return None
+        if self.probe is None:
+            from core.sandbox import probe_batch
+
+            obs, action, next_obs = probe_batch(run.task, num_envs=4, steps=8, seed=run.seed)
+            self.probe = (run.task.split_state(obs), action, run.task.split_state(next_obs))
+        msgs = messages(run, cfg, self.attempts)
+        prompt = msgs[-1]["content"]
+        programs: list[StateProgram] = []
+        fields = [f.name for f in run.task.state_fields]
+        pending = [(list(msgs), None)] * cfg.samples  # (conversation, previous failure)
+        for attempt in range(1 + cfg.retries):
+            if not pending:
+                break
+            replies = []
+            for j, (conv, _) in enumerate(pending):
+                replies += run.llm.chat(conv, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                        seed=run.seed * 10_000 + iteration * 100 + attempt * 10 + j, tag=f"{NAME}-it{iteration}-try{attempt}")
+            retry = []
+            for (conv, _), reply in zip(pending, replies):
+                source, error = extract_pair(reply.text)
+                kind = "no_code" if error else ""
+                if source:
+                    report = check_pair(source, self.probe, cfg, run.sandbox)
+                    kind, error = (report.kind, report.message) if not report.ok else ("", "")
+                if not error:
+                    meta = {"pair": len(programs), "intrinsic": intrinsic_program(source, cfg.weight).source, "weight": cfg.weight}
+                    programs.append(StateProgram(source=source, entry=STATE_ENTRY, origin=NAME, prompt=prompt, reply=reply.text, meta=meta))
+                elif kind == "no_code":  # cut off or incomplete: shown its own reply, the model repeats it; sample afresh
+                    retry.append((list(msgs), error))
+                else:
+                    follow = conv + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": INVALID.format(kind=kind, error=error, hint=hint_for(error, fields))}]
+                    retry.append((follow, error))
+            pending = retry
+        if not programs:
+            run.log_text(f"{NAME}/it{iteration}-no-valid-sample.txt", "\n\n".join(err or "" for _, err in pending))
+        return programs or None
+
+    @hookimpl
+    def reflect(self, run, result: IterationResult) -> str | None:
+        mine = [(c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c) and c.iteration == result.iteration]
+        if not mine:
+            return None
+        lines = [f"iteration {result.iteration}:"]
+        for c, r in mine:
+            assert c.state is not None
+            if r.ok and r.fitness is not None:
+                feedback = f"Lipschitz constant of each dimension with the env reward: {format_lipschitz(r.metrics)}"
+                lines.append(f"- {c.id}: score {r.score:.4g}; {feedback}")
             else:
-                follow = conv + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": INVALID.format(kind=kind, error=error, hint=hint_for(error, fields))}]
-                retry.append((follow, error))
-        pending = retry
-    if not programs:
-        run.log_text(f"{NAME}/it{iteration}-no-valid-sample.txt", "\n\n".join(err or "" for _, err in pending))
-    return programs or None
+                feedback = f"Training failed ({r.error_kind}): {r.error.strip()[-400:]}"
+                lines.append(f"- {c.id}: {feedback}")
+            self.attempts.append(Attempt(c.state.source, r.score if r.ok else float("-inf"), feedback))
+        return "\n".join(lines) + "\n\n" + SUGGESTIONS
+
+    # training (the process that trains a candidate)
+
+    @hookimpl
+    def on_train_start(self, train) -> None:
+        _training(train)
+
+    @hookimpl
+    def compute_reward(self, train, batch) -> torch.Tensor | None:
+        session = _training(train)
+        if session is None:
+            return None
+        r_int, feats = session.fn(batch.state, batch.action, batch.next_state)
+        if session.kept < self.cfg.lipschitz_samples:
+            features = torch.stack([feats[k] for k in sorted(feats, key=lambda k: int(k.split("_")[-1]))], -1) if feats else batch.next_obs[:, :0]
+            session.rows.append(torch.cat([batch.next_obs, features], -1).numpy().copy())
+            session.rewards.append(batch.env_reward.numpy().copy())
+            session.kept += int(batch.env_reward.shape[0])
+        train.log_metric(f"{NAME}/intrinsic_reward", float(r_int.mean()))
+        return session.weight * r_int
+
+    @hookimpl
+    def on_train_end(self, train, result: TrainResult) -> None:
+        session = train.state.pop(NAME, None)
+        if session is None or not session.rows:
+            return
+        values, reward = np.concatenate(session.rows), np.concatenate(session.rewards)
+        names = dimension_names(train.task, values.shape[1] - train.task.obs_dim)
+        for name, value in zip(names, lipschitz(values, reward)):
+            result.metrics[f"{NAME}/lipschitz/{name}"] = float(value)
 
 
-@hookimpl
-def reflect(run: Any, result: IterationResult) -> str | None:
-    mine = [(c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c) and c.iteration == result.iteration]
-    if not mine:
-        return None
-    lines = [f"iteration {result.iteration}:"]
-    for c, r in mine:
-        assert c.state is not None
-        if r.ok and r.fitness is not None:
-            feedback = f"Lipschitz constant of each dimension with the env reward: {format_lipschitz(r.metrics)}"
-            lines.append(f"- {c.id}: score {r.score:.4g}; {feedback}")
-        else:
-            feedback = f"Training failed ({r.error_kind}): {r.error.strip()[-400:]}"
-            lines.append(f"- {c.id}: {feedback}")
-        STATE.attempts.append(Attempt(c.state.source, r.score if r.ok else float("-inf"), feedback))
-    return "\n".join(lines) + "\n\n" + SUGGESTIONS
-
-
-# -- hooks: training (the process that trains a candidate) ------------------------------------
-
-
-def _session(train: Any) -> dict[str, Any] | None:
-    """This candidate's prepared intrinsic reward and Lipschitz samples, made on first use."""
+def _training(train: Any) -> Training | None:
+    """This training's prepared intrinsic reward and Lipschitz rows, made on first use;
+    None when the candidate holds no pair of this plugin."""
     state = train.candidate.state
     if state is None or state.origin != NAME or "intrinsic" not in state.meta:
         return None
-    key = train.candidate.id
-    if key not in _TRAINING:
-        from core.sandbox import prepare_reward, settings_from_config
+    if NAME not in train.state:
+        from core.sandbox import prepare_reward
 
-        limits, imports = settings_from_config(train.config.get("sandbox"))
-        program = RewardProgram(source=state.meta["intrinsic"], entry="compute_reward", origin=NAME, mode="add", weight=float(state.meta["weight"]))
-        fn = prepare_reward(program, train.task, limits=limits, allowed_imports=imports)
-        _TRAINING[key] = {"fn": fn, "weight": program.weight, "rows": [], "rewards": [], "kept": 0}
-    return _TRAINING[key]
-
-
-@hookimpl
-def on_train_start(train: Any) -> None:
-    _session(train)
-
-
-@hookimpl
-def compute_reward(train: Any, batch: Any) -> torch.Tensor | None:
-    session = _session(train)
-    if session is None:
-        return None
-    r_int, feats = session["fn"](batch.state, batch.action, batch.next_state)
-    cfg = train.plugin_config(NAME) or {}
-    if session["kept"] < int(cfg.get("lipschitz_samples", 20_000)):
-        features = torch.stack([feats[k] for k in sorted(feats, key=lambda k: int(k.split("_")[-1]))], -1) if feats else batch.next_obs[:, :0]
-        session["rows"].append(torch.cat([batch.next_obs, features], -1).numpy().copy())
-        session["rewards"].append(batch.env_reward.numpy().copy())
-        session["kept"] += int(batch.env_reward.shape[0])
-    train.log_metric(f"{NAME}/intrinsic_reward", float(r_int.mean()))
-    return session["weight"] * r_int
-
-
-@hookimpl
-def on_train_end(train: Any, result: TrainResult) -> None:
-    session = _TRAINING.pop(train.candidate.id, None)
-    if session is None or not session["rows"]:
-        return
-    values, reward = np.concatenate(session["rows"]), np.concatenate(session["rewards"])
-    names = dimension_names(train.task, values.shape[1] - train.task.obs_dim)
-    for name, value in zip(names, lipschitz(values, reward)):
-        result.metrics[f"{NAME}/lipschitz/{name}"] = float(value)
+        weight = float(state.meta["weight"])
+        program = RewardProgram(source=state.meta["intrinsic"], entry="compute_reward", origin=NAME, mode="add", weight=weight)
+        fn = prepare_reward(program, train.task, limits=train.sandbox.limits(), allowed_imports=train.sandbox.imports)
+        train.state[NAME] = Training(fn=fn, weight=program.weight)
+    return train.state[NAME]
 
 
 def _is_mine(candidate: Candidate) -> bool:

@@ -5,16 +5,18 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from fakes import ScriptedLLM, make_run, make_train, plugin_object, texts_of
 from omegaconf import OmegaConf
 
+from core.config import SandboxConfig, typed
+from core.context import StepBatch
 from core.envs import make_task
+from core.errors import UserError
 from core.records import Candidate, Fitness, IterationResult, StateProgram, TrainResult
-from core.context import StepBatch, TrainContext
 from plugins import llm_state_repr as lesr
 
 GOOD = '''```python
@@ -50,13 +52,12 @@ def probe(task):
     return task.split_state(obs), action, task.split_state(nxt)
 
 
-def cfg(**overrides):
-    c = OmegaConf.load(Path(__file__).parents[2] / "conf/plugins/llm_state_repr.yaml")
-    c.update(overrides)
-    return c
+def cfg(**overrides) -> lesr.Config:
+    """The plugin's validated config: its defaults and ``overrides``."""
+    return plugin_object(lesr, **overrides).cfg
 
 
-SANDBOX = OmegaConf.create({"allowed_imports": ["math", "numpy", "torch"], "cpu_s": 10, "wall_s": 20, "memory_mb": 4096, "call_timeout_s": 1.0})
+SANDBOX = SandboxConfig()  # math, numpy, torch; the default limits
 
 
 def test_extract_pair_needs_both_functions():
@@ -89,20 +90,19 @@ STACK_MISMATCH = GOOD.replace('state["angular_velocity"] ** 2', 'torch.ones(1)')
 
 
 def test_shape_error_gets_a_hint_in_the_retry(task):
-    run = make_run(task, [STACK_MISMATCH, GOOD], samples=1, retries=1)
-    lesr.on_run_start(run)
-    programs = lesr.propose_state_reprs(run, 0)
+    plugin, run = make(task, [STACK_MISMATCH, GOOD], samples=1, retries=1)
+    programs = plugin.propose_state_reprs(run, 0)
     assert len(programs) == 1
-    retry = run.llm.calls[1][-1]["content"]
+    retry = run.llm.calls[1].last
     assert "stack expects each tensor" in retry and "must have shape [B]" in retry
 
 
 def test_cut_off_reply_is_resampled_from_the_first_prompt(task):
     cut = GOOD[: GOOD.index("dim=-1)")]
-    run = make_run(task, [cut, GOOD], samples=1, retries=1)
-    lesr.on_run_start(run)
-    assert len(lesr.propose_state_reprs(run, 0)) == 1
-    assert run.llm.calls[1] == run.llm.calls[0]  # a fresh sample (new seed), not the cut-off reply repeated
+    plugin, run = make(task, [cut, GOOD], samples=1, retries=1)
+    assert len(plugin.propose_state_reprs(run, 0)) == 1
+    first, second = run.llm.calls
+    assert second.messages == first.messages and second.seed != first.seed  # a fresh sample, not the cut-off reply repeated
 
 
 def test_hint_for_unknown_field_lists_the_fields():
@@ -112,9 +112,11 @@ def test_hint_for_unknown_field_lists_the_fields():
 
 
 def test_prompt_shows_a_worked_example_and_the_schema(task):
-    prompt = lesr.messages(make_run(task, []), cfg())[-1]["content"]
+    _, run = make(task, [], config={"sandbox": {"allowed_imports": ["math", "torch"]}})
+    prompt = lesr.messages(run, cfg(), [])[-1]["content"]
     assert "def revise_state(state)" in prompt and "torch.stack([distance, speed, approach], dim=-1)" in prompt
     assert "angular_velocity" in prompt and "{" not in prompt.split("```")[0]  # formatted, no stray braces
+    assert prompt.endswith("You may import only: math, torch.")  # the run's sandbox settings
 
 
 def test_lipschitz_of_a_linear_and_a_constant_dimension():
@@ -139,58 +141,99 @@ def test_dimension_names(task):
     assert names[-2:] == ["feature_0", "feature_1"] and len(names) == task.obs_dim + 2
 
 
-class FakeLLM:
-    def __init__(self, replies):
-        self.replies, self.calls = list(replies), []
-
-    def chat(self, messages, **kw):
-        self.calls.append(messages)
-        return [SimpleNamespace(text=self.replies.pop(0), cached=False)]
-
-
-def make_run(task, replies, **overrides):
-    c = cfg(**overrides)
-    run = SimpleNamespace(task=task, llm=FakeLLM(replies), seed=0, config=OmegaConf.create({"sandbox": SANDBOX}), texts={})
-    run.plugin_config = lambda name: c
-    run.log_text = lambda p, t: run.texts.__setitem__(p, t)
-    return run
+def make(task, replies, config=None, **overrides):
+    """A plugin object and its run on ``task``; the LLM answers ``replies`` in order."""
+    run = make_run(task, ScriptedLLM(list(replies)), plugin=lesr.NAME, module=lesr, overrides=overrides, config=config)
+    return lesr.Plugin(run.plugin_config(lesr.NAME)), run
 
 
 def test_propose_retries_failed_samples_with_feedback(task):
-    run = make_run(task, [GOOD, NAN, GOOD], samples=2, retries=1)
-    lesr.on_run_start(run)
-    programs = lesr.propose_state_reprs(run, 0)
+    plugin, run = make(task, [GOOD, NAN, GOOD], samples=2, retries=1, temperature=0.5, max_tokens=300)
+    programs = plugin.propose_state_reprs(run, 0)
     assert len(programs) == 2 and all(p.origin == "llm_state_repr" for p in programs)
-    assert "nonfinite" in run.llm.calls[2][-1]["content"]  # the retry saw the error
-    assert "def compute_reward" in programs[0].meta["intrinsic"]
+    assert len(run.llm.calls) == 3 and "nonfinite" in run.llm.calls[2].last  # the retry saw the error
+    assert {(c.temperature, c.max_tokens) for c in run.llm.calls} == {(0.5, 300)}
+    assert "def compute_reward" in programs[0].meta["intrinsic"] and programs[0].meta["weight"] == 0.1
+
+
+def test_no_valid_sample_is_logged_and_proposes_nothing(task):
+    plugin, run = make(task, [NAN], samples=1, retries=0)
+    assert plugin.propose_state_reprs(run, 0) is None
+    assert "NaN or infinite" in texts_of(run)["llm_state_repr/it0-no-valid-sample.txt"]  # the last error, for the record
+
+
+def _pair_candidate(cid: str, weight: float) -> Candidate:
+    source, _ = lesr.extract_pair(GOOD)
+    program = StateProgram(source, "revise_state", origin="llm_state_repr",
+                           meta={"intrinsic": lesr.intrinsic_program(source, weight).source, "weight": weight})
+    return Candidate(cid, 0, state=program)
+
+
+def _batch(task, n: int = 8) -> StepBatch:
+    obs = torch.rand(n, task.obs_dim)
+    return StepBatch(obs, torch.zeros(n, 1), obs, torch.rand(n), torch.zeros(n), torch.zeros(n, dtype=torch.bool), task)
 
 
 def test_training_hooks_add_intrinsic_reward_and_measure_lipschitz(task, probe):
-    source, _ = lesr.extract_pair(GOOD)
-    program = StateProgram(source, "revise_state", origin="llm_state_repr",
-                           meta={"intrinsic": lesr.intrinsic_program(source, 0.5).source, "weight": 0.5})
-    cand = Candidate("it0-c0", 0, state=program)
-    ctx = TrainContext(task=task, candidate=cand, config={"sandbox": dict(SANDBOX), "plugins": {}}, seed=0, total_frames=10)
-    lesr.on_train_start(ctx)
-    obs = torch.rand(8, task.obs_dim)
-    batch = StepBatch(obs, torch.zeros(8, 1), obs, torch.rand(8), torch.zeros(8), torch.zeros(8, dtype=torch.bool), task)
-    extra = lesr.compute_reward(ctx, batch)
-    angle = torch.atan2(obs[:, 1], obs[:, 0]).abs()
+    train = make_train(task, plugin=lesr.NAME, module=lesr, candidate=_pair_candidate("it0-c0", 0.5), total_frames=10)
+    plugin = lesr.Plugin(train.plugin_config(lesr.NAME))
+    plugin.on_train_start(train)
+    assert isinstance(train.state[lesr.NAME], lesr.Training)  # per-training objects live on the context
+    batch = _batch(task)
+    extra = plugin.compute_reward(train, batch)
+    angle = torch.atan2(batch.obs[:, 1], batch.obs[:, 0]).abs()
     assert torch.allclose(extra, -0.05 * angle, atol=1e-5)
+    assert train.metrics["llm_state_repr/intrinsic_reward"]
     result = TrainResult("it0-c0", True)
-    lesr.on_train_end(ctx, result)
+    plugin.on_train_end(train, result)
     assert "llm_state_repr/lipschitz/feature_0" in result.metrics and len([k for k in result.metrics if "lipschitz" in k]) == task.obs_dim + 2
+    assert lesr.NAME not in train.state  # gone with the training
+
+
+def test_interleaved_trainings_keep_their_own_reward_and_samples(task):
+    """A population method trains several candidates at once in one process, one plugin object."""
+    plugin = plugin_object(lesr, lipschitz_samples=8)
+    a = make_train(task, plugin=lesr.NAME, module=lesr, candidate=_pair_candidate("a", 0.5))
+    b = make_train(task, plugin=lesr.NAME, module=lesr, candidate=_pair_candidate("b", 2.0))
+    plugin.on_train_start(a)
+    plugin.on_train_start(b)
+    batch = _batch(task)
+    extra_a, extra_b, _ = plugin.compute_reward(a, batch), plugin.compute_reward(b, batch), plugin.compute_reward(b, batch)
+    assert torch.allclose(extra_b, 4 * extra_a)  # each training its own weight
+    assert a.state[lesr.NAME].kept == 8 and b.state[lesr.NAME].kept == 8  # b's second batch is past lipschitz_samples
+    result_a = TrainResult("a", True)
+    plugin.on_train_end(a, result_a)
+    assert result_a.metrics and lesr.NAME in b.state and lesr.NAME not in a.state
+
+
+def test_training_hooks_ignore_candidates_without_a_pair(task):
+    train = make_train(task, plugin=lesr.NAME, module=lesr, candidate=Candidate("c", 0))
+    plugin = lesr.Plugin(train.plugin_config(lesr.NAME))
+    plugin.on_train_start(train)
+    assert plugin.compute_reward(train, _batch(task)) is None and train.state == {}
 
 
 def test_reflect_reports_scores_and_lipschitz(task):
-    run = make_run(task, [])
-    lesr.on_run_start(run)
+    plugin, run = make(task, [])
     cand = Candidate("it0-c0", 0, state=StateProgram("def revise_state(state): ...", origin="llm_state_repr"))
     res = TrainResult("it0-c0", True, fitness=Fitness("return", -150.0), metrics={"llm_state_repr/lipschitz/feature_0": 2.5})
-    text = lesr.reflect(run, IterationResult(0, [cand], [res]))
+    text = plugin.reflect(run, IterationResult(0, [cand], [res]))
     assert "score -150" in text and "feature_0: 2.5" in text
-    prompt = lesr.messages(run, cfg())[-1]["content"]
+    prompt = lesr.messages(run, cfg(), plugin.attempts)[-1]["content"]
     assert "Score: -150" in prompt and "Lipschitz" in prompt
+    assert "Score:" not in lesr.messages(run, cfg(history=0), plugin.attempts)[-1]["content"]  # history 0 shows none
+    assert make(task, [])[0].attempts == []  # another run starts without them
+
+
+def test_config_defaults_are_the_yaml_file():
+    yaml = OmegaConf.load(Path(__file__).parents[2] / "conf/plugins/llm_state_repr.yaml")
+    assert typed(lesr.Config, yaml, "plugins.llm_state_repr") == lesr.Config() == cfg()
+
+
+@pytest.mark.parametrize("key,value", [("samples", 0), ("retries", -1), ("reward_bound", 0.0), ("lipschitz_samples", -1), ("max_tokens", 0)])
+def test_config_refuses_values_that_cannot_work(key, value):
+    with pytest.raises(UserError, match=key):
+        cfg(**{key: value})
 
 
 @pytest.mark.slow
