@@ -194,6 +194,24 @@ class Loop:
             final.append(result)
         return final
 
+    def iterate(self, iteration: int, progress: Any = None) -> IterationResult:
+        """One outer iteration: propose, train, score, reflect (each plugin's text under its name)."""
+        run, hook = self.run, self.run.hook
+        hook.on_iteration_start(run=run, iteration=iteration)
+        candidates = self.propose(iteration)
+        results = self.train(candidates, run.seed, progress)
+        result = IterationResult(iteration, candidates, results)
+        run.history.append(result)
+        for plugin, text in call_each(hook.reflect, run=run, result=result):
+            if text:
+                run.log_text(f"reflection/it{iteration}-{plugin}.md", text)
+        best = run.best
+        if best is not None:
+            run.log_metrics({"best_fitness": best[1].score, "iteration_best": _iteration_best(result)}, step=iteration)
+        self._log_llm_stats(step=iteration)
+        hook.on_iteration_end(run=run, result=result)
+        return result
+
     # -- the whole run ----------------------------------------------------------------
     def execute(self) -> RunSummary:
         start = time.perf_counter()
@@ -202,19 +220,7 @@ class Loop:
         with make_progress(enabled=self.settings.run.progress) as progress:
             outer = progress.add_task("iterations", total=run.iterations) if progress else None
             for iteration in range(run.iterations):
-                hook.on_iteration_start(run=run, iteration=iteration)
-                candidates = self.propose(iteration)
-                results = self.train(candidates, run.seed, progress)
-                result = IterationResult(iteration, candidates, results)
-                run.history.append(result)
-                for impl, text in call_each(hook.reflect, run=run, result=result):
-                    if text:
-                        run.log_text(f"reflection/it{iteration}-{impl}.md", text)
-                best = run.best
-                if best is not None:
-                    run.log_metrics({"best_fitness": best[1].score, "iteration_best": _iteration_best(result)}, step=iteration)
-                self._log_llm_stats(step=iteration)
-                hook.on_iteration_end(run=run, result=result)
+                self.iterate(iteration, progress)
                 if progress is not None:
                     progress.advance(outer)
             final = self.final_seeds(progress)
