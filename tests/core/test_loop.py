@@ -1,10 +1,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+from omegaconf import open_dict
 
 from core.config import PluginConfig, Settings
-from core.loop import combine
-from core.records import Candidate, EnvConfig, RewardProgram, StateProgram
+from core.loop import Loop, combine, run_experiment
+from core.records import Candidate, EnvConfig, IterationResult, RewardProgram, StateProgram
+from core.registry import call_each, load_plugins, make_plugin_manager
 
 
 def _reward(i: int) -> RewardProgram:
@@ -48,3 +53,82 @@ def test_iterations_and_final_seeds_are_the_largest_plugin_settings():
     assert Settings.of({}, plugins).iterations == 5
     assert Settings.of({"final_seeds": 2}, {"a": PluginConfig(final_seeds=3)}).final_seeds == 3
     assert Settings.of({"final_seeds": 4}, {"a": PluginConfig(final_seeds=3)}).final_seeds == 4
+
+
+# -- hook results credited by plugin -----------------------------------------------------
+
+ALPHA = '''
+    """Proposes rewards (one naming its own origin) and reflects on every iteration."""
+
+    from dataclasses import dataclass
+
+    from core import PluginConfig, hookimpl
+    from core.records import RewardProgram
+
+
+    @dataclass
+    class Config(PluginConfig):
+        propose: bool = True  # propose two constant rewards
+
+
+    class Plugin:
+        def __init__(self, config: Config) -> None:
+            self.config = config
+
+        @hookimpl
+        def propose_rewards(self, run, iteration):
+            if not self.config.propose:
+                return None
+            source = "def compute_reward(state, action, next_state):\\n    return 1.0\\n"
+            return [RewardProgram(source=source), RewardProgram(source=source, origin="mine")]
+
+        @hookimpl
+        def reflect(self, run, result):
+            return f"alpha's reflection on iteration {result.iteration}"
+'''
+
+BETA = '''
+    """Has nothing to say after an iteration (a module of hook functions, no state)."""
+
+    from core import hookimpl
+
+
+    @hookimpl
+    def reflect(run, result):
+        return None
+'''
+
+
+def _alpha_beta(local_plugins, tiny_run, **alpha):
+    local_plugins("alpha", ALPHA)
+    local_plugins("beta", BETA)
+    cfg = tiny_run("save_policy=false")
+    with open_dict(cfg):
+        cfg.plugins = {"alpha": alpha, "beta": {}}  # registered in this order: pluggy calls beta first
+    return cfg
+
+
+def test_a_reflection_is_saved_under_the_plugin_that_wrote_it(local_plugins, tiny_run):
+    """The loop once paired pluggy's results (Nones dropped) with plugin names: alpha's text went to beta."""
+    cfg = _alpha_beta(local_plugins, tiny_run, propose=False, iterations=2)
+    summary = run_experiment(cfg)
+    client = mlflow.MlflowClient(cfg.tracking.uri)
+    saved = sorted(a.path for a in client.list_artifacts(summary.run_id, "reflection"))
+    assert saved == ["reflection/it0-alpha.md", "reflection/it1-alpha.md"]
+    text = client.download_artifacts(summary.run_id, "reflection/it1-alpha.md", str(cfg.cache_dir))
+    assert Path(text).read_text() == "alpha's reflection on iteration 1"
+
+
+def test_proposals_are_marked_with_their_plugin_unless_they_name_one(local_plugins, tiny_run):
+    loop = Loop(_alpha_beta(local_plugins, tiny_run))
+    candidates = loop.propose(0)
+    assert sorted(c.reward.origin for c in candidates) == ["alpha", "mine"]
+
+
+def test_call_each_pairs_every_result_with_its_plugin(local_plugins):
+    local_plugins("alpha", ALPHA)
+    local_plugins("beta", BETA)
+    pm = make_plugin_manager(modules=load_plugins(["alpha", "beta"]))
+    result = IterationResult(3, [], [])
+    assert pm.hook.reflect(run=None, result=result) == ["alpha's reflection on iteration 3"]  # pluggy drops the None
+    assert call_each(pm.hook.reflect, run=None, result=result) == [("beta", None), ("alpha", "alpha's reflection on iteration 3")]
