@@ -10,7 +10,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
@@ -96,7 +96,10 @@ def register_third_party_configs() -> None:
     shipped = {p.stem for p in (conf_dir() / "plugins").glob("*.yaml")}
     for info in entry_point_plugins():
         if info.name not in shipped:
-            store.store(group="plugins", name=info.name, node=config_class(load_module(info)), package=f"plugins.{info.name}")
+            # the schema's defaults as plain values, like a YAML file: a wrong value then fails in
+            # core.config.validate as one paragraph, not inside Hydra's composition
+            defaults = OmegaConf.to_container(OmegaConf.structured(config_class(load_module(info))))
+            store.store(group="plugins", name=info.name, node=defaults, package=f"plugins.{info.name}")
 
 
 def print_summary(summary) -> None:  # type: ignore[no-untyped-def]
