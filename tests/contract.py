@@ -32,7 +32,6 @@ from typing import Any, Callable
 
 import pytest
 import fakes
-from conftest import compose_config
 from core import PluginConfig, hookimpl
 from core.config import config_class, validate
 from core.records import Candidate, IterationResult, TrainResult
@@ -43,7 +42,9 @@ DOCS = ROOT / "docs" / "plugins"
 
 #: every smoke run: one process, a tiny budget, no policy files, the fake LLM
 SMOKE_BASE = ["executor=inprocess", "trainer.frames=1024", "trainer.eval_every=0", "trainer.eval_episodes=2",
-              "save_policy=false", "progress=false", *fakes.FAKE_LLM_OVERRIDES]
+              "save_policy=false", "progress=false", "tracking.log_plots=false", *fakes.FAKE_LLM_OVERRIDES]
+#: PPO shrunk further (the default trainer); a smoke run on SAC sets its own
+PPO_TINY = ["trainer.epochs=2", "trainer.minibatch=128", "trainer.hidden=[32]"]
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Smoke:
 
     overrides: list[str] = field(default_factory=list)
     slow: bool = True
+    trainer: list[str] = field(default_factory=lambda: list(PPO_TINY))  # the trainer's shrinking overrides
 
 
 #: per built-in plugin; others get ``Smoke()`` on CartPole with ``iterations``/``samples`` set to 1
@@ -64,9 +66,9 @@ SMOKE: dict[str, Smoke] = {
     "rlaif_preference": Smoke(["plugins.rlaif_preference.label_every=256", "plugins.rlaif_preference.label_budget=4",
                                "plugins.rlaif_preference.segment_len=8", "plugins.rlaif_preference.finish_s=2"]),
     "envgen": Smoke(["env=minecraft", "trainer.num_envs=4", "trainer.rollout_steps=64", "plugins.envgen.num_envs=1"]),
-    "lares": Smoke(["env=pendulum", "trainer=sac", "trainer.frames=600", "trainer.init_random_frames=100",
-                    "trainer.batch_size=32", "trainer.hidden=[32,32]", "trainer.eval_episodes=1",
-                    "plugins.lares.population=2", "plugins.lares.elites=1", "plugins.lares.llm_freq=300"]),
+    "lares": Smoke(["env=pendulum", "plugins.lares.population=2", "plugins.lares.elites=1", "plugins.lares.llm_freq=300"],
+                   trainer=["trainer=sac", "trainer.frames=600", "trainer.init_random_frames=100", "trainer.batch_size=32",
+                            "trainer.hidden=[32,32]", "trainer.eval_episodes=1"]),
 }
 
 
@@ -212,9 +214,9 @@ class PluginContract:
             assert params[:1] == ["config"], f"{info.module}.Plugin(config) takes the typed config, got {params}"
         assert not module_state(module), f"{info.module} keeps state at module level:\n" + "\n".join(module_state(module))
 
-    def test_config_composes_and_validates(self, info: PluginInfo, tmp_path: Path) -> None:
+    def test_config_composes_and_validates(self, info: PluginInfo, make_config: Any) -> None:
         module = load_module(info)
-        cfg = compose_config([f"+plugins=[{info.name}]"], tmp_path)
+        cfg = make_config([f"+plugins=[{info.name}]"])
         assert list(cfg.plugins) == [info.name]
         assert sorted(cfg.plugins[info.name]) == sorted(config_fields(module)), "the composed keys are the schema's fields"
         settings = validate(cfg, {info.name: module})
@@ -252,14 +254,14 @@ class PluginContract:
     def evidence(self, info: PluginInfo) -> Callable[[Recorder, fakes.FakeLiteLLM], str]:
         return EVIDENCE.get(info.name, some_training_succeeded)
 
-    def test_smoke_run_trains_with_the_llm_output(self, info: PluginInfo, tmp_path: Path,
+    def test_smoke_run_trains_with_the_llm_output(self, info: PluginInfo, make_config: Any,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
         from core.loop import run_experiment
 
         smoke = self.smoke(info)
         llm = fakes.install_fake_litellm(monkeypatch)
-        overrides = [f"+plugins=[{info.name}]", f"plugins.{info.name}.iterations=1", *SMOKE_BASE, *smoke.overrides]
-        cfg = compose_config(overrides, tmp_path)
+        overrides = [f"+plugins=[{info.name}]", f"plugins.{info.name}.iterations=1", *SMOKE_BASE, *smoke.trainer, *smoke.overrides]
+        cfg = make_config(overrides)
         recorder = Recorder()
         summary = run_experiment(cfg, extra_plugins=(recorder,))
         assert recorder.trained, "nothing was trained"

@@ -1,49 +1,307 @@
-"""A third-party plugin installed with pip is discovered, listed, enabled and run."""
+"""Third-party plugins: discovered through entry points, configured, validated, trained, reported.
+
+Nothing is installed into the active environment: :func:`site_dir` copies a fixture
+package into ``tmp_path`` beside a ``*.dist-info`` folder (``METADATA`` and
+``entry_points.txt`` from its ``pyproject.toml``), which is what ``pip install`` leaves
+behind. In-process tests prepend that folder to ``sys.path`` for the test only
+(:func:`on_path`); subprocesses get it through ``PYTHONPATH``.
+
+The fixtures:
+
+- ``tests/fixtures/llm4rl_hello``: one module recording which hooks ran.
+- ``tests/fixtures/llm4rl_count_bonus``: the package of the third-party trial in issue 13,
+  written only with the API of ``docs/writing-a-plugin.md``: ``count_bonus`` (a
+  count-based exploration bonus on ``compute_reward``, config ``beta: float``) and
+  ``fourier_features`` (random Fourier features on ``represent_state``).
+- the smallest plugin of ``docs/writing-a-plugin.md``, extracted from the page.
+
+Both fixture packages also keep the shared plugin contract (:class:`contract.PluginContract`).
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import sqlite3
 import subprocess
 import sys
-from importlib.metadata import entry_points
+import tomllib
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "llm4rl_hello"
+import fakes
+from contract import PluginContract, Recorder, Smoke, params
+from core.config import validate
+from core.errors import UserError
+from core.registry import PluginInfo, catalogue, load_module
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures"
+HELLO = FIXTURES / "llm4rl_hello"
+COUNT_BONUS = FIXTURES / "llm4rl_count_bonus"
+GUIDE = ROOT / "docs" / "writing-a-plugin.md"
+
+#: plugin name -> the fixture package providing it
+PROVIDERS = {"hello": HELLO, "count_bonus": COUNT_BONUS, "fourier_features": COUNT_BONUS}
 
 
-@pytest.fixture(scope="module")
-def hello_installed():
-    if not any(ep.name == "hello" for ep in entry_points(group="llm4rl.plugins")):
-        # a local, dependency-free install: no network needed
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(FIXTURE)],
-            check=True,
-            timeout=300,
-        )
-    yield
+# -------------------------------------------------------------------------------------
+# Putting a package on the path, the way pip would leave it, for one test
+# -------------------------------------------------------------------------------------
 
 
-def test_registry_lists_the_third_party_plugin(hello_installed):
-    out = subprocess.run([sys.executable, "-m", "core.registry"], capture_output=True, text=True, timeout=120)
+def site_dir(project: Path, dest: Path) -> Path:
+    """``dest`` holding the project's modules and a ``<name>-<version>.dist-info`` built
+    from its ``pyproject.toml`` (``[project]`` name/version/entry-points and
+    ``[tool.setuptools]`` ``py-modules`` / ``packages``)."""
+    meta = tomllib.loads((project / "pyproject.toml").read_text())
+    info, tool = meta["project"], meta.get("tool", {}).get("setuptools", {})
+    dest.mkdir(parents=True, exist_ok=True)
+    for module in tool.get("py-modules", []):
+        shutil.copy(project / f"{module}.py", dest / f"{module}.py")
+    for package in tool.get("packages", []):
+        shutil.copytree(project / package.replace(".", "/"), dest / package.replace(".", "/"), dirs_exist_ok=True)
+    dist = dest / f"{info['name'].replace('-', '_')}-{info['version']}.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {info['name']}\nVersion: {info['version']}\n")
+    lines = []
+    for group, eps in info.get("entry-points", {}).items():
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {target}" for name, target in eps.items()]
+    (dist / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return dest
+
+
+@pytest.fixture
+def on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``on_path(project)``: the project importable and its entry points visible in this
+    process until the test ends (modules, sys.path and Hydra config nodes restored)."""
+    from hydra.core.config_store import ConfigStore
+
+    modules_before = set(sys.modules)
+    repo = ConfigStore.instance().repo
+    plugin_nodes_before = set(repo.get("plugins", {}))
+
+    def put(project: Path) -> Path:
+        site = site_dir(project, tmp_path / "site" / project.name)
+        monkeypatch.syspath_prepend(str(site))
+        from core.app import register_third_party_configs
+
+        register_third_party_configs()  # what `python -m core` does before composing
+        return site
+
+    yield put
+    for name in set(sys.modules) - modules_before:
+        if name.startswith(("llm4rl_", "my_bonus")):
+            del sys.modules[name]
+    for name in set(repo.get("plugins", {})) - plugin_nodes_before:
+        del repo["plugins"][name]
+
+
+def env_with(*sites: Path) -> dict[str, str]:
+    """The environment for a subprocess that sees ``sites`` (and only them) as installed."""
+    env = {k: v for k, v in os.environ.items() if k != "LLM4RL_DISABLE_PLUGIN_AUTOLOAD"}
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, sites), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    return env
+
+
+def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def tiny(tmp_path: Path, frames: int = 1024) -> list[str]:
+    """Overrides for a tiny, self-contained run whose every output lands in ``tmp_path``."""
+    return [f"trainer.frames={frames}", "trainer.eval_every=0", "trainer.eval_episodes=2", "executor=inprocess",
+            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"tracking.artifact_location={tmp_path}/mlartifacts",
+            f"cache_dir={tmp_path}/cache", "progress=false", "save_policy=false",
+            f"hydra.run.dir={tmp_path}/outputs", f"hydra.sweep.dir={tmp_path}/multirun"]
+
+
+# -------------------------------------------------------------------------------------
+# The shared contract, for the fixture packages
+# -------------------------------------------------------------------------------------
+
+
+def count_bonus_trained(rec: Recorder, llm: fakes.FakeLiteLLM) -> str:
+    ok = [r for _, r in rec.trained if r.ok and r.metrics.get("count_bonus/cells", 0) > 0]
+    return "" if ok else "no training counted a visited cell"
+
+
+def hello_seen(rec: Recorder, llm: fakes.FakeLiteLLM) -> str:
+    return "" if any(r.ok and r.metrics.get("hello/seen") == 1.0 for _, r in rec.trained) else "on_train_end never ran"
+
+
+def pytest_generate_tests(metafunc: Any) -> None:
+    if "plugin_name" in metafunc.fixturenames:
+        metafunc.parametrize("plugin_name", params(list(PROVIDERS), metafunc.function))
+
+
+class TestFixturePluginsKeepTheContract(PluginContract):
+    """The fixture packages pass the same contract as the built-ins."""
+
+    @pytest.fixture
+    def info(self, plugin_name: str, on_path: Any) -> PluginInfo:
+        on_path(PROVIDERS[plugin_name])
+        return catalogue()[plugin_name]
+
+    def evidence(self, info: PluginInfo) -> Any:
+        return {"count_bonus": count_bonus_trained, "hello": hello_seen}.get(info.name, super().evidence(info))
+
+    def smoke(self, info: PluginInfo) -> Smoke:
+        return Smoke([], slow=True)
+
+
+# -------------------------------------------------------------------------------------
+# Discovery and validation
+# -------------------------------------------------------------------------------------
+
+
+def test_site_dir_is_what_pip_leaves(on_path):
+    from importlib.metadata import distribution, entry_points
+
+    on_path(COUNT_BONUS)
+    assert distribution("llm4rl-count-bonus").version == "0.1.0"
+    eps = {ep.name: ep.value for ep in entry_points(group="llm4rl.plugins")}
+    assert eps["count_bonus"] == "llm4rl_count_bonus.count_bonus"
+    assert eps["fourier_features"] == "llm4rl_count_bonus.fourier"
+
+
+def test_the_fixture_is_gone_after_the_test():
+    from importlib.metadata import entry_points
+
+    assert not [ep for ep in entry_points(group="llm4rl.plugins") if ep.name in PROVIDERS]
+    assert "count_bonus" not in catalogue() and "hello" not in catalogue()
+
+
+def test_third_party_plugins_are_in_the_catalogue_with_their_distribution(on_path):
+    on_path(COUNT_BONUS)
+    plugins = catalogue()
+    assert plugins["count_bonus"].source == "llm4rl-count-bonus"
+    assert plugins["count_bonus"].roles == ["reward"]
+    assert plugins["count_bonus"].hooks == ["compute_reward", "on_rollout", "on_train_end"]
+    assert plugins["fourier_features"].hooks == ["represent_state"]
+
+
+def test_bad_config_value_is_refused_in_one_paragraph(on_path, make_config):
+    on_path(COUNT_BONUS)
+    cfg = make_config(["+plugins=[count_bonus]", "plugins.count_bonus.beta=abc"])
+    with pytest.raises(UserError) as err:
+        validate(cfg, {"count_bonus": load_module(catalogue()["count_bonus"])})
+    message = str(err.value)
+    assert "'plugins.count_bonus.beta'" in message and "float" in message and "'abc'" in message
+    assert "\n" not in message
+
+
+def test_a_value_its_check_refuses_is_refused_before_any_work(on_path, make_config):
+    on_path(COUNT_BONUS)
+    cfg = make_config(["+plugins=[count_bonus]", "plugins.count_bonus.beta=-1"])
+    with pytest.raises(UserError, match=r"plugins\.count_bonus.*beta must be >= 0, got -1"):
+        validate(cfg, {"count_bonus": load_module(catalogue()["count_bonus"])})
+
+
+def test_registry_lists_the_third_party_plugin(tmp_path):
+    site = site_dir(HELLO, tmp_path / "site")
+    out = run_cli(["-m", "core.registry"], tmp_path, env_with(site), timeout=120)
     assert out.returncode == 0, out.stderr
     assert "hello" in out.stdout
     assert "llm4rl_hello" in out.stdout
     assert "llm4rl-hello" in out.stdout  # the distribution that provides it
 
 
+def test_cli_refuses_a_bad_value_in_one_paragraph(tmp_path):
+    site = site_dir(COUNT_BONUS, tmp_path / "site")
+    out = run_cli(["-m", "core", "+plugins=[count_bonus]", "plugins.count_bonus.beta=abc", *tiny(tmp_path)],
+                  tmp_path, env_with(site), timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    text = " ".join(out.stderr.split())
+    assert "error: Invalid value for 'plugins.count_bonus.beta': expected float, got 'abc'" in text, out.stderr
+    assert "Traceback" not in out.stderr and "\n\n" not in out.stderr.strip()
+    assert not (tmp_path / "mlflow.db").exists(), "validation comes before any work"
+
+
+# -------------------------------------------------------------------------------------
+# End to end through the command line (slow)
+# -------------------------------------------------------------------------------------
+
+
 @pytest.mark.slow
-def test_enabled_third_party_plugin_hooks_run(hello_installed, tmp_path):
+def test_enabled_third_party_plugin_hooks_run(tmp_path):
+    site = site_dir(HELLO, tmp_path / "site")
     marker = tmp_path / "marker.txt"
-    cmd = [
-        sys.executable, "-m", "core", "+plugins=[hello]", f"plugins.hello.marker={marker}",
-        "trainer.frames=2048", "trainer.eval_episodes=2", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-        f"tracking.artifact_location={tmp_path}/art", f"cache_dir={tmp_path}/cache", "progress=false",
-        f"hydra.run.dir={tmp_path}/out",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = run_cli(["-m", "core", "+plugins=[hello]", f"plugins.hello.marker={marker}", *tiny(tmp_path, 2048)],
+                  tmp_path, env_with(site))
+    assert out.returncode == 0, out.stdout + out.stderr
     lines = marker.read_text().splitlines()
     assert lines[0] == "on_run_start"
     assert lines[1].startswith("on_train_end ")
     assert int(lines[1].split()[1]) >= 2048
+
+
+@pytest.mark.slow
+def test_the_trial_package_trains_and_its_config_reaches_mlflow(tmp_path):
+    site = site_dir(COUNT_BONUS, tmp_path / "site")
+    out = run_cli(["-m", "core", "+plugins=[count_bonus,fourier_features]", "plugins.count_bonus.beta=0.2",
+                   *tiny(tmp_path)], tmp_path, env_with(site))
+    assert out.returncode == 0, out.stdout + out.stderr
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:
+        params = dict(db.execute("SELECT key, value FROM params"))
+        metrics = {k for (k,) in db.execute("SELECT DISTINCT key FROM metrics")}
+    assert params.get("plugins.count_bonus.beta") == "0.2", sorted(params)
+    assert params.get("plugins.fourier_features.features") == "8"
+    assert "count_bonus/cells" in metrics and "fitness" in metrics
+
+
+@pytest.mark.slow
+def test_an_ablation_study_and_its_report(tmp_path):
+    site = site_dir(COUNT_BONUS, tmp_path / "site")
+    env = env_with(site)
+    study = run_cli(["-m", "core", "-m", "+plugins=[count_bonus],[]", "seed=0,1", "experiment=bonus_ablation",
+                     *tiny(tmp_path)], tmp_path, env)
+    assert study.returncode == 0, study.stdout + study.stderr
+    report = run_cli(["-m", "core.report", "--experiment", "bonus_ablation", "--uri", f"sqlite:///{tmp_path}/mlflow.db",
+                      "--out", str(tmp_path / "report"), "--reps", "200", "--no-log"], tmp_path, env)
+    assert report.returncode == 0, report.stdout + report.stderr
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "count_bonus" in text, text
+    assert re.search(r"n = 2/2", text), text
+
+
+# -------------------------------------------------------------------------------------
+# The guide's smallest plugin, as written, as a separate package
+# -------------------------------------------------------------------------------------
+
+
+def guide_files(section: str = "## The smallest plugin") -> dict[str, str]:
+    """The files the guide's section shows: each fenced block preceded by a line ``**`path`**``."""
+    text = GUIDE.read_text()
+    start = text.index(section)
+    end = text.find("\n## ", start + len(section))
+    body = text[start:end if end > 0 else None]
+    found = re.findall(r"^\*\*`([^`]+)`\*\*\s*\n+```[a-z]*\n(.*?)^```", body, re.MULTILINE | re.DOTALL)
+    return dict(found)
+
+
+def test_the_guide_shows_a_complete_package():
+    files = guide_files()
+    assert "pyproject.toml" in files and any(p.endswith(".py") for p in files), sorted(files)
+
+
+@pytest.mark.slow
+def test_the_guides_smallest_plugin_runs_as_written(tmp_path):
+    project = tmp_path / "project"
+    for path, code in guide_files().items():
+        (project / path).parent.mkdir(parents=True, exist_ok=True)
+        (project / path).write_text(code)
+    site = site_dir(project, tmp_path / "site")
+    name = next(iter(tomllib.loads((project / "pyproject.toml").read_text())["project"]["entry-points"]["llm4rl.plugins"]))
+    listed = run_cli(["-m", "core.registry"], tmp_path, env_with(site), timeout=120)
+    assert name in listed.stdout, listed.stdout + listed.stderr
+    out = run_cli(["-m", "core", f"+plugins=[{name}]", *tiny(tmp_path)], tmp_path, env_with(site))
+    assert out.returncode == 0, out.stdout + out.stderr
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:
+        metrics = {k for (k,) in db.execute("SELECT DISTINCT key FROM metrics")}
+    assert "fitness" in metrics
