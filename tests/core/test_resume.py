@@ -7,6 +7,13 @@ import sys
 
 import mlflow
 import pytest
+from omegaconf import OmegaConf, open_dict
+
+from core.app import print_summary
+from core.executor import build_runtime
+from core.loop import run_experiment
+from core.records import Candidate
+from core.store import job_key
 
 
 def _run(tmp_path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -42,3 +49,70 @@ def test_second_identical_run_makes_no_model_call_and_gives_the_same_result(tmp_
     assert two["metrics.candidates"] == one["metrics.candidates"]
     f1, f2 = one.get("metrics.fitness"), two.get("metrics.fitness")
     assert (f1 != f1 and f2 != f2) or f1 == f2  # both NaN (all failed) or equal
+
+
+# -- results keyed by code ---------------------------------------------------------------
+
+VERSION = '''
+    """Says which version of its code ran."""
+
+    from core import hookimpl
+
+
+    @hookimpl
+    def on_train_end(train, result):
+        train.log_text("version.txt", "{version}")
+'''
+
+
+def _candidate_runs(uri: str, parent_id: str):
+    client = mlflow.MlflowClient(uri)
+    parent = client.get_run(parent_id)
+    runs = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
+    assert len(runs) == 1
+    return client, runs[0]
+
+
+def _version(client, run, folder) -> str:
+    from pathlib import Path
+
+    return Path(client.download_artifacts(run.info.run_id, "texts/version.txt", str(folder))).read_text()
+
+
+def test_editing_a_plugin_retrains_instead_of_replaying(local_plugins, tiny_run, tmp_path, capsys):
+    source = local_plugins("version", VERSION.format(version="v1"))
+    cfg = tiny_run("save_policy=false")
+    with open_dict(cfg):
+        cfg.plugins = {"version": {}}
+    container = OmegaConf.to_container(cfg, resolve=True)
+    candidate = Candidate("it0-c0", 0)
+    key_before = job_key(candidate, container, 0, build_runtime(container).fingerprint)
+
+    first = run_experiment(cfg)
+    assert first.reused == 0
+    store = tmp_path / "llm4rl-results.sqlite"  # beside the tracking store, not in a global cache
+    assert cfg.tracking.uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert first.results_store == str(store) and store.exists()
+    client, trained = _candidate_runs(cfg.tracking.uri, first.run_id)
+    assert _version(client, trained, tmp_path / "dl1") == "v1"
+
+    second = run_experiment(cfg)  # same code, config and seed: the training is reused
+    assert second.reused == 1 and second.fitness == first.fitness
+    _, reused = _candidate_runs(cfg.tracking.uri, second.run_id)
+    assert reused.data.tags["resumed"] == "True"
+    assert reused.data.tags["reused_from_run"] == trained.info.run_id
+    assert reused.data.tags["results_store"] == str(store)
+    capsys.readouterr()
+    print_summary(second)
+    printed = "".join(capsys.readouterr().out.split())  # the console wraps long paths
+    assert str(store) in printed and "1training(s)reused" in printed
+
+    local_plugins("version", VERSION.format(version="v2 (edited)"))  # the plugin's code changes, its config does not
+    assert source.read_text().count("v2") == 1
+    key_after = job_key(candidate, container, 0, build_runtime(container).fingerprint)
+    assert key_after != key_before
+    third = run_experiment(cfg)
+    assert third.reused == 0
+    _, retrained = _candidate_runs(cfg.tracking.uri, third.run_id)
+    assert retrained.data.tags["resumed"] == "False" and "reused_from_run" not in retrained.data.tags
+    assert _version(client, retrained, tmp_path / "dl3") == "v2 (edited)"
