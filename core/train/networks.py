@@ -9,6 +9,15 @@ returns a small distribution (:class:`LightCategorical`, :class:`LightNormal`) c
 argument checks and broadcasting, which were most of the loss's time on small MLPs.
 Collection runs :class:`SamplingPolicy`, one plain ``nn.Module`` that samples an action
 and its log-probability with the same formulas.
+
+The PPO update runs :class:`FlatActorCritic`: both networks' parameters live in one
+flat tensor (the modules' parameters are views of it, so collection, evaluation and
+saving see every update), the actor's and critic's hidden layers run as one batched
+matmul per layer, and the backward pass is written out by hand into a flat gradient.
+On the small MLPs of classic control a PPO minibatch is a few dozen tiny kernels, and
+autograd's graph building, ``nn.Module`` calls, per-tensor gradient clipping and Adam's
+per-parameter loop cost more than the arithmetic; here one minibatch is ~30 kernel
+calls, the clip is one norm and Adam one fused kernel over one tensor.
 """
 
 from __future__ import annotations
@@ -164,12 +173,17 @@ class Networks:
         return SamplingPolicy(self.actor_net, self.discrete, log_prob_key)
 
     @torch.no_grad()
+    def entropy(self, obs: torch.Tensor) -> torch.Tensor:
+        """The policy's entropy at each observation ``[B]``."""
+        out = self.actor_net(obs)
+        return (LightCategorical(out) if self.discrete else LightNormal(*out)).entropy()
+
+    @torch.no_grad()
     def act_deterministic(self, obs: torch.Tensor) -> torch.Tensor:
         """Greedy action (argmax, or the Gaussian mean) for evaluation."""
         if self.discrete:
             return self.actor_net(obs).argmax(-1)
         return self.actor_net(obs)[0]
-
 
     @torch.no_grad()
     def act_sampled(self, obs: torch.Tensor) -> torch.Tensor:
@@ -191,3 +205,144 @@ def build_networks(obs_dim: int, action_spec: TensorSpec, hidden: list[int]) -> 
         actor_net = GaussianHead(mlp(obs_dim, hidden, action_dim, 0.01), action_dim)
         discrete = False
     return Networks(LossActor(actor_net, discrete), LossCritic(critic_net), actor_net, critic_net, discrete)
+
+
+def _linears(net: nn.Module) -> list[nn.Linear]:
+    return [m for m in net.modules() if isinstance(m, nn.Linear)]
+
+
+class FlatActorCritic:
+    """Actor and critic parameters in one flat tensor, with a fused forward and a hand-written backward.
+
+    Layout of :attr:`params` (and of the gradient :attr:`grad`): per hidden layer the
+    actor's and the critic's weights (a ``[2, out, in]`` block) then their biases
+    (``[2, out]``); then the actor's head, the critic's head and, for Gaussian policies,
+    ``log_std``. The modules' parameters become views of :attr:`params`, so that an
+    optimizer step on it is seen by the collection policy, evaluation and ``state_dict``.
+
+    Both networks' hidden activations of a layer share one ``[2, N, out]`` buffer, so
+    that the activation and its backward are one kernel for both. For a hidden layer
+    ``h' = tanh(z)``, ``z = h W^T + b``, the backward pass is ``dz = dh' (1 - h'^2)``,
+    ``dW = dz^T h``, ``db = sum_rows dz``, ``dh = dz W``. ``tanh`` is computed as
+    ``2 sigmoid(2 z) - 1`` (the same function; PyTorch's CPU sigmoid is several times
+    faster than its tanh), with the factor 2 folded into the matmul.
+
+    :param actor_net: an MLP (``nn.Sequential`` of Linear/Tanh) or a :class:`GaussianHead` around one.
+    :param critic_net: an MLP with the actor's input and hidden sizes and one output.
+    """
+
+    def __init__(self, actor_net: nn.Module, critic_net: nn.Module) -> None:
+        self.gaussian = isinstance(actor_net, GaussianHead)
+        actor, critic = _linears(actor_net), _linears(critic_net)
+        if len(actor) < 2 or [(m.in_features, m.out_features) for m in actor[:-1]] != \
+                [(m.in_features, m.out_features) for m in critic[:-1]]:
+            raise ValueError("actor and critic need the same input and hidden sizes (at least one hidden layer)")
+        shapes: list[tuple[int, ...]] = []  # in layout order
+        for a in actor[:-1]:
+            shapes += [(2, a.out_features, a.in_features), (2, a.out_features)]
+        for head in (actor[-1], critic[-1]):
+            shapes += [tuple(head.weight.shape), tuple(head.bias.shape)]
+        if self.gaussian:
+            shapes.append(tuple(actor_net.log_std.shape))
+        first = actor[0].weight
+        self.params = torch.zeros(sum(math.prod(s) for s in shapes), dtype=first.dtype, device=first.device)
+        self.grad = torch.zeros_like(self.params)
+        self.params.grad = self.grad  # the optimizer reads it; backward() overwrites it in place
+        views, grads, at = [], [], 0
+        for shape in shapes:
+            views.append(self.params[at:at + math.prod(shape)].view(shape))
+            grads.append(self.grad[at:at + math.prod(shape)].view(shape))
+            at += math.prod(shape)
+        depth = len(actor) - 1
+        weights, biases, grad_biases = views[0:2 * depth:2], views[1:2 * depth:2], grads[1:2 * depth:2]
+        # per hidden layer, per network (0: actor, 1: critic): weight, weight^T, bias, weight gradient
+        self._hidden = [[(weights[i][j], weights[i][j].t(), biases[i][j], grads[2 * i][j]) for j in (0, 1)]
+                        for i in range(depth)]
+        self._grad_biases = grad_biases  # [2, out] per hidden layer: one row sum fills both
+        # the heads (0: actor logits or mean, 1: value): weight, weight^T, bias, their gradients
+        at = 2 * depth
+        self._heads = [(views[at + k], views[at + k].t(), views[at + k + 1], grads[at + k], grads[at + k + 1])
+                       for k in (0, 2)]
+        self.log_std = views[-1] if self.gaussian else None
+        self.grad_log_std = grads[-1] if self.gaussian else None
+        self._workspaces: dict[int, _Workspace] = {}
+        self._last: _Workspace | None = None
+        with torch.no_grad():  # the initial values in, then the modules' parameters become views
+            pairs = []
+            for i, layers in enumerate(zip(actor[:-1], critic[:-1])):
+                pairs += [(m, weights[i][j], biases[i][j]) for j, m in enumerate(layers)]
+            pairs += [(actor[-1], *views[at:at + 2]), (critic[-1], *views[at + 2:at + 4])]
+            for layer, w, b in pairs:
+                w.copy_(layer.weight), b.copy_(layer.bias)
+                layer.weight, layer.bias = nn.Parameter(w), nn.Parameter(b)
+            if self.gaussian:
+                self.log_std.copy_(actor_net.log_std)
+                actor_net.log_std = nn.Parameter(self.log_std)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(actor head [N, A], value [N, 1])`` for ``obs [N, D]``, without autograd.
+
+        The actor head is the logits (categorical) or the mean (Gaussian). Results live
+        in buffers that the next call with the same ``N`` overwrites; the activations
+        stay for :meth:`backward`.
+        """
+        ws = self._workspace(obs.shape[0])
+        ws.obs = obs
+        x: tuple[torch.Tensor, ...] = (obs, obs)
+        for layer, out, halves in zip(self._hidden, ws.acts, ws.act_halves):
+            for (_, wt, b, _), xj, oj in zip(layer, x, halves):
+                torch.addmm(b, xj, wt, beta=2.0, alpha=2.0, out=oj)  # 2 z
+            torch.sigmoid(out, out=out).mul_(2.0).sub_(1.0)  # tanh(z)
+            x = halves
+        for (_, wt, b, _, _), xj, oj in zip(self._heads, x, ws.outputs):
+            torch.addmm(b, xj, wt, out=oj)
+        self._last = ws
+        return ws.outputs
+
+    def backward(self, d_head: torch.Tensor, d_value: torch.Tensor) -> None:
+        """Write the gradient of the loss into :attr:`grad`, given its derivatives by the
+        outputs of the last :meth:`forward`.
+
+        The ``log_std`` entry of a Gaussian policy is left to the caller (it does not
+        depend on the activations).
+        """
+        ws = self._last
+        assert ws is not None, "backward() needs a forward() first"
+        for (w, _, _, gw, gb), xj, dj, dhj in zip(self._heads, ws.act_halves[-1], (d_head, d_value), ws.grad_halves[-1]):
+            torch.mm(dj.t(), xj, out=gw)
+            torch.sum(dj, 0, out=gb)
+            torch.mm(dj, w, out=dhj)
+        for i in range(len(self._hidden) - 1, -1, -1):
+            dz = ws.grads[i]
+            torch.ops.aten.tanh_backward.grad_input(dz, ws.acts[i], grad_input=dz)  # dh (1 - h^2), in place
+            torch.sum(dz, 1, out=self._grad_biases[i])
+            x = ws.act_halves[i - 1] if i else (ws.obs, ws.obs)
+            for (w, _, _, gw), xj, dzj, dxj in zip(self._hidden[i], x, ws.grad_halves[i],
+                                                  ws.grad_halves[i - 1] if i else (None, None)):
+                torch.mm(dzj.t(), xj, out=gw)
+                if dxj is not None:
+                    torch.mm(dzj, w, out=dxj)
+
+    def _workspace(self, n: int) -> _Workspace:
+        ws = self._workspaces.get(n)
+        if ws is None:
+            if len(self._workspaces) >= 4:  # a few sizes (minibatch, last partial batch) in practice
+                self._workspaces.clear()
+            acts = [self.params.new_empty(2, n, layer[0][0].shape[0]) for layer in self._hidden]
+            grads = [torch.empty_like(a) for a in acts]
+            outputs = (self.params.new_empty(n, self._heads[0][0].shape[0]), self.params.new_empty(n, 1))
+            ws = self._workspaces[n] = _Workspace(
+                acts, grads, [(a[0], a[1]) for a in acts], [(g[0], g[1]) for g in grads], outputs)
+        return ws
+
+
+@dataclass
+class _Workspace:
+    """Buffers of one minibatch size."""
+
+    acts: list[torch.Tensor]  # [2, N, h] per hidden layer: actor's and critic's activations
+    grads: list[torch.Tensor]  # the same shapes: d loss / d activation
+    act_halves: list[tuple[torch.Tensor, torch.Tensor]]  # (actor, critic) views of acts
+    grad_halves: list[tuple[torch.Tensor, torch.Tensor]]  # (actor, critic) views of grads
+    outputs: tuple[torch.Tensor, torch.Tensor]  # actor head [N, A], value [N, 1]
+    obs: torch.Tensor | None = None  # the input of the last forward

@@ -21,8 +21,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 from torchrl.collectors import Collector
-from torchrl.objectives import ClipPPOLoss
-from torchrl.objectives.value import GAE
+from torchrl.objectives.value.functional import vec_generalized_advantage_estimate
 
 from core.envs.task import Task
 from core.records import Candidate, Episode, TrainResult
@@ -31,7 +30,7 @@ from core.train.common import (CandidateEnv, config_from, corr_sums, pearson, sa
 from core.config import Settings
 from core.context import TrainContext
 from core.train.evaluate import evaluate_and_record
-from core.train.networks import build_networks
+from core.train.networks import _HALF_LOG_2PI, FlatActorCritic, build_networks
 
 
 @dataclass
@@ -81,6 +80,104 @@ class PPOConfig:
         return self.num_envs * self.rollout_steps
 
 
+@dataclass
+class Frames:
+    """A batch (or minibatch) of frames as plain tensors, one row per frame."""
+
+    obs: torch.Tensor  # [N, D] policy input
+    action: torch.Tensor  # [N, 1] int64 (categorical) or [N, A] (Gaussian)
+    log_prob: torch.Tensor  # [N, 1] log-probability of the action under the collecting policy
+    advantage: torch.Tensor  # [N, 1] GAE advantage
+    target: torch.Tensor  # [N, 1] value target (advantage + value)
+
+    def take(self, index: torch.Tensor) -> Frames:
+        return Frames(*(t.index_select(0, index) for t in (self.obs, self.action, self.log_prob, self.advantage,
+                                                           self.target)))
+
+    def normalized(self) -> Frames:
+        """The same frames with standardised advantages (``ClipPPOLoss``'s ``normalize_advantage``)."""
+        adv = self.advantage
+        adv = (adv - adv.mean()) / adv.std().clamp_min(1e-6)
+        return Frames(self.obs, self.action, self.log_prob, adv, self.target)
+
+
+def ppo_gradients(model: FlatActorCritic, mb: Frames, log_bounds: tuple[float, float], vf_coef: float,
+                  ent_coef: float, report: bool = False) -> dict[str, float]:
+    """Write the gradient of the clipped PPO loss on ``mb`` into ``model.grad``.
+
+    The loss is ``ClipPPOLoss``'s (advantages already normalised in ``mb``)::
+
+        w = log pi(a|s) - log pi_old(a|s)
+        L = -mean(min(e^w A, e^clamp(w, *log_bounds) A)) + vf_coef mean((V(s) - target)^2)
+            - ent_coef mean(H(pi(.|s)))
+
+    ``d L / d w = -e^w A / N`` where the unclipped term is the minimum, 0 elsewhere; the
+    log-probability's own gradient is ``onehot(a) - softmax`` (categorical) or
+    ``z / std`` and ``z^2 - 1`` for the mean and ``log std`` (Gaussian, ``z = (a - mean) / std``).
+    ``tests/core/train/test_ppo.py`` checks the result against autograd on ``ClipPPOLoss``.
+
+    :param report: also return the loss terms (``policy``, ``value``; floats) for logging.
+    """
+    head, value = model.forward(mb.obs)
+    n = head.shape[0]
+    if model.gaussian:
+        log_std = model.log_std
+        z = (mb.action - head) / log_std.exp()
+        log_prob = (-0.5 * z * z - log_std - _HALF_LOG_2PI).sum(-1, keepdim=True)
+    else:
+        logp_all = torch.log_softmax(head, -1)
+        log_prob = logp_all.gather(-1, mb.action)
+    log_weight = log_prob - mb.log_prob
+    gain = log_weight.exp().mul_(mb.advantage)
+    clipped = log_weight.clamp(*log_bounds).exp_().mul_(mb.advantage)
+    d_logp = torch.where(gain <= clipped, gain, 0.0).mul_(-1.0 / n)  # dL/dw = dL/dlogp
+    if model.gaussian:
+        d_head = d_logp * z / log_std.exp()
+        model.grad_log_std.copy_((d_logp * (z * z - 1)).sum(0)).sub_(ent_coef)
+    else:
+        prob = logp_all.exp()
+        d_head = (prob * d_logp).neg_().scatter_add_(-1, mb.action, d_logp)
+        if ent_coef:
+            entropy = (prob * logp_all).sum(-1, keepdim=True).neg_()
+            d_head.addcmul_(prob, logp_all + entropy, value=ent_coef / n)
+    d_value = (value - mb.target).mul_(2.0 * vf_coef / n)
+    model.backward(d_head, d_value)
+    if not report:
+        return {}
+    return {"policy": float(-torch.minimum(gain, clipped).mean()),
+            "value": float((value - mb.target).pow(2).mean())}
+
+
+class _PhaseClock:
+    """Seconds spent per phase of the loop (``time/<phase>_s`` metrics): laps and timed calls."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {"rollout": 0.0, "reward": 0.0, "advantage": 0.0, "update": 0.0}
+        self._last = time.perf_counter()
+        self._inside = 0.0  # timed-call seconds inside the current lap
+
+    def lap(self, phase: str, since: float | None = None) -> None:
+        """Add the time since the last lap (or since ``since``) to ``phase``, less timed calls in between."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - (self._last if since is None else since) - self._inside
+        self._last, self._inside = now, 0.0
+
+    def timed(self, phase: str, fn: Any) -> Any:
+        """``fn`` wrapped so that its time counts to ``phase`` (None stays None)."""
+        if fn is None:
+            return None
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                self.seconds[phase] += spent
+                self._inside += spent
+        return call
+
+
 def train(
     task: Task,
     candidate: Candidate,
@@ -123,20 +220,16 @@ class _Run:
         self.cenv = cenv = CandidateEnv(self.task, self.candidate, cfg.num_envs, self.seed, hook, ctx)
         self.env, self.base = cenv.env, cenv.base
         nets = build_networks(cenv.obs_dim, self.base.action_spec, cfg.hidden)
-        self.nets = nets
-        loss = ClipPPOLoss(nets.actor, nets.critic, clip_epsilon=cfg.clip, entropy_bonus=cfg.ent_coef > 0,
-                           entropy_coeff=cfg.ent_coef, critic_coeff=cfg.vf_coef, loss_critic_type="l2",
-                           normalize_advantage=True, functional=False, log_explained_variance=False)
-        gae = GAE(gamma=cfg.gamma, lmbda=cfg.gae_lambda, value_network=nets.critic, average_gae=False)
-        params = nets.parameters()
-        # fused Adam: one kernel for all parameters instead of a Python loop over them
-        optim = torch.optim.Adam(params, lr=cfg.lr, eps=1e-5, fused=cfg.device == "cpu" or None)
-        policy = nets.sampling_policy(loss.tensor_keys.sample_log_prob)
+        self.nets, self.model = nets, FlatActorCritic(nets.actor_net, nets.critic_net)
+        # fused Adam over the one flat parameter tensor: a single kernel per step
+        optim = torch.optim.Adam([self.model.params], lr=cfg.lr, eps=1e-5, fused=True)
+        policy = nets.sampling_policy("action_log_prob")
         batches = max(1, cfg.frames // cfg.frames_per_batch)
+        clock = _PhaseClock()
         collector = Collector(self.env, policy, frames_per_batch=cfg.frames_per_batch,
                               total_frames=batches * cfg.frames_per_batch, trust_policy=True,
                               track_traj_ids=False, auto_register_policy_transforms=False,
-                              postproc=cenv.postproc)
+                              postproc=clock.timed("reward", cenv.postproc))
         if hook is not None:
             hook.on_train_start(train=ctx)
         bar = self.progress.add_task(f"train {self.candidate.id}", total=batches * cfg.frames_per_batch) \
@@ -150,15 +243,19 @@ class _Run:
         tick = time.perf_counter()
         try:
             for i, batch in enumerate(collector):
+                clock.lap("rollout", since=tick)  # env steps, policy, per-step transforms (less the reward program)
                 frames += batch.numel()
                 if ctx is not None:
                     ctx.frames = frames
                 if hook is not None:
                     hook.on_rollout(train=ctx, batch=batch)
+                    clock.lap("reward")
                 frac = 1.0 - i / batches if cfg.anneal_lr else 1.0
                 optim.param_groups[0]["lr"] = cfg.lr * frac
-                loss.clip_epsilon.fill_(cfg.clip * frac)
-                stats = self._update(batch, gae, loss, optim, params)
+                data = self._advantages(batch)
+                clock.lap("advantage")
+                stats = self._update(data, optim, cfg.clip * frac)
+                clock.lap("update")
                 if cenv.rewrites_reward:
                     corr += corr_sums(batch)
                 finished = self.base.pop_finished()
@@ -188,6 +285,7 @@ class _Run:
         result.frames = frames
         result.metrics.update(stats)
         result.metrics["charts/fps"] = frames / max(train_seconds, 1e-9)
+        result.metrics.update({f"time/{phase}_s": seconds for phase, seconds in clock.seconds.items()})
         result.metrics.update(cenv.program_metrics)
         if returns:
             result.metrics["charts/episodic_return"] = float(np.mean(returns[-20:]))
@@ -209,36 +307,43 @@ class _Run:
         return {"algorithm": "ppo", "obs_dim": self.cenv.obs_dim, "hidden": list(self.cfg.hidden),
                 "discrete": nets.discrete, "actor": nets.actor_net.state_dict(), "critic": nets.critic_net.state_dict()}
 
-    def _update(self, batch: Any, gae: GAE, loss: ClipPPOLoss, optim: torch.optim.Optimizer,
-                params: list[torch.nn.Parameter]) -> dict[str, float]:
-        """GAE on the batch, then ``epochs`` passes of minibatch updates."""
-        cfg = self.cfg
-        with torch.no_grad():
-            gae(batch)
-        keys_ = loss.tensor_keys
-        # only what the loss reads: every TensorDict op per minibatch scales with the keys
-        flat = batch.reshape(-1).select("observation", keys_.action, keys_.sample_log_prob, keys_.advantage,
-                                        keys_.value_target)
-        n = flat.numel()
+    def _update(self, frames: Frames, optim: torch.optim.Optimizer, clip: float) -> dict[str, float]:
+        """``epochs`` passes of minibatch updates; the last minibatch's losses and the batch's entropy."""
+        cfg, model = self.cfg, self.model
+        n = frames.obs.shape[0]
         size = min(cfg.minibatch, n)
-        keys = [k for k in ("loss_objective", "loss_critic", "loss_entropy")]
-        for _ in range(cfg.epochs):
-            order = torch.randperm(n) if size < n else None
-            for lo in range(0, n - size + 1, size):
-                mb = flat if order is None else flat[order[lo:lo + size]]
-                out = loss(mb)
-                total = sum(out.get(k) for k in keys if k in out.keys())
-                optim.zero_grad(set_to_none=True)
-                total.backward()
-                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        whole = frames.normalized() if size == n else None  # the same minibatch every epoch: normalise once
+        bounds = (math.log1p(-clip), math.log1p(clip))
+        last = (n // size) - 1
+        losses: dict[str, float] = {}
+        for epoch in range(cfg.epochs):
+            order = torch.randperm(n) if whole is None else None
+            for k in range(n // size):
+                mb = whole if order is None else frames.take(order[k * size:(k + 1) * size]).normalized()
+                report = epoch == cfg.epochs - 1 and k == last
+                losses = ppo_gradients(model, mb, bounds, cfg.vf_coef, cfg.ent_coef, report=report)
+                # gradient clipping as clip_grad_norm_, on the one flat gradient
+                norm = model.grad.norm()
+                model.grad.mul_((cfg.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0))
                 optim.step()
-        stats = {
-            "losses/policy_loss": float(out.get("loss_objective").detach()),
-            "losses/value_loss": float(out.get("loss_critic").detach()) / max(cfg.vf_coef, 1e-12),
-        }
-        with torch.no_grad():  # entropy once per batch, on the whole batch
-            stats["losses/entropy"] = float(self.nets.actor.get_dist(flat).entropy().mean())
+        stats = {"losses/policy_loss": losses["policy"], "losses/value_loss": losses["value"]}
+        stats["losses/entropy"] = float(self.nets.entropy(frames.obs).mean())  # once per batch, on the whole batch
         return stats
+
+    def _advantages(self, batch: Any) -> Frames:
+        """The batch's frames as plain tensors, with GAE advantages and value targets."""
+        cfg = self.cfg
+        obs, next_obs = batch.get("observation"), batch.get(("next", "observation"))
+        with torch.no_grad():
+            values = self.nets.critic_net(torch.cat([obs, next_obs]))
+        value, next_value = values.split(obs.shape[0])
+        adv, target = vec_generalized_advantage_estimate(
+            cfg.gamma, cfg.gae_lambda, value, next_value, batch.get(("next", "reward")),
+            batch.get(("next", "done")), batch.get(("next", "terminated")))
+        action = batch.get("action")
+        action = action.reshape(-1, 1) if self.nets.discrete else action.reshape(-1, action.shape[-1])
+        return Frames(obs.reshape(-1, obs.shape[-1]), action, batch.get("action_log_prob").reshape(-1, 1),
+                      adv.reshape(-1, 1), target.reshape(-1, 1))
 
     def _sample_components(self, frames: int) -> None:
         assert self.cenv.program_reward is not None
