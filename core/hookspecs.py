@@ -1,8 +1,14 @@
 """Hook specifications: every point where a plugin can take part in a run.
 
-A plugin is a module (or object) with functions decorated ``@core.hookimpl`` whose
-names match the specs below. Implementations may accept any subset of a spec's
-arguments, so specs can grow without breaking plugins.
+A plugin is a module with a typed ``Config`` (a dataclass subclassing
+:class:`core.PluginConfig`) and a class ``Plugin`` whose methods decorated
+``@core.hookimpl`` are named after the specs below. The framework makes one
+``Plugin(config)`` per run (and one per worker process for training hooks), so state
+that lasts a run lives on the object, never at module level. Implementations may
+accept any subset of a spec's arguments, so specs can grow without breaking plugins.
+A misspelt hook or an argument a spec does not pass is refused before any work, with
+the closest name. (A module of plain ``@hookimpl`` functions is registered as it is:
+stateless plugins only.)
 
 The roles follow the LLM-for-RL taxonomy: reward function, state representation,
 action (code-as-policy), skills planning, environment generation, preference labels.
@@ -23,9 +29,19 @@ Each run goes through these stages::
         on_iteration_end
     on_run_end
 
-Context objects: ``run`` is a :class:`core.loop.Run` (config, task, LLM client,
-sandbox, tracker, iteration history); ``train`` is a :class:`core.context.TrainContext`
-(the candidate, the task, frames done and budget, the plugin configs, a metrics logger).
+Contexts (:mod:`core.context`, documented field by field in
+``docs/writing-a-plugin.md``): ``run`` is a :class:`core.context.RunContext` (the
+validated settings, ``plugin_config(name)`` as typed dataclasses, the typed ``sandbox``
+limits, the task, the LLM client, the iteration history and best candidate, the plan,
+MLflow logging); ``train`` is a :class:`core.context.TrainContext` (the same settings,
+task and LLM client, plus the candidate, frames done and budget, metric and text logging,
+and ``state``, a dict keyed by plugin name for per-training objects); ``batch`` is a
+:class:`core.context.StepBatch` (one batched step: ``obs``, ``action``, ``next_obs``,
+``env_reward``, ``reward``, ``done``, and ``state`` / ``next_state`` by field name).
+
+Broadcast hooks whose results the loop keeps (the proposal hooks, ``reflect``) are
+called through :func:`core.registry.call_each`, so each result is credited to the plugin
+that returned it.
 """
 
 from __future__ import annotations
@@ -78,8 +94,9 @@ def register_tasks() -> dict[str, type[Task]] | None:
 def on_run_start(run: RunContext) -> None:
     """Called once before the first iteration, after the task and LLM client exist.
 
-    Plugins read their config from ``run.plugin_config(name)`` and may set up state
-    (e.g. a few-shot library, a case base) here.
+    The plugin object is already new for this run and holds its typed config; set up
+    what needs the run here (e.g. load a few-shot library from ``run.settings.run.cache_dir``),
+    or refuse a task the method cannot handle with :class:`core.errors.UserError`.
 
     :param run: the run context.
     """
@@ -87,18 +104,27 @@ def on_run_start(run: RunContext) -> None:
 
 @hookspec
 def on_iteration_start(run: RunContext, iteration: int) -> None:
-    """Called at the start of every outer iteration (0-based)."""
+    """Called at the start of every outer iteration.
+
+    :param run: the run context.
+    :param iteration: the iteration number, 0-based.
+    """
 
 
 @hookspec
 def on_iteration_end(run: RunContext, result: IterationResult) -> None:
-    """Called after every candidate of an iteration is trained, scored and reflected on."""
+    """Called after every candidate of an iteration is trained, scored and reflected on.
+
+    :param run: the run context (``run.history`` already holds ``result``).
+    :param result: the iteration's candidates and their results, in order.
+    """
 
 
 @hookspec
 def on_run_end(run: RunContext, best: tuple[Candidate, TrainResult] | None) -> None:
     """Called once after the last iteration (and the final multi-seed retrain, if any).
 
+    :param run: the run context.
     :param best: the best candidate over all iterations and its result, or None when
         every candidate failed.
     """
@@ -108,7 +134,8 @@ def on_run_end(run: RunContext, best: tuple[Candidate, TrainResult] | None) -> N
 # Proposal hooks: one per LLM role. Called once per outer iteration, in the main
 # process. Each returns a list of alternatives (or None to abstain); the loop forms
 # candidates as the cartesian product of the roles that proposed something.
-# ``feedback`` is this plugin's own reflection text from the previous iteration.
+# Each part a plugin returns gets ``origin=<plugin name>`` unless it set one, so the
+# plugin's ``reflect`` can find the candidates holding its parts.
 # -------------------------------------------------------------------------------------
 
 
@@ -119,6 +146,8 @@ def plan(run: RunContext, iteration: int) -> str | None:
     Called before the other proposal hooks; the plan is stored in ``run.plan`` so that
     they can condition on it, and attached to every candidate of the iteration.
 
+    :param run: the run context.
+    :param iteration: the iteration number, 0-based.
     :return: the plan as text, or None. Stops at first non-None result.
     """
 
@@ -131,6 +160,8 @@ def propose_rewards(run: RunContext, iteration: int) -> list[RewardProgram] | No
     before training; a program that fails becomes a failed candidate whose error text
     reaches this plugin's :func:`reflect`.
 
+    :param run: the run context.
+    :param iteration: the iteration number, 0-based.
     :return: the programs to try this iteration, or None to abstain.
     """
 
@@ -139,6 +170,11 @@ def propose_rewards(run: RunContext, iteration: int) -> list[RewardProgram] | No
 def propose_state_reprs(run: RunContext, iteration: int) -> list[StateProgram] | None:
     """State-representation role: write feature code appended to the observation (LESR).
 
+    Each :class:`core.records.StateProgram` computes ``[B, k]`` features from the task's
+    named state fields; the trainer appends them to the policy's observation.
+
+    :param run: the run context.
+    :param iteration: the iteration number, 0-based.
     :return: the programs to try this iteration, or None.
     """
 
@@ -147,6 +183,8 @@ def propose_state_reprs(run: RunContext, iteration: int) -> list[StateProgram] |
 def propose_actions(run: RunContext, iteration: int) -> list[list[MacroAction]] | None:
     """Action role: write coded skills added to the action space (RL-GPT's fast agent).
 
+    :param run: the run context (``run.plan`` holds this iteration's plan).
+    :param iteration: the iteration number, 0-based.
     :return: alternatives, each a list of macro-actions trained together; or None.
     """
 
@@ -159,6 +197,8 @@ def generate_envs(run: RunContext, iteration: int) -> list[list[EnvConfig]] | No
     its vectorised envs among the configs of a set by weight, and the original env keeps
     the share ``train.original_env_share`` when the plugin asks for a mix.
 
+    :param run: the run context.
+    :param iteration: the iteration number, 0-based.
     :return: alternatives, each a set of env configs trained together; or None.
     """
 
@@ -181,7 +221,11 @@ def train_candidates(run: RunContext, candidates: list[Candidate], seed: int) ->
     ``on_train_end`` for each. A candidate it cannot honour gets a failed result
     (``ok=False``, ``error_kind="unsupported"``, an error naming the part), never a
     silent drop. Failures are results with ``ok=False``, never exceptions.
+    Per-member objects go in each member's ``TrainContext.state``, never on the plugin.
 
+    :param run: the run context.
+    :param candidates: the candidates still to train (finished ones were reused).
+    :param seed: the seed to train them under.
     :return: the results, or None to let the executor train each candidate on its own
         (an implementation returns None for candidates it did not propose). Stops at
         first non-None result.
@@ -190,14 +234,23 @@ def train_candidates(run: RunContext, candidates: list[Candidate], seed: int) ->
 
 # -------------------------------------------------------------------------------------
 # Training hooks: called inside the process that trains a candidate (the main process
-# for the in-process executor, a worker otherwise). Plugin state set up here lives in
-# that process.
+# for the in-process executor, a worker otherwise, which has its own plugin objects).
+# Per-training objects go in ``train.state[<plugin name>]``: several trainings may run
+# interleaved in one process, each with its own TrainContext.
 # -------------------------------------------------------------------------------------
 
 
 @hookspec
 def on_train_start(train: TrainContext) -> None:
-    """Called before a candidate's training starts (after envs and policy exist)."""
+    """Called before a candidate's training starts (after envs and policy exist).
+
+    Make per-training objects here (a judge, a reward model) and keep them in
+    ``train.state[<plugin name>]``; the per-step hooks of the same training find them
+    there. ``represent_state`` runs once before this hook (to size the observation), so
+    objects it needs are made on first use.
+
+    :param train: the training context of the candidate.
+    """
 
 
 @hookspec
@@ -209,6 +262,11 @@ def compute_reward(train: TrainContext, batch: StepBatch) -> torch.Tensor | None
     ``batch.env_reward`` the env's own. Must be fast: never block on an LLM (queue the
     work and use what is ready).
 
+    :param train: the training context.
+    :param batch: one batched step: ``obs`` / ``next_obs`` ``[B, D]`` (the task's own
+        observation; ``next_obs`` of a step that ended an episode is its final
+        observation), ``action``, ``env_reward`` / ``reward`` ``[B]``, ``done`` ``[B]``,
+        ``state`` / ``next_state`` by field name, ``task``.
     :return: a ``[B]`` float tensor ADDED to the reward (return ``new - batch.reward``
         to replace it), or None.
     """
@@ -218,6 +276,10 @@ def compute_reward(train: TrainContext, batch: StepBatch) -> torch.Tensor | None
 def represent_state(train: TrainContext, obs: torch.Tensor) -> torch.Tensor | None:
     """Per-step state-representation role for learned or online encoders.
 
+    Also called once with a reset observation when the trainer builds the envs, before
+    ``on_train_start``, to learn the number of features.
+
+    :param train: the training context.
     :param obs: the observation ``[B, D]`` (after the candidate's state program).
     :return: extra features ``[B, k]`` appended to the observation (``k`` must not
         change during training), or None.
@@ -229,17 +291,32 @@ def on_rollout(train: TrainContext, batch: Any) -> None:
     """Called with each collected batch (a TensorDict ``[envs, steps]``) before the update.
 
     Judges collect segments or states here (RLAIF preference pairs, progress states).
+
+    :param train: the training context (``train.frames`` counts the batch).
+    :param batch: the collected TensorDict, read-only.
     """
 
 
 @hookspec
 def on_evaluation(train: TrainContext, frames: int, fitness: float, episodes: list[Any]) -> None:
-    """Called after each periodic evaluation during training."""
+    """Called after each periodic evaluation during training.
+
+    :param train: the training context.
+    :param frames: training frames done at this evaluation.
+    :param fitness: the task's ground-truth fitness of the evaluation episodes.
+    :param episodes: the evaluation episodes (:class:`core.records.Episode`).
+    """
 
 
 @hookspec
 def on_train_end(train: TrainContext, result: TrainResult) -> None:
-    """Called after a candidate's training and final evaluation; may add to ``result.metrics``."""
+    """Called after a candidate's training and final evaluation (also when it failed).
+
+    Release per-training objects (``train.state``) and record final numbers.
+
+    :param train: the training context.
+    :param result: the candidate's result; a plugin may add to ``result.metrics``.
+    """
 
 
 # -------------------------------------------------------------------------------------
@@ -251,6 +328,11 @@ def on_train_end(train: TrainContext, result: TrainResult) -> None:
 def label_preferences(run: Any, goal: str, pairs: list[tuple[str, str]]) -> list[float | None] | None:
     """Preference role: which of two described trajectory segments better achieves ``goal``.
 
+    Called by a plugin that needs labels (``run.hook.label_preferences``), from a run or
+    a training context.
+
+    :param run: the calling context (a RunContext or a TrainContext).
+    :param goal: the goal the segments are judged against.
     :param pairs: text renderings ``(a, b)`` of segment pairs.
     :return: one label per pair: the probability that a is better, 1.0 (a better),
         0.0 (b better), 0.5 (tie) or anything between (a soft label, e.g. read from the
@@ -270,8 +352,11 @@ def reflect(run: RunContext, result: IterationResult) -> str | None:
 
     Called once per iteration in the main process after every candidate is scored.
     A plugin reads the results of the candidates holding its own parts (``origin``),
-    keeps what it needs for its next prompt, and returns the feedback text, which the
-    loop logs as an artifact.
+    keeps what it needs for its next prompt (on the plugin object), and returns the
+    feedback text, which the loop saves as ``reflection/it<k>-<plugin>.md`` under the
+    plugin that returned it.
 
+    :param run: the run context.
+    :param result: the iteration's candidates and their results, in order.
     :return: feedback text, or None.
     """
