@@ -5,10 +5,16 @@ and call :meth:`LLMClient.chat` or :meth:`LLMClient.ask`. The backend is whateve
 Hydra ``llm`` node names: the embedded local model by default, or any litellm model
 string (``gpt-4o``, ``anthropic/...``, ``ollama/...``, ``openai/<name>`` + ``api_base``).
 
+Samples: ``chat(n=K)`` asks for the K samples together. Backends with OpenAI's ``n``
+get ``llm.max_n`` samples per request; the rest, and backends without ``n``, get their
+requests concurrently (up to ``llm.concurrency`` at a time). The embedded model decodes
+the samples of one request together in its slots from one computation of the prompt.
+
 Reproducibility: sample ``i`` of a call with seed ``s`` is cached under a key of
 (model, messages, sampling params, ``s``, ``i``), so re-running an experiment with the
-same seed makes no backend call and gets the same replies. The seed sent to the backend
-for sample ``i`` is :func:`sample_seed` ``(s, i)``, so samples differ from one another.
+same seed makes no backend call and gets the same replies. A request that starts at
+sample ``i`` is sent the seed :func:`sample_seed` ``(s, i)``, so requests differ from
+one another. How the samples were grouped into requests is not part of the key.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -81,6 +88,8 @@ class LLMStats:
     latency_s: float = 0.0  # wall time spent waiting on the backend
     requests: int = 0  # backend requests (a request may return several samples)
     errors: int = 0  # calls that ended in LLMError
+    cached_prompt_tokens: int = 0  # prompt tokens the backend reused from earlier requests (prefix cache)
+    wait_s: float = 0.0  # wall time callers waited; below latency_s when requests ran concurrently
 
     def as_metrics(self) -> dict[str, float]:
         """``{"llm/calls": ..., "llm/cache_hits": ..., ...}`` for a metrics logger."""
@@ -90,8 +99,9 @@ class LLMStats:
         """One line for logs and the command line."""
         return (
             f"{self.calls} call(s), {self.requests} request(s), {self.cache_hits} cache hit(s), "
-            f"{self.prompt_tokens} prompt + {self.completion_tokens} completion tokens, "
-            f"{self.latency_s:.1f} s, ${self.cost:.4f}"
+            f"{self.prompt_tokens} prompt + {self.completion_tokens} completion tokens"
+            + (f" ({self.cached_prompt_tokens} prompt tokens reused)" if self.cached_prompt_tokens else "")
+            + f", {self.wait_s:.1f} s, ${self.cost:.4f}"
         )
 
 
@@ -113,11 +123,14 @@ class LLMSettings:
     timeout_s: float = 600.0
     retries: int = 4
     backoff_s: float = 2.0
-    max_n: int = 1
+    max_n: int = 8
+    concurrency: int = 8
     cache: bool = True
     cache_path: str | None = None
-    n_threads: int = 1
+    n_threads: int | str = "auto"
+    n_parallel: int = 0
     n_ctx: int = 8192
+    prefix_cache: bool = True
     gguf_path: str | None = None
     show_progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
@@ -144,8 +157,13 @@ class LLMSettings:
                 )
             values[key] = value
         settings = cls(**values)
-        if settings.max_n < 1 or settings.retries < 0:
-            raise LLMError("llm.max_n must be >= 1 and llm.retries >= 0.")
+        if settings.max_n < 1 or settings.concurrency < 1 or settings.retries < 0 or settings.n_parallel < 0:
+            raise LLMError("llm.max_n and llm.concurrency must be >= 1, llm.retries and llm.n_parallel >= 0.")
+        if isinstance(settings.n_threads, str):
+            if settings.n_threads.lstrip("-").isdigit():
+                settings.n_threads = int(settings.n_threads)
+            elif settings.n_threads != "auto":
+                raise LLMError(f"llm.n_threads must be a number or 'auto', got {settings.n_threads!r}.")
         return settings
 
     @property
@@ -210,6 +228,7 @@ class LLMClient:
         if self.settings.cache:
             self.cache = ResponseCache(_cache_file(self.settings.cache_path))
         self._lock = threading.Lock()
+        self._n_support: bool | None = None  # whether the provider takes OpenAI's n (asked once)
         self._sleep: Callable[[float], None] = time.sleep  # replaced in tests
         self._litellm = import_litellm()
         if self.settings.is_embedded:
@@ -217,7 +236,9 @@ class LLMClient:
 
             embedded.configure(
                 n_threads=self.settings.n_threads,
+                n_parallel=self.settings.n_parallel,
                 n_ctx=self.settings.n_ctx,
+                prefix_cache=self.settings.prefix_cache,
                 gguf_path=self.settings.gguf_path,
                 show_progress=self.settings.show_progress,
             )
@@ -243,6 +264,8 @@ class LLMClient:
     ) -> list[Reply]:
         """``n`` sampled replies to ``messages`` (OpenAI chat format).
 
+        The samples not in the cache are requested together: ``llm.max_n`` per request
+        where the backend takes ``n``, the requests concurrently (``llm.concurrency``).
         ``temperature``/``max_tokens`` default to the config's; ``stop`` ends a reply
         at any of the given strings; ``seed`` makes the call reproducible through the
         cache; ``tag`` labels the call in records (e.g. ``"eureka/propose"``).
@@ -269,18 +292,8 @@ class LLMClient:
                 if hit is not None:
                     replies[i] = Reply(**{**hit, "latency_s": 0.0, "cost": 0.0, "cached": True})
         missing = [i for i, r in enumerate(replies) if r is None]
-        try:
-            for chunk in _chunks(missing, self.settings.max_n):
-                fresh = self._request(messages, params, len(chunk), sample_seed(seed, chunk[0]))
-                for i, reply in zip(chunk, fresh):
-                    replies[i] = reply
-                    if self.cache is not None:
-                        stored = {k: v for k, v in reply.__dict__.items() if k not in ("cached",)}
-                        self.cache.put(keys[i], stored, model=self.model)
-        except LLMError:
-            with self._lock:
-                self.stats.errors += 1
-            raise
+        if missing:
+            self._sample(messages, params, seed, missing, keys, replies)
         done = [r for r in replies if r is not None]
         record = CallRecord(
             tag=tag,
@@ -306,6 +319,79 @@ class LLMClient:
         return self.chat(messages, n=1, **kw)[0].text
 
     # -- backend -------------------------------------------------------------------
+
+    def _sample(self, messages: list[dict[str, str]], params: dict[str, Any], seed: int, missing: list[int],
+                keys: list[str], replies: list[Reply | None]) -> None:
+        """Fill ``replies[i]`` for every ``i`` in ``missing``: requests of up to
+        :meth:`samples_per_request` samples, run concurrently, each cached as it lands.
+
+        Every request runs to its end even when another fails, so what was paid for is
+        kept; then the first failure is raised.
+        """
+        chunks = _chunks(missing, self.samples_per_request(messages, params["max_tokens"]))
+
+        def run(chunk: list[int]) -> None:
+            for i, reply in zip(chunk, self._request_samples(messages, params, seed, chunk)):
+                replies[i] = reply
+                if self.cache is not None:
+                    stored = {k: v for k, v in reply.__dict__.items() if k not in ("cached",)}
+                    self.cache.put(keys[i], stored, model=self.model)
+
+        start = time.perf_counter()
+        errors: list[LLMError] = []
+        try:
+            workers = min(self.settings.concurrency, len(chunks))
+            if workers <= 1:
+                for chunk in chunks:
+                    run(chunk)
+            else:
+                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llm") as pool:
+                    for future in [pool.submit(run, chunk) for chunk in chunks]:
+                        try:
+                            future.result()
+                        except LLMError as exc:
+                            errors.append(exc)
+        except LLMError as exc:
+            errors.append(exc)
+        finally:
+            with self._lock:
+                self.stats.wait_s += time.perf_counter() - start
+                self.stats.errors += 1 if errors else 0
+        if errors:
+            raise errors[0]
+
+    def samples_per_request(self, messages: list[dict[str, str]], max_tokens: int) -> int:
+        """How many samples one backend request asks for: ``llm.max_n``, 1 where the
+        provider has no ``n``, and for the embedded model what its slots and KV pool hold."""
+        s = self.settings
+        if s.is_embedded:
+            from core.llm import embedded
+
+            plan = embedded.get_plan(s.model.split("/", 1)[1])  # loads the model outside any timing
+            chars = sum(len(m["content"]) for m in messages)
+            return min(s.max_n, plan.samples_per_request(chars, max_tokens))
+        return s.max_n if self._native_n else 1
+
+    @property
+    def _native_n(self) -> bool:
+        """Whether litellm sends ``n`` to this provider (it would drop it otherwise)."""
+        if self._n_support is None:
+            try:
+                model, provider, _, _ = self._litellm.get_llm_provider(self.settings.model)
+                supported = self._litellm.get_supported_openai_params(model=model, custom_llm_provider=provider)
+                self._n_support = supported is None or "n" in supported
+            except Exception:  # unknown to litellm: try, and top up if fewer come back
+                self._n_support = True
+        return self._n_support
+
+    def _request_samples(self, messages: list[dict[str, str]], params: dict[str, Any], seed: int,
+                         chunk: list[int]) -> list[Reply]:
+        """``len(chunk)`` samples starting at sample ``chunk[0]``; a backend that returns
+        fewer choices than asked (it ignored ``n``) is asked again for the rest."""
+        got: list[Reply] = []
+        while len(got) < len(chunk):
+            got += self._request(messages, params, len(chunk) - len(got), sample_seed(seed, chunk[len(got)]))
+        return got
 
     def _request(self, messages: list[dict[str, str]], params: dict[str, Any], n: int, seed: int) -> list[Reply]:
         """One backend request for ``n`` samples, with retries and backoff."""
@@ -389,6 +475,8 @@ class LLMClient:
     def _replies(self, response: Any, n: int, latency: float) -> list[Reply]:
         usage = getattr(response, "usage", None)
         prompt_tokens = int(getattr(usage, "prompt_tokens", 0) or 0)
+        details = getattr(usage, "prompt_tokens_details", None)
+        reused = int(getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
         completion_tokens = int(getattr(usage, "completion_tokens", 0) or 0)
         cost = 0.0 if self.settings.is_embedded else _cost(self._litellm, response)
         choices = list(response.choices)[:n]
@@ -411,6 +499,7 @@ class LLMClient:
         with self._lock:
             self.stats.requests += 1
             self.stats.prompt_tokens += prompt_tokens
+            self.stats.cached_prompt_tokens += reused
             self.stats.completion_tokens += completion_tokens
             self.stats.cost += cost
             self.stats.latency_s += latency

@@ -7,6 +7,12 @@ known sha256 and only then renamed into place. The model is loaded once per proc
 (a thread-safe singleton) and exposed to litellm as the custom provider ``embedded``,
 so ``litellm.completion(model="embedded/qwen2.5-coder-1.5b-instruct", ...)`` works
 like any other backend.
+
+Throughput (:func:`plan_server`): llama.cpp's server runs with several slots over one
+shared KV pool, so a request for ``n`` samples computes the prompt once and decodes the
+``n`` replies together; a later request reuses the longest prefix of an earlier prompt
+(the system prompt, the task, the code context) from a slot or from the host-memory
+prompt cache; the thread count follows the cores free when the model loads.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -204,23 +211,132 @@ def ensure_gguf(spec: ModelSpec = QWEN_CODER_1_5B, show_progress: bool = True) -
 
 
 # -------------------------------------------------------------------------------------
-# The loaded model (one per process)
+# Planning the server: threads, slots and the KV pool, from the machine
 # -------------------------------------------------------------------------------------
+
+#: Host memory for llama.cpp's prompt cache: KV states of earlier prompts, restored when
+#: a later request shares their prefix (a 1,400-token prompt of the default model is ~40 MB).
+PROMPT_CACHE_MIB = 1024
+#: Characters per token assumed when sizing a request before it is tokenised (code and
+#: English run at 3.5-4.5 for the Qwen tokenizer; 3 errs on the side of fitting).
+CHARS_PER_TOKEN = 3.0
+#: Slots when ``n_parallel`` is 0 (auto): samples of one call decoded together.
+AUTO_SLOTS = 8
 
 
 @dataclass
 class EmbeddedSettings:
     """How the process-wide model is loaded; set by the client before the first call."""
 
-    n_threads: int = 1  # 1 while training runs beside it; all cores when nothing else runs
-    n_ctx: int = 8192  # context window in tokens (prompt + reply)
+    n_threads: int | str = "auto"  # "auto": the cores free at load; 0: all cores; N: N threads
+    n_parallel: int = 0  # server slots, i.e. samples decoded together (0: AUTO_SLOTS)
+    n_ctx: int = 8192  # context of one request in tokens (prompt + reply)
+    prefix_cache: bool = True  # reuse the KV state of a prompt's already-computed prefix
     gguf_path: str | None = None  # a local GGUF to use instead of the shipped parts
     show_progress: bool = True
 
 
+@dataclass(frozen=True)
+class ServerPlan:
+    """The server's shape (see :func:`plan_server`), kept for the client and the logs."""
+
+    n_threads: int
+    n_parallel: int  # slots
+    n_ctx: int  # KV cells in all; the slots share them when n_parallel > 1
+    prefix_cache: bool
+    reason: str  # one line: how the numbers were chosen
+
+    def samples_per_request(self, prompt_chars: int, max_tokens: int) -> int:
+        """How many samples of one prompt a single request can decode together.
+
+        One request with ``n`` samples computes the prompt once and copies its KV state
+        to the other slots, so the pool must hold the prompt once plus ``n`` replies.
+        """
+        if self.n_parallel <= 1:
+            return 1
+        prompt = int(prompt_chars / CHARS_PER_TOKEN) + 64  # + the chat template's tokens
+        fits = (self.n_ctx - prompt) // max(1, int(max_tokens))
+        return int(max(1, min(self.n_parallel, fits)))
+
+
+def busy_cores(window_s: float = 0.25) -> float:
+    """Cores other work keeps busy now: the larger of the 1-minute load average and the
+    CPU time the whole machine spent over ``window_s`` (``/proc/stat``; load average
+    alone elsewhere). Conservative on purpose: a core counted busy costs a thread, a busy
+    core counted free stalls every thread (see :func:`plan_server`).
+    """
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # pragma: no cover - not on Linux/macOS
+        load = 0.0
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as fh:
+            values = [int(v) for v in fh.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        return sum(values[:8]), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(window_s)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return load
+    ticks = total1 - total0
+    busy = (ticks - (idle1 - idle0)) / ticks * (os.cpu_count() or 1) if ticks > 0 else 0.0
+    return max(load, busy)
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
+
+
+def plan_server(s: EmbeddedSettings, cores: int, busy: float) -> ServerPlan:
+    """Threads, slots and KV pool for settings ``s`` on ``cores`` cores, ``busy`` of them taken.
+
+    - Threads: a number is kept as given; 0 means all cores; ``"auto"`` takes the cores
+      nobody else uses, rounded (at least one). llama.cpp's threads wait for each other at
+      every step, so a thread that shares its core with another process (a training
+      beside the model) holds up the rest: a core more than half busy costs more than its
+      thread brings. On a shared 2-core machine 2 threads fell to 2-4 tokens/s where 1
+      kept ~15.
+    - Slots: ``n_parallel`` (0: :data:`AUTO_SLOTS`). With more than one, the KV cells form
+      one pool the slots share (llama.cpp's unified KV cache) of twice the per-request
+      context, so the K samples of one call hold their common prompt once.
+    - ``prefix_cache``: a request reuses the longest prefix of an earlier prompt still in a
+      slot or in the host-memory prompt cache (:data:`PROMPT_CACHE_MIB`); off, every
+      request computes its whole prompt (the behaviour the benchmark's ``before`` measures).
+    """
+    cores = max(1, int(cores))
+    if s.n_threads == "auto":
+        free = cores - max(0.0, float(busy))
+        threads = int(min(cores, max(1, math.floor(free + 0.5))))
+        why = f"{threads} thread(s): {cores} core(s), {busy:.1f} busy"
+    elif isinstance(s.n_threads, str) and not s.n_threads.lstrip("-").isdigit():
+        raise LLMError(f"llm.n_threads must be a number or 'auto', got {s.n_threads!r}.")
+    elif int(s.n_threads) <= 0:
+        threads, why = cores, f"{cores} thread(s): all cores"
+    else:
+        threads, why = int(s.n_threads), f"{int(s.n_threads)} thread(s) as configured"
+    slots = int(s.n_parallel) if int(s.n_parallel) > 0 else AUTO_SLOTS
+    pool = int(s.n_ctx) * (2 if slots > 1 else 1)
+    why += f", {slots} slot(s) sharing {pool} KV cells" if slots > 1 else f", 1 slot of {pool} KV cells"
+    why += ", prefix reuse on" if s.prefix_cache else ", prefix reuse off"
+    return ServerPlan(n_threads=threads, n_parallel=slots, n_ctx=pool, prefix_cache=bool(s.prefix_cache), reason=why)
+
+
+# -------------------------------------------------------------------------------------
+# The loaded model (one per process)
+# -------------------------------------------------------------------------------------
+
 settings = EmbeddedSettings()
-_lock = threading.Lock()  # guards loading and serialises generation
+_lock = threading.Lock()  # guards loading
 _server: Any = None
+_plan: ServerPlan | None = None
 _loaded: dict[str, Any] = {}
 
 
@@ -234,10 +350,11 @@ def _after_fork_in_child() -> None:
     server would wait forever; its destructor might too, so it is parked, not freed.
     The lock is replaced because the parent may have held it at fork time.
     """
-    global _server, _lock
+    global _server, _lock, _plan
     if _server is not None:
         _orphans.append(_server)
     _server = None
+    _plan = None
     _loaded.clear()
     _lock = threading.Lock()
 
@@ -249,17 +366,17 @@ if hasattr(os, "register_at_fork"):
 def configure(**kwargs: Any) -> None:
     """Update :data:`settings`; takes effect at the next load (see :func:`unload`).
 
-    ``n_threads <= 0`` means all cores. Changing a load setting after the model is
-    loaded only warns: the process keeps its one loaded model.
+    ``None`` leaves a setting alone (except ``gguf_path``). Changing a load setting
+    after the model is loaded only warns: the process keeps its one loaded model.
     """
     for key, value in kwargs.items():
         if not hasattr(settings, key):
             raise TypeError(f"unknown embedded setting {key!r}")
-        if key == "n_threads" and value is not None and int(value) <= 0:
-            value = os.cpu_count() or 1
         if value is None and key != "gguf_path":
             continue
-        if _loaded and key in ("n_threads", "n_ctx", "gguf_path") and value != getattr(settings, key):
+        if key == "n_threads" and isinstance(value, str) and value.lstrip("-").isdigit():
+            value = int(value)
+        if _loaded and key != "show_progress" and value != getattr(settings, key):
             log.warning("embedded model already loaded with %s=%r; ignoring %r until unload()",
                         key, getattr(settings, key), value)
         setattr(settings, key, value)
@@ -284,9 +401,27 @@ def _resolve_path(name: str) -> Path:
     return ensure_gguf(spec, settings.show_progress)
 
 
+def server_params(path: Path, plan: ServerPlan) -> Any:
+    """``xllamacpp.CommonParams`` for the GGUF at ``path`` shaped by ``plan``."""
+    import xllamacpp
+
+    params = xllamacpp.CommonParams()
+    params.model.path = str(path)
+    params.n_ctx = int(plan.n_ctx)
+    params.n_parallel = int(plan.n_parallel)
+    params.kv_unified = plan.n_parallel > 1  # one pool of cells the slots share
+    params.cache_prompt = plan.prefix_cache
+    params.cache_ram_mib = PROMPT_CACHE_MIB if plan.prefix_cache else 0
+    params.cpuparams.n_threads = int(plan.n_threads)
+    params.cpuparams_batch.n_threads = int(plan.n_threads)
+    params.warmup = False  # saves a second on load; the first request warms it
+    params.verbosity = -1  # llama.cpp logs only errors
+    return params
+
+
 def get_server(name: str = QWEN_CODER_1_5B.name) -> Any:
     """The loaded ``xllamacpp.Server`` (loading it on first call)."""
-    global _server
+    global _server, _plan
     with _lock:
         if _server is not None:
             return _server
@@ -298,25 +433,17 @@ def get_server(name: str = QWEN_CODER_1_5B.name) -> Any:
                 "(a prebuilt wheel), or choose another backend, e.g. `llm=openai`."
             ) from None
         path = _resolve_path(name)
-        params = xllamacpp.CommonParams()
-        params.model.path = str(path)
-        params.n_ctx = int(settings.n_ctx)
-        params.n_parallel = 1  # one slot: requests are serialised by _lock anyway
-        params.cpuparams.n_threads = int(settings.n_threads)
-        params.cpuparams_batch.n_threads = int(settings.n_threads)
-        params.warmup = False  # saves a second on load; the first request warms it
-        params.verbosity = -1  # llama.cpp logs only errors
+        cores = usable_cores()
+        plan = plan_server(settings, cores, busy_cores() if settings.n_threads == "auto" else 0.0)
         status = None
         if settings.show_progress:
             from rich.console import Console
 
-            status = Console(stderr=True).status(
-                f"Loading embedded model {path.name} ({settings.n_threads} thread(s))"
-            )
+            status = Console(stderr=True).status(f"Loading embedded model {path.name} ({plan.reason})")
             status.start()
         start = time.perf_counter()
         try:
-            _server = xllamacpp.Server(params)
+            server = xllamacpp.Server(server_params(path, plan))
         except Exception as exc:  # the C++ side raises RuntimeError with little detail
             raise LLMError(
                 f"llama.cpp could not load {path}: {exc}. Check that the file is a GGUF "
@@ -325,59 +452,127 @@ def get_server(name: str = QWEN_CODER_1_5B.name) -> Any:
         finally:
             if status:
                 status.stop()
-        _loaded.update(name=name, path=str(path), load_s=time.perf_counter() - start,
-                       n_threads=settings.n_threads, n_ctx=settings.n_ctx)
+        log.info("embedded model %s loaded: %s", name, plan.reason)
+        _server, _plan = server, plan
+        _loaded.update(name=name, path=str(path), load_s=time.perf_counter() - start, n_threads=plan.n_threads,
+                       n_parallel=plan.n_parallel, n_ctx=plan.n_ctx, prefix_cache=plan.prefix_cache, plan=plan.reason)
         return _server
 
 
+def get_plan(name: str = QWEN_CODER_1_5B.name) -> ServerPlan:
+    """The loaded server's :class:`ServerPlan` (loading the model on first call)."""
+    get_server(name)
+    assert _plan is not None
+    return _plan
+
+
 def loaded_info() -> dict[str, Any]:
-    """What is loaded (name, path, load time, threads); empty before the first load."""
+    """What is loaded (name, path, load time, threads, slots, plan); empty before the first load."""
     return dict(_loaded)
 
 
 def unload() -> None:
     """Drop the loaded model (frees its memory once no call holds it)."""
-    global _server
+    global _server, _plan
     with _lock:
         _server = None
+        _plan = None
         _loaded.clear()
+
+
+#: Fields of a llama.cpp request that ``llm.extra`` may pass through to the embedded model.
+PASSTHROUGH = ("ignore_eos", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
 
 
 def generate(
     name: str,
     messages: Sequence[dict[str, Any]],
     *,
+    n: int = 1,
     temperature: float = 0.7,
     max_tokens: int = 512,
     stop: Sequence[str] | None = None,
     seed: int = 0,
     top_p: float | None = None,
     top_logprobs: int = 0,
+    **extra: Any,
 ) -> dict[str, Any]:
-    """One chat completion as an OpenAI-style dict (``choices``, ``usage``).
+    """``n`` chat completions of one prompt as an OpenAI-style dict (``choices``, ``usage``).
 
+    The ``n`` samples are decoded together in ``n`` slots from one computation of the
+    prompt; ``n`` must not exceed :meth:`ServerPlan.samples_per_request`. ``usage``
+    counts every choice's tokens (``completion_tokens``, each choice's ``n_tokens``) and
+    ``usage.prompt_tokens_details.cached_tokens`` the prompt tokens reused from an
+    earlier request; ``timings`` is llama.cpp's (of the first choice).
     ``top_logprobs > 0``: each choice carries ``logprobs.content``, per generated token
-    its ``top_logprobs`` alternatives (the OpenAI shape)."""
+    its ``top_logprobs`` alternatives (the OpenAI shape). ``extra``: the fields named in
+    :data:`PASSTHROUGH` (e.g. ``ignore_eos=True`` for replies of exactly ``max_tokens``).
+    """
     server = get_server(name)
+    plan = _plan
     request: dict[str, Any] = {
         "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
         "temperature": float(temperature),
         "max_tokens": int(max_tokens),
         "seed": int(seed) & 0xFFFFFFFF,
         "stream": False,
+        "cache_prompt": bool(plan.prefix_cache) if plan is not None else True,
     }
+    if n > 1:
+        request["n"] = int(n)
     if stop:
         request["stop"] = list(stop)
     if top_p is not None:
         request["top_p"] = float(top_p)
     if top_logprobs > 0:
         request["logprobs"], request["top_logprobs"] = True, int(top_logprobs)
-    with _lock:
-        result = server.handle_chat_completions(request)
+    request.update({k: v for k, v in extra.items() if k in PASSTHROUGH and v is not None})
+    result = server.handle_chat_completions(request)
     if not isinstance(result, dict) or "choices" not in result:
         error = result.get("error", result) if isinstance(result, dict) else result
         raise LLMError(f"The embedded model returned an error: {error}")
+    _count_choice_tokens(server, result, int(max_tokens))
     return result
+
+
+def _count_choice_tokens(server: Any, result: dict[str, Any], max_tokens: int) -> None:
+    """Set each choice's ``n_tokens`` and ``usage.completion_tokens`` to their sum.
+
+    llama.cpp's usage describes one choice only; with several, a reply cut at
+    ``max_tokens`` has exactly that many tokens and the others are re-tokenised
+    (the server's ``/tokenize``; a length estimate if it does not answer).
+    """
+    choices = result["choices"]
+    usage = result.setdefault("usage", {})
+    if len(choices) == 1:
+        choices[0]["n_tokens"] = int(usage.get("completion_tokens", 0) or 0)
+        return
+    for choice in choices:
+        text = (choice.get("message") or {}).get("content") or ""
+        if choice.get("finish_reason") == "length":
+            choice["n_tokens"] = max_tokens
+        else:
+            counted = _tokenize_count(server, text)
+            choice["n_tokens"] = counted if counted is not None else max(1, round(len(text) / 3.5))
+    usage["completion_tokens"] = sum(c["n_tokens"] for c in choices)
+    usage["total_tokens"] = int(usage.get("prompt_tokens", 0) or 0) + usage["completion_tokens"]
+
+
+def _tokenize_count(server: Any, text: str) -> int | None:
+    address = getattr(server, "listening_address", None)
+    if not address or not isinstance(address, str):
+        return None
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(address.rstrip("/") + "/tokenize", data=json.dumps({"content": text}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1: never a proxy
+    try:
+        with opener.open(request, timeout=10) as response:
+            return len(json.loads(response.read())["tokens"])
+    except Exception:  # the count is for accounting only
+        return None
 
 
 # -------------------------------------------------------------------------------------
@@ -387,7 +582,7 @@ def generate(
 
 def _provider_class() -> type:
     from litellm import CustomLLM
-    from litellm.types.utils import Choices, Message, ModelResponse, Usage
+    from litellm.types.utils import Choices, Message, ModelResponse, PromptTokensDetailsWrapper, Usage
 
     class EmbeddedLLM(CustomLLM):
         """litellm ``CustomLLM`` that answers from the in-process embedded model."""
@@ -401,29 +596,33 @@ def _provider_class() -> type:
             result = generate(
                 name,
                 messages,
+                n=int(opts.get("n") or 1),
                 temperature=opts.get("temperature", 0.7),
                 max_tokens=opts.get("max_tokens") or opts.get("max_completion_tokens") or 512,
                 stop=stop,
                 seed=opts.get("seed", 0) or 0,
                 top_p=opts.get("top_p"),
                 top_logprobs=int(opts.get("top_logprobs") or 0) if opts.get("logprobs") else 0,
+                **{k: opts[k] for k in PASSTHROUGH if k in opts},
             )
-            choice = result["choices"][0]
             usage = result.get("usage", {})
             response: ModelResponse = kwargs.get("model_response") or ModelResponse()
             response.choices = [
                 Choices(
-                    index=0,
+                    index=j,
                     finish_reason=choice.get("finish_reason", "stop"),
                     message=Message(role="assistant", content=choice["message"].get("content") or ""),
                     logprobs=choice.get("logprobs"),
                 )
+                for j, choice in enumerate(result["choices"])
             ]
             response.model = f"{PROVIDER}/{name}"
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
             response.usage = Usage(  # type: ignore[attr-defined]
                 prompt_tokens=usage.get("prompt_tokens", 0),
                 completion_tokens=usage.get("completion_tokens", 0),
                 total_tokens=usage.get("total_tokens", 0),
+                prompt_tokens_details=PromptTokensDetailsWrapper(cached_tokens=int(cached)),
             )
             return response
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from core.llm import CallRecord, LLMClient, LLMError, LLMStats, make_client
@@ -40,14 +42,15 @@ def test_config_defaults_and_call_overrides_reach_the_backend(llm_cfg, fake_back
 def test_samples_get_distinct_seeds_one_request_each_when_max_n_is_1(llm_cfg, fake_backend):
     replies = make_client(llm_cfg).chat(MSG, n=3, seed=7)
     assert len(fake_backend.calls) == 3
-    seeds = [c["seed"] for c in fake_backend.calls]
-    assert seeds == [sample_seed(7, i) for i in range(3)] and len(set(seeds)) == 3
+    seeds = sorted(c["seed"] for c in fake_backend.calls)  # the requests ran concurrently
+    assert seeds == sorted(sample_seed(7, i) for i in range(3)) and len(set(seeds)) == 3
+    assert [r.text.split("|")[1] for r in replies] == [f"seed={sample_seed(7, i)}" for i in range(3)]
     assert len({r.text for r in replies}) == 3
 
 
 def test_n_is_chunked_by_max_n(llm_cfg, fake_backend):
     replies = make_client({**llm_cfg, "max_n": 3}).chat(MSG, n=7)
-    assert [c.get("n", 1) for c in fake_backend.calls] == [3, 3, 1]
+    assert sorted(c.get("n", 1) for c in fake_backend.calls) == [1, 3, 3]
     assert len(replies) == 7
     assert len({r.text for r in replies}) == 7
 
@@ -96,6 +99,126 @@ def test_self_hosted_openai_server_gets_a_placeholder_key(llm_cfg, fake_backend)
     make_client({**llm_cfg, "api_base": "http://127.0.0.1:8000/v1"}).chat(MSG)
     call = fake_backend.calls[0]
     assert call["api_base"] == "http://127.0.0.1:8000/v1" and call["api_key"]
+
+
+# -- samples requested together ------------------------------------------------------------
+
+
+class Gate:
+    """Wraps a backend: each request waits until ``parties`` requests are in flight at once
+    (a barrier), so a test fails with BrokenBarrierError if the client serialised them."""
+
+    def __init__(self, backend, parties: int, delay_s: float = 0.0) -> None:
+        import threading
+
+        self.backend = backend
+        self.delay_s = delay_s
+        self.barrier = threading.Barrier(parties, timeout=10)
+        self.lock = threading.Lock()
+        self.active = self.peak = 0
+
+    def __call__(self, **kwargs):
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            self.barrier.wait()
+            time.sleep(self.delay_s)
+            return self.backend(**kwargs)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+@pytest.mark.parametrize("model", ["anthropic/fake-model", "ollama/fake-model"])
+def test_backends_without_n_get_their_samples_as_concurrent_requests(model, llm_cfg, fake_backend, monkeypatch):
+    gate = Gate(fake_backend, parties=4, delay_s=0.2)
+    monkeypatch.setattr(import_litellm(), "completion", gate)
+    client = make_client({**llm_cfg, "model": model, "max_n": 8, "concurrency": 4})
+    replies = client.chat(MSG, n=4, seed=5)
+    assert gate.peak == 4  # all four in flight together
+    assert all("n" not in c for c in fake_backend.calls)  # litellm would drop n: never sent
+    assert [r.text.split("|")[1] for r in replies] == [f"seed={sample_seed(5, i)}" for i in range(4)]
+    assert client.stats.requests == 4 and client.stats.wait_s < 0.5 * client.stats.latency_s  # overlapped
+
+
+def test_concurrency_bounds_the_requests_in_flight(llm_cfg, fake_backend, monkeypatch):
+    gate = Gate(fake_backend, parties=1)  # never waits; records the peak
+    monkeypatch.setattr(import_litellm(), "completion", gate)
+    make_client({**llm_cfg, "model": "anthropic/fake-model", "concurrency": 1}).chat(MSG, n=5)
+    assert gate.peak == 1 and len(fake_backend.calls) == 5
+
+
+def test_backends_with_n_get_one_request(llm_cfg, fake_backend):
+    replies = make_client({**llm_cfg, "max_n": 8}).chat(MSG, n=6, seed=2)
+    assert [(c["n"], c["seed"]) for c in fake_backend.calls] == [(6, sample_seed(2, 0))]
+    assert [r.text.split("|")[2] for r in replies] == [f"j={j}" for j in range(6)]
+
+
+def test_a_backend_that_ignores_n_is_asked_for_the_rest(llm_cfg, fake_backend, monkeypatch):
+    def one_choice(**kwargs):
+        kwargs.pop("n", None)  # as if the provider dropped it
+        return fake_backend(**kwargs)
+
+    monkeypatch.setattr(import_litellm(), "completion", one_choice)
+    replies = make_client({**llm_cfg, "max_n": 3}).chat(MSG, n=3, seed=1)
+    assert [c["seed"] for c in fake_backend.calls] == [sample_seed(1, i) for i in range(3)]
+    assert len({r.text for r in replies}) == 3
+
+
+def test_concurrent_samples_reproduce_from_the_cache_under_stable_keys(llm_cfg, fake_backend):
+    from core.llm.cache import ResponseCache, cache_key
+
+    first = make_client({**llm_cfg, "model": "anthropic/fake-model"}).chat(MSG, n=6, seed=9)
+    again = make_client({**llm_cfg, "model": "anthropic/fake-model", "concurrency": 1})
+    second = again.chat(MSG, n=6, seed=9)
+    assert [r.text for r in second] == [r.text for r in first] and all(r.cached for r in second)
+    assert len(fake_backend.calls) == 6 and again.stats.requests == 0
+    # the key of sample i is what it was before samples ran concurrently: rows written
+    # by earlier versions still hit, and these rows hit for them
+    params = {"temperature": 0.5, "max_tokens": 32, "stop": None, "top_p": None, "top_logprobs": None}
+    cache = ResponseCache(llm_cfg["cache_path"])
+    for i, reply in enumerate(first):
+        assert cache.get(cache_key("anthropic/fake-model", MSG, params, 9, i))["text"] == reply.text
+
+
+def test_a_failed_request_keeps_the_replies_of_the_others(llm_cfg, fake_backend, monkeypatch):
+    def flaky(**kwargs):
+        if kwargs["seed"] == sample_seed(0, 1):
+            raise import_litellm().exceptions.BadRequestError("bad", "anthropic", "fake-model")
+        return fake_backend(**kwargs)
+
+    monkeypatch.setattr(import_litellm(), "completion", flaky)
+    client = make_client({**llm_cfg, "model": "anthropic/fake-model"})
+    with pytest.raises(LLMError, match="failed"):
+        client.chat(MSG, n=3)
+    assert client.stats.errors == 1 and len(fake_backend.calls) == 2
+    monkeypatch.setattr(import_litellm(), "completion", fake_backend)
+    replies = client.chat(MSG, n=3)
+    assert [r.cached for r in replies] == [True, False, True]  # only the failed one is asked again
+
+
+def test_prompt_tokens_the_backend_reused_are_counted(llm_cfg, monkeypatch):
+    from litellm.types.utils import PromptTokensDetailsWrapper
+
+    real = import_litellm().completion
+
+    def reply(**kwargs):
+        response = real(model="gpt-4o-mini", messages=kwargs["messages"], mock_response="ok")
+        response.usage.prompt_tokens_details = PromptTokensDetailsWrapper(cached_tokens=3)
+        return response
+
+    monkeypatch.setattr(import_litellm(), "completion", reply)
+    client = make_client({**llm_cfg, "cache": False})
+    client.chat(MSG)
+    assert client.stats.cached_prompt_tokens == 3 and "3 prompt tokens reused" in client.stats.summary()
+
+
+def test_sampling_settings_are_checked(llm_cfg):
+    for bad in ({"concurrency": 0}, {"n_parallel": -1}, {"n_threads": "many"}):
+        with pytest.raises(LLMError):
+            make_client({**llm_cfg, **bad})
+    assert make_client({**llm_cfg, "n_threads": "2"}).settings.n_threads == 2
 
 
 # -- cache -------------------------------------------------------------------------------

@@ -96,6 +96,7 @@ def test_provider_is_registered_and_passes_sampling_params(monkeypatch, tmp_path
 
     monkeypatch.setattr(embedded, "generate", fake_generate)
     monkeypatch.setattr(embedded, "get_server", lambda name="": object())
+    monkeypatch.setattr(embedded, "get_plan", lambda name="": ONE_SLOT)
     client = make_client({"cache": False, "max_tokens": 9, "show_progress": False})
     replies = client.chat([{"role": "user", "content": "q"}], n=2, seed=4, stop=["END"], temperature=0.2)
     assert [r.text for r in replies] == ["ok", "ok"]
@@ -127,13 +128,142 @@ def test_real_embedded_model_answers(tmp_path):
     assert again.cached and again.text == reply.text and client.stats.requests == 1
 
 
-def test_zero_threads_means_all_cores(monkeypatch):
-    import os
-
+def test_configure_keeps_auto_and_reads_numbers(monkeypatch):
     monkeypatch.setattr(embedded, "settings", embedded.EmbeddedSettings())
-    embedded.configure(n_threads=0, n_ctx=None)
-    assert embedded.settings.n_threads == (os.cpu_count() or 1)
+    monkeypatch.setattr(embedded, "_loaded", {})
+    assert embedded.settings.n_threads == "auto"
+    embedded.configure(n_threads="2", n_ctx=None)
+    assert embedded.settings.n_threads == 2
     assert embedded.settings.n_ctx == 8192  # None leaves a setting alone
+
+
+# -- the server plan: threads, slots, KV pool -------------------------------------------
+
+ONE_SLOT = embedded.ServerPlan(n_threads=1, n_parallel=1, n_ctx=8192, prefix_cache=False, reason="test")
+
+
+@pytest.mark.parametrize(("cores", "busy", "threads"), [
+    (2, 0.0, 2),  # idle: every core
+    (2, 0.3, 2),  # a little background work
+    (2, 0.6, 1),  # a core more than half taken costs more than its thread brings
+    (2, 0.9, 1),  # a training beside it: the free core only
+    (2, 3.5, 1),  # overloaded: still one
+    (16, 4.0, 12),
+])
+def test_auto_threads_take_the_free_cores(cores, busy, threads):
+    plan = embedded.plan_server(embedded.EmbeddedSettings(), cores, busy)
+    assert plan.n_threads == threads and f"{busy:.1f} busy" in plan.reason
+
+
+def test_fixed_and_all_core_threads_ignore_the_load():
+    assert embedded.plan_server(embedded.EmbeddedSettings(n_threads=3), 2, 2.0).n_threads == 3
+    assert embedded.plan_server(embedded.EmbeddedSettings(n_threads=0), 4, 3.0).n_threads == 4
+    with pytest.raises(LLMError, match="n_threads"):
+        embedded.plan_server(embedded.EmbeddedSettings(n_threads="lots"), 2, 0.0)
+
+
+def test_slots_share_one_pool_that_holds_a_prompt_and_its_replies():
+    plan = embedded.plan_server(embedded.EmbeddedSettings(n_ctx=8192), 2, 0.0)
+    assert plan.n_parallel == embedded.AUTO_SLOTS and plan.n_ctx == 16384 and plan.prefix_cache
+    assert plan.samples_per_request(prompt_chars=4500, max_tokens=1024) == 8  # 1,564 + 8 x 1,024 fit
+    assert plan.samples_per_request(prompt_chars=4500, max_tokens=4096) == 3
+    assert plan.samples_per_request(prompt_chars=60000, max_tokens=4096) == 1  # never below one
+
+
+def test_one_slot_without_prefix_reuse_is_the_old_server():
+    plan = embedded.plan_server(embedded.EmbeddedSettings(n_parallel=1, prefix_cache=False, n_threads=1), 2, 0.0)
+    assert (plan.n_threads, plan.n_parallel, plan.n_ctx, plan.prefix_cache) == (1, 1, 8192, False)
+    assert plan.samples_per_request(100, 10) == 1
+    params = embedded.server_params(Path("m.gguf"), plan)
+    assert (params.n_parallel, params.n_ctx, params.kv_unified, params.cache_prompt, params.cache_ram_mib) == (
+        1, 8192, False, False, 0)
+
+
+def test_server_params_follow_the_plan():
+    plan = embedded.ServerPlan(n_threads=2, n_parallel=4, n_ctx=16384, prefix_cache=True, reason="")
+    params = embedded.server_params(Path("m.gguf"), plan)
+    assert (params.n_parallel, params.n_ctx, params.kv_unified, params.cache_prompt) == (4, 16384, True, True)
+    assert params.cpuparams.n_threads == params.cpuparams_batch.n_threads == 2
+    assert params.cache_ram_mib == embedded.PROMPT_CACHE_MIB and params.model.path == "m.gguf"
+
+
+def test_busy_cores_is_a_quick_nonnegative_reading():
+    import time
+
+    start = time.perf_counter()
+    assert embedded.busy_cores(window_s=0.05) >= 0.0
+    assert time.perf_counter() - start < 1.0
+    assert embedded.usable_cores() >= 1
+
+
+class FakeServer:
+    """Answers like ``xllamacpp.Server.handle_chat_completions``: ``n`` choices per request,
+    usage of the first only (as llama.cpp does), and records each request."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+
+    def handle_chat_completions(self, request: dict) -> dict:
+        with self.lock:
+            self.requests.append(request)
+        n = request.get("n", 1)
+        texts = [f"seed={request['seed']} j={j} " + "x" * 35 * (j + 1) for j in range(n)]
+        return {"choices": [{"index": j, "message": {"content": t}, "finish_reason": "length" if j == 0 else "stop"}
+                            for j, t in enumerate(texts)],
+                "usage": {"prompt_tokens": 50, "completion_tokens": request["max_tokens"], "total_tokens": 0,
+                          "prompt_tokens_details": {"cached_tokens": 40}}}
+
+
+def test_samples_of_a_call_share_one_request_per_slots_worth(monkeypatch, tmp_path):
+    from core.llm.client import sample_seed
+
+    server = FakeServer()
+    plan = embedded.ServerPlan(n_threads=1, n_parallel=4, n_ctx=16384, prefix_cache=True, reason="")
+    monkeypatch.setattr(embedded, "get_server", lambda name="": server)
+    monkeypatch.setattr(embedded, "get_plan", lambda name="": plan)
+    monkeypatch.setattr(embedded, "_plan", plan)
+    client = make_client({"cache": True, "cache_path": str(tmp_path / "c.sqlite"), "max_tokens": 20,
+                          "show_progress": False})
+    replies = client.chat([{"role": "user", "content": "q"}], n=6, seed=3, temperature=0.9)
+    got = sorted((r.get("n", 1), r["seed"]) for r in server.requests)
+    assert got == sorted([(4, sample_seed(3, 0)), (2, sample_seed(3, 4))])  # one request per 4 slots
+    assert all(r["cache_prompt"] is True and r["temperature"] == 0.9 for r in server.requests)
+    assert len({r.text for r in replies}) == 6 and replies[0].text.startswith(f"seed={sample_seed(3, 0)} j=0")
+    # tokens: a reply cut at max_tokens has max_tokens, the others are re-tokenised (here,
+    # without the server's /tokenize, estimated from their length); usage counts them all
+    def estimate(seed: int, j: int) -> int:
+        return round(len(f"seed={seed} j={j} " + "x" * 35 * (j + 1)) / 3.5)
+
+    first, second = sample_seed(3, 0), sample_seed(3, 4)
+    expected = 20 + sum(estimate(first, j) for j in (1, 2, 3)) + 20 + estimate(second, 1)
+    assert client.stats.completion_tokens == expected and client.stats.cached_prompt_tokens == 80
+    # and the same call again comes from the cache, request by request the same texts
+    again = make_client({"cache": True, "cache_path": str(tmp_path / "c.sqlite"), "show_progress": False,
+                         "max_tokens": 20}).chat([{"role": "user", "content": "q"}], n=6, seed=3, temperature=0.9)
+    assert [r.text for r in again] == [r.text for r in replies] and len(server.requests) == 2
+
+
+def test_the_old_path_sends_one_sample_per_request_without_prefix_reuse(monkeypatch):
+    server = FakeServer()
+    monkeypatch.setattr(embedded, "get_server", lambda name="": server)
+    monkeypatch.setattr(embedded, "get_plan", lambda name="": ONE_SLOT)
+    monkeypatch.setattr(embedded, "_plan", ONE_SLOT)
+    client = make_client({"cache": False, "max_tokens": 8, "show_progress": False, "n_parallel": 1, "max_n": 1,
+                          "prefix_cache": False})
+    client.chat([{"role": "user", "content": "q"}], n=3, seed=1)
+    assert len(server.requests) == 3 and all("n" not in r and r["cache_prompt"] is False for r in server.requests)
+
+
+def test_extra_llama_fields_pass_through(monkeypatch):
+    server = FakeServer()
+    monkeypatch.setattr(embedded, "get_server", lambda name="": server)
+    monkeypatch.setattr(embedded, "get_plan", lambda name="": ONE_SLOT)
+    client = make_client({"cache": False, "show_progress": False, "extra": {"ignore_eos": True, "top_k": 5}})
+    client.ask("q")
+    assert server.requests[0]["ignore_eos"] is True and server.requests[0]["top_k"] == 5
 
 
 def test_forked_child_drops_the_parents_model(monkeypatch):
