@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from tensordict import TensorDictBase
@@ -68,28 +69,34 @@ class GaussianHead(nn.Module):
 class SamplingPolicy(nn.Module):
     """Collection policy: writes ``action`` and its log-probability into the tensordict.
 
-    Categorical: ``log_softmax`` + ``multinomial``; Gaussian: ``loc + std * noise`` with
-    the summed normal log-density (what ``IndependentNormal`` computes).
+    Categorical: ``log_softmax``, then the Gumbel-max trick (``argmax(log p + G)``,
+    ``G = -log(-log U)``, an exact sample; a fraction of ``multinomial``'s cost on small
+    batches); Gaussian: ``loc + std * noise`` with the summed normal log-density (what
+    ``IndependentNormal`` computes).
+
+    :param actor: ``obs -> logits`` or ``obs -> (loc, std)``: the actor network, or
+        :meth:`FlatActorCritic.actor`.
     """
 
-    def __init__(self, actor_net: nn.Module, discrete: bool, log_prob_key: str) -> None:
+    def __init__(self, actor: Callable[[torch.Tensor], Any], discrete: bool, log_prob_key: str) -> None:
         super().__init__()
-        self.actor_net = actor_net
+        self.actor = actor
         self.discrete = discrete
         self.log_prob_key = log_prob_key
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         obs = td.get("observation")
         if self.discrete:
-            logp = torch.log_softmax(self.actor_net(obs), dim=-1)
-            action = torch.multinomial(logp.exp(), 1)
+            logp = torch.log_softmax(self.actor(obs), dim=-1)
+            gumbel = torch.rand_like(logp).log_().neg_().log_()  # -G
+            action = (logp - gumbel).argmax(-1, keepdim=True)
             td.set("action", action.squeeze(-1))
             td.set(self.log_prob_key, logp.gather(-1, action).squeeze(-1))
         else:
-            loc, std = self.actor_net(obs)
+            loc, std = self.actor(obs)
             noise = torch.randn_like(loc)
             td.set("action", loc + std * noise)
-            log_prob = -0.5 * noise.pow(2) - std.log() - 0.5 * torch.log(torch.tensor(2 * torch.pi))
+            log_prob = -0.5 * noise.pow(2) - std.log() - _HALF_LOG_2PI
             td.set(self.log_prob_key, log_prob.sum(-1))
         return td
 
@@ -279,6 +286,16 @@ class FlatActorCritic:
                 self.log_std.copy_(actor_net.log_std)
                 actor_net.log_std = nn.Parameter(self.log_std)
 
+    def actor(self, obs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The actor's output as ``actor_net`` gives it (logits, or ``(loc, std)``), for collection."""
+        x = obs
+        for layer in self._hidden:
+            _, wt, b, _ = layer[0]
+            x = torch.addmm(b, x, wt, beta=2.0, alpha=2.0).sigmoid_().mul_(2.0).sub_(1.0)
+        _, wt, b, _, _ = self._heads[0]
+        out = torch.addmm(b, x, wt)
+        return (out, self.log_std.exp().expand_as(out)) if self.gaussian else out
+
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(actor head [N, A], value [N, 1])`` for ``obs [N, D]``, without autograd.
 
@@ -346,3 +363,34 @@ class _Workspace:
     grad_halves: list[tuple[torch.Tensor, torch.Tensor]]  # (actor, critic) views of grads
     outputs: tuple[torch.Tensor, torch.Tensor]  # actor head [N, A], value [N, 1]
     obs: torch.Tensor | None = None  # the input of the last forward
+
+
+class FlatAdam:
+    """Adam on one flat tensor: ``torch.optim.Adam(fused=True)``'s kernel, called directly.
+
+    The same update as ``torch.optim.Adam([params], fused=True)`` (a test checks that the
+    two agree), without the ``Optimizer`` machinery around the kernel (hooks, grouping
+    by device and dtype, state lookups), which costs ~90 us a step against ~6 us for the
+    kernel on a 10k-parameter MLP pair. Falls back to ``torch.optim.Adam`` where the
+    fused kernel is missing.
+
+    :param params: the tensor to optimise; its ``.grad`` is read at each :meth:`step`.
+    """
+
+    def __init__(self, params: torch.Tensor, lr: float, eps: float = 1e-8,
+                 betas: tuple[float, float] = (0.9, 0.999)) -> None:
+        self.params, self.lr, self.eps, self.betas = params, float(lr), float(eps), betas
+        self.exp_avg = torch.zeros_like(params)
+        self.exp_avg_sq = torch.zeros_like(params)
+        self.steps = torch.zeros((), dtype=torch.float32, device=params.device)
+        self._fallback = None if hasattr(torch, "_fused_adam_") else torch.optim.Adam([params], lr=lr, eps=eps, betas=betas)
+
+    def step(self) -> None:
+        if self._fallback is not None:
+            self._fallback.param_groups[0]["lr"] = self.lr
+            self._fallback.step()
+            return
+        self.steps += 1
+        torch._fused_adam_([self.params], [self.params.grad], [self.exp_avg], [self.exp_avg_sq], [], [self.steps],
+                           amsgrad=False, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=0.0,
+                           eps=self.eps, maximize=False)

@@ -30,7 +30,7 @@ from core.train.common import (CandidateEnv, config_from, corr_sums, pearson, sa
 from core.config import Settings
 from core.context import TrainContext
 from core.train.evaluate import evaluate_and_record
-from core.train.networks import _HALF_LOG_2PI, FlatActorCritic, build_networks
+from core.train.networks import _HALF_LOG_2PI, FlatActorCritic, FlatAdam, SamplingPolicy, build_networks
 
 
 @dataclass
@@ -221,9 +221,8 @@ class _Run:
         self.env, self.base = cenv.env, cenv.base
         nets = build_networks(cenv.obs_dim, self.base.action_spec, cfg.hidden)
         self.nets, self.model = nets, FlatActorCritic(nets.actor_net, nets.critic_net)
-        # fused Adam over the one flat parameter tensor: a single kernel per step
-        optim = torch.optim.Adam([self.model.params], lr=cfg.lr, eps=1e-5, fused=True)
-        policy = nets.sampling_policy("action_log_prob")
+        optim = FlatAdam(self.model.params, lr=cfg.lr, eps=1e-5)  # one fused kernel per step
+        policy = SamplingPolicy(self.model.actor, nets.discrete, "action_log_prob")
         batches = max(1, cfg.frames // cfg.frames_per_batch)
         clock = _PhaseClock()
         collector = Collector(self.env, policy, frames_per_batch=cfg.frames_per_batch,
@@ -251,7 +250,7 @@ class _Run:
                     hook.on_rollout(train=ctx, batch=batch)
                     clock.lap("reward")
                 frac = 1.0 - i / batches if cfg.anneal_lr else 1.0
-                optim.param_groups[0]["lr"] = cfg.lr * frac
+                optim.lr = cfg.lr * frac
                 data = self._advantages(batch)
                 clock.lap("advantage")
                 stats = self._update(data, optim, cfg.clip * frac)
@@ -307,7 +306,7 @@ class _Run:
         return {"algorithm": "ppo", "obs_dim": self.cenv.obs_dim, "hidden": list(self.cfg.hidden),
                 "discrete": nets.discrete, "actor": nets.actor_net.state_dict(), "critic": nets.critic_net.state_dict()}
 
-    def _update(self, frames: Frames, optim: torch.optim.Optimizer, clip: float) -> dict[str, float]:
+    def _update(self, frames: Frames, optim: FlatAdam, clip: float) -> dict[str, float]:
         """``epochs`` passes of minibatch updates; the last minibatch's losses and the batch's entropy."""
         cfg, model = self.cfg, self.model
         n = frames.obs.shape[0]
@@ -322,9 +321,9 @@ class _Run:
                 mb = whole if order is None else frames.take(order[k * size:(k + 1) * size]).normalized()
                 report = epoch == cfg.epochs - 1 and k == last
                 losses = ppo_gradients(model, mb, bounds, cfg.vf_coef, cfg.ent_coef, report=report)
-                # gradient clipping as clip_grad_norm_, on the one flat gradient
-                norm = model.grad.norm()
-                model.grad.mul_((cfg.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0))
+                scale = cfg.max_grad_norm / (float(model.grad.norm()) + 1e-6)  # clip_grad_norm_ on the flat gradient
+                if scale < 1.0:
+                    model.grad.mul_(scale)
                 optim.step()
         stats = {"losses/policy_loss": losses["policy"], "losses/value_loss": losses["value"]}
         stats["losses/entropy"] = float(self.nets.entropy(frames.obs).mean())  # once per batch, on the whole batch
