@@ -14,7 +14,7 @@ import os
 import tempfile
 import time
 import traceback
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -78,11 +78,20 @@ class CandidateEnv:
     means), ``rewrites_reward``, ``program_metrics`` (1.0 per program that runs per
     row, for the result's metrics), ``macros`` (a :class:`core.train.macros.MacroSet` or
     None) and :meth:`augment` (the policy's input for a task observation).
+
+    A population method (LaRes) that rewrites a candidate's reward during training passes
+    ``reward_fn``, a prepared ``(state, action, next_state) -> (reward, components)``
+    used in place of the candidate's program (whose ``mode`` and ``weight`` still apply),
+    and ``wrap_env``, applied to the task's vector env after the macros (e.g. to record
+    how episodes end).
     """
 
     def __init__(self, task: Task, candidate: Candidate, num_envs: int, seed: int, hook: Any,
-                 ctx: TrainContext | None) -> None:
-        reward_fn, state_fn, state_dim = prepare_programs(task, candidate, ctx)
+                 ctx: TrainContext | None, *, reward_fn: Any = None,
+                 wrap_env: Callable[[Any], Any] | None = None) -> None:
+        own = replace(candidate, reward=None) if reward_fn is not None else candidate
+        prepared, state_fn, state_dim = prepare_programs(task, own, ctx)
+        reward_fn = reward_fn if reward_fn is not None else prepared
         self.program_metrics = {f"sandbox/{role}_per_row": 1.0 for role, fn in (("reward", reward_fn), ("state", state_fn))
                                 if getattr(fn, "per_row", False)}
         self.macros = None
@@ -96,6 +105,8 @@ class CandidateEnv:
         vec = task.make_env(num_envs, seed, params)
         if self.macros is not None:
             vec = self.macros.wrap(vec)
+        if wrap_env is not None:
+            vec = wrap_env(vec)
         base = VecGymEnv(vec, seed, keep_env_reward=wants_hooks and has_impls(hook, "compute_reward"))
         probe = None
         if wants_hooks:
