@@ -1,4 +1,4 @@
-"""lares plugin: selection, Thompson sampling, rescaling, relabelling, behaviour text, prompts, evolution."""
+"""lares plugin: selection, Thompson sampling, rescaling, relabelling, prompts, and the population's training contract."""
 
 from __future__ import annotations
 
@@ -10,14 +10,17 @@ from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
+import fakes
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
+from fakes import ScriptedLLM, plugin_object
 
+from core import hookimpl
 from core.envs import make_task
 from core.errors import UserError
-from core.records import Candidate, Fitness, IterationResult, RewardProgram, TrainResult
+from core.records import Candidate, EnvConfig, Fitness, IterationResult, MacroAction, Program, RewardProgram, StateProgram, TrainResult
+from core.registry import make_plugin_manager
 from plugins import lares
 
 UPRIGHT = """```python
@@ -45,55 +48,61 @@ def compute_reward(state, action, next_state):
     return state["no_such_field"]
 ```"""
 
+ANGLE = """import torch
+
+def revise_state(state):
+    return torch.stack([state["cos_theta"] * state["angular_velocity"], state["sin_theta"] ** 2], dim=-1)
+"""
+
 ANALYSIS = "- jitter: the torque flips sign every step; penalise action changes."
 
-
-class FakeLLM:
-    """Reward replies for code calls, the analysis text for analysis calls; records calls."""
-
-    def __init__(self, codes: list[str]) -> None:
-        self.codes, self.calls, self.i = codes, [], 0
-
-    def chat(self, messages, *, n=1, temperature=None, max_tokens=None, seed=0, tag="", stop=None):
-        self.calls.append({"messages": messages, "n": n, "temperature": temperature, "tag": tag, "seed": seed})
-        if "analysis" in tag:
-            return [SimpleNamespace(text=ANALYSIS, cached=False, latency_s=0.0)]
-        out = []
-        for _ in range(n):
-            out.append(SimpleNamespace(text=self.codes[self.i % len(self.codes)], cached=False, latency_s=0.0))
-            self.i += 1
-        return out
+#: small SAC settings for the population's agents
+SAC = {"name": "sac", "frames": 1000, "init_random_frames": 200, "updates_per_frame": 0.25, "batch_size": 32,
+       "num_envs": 2, "eval_episodes": 1, "hidden": [16]}
 
 
-SAC_KEYS = {"num_envs", "buffer_size", "batch_size", "updates_per_frame", "init_random_frames", "hidden", "lr", "eval_episodes", "name"}
+def scripted(codes: list[str]) -> ScriptedLLM:
+    """Reward code in turn for code calls, the analysis text for analysis calls."""
+    turn = iter(range(10_000))
+    return ScriptedLLM(answer=lambda messages, tag: ANALYSIS if "analysis" in tag else codes[next(turn) % len(codes)])
 
 
-def make_run(codes: list[str], tmp_path: Path, env: str = "pendulum", **cfg) -> SimpleNamespace:
-    """A fake run: ``cfg`` keys of the SAC trainer go to ``trainer``, the rest to the plugin."""
-    base = OmegaConf.load(Path(lares.__file__).parents[1] / "conf" / "plugins" / "lares.yaml")
-    plugin = OmegaConf.merge(base, {k: v for k, v in cfg.items() if k not in SAC_KEYS})
-    trainer = OmegaConf.load(Path(lares.__file__).parents[1] / "conf" / "trainer" / "sac.yaml")
-    trainer = OmegaConf.merge(trainer, {"frames": 1000}, {k: v for k, v in cfg.items() if k in SAC_KEYS})
-    config = OmegaConf.create(
-        {
-            "cache_dir": str(tmp_path),
-            "save_policy": False,
-            "trainer": trainer,
-            "sandbox": {"allowed_imports": ["math", "numpy", "torch"], "cpu_s": 10, "wall_s": 20, "memory_mb": 4096, "call_timeout_s": 1.0},
-            "plugins": {"lares": plugin},
-        }
-    )
-    metrics: list[tuple[dict, int]] = []
-    logged: dict[str, str] = {}
-    run = SimpleNamespace(
-        config=config, task=make_task({"name": env}), llm=FakeLLM(codes), seed=0,
-        plugin_config=lambda name: config.plugins.get(name),
-        log_metrics=lambda m, step=None: metrics.append((m, step)),
-        log_text=lambda path, text: logged.__setitem__(path, text),
-        metrics=metrics, logged=logged,
-    )  # fmt: skip
-    lares.on_run_start(run=run)
-    return run
+def make_run(codes: list[str], tmp_path: Path, env: str = "pendulum", extra: tuple = (), trainer: dict | None = None, **cfg):
+    """(the LaRes plugin object, a run context): the plugin registered with ``extra`` as in a run."""
+    config = {"trainer": {**SAC, **(trainer or {})}, "save_policy": False, "cache_dir": str(tmp_path)}
+    run = fakes.make_run(make_task({"name": env}), scripted(codes), plugin="lares", module=lares, overrides=cfg, config=config)
+    pm = make_plugin_manager(run.settings, {"lares": lares}, extra=extra)
+    run.hook = pm.hook
+    plugin = pm.get_plugin("lares")
+    plugin.on_run_start(run=run)
+    return plugin, run
+
+
+def candidates(codes: list[str], **parts) -> list[Candidate]:
+    programs, _ = lares.programs_from([SimpleNamespace(text=t) for t in codes], "p", 0)
+    return [Candidate(id=f"it0-c{i}", iteration=0, reward=p, **parts) for i, p in enumerate(programs)]
+
+
+def upright_reward(state: dict) -> torch.Tensor:
+    return state["cos_theta"] - 0.1 * torch.abs(state["angular_velocity"])
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+
+def test_config_refuses_unknown_choices_before_any_work():
+    with pytest.raises(UserError, match="selection"):
+        fakes.settings_for("lares", lares, {"selection": "roulette"})
+    with pytest.raises(UserError, match="rescale"):
+        fakes.settings_for("lares", lares, {"rescale": "log"})
+    with pytest.raises(UserError, match="population"):
+        fakes.settings_for("lares", lares, {"population": 0})
+    assert lares.Config().final_seeds == 0 and lares.Config().frames is None
+
+
+def test_a_non_sac_trainer_is_refused_at_run_start(tmp_path):
+    with pytest.raises(UserError, match="trainer=sac"):
+        make_run([UPRIGHT], tmp_path, trainer={"name": "ppo"})
 
 
 # -- selection and sampling -----------------------------------------------------------------------
@@ -160,31 +169,36 @@ def test_shared_buffer_relabels_a_column_with_a_new_function():
     task = make_task({"name": "pendulum"})
     buf = lares.SharedBuffer(capacity=8, obs_dim=3, act_dim=1, members=2)
     obs = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, -0.5], [-1.0, 0.0, 2.0]])
-    buf.add(obs, torch.zeros(3, 1), obs, torch.zeros(3), torch.ones(3), torch.zeros(3, 2))
+    buf.add(obs, torch.zeros(3, 1), obs, torch.zeros(3), torch.ones(3), torch.zeros(3, 2), hook=torch.full((3, 2), 0.5))
     assert buf.size == 3 and float(buf.env_reward.sum()) == 3.0
 
-    def fn(state, action, next_state):
-        return next_state["cos_theta"] * 10, {}
+    def fn(state, action, next_state, env_reward):
+        return next_state["cos_theta"] * 10 + env_reward
 
     buf.relabel(1, fn, task, chunk=2)
-    assert buf.raw[:3, 1].tolist() == [10.0, 0.0, -10.0]
+    assert buf.raw[:3, 1].tolist() == [11.0, 1.0, -9.0]
     assert buf.raw[:3, 0].tolist() == [0.0, 0.0, 0.0]  # other columns untouched
+    assert buf.hook[:3].eq(0.5).all()  # the hooks' terms stay as collected
     for _ in range(3):  # ring buffer wraps at capacity
         buf.add(obs, torch.zeros(3, 1), obs, torch.zeros(3), torch.ones(3), torch.zeros(3, 2))
     assert buf.size == 8 and buf.ptr == 4
 
 
-def test_buffer_samples_a_sac_batch_rewarded_by_one_scaled_column():
-    buf = lares.SharedBuffer(capacity=8, obs_dim=2, act_dim=1, members=2)
+def test_buffer_samples_a_sac_batch_rewarded_and_featured_for_one_member():
+    buf = lares.SharedBuffer(capacity=8, obs_dim=2, act_dim=1, members=2, extra_dims=[0, 1])
     obs = torch.arange(8.0).reshape(4, 2)
-    buf.add(obs, torch.ones(4, 1), obs + 1, torch.tensor([0, 0, 0, 1]), torch.zeros(4), torch.tensor([[1.0, 5.0]] * 4))
+    feats = {1: (torch.full((4, 1), -1.0), torch.full((4, 1), -2.0))}
+    buf.add(obs, torch.ones(4, 1), obs + 1, torch.tensor([0, 0, 0, 1]), torch.zeros(4), torch.tensor([[1.0, 5.0]] * 4),
+            hook=torch.tensor([[0.0, 0.5]] * 4), extra=feats)
     batch = buf.sample(16, 1, (2.0, -1.0, "affine"))
     assert batch.batch_size == torch.Size([16])
     assert set(batch.keys(True, True)) >= {"observation", "action", ("next", "observation"), ("next", "reward"),
                                            ("next", "done"), ("next", "terminated")}
-    assert batch["next", "reward"].shape == (16, 1) and torch.all(batch["next", "reward"] == 9.0)
+    assert batch["next", "reward"].shape == (16, 1) and torch.all(batch["next", "reward"] == 9.5)  # scaled program + hook term
     assert batch["next", "terminated"].dtype == torch.bool
-    assert torch.equal(batch["next", "observation"], batch["observation"] + 1)
+    assert batch["observation"].shape == (16, 3) and torch.all(batch["observation"][:, 2] == -1.0)
+    assert torch.equal(batch["next", "observation"][:, :2], batch["observation"][:, :2] + 1)
+    assert buf.sample(4, 0, (1.0, 0.0, "affine"))["observation"].shape == (4, 2)  # member 0 has no features
 
 
 def test_agents_are_core_sac_modules_and_a_newcomer_inherits_the_elites_weights(tmp_path):
@@ -192,7 +206,7 @@ def test_agents_are_core_sac_modules_and_a_newcomer_inherits_the_elites_weights(
 
     from core.train.sac import act_deterministic, make_sac_modules, sac_update
 
-    run = make_run([UPRIGHT], tmp_path, hidden=[8], batch_size=4)
+    _, run = make_run([UPRIGHT], tmp_path, trainer={"hidden": [8], "batch_size": 4})
     cfg = lares.sac_settings(run, frames=500)
     assert cfg.frames == 500 and cfg.hidden == [8]
     spec = Bounded(low=-2.0, high=2.0, shape=(1,), dtype=torch.float32)
@@ -204,14 +218,6 @@ def test_agents_are_core_sac_modules_and_a_newcomer_inherits_the_elites_weights(
     assert not torch.allclose(act_deterministic(elite, obs), act_deterministic(newcomer, obs))
     lares.inherit(newcomer, elite)
     assert torch.allclose(act_deterministic(elite, obs), act_deterministic(newcomer, obs))
-    action = lares.explore(newcomer, obs)
-    assert action.shape == (5, 1) and float(action.abs().max()) <= 2.0
-
-
-def test_a_non_sac_trainer_is_refused_with_a_clear_message(tmp_path):
-    run = make_run([UPRIGHT], tmp_path, name="ppo")
-    with pytest.raises(UserError, match="trainer=sac"):
-        lares.sac_settings(run)
 
 
 # -- behaviour analysis text ------------------------------------------------------------------------------
@@ -235,26 +241,26 @@ def test_behaviour_description_is_bounded_and_names_motion_defects():
 
 
 def test_initial_population_prompt_and_parsing(tmp_path):
-    run = make_run([UPRIGHT, "no code here", SMOOTH], tmp_path, population=3)
-    programs = lares.propose_rewards(run=run, iteration=0)
+    plugin, run = make_run([UPRIGHT, "no code here", SMOOTH], tmp_path, population=3)
+    programs = plugin.propose_rewards(run=run, iteration=0)
     (call,) = run.llm.calls
-    assert call["n"] == 3 and call["temperature"] == 1.0
-    system, user = call["messages"][0]["content"], call["messages"][1]["content"]
+    assert call.n == 3 and call.temperature == 1.0
+    system, user = call.messages[0]["content"], call.messages[1]["content"]
     assert "reward engineer" in system and "simple" in system
     assert run.task.goal in user and "def compute_reward(state, action, next_state)" in user
     assert len(programs) == 2 and all(p.origin == "lares" for p in programs)
-    assert "2/3 replies held a reward function" in lares.STATE.log[0]
-    assert lares.propose_rewards(run=run, iteration=1) is None  # later generations are born in training
+    assert "2/3 replies held a reward function" in plugin.log[0]
+    assert plugin.propose_rewards(run=run, iteration=1) is None  # later generations are born in training
 
 
 def test_retrieval_shows_the_most_similar_cases_first(tmp_path):
-    run = make_run([UPRIGHT], tmp_path, retrieval=True, retrieve_k=1)
-    lares.STATE.cases = [
+    plugin, run = make_run([UPRIGHT], tmp_path, retrieval=True, retrieve_k=1)
+    plugin.cases = [
         {"task": "x", "goal": "open the drawer", "code": "def compute_reward(s, a, n):\n    return DRAWER", "fitness": 1.0},
         {"task": "y", "goal": "swing the pendulum up and keep it upright", "code": "def compute_reward(s, a, n):\n    return SWING", "fitness": 1.0},
     ]
-    lares.propose_rewards(run=run, iteration=0)
-    user = run.llm.calls[0]["messages"][1]["content"]
+    plugin.propose_rewards(run=run, iteration=0)
+    user = run.llm.calls[0].messages[1]["content"]
     assert user.startswith("Reward functions that worked") and "SWING" in user and "DRAWER" not in user
 
 
@@ -266,73 +272,187 @@ def test_evolve_prompt_holds_best_code_feedback_and_analysis():
     assert len(msgs) == 3
 
 
-# -- the joint training ---------------------------------------------------------------------------------
+def test_two_runs_keep_their_own_plugin_state(tmp_path):
+    first, run_a = make_run([UPRIGHT], tmp_path / "a")
+    second, run_b = make_run([UPRIGHT, SMOOTH], tmp_path / "b", population=2)
+    first.propose_rewards(run=run_a, iteration=0)
+    second.propose_rewards(run=run_b, iteration=0)
+    assert first is not second and len(first.log) == len(second.log) == 1
+    assert "5/5" in first.log[0] and "2/2" in second.log[0]
 
 
-def _candidates(run, codes: list[str]) -> list[Candidate]:
-    programs, _ = lares.programs_from([SimpleNamespace(text=t) for t in codes], "p", 0)
-    return [Candidate(id=f"it0-c{i}", iteration=0, reward=p) for i, p in enumerate(programs)]
+# -- the train_candidates contract ----------------------------------------------------------------------
+
+
+class Observer:
+    """A plugin beside LaRes: a per-step reward bonus, an extra feature, and the training hooks."""
+
+    def __init__(self) -> None:
+        self.rewards: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.contexts: dict[str, set[int]] = {}
+        self.obs_dims: dict[str, set[int]] = {}
+        self.events: list[tuple[str, str]] = []
+
+    @hookimpl
+    def compute_reward(self, train, batch):
+        self.rewards.setdefault(train.candidate.id, []).append((batch.next_obs.clone(), batch.reward.clone()))
+        self.contexts.setdefault(train.candidate.id, set()).add(id(train))
+        assert 0.0 <= train.progress <= 1.0
+        return torch.full_like(batch.reward, 0.25)
+
+    @hookimpl
+    def represent_state(self, train, obs):
+        self.obs_dims.setdefault(train.candidate.id, set()).add(int(obs.shape[-1]))
+        return obs[:, :1] * 0.0 + 1.0
+
+    @hookimpl
+    def on_train_start(self, train):
+        self.events.append(("start", train.candidate.id))
+
+    @hookimpl
+    def on_rollout(self, train, batch):
+        self.events.append(("rollout", train.candidate.id))
+
+    @hookimpl
+    def on_evaluation(self, train, frames, fitness, episodes):
+        self.events.append(("evaluation", train.candidate.id))
+        train.log_metric("observer/fitness_seen", fitness)
+
+    @hookimpl
+    def on_train_end(self, train, result):
+        self.events.append(("end", train.candidate.id))
+        result.metrics["observer/ended"] = 1.0
+
+    def count(self, event: str, cid: str) -> int:
+        return self.events.count((event, cid))
+
+
+def test_population_trains_through_the_core_machinery_with_a_context_per_member(tmp_path):
+    """Per-step hooks fire for every member with its own TrainContext; the state program and env
+    configs are honoured; macros are refused as unsupported; others' candidates go to the executor."""
+    observer = Observer()
+    plugin, run = make_run([SMOOTH], tmp_path, extra=(observer,), population=2, elites=1, llm_freq=400, frames=800)
+    seen_params: list = []
+    make_env = run.task.make_env
+
+    def recording_make_env(num_envs, seed, params=None):  # pendulum has no params: record them, build the default
+        seen_params.append(params)
+        return make_env(num_envs, seed, None)
+
+    run.task.make_env = recording_make_env
+    featured, plain = candidates([UPRIGHT, UPRIGHT])
+    featured = Candidate("it0-c0", 0, reward=featured.reward, state=StateProgram(source=ANGLE, origin="llm_state_repr", extra_dim=2),
+                         envs=[EnvConfig("heavy", {"g": 12.0})])
+    macro = Candidate("it0-c2", 0, reward=RewardProgram(source=plain.reward.source, origin="lares"),
+                      macros=[MacroAction("spin", Program(source="def act(state):\n    return 0", entry="act"))])
+    other = Candidate("it0-c3", 0, reward=RewardProgram(source=plain.reward.source, origin="eureka"))
+
+    results = run.hook.train_candidates(run=run, candidates=[featured, plain, macro, other], seed=0)
+
+    assert len(results) == 4 and results[3] is None  # eureka's candidate: left to the executor
+    assert not results[2].ok and results[2].error_kind == "unsupported" and "macro-actions (spin)" in results[2].error
+    trained = {c.id: r for c, r in zip([featured, plain], results[:2])}
+    for cid, result in trained.items():
+        assert result.ok, result.error
+        assert result.fitness is not None and result.curve and result.metrics["observer/ended"] == 1.0
+        assert result.series["observer/fitness_seen"]  # what a hook logged through the member's context
+        assert observer.count("start", cid) == 1 and observer.count("end", cid) == 1
+        assert observer.count("evaluation", cid) >= 2  # at the LLM update and at the end
+        assert len(observer.contexts[cid]) == 1  # one TrainContext per member, for every call
+    assert observer.contexts["it0-c0"] != observer.contexts["it0-c1"]
+    assert sum(observer.count("rollout", cid) for cid in trained) == 400  # one batch per vector step
+    assert sum(r.frames for r in results[:2]) == 800
+    assert "it0-c2" not in observer.contexts and "it0-c3" not in observer.contexts
+    # every member's reward program labels every collected step (its own and the other's), and
+    # the hook sees that program's reward as the reward so far
+    for cid in trained:
+        steps = observer.rewards[cid]
+        assert len(steps) == 400
+        for next_obs, reward in steps[:150]:  # before the LLM update (at 400 frames) both are UPRIGHT
+            assert torch.allclose(reward, upright_reward(run.task.split_state(next_obs)), atol=1e-5)
+    # the state program's features (2) reach the member's policy: the represent_state hook sees them
+    assert observer.obs_dims["it0-c0"] == {5} and observer.obs_dims["it0-c1"] == {3}
+    assert [{"g": 12.0}] * 2 in seen_params  # the env config went to the member's vector env
+    # the LLM update: one analysis, one new function for the non-elite (its observation differs from the elite's or not)
+    assert [c.tag for c in run.llm.calls] == ["lares-analysis-g1", "lares-evolve-g1"]
+    assert sum("replaced" in r.texts["lares_history.md"] for r in results[:2]) == 1
+
+
+def test_candidates_lares_did_not_propose_are_left_to_the_executor(tmp_path):
+    plugin, run = make_run([UPRIGHT], tmp_path)
+    program = RewardProgram(source="x", origin="eureka")
+    assert plugin.train_candidates(run=run, candidates=[Candidate("c", 0, reward=program), Candidate("d", 0)], seed=0) is None
+    assert run.llm.calls == []
+
+
+def test_a_candidate_lares_cannot_honour_gets_an_unsupported_result_naming_the_part(tmp_path):
+    plugin, run = make_run([UPRIGHT], tmp_path)
+    (candidate,) = candidates([UPRIGHT], macros=[MacroAction("spin", Program(source="def act(state):\n    return 0", entry="act"))])
+    (result,) = plugin.train_candidates(run=run, candidates=[candidate], seed=0)
+    assert not result.ok and result.error_kind == "unsupported"
+    assert "macro-actions (spin)" in result.error and "discrete" in result.error
+    assert run.llm.calls == []  # nothing trained, nothing asked
+
+
+def test_discrete_tasks_get_unsupported_results_naming_the_action_space(tmp_path):
+    plugin, run = make_run([UPRIGHT], tmp_path, env="cartpole")
+    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return next_state['pole_angle']", origin="lares")
+    (result,) = plugin.train_candidates(run=run, candidates=[Candidate("c", 0, reward=program)], seed=0)
+    assert not result.ok and result.error_kind == "unsupported"
+    assert result.error.startswith("action space") and "continuous" in result.error
+
+
+# -- the method ---------------------------------------------------------------------------------------
 
 
 def test_evolution_replaces_non_elites_relabels_and_reports_each_member(tmp_path):
-    run = make_run([SMOOTH], tmp_path, population=3, elites=1, llm_freq=400, frames=800, init_random_frames=200, updates_per_frame=0.25,
-                   batch_size=32, num_envs=2, eval_episodes=1, hidden=[16])
-    candidates = _candidates(run, [UPRIGHT, UPRIGHT, BROKEN])
-    results = lares.train_candidates(run=run, candidates=candidates, seed=0)
+    plugin, run = make_run([SMOOTH], tmp_path, population=3, elites=1, llm_freq=400, frames=800)
+    results = plugin.train_candidates(run=run, candidates=candidates([UPRIGHT, UPRIGHT, BROKEN]), seed=0)
     assert len(results) == 3 and all(isinstance(r, TrainResult) for r in results)
     assert sum(r.frames for r in results) == 800
-    tags = [c["tag"] for c in run.llm.calls]
+    tags = [c.tag for c in run.llm.calls]
     assert tags == ["lares-repair", "lares-analysis-g1", "lares-evolve-g1"]
-    repair = run.llm.calls[0]["messages"]
+    repair = run.llm.calls[0].messages
     assert repair[-1]["content"].startswith("Running the reward function above failed (exception)")
     assert "no_such_field" in repair[-1]["content"] and repair[-2]["content"] == BROKEN
-    analysis_prompt = run.llm.calls[1]["messages"][0]["content"]
+    analysis_prompt = run.llm.calls[1].messages[0]["content"]
     assert "Episode of" in analysis_prompt and "name the defects" in analysis_prompt
     evolve = run.llm.calls[2]
-    assert evolve["n"] == 2 and evolve["temperature"] == 0.4  # population 3, one elite
-    assert "jitter" in evolve["messages"][-1]["content"] and "fitness (return)" in evolve["messages"][-1]["content"]
+    assert evolve.n == 2 and evolve.temperature == 0.4  # population 3, one elite
+    assert "jitter" in evolve.last and "fitness (return)" in evolve.last
     assert all(r.ok and r.fitness is not None and r.curve for r in results)
+    assert all(r.components for r in results)  # every member's components, over every transition
     assert sum("replaced" in r.texts["lares_history.md"] for r in results) == 2
     assert "effort" in results[2].texts["lares_final_reward.py"]  # repaired (or regenerated) from SMOOTH
-    assert any(m.get("lares/diversity") is not None for m, _ in run.metrics)
-    log = "\n".join(lares.STATE.log)
+    assert "lares/diversity" in run.tracker.metrics
+    log = "\n".join(plugin.log)
     assert "## generation 1" in log and "elites:" in log and "### analysis" in log
 
 
 def test_failed_functions_are_never_elites_and_all_get_regenerated(tmp_path):
-    run = make_run([SMOOTH], tmp_path, population=2, elites=1, retries=0, llm_freq=200, frames=400, init_random_frames=100, updates_per_frame=0.25,
-                   batch_size=16, num_envs=2, eval_episodes=1, hidden=[8])
-    results = lares.train_candidates(run=run, candidates=_candidates(run, [BROKEN, BROKEN]), seed=0)
-    tags = [c["tag"] for c in run.llm.calls]
+    plugin, run = make_run([SMOOTH], tmp_path, population=2, elites=1, retries=0, llm_freq=200, frames=400,
+                           trainer={"init_random_frames": 100, "batch_size": 16, "hidden": [8]})
+    results = plugin.train_candidates(run=run, candidates=candidates([BROKEN, BROKEN]), seed=0)
+    tags = [c.tag for c in run.llm.calls]
     assert tags == ["lares-evolve-g1"]  # no behaviour to analyse, no repair allowed
     evolve = run.llm.calls[0]
-    assert evolve["n"] == 2 and "failed (exception)" in evolve["messages"][-1]["content"]
+    assert evolve.n == 2 and "failed (exception)" in evolve.last
     assert all(r.ok for r in results)
     assert all("effort" in r.texts["lares_final_reward.py"] for r in results)
 
 
-def test_discrete_tasks_are_refused_with_a_clear_message(tmp_path):
-    run = make_run([UPRIGHT], tmp_path, env="cartpole")
-    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return next_state['pole_angle']", origin="lares")
-    with pytest.raises(UserError, match="continuous action space"):
-        lares.train_candidates(run=run, candidates=[Candidate("c", 0, reward=program)], seed=0)
-
-
-def test_other_plugins_candidates_are_left_to_the_executor(tmp_path):
-    run = make_run([UPRIGHT], tmp_path)
-    program = RewardProgram(source="x", origin="eureka")
-    assert lares.train_candidates(run=run, candidates=[Candidate("c", 0, reward=program)], seed=0) is None
-
-
 def test_reflect_adds_the_best_final_reward_to_the_case_base(tmp_path):
-    run = make_run([UPRIGHT], tmp_path, retrieval=True, case_min_fitness=-500.0)
+    plugin, run = make_run([UPRIGHT], tmp_path, retrieval=True, case_min_fitness=-500.0)
     program = RewardProgram(source="old", origin="lares")
     result = TrainResult("c", ok=True, fitness=Fitness("return", -150.0), texts={"lares_final_reward.py": "evolved code"})
-    text = lares.reflect(run=run, result=IterationResult(0, [Candidate("c", 0, reward=program)], [result]))
+    text = plugin.reflect(run=run, result=IterationResult(0, [Candidate("c", 0, reward=program)], [result]))
     assert "case base (1 cases)" in text
     assert lares.load_cases(tmp_path / "lares_cases.json")[0]["code"] == "evolved code"
-    lares.on_run_end(run=run, best=None)
-    assert run.logged["lares/best_reward.py"] == "evolved code"
+    plugin.on_run_end(run=run, best=None)
+    assert fakes.texts_of(run)["lares/best_reward.py"] == "evolved code"
+    fresh = plugin_object(lares, retrieval=True)
+    fresh.on_run_start(run=run)
+    assert fresh.cases and fresh.cases[0]["code"] == "evolved code"  # the next run reads the case base
 
 
 @pytest.mark.slow
