@@ -56,16 +56,17 @@ class Smoke:
     trainer: list[str] = field(default_factory=lambda: list(PPO_TINY))  # the trainer's shrinking overrides
 
 
-#: per built-in plugin; others get ``Smoke()`` on CartPole with ``iterations``/``samples`` set to 1
+#: per built-in plugin (measured ~8-15 s each, LaRes ~30 s); others get ``Smoke()`` on CartPole
+#: with ``iterations``/``samples`` set to 1, marked slow
 SMOKE: dict[str, Smoke] = {
     "eureka": Smoke(["plugins.eureka.samples=1"], slow=False),
     "text2reward": Smoke(["plugins.text2reward.samples=1", "plugins.text2reward.few_shot=false"], slow=False),
-    "llm_state_repr": Smoke(["plugins.llm_state_repr.samples=1", "plugins.llm_state_repr.lipschitz_samples=512"]),
-    "rl_gpt": Smoke(["plugins.rl_gpt.rollouts=1", "plugins.rl_gpt.critic_rounds=0"]),
-    "progress_reward": Smoke(["plugins.progress_reward.finish_s=2"]),
+    "llm_state_repr": Smoke(["plugins.llm_state_repr.samples=1", "plugins.llm_state_repr.lipschitz_samples=512"], slow=False),
+    "rl_gpt": Smoke(["plugins.rl_gpt.rollouts=1", "plugins.rl_gpt.critic_rounds=0"], slow=False),
+    "progress_reward": Smoke(["plugins.progress_reward.finish_s=2"], slow=False),
     "rlaif_preference": Smoke(["plugins.rlaif_preference.label_every=256", "plugins.rlaif_preference.label_budget=4",
-                               "plugins.rlaif_preference.segment_len=8", "plugins.rlaif_preference.finish_s=2"]),
-    "envgen": Smoke(["env=minecraft", "trainer.num_envs=4", "trainer.rollout_steps=64", "plugins.envgen.num_envs=1"]),
+                               "plugins.rlaif_preference.segment_len=8", "plugins.rlaif_preference.finish_s=2"], slow=False),
+    "envgen": Smoke(["env=minecraft", "trainer.num_envs=4", "trainer.rollout_steps=64", "plugins.envgen.num_envs=1"], slow=False),
     "lares": Smoke(["env=pendulum", "plugins.lares.population=2", "plugins.lares.elites=1", "plugins.lares.llm_freq=300"],
                    trainer=["trainer=sac", "trainer.frames=600", "trainer.init_random_frames=100", "trainer.batch_size=32",
                             "trainer.hidden=[32,32]", "trainer.eval_episodes=1"]),

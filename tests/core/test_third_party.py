@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import pytest
 
 import fakes
-from contract import PluginContract, Recorder, Smoke, params
+from contract import PluginContract, Recorder, params
 from core.config import validate
 from core.errors import UserError
 from core.registry import PluginInfo, catalogue, load_module
@@ -150,9 +150,6 @@ class TestFixturePluginsKeepTheContract(PluginContract):
 
     def evidence(self, info: PluginInfo) -> Any:
         return {"count_bonus": count_bonus_trained, "hello": hello_seen}.get(info.name, super().evidence(info))
-
-    def smoke(self, info: PluginInfo) -> Smoke:
-        return Smoke([], slow=True)
 
 
 # -------------------------------------------------------------------------------------
