@@ -1,31 +1,64 @@
-"""Frames/s of the project's PPO against a single-file PyTorch PPO on CartPole.
+"""Frames/s of the project's trainers against single-file PyTorch references, same run.
 
-Both train PPO on ``CartPole-v1`` with the same settings (8 envs, 32 steps per env per
-batch, 20 epochs, minibatch 256, two hidden layers of 64) and the same vectorised env
-(``gymnasium.vector.SyncVectorEnv``, autoreset SAME_STEP). Only training is timed:
-evaluation is switched off in ours. Prints one JSON object::
+Three pairs, each trained from scratch with the same settings on the same machine:
 
-    {"ours_fps": ..., "reference_fps": ..., "ratio": ...}
+- ``cartpole`` (the headline ``ratio``): PPO on ``CartPole-v1``, 8 envs x 32 steps per
+  batch, 20 epochs of minibatch 256, two hidden layers of 64, one thread, against
+  :mod:`reference_ppo` (CleanRL's layout).
+- ``mujoco``: PPO on ``HalfCheetah-v5`` (8 envs x 256 steps, 10 epochs of minibatch 64,
+  lr 3e-4, gamma 0.99, lambda 0.95: CleanRL's MuJoCo settings) against the same reference.
+- ``sac``: SAC on ``Pendulum-v1`` (``conf/trainer/sac.yaml``) against :mod:`reference_sac`.
 
-Run: ``python benchmarks/trainer_throughput.py [--frames 50000] [--repeats 2]`` (best of
-the repeats, alternating the two).
+Runs alternate (reference then ours, then ours then reference, ...) so that load from
+elsewhere on the machine hurts both alike; ``ratio`` is the median of the per-repeat
+ratios (each ours/reference pair ran back to back), ``best_ratio`` the best of ours over
+the best of the reference. Only training is timed: evaluation is off in ours. The load
+average is printed before and after. ``profile`` is where our CartPole PPO's training
+time goes (``time/*_s`` metrics of the median run): rollout (env steps, the policy,
+per-step transforms), reward (the candidate's reward program on the batch and
+``on_rollout`` hooks; ``profile_reward_program`` is a run with an LLM-style reward
+program), advantage (values and GAE), update (the epochs of minibatch steps). Prints
+one JSON object::
+
+    {"ratio": ..., "ours_fps": ..., "reference_fps": ..., "profile": {...},
+     "mujoco": {"ratio": ...}, "sac": {"ratio": ...}, "load_avg": [...], ...}
+
+Run: ``python benchmarks/trainer_throughput.py [--frames 50000] [--repeats 3]
+[--only cartpole,mujoco,sac]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
-from typing import Any
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable
 
 import gymnasium as gym
-import numpy as np
 import torch
-from torch import nn
 
-from core.envs.task import StateField, Task
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the reference scripts beside this file
 
-ENVS, STEPS, EPOCHS, MINIBATCH, HIDDEN = 8, 32, 20, 256, 64
+import reference_ppo  # noqa: E402
+import reference_sac  # noqa: E402
+from core.envs.task import StateField, Task  # noqa: E402
+from core.records import Candidate, RewardProgram  # noqa: E402
+
+PHASES = ("rollout", "reward", "advantage", "update")
+MUJOCO = dict(num_envs=8, rollout_steps=256, epochs=10, minibatch=64, lr=3e-4, gamma=0.99, gae_lambda=0.95)
+REWARD_PROGRAM = '''
+import torch
+
+def compute_reward(state, action, next_state):
+    """+1 while the pole is up, less a penalty for leaning and for drifting off centre."""
+    upright = 1.0 - (next_state["pole_angle"].abs() / 0.2095).clamp(max=1.0)
+    centred = 1.0 - (next_state["cart_position"].abs() / 2.4).clamp(max=1.0)
+    components = {"upright": upright, "centred": centred}
+    return 0.5 + 0.3 * upright + 0.2 * centred, components
+'''
 
 
 class CartPoleTask(Task):
@@ -46,12 +79,7 @@ class CartPoleTask(Task):
         )
 
     def make_env(self, num_envs: int, seed: int, params: Any = None) -> gym.vector.VectorEnv:
-        env = gym.vector.SyncVectorEnv(
-            [lambda: gym.make("CartPole-v1") for _ in range(num_envs)],
-            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-        )
-        env.reset(seed=seed)
-        return env
+        return reference_ppo.make_env("CartPole-v1", num_envs, seed)
 
 
 def cartpole_task() -> Task:
@@ -63,128 +91,113 @@ def cartpole_task() -> Task:
     return CartPole()
 
 
-# ---------------------------------------------------------------------------------------
-# Reference: a plain single-file PPO (CleanRL layout: two MLPs, Python GAE loop)
-# ---------------------------------------------------------------------------------------
+# -- one training each ----------------------------------------------------------------------
 
 
-def _layer(n_in: int, n_out: int, std: float = 2**0.5) -> nn.Linear:
-    layer = nn.Linear(n_in, n_out)
-    nn.init.orthogonal_(layer.weight, std)
-    nn.init.zeros_(layer.bias)
-    return layer
-
-
-class _Agent(nn.Module):
-    def __init__(self, obs_dim: int, n_actions: int) -> None:
-        super().__init__()
-        self.critic = nn.Sequential(
-            _layer(obs_dim, HIDDEN), nn.Tanh(), _layer(HIDDEN, HIDDEN), nn.Tanh(), _layer(HIDDEN, 1, 1.0)
-        )
-        self.actor = nn.Sequential(
-            _layer(obs_dim, HIDDEN), nn.Tanh(), _layer(HIDDEN, HIDDEN), nn.Tanh(), _layer(HIDDEN, n_actions, 0.01)
-        )
-
-    def value(self, x: torch.Tensor) -> torch.Tensor:
-        return self.critic(x)
-
-    def action_and_value(self, x: torch.Tensor, action: torch.Tensor | None = None):
-        dist = torch.distributions.Categorical(logits=self.actor(x))
-        if action is None:
-            action = dist.sample()
-        return action, dist.log_prob(action), dist.entropy(), self.critic(x)
-
-
-def reference_ppo(frames: int, seed: int = 0) -> float:
-    """Train the reference PPO for ``frames`` frames; return frames/s."""
-    torch.manual_seed(seed)
-    gamma, lam, clip, lr, vf_coef, max_grad_norm = 0.98, 0.8, 0.2, 1e-3, 0.5, 0.5
-    envs = CartPoleTask().make_env(ENVS, seed)
-    agent = _Agent(4, 2)
-    opt = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5)
-    obs_buf = torch.zeros(STEPS, ENVS, 4)
-    act_buf = torch.zeros(STEPS, ENVS, dtype=torch.long)
-    logp_buf = torch.zeros(STEPS, ENVS)
-    rew_buf = torch.zeros(STEPS, ENVS)
-    done_buf = torch.zeros(STEPS, ENVS)
-    val_buf = torch.zeros(STEPS, ENVS)
-    next_obs = torch.tensor(envs.reset(seed=seed)[0], dtype=torch.float32)
-    updates = frames // (ENVS * STEPS)
-    start = time.perf_counter()
-    for update in range(updates):
-        frac = 1.0 - update / updates
-        opt.param_groups[0]["lr"] = frac * lr
-        for step in range(STEPS):
-            obs_buf[step] = next_obs
-            with torch.no_grad():
-                action, logp, _, value = agent.action_and_value(next_obs)
-            val_buf[step] = value.flatten()
-            act_buf[step], logp_buf[step] = action, logp
-            obs, reward, term, trunc, _ = envs.step(action.numpy())
-            rew_buf[step] = torch.as_tensor(reward, dtype=torch.float32)
-            done_buf[step] = torch.as_tensor(np.logical_or(term, trunc), dtype=torch.float32)
-            next_obs = torch.as_tensor(obs, dtype=torch.float32)
-        with torch.no_grad():
-            next_value = agent.value(next_obs).flatten()
-            adv = torch.zeros_like(rew_buf)
-            last = torch.zeros(ENVS)
-            for t in reversed(range(STEPS)):
-                nv = next_value if t == STEPS - 1 else val_buf[t + 1]
-                nonterminal = 1.0 - done_buf[t]
-                delta = rew_buf[t] + gamma * nv * nonterminal - val_buf[t]
-                last = delta + gamma * lam * nonterminal * last
-                adv[t] = last
-            returns = adv + val_buf
-        b_obs, b_act, b_logp = obs_buf.reshape(-1, 4), act_buf.reshape(-1), logp_buf.reshape(-1)
-        b_adv, b_ret = adv.reshape(-1), returns.reshape(-1)
-        n = b_obs.shape[0]
-        for _ in range(EPOCHS):
-            perm = torch.randperm(n)
-            for i in range(0, n, MINIBATCH):
-                mb = perm[i : i + MINIBATCH]
-                _, logp, ent, value = agent.action_and_value(b_obs[mb], b_act[mb])
-                ratio = (logp - b_logp[mb]).exp()
-                a = b_adv[mb]
-                a = (a - a.mean()) / (a.std() + 1e-8)
-                pg = torch.max(-a * ratio, -a * ratio.clamp(1 - clip * frac, 1 + clip * frac)).mean()
-                v_loss = 0.5 * ((value.flatten() - b_ret[mb]) ** 2).mean()
-                loss = pg + vf_coef * v_loss
-                opt.zero_grad()
-                loss.backward()
-                nn.utils.clip_grad_norm_(agent.parameters(), max_grad_norm)
-                opt.step()
-    elapsed = time.perf_counter() - start
-    envs.close()
-    return updates * ENVS * STEPS / elapsed
-
-
-def ours_ppo(frames: int, seed: int = 0) -> float:
-    """Train the project's PPO for ``frames`` frames without evaluation; return frames/s."""
-    from core.records import Candidate
+def ours_ppo(task: Task, frames: int, seed: int = 0, candidate: Candidate | None = None, **settings: Any) -> dict:
+    """Train the project's PPO without evaluation; its metrics (``charts/fps``, ``time/*_s``)."""
     from core.train.ppo import PPOConfig, train
 
-    cfg = PPOConfig(frames=frames, num_envs=ENVS, rollout_steps=STEPS, epochs=EPOCHS, minibatch=MINIBATCH,
-                    hidden=[HIDDEN, HIDDEN], eval_every=0, eval_episodes=0)
-    result = train(cartpole_task(), Candidate(id="bench", iteration=0), cfg, seed=seed)
+    cfg = PPOConfig(frames=frames, eval_every=0, eval_episodes=0, **settings)
+    result = train(task, candidate or Candidate(id="bench", iteration=0), cfg, seed=seed)
     if not result.ok:
         raise RuntimeError(result.error)
-    return result.metrics["charts/fps"]
+    return result.metrics
+
+
+def ours_sac(frames: int, seed: int = 0) -> dict:
+    from core.envs.classic import Pendulum
+    from core.train.sac import SACConfig, train
+
+    result = train(Pendulum(), Candidate(id="bench", iteration=0), SACConfig(frames=frames, eval_every=0, eval_episodes=0),
+                   seed=seed)
+    if not result.ok:
+        raise RuntimeError(result.error)
+    return result.metrics
+
+
+def interleaved(ours: Callable[[], dict], reference: Callable[[], float], repeats: int) -> dict:
+    """Alternate the two ``repeats`` times; fps of each, per-repeat ratios and their median."""
+    runs = []
+    for r in range(repeats):
+        if r % 2 == 0:
+            ref = reference()
+            metrics = ours()
+        else:
+            metrics = ours()
+            ref = reference()
+        runs.append({"ours_fps": round(metrics["charts/fps"], 1), "reference_fps": round(ref, 1),
+                     "ratio": round(metrics["charts/fps"] / ref, 3), "metrics": metrics})
+    ratios = [run["ratio"] for run in runs]
+    median_run = sorted(runs, key=lambda run: run["ratio"])[len(runs) // 2]
+    return {
+        "ratio": round(statistics.median(ratios), 3),
+        "best_ratio": round(max(run["ours_fps"] for run in runs) / max(run["reference_fps"] for run in runs), 3),
+        "ours_fps": round(statistics.median(run["ours_fps"] for run in runs), 1),
+        "reference_fps": round(statistics.median(run["reference_fps"] for run in runs), 1),
+        "ratios": ratios,
+        "runs": [{k: v for k, v in run.items() if k != "metrics"} for run in runs],
+        "median_metrics": median_run["metrics"],
+    }
+
+
+def profile(metrics: dict, frames_per_batch: int) -> dict:
+    """Seconds, share of the training time and milliseconds per batch of each phase."""
+    seconds = {p: metrics.get(f"time/{p}_s", 0.0) for p in PHASES}
+    total = sum(seconds.values())
+    batches = max(1.0, metrics["charts/fps"] * total / frames_per_batch)
+    return {p: {"s": round(s, 3), "share": round(s / total, 3) if total else 0.0,
+                "ms_per_batch": round(1000 * s / batches, 2)} for p, s in seconds.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--frames", type=int, default=50_000)
+    parser.add_argument("--frames", type=int, default=50_000, help="CartPole PPO frames per run")
+    parser.add_argument("--mujoco-frames", type=int, default=3 * 2048)
+    parser.add_argument("--sac-frames", type=int, default=3000, help="SAC frames per run (the first 1000 random)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", default="cartpole,mujoco,sac", help="comma-separated subset of the pairs")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    # alternate, best of N: a busy neighbour on the machine then hurts both sides alike
-    reference = ours = 0.0
-    for _ in range(args.repeats):
-        reference = max(reference, reference_ppo(args.frames, args.seed))
-        ours = max(ours, ours_ppo(args.frames, args.seed))
-    print(json.dumps({"ours_fps": round(ours, 1), "reference_fps": round(reference, 1),
-                      "ratio": round(ours / reference, 3), "frames": args.frames}))
+    only = set(args.only.split(","))
+    out: dict[str, Any] = {"load_avg_start": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count()}
+
+    if "cartpole" in only:
+        task = cartpole_task()
+        pair = interleaved(lambda: ours_ppo(task, args.frames, args.seed),
+                           lambda: reference_ppo.train(reference_ppo.Args(), args.frames, args.seed), args.repeats)
+        metrics = pair.pop("median_metrics")
+        out.update(pair, frames=args.frames, profile=profile(metrics, 256))
+        try:  # a candidate with an LLM-style reward program (through the sandbox)
+            coded = Candidate(id="program", iteration=0,
+                              reward=RewardProgram(source=REWARD_PROGRAM, entry="compute_reward", origin="benchmark"))
+            coded_metrics = ours_ppo(task, args.frames, args.seed, candidate=coded)
+            out["profile_reward_program"] = {"fps": round(coded_metrics["charts/fps"], 1),
+                                             **profile(coded_metrics, 256)}
+        except Exception as exc:  # noqa: BLE001 - the sandbox may be unavailable; the rest still counts
+            out["profile_reward_program"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+    if "mujoco" in only:
+        from core.envs.mujoco import HalfCheetah
+
+        ref_args = reference_ppo.Args(env_id="HalfCheetah-v5", num_envs=8, num_steps=256, update_epochs=10,
+                                      minibatch_size=64, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95)
+        pair = interleaved(lambda: ours_ppo(HalfCheetah(), args.mujoco_frames, args.seed, **MUJOCO),
+                           lambda: reference_ppo.train(ref_args, args.mujoco_frames, args.seed), max(2, args.repeats - 1))
+        metrics = pair.pop("median_metrics")
+        out["mujoco"] = {"env": "HalfCheetah-v5", "frames": args.mujoco_frames, **pair,
+                         "profile": profile(metrics, MUJOCO["num_envs"] * MUJOCO["rollout_steps"])}
+
+    if "sac" in only:
+        pair = interleaved(lambda: ours_sac(args.sac_frames, args.seed),
+                           lambda: reference_sac.train(reference_sac.Args(), args.sac_frames, args.seed),
+                           max(2, args.repeats - 1))
+        pair.pop("median_metrics")
+        out["sac"] = {"env": "Pendulum-v1", "frames": args.sac_frames, **pair}
+
+    out["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
