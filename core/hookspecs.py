@@ -204,7 +204,7 @@ def generate_envs(run: RunContext, iteration: int) -> list[list[EnvConfig]] | No
 
 
 @hookspec(firstresult=True)
-def train_candidates(run: RunContext, candidates: list[Candidate], seed: int) -> list[TrainResult] | None:
+def train_candidates(run: RunContext, candidates: list[Candidate], seed: int) -> list[TrainResult | None] | None:
     """Train an iteration's candidates jointly instead of one by one (population methods).
 
     Called in the main process with the candidates not yet trained. Population-based
@@ -226,9 +226,9 @@ def train_candidates(run: RunContext, candidates: list[Candidate], seed: int) ->
     :param run: the run context.
     :param candidates: the candidates still to train (finished ones were reused).
     :param seed: the seed to train them under.
-    :return: the results, or None to let the executor train each candidate on its own
-        (an implementation returns None for candidates it did not propose). Stops at
-        first non-None result.
+    :return: one result per candidate, in order, with None in place of each candidate
+        left to the executor (one the implementation did not propose); or None to let
+        the executor train every candidate on its own. Stops at first non-None result.
     """
 
 

@@ -170,11 +170,13 @@ class Loop:
                 progress.advance(bar)
 
         joint = self.run.hook.train_candidates(run=self.run, candidates=[candidates[i] for i in todo], seed=seed) if todo else None
-        if joint is not None:
-            for j, result in enumerate(joint):
+        # a population method gives None in place of each candidate it leaves to the executor
+        left = list(range(len(todo))) if joint is None else [j for j, r in enumerate(joint) if r is None]
+        for j, result in enumerate(joint or []):
+            if result is not None:
                 done(j, result)
-        elif todo:
-            self.executor(len(todo), progress).run([jobs[i] for i in todo], done)
+        if left:
+            self.executor(len(left), progress).run([jobs[todo[j]] for j in left], lambda k, result: done(left[k], result))
         if progress is not None:
             progress.remove_task(bar)
         final: list[TrainResult] = []
