@@ -303,8 +303,13 @@ class _Run:
     def _policy_state(self) -> dict[str, Any]:
         """What the saved policy file holds: both networks and how to rebuild them."""
         nets = self.nets
+
+        def own(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # copies, not views of the flat tensor
+            return {k: v.clone() for k, v in state.items()}
+
         return {"algorithm": "ppo", "obs_dim": self.cenv.obs_dim, "hidden": list(self.cfg.hidden),
-                "discrete": nets.discrete, "actor": nets.actor_net.state_dict(), "critic": nets.critic_net.state_dict()}
+                "discrete": nets.discrete, "actor": own(nets.actor_net.state_dict()),
+                "critic": own(nets.critic_net.state_dict())}
 
     def _update(self, frames: Frames, optim: FlatAdam, clip: float) -> dict[str, float]:
         """``epochs`` passes of minibatch updates; the last minibatch's losses and the batch's entropy."""

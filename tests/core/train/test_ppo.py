@@ -148,3 +148,134 @@ def test_cartpole_with_defaults_reaches_450(task):
     assert result.ok, result.error
     assert result.fitness is not None and result.fitness.value >= 450
     assert result.seconds < 120
+
+
+# -- the fast update path ---------------------------------------------------------------------
+
+
+def _fixed_batch(discrete: bool, n: int = 256, obs_dim: int = 5):
+    """Networks with perturbed weights and a batch whose ratios are away from 1 (clipping active)."""
+    from tensordict import TensorDict
+    from torchrl.data import Bounded, Categorical
+
+    from core.train.networks import FlatActorCritic, build_networks
+
+    torch.manual_seed(0)
+    spec = Categorical(3, shape=(n,)) if discrete else Bounded(low=-torch.ones(n, 2), high=torch.ones(n, 2), shape=(n, 2))
+    nets = build_networks(obs_dim, spec, [32, 16])
+    model = FlatActorCritic(nets.actor_net, nets.critic_net)
+    model.params.add_(0.3 * torch.randn_like(model.params))  # the modules see it: their parameters are views
+    td = TensorDict(observation=torch.randn(n, obs_dim), batch_size=[n])
+    with torch.no_grad():
+        nets.actor(td)
+    td["action_log_prob"] = td["action_log_prob"] + 0.3 * torch.randn(n)
+    td["advantage"] = 2 * torch.randn(n, 1) + 0.5
+    td["value_target"] = torch.randn(n, 1)
+    return nets, model, td
+
+
+@pytest.mark.parametrize("discrete", [True, False], ids=["categorical", "gaussian"])
+@pytest.mark.parametrize("ent_coef", [0.0, 0.01])
+def test_fast_update_matches_clip_ppo_loss(discrete, ent_coef):
+    """Loss terms and gradients of ``ppo_gradients`` equal autograd on TorchRL's ``ClipPPOLoss``."""
+    import math
+
+    from torchrl.objectives import ClipPPOLoss
+
+    from core.train.ppo import Frames, ppo_gradients
+
+    nets, model, td = _fixed_batch(discrete)
+    clip, vf_coef = 0.2, 0.5
+    loss = ClipPPOLoss(nets.actor, nets.critic, clip_epsilon=clip, entropy_bonus=ent_coef > 0, entropy_coeff=ent_coef,
+                       critic_coeff=vf_coef, loss_critic_type="l2", normalize_advantage=True, functional=False)
+    out = loss(td)
+    assert 0.05 < float(out["clip_fraction"]) < 0.95  # both branches of the clipped objective are exercised
+    params = nets.parameters()
+    total = sum(out[k] for k in ("loss_objective", "loss_critic", "loss_entropy") if k in out.keys())
+    grads = torch.autograd.grad(total, params)
+
+    n = td.shape[0]
+    action = td["action"].reshape(n, 1) if discrete else td["action"]
+    frames = Frames(td["observation"], action, td["action_log_prob"].reshape(n, 1), td["advantage"], td["value_target"])
+    model.grad.fill_(float("nan"))  # every entry must be written
+    losses = ppo_gradients(model, frames.normalized(), (math.log1p(-clip), math.log1p(clip)), vf_coef, ent_coef,
+                           report=True)
+    assert losses["policy"] == pytest.approx(float(out["loss_objective"].detach()), rel=1e-4, abs=1e-6)
+    assert losses["value"] == pytest.approx(float(out["loss_critic"].detach()) / vf_coef, rel=1e-4)
+    assert not torch.isnan(model.grad).any()
+    for param, expected in zip(params, grads):
+        at = param.storage_offset()  # the modules' parameters are views of model.params
+        ours = model.grad[at:at + param.numel()].view_as(param)
+        torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_flat_actor_and_modules_agree():
+    from core.train.networks import SamplingPolicy
+
+    nets, model, td = _fixed_batch(discrete=False)
+    obs = td["observation"]
+    loc, std = model.actor(obs)
+    ref_loc, ref_std = nets.actor_net(obs)
+    torch.testing.assert_close(loc, ref_loc, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(std, ref_std)
+    head, value = model.forward(obs)
+    torch.testing.assert_close(head, ref_loc.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(value, nets.critic_net(obs).detach(), rtol=1e-5, atol=1e-6)
+    SamplingPolicy(model.actor, False, "lp")(td)
+    assert td["action"].shape == (obs.shape[0], 2) and td["lp"].shape == (obs.shape[0],)
+
+
+def test_gumbel_sampling_follows_the_softmax():
+    from tensordict import TensorDict
+
+    from core.train.networks import SamplingPolicy
+
+    torch.manual_seed(0)
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
+    policy = SamplingPolicy(lambda obs: logits.expand(obs.shape[0], -1), True, "lp")
+    td = policy(TensorDict(observation=torch.zeros(40_000, 1), batch_size=[40_000]))
+    freq = torch.bincount(td["action"], minlength=4).float() / 40_000
+    torch.testing.assert_close(freq, torch.softmax(logits[0], -1), atol=0.01, rtol=0)
+    torch.testing.assert_close(td["lp"], torch.log_softmax(logits[0], -1)[td["action"]])
+
+
+def test_flat_adam_matches_torch_adam():
+    from core.train.networks import FlatAdam
+
+    torch.manual_seed(0)
+    ours = torch.randn(300)
+    theirs = ours.clone()
+    optim, reference = FlatAdam(ours, lr=1e-3, eps=1e-5), torch.optim.Adam([theirs], lr=1e-3, eps=1e-5, fused=True)
+    for i in range(20):
+        ours.grad = torch.randn(300)
+        theirs.grad = ours.grad.clone()
+        optim.lr = reference.param_groups[0]["lr"] = 1e-3 * (1 - i / 20)
+        optim.step()
+        reference.step()
+    assert torch.equal(ours, theirs)
+
+
+def test_phase_times_and_saved_policy(task, tiny_cfg):
+    """Per-phase seconds are reported; the saved networks are copies (not views of the flat tensor) that load."""
+    from pathlib import Path
+
+    from torchrl.data import Categorical
+
+    from core.config import Settings
+    from core.context import TrainContext
+    from core.train.networks import build_networks
+
+    candidate = Candidate("saved", 0)
+    ctx = TrainContext(settings=Settings.of({"save_policy": True}), task=task, candidate=candidate, seed=0,
+                       total_frames=tiny_cfg.frames)
+    result = train(task, candidate, tiny_cfg, seed=0, ctx=ctx)
+    assert result.ok, result.error
+    assert all(result.metrics[f"time/{phase}_s"] >= 0 for phase in ("rollout", "reward", "advantage", "update"))
+    assert result.metrics["time/update_s"] > 0 and result.metrics["time/rollout_s"] > 0
+    state = torch.load(result.policy_path)
+    Path(result.policy_path).unlink()
+    weight = state["actor"]["0.weight"]
+    assert weight.shape == (16, 4) and weight.untyped_storage().nbytes() == weight.numel() * 4
+    nets = build_networks(4, Categorical(2, shape=(1,)), [16])
+    nets.actor_net.load_state_dict(state["actor"])
+    nets.critic_net.load_state_dict(state["critic"])
