@@ -237,12 +237,14 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
             buffer.extend(batch.reshape(-1).select(*BUFFER_KEYS))
             if frames >= cfg.init_random_frames and len(buffer) >= cfg.batch_size:
                 owed += batch.numel() * cfg.updates_per_frame
+                losses = None  # updates_per_frame < 1: a batch may owe no update yet
                 while owed >= 1.0:
                     losses = sac_update(modules, buffer.sample())
                     owed -= 1.0
-                stats = {"losses/qvalue_loss": float(losses["loss_qvalue"]),
-                         "losses/actor_loss": float(losses["loss_actor"]),
-                         "losses/alpha_loss": float(losses["loss_alpha"]), "losses/alpha": float(losses["alpha"])}
+                if losses is not None:
+                    stats = {"losses/qvalue_loss": float(losses["loss_qvalue"]),
+                             "losses/actor_loss": float(losses["loss_actor"]),
+                             "losses/alpha_loss": float(losses["loss_alpha"]), "losses/alpha": float(losses["alpha"])}
             finished = cenv.base.pop_finished()
             returns += [r for r, _ in finished]
             now = time.perf_counter()

@@ -97,6 +97,13 @@ def test_training_contract(pendulum):
     assert saved["algorithm"] == "sac"
 
 
+def test_fewer_updates_than_frames(pendulum):
+    """updates_per_frame < 1: a batch that owes no gradient step yet is no error."""
+    result = train(pendulum, Candidate("s", 0), _tiny(updates_per_frame=0.25, eval_every=0, eval_episodes=1), seed=0)
+    assert result.ok, result.error
+    assert "losses/qvalue_loss" in result.metrics
+
+
 def test_same_seed_same_numbers(pendulum):
     a, b = (train(pendulum, Candidate("a", 0), _tiny(eval_every=0), seed=1) for _ in range(2))
     assert a.ok and b.ok, a.error
