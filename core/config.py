@@ -206,12 +206,18 @@ def check_key(schema: type, dotted: str, where: str) -> None:
 def _explain(err: OmegaConfBaseException, schema: type, where: str) -> str:
     key = getattr(err, "full_key", None) or getattr(err, "key", None) or ""
     path = f"{where}.{key}" if key else where
-    fields_ = [f.name for f in dataclasses.fields(schema)]
     if isinstance(err, ConfigKeyError) or "not in" in str(err) or "Key '" in str(err):
-        name = str(key).split(".")[-1]
+        *parents, name = str(key).split(".")
+        section, cls = where, schema  # the (nested) dataclass the unknown key was put in
+        for part in parents:
+            inner = _hints(cls).get(part)
+            if not (isinstance(inner, type) and dataclasses.is_dataclass(inner)):
+                break
+            section, cls = f"{section}.{part}", inner
+        fields_ = [f.name for f in dataclasses.fields(cls)]
         return (
             f"Unknown config key '{path}'.{did_you_mean(name, fields_)} "
-            f"'{where}' accepts: {', '.join(fields_)}."
+            f"'{section}' accepts: {', '.join(fields_)}."
         )
     expected = _field_type(schema, str(key))
     value = getattr(err, "value", None)

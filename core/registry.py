@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import re
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from types import ModuleType
@@ -163,7 +164,7 @@ def make_plugin_manager(
     try:
         pm.check_pending()  # a misspelt hook name fails here, not silently
     except pluggy.PluginValidationError as err:
-        raise UserError(_explain_validation(err)) from None
+        raise UserError(_explain_validation(err, pm.get_name(err.plugin))) from None
     return pm
 
 
@@ -171,31 +172,32 @@ def _register(pm: pluggy.PluginManager, obj: object, name: str | None) -> None:
     try:
         pm.register(obj, name=name)
     except pluggy.PluginValidationError as err:
-        raise UserError(_explain_validation(err)) from None
+        raise UserError(_explain_validation(err, name)) from None
 
 
-def _explain_validation(err: pluggy.PluginValidationError) -> str:
-    """One paragraph for pluggy's complaint about a plugin's hooks."""
+def _explain_validation(err: pluggy.PluginValidationError, name: str | None = None) -> str:
+    """One paragraph for pluggy's complaint about a plugin's hooks, with the closest names."""
     specs = sorted(n for n in dir(hookspecs) if hasattr(getattr(hookspecs, n), f"{hookspecs.PROJECT}_spec"))
-    plugin = getattr(err.plugin, "__name__", None) or type(err.plugin).__name__
-    text = str(err)
-    for name in _hookimpl_names(err.plugin):
-        if name not in specs:
+    obj = err.plugin
+    where = getattr(obj, "__name__", None) or f"{type(obj).__module__}.{type(obj).__qualname__}"
+    plugin = f"'{name}' ({where})" if name and not name.isdigit() else where  # pluggy names unnamed objects by id
+    for hook in _hookimpl_names(obj):
+        if hook not in specs:
             return (
-                f"Plugin {plugin} implements '{name}', which is not a hook.{did_you_mean(name, specs)} "
+                f"Plugin {plugin} implements '{hook}', which is not a hook.{did_you_mean(hook, specs)} "
                 f"Hooks: {', '.join(specs)} (core/hookspecs.py documents each)."
             )
-    for name in _hookimpl_names(err.plugin):
-        if name in specs and name in text:
-            spec_args = list(inspect.signature(getattr(hookspecs, name)).parameters)
-            impl = getattr(err.plugin, name)
-            bad = [a for a in inspect.signature(impl).parameters if a not in spec_args and a != "self"]
-            hint = "".join(did_you_mean(a, spec_args) for a in bad)
-            return (
-                f"Plugin {plugin}: hook '{name}' takes argument(s) {', '.join(repr(b) for b in bad)} that the spec "
-                f"does not pass.{hint} '{name}' passes: {', '.join(spec_args)} (take any subset of them)."
-            )
-    return f"Plugin {plugin} does not match the hook specs: {text}"
+    text = str(err)
+    found = re.search(r"for hook '(\w+)'", text)
+    for hook in [found.group(1)] if found else [h for h in _hookimpl_names(obj) if h in text]:
+        spec_args = list(inspect.signature(getattr(hookspecs, hook)).parameters)
+        bad = [a for a in inspect.signature(getattr(obj, hook)).parameters if a not in spec_args and a != "self"]
+        hint = "".join(did_you_mean(a, spec_args) for a in bad)
+        return (
+            f"Plugin {plugin}: hook '{hook}' takes argument(s) {', '.join(repr(b) for b in bad)} that the spec "
+            f"does not pass.{hint} '{hook}' passes: {', '.join(spec_args)} (take any subset of them)."
+        )
+    return f"Plugin {plugin} does not match the hook specs: {' '.join(text.split())}"
 
 
 def _hookimpl_names(obj: object) -> list[str]:
