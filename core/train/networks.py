@@ -69,9 +69,11 @@ class GaussianHead(nn.Module):
 class SamplingPolicy(nn.Module):
     """Collection policy: writes ``action`` and its log-probability into the tensordict.
 
-    Categorical: ``log_softmax``, then the Gumbel-max trick (``argmax(log p + G)``,
-    ``G = -log(-log U)``, an exact sample; a fraction of ``multinomial``'s cost on small
-    batches); Gaussian: ``loc + std * noise`` with the summed normal log-density (what
+    Categorical: ``log_softmax``, then ``argmax(p / E)`` with ``E`` i.i.d. exponential
+    (the exponential-race form of the Gumbel-max trick: an exact sample, since
+    ``E_k / p_k ~ Exp(p_k)`` and the smallest of independent exponentials is ``k`` with
+    probability proportional to ``p_k``), a fraction of ``multinomial``'s cost on small
+    batches; Gaussian: ``loc + std * noise`` with the summed normal log-density (what
     ``IndependentNormal`` computes).
 
     :param actor: ``obs -> logits`` or ``obs -> (loc, std)``: the actor network, or
@@ -88,8 +90,7 @@ class SamplingPolicy(nn.Module):
         obs = td.get("observation")
         if self.discrete:
             logp = torch.log_softmax(self.actor(obs), dim=-1)
-            gumbel = torch.rand_like(logp).log_().neg_().log_()  # -G
-            action = (logp - gumbel).argmax(-1, keepdim=True)
+            action = (logp.exp() / torch.empty_like(logp).exponential_()).argmax(-1, keepdim=True)
             td.set("action", action.squeeze(-1))
             td.set(self.log_prob_key, logp.gather(-1, action).squeeze(-1))
         else:
@@ -288,13 +289,24 @@ class FlatActorCritic:
 
     def actor(self, obs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The actor's output as ``actor_net`` gives it (logits, or ``(loc, std)``), for collection."""
+        out = self._net(obs, 0)
+        return (out, self.log_std.exp().expand_as(out)) if self.gaussian else out
+
+    def critic(self, obs: torch.Tensor) -> torch.Tensor:
+        """The critic's values ``[N, 1]`` (for advantages)."""
+        return self._net(obs, 1)
+
+    def _net(self, obs: torch.Tensor, j: int) -> torch.Tensor:
+        """Network ``j`` (0: actor, 1: critic) alone, without buffers."""
         x = obs
         for layer in self._hidden:
-            _, wt, b, _ = layer[0]
-            x = torch.addmm(b, x, wt, beta=2.0, alpha=2.0).sigmoid_().mul_(2.0).sub_(1.0)
-        _, wt, b, _, _ = self._heads[0]
-        out = torch.addmm(b, x, wt)
-        return (out, self.log_std.exp().expand_as(out)) if self.gaussian else out
+            _, wt, b, _ = layer[j]
+            if x.shape[0] * wt.shape[1] < 4096:  # a few rows: one tanh kernel beats three cheaper ones
+                x = torch.addmm(b, x, wt).tanh_()
+            else:
+                x = torch.addmm(b, x, wt, beta=2.0, alpha=2.0).sigmoid_().mul_(2.0).sub_(1.0)
+        _, wt, b, _, _ = self._heads[j]
+        return torch.addmm(b, x, wt)
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(actor head [N, A], value [N, 1])`` for ``obs [N, D]``, without autograd.

@@ -21,7 +21,6 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 from torchrl.collectors import Collector
-from torchrl.objectives.value.functional import vec_generalized_advantage_estimate
 
 from core.envs.task import Task
 from core.records import Candidate, Episode, TrainResult
@@ -146,6 +145,22 @@ def ppo_gradients(model: FlatActorCritic, mb: Frames, log_bounds: tuple[float, f
         return {}
     return {"policy": float(-torch.minimum(gain, clipped).mean()),
             "value": float((value - mb.target).pow(2).mean())}
+
+
+def gae(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tensor, done: torch.Tensor,
+        terminated: torch.Tensor, gamma: float, lmbda: float) -> torch.Tensor:
+    """Generalised advantage estimates (Schulman et al. 2016) of ``[*B, T, 1]`` trajectories.
+
+    ``A_t = delta_t + gamma lmbda (1 - done_t) A_{t+1}`` with
+    ``delta_t = r_t + gamma (1 - terminated_t) V(s_{t+1}) - V(s_t)`` (a truncated episode
+    bootstraps from its final observation's value) is a bidiagonal linear system in
+    ``A``, solved as one triangular solve per trajectory instead of a Python loop over
+    ``T``: the values of TorchRL's ``generalized_advantage_estimate``.
+    """
+    delta = reward + gamma * next_value * (~terminated) - value
+    decay = (gamma * lmbda) * (~done[..., :-1, 0]).to(value.dtype)
+    system = torch.diag_embed(-decay, offset=1)  # A_t - decay_t A_{t+1}; the unit diagonal is implied
+    return torch.linalg.solve_triangular(system, delta, upper=True, unitriangular=True)
 
 
 class _PhaseClock:
@@ -338,16 +353,14 @@ class _Run:
         """The batch's frames as plain tensors, with GAE advantages and value targets."""
         cfg = self.cfg
         obs, next_obs = batch.get("observation"), batch.get(("next", "observation"))
-        with torch.no_grad():
-            values = self.nets.critic_net(torch.cat([obs, next_obs]))
-        value, next_value = values.split(obs.shape[0])
-        adv, target = vec_generalized_advantage_estimate(
-            cfg.gamma, cfg.gae_lambda, value, next_value, batch.get(("next", "reward")),
-            batch.get(("next", "done")), batch.get(("next", "terminated")))
+        values = self.model.critic(torch.cat([obs, next_obs]).reshape(-1, obs.shape[-1]))
+        value, next_value = values.reshape(2, *obs.shape[:-1], 1).unbind(0)
+        adv = gae(batch.get(("next", "reward")), value, next_value, batch.get(("next", "done")),
+                  batch.get(("next", "terminated")), cfg.gamma, cfg.gae_lambda)
         action = batch.get("action")
         action = action.reshape(-1, 1) if self.nets.discrete else action.reshape(-1, action.shape[-1])
         return Frames(obs.reshape(-1, obs.shape[-1]), action, batch.get("action_log_prob").reshape(-1, 1),
-                      adv.reshape(-1, 1), target.reshape(-1, 1))
+                      adv.reshape(-1, 1), (adv + value).reshape(-1, 1))
 
     def _sample_components(self, frames: int) -> None:
         assert self.cenv.program_reward is not None

@@ -221,6 +221,8 @@ def test_flat_actor_and_modules_agree():
     head, value = model.forward(obs)
     torch.testing.assert_close(head, ref_loc.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(value, nets.critic_net(obs).detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.critic(obs), nets.critic_net(obs).detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.critic(obs[:3]), nets.critic_net(obs[:3]).detach(), rtol=1e-5, atol=1e-6)
     SamplingPolicy(model.actor, False, "lp")(td)
     assert td["action"].shape == (obs.shape[0], 2) and td["lp"].shape == (obs.shape[0],)
 
@@ -279,3 +281,17 @@ def test_phase_times_and_saved_policy(task, tiny_cfg):
     nets = build_networks(4, Categorical(2, shape=(1,)), [16])
     nets.actor_net.load_state_dict(state["actor"])
     nets.critic_net.load_state_dict(state["critic"])
+
+
+def test_gae_equals_torchrl():
+    from torchrl.objectives.value.functional import generalized_advantage_estimate
+
+    from core.train.ppo import gae
+
+    torch.manual_seed(0)
+    shape = (6, 40, 1)  # envs, steps, 1
+    value, next_value, reward = torch.randn(shape), torch.randn(shape), torch.randn(shape)
+    done = torch.rand(shape) < 0.1
+    terminated = done & (torch.rand(shape) < 0.5)  # the other episode ends are truncations
+    expected, _ = generalized_advantage_estimate(0.98, 0.8, value, next_value, reward, done, terminated)
+    torch.testing.assert_close(gae(reward, value, next_value, done, terminated, 0.98, 0.8), expected)
