@@ -10,7 +10,7 @@ from core.records import Candidate, RewardProgram
 
 
 def _jobs(make_config, seeds=(0, 1)) -> list[TrainJob]:
-    cfg = make_config(["trainer.frames=1024", "trainer.eval_episodes=2", "trainer.eval_every=0"])
+    cfg = make_config(["trainer.frames=1024", "trainer.eval_episodes=2", "trainer.eval_every=0", "save_policy=false"])
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
     return [TrainJob(container, Candidate(id=f"c{s}", iteration=0), s) for s in seeds]
