@@ -1,9 +1,11 @@
 """Where candidate trainings run: in this process, or in a local pool of worker processes.
 
 An executor takes :class:`TrainJob` records (picklable: the resolved config, the
-candidate, the seed) and returns one :class:`TrainResult` per job, in order. A worker
-rebuilds the task and the plugin manager from the config, so any backend that can call
-:func:`run_job` in another process (a process pool, Ray) runs the same code.
+candidate, the seed, the run's key) and returns one :class:`TrainResult` per job, in
+order. A worker builds the task and the plugin manager from the config once per run
+(:func:`worker_runtime`), so any backend that can call :func:`run_job` in another
+process (a process pool, Ray) runs the same code, and jobs of several runs that reach
+one worker in turn each meet their own run's plugin objects.
 """
 
 from __future__ import annotations
