@@ -96,7 +96,8 @@ class Frames:
     def normalized(self) -> Frames:
         """The same frames with standardised advantages (``ClipPPOLoss``'s ``normalize_advantage``)."""
         adv = self.advantage
-        adv = (adv - adv.mean()) / adv.std().clamp_min(1e-6)
+        if adv.numel() > 1:
+            adv = (adv - adv.mean()) / adv.std().clamp_min(1e-6)
         return Frames(self.obs, self.action, self.log_prob, adv, self.target)
 
 
