@@ -367,7 +367,9 @@ class LLMClient:
         if s.is_embedded:
             from core.llm import embedded
 
-            plan = embedded.get_plan(s.model.split("/", 1)[1])  # loads the model outside any timing
+            name = s.model.split("/", 1)[1]
+            embedded.retune(name)  # follow the free cores between calls (n_threads=auto)
+            plan = embedded.get_plan(name)  # loads the model outside any timing
             chars = sum(len(m["content"]) for m in messages)
             return min(s.max_n, plan.samples_per_request(chars, max_tokens))
         return s.max_n if self._native_n else 1

@@ -259,16 +259,19 @@ class ServerPlan:
         return int(max(1, min(self.n_parallel, fits)))
 
 
-def busy_cores(window_s: float = 0.25) -> float:
+def busy_cores(window_s: float = 0.25, load_average: bool = True) -> float:
     """Cores other work keeps busy now: the larger of the 1-minute load average and the
     CPU time the whole machine spent over ``window_s`` (``/proc/stat``; load average
     alone elsewhere). Conservative on purpose: a core counted busy costs a thread, a busy
-    core counted free stalls every thread (see :func:`plan_server`).
+    core counted free stalls every thread (see :func:`plan_server`). Once the model has
+    run, the load average counts its own threads too: ``load_average=False`` leaves it out.
     """
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # pragma: no cover - not on Linux/macOS
-        load = 0.0
+    load = 0.0
+    if load_average or not os.path.exists("/proc/stat"):
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # pragma: no cover - not on Linux/macOS
+            pass
 
     def sample() -> tuple[int, int]:
         with open("/proc/stat") as fh:
@@ -333,11 +336,18 @@ def plan_server(s: EmbeddedSettings, cores: int, busy: float) -> ServerPlan:
 # The loaded model (one per process)
 # -------------------------------------------------------------------------------------
 
+#: Seconds between two looks at the free cores (``n_threads="auto"``), and how many looks
+#: in a row must ask for another thread count before the model is reloaded with it.
+RETUNE_EVERY_S = 20.0
+RETUNE_AGREE = 2
+
 settings = EmbeddedSettings()
-_lock = threading.Lock()  # guards loading
+_lock = threading.Lock()  # guards loading, reloading and the in-flight count
 _server: Any = None
 _plan: ServerPlan | None = None
 _loaded: dict[str, Any] = {}
+_inflight = 0  # requests running on _server
+_look = {"at": 0.0, "want": 0, "agree": 0}  # the last looks at the free cores (see retune)
 
 
 _orphans: list[Any] = []  # servers inherited through fork: kept, never destroyed
@@ -350,12 +360,14 @@ def _after_fork_in_child() -> None:
     server would wait forever; its destructor might too, so it is parked, not freed.
     The lock is replaced because the parent may have held it at fork time.
     """
-    global _server, _lock, _plan
+    global _server, _lock, _plan, _inflight
     if _server is not None:
         _orphans.append(_server)
     _server = None
     _plan = None
+    _inflight = 0
     _loaded.clear()
+    _look.update(at=0.0, want=0, agree=0)
     _lock = threading.Lock()
 
 
@@ -421,42 +433,81 @@ def server_params(path: Path, plan: ServerPlan) -> Any:
 
 def get_server(name: str = QWEN_CODER_1_5B.name) -> Any:
     """The loaded ``xllamacpp.Server`` (loading it on first call)."""
-    global _server, _plan
     with _lock:
         if _server is not None:
             return _server
-        try:
-            import xllamacpp
-        except ImportError:
-            raise LLMError(
-                "The embedded model needs the llama.cpp runtime: `pip install xllamacpp` "
-                "(a prebuilt wheel), or choose another backend, e.g. `llm=openai`."
-            ) from None
         path = _resolve_path(name)
-        cores = usable_cores()
-        plan = plan_server(settings, cores, busy_cores() if settings.n_threads == "auto" else 0.0)
-        status = None
-        if settings.show_progress:
-            from rich.console import Console
-
-            status = Console(stderr=True).status(f"Loading embedded model {path.name} ({plan.reason})")
-            status.start()
-        start = time.perf_counter()
-        try:
-            server = xllamacpp.Server(server_params(path, plan))
-        except Exception as exc:  # the C++ side raises RuntimeError with little detail
-            raise LLMError(
-                f"llama.cpp could not load {path}: {exc}. Check that the file is a GGUF "
-                "model and that there is enough memory (~2 GB for the default model)."
-            ) from exc
-        finally:
-            if status:
-                status.stop()
-        log.info("embedded model %s loaded: %s", name, plan.reason)
-        _server, _plan = server, plan
-        _loaded.update(name=name, path=str(path), load_s=time.perf_counter() - start, n_threads=plan.n_threads,
-                       n_parallel=plan.n_parallel, n_ctx=plan.n_ctx, prefix_cache=plan.prefix_cache, plan=plan.reason)
+        auto = settings.n_threads == "auto"
+        _load(name, path, plan_server(settings, usable_cores(), busy_cores() if auto else 0.0))
+        _look.update(at=time.monotonic(), want=0, agree=0)
         return _server
+
+
+def _load(name: str, path: Path, plan: ServerPlan) -> None:
+    """Build the server for ``plan`` into ``_server`` (the caller holds ``_lock``)."""
+    global _server, _plan
+    try:
+        import xllamacpp
+    except ImportError:
+        raise LLMError(
+            "The embedded model needs the llama.cpp runtime: `pip install xllamacpp` "
+            "(a prebuilt wheel), or choose another backend, e.g. `llm=openai`."
+        ) from None
+    status = None
+    if settings.show_progress:
+        from rich.console import Console
+
+        status = Console(stderr=True).status(f"Loading embedded model {path.name} ({plan.reason})")
+        status.start()
+    start = time.perf_counter()
+    try:
+        server = xllamacpp.Server(server_params(path, plan))
+    except Exception as exc:  # the C++ side raises RuntimeError with little detail
+        raise LLMError(
+            f"llama.cpp could not load {path}: {exc}. Check that the file is a GGUF "
+            "model and that there is enough memory (~2 GB for the default model)."
+        ) from exc
+    finally:
+        if status:
+            status.stop()
+    log.info("embedded model %s loaded: %s", name, plan.reason)
+    _server, _plan = server, plan
+    _loaded.update(name=name, path=str(path), load_s=time.perf_counter() - start, n_threads=plan.n_threads,
+                   n_parallel=plan.n_parallel, n_ctx=plan.n_ctx, prefix_cache=plan.prefix_cache, plan=plan.reason)
+
+
+def retune(name: str = QWEN_CODER_1_5B.name) -> ServerPlan | None:
+    """Follow the free cores between requests (``n_threads="auto"`` only).
+
+    At most every :data:`RETUNE_EVERY_S` seconds, while no request runs, look at how busy
+    the machine is (a training started or ended beside the model); when
+    :data:`RETUNE_AGREE` looks in a row ask for another thread count, reload the model
+    with it. A reload takes a few seconds and starts with an empty prefix cache, hence the
+    agreement. Returns the new plan, or None when nothing changed.
+    """
+    global _server, _plan
+    if settings.n_threads != "auto" or _server is None or _inflight:
+        return None
+    if time.monotonic() - _look["at"] < RETUNE_EVERY_S:
+        return None
+    plan = plan_server(settings, usable_cores(), busy_cores(0.5, load_average=False))
+    with _lock:
+        _look["at"] = time.monotonic()
+        if _plan is None or _inflight or plan.n_threads == _plan.n_threads:
+            _look.update(want=0, agree=0)
+            return None
+        _look["agree"] = _look["agree"] + 1 if _look["want"] == plan.n_threads else 1
+        _look["want"] = plan.n_threads
+        if _look["agree"] < RETUNE_AGREE:
+            return None
+        reloads = int(_loaded.get("reloads", 0)) + 1
+        path = Path(_loaded["path"])
+        log.info("embedded model: %d -> %d thread(s) (%s); reloading", _plan.n_threads, plan.n_threads, plan.reason)
+        _server = _plan = None  # free the old one first: two servers would hold two copies of the weights
+        _load(name, path, plan)
+        _loaded["reloads"] = reloads
+        _look.update(want=0, agree=0)
+        return plan
 
 
 def get_plan(name: str = QWEN_CODER_1_5B.name) -> ServerPlan:
@@ -495,6 +546,7 @@ def generate(
     seed: int = 0,
     top_p: float | None = None,
     top_logprobs: int = 0,
+    cache_prompt: bool | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """``n`` chat completions of one prompt as an OpenAI-style dict (``choices``, ``usage``).
@@ -505,18 +557,19 @@ def generate(
     ``usage.prompt_tokens_details.cached_tokens`` the prompt tokens reused from an
     earlier request; ``timings`` is llama.cpp's (of the first choice).
     ``top_logprobs > 0``: each choice carries ``logprobs.content``, per generated token
-    its ``top_logprobs`` alternatives (the OpenAI shape). ``extra``: the fields named in
+    its ``top_logprobs`` alternatives (the OpenAI shape). ``cache_prompt=False`` computes
+    this prompt from scratch even when the server reuses prefixes. ``extra``: the fields named in
     :data:`PASSTHROUGH` (e.g. ``ignore_eos=True`` for replies of exactly ``max_tokens``).
     """
-    server = get_server(name)
-    plan = _plan
+    global _inflight
+    server, plan = get_server(name), _plan
     request: dict[str, Any] = {
         "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
         "temperature": float(temperature),
         "max_tokens": int(max_tokens),
         "seed": int(seed) & 0xFFFFFFFF,
         "stream": False,
-        "cache_prompt": bool(plan.prefix_cache) if plan is not None else True,
+        "cache_prompt": (plan is None or plan.prefix_cache) if cache_prompt is None else bool(cache_prompt),
     }
     if n > 1:
         request["n"] = int(n)
@@ -527,7 +580,13 @@ def generate(
     if top_logprobs > 0:
         request["logprobs"], request["top_logprobs"] = True, int(top_logprobs)
     request.update({k: v for k, v in extra.items() if k in PASSTHROUGH and v is not None})
-    result = server.handle_chat_completions(request)
+    with _lock:  # counted as running, so that retune() leaves the server alone
+        _inflight += 1
+    try:
+        result = server.handle_chat_completions(request)
+    finally:
+        with _lock:
+            _inflight -= 1
     if not isinstance(result, dict) or "choices" not in result:
         error = result.get("error", result) if isinstance(result, dict) else result
         raise LLMError(f"The embedded model returned an error: {error}")

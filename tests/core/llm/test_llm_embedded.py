@@ -128,6 +128,28 @@ def test_real_embedded_model_answers(tmp_path):
     assert again.cached and again.text == reply.text and client.stats.requests == 1
 
 
+@pytest.mark.slow
+def test_real_model_samples_together_and_reuses_the_prefix(tmp_path):
+    embedded.unload()
+    try:
+        client = make_client({"cache": True, "cache_path": str(tmp_path / "c.sqlite"), "max_tokens": 6,
+                              "temperature": 1.0, "show_progress": False, "n_parallel": 2, "n_threads": 1})
+        system = {"role": "system", "content": "You are a terse assistant. " * 20}
+        replies = client.chat([system, {"role": "user", "content": "Name a colour."}], n=2, seed=1)
+        assert client.stats.requests == 1 and len(replies) == 2  # both samples in one request
+        assert all(r.completion_tokens > 0 for r in replies)
+        assert client.stats.completion_tokens == sum(r.completion_tokens for r in replies)
+        client.chat([system, {"role": "user", "content": "Name an animal."}], seed=1)
+        assert client.stats.cached_prompt_tokens >= 100  # the system prompt was not computed again
+        assert embedded.loaded_info()["n_parallel"] == 2
+        again = make_client({"cache": True, "cache_path": str(tmp_path / "c.sqlite"), "max_tokens": 6,
+                             "temperature": 1.0, "show_progress": False})
+        assert [r.text for r in again.chat([system, {"role": "user", "content": "Name a colour."}], n=2, seed=1)] == [
+            r.text for r in replies] and again.stats.requests == 0
+    finally:
+        embedded.unload()
+
+
 def test_configure_keeps_auto_and_reads_numbers(monkeypatch):
     monkeypatch.setattr(embedded, "settings", embedded.EmbeddedSettings())
     monkeypatch.setattr(embedded, "_loaded", {})
@@ -282,3 +304,67 @@ def test_forked_child_drops_the_parents_model(monkeypatch):
     finally:
         old_lock.release()
         monkeypatch.setattr(embedded, "_lock", old_lock)
+
+
+# -- threads that follow the machine ---------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_embedded(monkeypatch, tmp_path):
+    """The module's process-wide state, emptied for one test, with llama.cpp faked: each
+    ``Server`` records the params it was built with."""
+    import xllamacpp
+
+    built: list = []
+
+    class Server:
+        def __init__(self, params):
+            built.append(params)
+
+    monkeypatch.setattr(xllamacpp, "Server", Server)
+    monkeypatch.setattr(embedded, "settings", embedded.EmbeddedSettings(show_progress=False))
+    for name, value in (("_server", None), ("_plan", None), ("_loaded", {}), ("_inflight", 0),
+                        ("_look", {"at": 0.0, "want": 0, "agree": 0}), ("RETUNE_EVERY_S", 0.0)):
+        monkeypatch.setattr(embedded, name, value)
+    monkeypatch.setattr(embedded, "_resolve_path", lambda name: tmp_path / "m.gguf")
+    monkeypatch.setattr(embedded, "usable_cores", lambda: 2)
+    return built
+
+
+def test_threads_follow_a_training_that_starts_beside_the_model(fresh_embedded, monkeypatch):
+    busy = {"now": 0.0}
+    monkeypatch.setattr(embedded, "busy_cores", lambda *a, **k: busy["now"])
+    embedded.get_server()
+    assert embedded.get_plan().n_threads == 2 and len(fresh_embedded) == 1  # idle at load: both cores
+    assert embedded.retune() is None  # nothing changed
+    busy["now"] = 1.0  # a training takes a core
+    assert embedded.retune() is None and len(fresh_embedded) == 1  # one look is not enough
+    plan = embedded.retune()
+    assert plan is not None and plan.n_threads == 1 and embedded.get_plan() is plan
+    assert len(fresh_embedded) == 2 and fresh_embedded[-1].cpuparams.n_threads == 1
+    assert embedded.loaded_info()["reloads"] == 1
+    busy["now"] = 0.0  # the training ended
+    embedded.retune()
+    assert embedded.retune().n_threads == 2 and len(fresh_embedded) == 3
+
+
+def test_no_reload_while_a_request_runs_or_with_fixed_threads(fresh_embedded, monkeypatch):
+    busy = {"now": 0.0}
+    monkeypatch.setattr(embedded, "busy_cores", lambda *a, **k: busy["now"])
+    embedded.get_server()
+    busy["now"] = 1.0
+    monkeypatch.setattr(embedded, "_inflight", 1)
+    assert embedded.retune() is None and embedded.retune() is None and len(fresh_embedded) == 1
+    monkeypatch.setattr(embedded, "_inflight", 0)
+    embedded.settings.n_threads = 2
+    assert embedded.retune() is None and embedded.retune() is None and len(fresh_embedded) == 1
+
+
+def test_looks_are_spaced(fresh_embedded, monkeypatch):
+    looks = []
+    monkeypatch.setattr(embedded, "busy_cores", lambda *a, **k: looks.append(1) or 1.0)
+    monkeypatch.setattr(embedded, "RETUNE_EVERY_S", 3600.0)
+    embedded.get_server()  # one look at load
+    for _ in range(5):
+        embedded.retune()
+    assert len(looks) == 1 and len(fresh_embedded) == 1
