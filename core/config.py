@@ -135,10 +135,13 @@ class Settings:
     def of(cls, config: Mapping[str, Any] | DictConfig | None = None, plugins: Mapping[str, PluginConfig] | None = None) -> Settings:
         """Settings from a partial config (defaults for what it omits) and ready plugin configs.
 
-        For code that trains outside a composed run: tests, benchmarks, notebooks.
+        For code that trains outside a composed run: tests, benchmarks, notebooks. One
+        default differs from a run's: ``save_policy`` is false unless given, since
+        outside a run no tracker uploads the saved file and removes it from the temp folder.
         """
         node = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config or {}))
         own = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in GROUPS}
+        own.setdefault("save_policy", False)
         run = typed(RunSettings, OmegaConf.create(own), "config")
         return cls(config=node, run=run, plugins=dict(plugins or {}))
 

@@ -57,6 +57,29 @@ def test_a_run_without_a_tracker_leaves_no_policy(tiny_run, temp_folder):
     assert _policies(temp_folder) == []
 
 
+@pytest.mark.parametrize("trainer", ["ppo", "sac"])
+def test_a_bare_trainer_call_saves_no_policy(temp_folder, trainer):
+    """Trainers called outside a run (tests, benchmarks, notebooks) make their own context when hooks need one."""
+    from core.config import Settings
+    from core.context import TrainContext
+    from core.envs import make_task
+    from core.registry import make_plugin_manager
+    from core.train import get_trainer
+
+    train, config_cls = get_trainer(trainer)
+    task = make_task({"name": "cartpole" if trainer == "ppo" else "pendulum"})
+    small = {"ppo": dict(frames=256, num_envs=4, rollout_steps=32, epochs=1, minibatch=64),
+             "sac": dict(frames=200, init_random_frames=100, batch_size=32)}[trainer]
+    cfg = config_cls(**small, hidden=[8], eval_every=0, eval_episodes=1)
+    hook = make_plugin_manager().hook
+    candidate = Candidate("bare", 0)
+    results = [train(task, candidate, cfg, seed=0, hook=hook),
+               train(task, candidate, cfg, seed=0, hook=hook,
+                     ctx=TrainContext(settings=Settings.of(), task=task, candidate=candidate, seed=0, total_frames=cfg.frames))]
+    assert all(r.ok and r.policy_path == "" for r in results), [r.error for r in results]
+    assert _policies(temp_folder) == []
+
+
 @pytest.mark.slow
 def test_policies_saved_by_pool_workers_are_removed(tiny_run, temp_folder):
     loop = Loop(tiny_run("save_policy=true", "executor=local", "executor.workers=2"))

@@ -69,7 +69,8 @@ def test_policy_is_saved_when_the_run_asks(task, tiny_cfg):
 
 def test_policy_saving_defaults(task, tiny_cfg):
     assert not wants_saved_policy(None)
-    assert wants_saved_policy(_ctx(task, Candidate("a", 0), tiny_cfg))
+    assert not wants_saved_policy(_ctx(task, Candidate("a", 0), tiny_cfg))  # outside a run nobody would upload it
+    assert wants_saved_policy(_ctx(task, Candidate("a", 0), tiny_cfg, save_policy=True))
     path = save_policy({"x": torch.ones(2)}, "a b/c")
     saved = torch.load(path)
     Path(path).unlink()
