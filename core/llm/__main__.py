@@ -2,7 +2,7 @@
 
     python -m core.llm "Write a Python function that returns 1"
     python -m core.llm "Explain PPO in one line" llm=openai llm.model=gpt-4o
-    python -m core.llm "..." llm.n_threads=2 llm.max_tokens=64 --n 2
+    python -m core.llm "..." llm.n_threads=2 llm.max_tokens=64 --n 4
 
 Extra arguments are Hydra overrides of the ``llm`` group; the reply goes to stdout and
 a one-line stats summary to stderr.
@@ -74,11 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"--- sample {i} ---")
         print(reply.text)
     s = client.stats
-    speed = f", {s.completion_tokens / s.latency_s:.1f} tokens/s" if s.latency_s > 0 else ""
+    speed = f", {s.completion_tokens / s.wait_s:.1f} tokens/s" if s.wait_s > 0 else ""
     from core.llm import embedded
 
     loaded = embedded.loaded_info()
-    load = f", model load {loaded['load_s']:.1f} s" if loaded else ""
+    load = f", model load {loaded['load_s']:.1f} s ({loaded['plan']})" if loaded else ""
     print(f"[{client.model}] {s.summary()}{speed}{load}", file=sys.stderr)
     return 0
 

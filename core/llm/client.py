@@ -24,7 +24,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -311,6 +311,24 @@ class LLMClient:
             except Exception:  # a tracking hiccup must not lose a paid-for reply
                 log.warning("on_call callback failed for LLM call %r", tag, exc_info=True)
         return done
+
+    def chat_many(self, calls: Sequence[Mapping[str, Any]]) -> list[list[Reply]]:
+        """Several independent :meth:`chat` calls at once, replies in call order.
+
+        ``calls`` holds each call's keyword arguments, ``messages`` included (e.g. K
+        conversations that each carry their own follow-up). The calls run concurrently, up
+        to ``llm.concurrency`` at a time; each is cached, counted and recorded exactly as
+        if made alone. Raises the first :class:`LLMError` once every call has ended.
+        """
+        calls = [dict(c) for c in calls]
+        if len(calls) <= 1 or self.settings.concurrency <= 1:
+            return [self.chat(**c) for c in calls]
+        with ThreadPoolExecutor(max_workers=min(self.settings.concurrency, len(calls)), thread_name_prefix="llm-call") as pool:
+            futures = [pool.submit(self.chat, **c) for c in calls]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+        return [f.result() for f in futures]
 
     def ask(self, prompt: str, *, system: str | None = None, **kw: Any) -> str:
         """The text of one reply to a single user ``prompt`` (``kw`` as in :meth:`chat`)."""

@@ -198,6 +198,33 @@ def test_a_failed_request_keeps_the_replies_of_the_others(llm_cfg, fake_backend,
     assert [r.cached for r in replies] == [True, False, True]  # only the failed one is asked again
 
 
+def test_chat_many_runs_independent_conversations_together(llm_cfg, fake_backend, monkeypatch):
+    gate = Gate(fake_backend, parties=3)
+    monkeypatch.setattr(import_litellm(), "completion", gate)
+    client = make_client(llm_cfg)
+    convs = [[{"role": "user", "content": f"fix attempt {j}"}] for j in range(3)]
+    out = client.chat_many([{"messages": c, "seed": j, "tag": f"t{j}"} for j, c in enumerate(convs)])
+    assert gate.peak == 3  # in flight together
+    assert [replies[0].text.split("|")[0] for replies in out] == [f"fix attempt {j}" for j in range(3)]
+    assert sorted(r.tag for r in client.records) == ["t0", "t1", "t2"] and client.stats.calls == 3
+    alone = make_client(llm_cfg).chat(convs[1], seed=1)  # cached exactly as a call made alone
+    assert alone[0].cached and alone[0].text == out[1][0].text
+
+
+def test_chat_many_raises_after_every_call_ended(llm_cfg, fake_backend, monkeypatch):
+    def flaky(**kwargs):
+        if kwargs["messages"][-1]["content"] == "bad":
+            raise import_litellm().exceptions.BadRequestError("bad", "openai", "fake-model")
+        return fake_backend(**kwargs)
+
+    monkeypatch.setattr(import_litellm(), "completion", flaky)
+    client = make_client(llm_cfg)
+    with pytest.raises(LLMError):
+        client.chat_many([{"messages": [{"role": "user", "content": t}]} for t in ("a", "bad", "c")])
+    assert sorted(c["messages"][-1]["content"] for c in fake_backend.calls) == ["a", "c"]
+    assert client.stats.calls == 2 and client.stats.errors == 1
+
+
 def test_prompt_tokens_the_backend_reused_are_counted(llm_cfg, monkeypatch):
     from litellm.types.utils import PromptTokensDetailsWrapper
 
