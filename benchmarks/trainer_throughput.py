@@ -12,8 +12,9 @@ Three pairs, each trained from scratch with the same settings on the same machin
 Runs alternate (reference then ours, then ours then reference, ...) so that load from
 elsewhere on the machine hurts both alike; ``ratio`` is the median of the per-repeat
 ratios (each ours/reference pair ran back to back), ``best_ratio`` the best of ours over
-the best of the reference. Only training is timed: evaluation is off in ours. The load
-average is printed before and after. ``profile`` is where our CartPole PPO's training
+the best of the reference, ``cpu_ratio`` the median ratio of frames per CPU-second of the
+process (robust to other load; setup included). Only training is timed: evaluation is
+off in ours. The load average is printed before and after. ``profile`` is where our CartPole PPO's training
 time goes (``time/*_s`` metrics of the median run): rollout (env steps, the policy,
 per-step transforms), reward (the candidate's reward program on the batch and
 ``on_rollout`` hooks; ``profile_reward_program`` is a run with an LLM-style reward
@@ -34,6 +35,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -116,23 +118,36 @@ def ours_sac(frames: int, seed: int = 0) -> dict:
     return result.metrics
 
 
-def interleaved(ours: Callable[[], dict], reference: Callable[[], float], repeats: int) -> dict:
-    """Alternate the two ``repeats`` times; fps of each, per-repeat ratios and their median."""
+def interleaved(ours: Callable[[], dict], reference: Callable[[], float], repeats: int, frames: int) -> dict:
+    """Alternate the two ``repeats`` times; frames/s of each, per-repeat ratios and their median.
+
+    Besides wall-clock frames/s (what each trainer reports), each call's process CPU time
+    is measured around it (setup included, so slightly against both): ``cpu_ratio``
+    compares frames per CPU-second, which other load on the machine changes little.
+    """
+    def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+        start = time.process_time()
+        value = fn()
+        return value, time.process_time() - start
+
     runs = []
     for r in range(repeats):
         if r % 2 == 0:
-            ref = reference()
-            metrics = ours()
+            ref, ref_cpu = timed(reference)
+            metrics, ours_cpu = timed(ours)
         else:
-            metrics = ours()
-            ref = reference()
+            metrics, ours_cpu = timed(ours)
+            ref, ref_cpu = timed(reference)
         runs.append({"ours_fps": round(metrics["charts/fps"], 1), "reference_fps": round(ref, 1),
-                     "ratio": round(metrics["charts/fps"] / ref, 3), "metrics": metrics})
+                     "ratio": round(metrics["charts/fps"] / ref, 3), "ours_cpu_fps": round(frames / ours_cpu, 1),
+                     "reference_cpu_fps": round(frames / ref_cpu, 1), "cpu_ratio": round(ref_cpu / ours_cpu, 3),
+                     "metrics": metrics})
     ratios = [run["ratio"] for run in runs]
     median_run = sorted(runs, key=lambda run: run["ratio"])[len(runs) // 2]
     return {
         "ratio": round(statistics.median(ratios), 3),
         "best_ratio": round(max(run["ours_fps"] for run in runs) / max(run["reference_fps"] for run in runs), 3),
+        "cpu_ratio": round(statistics.median(run["cpu_ratio"] for run in runs), 3),
         "ours_fps": round(statistics.median(run["ours_fps"] for run in runs), 1),
         "reference_fps": round(statistics.median(run["reference_fps"] for run in runs), 1),
         "ratios": ratios,
@@ -166,7 +181,8 @@ def main() -> None:
     if "cartpole" in only:
         task = cartpole_task()
         pair = interleaved(lambda: ours_ppo(task, args.frames, args.seed),
-                           lambda: reference_ppo.train(reference_ppo.Args(), args.frames, args.seed), args.repeats)
+                           lambda: reference_ppo.train(reference_ppo.Args(), args.frames, args.seed), args.repeats,
+                           args.frames)
         metrics = pair.pop("median_metrics")
         out.update(pair, frames=args.frames, profile=profile(metrics, 256))
         try:  # a candidate with an LLM-style reward program (through the sandbox)
@@ -184,7 +200,8 @@ def main() -> None:
         ref_args = reference_ppo.Args(env_id="HalfCheetah-v5", num_envs=8, num_steps=256, update_epochs=10,
                                       minibatch_size=64, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95)
         pair = interleaved(lambda: ours_ppo(HalfCheetah(), args.mujoco_frames, args.seed, **MUJOCO),
-                           lambda: reference_ppo.train(ref_args, args.mujoco_frames, args.seed), max(2, args.repeats - 1))
+                           lambda: reference_ppo.train(ref_args, args.mujoco_frames, args.seed), max(2, args.repeats - 1),
+                           args.mujoco_frames)
         metrics = pair.pop("median_metrics")
         out["mujoco"] = {"env": "HalfCheetah-v5", "frames": args.mujoco_frames, **pair,
                          "profile": profile(metrics, MUJOCO["num_envs"] * MUJOCO["rollout_steps"])}
@@ -192,7 +209,7 @@ def main() -> None:
     if "sac" in only:
         pair = interleaved(lambda: ours_sac(args.sac_frames, args.seed),
                            lambda: reference_sac.train(reference_sac.Args(), args.sac_frames, args.seed),
-                           max(2, args.repeats - 1))
+                           max(2, args.repeats - 1), args.sac_frames)
         pair.pop("median_metrics")
         out["sac"] = {"env": "Pendulum-v1", "frames": args.sac_frames, **pair}
 
