@@ -16,8 +16,13 @@ too large to enumerate:
 - attributes: no leading underscore (so no dunders, no ``torch._C``), no frame/code
   objects (``gi_frame``, ``f_globals``), no file, process, RNG-seed or global-setting
   functions (:data:`FORBIDDEN_ATTRS`);
-- statements: no classes, ``global``, ``async``, bare ``except`` or ``finally`` (both
-  could swallow or outlive the per-call timeout), no star imports;
+- statements: no classes, ``global``, ``async``, bare ``except`` or ``finally``, no star
+  imports; no assignment to or deletion of attributes of imported modules or of objects
+  imported from them (``torch.isfinite = ...``, ``del nn.Linear.forward``); no class built
+  by a three-argument call (``type(name, bases, namespace)``); no ``match`` class
+  pattern on a forbidden attribute (``case F(__globals__=g)``);
+- ``typing``: importable only when allowed, except ``from typing import <name>`` of the
+  plain annotation names (:data:`TYPING_ANNOTATIONS`), and those only inside annotations;
 - constants: integer literals and constant allocations beyond :data:`MAX_CONST_INT`
   elements, the cheap static guard against ``[0] * 10**10`` in the training process.
 """
@@ -51,7 +56,7 @@ FORBIDDEN_NAMES = frozenset(
         "delattr", "hasattr", "breakpoint", "input", "help", "exit", "quit", "dir", "type",
         "object", "super", "memoryview", "id", "classmethod", "staticmethod", "property",
         "BaseException", "SystemExit", "KeyboardInterrupt", "GeneratorExit", "bytearray",
-        "issubclass", "format",
+        "issubclass", "format", "BaseExceptionGroup",
     }
 )  # fmt: skip
 
@@ -86,8 +91,9 @@ FORBIDDEN_ATTRS = frozenset(
         "seed", "manual_seed", "initial_seed", "get_rng_state", "set_rng_state", "fork_rng",
         "seterr", "seterrcall", "setbufsize", "show_config", "info", "source", "lookfor",
         "get_include", "use_deterministic_algorithms",
-        # introspection
-        "format", "format_map", "mro",
+        # introspection, and exceptions that are not ``Exception`` (they pass ``except Exception``)
+        "format", "format_map", "mro", "BaseException", "BaseExceptionGroup", "KeyboardInterrupt",
+        "SystemExit", "GeneratorExit", "CancelledError",
     }
 )  # fmt: skip
 
@@ -106,8 +112,16 @@ def _attr_problem(name: str) -> str:
     return ""
 
 
-#: Always importable: type hints only (Eureka-style ``-> Tuple[torch.Tensor, Dict[...]]``).
-ALWAYS_ALLOWED = frozenset({"typing", "__future__"})
+#: Always importable: ``from __future__ import annotations`` (a compiler directive).
+ALWAYS_ALLOWED = frozenset({"__future__"})
+#: Names a program may import from ``typing`` without ``typing`` being allowed, for
+#: Eureka-style hints (``-> Tuple[torch.Tensor, Dict[str, torch.Tensor]]``); they may
+#: appear only in annotations. ``Type``, ``cast``, ``get_type_hints`` and the rest need
+#: ``typing`` in ``allowed_imports``.
+TYPING_ANNOTATIONS = frozenset(
+    {"Any", "Callable", "Dict", "FrozenSet", "Iterable", "Iterator", "List", "Mapping", "Optional",
+     "Sequence", "Set", "Tuple", "Union"}
+)  # fmt: skip
 
 
 def module_allowed(module: str, allowed_imports: Iterable[str]) -> bool:
@@ -117,10 +131,19 @@ def module_allowed(module: str, allowed_imports: Iterable[str]) -> bool:
     return module in allowed or (root in allowed and module in ALLOWED_SUBMODULES)
 
 
+def annotation_import(module: str, names: Iterable[str] | None, allowed_imports: Iterable[str]) -> bool:
+    """Whether ``from module import names`` is the annotation-only ``typing`` import."""
+    return module == "typing" and not module_allowed("typing", allowed_imports) and bool(names) \
+        and all(n in TYPING_ANNOTATIONS for n in names or ())
+
+
 class _Checker(ast.NodeVisitor):
     def __init__(self, allowed_imports: tuple[str, ...]) -> None:
         self.allowed = allowed_imports
         self.aliases: dict[str, str] = {}  # local name -> dotted module it names
+        self.imported: set[str] = set()  # local names of objects imported from modules
+        self.hints: set[str] = set()  # local names of typing's annotation names
+        self._in_annotation = 0
         self.problems: list[tuple[int, str]] = []
         self._chain_parents: set[int] = set()  # ids of Name/Attribute nodes inside a larger chain
 
@@ -152,6 +175,9 @@ class _Checker(ast.NodeVisitor):
         if node.level or not node.module:
             self.fail(node, "relative import")
             return
+        if annotation_import(node.module, [a.name for a in node.names], self.allowed):
+            self.hints.update(a.asname or a.name for a in node.names)
+            return
         if not module_allowed(node.module, self.allowed):
             self.fail(node, f"import from `{node.module}` (allowed: {', '.join(sorted(self.allowed))})")
             return
@@ -169,11 +195,15 @@ class _Checker(ast.NodeVisitor):
                 self._bind_module(node, alias.asname or alias.name, obj.__name__ if module_allowed(obj.__name__, self.allowed) else target)
             elif obj is _MISSING:
                 self.fail(node, f"`{target}` does not exist")
+            else:
+                self.imported.add(alias.asname or alias.name)
 
     # -- names and attributes ----------------------------------------------------------
     def visit_Name(self, node: ast.Name) -> None:
         if node.id.startswith("__") or node.id in FORBIDDEN_NAMES:
             self.fail(node, f"name `{node.id}`")
+        elif node.id in self.hints and not self._in_annotation:
+            self.fail(node, f"using `{node.id}` from typing outside a type annotation")
         elif node.id in self.aliases and id(node) not in self._chain_parents:
             if isinstance(node.ctx, ast.Load):
                 self.fail(node, f"using module `{node.id}` as a value (only `{node.id}.name` is allowed)")
@@ -184,6 +214,13 @@ class _Checker(ast.NodeVisitor):
         problem = _attr_problem(node.attr)
         if problem:
             self.fail(node, problem)
+        if isinstance(node.ctx, (ast.Store, ast.Del)):
+            root: ast.AST = node.value
+            while isinstance(root, (ast.Attribute, ast.Subscript, ast.Call)):
+                root = root.func if isinstance(root, ast.Call) else root.value
+            if isinstance(root, ast.Name) and (root.id in self.aliases or root.id in self.imported):
+                verb = "deleting" if isinstance(node.ctx, ast.Del) else "assigning to"
+                self.fail(node, f"{verb} `{ast.unparse(node)[:60]}` (an attribute of an imported module or its objects)")
         # Resolve `alias.a.b` chains against the real modules.
         if id(node) not in self._chain_parents:
             chain: list[str] = []
@@ -227,10 +264,58 @@ class _Checker(ast.NodeVisitor):
         for arg in a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg) if x]:
             if arg.arg.startswith("__") or arg.arg in self.aliases:
                 self.fail(node, f"argument name `{arg.arg}`")
-        self.generic_visit(node)
+        for name, value in ast.iter_fields(node):
+            if name == "returns" and value is not None:
+                self._annotation(value)
+            elif isinstance(value, list):
+                for item in value:
+                    if isinstance(item, ast.AST):
+                        self.visit(item)
+            elif isinstance(value, ast.AST):
+                self.visit(value)
 
     visit_FunctionDef = _def
     visit_Lambda = _def
+
+    def _annotation(self, node: ast.AST) -> None:
+        self._in_annotation += 1
+        try:
+            self.visit(node)
+        finally:
+            self._in_annotation -= 1
+
+    def visit_arg(self, node: ast.arg) -> None:
+        if node.annotation is not None:
+            self._annotation(node.annotation)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self._annotation(node.annotation)
+        self.visit(node.target)
+        if node.value is not None:
+            self.visit(node.value)
+
+    # -- match statements: class patterns read attributes by name ----------------------
+    def visit_MatchClass(self, node: ast.MatchClass) -> None:
+        for attr in node.kwd_attrs:
+            problem = _attr_problem(attr)
+            if problem:
+                self.fail(node, f"match pattern on {problem}")
+        self.generic_visit(node)
+
+    def _capture(self, node: ast.AST, name: str | None) -> None:
+        if name and (name.startswith("__") or name in self.aliases):
+            self.fail(node, f"name `{name}` in a match pattern")
+
+    def visit_MatchAs(self, node: ast.MatchAs) -> None:
+        self._capture(node, node.name)
+        self.generic_visit(node)
+
+    def visit_MatchStar(self, node: ast.MatchStar) -> None:
+        self._capture(node, node.name)
+
+    def visit_MatchMapping(self, node: ast.MatchMapping) -> None:
+        self._capture(node, node.rest)
+        self.generic_visit(node)
 
     def visit_AsyncFunctionDef(self, node: ast.AST) -> None:
         self.fail(node, "`async def`")
@@ -274,10 +359,22 @@ class _Checker(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_Call(self, node: ast.Call) -> None:
+        if _class_building(node):
+            self.fail(node, f"building a class with `{ast.unparse(node.func)[:40]}(name, bases, namespace)`")
         sizes = [v for v in (_const_int(a) for a in _flat(node.args)) if v is not None and v > 0]
         if len(sizes) > 1 and math.prod(sizes) > MAX_CONST_INT:
             self.fail(node, f"allocation of {math.prod(sizes):.3g} elements in `{ast.unparse(node)[:60]}`")
         self.generic_visit(node)
+
+
+def _class_building(node: ast.Call) -> bool:
+    """``X("Name", (bases...), {namespace})``: the three-argument ``type`` call, whatever ``X`` is bound to."""
+    if len(node.args) != 3:
+        return False
+    name, bases, namespace = node.args
+    is_dict = isinstance(namespace, ast.Dict) or (isinstance(namespace, ast.Call) and isinstance(namespace.func, ast.Name)
+                                                  and namespace.func.id == "dict")
+    return isinstance(name, ast.Constant) and isinstance(name.value, str) and isinstance(bases, ast.Tuple) and is_dict
 
 
 class _Missing:

@@ -35,8 +35,12 @@ def sandbox_settings(ctx: TrainContext | None) -> tuple[Any, tuple[str, ...]]:
     return sandbox.limits(), sandbox.imports
 
 
-def prepare_programs(task: Task, candidate: Candidate, ctx: TrainContext | None) -> tuple[Any, Any, int]:
-    """``(reward_fn, state_fn, state_dim)``: the candidate's programs, probed in the sandbox.
+def prepare_programs(task: Task, candidate: Candidate, ctx: TrainContext | None,
+                     worker: Any = None) -> tuple[Any, Any, int]:
+    """``(reward_fn, state_fn, state_dim)``: the candidate's programs, loaded and probed in the sandbox.
+
+    ``worker`` is the candidate's :class:`core.sandbox.ProgramWorker` (each program
+    starts its own without one). The programs never run in this process.
 
     :raises core.sandbox.SandboxError: when a program fails its checks or its probe.
     """
@@ -47,10 +51,11 @@ def prepare_programs(task: Task, candidate: Candidate, ctx: TrainContext | None)
     from core import sandbox
 
     limits, imports = sandbox_settings(ctx)
+    shared = {"worker": worker} if worker is not None else {}
     if candidate.reward is not None:
-        reward_fn = sandbox.prepare_reward(candidate.reward, task, limits=limits, allowed_imports=imports)
+        reward_fn = sandbox.prepare_reward(candidate.reward, task, limits=limits, allowed_imports=imports, **shared)
     if candidate.state is not None:
-        state_fn = sandbox.prepare_state(candidate.state, task, limits=limits, allowed_imports=imports)
+        state_fn = sandbox.prepare_state(candidate.state, task, limits=limits, allowed_imports=imports, **shared)
         state_dim = int(getattr(state_fn, "extra_dim", candidate.state.extra_dim))
     return reward_fn, state_fn, state_dim
 
@@ -90,7 +95,12 @@ class CandidateEnv:
                  ctx: TrainContext | None, *, reward_fn: Any = None,
                  wrap_env: Callable[[Any], Any] | None = None) -> None:
         own = replace(candidate, reward=None) if reward_fn is not None else candidate
-        prepared, state_fn, state_dim = prepare_programs(task, own, ctx)
+        self.worker = None  # the candidate's sandbox worker: every program of the candidate runs there
+        if own.reward is not None or own.state is not None or own.macros:
+            from core.sandbox import ProgramWorker
+
+            self.worker = ProgramWorker(*sandbox_settings(ctx))
+        prepared, state_fn, state_dim = prepare_programs(task, own, ctx, self.worker)
         reward_fn = reward_fn if reward_fn is not None else prepared
         self.program_metrics = {f"sandbox/{role}_per_row": 1.0 for role, fn in (("reward", reward_fn), ("state", state_fn))
                                 if getattr(fn, "per_row", False)}
@@ -99,7 +109,8 @@ class CandidateEnv:
             from core.train.macros import MacroSet
 
             limits, imports = sandbox_settings(ctx)
-            self.macros = MacroSet.prepare(candidate.macros, task, limits=limits, allowed_imports=imports)
+            self.macros = MacroSet.prepare(candidate.macros, task, limits=limits, allowed_imports=imports,
+                                           worker=self.worker)
         params = split_env_params(candidate.envs, num_envs)
         wants_hooks = hook is not None and ctx is not None
         vec = task.make_env(num_envs, seed, params)
@@ -138,7 +149,10 @@ class CandidateEnv:
         return obs
 
     def close(self) -> None:
+        """Close the env; the worker stays for evaluation and ends with the candidate (:func:`train_safely`)."""
         self.env.close(raise_if_closed=False)
+        if self.worker is not None:
+            self.program_metrics.update(self.worker.metrics())
 
     def macro_metrics(self) -> dict[str, float]:
         """``macros/<name>_calls`` (and primitive steps) when the candidate has macros."""
@@ -157,21 +171,28 @@ def error_of(exc: BaseException) -> tuple[str, str]:
 
 def train_safely(body: Callable[[TrainResult], None], candidate: Candidate, hook: Any,
                  ctx: TrainContext | None) -> TrainResult:
-    """Run ``body(result)``; exceptions become a failed result; then ``on_train_end``."""
+    """Run ``body(result)``; exceptions become a failed result; then ``on_train_end``.
+
+    Every sandbox worker started meanwhile (the candidate's, and any a plugin started
+    for it) ends when this returns.
+    """
+    from core.sandbox import candidate_scope
+
     start = time.perf_counter()
     result = TrainResult(candidate_id=candidate.id, ok=False)
-    try:
-        body(result)
-        result.ok = True
-    except Exception as exc:  # noqa: BLE001 - failures of candidate code are data
-        result.error, result.error_kind = error_of(exc)
-    result.seconds = time.perf_counter() - start
-    if hook is not None:
+    with candidate_scope():
         try:
-            hook.on_train_end(train=ctx, result=result)
-        except Exception as exc:  # noqa: BLE001
-            result.ok = False
+            body(result)
+            result.ok = True
+        except Exception as exc:  # noqa: BLE001 - failures of candidate code are data
             result.error, result.error_kind = error_of(exc)
+        result.seconds = time.perf_counter() - start
+        if hook is not None:
+            try:
+                hook.on_train_end(train=ctx, result=result)
+            except Exception as exc:  # noqa: BLE001
+                result.ok = False
+                result.error, result.error_kind = error_of(exc)
     return result
 
 

@@ -15,10 +15,11 @@ batched as ``[1, ...]`` (the same layout as reward programs see, with a batch of
 ``done_entry`` returns a bool or a one-element tensor. Macros run per env because a
 vector env cannot hold some envs still while others run a macro.
 
-Programs are checked by the sandbox (AST policy, one isolated probe run on a real state
-of the task), then compiled in-process; each call runs under the per-call timer.
-Failures raise :class:`core.sandbox.SandboxError`, which the trainer turns into a failed
-candidate with the report as feedback.
+Programs are checked by the sandbox (AST policy), loaded into the candidate's worker
+process (:class:`core.sandbox.ProgramWorker`) and probed there on a real state of the
+task; every call crosses to the worker within ``call_timeout_s`` and its value is
+checked here. Failures raise :class:`core.sandbox.SandboxError`, which the trainer turns
+into a failed candidate with the report as feedback.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from core.envs.task import Task
-from core.records import MacroAction
+from core.records import MacroAction, Program
 
 STATE_ARGS = ("state",)
 
@@ -62,13 +63,13 @@ def _as_flag(value: Any, name: str) -> bool:
 
 
 def validate_action(result: Any, args: tuple[Any, ...], *, n_actions: int, name: str) -> Any:
-    """Probe validator (runs in the sandbox child): one valid primitive action."""
+    """Probe validator (in the host, on the value that crossed back): one valid primitive action."""
     from core.sandbox import SandboxReport
 
     try:
         _as_action(result, n_actions, name)
     except ValueError as e:
-        return SandboxReport(False, "output", str(e))
+        return SandboxReport(False, "invalid_value", str(e))
     return SandboxReport(True, "ok", "")
 
 
@@ -79,36 +80,41 @@ def validate_flag(result: Any, args: tuple[Any, ...], *, name: str) -> Any:
     try:
         _as_flag(result, name)
     except ValueError as e:
-        return SandboxReport(False, "output", str(e))
+        return SandboxReport(False, "invalid_value", str(e))
     return SandboxReport(True, "ok", "")
 
 
 @dataclass
 class CompiledMacro:
-    """A checked macro: its entry (and done) functions compiled in the sandbox namespace."""
+    """A checked macro: handles of its entry (and done) functions in the worker."""
 
     name: str
-    act: Any  # core.sandbox.CompiledProgram: state -> action
-    done: Any  # CompiledProgram: state -> bool, or None
+    act: int  # handle of state -> action in the worker
+    done: int | None  # handle of state -> bool, or None
     max_steps: int
 
 
 class MacroSet:
-    """The candidate's macros, compiled; wraps vector envs and counts calls.
+    """The candidate's macros, loaded in a worker; wraps vector envs and counts calls.
 
     ``calls[name]`` counts how often the policy picked each macro (training and
-    evaluation alike) and ``env_steps`` the primitive steps they ran.
+    evaluation alike) and ``env_steps`` the primitive steps they ran. A set that
+    started its own worker (none was given to :meth:`prepare`) ends it on :meth:`close`
+    or when it is collected.
     """
 
-    def __init__(self, macros: list[CompiledMacro], task: Task, call_timeout_s: float) -> None:
-        self.macros, self.task, self.call_timeout_s = macros, task, float(call_timeout_s)
+    def __init__(self, macros: list[CompiledMacro], task: Task, worker: Any, *, owns_worker: bool = False) -> None:
+        from core.sandbox import task_fields
+
+        self.macros, self.task, self.worker, self.owns_worker = macros, task, worker, owns_worker
+        self.fields = task_fields(task)
         self.calls = {m.name: 0 for m in macros}
         self.env_steps = 0
 
     @classmethod
     def prepare(cls, macros: list[MacroAction], task: Task, *, limits: Any = None,
-                allowed_imports: tuple[str, ...] | None = None, probe: bool = True) -> MacroSet:
-        """Check, probe (in the isolated child, on a real state) and compile every macro.
+                allowed_imports: tuple[str, ...] | None = None, probe: bool = True, worker: Any = None) -> MacroSet:
+        """Check every macro, load it into ``worker`` (a new one if None) and probe it on a real state.
 
         :raises core.sandbox.SandboxError: with the first failing program's report.
         """
@@ -119,46 +125,64 @@ class MacroSet:
         names = [m.name for m in macros]
         if len(set(names)) != len(names):
             raise ValueError(f"macro names must be unique, got {names}")
-        n_actions = _discrete_actions(task)
-        obs, _, _ = sandbox.probe_batch(task, num_envs=1, steps=1)
-        state = task.split_state(obs[:1])
-        compiled = []
         for macro in macros:
             if int(macro.max_steps) < 1:
                 raise ValueError(f"macro {macro.name!r}: max_steps must be >= 1")
-            checks = [(macro.program, functools.partial(validate_action, n_actions=n_actions, name=macro.name))]
-            if macro.done_entry:
-                checks.append((replace(macro.program, entry=macro.done_entry),
-                               functools.partial(validate_flag, name=macro.name)))
-            fns = []
-            for program, validate in checks:
-                report = sandbox.check_source(program.source, program.entry, arg_names=STATE_ARGS,
-                                              allowed_imports=imports)
-                if report.ok and probe:
-                    report = sandbox.run_isolated(program, (state,), limits=limits, validate=validate,
-                                                  allowed_imports=imports)
-                if not report.ok:
-                    report.message = f"macro {macro.name!r} ({program.entry}): {report.message}"
-                    raise sandbox.SandboxError(report)
-                fns.append(sandbox.compile_program(program, allowed_imports=imports, arg_names=STATE_ARGS,
-                                                   max_output_chars=limits.max_output_chars,
-                                                   timeout_s=limits.call_timeout_s))
-            compiled.append(CompiledMacro(macro.name, fns[0], fns[1] if len(fns) > 1 else None, int(macro.max_steps)))
-        return cls(compiled, task, limits.call_timeout_s)
+        n_actions = _discrete_actions(task)
+        obs, _, _ = sandbox.probe_batch(task, num_envs=1, steps=1)
+        owns = worker is None
+        worker = worker if worker is not None else sandbox.ProgramWorker(limits, imports)
+        try:
+            compiled = [cls._load(m, worker, obs[:1], n_actions, limits, imports, probe, task) for m in macros]
+        except BaseException:
+            if owns:
+                worker.close()
+            raise
+        return cls(compiled, task, worker, owns_worker=owns)
 
-    # -- running ----------------------------------------------------------------------
-    def _call(self, fn: Any, obs: np.ndarray, name: str) -> Any:
+    @staticmethod
+    def _load(macro: MacroAction, worker: Any, obs: torch.Tensor, n_actions: int, limits: Any,
+              imports: tuple[str, ...], probe: bool, task: Task) -> CompiledMacro:
         from core import sandbox
 
-        state = self.task.split_state(torch.as_tensor(np.asarray(obs, dtype=np.float32)).reshape(1, -1))
+        checks = [(macro.program, functools.partial(validate_action, n_actions=n_actions, name=macro.name))]
+        if macro.done_entry:
+            checks.append((replace(macro.program, entry=macro.done_entry), functools.partial(validate_flag, name=macro.name)))
+        handles = []
+        for program, validate in checks:
+            program = Program(program.source, program.entry) if type(program) is not Program else program  # a value, not a reward
+            try:
+                if limits.static_check:
+                    report = sandbox.check_source(program.source, program.entry, arg_names=STATE_ARGS, allowed_imports=imports)
+                    if not report.ok:
+                        raise sandbox.SandboxError(report)
+                if probe:
+                    handle, _ = sandbox.probe(worker, program, (obs,), arg_names=STATE_ARGS, validate=validate,
+                                              per_row_fallback=False, fields=sandbox.task_fields(task), split=(0,))
+                else:
+                    handle = worker.load(program, role="value", arg_names=STATE_ARGS, fields=sandbox.task_fields(task))
+            except sandbox.SandboxError as e:
+                e.report.message = f"macro {macro.name!r} ({program.entry}): {e.report.message}"
+                raise sandbox.SandboxError(e.report) from None
+            handles.append(handle)
+        return CompiledMacro(macro.name, handles[0], handles[1] if len(handles) > 1 else None, int(macro.max_steps))
+
+    def close(self) -> None:
+        """End the worker if this set started it."""
+        if self.owns_worker:
+            self.worker.close()
+
+    # -- running ----------------------------------------------------------------------
+    def _call(self, handle: int, obs: np.ndarray, name: str) -> Any:
+        from core import sandbox
+
+        row = torch.as_tensor(np.asarray(obs, dtype=np.float32)).reshape(1, -1)[:, : self.task.obs_dim]
         try:
-            return fn(state, timeout_s=self.call_timeout_s)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # noqa: BLE001 - the program's failure is feedback
-            report = sandbox.report_exception(e, fn.filename)
-            report.message = f"macro {name!r}: {report.message}"
-            raise sandbox.SandboxError(report) from None
+            (_, value), = self.worker.call(handle, (row,), role="value", split=(0,))
+        except sandbox.SandboxError as e:
+            e.report.message = f"macro {name!r}: {e.report.message}"
+            raise sandbox.SandboxError(e.report) from None
+        return torch.from_numpy(value)
 
     def action(self, j: int, obs: np.ndarray, n_actions: int) -> int:
         macro = self.macros[j]
@@ -177,7 +201,7 @@ class MacroSet:
         try:
             return get()
         except ValueError as e:
-            raise sandbox.SandboxError(sandbox.SandboxReport(False, "output", str(e))) from None
+            raise sandbox.SandboxError(sandbox.SandboxReport(False, "invalid_value", str(e))) from None
 
     # -- envs -------------------------------------------------------------------------
     def wrap(self, vec: gym.vector.VectorEnv) -> gym.vector.VectorEnv:

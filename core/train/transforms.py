@@ -68,9 +68,11 @@ class ProgramReward(Transform):
 
     def _reward(self, obs: torch.Tensor, action: torch.Tensor, next_obs: torch.Tensor,
                 env_reward: torch.Tensor) -> torch.Tensor:
-        state = self.task.split_state(obs[..., : self._dim])
-        next_state = self.task.split_state(next_obs[..., : self._dim])
-        out = self.fn(state, action, next_state)
+        obs, next_obs = obs[..., : self._dim], next_obs[..., : self._dim]
+        if getattr(self.fn, "fields", None) is not None:  # a sandboxed program: the worker names the fields
+            out = self.fn.from_obs(obs, action, next_obs)  # type: ignore[attr-defined]
+        else:
+            out = self.fn(self.task.split_state(obs), action, self.task.split_state(next_obs))
         reward, components = out if isinstance(out, tuple) else (out, None)
         reward = torch.as_tensor(reward, dtype=torch.float32).reshape(-1, 1)
         if self.mode == "add":
@@ -162,7 +164,10 @@ class ProgramState(_AppendFeatures):
         self._dim = task.obs_dim
 
     def features(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.fn(self.task.split_state(obs[..., : self._dim]))
+        obs = obs[..., : self._dim]
+        if getattr(self.fn, "fields", None) is not None:  # a sandboxed program: the worker names the fields
+            return self.fn.from_obs(obs)  # type: ignore[attr-defined]
+        return self.fn(self.task.split_state(obs))
 
 
 class HookState(_AppendFeatures):

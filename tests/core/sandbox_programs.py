@@ -47,6 +47,15 @@ STATE_ONE_FEATURE = """
 def revise_state(state):
     return state["pole_angle"] * state["pole_angular_velocity"]
 """
+TYPE_HINTS_OK = """
+from typing import Dict, Tuple
+import torch
+
+def compute_reward(state: Dict[str, torch.Tensor], action: torch.Tensor,
+                   next_state: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    upright: torch.Tensor = 1.0 - next_state["pole_angle"].abs()
+    return upright, {"upright": upright}
+"""
 
 # -- escapes: rejected by the static check ("forbidden") ---------------------------------------
 IMPORT_OS = "import os\ndef compute_reward(s, a, n):\n    os.system('true')\n    return s['pole_angle']"
@@ -110,7 +119,8 @@ ASYNC_DEF = "async def compute_reward(s, a, n):\n    return s['pole_angle']"
 FORBIDDEN = {
     name: value
     for name, value in dict(globals()).items()
-    if name.isupper() and isinstance(value, str) and name not in {"REWARD_OK", "REWARD_PLAIN_TENSOR", "STATE_OK", "STATE_ONE_FEATURE"}
+    if name.isupper() and isinstance(value, str)
+    and name not in {"REWARD_OK", "REWARD_PLAIN_TENSOR", "STATE_OK", "STATE_ONE_FEATURE", "TYPE_HINTS_OK"}
 }
 
 # -- broken programs: parse and pass the check, fail when run --------------------------------
@@ -139,6 +149,37 @@ WRONG_DTYPE = "def compute_reward(s, a, n):\n    return (s['pole_angle'] > 0).lo
 RETURNS_NONE = "def compute_reward(s, a, n):\n    x = s['pole_angle']"
 STDOUT_FLOOD = "def compute_reward(s, a, n):\n    while True:\n        print('spam ' * 100)"
 MUTATES_INPUT = "def compute_reward(s, a, n):\n    s['pole_angle'].mul_(0)\n    n['pole_angle'].add_(100)\n    return a.float() * 0"
+RETURNS_COMPLEX = "def compute_reward(s, a, n):\n    return n['pole_angle'] * (1 + 2j)"
+#: fine on the probe's call, then never returns
+SLOW_AFTER_PROBE = """
+CALLS = [0]
+
+def compute_reward(s, a, n):
+    CALLS[0] += 1
+    if CALLS[0] > 1:
+        while True:
+            pass
+    return n["pole_angle"]
+"""
+#: correct, but a few milliseconds of Python per call
+SLOW_CALLS = """
+def compute_reward(s, a, n):
+    total = 0.0
+    for i in range(60000):
+        total += i * 1e-12
+    return n["pole_angle"] * 0.0 + total
+"""
+#: keeps what it returned and fills it with NaN on the next call
+KEEPS_ITS_RESULT = """
+KEPT = []
+
+def compute_reward(s, a, n):
+    for old in KEPT:
+        old.fill_(float("nan"))
+    reward = n["pole_angle"] * 0.0 + 1.0
+    KEPT.append(reward)
+    return reward
+"""
 
 # -- bypass programs: run only with the test-only `_skip_check=True` ------------------------
 #: Tries to hold 20 processes at once; must be stopped by RLIMIT_NPROC.
@@ -192,6 +233,27 @@ def compute_reward(s, a, n):
     raise RuntimeError("wrote")
 """
 BYPASS_MEMORY = "def compute_reward(s, a, n):\n    x = bytearray(3 * 1024 ** 3)\n    return x"
+BYPASS_ENVIRON = """
+import os
+def compute_reward(s, a, n):
+    raise RuntimeError(f"keys={sorted(os.environ)} key={os.environ.get('LLM4RL_TEST_API_KEY')}")
+"""
+BYPASS_NETWORK = """
+import socket
+def compute_reward(s, a, n):
+    socket.create_connection(("1.1.1.1", 53), timeout=0.5)
+    return n["pole_angle"]
+"""
+#: fine on the probe's call, then crashes the interpreter
+BYPASS_CRASH_AFTER_PROBE = """
+import ctypes
+CALLS = [0]
+def compute_reward(s, a, n):
+    CALLS[0] += 1
+    if CALLS[0] > 1:
+        ctypes.string_at(0)
+    return n["pole_angle"]
+"""
 
 
 class CartPoleTask(Task):

@@ -1,4 +1,4 @@
-"""The sandbox: hostile and broken programs are contained and reported by kind."""
+"""The sandbox: the static check, the worker process, its limits, and programs as callables."""
 
 from __future__ import annotations
 
@@ -6,15 +6,19 @@ import os
 import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
 
 import sandbox_programs as P
-from core.records import RewardProgram, StateProgram
+from core.records import Program, RewardProgram, StateProgram
 from core.sandbox import (
+    UID_BASE,
     Limits,
+    ProgramWorker,
     SandboxError,
+    candidate_scope,
     check_source,
     compile_program,
     prepare_reward,
@@ -35,23 +39,52 @@ def _args(batch: int = 6) -> tuple:
     return state, torch.randint(0, 2, (batch,), generator=g), nxt
 
 
-def _nobody_procs() -> int:
-    """Processes of the sandbox user now alive (zombies awaiting reaping included)."""
-    n = 0
+SUPERVISORS: set[int] = set()  # the workers this test process started (other runs share the machine)
+
+
+@pytest.fixture(autouse=True)
+def record_workers(monkeypatch: pytest.MonkeyPatch):
+    from core.sandbox.host import Zygote
+
+    spawn = Zygote.spawn
+
+    def recording(self, request, fds, timeout):
+        pid = spawn(self, request, fds, timeout)
+        SUPERVISORS.add(pid)
+        return pid
+
+    monkeypatch.setattr(Zygote, "spawn", recording)
+
+
+def sandbox_procs() -> list[int]:
+    """Processes of this test process's workers' users now alive (zombies awaiting reaping included)."""
+    uids = {UID_BASE + pid for pid in SUPERVISORS}
+    found = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                n += os.stat(f"/proc/{pid}").st_uid == Limits().uid
+                if os.stat(f"/proc/{pid}").st_uid in uids:
+                    found.append(int(pid))
             except FileNotFoundError:
                 pass
-    return n
+    return found
 
 
-def _wait_no_sandbox_procs(timeout: float = 5.0) -> int:
+def wait_no_sandbox_procs(timeout: float = 5.0) -> list[int]:
     deadline = time.monotonic() + timeout
-    while _nobody_procs() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return _nobody_procs()
+    while sandbox_procs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sandbox_procs()
+
+
+def proc_limits(pid: int) -> dict[str, str]:
+    """``/proc/<pid>/limits`` as {name: soft limit}."""
+    out = {}
+    with open(f"/proc/{pid}/limits") as f:
+        for line in f.readlines()[1:]:
+            name, soft = line[:26].strip(), line[26:47].strip()
+            out[name] = soft
+    return out
 
 
 # -- static check: every escape is refused before anything runs ----------------------------
@@ -68,9 +101,6 @@ def test_escape_is_forbidden_statically(name: str) -> None:
 def test_forbidden_programs_never_run_even_in_the_isolated_runner() -> None:
     report = run_isolated(RewardProgram(P.FORK_BOMB_OS), _args(), limits=FAST)
     assert report.kind == "forbidden"
-    with pytest.raises(SandboxError) as err:
-        compile_program(RewardProgram(P.OPEN_PASSWD))
-    assert err.value.report.kind == "forbidden" and "open" in err.value.report.message
 
 
 @pytest.mark.parametrize(
@@ -92,6 +122,7 @@ def test_broken_source_is_reported(source: str, kind: str) -> None:
 def test_allowed_program_passes_the_check() -> None:
     assert check_source(P.REWARD_OK, "compute_reward", arg_names=REWARD_ARGS).ok
     assert check_source(P.STATE_OK, "revise_state", arg_names=["state"]).ok
+    assert check_source(P.TYPE_HINTS_OK, "compute_reward", arg_names=REWARD_ARGS).ok
 
 
 def test_allowed_imports_are_configurable() -> None:
@@ -99,15 +130,20 @@ def test_allowed_imports_are_configurable() -> None:
     assert report.kind == "forbidden" and "numpy" in report.message
 
 
-def test_restricted_namespace_has_no_open_or_import_escape() -> None:
-    fn = compile_program(RewardProgram("def compute_reward(s, a, n):\n    return abs(-2) + max(1, 3)"))
-    assert fn(None, None, None) == 5
-    assert "open" not in fn.fn.__globals__["__builtins__"]
-    with pytest.raises(ImportError):
-        fn.fn.__globals__["__builtins__"]["__import__"]("os")
+def test_typing_is_a_module_like_any_other() -> None:
+    """Only annotation names come from typing unless it is allowed; then all of it does."""
+    source = "import typing\ndef compute_reward(s, a, n):\n    return typing.get_type_hints(compute_reward)"
+    assert check_source(source, "compute_reward").kind == "forbidden"
+    assert check_source(source, "compute_reward", allowed_imports=("typing",)).ok
 
 
-# -- isolated runs: real child processes under limits ---------------------------------------
+def test_compiling_refuses_outside_a_worker() -> None:
+    """No path of the host process executes LLM-written code."""
+    with pytest.raises(RuntimeError, match="only in a sandbox worker"):
+        compile_program(RewardProgram(P.REWARD_PLAIN_TENSOR))
+
+
+# -- the worker: isolated, limited, and gone afterwards ------------------------------------
 
 RUNTIME_CASES = {
     "INFINITE_LOOP": (P.INFINITE_LOOP, "timeout"),
@@ -115,25 +151,28 @@ RUNTIME_CASES = {
     "RUNTIME_ALLOC": (P.RUNTIME_ALLOC, "memory"),
     "RUNTIME_LIST_ALLOC": (P.RUNTIME_LIST_ALLOC, "memory"),
     "RAISES_KEYERROR": (P.RAISES_KEYERROR, "exception"),
-    "RETURNS_NAN": (P.RETURNS_NAN, "nonfinite"),
-    "WRONG_SHAPE": (P.WRONG_SHAPE, "shape"),
-    "STDOUT_FLOOD": (P.STDOUT_FLOOD, "output"),
+    "RETURNS_NAN": (P.RETURNS_NAN, "invalid_value"),
+    "WRONG_SHAPE": (P.WRONG_SHAPE, "invalid_value"),
+    "STDOUT_FLOOD": (P.STDOUT_FLOOD, "exception"),
 }
-#: Programs run with the test-only `_skip_check=True`: the process limits alone must hold.
+#: Programs run with the static check off: the worker's isolation alone must hold.
 BYPASS_CASES = {
     "BYPASS_WHOAMI": P.BYPASS_WHOAMI,
     "BYPASS_WRITE_FILE": P.BYPASS_WRITE_FILE,
     "BYPASS_MEMORY": P.BYPASS_MEMORY,
+    "BYPASS_ENVIRON": P.BYPASS_ENVIRON,
+    "BYPASS_NETWORK": P.BYPASS_NETWORK,
 }
 _PROBE_FILE = "/tmp/llm4rl-sandbox-probe.txt"
 
 
 @pytest.fixture(scope="module")
 def runtime_reports() -> dict:
-    """Every isolated case in its own child, two at a time (each child starts torch)."""
+    """Every isolated case in its own worker, two at a time."""
     args = _args()
     jobs = [(name, source, False) for name, (source, _) in RUNTIME_CASES.items()]
     jobs += [(name, source, True) for name, source in BYPASS_CASES.items()]
+    os.environ["LLM4RL_TEST_API_KEY"] = "sk-secret-of-the-host"
 
     def run(job):
         name, source, bypass = job
@@ -142,8 +181,9 @@ def runtime_reports() -> dict:
     try:
         with ThreadPoolExecutor(2) as pool:
             reports = dict(pool.map(run, jobs))
-        reports["probe_file_size"] = os.path.getsize(_PROBE_FILE) if os.path.exists(_PROBE_FILE) else 0
+        reports["probe_file_exists"] = os.path.exists(_PROBE_FILE)
     finally:
+        os.environ.pop("LLM4RL_TEST_API_KEY", None)
         if os.path.exists(_PROBE_FILE):
             os.remove(_PROBE_FILE)
     return reports
@@ -162,30 +202,54 @@ def test_isolated_exception_feedback_has_the_traceback(runtime_reports: dict) ->
     assert "s['pole_velocity']" in message and "KeyError: 'pole_velocity'" in message
 
 
-def test_child_runs_unprivileged(runtime_reports: dict) -> None:
-    assert f"uid={Limits().uid} euid={Limits().uid}" in runtime_reports["BYPASS_WHOAMI"].message
+def test_worker_runs_as_a_user_of_its_own(runtime_reports: dict) -> None:
+    last = runtime_reports["BYPASS_WHOAMI"].message.splitlines()[-1]
+    uid = int(last.split("uid=")[1].split()[0])
+    assert uid >= UID_BASE and f"euid={uid}" in last
 
 
-def test_file_writes_are_blocked_when_the_check_is_bypassed(runtime_reports: dict) -> None:
-    report = runtime_reports["BYPASS_WRITE_FILE"]
-    assert not report.ok and "wrote" not in report.message.splitlines()[-1]
-    assert runtime_reports["probe_file_size"] == 0
+def test_file_writes_stay_in_the_workers_private_folders(runtime_reports: dict) -> None:
+    assert "wrote" in runtime_reports["BYPASS_WRITE_FILE"].message  # it could write, in its own tmpfs
+    assert not runtime_reports["probe_file_exists"]  # the host's /tmp never saw it
 
 
 def test_memory_limit_holds_when_the_check_is_bypassed(runtime_reports: dict) -> None:
     assert runtime_reports["BYPASS_MEMORY"].kind == "memory"
 
 
+def test_worker_environment_holds_no_secrets(runtime_reports: dict) -> None:
+    last = runtime_reports["BYPASS_ENVIRON"].message.splitlines()[-1]
+    assert "sk-secret" not in last and "API_KEY" not in last and "keys=[" in last
+
+
+def test_worker_has_no_network(runtime_reports: dict) -> None:
+    last = runtime_reports["BYPASS_NETWORK"].message.splitlines()[-1]
+    assert runtime_reports["BYPASS_NETWORK"].kind == "exception"
+    assert "OSError" in last or "unreachable" in last.lower(), last
+
+
+def test_limits_are_set_before_any_program_runs() -> None:
+    limits = replace(FAST, max_procs=7, max_open_files=32, memory_mb=1536)
+    with ProgramWorker(limits) as worker:
+        seen = proc_limits(worker._proc.server)
+        iso = worker.isolation
+    assert seen["Max processes"] == "7" and seen["Max open files"] == "32"
+    assert seen["Max address space"] == str(1536 * 1024 * 1024) and seen["Max core file size"] == "0"
+    assert seen["Max cpu time"] != "unlimited"
+    assert iso["network"] and iso["pid"] and iso["mount"] and iso["root_dropped"]
+    assert wait_no_sandbox_procs() == []
+
+
 def test_process_limit_holds_when_the_check_is_bypassed() -> None:
     """The safe containment test: 20 forks under a limit of 5 must mostly fail."""
     before = len(os.listdir("/proc"))
-    assert _wait_no_sandbox_procs() == 0
+    assert wait_no_sandbox_procs() == []
     report = run_isolated(RewardProgram(P.BYPASS_FORK_20), _args(), limits=Limits(max_procs=5, wall_s=15), _skip_check=True)
     assert report.kind == "exception", report
     last = report.message.splitlines()[-1]  # "RuntimeError: made=4 errors=16"
     made = int(last.split("made=")[1].split()[0])
     assert made < 5 and "errors=" in last
-    assert _wait_no_sandbox_procs() == 0
+    assert wait_no_sandbox_procs() == []
     # machine-wide sanity (other work on the machine comes and goes, hence the slack)
     assert len(os.listdir("/proc")) < before + 50
 
@@ -201,7 +265,67 @@ def test_fork_bomb_is_contained_when_the_check_is_bypassed() -> None:
         last = report.message.splitlines()[-1]
         if "started=" in last:
             assert int(last.split("started=")[1].split()[0]) < limits.max_procs
-        assert _wait_no_sandbox_procs() == 0
+        assert wait_no_sandbox_procs() == []
+
+
+def test_a_call_past_its_deadline_kills_the_worker() -> None:
+    fn = prepare_reward(RewardProgram(P.SLOW_AFTER_PROBE), TASK, limits=replace(FAST, call_timeout_s=0.5))
+    server = fn.worker._proc.server
+    start = time.monotonic()
+    with pytest.raises(SandboxError) as err:
+        for _ in range(3):
+            fn(*_args())
+    assert err.value.report.kind == "timeout" and time.monotonic() - start < 3
+    assert wait_no_sandbox_procs() == [] and not os.path.exists(f"/proc/{server}")
+    with pytest.raises(SandboxError) as again:  # the worker is gone: every later call says why
+        fn(*_args())
+    assert again.value.report.kind == "timeout"
+    assert wait_no_sandbox_procs() == []
+
+
+def test_a_slow_program_fails_as_too_slow_with_its_cost() -> None:
+    limits = replace(FAST, max_time_share=0.2, time_share_grace_s=0.3)
+    fn = prepare_reward(RewardProgram(P.SLOW_CALLS), TASK, limits=limits)
+    with pytest.raises(SandboxError) as err:
+        for _ in range(200):
+            fn(*_args())
+            time.sleep(0.01)  # the trainer's own work between calls
+    report = err.value.report
+    assert report.kind == "too_slow" and "ms per call" in report.message and "budget is 20%" in report.message
+    assert wait_no_sandbox_procs() == []
+
+
+def test_a_crashed_worker_fails_the_candidate_and_the_next_one_starts_fresh() -> None:
+    limits = replace(FAST, static_check=False)
+    fn = prepare_reward(RewardProgram(P.BYPASS_CRASH_AFTER_PROBE), TASK, limits=limits)
+    with pytest.raises(SandboxError) as err:
+        for _ in range(3):
+            fn(*_args())
+    assert err.value.report.kind == "crashed" and "SIGSEGV" in err.value.report.message
+    good = prepare_reward(RewardProgram(P.REWARD_PLAIN_TENSOR), TASK, limits=FAST)
+    assert good(*_args(4))[0].shape == (4,)
+    good.close()
+    assert wait_no_sandbox_procs() == []
+
+
+def test_workers_end_with_the_candidate_scope() -> None:
+    with candidate_scope():
+        fn = prepare_reward(RewardProgram(P.REWARD_PLAIN_TENSOR), TASK, limits=FAST)
+        assert fn(*_args(3))[0].shape == (3,)
+        assert sandbox_procs()
+    assert wait_no_sandbox_procs() == []
+    with pytest.raises(SandboxError):
+        fn(*_args(3))
+
+
+def test_the_zygote_comes_back_after_it_died() -> None:
+    from core.sandbox import Zygote
+
+    Zygote.shared().proc.kill()
+    Zygote.shared().proc.wait(timeout=5)
+    fn = prepare_reward(RewardProgram(P.REWARD_PLAIN_TENSOR), TASK, limits=FAST)
+    assert fn(*_args(2))[0].shape == (2,)
+    fn.close()
 
 
 # -- probed reward/state functions on a real task ------------------------------------------
@@ -209,7 +333,9 @@ def test_fork_bomb_is_contained_when_the_check_is_bypassed() -> None:
 
 @pytest.fixture(scope="module")
 def reward_fn():
-    return prepare_reward(RewardProgram(P.REWARD_OK), TASK, limits=FAST)
+    fn = prepare_reward(RewardProgram(P.REWARD_OK), TASK, limits=FAST)
+    yield fn
+    fn.close()
 
 
 def test_prepare_reward_returns_a_batched_float_reward(reward_fn) -> None:
@@ -217,13 +343,30 @@ def test_prepare_reward_returns_a_batched_float_reward(reward_fn) -> None:
     reward, comps = reward_fn(state, action, nxt)
     assert reward.shape == (8,) and reward.dtype == torch.float32
     assert set(comps) == {"upright", "centered"} and comps["upright"].shape == (8,)
-    assert reward_fn.component_names == ("centered", "upright")  # learned by the isolated probe
+    assert reward_fn.component_names == ("centered", "upright")  # learned by the probe
 
 
-def test_reward_function_pickles_by_recompiling(reward_fn) -> None:
+def test_whole_observations_give_the_same_reward(reward_fn) -> None:
+    obs = torch.randn(5, 4)
+    action = torch.zeros(5, dtype=torch.long)
+    a = reward_fn(TASK.split_state(obs), action, TASK.split_state(obs + 0.1))
+    b = reward_fn.from_obs(obs, action, obs + 0.1)
+    torch.testing.assert_close(a[0], b[0])
+    assert a[1].keys() == b[1].keys()
+
+
+def test_large_batches_cross_too(reward_fn) -> None:
+    state, action, nxt = _args(100_000)  # 3.6 MB of arguments: the shared memory grows
+    reward, _ = reward_fn(state, action, nxt)
+    assert reward.shape == (100_000,)
+
+
+def test_reward_function_pickles_as_its_program(reward_fn) -> None:
     clone = pickle.loads(pickle.dumps(reward_fn))
     args = _args(3)
     assert torch.equal(clone(*args)[0], reward_fn(*args)[0])
+    assert clone.worker is not reward_fn.worker
+    clone.close()
 
 
 def test_prepare_state_finds_the_feature_width() -> None:
@@ -231,6 +374,18 @@ def test_prepare_state_finds_the_feature_width() -> None:
     fn = prepare_state(program, TASK, limits=FAST)
     feats = fn(_args(5)[0])
     assert fn.extra_dim == 3 == program.extra_dim and feats.shape == (5, 3) and feats.dtype == torch.float32
+    fn.close()
+
+
+def test_one_worker_runs_all_of_a_candidates_programs() -> None:
+    with ProgramWorker(FAST) as worker:
+        reward = prepare_reward(RewardProgram(P.REWARD_OK), TASK, limits=FAST, worker=worker)
+        state = prepare_state(StateProgram(P.STATE_OK), TASK, limits=FAST, worker=worker)
+        assert reward.worker is state.worker is worker
+        assert reward(*_args(2))[0].shape == (2,) and state(_args(2)[0]).shape == (2, 3)
+        reward.close()  # not its worker to end
+        assert worker.alive
+    assert not worker.alive
 
 
 def test_prepare_reward_raises_the_probe_report() -> None:
@@ -242,13 +397,7 @@ def test_prepare_reward_raises_the_probe_report() -> None:
     assert err.value.report.kind == "forbidden"
 
 
-# -- per-step in-process calls: the same checks, and a timer ----------------------------------
-
-
-def _inprocess(source: str, timeout: float = 0.3):
-    from core.sandbox import RewardFunction
-
-    return RewardFunction(compile_program(RewardProgram(source), timeout_s=timeout), call_timeout_s=timeout)
+# -- per-step calls: the same checks, every time ----------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -258,37 +407,54 @@ def _inprocess(source: str, timeout: float = 0.3):
         ("INFINITE_LOOP", "timeout"),
         ("RECURSION_BOMB", "exception"),
         ("RAISES_ZERODIVISION", "exception"),
-        ("RETURNS_NAN", "nonfinite"),
-        ("RETURNS_INF", "nonfinite"),
-        ("NAN_COMPONENT", "nonfinite"),
-        ("WRONG_SHAPE", "shape"),
-        ("SCALAR_REWARD", "dtype"),
-        ("WRONG_DTYPE", "dtype"),
-        ("RETURNS_NONE", "dtype"),
-        ("STDOUT_FLOOD", "output"),
+        ("RETURNS_NAN", "invalid_value"),
+        ("RETURNS_INF", "invalid_value"),
+        ("NAN_COMPONENT", "invalid_value"),
+        ("WRONG_SHAPE", "invalid_value"),
+        ("SCALAR_REWARD", "invalid_value"),
+        ("WRONG_DTYPE", "invalid_value"),
+        ("RETURNS_NONE", "invalid_value"),
+        ("RETURNS_COMPLEX", "invalid_value"),
+        ("STDOUT_FLOOD", "exception"),
     ],
 )
-def test_in_process_call_failures_raise_sandbox_error(name: str, kind: str) -> None:
-    fn = _inprocess(getattr(P, name))
-    start = time.monotonic()
-    with pytest.raises(SandboxError) as err:
-        fn(*_args())
-    assert err.value.report.kind == kind, err.value.report
-    assert time.monotonic() - start < 3.0
-    # the caller is intact: the timer is off and a good program still runs
-    assert fn is not None and _inprocess(P.REWARD_PLAIN_TENSOR)(*_args())[0].shape == (6,)
+def test_per_step_call_failures_raise_sandbox_error(name: str, kind: str) -> None:
+    """A program that passed its probe and then fails on a training batch (the probe is skipped here)."""
+    with ProgramWorker(replace(FAST, call_timeout_s=0.3)) as worker:
+        handle = worker.load(RewardProgram(getattr(P, name)), role="reward")
+        start = time.monotonic()
+        with pytest.raises(SandboxError) as err:
+            from core.sandbox.functions import _assemble
+
+            _assemble("reward", worker.call(handle, _args(), role="reward"), 6)
+        assert err.value.report.kind == kind, err.value.report
+        assert time.monotonic() - start < 3.0
+    good = prepare_reward(RewardProgram(P.REWARD_PLAIN_TENSOR), TASK, limits=FAST)
+    assert good(*_args())[0].shape == (6,)  # the caller is intact
+    good.close()
 
 
-def test_in_process_calls_cannot_mutate_the_callers_tensors() -> None:
+def test_calls_cannot_mutate_the_callers_tensors() -> None:
     state, action, nxt = _args()
     before = (state["pole_angle"].clone(), nxt["pole_angle"].clone())
-    _inprocess(P.MUTATES_INPUT)(state, action, nxt)
+    fn = prepare_reward(RewardProgram(P.MUTATES_INPUT), TASK, limits=FAST)
+    fn(state, action, nxt)
     assert torch.equal(state["pole_angle"], before[0]) and torch.equal(nxt["pole_angle"], before[1])
+    fn.close()
 
 
-def test_module_level_loop_cannot_hang_compile() -> None:
+def test_returned_rewards_are_copies_the_program_cannot_change() -> None:
+    fn = prepare_reward(RewardProgram(P.KEEPS_ITS_RESULT), TASK, limits=FAST)
+    first, _ = fn(*_args())
+    kept = first.clone()
+    fn(*_args())  # the program fills what it returned last time with NaN
+    assert torch.equal(first, kept) and torch.isfinite(first).all()
+    fn.close()
+
+
+def test_module_level_loop_is_a_timeout() -> None:
     with pytest.raises(SandboxError) as err:
-        compile_program(RewardProgram(P.MODULE_LEVEL_LOOP), timeout_s=0.3)
+        prepare_reward(RewardProgram(P.MODULE_LEVEL_LOOP), TASK, limits=replace(FAST, call_timeout_s=0.3))
     assert err.value.report.kind == "timeout"
 
 
@@ -301,6 +467,13 @@ def test_key_error_feedback_names_the_real_fields():
         prepare_reward(program, task)
     assert "KeyError" in err.value.report.message
     assert "cos_theta, sin_theta, angular_velocity" in err.value.report.message
+
+
+def test_values_of_other_programs_cross_as_small_tensors() -> None:
+    report = run_isolated(Program("def act(state):\n    return 1\n", "act"), (_args()[0],), limits=FAST)
+    assert report.ok
+    report = run_isolated(Program("def act(state):\n    return 'left'\n", "act"), (_args()[0],), limits=FAST)
+    assert report.kind == "invalid_value"
 
 
 # -- programs written for one state, not a batch --------------------------------------
@@ -338,13 +511,15 @@ def test_per_state_reward_runs_once_per_row() -> None:
     reward, comps = fn(state, torch.zeros(3, dtype=torch.long), state)
     assert reward.shape == (3,) and torch.allclose(reward, torch.tensor([0.5, -1.0, 1.0]))
     assert torch.equal(comps["bonus"], torch.tensor([1.0, 0.0, 1.0]))
-    assert pickle.loads(pickle.dumps(fn)).per_row  # workers rebuild it in the same mode
+    assert pickle.loads(pickle.dumps(fn)).per_row  # a reloaded function runs in the same mode
+    fn.close()
 
 
 def test_batched_reward_stays_batched() -> None:
     program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return -next_state['pole_angle'].abs()\n")
-    assert not prepare_reward(program, _cartpole()).per_row
-    assert "per_row" not in program.meta
+    fn = prepare_reward(program, _cartpole())
+    assert not fn.per_row and "per_row" not in program.meta
+    fn.close()
 
 
 def test_per_row_fallback_can_be_switched_off() -> None:
@@ -364,7 +539,18 @@ def test_per_row_results_still_checked_for_nan() -> None:
     program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return float('nan') if float(state['pole_angle']) > -9 else 0.0\n")
     with pytest.raises(SandboxError) as err:
         prepare_reward(program, _cartpole())
-    assert err.value.report.kind in ("nonfinite", "exception", "dtype")
+    assert err.value.report.kind in ("invalid_value", "exception")
+
+
+def test_per_row_complex_values_are_refused_not_truncated() -> None:
+    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return 1.0 + 2j if float(state['pole_angle']) > -9 else 0.0\n")
+    with pytest.raises(SandboxError):  # the rows fail too, so the batched call's error is the feedback
+        prepare_reward(program, _cartpole())
+    with ProgramWorker(FAST) as worker:
+        handle = worker.load(program, role="reward")
+        with pytest.raises(SandboxError) as err:
+            worker.call(handle, _args(), role="reward", per_row=True)
+    assert err.value.report.kind == "invalid_value" and "complex" in err.value.report.message
 
 
 def test_per_state_features_stack_to_a_matrix() -> None:
@@ -375,3 +561,4 @@ def test_per_state_features_stack_to_a_matrix() -> None:
     obs = torch.tensor([[0.0, 1.0, 0.5, 0.0], [0.0, -2.0, 0.1, 0.0]])
     feats = fn(task.split_state(obs))
     assert torch.allclose(feats, torch.tensor([[0.25, 2.0], [0.01, -4.0]]))
+    fn.close()

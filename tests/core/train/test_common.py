@@ -36,11 +36,11 @@ def test_sandbox_settings_default_without_a_context():
 def test_training_passes_the_sandbox_config_to_the_programs(task, tiny_cfg, monkeypatch):
     seen = {}
 
-    def fake_reward(program, task, *, limits, allowed_imports):
+    def fake_reward(program, task, *, limits, allowed_imports, **_):
         seen["reward"] = (limits.call_timeout_s, allowed_imports)
         return lambda s, a, n: torch.ones(a.shape[0])
 
-    def fake_state(program, task, *, limits, allowed_imports):
+    def fake_state(program, task, *, limits, allowed_imports, **_):
         seen["state"] = (limits.memory_mb, allowed_imports)
         fn = lambda s: s["pole_angle"]  # noqa: E731
         fn.extra_dim = 1

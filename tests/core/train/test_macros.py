@@ -55,7 +55,7 @@ def test_done_entry_ends_the_macro_early(task):
     assert 1 <= info["env_steps"][0] < 200
 
 
-@pytest.mark.parametrize(("source", "name", "kind"), [(BROKEN, "broken", "exception"), (OUT_OF_RANGE, "wrong", "output")])
+@pytest.mark.parametrize(("source", "name", "kind"), [(BROKEN, "broken", "exception"), (OUT_OF_RANGE, "wrong", "invalid_value")])
 def test_failing_macro_is_caught_by_the_probe(task, source, name, kind):
     with pytest.raises(SandboxError) as info:
         MacroSet.prepare([_macro(name, source)], task)

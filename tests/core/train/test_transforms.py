@@ -128,11 +128,12 @@ def test_has_impls_is_false_without_plugins():
 
 
 def test_hook_transforms(task):
-    from core.records import Candidate
+    from core.config import Settings
     from core.context import TrainContext
+    from core.records import Candidate
 
     hook = _hook(_Judge())
-    ctx = TrainContext(task=task, candidate=Candidate("c", 0), config={}, seed=0, total_frames=100)
+    ctx = TrainContext(settings=Settings.of(), task=task, candidate=Candidate("c", 0), seed=0, total_frames=100)
     rewards, states = build_transforms(task, hook=hook, ctx=ctx)
     assert [type(t) for t in rewards] == [HookReward] and [type(t) for t in states] == [HookState]
     env = make_env(task, *rewards, *states)

@@ -1,0 +1,615 @@
+"""The host's side of the sandbox: the zygote, and a worker process per candidate.
+
+:class:`ProgramWorker` is the only way the trainer and the driver run LLM-written code.
+It asks the process's :class:`Zygote` for a fresh worker (:mod:`core.sandbox.worker`),
+loads programs into it and calls them on batches that cross through shared memory
+(:mod:`core.sandbox.wire`). Every wait on the worker has a deadline: past
+``call_timeout_s`` the worker is killed and the call fails as ``timeout``. Time spent
+in calls is summed per worker; once it passes ``time_share_grace_s`` and exceeds
+``max_time_share`` of the wall time since the first call, the candidate fails as
+``too_slow`` with the measured cost. A failure that ends the worker (a kill, a crash)
+makes every later call fail with the same report; the next candidate gets a new worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import os
+import pickle
+import resource
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, ClassVar, Iterator
+
+from core.records import Program
+from core.sandbox import wire
+from core.sandbox.reports import DEFAULT_IMPORTS, KINDS, MESSAGE_CHARS, Limits, SandboxError, SandboxReport, fail
+from core.sandbox.worker import SAME
+
+log = logging.getLogger("core.sandbox")
+
+#: when started as root, each worker runs as its own user: this plus its supervisor's pid
+UID_BASE = 2_000_000_000
+MAX_REPLY = 1 << 18
+MAX_SOURCE_CHARS = 200_000
+ZYGOTE_START_S = 180.0
+#: the share of the wall time that counted calls may take, overhead included, whatever the worker reports
+ROUND_TRIP_SHARE = 0.9  # the zygote imports torch once per host process; a busy machine is slow
+_SCRATCH_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def child_env() -> dict[str, str]:
+    """The zygote's environment: nothing of the host's (no API keys, tokens, LLM settings)."""
+    root = str(Path(__file__).resolve().parent.parent.parent)
+    return {
+        "PATH": os.defpath,
+        "PYTHONPATH": root,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONHASHSEED": "0",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "HOME": "/nonexistent",
+    }
+
+
+def _recv_json(sock: socket.socket, buf: bytearray, timeout: float) -> dict[str, Any] | None:
+    """One JSON message within ``timeout`` seconds; None on EOF or timeout."""
+    ready, _, _ = select.select([sock], [], [], max(0.0, timeout))
+    if not ready:
+        raise TimeoutError
+    n = sock.recv_into(buf)
+    if n == 0:
+        return None
+    value = json.loads(bytes(buf[:n]))
+    return value if isinstance(value, dict) else None
+
+
+class Zygote:
+    """The process that forks workers: one per host process, started on first use.
+
+    It imports torch once (seconds) so that a worker starts in milliseconds. It runs
+    only trusted code, with the scrubbed environment of :func:`child_env`, and exits
+    when its host does (its socket closes).
+    """
+
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+    _per_process: ClassVar[dict[int, Zygote]] = {}  # a process resource, like a connection pool
+
+    @classmethod
+    def shared(cls) -> Zygote:
+        """This process's zygote, started (or restarted, if it died) now."""
+        with cls._lock:
+            z = cls._per_process.get(os.getpid())
+            if z is None or not z.alive():
+                if z is not None:
+                    z.close()
+                z = cls._per_process[os.getpid()] = cls()
+            return z
+
+    def __init__(self) -> None:
+        host, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-B", "-m", "core.sandbox.worker", str(child.fileno())],
+                pass_fds=[child.fileno()], env=child_env(), cwd="/", start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        finally:
+            child.close()
+        self.sock = host
+        self.lock = threading.Lock()
+        self.buf = bytearray(1 << 16)
+        try:
+            ready = _recv_json(self.sock, self.buf, ZYGOTE_START_S)
+        except TimeoutError:
+            ready = None
+        if not ready or not ready.get("ready"):
+            self.close()
+            raise SandboxError(fail("crashed", "The sandbox could not start its zygote process."))
+        self.threads = int(ready.get("threads", 0))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def spawn(self, request: dict[str, Any], fds: list[int], timeout: float) -> int:
+        """Fork a supervised worker that gets ``fds``; the supervisor's pid."""
+        with self.lock:
+            socket.send_fds(self.sock, [pickle.dumps(request)], fds)
+            reply = _recv_json(self.sock, self.buf, timeout)
+        if not reply or "pid" not in reply:
+            raise OSError(f"the zygote could not fork a worker: {(reply or {}).get('error', 'no answer')}")
+        return int(reply["pid"])
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=5)
+
+
+class _Process:
+    """What a worker holds outside Python objects; closed by the worker's finalizer."""
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+        self.status_fd = -1
+        self.status = b""
+        self.server = 0  # the server's pid, in the host's PID namespace
+        self.pidfd = -1
+        self.arenas: list[wire.Arena] = []
+        self.isolation: dict[str, Any] = {}
+        self.closed = False
+
+    def kill(self) -> None:
+        """SIGKILL to the server (process 1 of its PID namespace: everything in it dies too); wait up to 1 s."""
+        if self.pidfd >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+                select.select([self.pidfd], [], [], 1.0)  # readable once it has exited
+        uid = int(self.isolation.get("uid", 0) or 0)
+        if not self.isolation.get("pid") and uid >= UID_BASE:
+            _kill_uid(uid)  # no PID namespace: whatever the program started runs as its own uid
+
+    def exit_status(self, timeout: float) -> int | None:
+        """The server's wait status, from its supervisor (None if it does not come in time)."""
+        deadline = time.monotonic() + timeout
+        while b"exit " not in self.status:
+            left = deadline - time.monotonic()
+            if self.status_fd < 0 or left <= 0:
+                return None
+            ready, _, _ = select.select([self.status_fd], [], [], left)
+            if not ready:
+                return None
+            chunk = os.read(self.status_fd, 4096)
+            if not chunk:
+                return None
+            self.status += chunk
+        line = self.status.split(b"exit ", 1)[1].split(b"\n", 1)[0]
+        return int(line) if line.strip().lstrip(b"-").isdigit() else None
+
+    def server_pid(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.status:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.status_fd], [], [], max(0.0, left))
+            chunk = os.read(self.status_fd, 4096) if ready else b""
+            if not chunk:
+                raise TimeoutError
+            self.status += chunk
+        first = self.status.split(b"\n", 1)[0]
+        if not first.startswith(b"server "):
+            raise OSError("the supervisor did not start a server")
+        return int(first[7:])
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.kill()
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+        for fd in (self.status_fd, self.pidfd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        for arena in self.arenas:
+            with contextlib.suppress(Exception):
+                arena.close()
+        self.arenas = []
+        if not self.isolation.get("mount"):
+            _remove_scratch(self.isolation)
+
+
+def _kill_uid(uid: int) -> None:
+    for _ in range(3):  # processes may fork while we look
+        found = False
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.stat(f"/proc/{entry}").st_uid == uid:
+                        os.kill(int(entry), signal.SIGKILL)
+                        found = True
+        if not found:
+            return
+
+
+def _remove_scratch(isolation: dict[str, Any]) -> None:
+    """Without a mount namespace: the worker's own folder and what its uid left in scratch folders."""
+    folder = str(isolation.get("folder", ""))
+    if Path(folder).name.startswith("llm4rl-sandbox-") and Path(folder).parent == Path("/tmp"):
+        shutil.rmtree(folder, ignore_errors=True)
+    uid = int(isolation.get("uid", 0) or 0)
+    if uid < UID_BASE:
+        return  # a shared or the host's own uid: its files cannot be told apart
+    for base in _SCRATCH_FOLDERS:
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(base):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_uid == uid:
+                        if entry.is_dir(follow_symlinks=False):
+                            shutil.rmtree(entry.path, ignore_errors=True)
+                        else:
+                            os.unlink(entry.path)
+
+
+#: the workers started in the current candidate's scope (see :func:`candidate_scope`)
+_SCOPE: contextvars.ContextVar[list[weakref.ref[ProgramWorker]] | None] = contextvars.ContextVar("sandbox_scope", default=None)
+
+
+@contextlib.contextmanager
+def candidate_scope() -> Iterator[None]:
+    """Every worker started inside the block (by the trainer or by a plugin) ends with it.
+
+    The trainer wraps one candidate's training in it (:func:`core.train.common.train_safely`),
+    so that nothing a candidate's programs did outlives the candidate.
+    """
+    workers: list[weakref.ref[ProgramWorker]] = []
+    token = _SCOPE.set(workers)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+        for ref in workers:
+            worker = ref()
+            if worker is not None:
+                worker.close()
+
+
+class _Warnings:
+    """Each missing isolation layer is said once per process, in the run's log."""
+
+    _said: ClassVar[set[str]] = set()
+
+    @classmethod
+    def once(cls, key: str, text: str) -> None:
+        if key not in cls._said:
+            cls._said.add(key)
+            log.warning(text)
+
+
+def report_from(raw: Any) -> SandboxReport:
+    """A report that came from a worker, with every field checked (kind, lengths)."""
+    if not isinstance(raw, dict):
+        return fail("crashed", "The sandbox worker sent an unreadable report.")
+    kind = raw.get("kind") if raw.get("kind") in KINDS and raw.get("kind") != "ok" else "crashed"
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    check = data.get("check")
+    return SandboxReport(False, str(kind), str(raw.get("message", ""))[:MESSAGE_CHARS], str(raw.get("detail", ""))[:8000],
+                         {"check": str(check)[:20]} if check else {})
+
+
+class ProgramWorker:
+    """A sandboxed process that runs one candidate's programs; ``close()`` ends it.
+
+    >>> worker = ProgramWorker(Limits(), ("math", "torch"))
+    >>> handle = worker.load(program, role="reward", arg_names=REWARD_ARGS)
+    >>> named = worker.call(handle, (state, action, next_state), role="reward")
+
+    ``role`` says how the worker shapes a value before it crosses back: ``reward``
+    (``reward [B]`` plus ``c:<name>`` components), ``state`` (``features [B, k]``) or
+    ``value`` (a small tensor). The results are copies, checked for size, dtype and
+    shape on the way; what they mean is checked by the caller
+    (:func:`core.sandbox.programs.reward_from` and friends).
+    """
+
+    def __init__(self, limits: Limits | None = None, allowed_imports: tuple[str, ...] | list[str] = DEFAULT_IMPORTS) -> None:
+        self.limits = limits or Limits()
+        self.imports = tuple(allowed_imports)
+        self.dead: SandboxReport | None = None
+        self.busy_s = 0.0  # seconds spent in counted calls (the round trip, as the trainer sees it)
+        self.program_s = 0.0  # of which in the program itself (measured in the worker)
+        self.calls = 0
+        self._clock0: float | None = None
+        self._lock = threading.RLock()
+        self._proc = _Process()
+        self._finalizer = weakref.finalize(self, self._proc.close)
+        self._handles = 0
+        self._seq = 0
+        self._last_call: dict[int, Any] = {}  # per handle: the last call's layout (sent once)
+        self._last_header: dict[int, Any] = {}  # per handle: the last result's layout, checked
+        self._buf = bytearray(MAX_REPLY)
+        self._ready_at = 0.0
+        self._next_cpu_raise = 0.0
+        self._ended_at: float | None = None
+        self.last_printed = ""
+        scope = _SCOPE.get()
+        if scope is not None:
+            scope.append(weakref.ref(self))
+        self._start()
+
+    # -- life ----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        limits, proc = self.limits, self._proc
+        deadline = time.monotonic() + limits.wall_s
+        proc.arenas = [wire.Arena(wire.MIN_ARENA), wire.Arena(wire.MIN_ARENA)]
+        host, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for s in (host, theirs):
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        proc.sock = host
+        status_r, status_w = os.pipe()
+        proc.status_fd = status_r
+        read_only = proc.arenas[0].read_only_fd()
+        request = {"limits": limits, "imports": self.imports, "uid_base": UID_BASE}
+        try:
+            for attempt in range(2):
+                try:
+                    Zygote.shared().spawn(request, [theirs.fileno(), status_w, read_only, proc.arenas[1].fd],
+                                          max(1.0, deadline - time.monotonic()))
+                    break
+                except (OSError, TimeoutError):
+                    if attempt:
+                        raise
+            proc.server = proc.server_pid(max(0.1, deadline - time.monotonic()))
+            with contextlib.suppress(OSError):
+                proc.pidfd = os.pidfd_open(proc.server)
+            ready = _recv_json(host, self._buf, max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            self._end(fail("crashed", f"The sandbox worker did not start within {limits.wall_s:g} s."))
+            raise SandboxError(self.dead) from None  # type: ignore[arg-type]
+        except (OSError, ValueError) as e:
+            self._end(fail("crashed", f"The sandbox could not start a worker: {e}"))
+            raise SandboxError(self.dead) from None  # type: ignore[arg-type]
+        finally:
+            theirs.close()
+            for fd in (status_w, read_only):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if not ready or not ready.get("ready"):
+            error = str((ready or {}).get("error", "no answer"))[:300]
+            self._end(fail("crashed", f"The sandbox worker could not set its limits: {error}"))
+            raise SandboxError(self.dead)  # type: ignore[arg-type]
+        isolation = ready.get("isolation") if isinstance(ready.get("isolation"), dict) else {}
+        proc.isolation = isolation
+        self._ready_at = time.monotonic()
+        self._cpu_base = float(isolation.get("cpu_base", 0.0))
+        self._poll = select.poll()
+        self._poll.register(host, select.POLLIN)
+        self._say_what_is_missing()
+
+    def _say_what_is_missing(self) -> None:
+        iso = self._proc.isolation
+        missing = [name for name in ("network", "pid", "mount") if not iso.get(name)]
+        if missing:
+            why = f" ({iso['error']})" if iso.get("error") else ""
+            _Warnings.once("ns:" + ",".join(missing), (
+                f"sandbox: no {', '.join(missing)} namespace for LLM-written programs{why}: "
+                + ("they can reach the network; " if "network" in missing else "")
+                + ("processes they start are killed by uid or process group only; " if "pid" in missing else "")
+                + ("they see the host's /tmp and /proc (docs/sandbox.md lists what remains outside the guarantee)."
+                   if "mount" in missing else "see docs/sandbox.md.")))
+        if not iso.get("root_dropped") and not iso.get("user"):
+            _Warnings.once("uid", "sandbox: not started as root: LLM-written programs run as your own user "
+                                  "(no privilege drop; max_procs counts all your processes).")
+
+    @property
+    def isolation(self) -> dict[str, Any]:
+        """Which layers are in place: ``network``, ``pid``, ``mount``, ``ipc`` namespaces, ``uid``..."""
+        return dict(self._proc.isolation)
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None
+
+    def close(self) -> None:
+        """End the worker and everything it started; later calls fail."""
+        self._end(fail("crashed", "The sandbox worker was closed."))
+
+    def __enter__(self) -> ProgramWorker:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _end(self, report: SandboxReport) -> SandboxReport:
+        """The worker is over: kill it, remember why, free what it held."""
+        if self.dead is None:
+            self.dead = report
+        if self._ended_at is None:
+            self._ended_at = time.monotonic()
+        self._finalizer()
+        return self.dead
+
+    def _died(self) -> SandboxReport:
+        """The worker went away on its own (or sent nonsense): say why, as well as we can tell."""
+        status = self._proc.exit_status(1.0)
+        limits = self.limits
+        if status is None:
+            report = fail("crashed", "The program's worker stopped answering and was killed.")
+        elif os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+            if sig == signal.SIGXCPU:
+                report = fail("too_slow", f"The program used more CPU time than its budget ({limits.cpu_s:g} s plus "
+                                          f"{limits.max_time_share:.0%} of the training time) and was stopped.")
+            elif sig == signal.SIGKILL:
+                report = fail("crashed", "The program's worker was killed (SIGKILL), most likely out of memory. Allocate less.")
+            else:
+                report = fail("crashed", f"The program crashed its worker ({name}).")
+        else:
+            report = fail("crashed", f"The program's worker exited with status {os.WEXITSTATUS(status)} without an answer.")
+        return self._end(report)
+
+    # -- requests ------------------------------------------------------------------------------
+    def _request(self, message: dict[str, Any], timeout: float, fds: list[int] | None = None,
+                 same: int = 0) -> tuple[dict[str, Any], float]:
+        """Send a request (or, with ``same``, "the last call of that handle again") and wait for the reply."""
+        if self.dead is not None:
+            raise SandboxError(self.dead)
+        self._seq += 1
+        if same:
+            data = struct.pack("<BQI", SAME, self._seq, same)
+        else:
+            message["seq"] = self._seq
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        sock = self._proc.sock
+        assert sock is not None
+        start = time.perf_counter()
+        try:
+            if fds:
+                socket.send_fds(sock, [data], fds)
+            else:
+                sock.send(data)
+        except OSError:
+            raise SandboxError(self._died()) from None
+        if not self._poll.poll(max(0, int(timeout * 1000))):
+            elapsed = time.perf_counter() - start
+            self._end(fail("timeout", f"Timeout: a call took longer than {timeout:g} s (stopped after {elapsed:.2f} s). "
+                                      "Make the function faster (vectorise over the batch, no long loops)."))
+            raise SandboxError(self.dead)  # type: ignore[arg-type]
+        try:
+            n = sock.recv_into(self._buf)
+        except OSError:
+            n = 0
+        took = time.perf_counter() - start
+        if n == 0:
+            raise SandboxError(self._died())
+        if self._buf[0] == SAME and n == 17:  # the same result layout as this handle's last call
+            seq, program_s = struct.unpack_from("<Qd", self._buf, 1)
+            reply = {"seq": seq, "out": SAME, "program_s": program_s}
+        else:
+            try:
+                reply = json.loads(bytes(self._buf[:n]))
+            except ValueError:
+                reply = None
+        if not isinstance(reply, dict) or reply.get("seq") != self._seq:
+            raise SandboxError(self._end(fail("crashed", "The program's worker sent an unreadable answer.")))
+        return reply, took
+
+    def load(self, program: Program, *, role: str, arg_names: tuple[str, ...] | list[str] | None = None,
+             fields: list[tuple[str, int, int, tuple[int, ...]]] | None = None) -> int:
+        """Run ``program``'s module body in the worker (within ``call_timeout_s``); a handle for :meth:`call`.
+
+        ``fields`` (:func:`core.sandbox.programs.task_fields`) lets calls pass whole
+        observations that the worker names (``split``).
+        """
+        if len(program.source or "") > MAX_SOURCE_CHARS:
+            raise SandboxError(fail("forbidden", f"The program is longer than {MAX_SOURCE_CHARS} characters."))
+        with self._lock:
+            self._handles += 1
+            handle = self._handles
+            reply, _ = self._request({"op": "load", "handle": handle, "program": program, "role": role,
+                                      "arg_names": list(arg_names) if arg_names is not None else None,
+                                      "fields": fields},
+                                     self.limits.call_timeout_s)
+            if "report" in reply:
+                raise SandboxError(report_from(reply["report"]))
+            return handle
+
+    def call(self, handle: int, args: tuple[Any, ...], *, role: str, per_row: bool = False,
+             count: bool = True, printed: bool = False, split: tuple[int, ...] = ()) -> list[tuple[str, Any]]:
+        """Call a loaded program on ``args`` (tensors, dicts of tensors); its named result tensors.
+
+        ``split`` lists the arguments that are observations ``[B, obs_dim]`` for the
+        worker to name by the fields given to :meth:`load` (one tensor crosses instead of
+        one per field). ``count`` adds the call to the time budget (training calls; not probes).
+        With ``printed``, the program's printed text is kept in :attr:`last_printed`.
+        :raises SandboxError: the program failed; for ``timeout``, ``too_slow`` and
+            ``crashed`` the worker is gone.
+        """
+        with self._lock:
+            if self.dead is not None:
+                raise SandboxError(self.dead)
+            fds = None
+            try:
+                spec, end = wire.pack_tree(args, self._proc.arenas[0].map)
+            except wire.TooBig:
+                fds = self._grow(wire.tree_nbytes(args))
+                spec, end = wire.pack_tree(args, self._proc.arenas[0].map)
+            key = (spec, end, role, per_row, printed, split)
+            same = handle if fds is None and self._last_call.get(handle) == key else 0
+            self._last_call[handle] = key
+            reply, took = self._request({"op": "call", "handle": handle, "args": spec, "end": end, "role": role,
+                                         "per_row": per_row, "printed": printed, "split": split},
+                                        self.limits.call_timeout_s, fds, same=same)
+            if count:
+                self._account(took, reply.get("program_s"))
+            self.last_printed = str(reply.get("printed", ""))[:2000] if printed else ""
+            if "report" in reply:
+                raise SandboxError(report_from(reply["report"]))
+            out = self._proc.arenas[1].map
+            try:
+                if reply.get("out") == SAME and handle in self._last_header:
+                    layout = self._last_header[handle]
+                else:
+                    layout = self._last_header[handle] = wire.check_header(reply.get("out"), len(out))
+                return wire.read_named(layout, out)
+            except ValueError as e:
+                raise SandboxError(self._end(fail("crashed", f"The program's worker sent an unreadable result ({e})."))) from None
+
+    def _grow(self, need: int) -> list[int]:
+        """New arenas that hold ``need`` bytes; the descriptors to send with the call."""
+        size = wire.arena_size(need)
+        new = [wire.Arena(size), wire.Arena(size)]
+        old, self._proc.arenas = self._proc.arenas, new
+        for arena in old:
+            arena.close()
+        return [new[0].read_only_fd(), new[1].fd]
+
+    # -- the time budget -----------------------------------------------------------------------
+    def _account(self, took: float, program_s: Any) -> None:
+        """Add a call to the time budget; ``too_slow`` once the program takes more than its share.
+
+        The program's own time is measured in the worker (wall clock around the call, so
+        sleeping counts); the worker could lie about it, so the round trip as the trainer
+        sees it is held to a looser bound too (:data:`ROUND_TRIP_SHARE`), and the kernel
+        holds the worker's CPU time to the same share (:meth:`_raise_cpu_limit`).
+        """
+        now = time.monotonic()
+        if self._clock0 is None:
+            self._clock0 = now - took
+        reported = float(program_s) if isinstance(program_s, (int, float)) and program_s == program_s else took
+        self.program_s += min(max(reported, 0.0), took)
+        self.busy_s += took
+        self.calls += 1
+        limits = self.limits
+        if self.busy_s > limits.time_share_grace_s:
+            elapsed = max(now - self._clock0, 1e-9)
+            share, round_trip = self.program_s / elapsed, self.busy_s / elapsed
+            if share > limits.max_time_share or round_trip > max(limits.max_time_share, ROUND_TRIP_SHARE):
+                per_call = self.program_s / self.calls * 1000
+                raise SandboxError(self._end(fail("too_slow", (
+                    f"Too slow: the program took {self.program_s:.1f} s of the last {elapsed:.1f} s of training "
+                    f"({share:.0%}, {round_trip:.0%} with the calls' overhead; the budget is {limits.max_time_share:.0%}), "
+                    f"{per_call:.2f} ms per call over {self.calls} calls. Make it faster: vectorise over the batch, "
+                    "avoid Python loops over rows."))))
+        if now >= self._next_cpu_raise:
+            self._raise_cpu_limit(now)
+
+    def _raise_cpu_limit(self, now: float) -> None:
+        """The worker's CPU limit grows with its share of the wall time (checked once a second)."""
+        self._next_cpu_raise = now + 1.0
+        limits = self.limits
+        budget = self._cpu_base + limits.cpu_s + limits.time_share_grace_s + limits.max_time_share * (now - self._ready_at)
+        seconds = int(budget) + 1
+        with contextlib.suppress(OSError, ValueError):
+            _, hard = resource.prlimit(self._proc.server, resource.RLIMIT_CPU)
+            resource.prlimit(self._proc.server, resource.RLIMIT_CPU,
+                             (seconds, seconds if os.geteuid() == 0 else max(hard, seconds)))
+
+    def metrics(self) -> dict[str, float]:
+        """Time in programs for the candidate's result: seconds, calls, share of the wall time."""
+        out = {"sandbox/program_seconds": round(self.program_s, 4), "sandbox/call_seconds": round(self.busy_s, 4),
+               "sandbox/program_calls": float(self.calls)}
+        if self._clock0 is not None and self.calls:
+            end = self._ended_at if self._ended_at is not None else time.monotonic()
+            out["sandbox/program_share"] = round(self.program_s / max(end - self._clock0, 1e-9), 4)
+            out["sandbox/call_share"] = round(self.busy_s / max(end - self._clock0, 1e-9), 4)
+        iso = self._proc.isolation
+        out["sandbox/namespaces"] = float(all(iso.get(n) for n in ("network", "pid", "mount")))
+        return out
