@@ -55,18 +55,23 @@ class SandboxConfig:
     """Limits for LLM-written code (``sandbox:``; see ``docs/sandbox.md``)."""
 
     allowed_imports: list[str] = field(default_factory=lambda: ["math", "numpy", "torch"])  # modules programs may import
-    cpu_s: float = 10.0  # CPU seconds for the isolated probe run
-    wall_s: float = 20.0  # wall-clock seconds for the isolated probe run
-    memory_mb: int = 4096  # address-space limit of the process that runs programs
-    call_timeout_s: float = 1.0  # wall-clock limit of one call during training
-    max_procs: int = 16  # processes/threads the unprivileged user that runs programs may have
+    cpu_s: float = 10.0  # CPU seconds a candidate's worker may use beyond its time share (start-up and probes included)
+    wall_s: float = 20.0  # wall-clock seconds to start a worker and probe a program
+    memory_mb: int = 4096  # address-space limit of the worker process that runs programs
+    call_timeout_s: float = 1.0  # wall-clock limit of one call (module body, probe, training step); past it the worker is killed
+    max_procs: int = 16  # processes/threads the worker's unprivileged user may have
     max_output_chars: int = 10_000  # what print() in LLM code may write before it is cut off
     per_row_fallback: bool = True  # accept code written for one state, not a batch (runs once per row)
+    max_time_share: float = 0.5  # most of a candidate's training wall time its programs may take (too_slow beyond)
+    time_share_grace_s: float = 5.0  # program seconds per candidate before max_time_share applies
+    static_check: bool = True  # the AST check before anything runs; false only to test the worker's isolation alone
 
     def check(self) -> None:
-        for name in ("cpu_s", "wall_s", "call_timeout_s"):
+        for name in ("cpu_s", "wall_s", "call_timeout_s", "max_time_share"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.time_share_grace_s < 0:
+            raise ValueError(f"time_share_grace_s must be >= 0, got {self.time_share_grace_s}")
         for name in ("memory_mb", "max_procs", "max_output_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -83,6 +88,9 @@ class SandboxConfig:
             call_timeout_s=self.call_timeout_s,
             max_output_chars=self.max_output_chars,
             per_row_fallback=self.per_row_fallback,
+            max_time_share=self.max_time_share,
+            time_share_grace_s=self.time_share_grace_s,
+            static_check=self.static_check,
         )
 
     @property
