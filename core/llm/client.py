@@ -85,7 +85,7 @@ class LLMStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost: float = 0.0  # USD, where litellm knows the price (0 for local models)
-    latency_s: float = 0.0  # wall time spent waiting on the backend
+    latency_s: float = 0.0  # time backend requests took, summed over requests (concurrent ones overlap)
     requests: int = 0  # backend requests (a request may return several samples)
     errors: int = 0  # calls that ended in LLMError
     cached_prompt_tokens: int = 0  # prompt tokens the backend reused from earlier requests (prefix cache)
@@ -346,8 +346,6 @@ class LLMClient:
         Every request runs to its end even when another fails, so what was paid for is
         kept; then the first failure is raised.
         """
-        chunks = _chunks(missing, self.samples_per_request(messages, params["max_tokens"]))
-
         def run(chunk: list[int]) -> None:
             for i, reply in zip(chunk, self._request_samples(messages, params, seed, chunk)):
                 replies[i] = reply
@@ -358,6 +356,7 @@ class LLMClient:
         start = time.perf_counter()
         errors: list[LLMError] = []
         try:
+            chunks = _chunks(missing, self.samples_per_request(messages, params["max_tokens"]))
             workers = min(self.settings.concurrency, len(chunks))
             if workers <= 1:
                 for chunk in chunks:

@@ -139,7 +139,7 @@ def test_backends_without_n_get_their_samples_as_concurrent_requests(model, llm_
     assert gate.peak == 4  # all four in flight together
     assert all("n" not in c for c in fake_backend.calls)  # litellm would drop n: never sent
     assert [r.text.split("|")[1] for r in replies] == [f"seed={sample_seed(5, i)}" for i in range(4)]
-    assert client.stats.requests == 4 and client.stats.wait_s < 0.5 * client.stats.latency_s  # overlapped
+    assert client.stats.requests == 4 and client.stats.wait_s < client.stats.latency_s  # overlapped
 
 
 def test_concurrency_bounds_the_requests_in_flight(llm_cfg, fake_backend, monkeypatch):
