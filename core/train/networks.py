@@ -12,12 +12,12 @@ and its log-probability with the same formulas.
 
 The PPO update runs :class:`FlatActorCritic`: both networks' parameters live in one
 flat tensor (the modules' parameters are views of it, so collection, evaluation and
-saving see every update), the actor's and critic's hidden layers run as one batched
-matmul per layer, and the backward pass is written out by hand into a flat gradient.
-On the small MLPs of classic control a PPO minibatch is a few dozen tiny kernels, and
-autograd's graph building, ``nn.Module`` calls, per-tensor gradient clipping and Adam's
-per-parameter loop cost more than the arithmetic; here one minibatch is ~30 kernel
-calls, the clip is one norm and Adam one fused kernel over one tensor.
+saving see every update), both networks' activations share buffers, and the backward
+pass is written out by hand into a flat gradient; :class:`FlatAdam` steps the flat
+tensor with Adam's fused kernel. On the small MLPs of classic control a PPO minibatch
+is a few dozen tiny kernels, and autograd's graph building, ``nn.Module`` calls,
+per-tensor gradient clipping and the ``Optimizer`` machinery cost more than the
+arithmetic; here one minibatch step is ~50 kernel calls and no Python beyond them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,21 @@
 """PPO on TorchRL: train one candidate and score it on the task's ground truth.
 
-Reads top to bottom: the config, the env (task env + the candidate's transforms), the
-networks and the loss, then the loop (collect, GAE, update epochs, evaluate, log).
-TorchRL pieces: ``Collector`` for rollouts, ``GAE`` for advantages, ``ClipPPOLoss``
-for the objective. Speed notes (CartPole, 8 envs): a thin env wrapper
-(:mod:`core.train.envs`), a collection policy without distribution objects, the
-collected batch indexed directly (no replay buffer), evaluation outside the timed part.
+Reads top to bottom: the config, the minibatch data and the loss's gradient, the
+advantages, then the loop (collect, GAE, update epochs, evaluate, log). TorchRL pieces:
+``Collector`` for rollouts (over the candidate's ``TransformedEnv``), the collected
+``TensorDict`` batch that hooks see. The update itself runs on plain tensors: the
+actor and critic live in one flat parameter tensor (:class:`FlatActorCritic`), the
+clipped loss's gradient is written out (:func:`ppo_gradients`, the same loss as
+TorchRL's ``ClipPPOLoss``, which a test checks against autograd), the gradient is
+clipped with one norm and Adam's fused kernel steps the flat tensor (:class:`FlatAdam`);
+GAE is one triangular solve (:func:`gae`). At the default settings (20 epochs over
+256-frame batches, two hidden layers of 64) a minibatch step costs ~0.45 ms of CPU
+against ~1.8 ms through autograd and ``ClipPPOLoss`` (``docs/scaling.md``).
+
+Other speed notes (CartPole, 8 envs): a thin env wrapper (:mod:`core.train.envs`), a
+collection policy without distribution objects, the collected batch indexed directly
+(no replay buffer), evaluation outside the timed part. ``time/<phase>_s`` metrics say
+where the training time went (rollout, reward, advantage, update).
 
 Failures of LLM-written code (reward/state programs, hook plugins) are data: ``train``
 returns ``TrainResult(ok=False, error=..., error_kind=...)`` instead of raising.
