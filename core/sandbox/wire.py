@@ -82,10 +82,15 @@ def as_array(value: torch.Tensor | np.ndarray) -> tuple[np.ndarray, str]:
                 return arr, name
         except (RuntimeError, TypeError):
             pass
+        if value.layout != torch.strided:
+            raise TypeError(f"{value.layout} tensors cannot cross (use a dense tensor)")
         if value.requires_grad:
             value = value.detach()
         if value.device.type != "cpu":
-            value = value.cpu()
+            try:
+                value = value.cpu()
+            except Exception as e:  # noqa: BLE001 - e.g. a meta tensor has no data
+                raise TypeError(f"a tensor on {value.device} cannot cross: {e}") from None
         if value.dtype == torch.bfloat16:
             value = value.float()
         if value.is_complex():
