@@ -357,6 +357,10 @@ class LLMClient:
         errors: list[LLMError] = []
         try:
             chunks = _chunks(missing, self.samples_per_request(messages, params["max_tokens"]))
+            if self.settings.is_embedded and len(chunks) > 1 and self.settings.prefix_cache:
+                # the first request computes the prompt; the others then find it cached
+                # (requests sent together would each compute it in their own slot)
+                run(chunks.pop(0))
             workers = min(self.settings.concurrency, len(chunks))
             if workers <= 1:
                 for chunk in chunks:

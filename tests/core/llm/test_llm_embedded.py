@@ -222,15 +222,24 @@ class FakeServer:
     """Answers like ``xllamacpp.Server.handle_chat_completions``: ``n`` choices per request,
     usage of the first only (as llama.cpp does), and records each request."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay_s: float = 0.0) -> None:
         import threading
 
         self.requests: list[dict] = []
         self.lock = threading.Lock()
+        self.delay_s = delay_s
+        self.active = self.peak = 0
 
     def handle_chat_completions(self, request: dict) -> dict:
+        import time
+
         with self.lock:
             self.requests.append(request)
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        time.sleep(self.delay_s)
+        with self.lock:
+            self.active -= 1
         n = request.get("n", 1)
         texts = [f"seed={request['seed']} j={j} " + "x" * 35 * (j + 1) for j in range(n)]
         return {"choices": [{"index": j, "message": {"content": t}, "finish_reason": "length" if j == 0 else "stop"}
@@ -266,6 +275,20 @@ def test_samples_of_a_call_share_one_request_per_slots_worth(monkeypatch, tmp_pa
     again = make_client({"cache": True, "cache_path": str(tmp_path / "c.sqlite"), "show_progress": False,
                          "max_tokens": 20}).chat([{"role": "user", "content": "q"}], n=6, seed=3, temperature=0.9)
     assert [r.text for r in again] == [r.text for r in replies] and len(server.requests) == 2
+
+
+def test_the_first_request_computes_the_prompt_before_the_others_fan_out(monkeypatch):
+    from core.llm.client import sample_seed
+
+    server = FakeServer(delay_s=0.2)
+    plan = embedded.ServerPlan(n_threads=1, n_parallel=4, n_ctx=16384, prefix_cache=True, reason="")
+    monkeypatch.setattr(embedded, "get_server", lambda name="": server)
+    monkeypatch.setattr(embedded, "get_plan", lambda name="": plan)
+    monkeypatch.setattr(embedded, "_plan", plan)
+    client = make_client({"cache": False, "max_tokens": 20, "show_progress": False})
+    assert len(client.chat([{"role": "user", "content": "q"}], n=12, seed=2)) == 12
+    assert server.requests[0]["seed"] == sample_seed(2, 0)  # alone: nothing else ran beside it
+    assert server.peak == 2  # then the other two together, finding the prompt cached
 
 
 def test_the_old_path_sends_one_sample_per_request_without_prefix_reuse(monkeypatch):
