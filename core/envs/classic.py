@@ -15,7 +15,7 @@ from typing import Any, Callable
 import gymnasium as gym
 import numpy as np
 
-from core.envs.task import StateField, Task
+from core.envs.task import StateField, Task, ground_truth_return
 from core.records import Episode, Fitness
 from core.errors import UserError
 
@@ -92,6 +92,34 @@ class PotentialShaping(gym.Wrapper):
         shaped = float(reward) + self._gamma * now - self._last
         self._last = now
         return obs, shaped, terminated, truncated, info
+
+
+class SparseReward(gym.Wrapper):
+    """Pay the task's sparse reward instead of the env's own (``env.reward=sparse``).
+
+    ``rule(obs, reward, terminated, truncated, info, episode)`` gives a step's sparse reward
+    from the env's step (``reward`` is the designers' reward of that step; ``episode`` is a
+    dict the rule may keep memory in, emptied at reset). ``info["human_return"]`` carries
+    the episode's return under the designers' reward so far, so the task's fitness, computed
+    from it, is the same whichever reward trained the agent.
+    """
+
+    def __init__(self, env: gym.Env, rule: Callable[..., float]) -> None:
+        super().__init__(env)
+        self._rule = rule
+        self._episode: dict[str, Any] = {}
+        self._human_return = 0.0
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        self._episode, self._human_return = {}, 0.0
+        return self.env.reset(**kwargs)
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self._human_return += float(reward)
+        info["human_return"] = self._human_return
+        sparse = self._rule(obs, float(reward), bool(terminated), bool(truncated), info, self._episode)
+        return obs, float(sparse), terminated, truncated, info
 
 
 def mountaincar_energy_potential(obs: np.ndarray) -> float:
@@ -177,6 +205,7 @@ class GymTask(Task):
         action_description: str = "",
         make_kwargs: dict[str, Any] | None = None,
         show_source: bool = False,
+        reward: str = "human",
     ) -> None:
         self.env_id = id or self.env_id
         if not self.env_id:
@@ -210,6 +239,7 @@ class GymTask(Task):
             fitness_name=fitness_name,
             max_episode_steps=int(max_episode_steps or 500),
             action_description=action_description,
+            reward=reward,
         )
         if any(f.name not in self.description for f in self.state_fields):
             # the LLM writes code against these names: list every one of them
@@ -226,9 +256,13 @@ class GymTask(Task):
         """Task-specific wrappers around one env (success flags, extra info)."""
         return env
 
+    def reward_wrap(self, env: gym.Env) -> gym.Env:
+        """The env paying the reward ``reward`` names (innermost wrapper: the rule sees the env's own step)."""
+        return SparseReward(env, self.sparse_reward) if self.reward == "sparse" else env
+
     def _make_single(self) -> gym.Env:
         env = gym.make(self.env_id, max_episode_steps=self.max_episode_steps, **self.make_kwargs)
-        return FloatObservation(self.wrap(env))
+        return FloatObservation(self.wrap(self.reward_wrap(env)))
 
     def make_env(self, num_envs: int, seed: int, params: dict[str, Any] | list[dict[str, Any]] | None = None) -> gym.vector.VectorEnv:
         if params:
@@ -245,8 +279,13 @@ class CartPole(GymTask):
     """CartPole-v1: keep a pole upright on a cart; fitness = mean return (max 500)."""
 
     env_id = "CartPole-v1"
+    sparse_text = (
+        "+1 once, on the step the episode reaches its time limit with the pole still up (the whole "
+        "episode balanced), 0 on every other step. The env's own +1 per step is a survival count, "
+        "dense in time; this is its success-only form."
+    )
 
-    def __init__(self, max_episode_steps: int = 500, show_source: bool = False) -> None:
+    def __init__(self, max_episode_steps: int = 500, show_source: bool = False, reward: str = "human") -> None:
         super().__init__(
             name="cartpole",
             max_episode_steps=max_episode_steps,
@@ -266,7 +305,12 @@ class CartPole(GymTask):
             ),
             action_description="Discrete(2): 0 pushes the cart to the left, 1 pushes it to the right (force 10 N).",
             show_source=show_source,
+            reward=reward,
         )
+
+    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
+                      episode: dict[str, Any]) -> float:
+        return 1.0 if truncated and not terminated else 0.0
 
     def describe_segment(self, obs: np.ndarray, ended: bool) -> str:
         steps, x, angle = len(obs), float(obs[-1, 0]), float(obs[-1, 2])
@@ -283,9 +327,10 @@ class MountainCar(GymTask):
 
     env_id = "MountainCar-v0"
     _goal_position = 0.5
+    sparse_text = "+1 on the step the car reaches the flag, 0 on every other step (success only)."
 
     def __init__(self, max_episode_steps: int = 200, show_source: bool = False, shaped: bool = False,
-                 shaping_gamma: float = 0.98) -> None:
+                 shaping_gamma: float = 0.98, reward: str = "human") -> None:
         self.shaped, self.shaping_gamma = bool(shaped), float(shaping_gamma)
         shaping = (
             " With shaped=true the env reward also gets the potential-based shaping term "
@@ -309,7 +354,12 @@ class MountainCar(GymTask):
             ),
             action_description="Discrete(3): 0 accelerates left, 1 does nothing, 2 accelerates right.",
             show_source=show_source,
+            reward=reward,
         )
+
+    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
+                      episode: dict[str, Any]) -> float:
+        return 1.0 if terminated else 0.0  # terminates only at the flag
 
     def wrap(self, env: gym.Env) -> gym.Env:
         env = SuccessInfo(env, terminated_is_success)
@@ -326,7 +376,7 @@ class MountainCarContinuous(MountainCar):
 
     env_id = "MountainCarContinuous-v0"
 
-    def __init__(self, max_episode_steps: int = 999, show_source: bool = False) -> None:
+    def __init__(self, max_episode_steps: int = 999, show_source: bool = False, reward: str = "human") -> None:
         self.shaped, self.shaping_gamma = False, 1.0  # its own reward is already dense near the flag
         GymTask.__init__(
             self,
@@ -345,6 +395,7 @@ class MountainCarContinuous(MountainCar):
             ),
             action_description="Box(1,) in [-1, 1]: the engine force, negative pushes left, positive pushes right.",
             show_source=show_source,
+            reward=reward,
         )
 
 
@@ -359,8 +410,13 @@ class Pendulum(GymTask):
     """Pendulum-v1: swing up and hold an inverted pendulum; fitness = mean return."""
 
     env_id = "Pendulum-v1"
+    upright_rad = 0.2  # the sparse reward's "upright": within this angle of vertical (about 11 degrees)
+    sparse_text = (
+        "+1 on every step the pendulum is within 0.2 rad (about 11 degrees) of upright, 0 otherwise "
+        "(no torque or velocity terms)."
+    )
 
-    def __init__(self, max_episode_steps: int = 200, show_source: bool = False) -> None:
+    def __init__(self, max_episode_steps: int = 200, show_source: bool = False, reward: str = "human") -> None:
         super().__init__(
             name="pendulum",
             max_episode_steps=max_episode_steps,
@@ -378,15 +434,25 @@ class Pendulum(GymTask):
             ),
             action_description="Box(1,) in [-2, 2]: the torque applied to the free end.",
             show_source=show_source,
+            reward=reward,
         )
+
+    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
+                      episode: dict[str, Any]) -> float:
+        angle = float(np.arctan2(obs[1], obs[0]))  # 0 upright
+        return 1.0 if abs(angle) <= self.upright_rad else 0.0
 
 
 class Acrobot(GymTask):
     """Acrobot-v1: swing the two-link chain's tip above the bar; fitness = mean return."""
 
     env_id = "Acrobot-v1"
+    sparse_text = (
+        "+1 on the step the tip rises above the bar (the episode's success), 0 on every other step. "
+        "The env's own -1 per step is already sparse; this is its success-only form."
+    )
 
-    def __init__(self, max_episode_steps: int = 500, show_source: bool = False) -> None:
+    def __init__(self, max_episode_steps: int = 500, show_source: bool = False, reward: str = "human") -> None:
         super().__init__(
             name="acrobot",
             max_episode_steps=max_episode_steps,
@@ -409,7 +475,12 @@ class Acrobot(GymTask):
             ),
             action_description="Discrete(3): torque on the middle joint: 0 is -1, 1 is 0, 2 is +1.",
             show_source=show_source,
+            reward=reward,
         )
+
+    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
+                      episode: dict[str, Any]) -> float:
+        return 1.0 if terminated else 0.0  # terminates only at the goal
 
     def wrap(self, env: gym.Env) -> gym.Env:
         return SuccessInfo(env, terminated_is_success)
@@ -420,8 +491,13 @@ class LunarLander(GymTask):
 
     env_id = "LunarLander-v3"
     requires = ("Box2D", "box2d")
+    sparse_text = (
+        "only the outcome the env pays at the end: +100 on the step the lander comes to rest, -100 on the "
+        "step it crashes or flies off screen, 0 on every other step (no distance, speed, tilt, leg or fuel terms)."
+    )
 
-    def __init__(self, max_episode_steps: int = 1000, continuous: bool = False, show_source: bool = False) -> None:
+    def __init__(self, max_episode_steps: int = 1000, continuous: bool = False, show_source: bool = False,
+                 reward: str = "human") -> None:
         actions = (
             "Box(2,) in [-1, 1]: main engine throttle (off below 0, 50-100% from 0 to 1) and lateral engine (left below -0.5, right above 0.5)."
             if continuous
@@ -453,7 +529,12 @@ class LunarLander(GymTask):
             ),
             action_description=actions,
             show_source=show_source,
+            reward=reward,
         )
+
+    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
+                      episode: dict[str, Any]) -> float:
+        return reward if terminated else 0.0  # the env sets a terminal step's reward to exactly +100 or -100
 
     def check_available(self) -> None:
         if importlib.util.find_spec("Box2D") is None:
@@ -467,6 +548,6 @@ def success_fitness(name: str, episodes: list[Episode]) -> Fitness:
     """Share of episodes whose ``success`` flag is set (NaN without episodes)."""
     flags = [bool(e.success) for e in episodes]
     value = float(np.mean(flags)) if flags else float("nan")
-    returns = [e.ret for e in episodes]
+    returns = [ground_truth_return(e) for e in episodes]
     details = {"mean_return": float(np.mean(returns))} if returns else {}
     return Fitness(name, value, details)

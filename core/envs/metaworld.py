@@ -46,8 +46,10 @@ class MetaWorldTask(GymTask):
     metaworld_name = ""
     obj, obj2 = "object", "second object"
     task_goal = ""
+    sparse_text = "1 on every step at which the task's own success test holds (info['success']), 0 otherwise (success only)."
 
-    def __init__(self, max_episode_steps: int = 500, terminate_on_success: bool = False, show_source: bool = False) -> None:
+    def __init__(self, max_episode_steps: int = 500, terminate_on_success: bool = False, show_source: bool = False,
+                 reward: str = "human") -> None:
         self.terminate_on_success = terminate_on_success
         super().__init__(
             name=self.metaworld_name.removesuffix("-v3"),
@@ -70,7 +72,12 @@ class MetaWorldTask(GymTask):
                 "1 cm per step), the fourth closes (+1) or opens (-1) the gripper."
             ),
             show_source=show_source,
+            reward=reward,
         )
+
+    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
+                      episode: dict[str, Any]) -> float:
+        return float(bool(info.get("success", 0.0)))
 
     def check_available(self) -> None:
         for module in ("metaworld", "mujoco"):
@@ -91,7 +98,7 @@ class MetaWorldTask(GymTask):
             terminate_on_success=self.terminate_on_success,
             disable_env_checker=True,
         )
-        env = FloatObservation(SuccessInfo(env, lambda terminated, info: bool(info.get("success", 0.0))))
+        env = FloatObservation(SuccessInfo(self.reward_wrap(env), lambda terminated, info: bool(info.get("success", 0.0))))
         # MetaWorld declares bounds its own observations leave (e.g. the goal slots)
         env.observation_space = gym.spaces.Box(-np.inf, np.inf, env.observation_space.shape, np.float32)
         return env

@@ -13,7 +13,7 @@ import gymnasium as gym
 import numpy as np
 
 from core.envs.classic import GymTask
-from core.envs.task import StateField
+from core.envs.task import StateField, ground_truth_return
 from core.errors import UserError
 from core.records import Episode, Fitness
 
@@ -76,6 +76,17 @@ class MujocoTask(GymTask):
     """Base of the locomotion tasks: check for mujoco, log forward velocity."""
 
     requires = ("mujoco", "mujoco")
+    sparse_text = (
+        "+1 each time the torso first gets another whole metre forward of the origin (x_position >= 1, 2, "
+        "3, ... m), 0 on every other step (no alive bonus, velocity or control terms)."
+    )
+
+    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
+                      episode: dict[str, Any]) -> float:
+        metres = int(np.floor(float(info.get("x_position", 0.0))))
+        gained = max(0, metres - episode.get("metres", 0))
+        episode["metres"] = max(metres, episode.get("metres", 0))
+        return float(gained)
 
     def check_available(self) -> None:
         import importlib.util
@@ -89,7 +100,7 @@ class MujocoTask(GymTask):
         return ForwardVelocityInfo(env)
 
     def episode_info(self, final_info: dict[str, Any]) -> tuple[bool | None, dict[str, Any]]:
-        info = {}
+        _, info = super().episode_info(final_info)
         if "mean_forward_velocity" in final_info:
             info["mean_forward_velocity"] = float(final_info["mean_forward_velocity"])
         if "x_position" in final_info:
@@ -97,7 +108,7 @@ class MujocoTask(GymTask):
         return None, info
 
     def fitness(self, episodes: list[Episode]) -> Fitness:
-        value = float(np.mean([e.ret for e in episodes])) if episodes else float("nan")
+        value = float(np.mean([ground_truth_return(e) for e in episodes])) if episodes else float("nan")
         velocities = [e.info["mean_forward_velocity"] for e in episodes if "mean_forward_velocity" in e.info]
         details = {"mean_forward_velocity": float(np.mean(velocities))} if velocities else {}
         return Fitness(self.fitness_name, value, details)
@@ -117,7 +128,7 @@ class HalfCheetah(MujocoTask):
         (j, "hinge") for j in ("bthigh", "bshin", "bfoot", "fthigh", "fshin", "ffoot")
     ]
 
-    def __init__(self, max_episode_steps: int = 1000, show_source: bool = False) -> None:
+    def __init__(self, max_episode_steps: int = 1000, show_source: bool = False, reward: str = "human") -> None:
         super().__init__(
             name="halfcheetah",
             max_episode_steps=max_episode_steps,
@@ -132,6 +143,7 @@ class HalfCheetah(MujocoTask):
             ),
             action_description="Box(6,) in [-1, 1]: torques on bthigh, bshin, bfoot, fthigh, fshin, ffoot.",
             show_source=show_source,
+            reward=reward,
         )
 
 
@@ -141,7 +153,7 @@ class Hopper(MujocoTask):
     env_id = "Hopper-v5"
     joints = [("rootx", "slide"), ("rootz", "slide"), ("rooty", "hinge"), ("thigh_joint", "hinge"), ("leg_joint", "hinge"), ("foot_joint", "hinge")]
 
-    def __init__(self, max_episode_steps: int = 1000, show_source: bool = False) -> None:
+    def __init__(self, max_episode_steps: int = 1000, show_source: bool = False, reward: str = "human") -> None:
         super().__init__(
             name="hopper",
             max_episode_steps=max_episode_steps,
@@ -157,6 +169,7 @@ class Hopper(MujocoTask):
             ),
             action_description="Box(3,) in [-1, 1]: torques on thigh_joint, leg_joint, foot_joint.",
             show_source=show_source,
+            reward=reward,
         )
 
 
@@ -173,7 +186,7 @@ class Ant(MujocoTask):
     env_id = "Ant-v5"
     joints = [("root", "free")] + [(f"{p}_{i}", "hinge") for i in range(1, 5) for p in ("hip", "ankle")]
 
-    def __init__(self, max_episode_steps: int = 1000, show_source: bool = False) -> None:
+    def __init__(self, max_episode_steps: int = 1000, show_source: bool = False, reward: str = "human") -> None:
         fields = joint_fields(self.joints, skip_positions=2)
         fields.append(block("contact_forces", fields[-1].stop, (13, 6), f"external contact force and torque (6 values) on each body except the world: {_body_names('ant')}; clipped to [-1, 1]", "N"))
         super().__init__(
@@ -193,6 +206,7 @@ class Ant(MujocoTask):
             ),
             action_description="Box(8,) in [-1, 1]: torques, in the model's actuator order, on hip_4, ankle_4, hip_1, ankle_1, hip_2, ankle_2, hip_3, ankle_3.",
             show_source=show_source,
+            reward=reward,
         )
 
 
@@ -211,7 +225,7 @@ class Humanoid(MujocoTask):
         )
     ]
 
-    def __init__(self, max_episode_steps: int = 1000, show_source: bool = False) -> None:
+    def __init__(self, max_episode_steps: int = 1000, show_source: bool = False, reward: str = "human") -> None:
         fields = joint_fields(self.joints, skip_positions=2)
         bodies = _body_names("humanoid")
         start = fields[-1].stop
@@ -239,4 +253,5 @@ class Humanoid(MujocoTask):
             ),
             action_description="Box(17,) in [-0.4, 0.4]: torques, in actuator order, on abdomen_y, abdomen_z, abdomen_x, right_hip_x, right_hip_z, right_hip_y, right_knee, left_hip_x, left_hip_z, left_hip_y, left_knee, right_shoulder1, right_shoulder2, right_elbow, left_shoulder1, left_shoulder2, left_elbow.",
             show_source=show_source,
+            reward=reward,
         )

@@ -10,13 +10,26 @@ and the ground-truth fitness of a set of evaluation episodes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import gymnasium as gym
 import numpy as np
 import torch
 
+from core.errors import UserError
 from core.records import Episode, Fitness
+
+#: the training rewards a task can offer (``env.reward``); the fitness never depends on the choice
+REWARDS = ("human", "sparse")
+
+
+def ground_truth_return(episode: Episode) -> float:
+    """The episode's return under the env designers' own reward, whichever reward the env paid.
+
+    A task trained on another reward (``env.reward=sparse``) records the designers' return in
+    the episode's info (``human_return``); return-based fitness is computed from it.
+    """
+    return float(episode.info.get("human_return", episode.ret))
 
 
 @dataclass(frozen=True)
@@ -66,7 +79,14 @@ class Task:
       ``crafter_score``); ``fitness()`` computes it from evaluation episodes.
     - ``params``: controllable world parameters (empty when the task has none).
     - ``max_episode_steps``: the time limit used for training and evaluation.
+    - ``reward``: the reward the env pays (:data:`REWARDS`): ``human``, the env designers'
+      own (the default), or ``sparse``, paid only when the task's success condition is met
+      (:attr:`sparse_text` says what it is; tasks that define none refuse it). The fitness
+      is the same under either.
     """
+
+    #: the task's sparse reward in words; empty when the task has none (``reward=sparse`` refused)
+    sparse_text: ClassVar[str] = ""
 
     name: str
     goal: str
@@ -76,6 +96,21 @@ class Task:
     params: list[ParamSpec] = field(default_factory=list)
     max_episode_steps: int = 500
     action_description: str = ""
+    reward: str = "human"
+
+    def __post_init__(self) -> None:
+        if self.reward not in REWARDS:
+            raise UserError(f"env.reward must be one of {', '.join(REWARDS)}, got {self.reward!r}.")
+        if self.reward == "sparse":
+            if not self.sparse_text:
+                raise UserError(
+                    f"The task '{self.name}' has no sparse reward (env.reward=sparse); use env.reward=human. "
+                    "Tasks with one: cartpole, mountaincar, acrobot, pendulum, lunarlander, the MuJoCo and "
+                    "MetaWorld tasks, minecraft."
+                )
+            self.description += (
+                f"\n\nTraining reward in this run (env.reward=sparse), in place of the reward above: {self.sparse_text}"
+            )
 
     # -- construction ---------------------------------------------------------------
     def make_env(self, num_envs: int, seed: int, params: dict[str, Any] | None = None) -> gym.vector.VectorEnv:
@@ -148,13 +183,27 @@ class Task:
 
     # -- fitness ----------------------------------------------------------------------
     def episode_info(self, final_info: dict[str, Any]) -> tuple[bool | None, dict[str, Any]]:
-        """From the info of an episode's last step: (success flag or None, task info)."""
+        """From the info of an episode's last step: (success flag or None, task info).
+
+        The task info keeps the designers' return (``human_return``) when the env paid
+        another reward; subclasses that add their own info extend this one's.
+        """
         success = final_info.get("success", final_info.get("is_success"))
-        return (None if success is None else bool(success)), {}
+        extra = {"human_return": float(final_info["human_return"])} if "human_return" in final_info else {}
+        return (None if success is None else bool(success)), extra
+
+    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
+                      episode: dict[str, Any]) -> float:
+        """The sparse reward of one step (``reward`` is the designers' reward of that step).
+
+        ``episode`` is a dict the rule may keep per-episode memory in (emptied at reset).
+        Tasks that offer ``reward=sparse`` override this and set :attr:`sparse_text`.
+        """
+        raise NotImplementedError(f"The task '{self.name}' has no sparse reward")
 
     def fitness(self, episodes: list[Episode]) -> Fitness:
-        """The ground-truth score of evaluation episodes (default: mean return)."""
-        value = float(np.mean([e.ret for e in episodes])) if episodes else float("nan")
+        """The ground-truth score of evaluation episodes (default: mean return under the designers' reward)."""
+        value = float(np.mean([ground_truth_return(e) for e in episodes])) if episodes else float("nan")
         return Fitness(self.fitness_name, value)
 
     def failure_modes(self, episodes: list[Episode]) -> str:
