@@ -233,17 +233,29 @@ class Loop:
         return self.summarize(best, final, time.perf_counter() - start)
 
     def final_seeds(self, progress: Any) -> list[float]:
-        """Retrain the best candidate on ``final_seeds`` more seeds (Eureka's final evaluation)."""
+        """Retrain the best candidate on ``final_seeds`` more seeds (Eureka's final evaluation).
+
+        Logs ``final/fitness_mean`` over the search's score and the fresh seeds together,
+        ``final/fresh_mean`` over the fresh seeds alone (the chosen candidate's score free of
+        the selection), and what the retraining cost: ``final/frames``, ``final/seconds``.
+        """
         n = self.settings.final_seeds
         best = self.run.best
         if n <= 0 or best is None:
             return []
-        values = [best[1].score]
+        start = time.perf_counter()
+        fresh, frames = [], 0
         for k in range(1, n + 1):
             candidate = replace(best[0], id=f"{best[0].id}-seed{self.run.seed + k}")
             (result,) = self.train([candidate], self.run.seed + k, progress)
-            values.append(result.score)
-        self.run.log_metrics({"final/fitness_mean": sum(values) / len(values), "final/seeds": len(values)})
+            fresh.append(result.score)
+            frames += result.frames
+        values = [best[1].score, *fresh]
+        self.run.log_metrics({
+            "final/fitness_mean": sum(values) / len(values), "final/seeds": len(values),
+            "final/fresh_mean": sum(fresh) / len(fresh), "final/frames": frames,
+            "final/seconds": time.perf_counter() - start,
+        })
         return values
 
     def _log_llm_stats(self, step: int | None = None) -> dict[str, float]:
@@ -290,8 +302,13 @@ def _iteration_best(result: IterationResult) -> float:
     return best[1].score if best else float("nan")
 
 
-def run_experiment(config: DictConfig, extra_plugins: tuple[object, ...] = ()) -> RunSummary:
-    """Run one experiment as the config describes; the programmatic entry point."""
+def run_experiment(config: DictConfig, extra_plugins: tuple[object, ...] = (),
+                   tags: dict[str, str] | None = None) -> RunSummary:
+    """Run one experiment as the config describes; the programmatic entry point.
+
+    ``tags`` are added to the MLflow parent run's own (``plugins``, ``env``, ``seed``), e.g.
+    a study's arm and cell (:mod:`core.study`).
+    """
     from core.quiet import quiet_third_party
 
     quiet_third_party()
@@ -300,7 +317,7 @@ def run_experiment(config: DictConfig, extra_plugins: tuple[object, ...] = ()) -
     runtime = build_runtime(container, extra_plugins, run_key=uuid.uuid4().hex)  # type: ignore[arg-type]  # validates before any work
     tracker = Tracker(config.tracking, config.experiment)
     plugins = sorted((config.get("plugins") or {}).keys())
-    tags = {"plugins": ",".join(plugins) or "none", "env": str(config.env.name), "seed": str(config.seed)}
+    run_tags = {"plugins": ",".join(plugins) or "none", "env": str(config.env.name), "seed": str(config.seed), **(tags or {})}
     name = config.get("run_name") or f"{'+'.join(plugins) or 'baseline'}-{config.env.name}-s{config.seed}"
-    with tracker.experiment_run(config, name, tags):
+    with tracker.experiment_run(config, name, run_tags):
         return Loop(config, runtime, tracker).execute()
