@@ -282,6 +282,27 @@ class _Warnings:
             log.warning(text)
 
 
+def _libc_getcpu() -> Any:
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        fn = ctypes.CDLL(None).sched_getcpu
+        fn.restype = ctypes.c_int
+        return fn
+    return None
+
+
+_GETCPU = _libc_getcpu()
+
+
+def _current_cpu() -> int | None:
+    """The CPU this thread runs on now (None where the C library cannot say)."""
+    if _GETCPU is None:
+        return None
+    cpu = _GETCPU()
+    return cpu if cpu >= 0 else None
+
+
 def report_from(raw: Any) -> SandboxReport:
     """A report that came from a worker, with every field checked (kind, lengths)."""
     if not isinstance(raw, dict):
@@ -326,6 +347,7 @@ class ProgramWorker:
         self._ready_at = 0.0
         self._next_cpu_raise = 0.0
         self._ended_at: float | None = None
+        self._cpu: int | None = None
         self.last_printed = ""
         scope = _SCOPE.get()
         if scope is not None:
@@ -452,6 +474,7 @@ class ProgramWorker:
         if self.dead is not None:
             raise SandboxError(self.dead)
         self._seq += 1
+        self._follow_cpu()
         if same:
             data = struct.pack("<BQI", SAME, self._seq, same)
         else:
@@ -490,6 +513,21 @@ class ProgramWorker:
         if not isinstance(reply, dict) or reply.get("seq") != self._seq:
             raise SandboxError(self._end(fail("crashed", "The program's worker sent an unreadable answer.")))
         return reply, took
+
+    def _follow_cpu(self) -> None:
+        """Keep the worker on the CPU this thread runs on: it runs while we wait, woken where we sleep.
+
+        A call is a hand-off (the host blocks until the answer), so the host's CPU is the
+        one that is free when the worker wakes; elsewhere it may wait for another
+        process's time slice (milliseconds on a busy machine). Re-pinned only when this
+        thread moved.
+        """
+        cpu = _current_cpu()
+        if cpu is None or cpu == self._cpu:
+            return
+        self._cpu = cpu
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(self._proc.server, {cpu})
 
     def load(self, program: Program, *, role: str, arg_names: tuple[str, ...] | list[str] | None = None,
              fields: list[tuple[str, int, int, tuple[int, ...]]] | None = None) -> int:

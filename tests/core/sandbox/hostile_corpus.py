@@ -581,8 +581,9 @@ def compute_reward(state, action, next_state):
         """), "forbidden", "too_slow", calls=60, gap_s=0.05, limits={"cpu_s": 0.5, "time_share_grace_s": 0.2}),
     Hostile("allocate_six_gib", "dos", reward("k = 1024\nx = torch.empty(6 * k * k * k, dtype=torch.uint8)",
                                               head="import torch"), "memory", "memory"),
-    Hostile("grow_a_module_list_every_call", "dos", reward("HOARD.append(torch.ones(64 * 1024 * 1024))",
-                                                           head="import torch\nHOARD = []"), "memory", "memory", calls=40),
+    Hostile("grow_a_module_list_every_call", "dos", reward("HOARD.append(torch.ones(16 * 1024 * 1024))",
+                                                           head="import torch\nHOARD = []"), "memory", "memory", calls=80,
+            limits={"time_share_grace_s": 30.0}),
     Hostile("huge_python_list", "dos", reward("k = 100000\nx = [1.5] * (k * k)"), "memory", "memory"),
     Hostile("bytearray_three_gib", "dos", reward("x = bytearray(3 * 1024 ** 3)"), "forbidden", "memory"),
     Hostile("fork_bomb", "dos", reward("""

@@ -45,7 +45,9 @@ from core.train.macros import MacroSet
 from hostile_corpus import CORPUS, Hostile
 
 REPO = str(Path(__file__).resolve().parents[3])
-SECRET_DIR = "/var/lib/llm4rl-hostile-test"
+#: a file only its owner can read, somewhere a worker can see (one per test process: xdist runs several)
+SECRET_DIR = f"/var/lib/llm4rl-hostile-test-{os.getpid()}" if os.access("/var/lib", os.W_OK) else \
+    f"/tmp/llm4rl-hostile-test-{os.getpid()}"
 SECRET = f"{SECRET_DIR}/secret"
 FAKE_KEY = "sk-hostile-test-key-do-not-leak"
 #: per_row_fallback off: a program written for one state is a different matter (tests/core/test_sandbox.py)
@@ -171,8 +173,8 @@ def hostile_files(tag: str) -> list[str]:
 # -- the loop ---------------------------------------------------------------------------------------------
 
 
-def limits_in_place(worker: ProgramWorker, limits: Limits) -> None:
-    """From the host: the worker's limits, user and namespaces, before any program is loaded."""
+def limits_in_place(worker: ProgramWorker, limits: Limits, *, isolated: bool) -> None:
+    """From the host: the worker's limits (and, where ``isolated``, its user and namespaces) before any program loads."""
     pid = worker._proc.server
     seen = {}
     with open(f"/proc/{pid}/limits") as f:
@@ -182,6 +184,8 @@ def limits_in_place(worker: ProgramWorker, limits: Limits) -> None:
     assert seen["Max address space"] == str(limits.memory_mb * 1024 * 1024)
     assert seen["Max open files"] == str(limits.max_open_files)
     assert seen["Max cpu time"] != "unlimited" and seen["Max file size"] != "unlimited"
+    if not isolated:
+        return
     with open(f"/proc/{pid}/status") as f:
         uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
     assert all(int(u) >= UID_BASE for u in uids), uids
@@ -202,7 +206,8 @@ def batch(seed: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return obs, torch.randint(0, 2, (n,), generator=g), obs + 0.01
 
 
-def run_candidate(source: str, role: str, limits: Limits, calls: int, gap_s: float) -> tuple[str, str, list[str]]:
+def run_candidate(source: str, role: str, limits: Limits, calls: int, gap_s: float,
+                  isolated: bool = True) -> tuple[str, str, list[str]]:
     """One candidate as the trainer runs it: a worker (limits checked first), a probe, training calls.
 
     :return: ``(category, message, component names)``; the host's batches are checked unchanged.
@@ -210,7 +215,7 @@ def run_candidate(source: str, role: str, limits: Limits, calls: int, gap_s: flo
     names: list[str] = []
     with candidate_scope():
         worker = ProgramWorker(limits)
-        limits_in_place(worker, limits)  # before any hostile code runs
+        limits_in_place(worker, limits, isolated=isolated)  # before any hostile code runs
         try:
             if role == "reward":
                 fn = prepare_reward(RewardProgram(source), TASK, limits=limits, worker=worker)
@@ -247,15 +252,16 @@ def benign_candidate_works(limits: Limits) -> None:
         torch.testing.assert_close(reward, 1.0 - nxt[:, 2].abs())
 
 
-def fully_isolated() -> bool:
+@pytest.fixture(scope="module")
+def isolated() -> bool:
+    """Whether workers here run with every layer: their own uid, network, PID and mount namespaces.
+
+    Without them (not root, no namespaces) only the runs with the static check on happen:
+    the programs that pass it are plain Python, bounded by the resource limits.
+    """
     with candidate_scope():
         iso = ProgramWorker(LIMITS).isolation
     return bool(iso.get("network") and iso.get("pid") and iso.get("mount") and iso.get("root_dropped"))
-
-
-@pytest.fixture(scope="module")
-def isolated() -> bool:
-    return fully_isolated()
 
 
 @pytest.mark.parametrize("static_check", [True, False], ids=["checked", "unchecked"])
@@ -268,11 +274,12 @@ def test_hostile_program(hostile: Hostile, static_check: bool, host: Listeners, 
     before = host_state()
     start = time.monotonic()
 
-    kind, message, names = run_candidate(fill(hostile.source, host, tag), hostile.role, limits, hostile.calls, hostile.gap_s)
+    kind, message, names = run_candidate(fill(hostile.source, host, tag), hostile.role, limits, hostile.calls,
+                                         hostile.gap_s, isolated)
     assert kind == hostile.expected(static_check), message
     assert time.monotonic() - start < 30
     if hostile.followup:
-        follow, follow_message, _ = run_candidate(fill(hostile.followup, host, tag), "reward", limits, 2, 0.0)
+        follow, follow_message, _ = run_candidate(fill(hostile.followup, host, tag), "reward", limits, 2, 0.0, isolated)
         assert follow == hostile.followup_expected(static_check), follow_message
         assert "PERSISTED" not in follow_message
     benign_candidate_works(replace(LIMITS, static_check=static_check))  # the loop goes on
