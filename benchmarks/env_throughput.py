@@ -11,9 +11,22 @@ machine is shared: the best run is the least disturbed one). Prints one JSON obj
 
     {"frames": ..., "repeats": ..., "load_avg_1min": [before, after],
      "tasks": {"cartpole": {"8": {"bare_sps": ..., "stack_sps": ..., "ratio": ...}, "32": {...},
-                            "target_ratio": 0.5, "target_envs": 16, "meets_target": true}, ...}}
+                            "target_ratio": 0.5, "target_envs": 16, "meets_target": true}, ...},
+     "crafter": {"envs": 16, "game_sps": ..., "upstream_sps": ..., "vector_sps": ..., "stack_sps": ...,
+                 "crafter_ratio": ..., "upstream_ratio": ..., "load_avg_1min": [...]},
+     "crafter_ratio": ...}
 
-Run: ``python benchmarks/env_throughput.py [--envs 8,16,32] [--frames 8000] [--tasks cartpole,minecraft]``.
+For Crafter (``minecraft`` in ``--tasks``) the stack is also set against *bare
+vectorised Crafter* at ``--target-envs`` games: ``game_sps`` steps ``crafter.Env`` games
+with Crafter's own ``Env.step`` in a plain loop (on the worlds the task generates, with
+the image and semantic map switched off, so it measures the rules alone), and
+``crafter_ratio`` = ``stack_sps / game_sps`` (target >= 0.75). ``upstream_sps`` is
+``crafter.Env`` as shipped (its own world generation, a 64x64 image and the semantic map
+every step), ``vector_sps`` the task's vector env alone; all four alternate, best of
+``--repeats``.
+
+Run: ``python benchmarks/env_throughput.py [--envs 8,16,32] [--frames 8000] [--tasks cartpole,minecraft]``
+(``--tasks minecraft --envs 16`` for the Crafter figures alone).
 The targets are checked at ``--target-envs`` (16 envs, a usual PPO vector size). What
 remains of the stack's cost is per vector step (the collector's carrier bookkeeping and
 its stacking of the batch, ~0.1-0.15 ms here), so the ratio rises with the vector size;
@@ -37,6 +50,22 @@ from core.envs import make_task
 
 DEFAULT_TASKS = "cartpole,pendulum,lunarlander,halfcheetah,reach,minecraft"
 TARGETS = {"minecraft": 0.75, "cartpole": 0.5}  # stack / bare ratio the stack must reach
+CRAFTER_TARGET = 0.75  # stack / bare vectorised Crafter (Crafter's own Env.step)
+
+
+class Clock:
+    """Wall and CPU seconds of a timed block (CPU time is what the shared machine leaves us)."""
+
+    def __enter__(self) -> Clock:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+    def rates(self, frames: int) -> tuple[float, float]:
+        """(frames per wall second, frames per CPU second)."""
+        return frames / self.wall, frames / max(self.cpu, 1e-9)
 
 
 def action_sampler(space: gym.Space, num_envs: int, seed: int = 0) -> Callable[[], np.ndarray]:
@@ -52,18 +81,17 @@ def action_sampler(space: gym.Space, num_envs: int, seed: int = 0) -> Callable[[
     raise TypeError(f"no sampler for {space!r}")
 
 
-def bare_sps(name: str, num_envs: int, frames: int) -> float:
-    """Random-action steps/s of the task's vector env alone."""
+def bare_sps(name: str, num_envs: int, frames: int) -> tuple[float, float]:
+    """Random-action steps per wall and per CPU second of the task's vector env alone."""
     env = make_task({"name": name}).make_env(num_envs, seed=0)
     env.reset(seed=0)
     sample = action_sampler(env.single_action_space, num_envs)
     steps = max(1, frames // num_envs)
-    start = time.perf_counter()
-    for _ in range(steps):
-        env.step(sample())
-    elapsed = time.perf_counter() - start
+    with Clock() as clock:
+        for _ in range(steps):
+            env.step(sample())
     env.close()
-    return steps * num_envs / elapsed
+    return clock.rates(steps * num_envs)
 
 
 class RandomPolicy:
@@ -77,8 +105,8 @@ class RandomPolicy:
         return td
 
 
-def stack_sps(name: str, num_envs: int, frames: int) -> float:
-    """Random-policy frames/s through VecGymEnv + Collector, as ``core.train.ppo`` builds them."""
+def stack_sps(name: str, num_envs: int, frames: int) -> tuple[float, float]:
+    """Random-policy frames per wall and CPU second through VecGymEnv + Collector, as ``core.train.ppo`` builds them."""
     from torchrl.collectors import Collector
 
     from core.train.envs import VecGymEnv
@@ -92,11 +120,72 @@ def stack_sps(name: str, num_envs: int, frames: int) -> float:
                           trust_policy=True, track_traj_ids=False, auto_register_policy_transforms=False)
     it = iter(collector)
     next(it)  # warm-up batch (first reset, spec checks)
-    start = time.perf_counter()
-    done = sum(batch.numel() for batch in it)
-    elapsed = time.perf_counter() - start
+    with Clock() as clock:
+        done = sum(batch.numel() for batch in it)
     collector.shutdown()
-    return done / elapsed
+    return clock.rates(done)
+
+
+def crafter_game_sps(num_envs: int, frames: int) -> tuple[float, float]:
+    """Bare vectorised Crafter: the task's worlds stepped by ``crafter.Env.step`` in a loop."""
+    vec = make_task({"name": "minecraft"}).make_env(num_envs, seed=0)
+    envs = list(vec.envs)  # CrafterEnv: its game has the image and semantic map switched off
+    games = [env._game for env in envs]
+    sample = action_sampler(vec.single_action_space, num_envs)
+    steps = max(1, frames // num_envs)
+    with Clock() as clock:
+        for _ in range(steps):
+            for env, game, action in zip(envs, games, sample().tolist()):
+                _, _, done, _ = game.step(action)
+                if done:
+                    env._new_world()
+    return clock.rates(steps * num_envs)
+
+
+def crafter_upstream_sps(num_envs: int, frames: int) -> tuple[float, float]:
+    """``crafter.Env`` as shipped (own world generation, image and semantic map per step)."""
+    from core.quiet import import_gym_quietly
+
+    import_gym_quietly()
+    import crafter
+
+    games = [crafter.Env(seed=i) for i in range(num_envs)]
+    for game in games:
+        game.reset()
+    sample = action_sampler(gym.spaces.Discrete(len(crafter.constants.actions)), num_envs)
+    steps = max(1, frames // num_envs)
+    with Clock() as clock:
+        for _ in range(steps):
+            for game, action in zip(games, sample().tolist()):
+                _, _, done, _ = game.step(action)
+                if done:
+                    game.reset()
+    return clock.rates(steps * num_envs)
+
+
+def measure_crafter(num_envs: int, frames: int, repeats: int) -> dict[str, Any]:
+    """Best-of-``repeats`` steps/s of bare Crafter, upstream Crafter, our vector env and our stack."""
+    frames = max(frames, num_envs * 128)
+    arms: dict[str, Callable[[int, int], tuple[float, float]]] = {
+        "game": crafter_game_sps, "upstream": crafter_upstream_sps,
+        "vector": lambda n, f: bare_sps("minecraft", n, f), "stack": lambda n, f: stack_sps("minecraft", n, f),
+    }
+    wall, cpu = dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0.0)
+    load = [round(os.getloadavg()[0], 2)]
+    for _ in range(repeats):
+        for key, run in arms.items():
+            w, c = run(num_envs, frames)
+            wall[key], cpu[key] = max(wall[key], w), max(cpu[key], c)
+    load.append(round(os.getloadavg()[0], 2))
+    out: dict[str, Any] = {"envs": num_envs, **{f"{k}_sps": round(v, 1) for k, v in wall.items()}}
+    out["crafter_ratio"] = round(wall["stack"] / wall["game"], 3)
+    out["upstream_ratio"] = round(wall["stack"] / wall["upstream"], 3)
+    out["cpu_sps"] = {k: round(v, 1) for k, v in cpu.items()}  # steps per CPU second: less sensitive to load
+    out["crafter_cpu_ratio"] = round(cpu["stack"] / cpu["game"], 3)
+    out["target_ratio"] = CRAFTER_TARGET
+    out["meets_target"] = out["crafter_ratio"] >= CRAFTER_TARGET
+    out["load_avg_1min"] = load
+    return out
 
 
 def measure(name: str, num_envs: int, frames: int, repeats: int) -> dict[str, float]:
@@ -104,8 +193,8 @@ def measure(name: str, num_envs: int, frames: int, repeats: int) -> dict[str, fl
     frames = max(frames, num_envs * 128)  # at least two batches of 64 steps per env
     bare, stack = 0.0, 0.0
     for _ in range(repeats):
-        bare = max(bare, bare_sps(name, num_envs, frames))
-        stack = max(stack, stack_sps(name, num_envs, frames))
+        bare = max(bare, bare_sps(name, num_envs, frames)[0])
+        stack = max(stack, stack_sps(name, num_envs, frames)[0])
     return {"bare_sps": round(bare, 1), "stack_sps": round(stack, 1), "ratio": round(stack / bare, 3)}
 
 
@@ -129,8 +218,12 @@ def main() -> None:
             row["target_envs"] = args.target_envs
             row["meets_target"] = row[str(args.target_envs)]["ratio"] >= TARGETS[name]
         results[name] = row
-    print(json.dumps({"frames": args.frames, "repeats": args.repeats,
-                      "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], "tasks": results}))
+    out: dict[str, Any] = {"frames": args.frames, "repeats": args.repeats,
+                           "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], "tasks": results}
+    if "minecraft" in args.tasks.split(","):
+        out["crafter"] = measure_crafter(args.target_envs, args.frames, args.repeats)
+        out["crafter_ratio"] = out["crafter"]["crafter_ratio"]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

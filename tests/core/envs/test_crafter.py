@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import crafter
+import gymnasium as gym
 import numpy as np
 import pytest
 
@@ -207,3 +208,69 @@ def test_same_seed_and_actions_same_trajectory(task):
         env.close()
         traces.append(np.array(trace))
     np.testing.assert_array_equal(traces[0], traces[1])
+
+
+def _reference_obs(game) -> np.ndarray:
+    """The observation built from the game's state by hand (crafter's semantic map for the view)."""
+    player, world = game._player, game._world
+    full = crafter.engine.SemanticView(world, [getattr(crafter.objects, n.capitalize()) for n in OBJECTS])()
+    view = np.zeros(VIEW, np.float32)
+    x0, y0 = player.pos[0] - VIEW[0] // 2, player.pos[1] - VIEW[1] // 2
+    for i in range(VIEW[0]):
+        for j in range(VIEW[1]):
+            if 0 <= x0 + i < 64 and 0 <= y0 + j < 64:
+                view[i, j] = full[x0 + i, y0 + j]
+    return np.concatenate([
+        [player.inventory[n] for n in VITALS + ITEMS],
+        [player.achievements[n] > 0 for n in ACHIEVEMENTS],
+        player.pos, player.facing, [world.daylight, player.sleeping], view.ravel(),
+    ]).astype(np.float32)
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_steps_follow_crafters_own_step(seed):
+    # ours (one array operation finds the creatures to update, no image or info dict) against
+    # a twin game stepped by crafter.Env.step: same rewards, ends and observations every step
+    ours, twin = CrafterEnv(seed=seed, max_episode_steps=150), CrafterEnv(seed=seed, max_episode_steps=150)
+    obs, _ = ours.reset(seed=seed)
+    twin.reset(seed=seed)
+    np.testing.assert_array_equal(obs, _reference_obs(twin._game))
+    actions = np.random.default_rng(seed).integers(0, len(ACTIONS), size=500)
+    ends, rewarded = 0, 0
+    for t, action in enumerate(actions):
+        obs, reward, terminated, truncated, info = ours.step(int(action))
+        _, twin_reward, twin_done, _ = type(twin._game).step(twin._game, int(action))
+        assert reward == twin_reward and terminated == (twin._game._player.health <= 0), t
+        assert terminated or truncated == twin_done, t
+        np.testing.assert_array_equal(obs, _reference_obs(twin._game), err_msg=f"step {t}")
+        rewarded += reward != 0
+        if terminated or truncated:
+            ends += 1
+            assert set(info) == {f"achievement_{a}" for a in ACHIEVEMENTS}
+            ours.reset()
+            twin.reset()
+    assert ends >= 3 and rewarded >= 5  # episode ends and health/achievement rewards were crossed
+
+
+class _Wrapped(gym.Wrapper):
+    """A game behind a wrapper: the vector env then takes the gymnasium API (as with macro-actions)."""
+
+
+def test_vector_env_batches_what_the_games_return(task):
+    small = make_task({"name": "minecraft", "max_episode_steps": 40})
+    fast, plain = small.make_env(3, seed=2), small.make_env(3, seed=2)
+    plain.envs = [_Wrapped(e) for e in plain.envs]
+    np.testing.assert_array_equal(fast.reset(seed=2)[0], plain.reset(seed=2)[0])
+    finals = 0
+    for actions in np.random.default_rng(1).integers(0, len(ACTIONS), size=(130, 3)):
+        a, b = fast.step(actions), plain.step(actions)
+        for x, y in zip(a[:4], b[:4]):
+            np.testing.assert_array_equal(x, y)
+        assert a[4].keys() == b[4].keys()
+        if "final_obs" in a[4]:
+            for i in np.flatnonzero(a[4]["_final_obs"]):
+                finals += 1
+                np.testing.assert_array_equal(a[4]["final_obs"][i], b[4]["final_obs"][i])
+                info_a, info_b = a[4]["final_info"], b[4]["final_info"]
+                assert {k: v[i] for k, v in info_a.items()} == {k: v[i] for k, v in info_b.items()}
+    assert finals >= 9
