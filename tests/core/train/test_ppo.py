@@ -295,3 +295,39 @@ def test_gae_equals_torchrl():
     terminated = done & (torch.rand(shape) < 0.5)  # the other episode ends are truncations
     expected, _ = generalized_advantage_estimate(0.98, 0.8, value, next_value, reward, done, terminated)
     torch.testing.assert_close(gae(reward, value, next_value, done, terminated, 0.98, 0.8), expected)
+
+
+def test_fast_steps_track_the_reference_update():
+    """20 full steps (loss, clip, Adam) from the same start stay within float noise of ClipPPOLoss + autograd + Adam."""
+    import math
+
+    from torchrl.data import Categorical
+    from torchrl.objectives import ClipPPOLoss
+
+    from core.train.networks import FlatAdam, build_networks
+    from core.train.ppo import Frames, ppo_gradients
+
+    nets, model, td = _fixed_batch(discrete=True)
+    ref = build_networks(5, Categorical(3, shape=(1,)), [32, 16])  # the same sizes, the same weights below
+    ref.actor_net.load_state_dict({k: v.clone() for k, v in nets.actor_net.state_dict().items()})
+    ref.critic_net.load_state_dict({k: v.clone() for k, v in nets.critic_net.state_dict().items()})
+    params = ref.parameters()
+    optim, ref_optim = FlatAdam(model.params, lr=1e-3, eps=1e-5), torch.optim.Adam(params, lr=1e-3, eps=1e-5)
+    loss = ClipPPOLoss(ref.actor, ref.critic, clip_epsilon=0.2, entropy_bonus=False, critic_coeff=0.5,
+                       loss_critic_type="l2", normalize_advantage=True, functional=False)
+    n = td.shape[0]
+    frames = Frames(td["observation"], td["action"].reshape(n, 1), td["action_log_prob"].reshape(n, 1),
+                    td["advantage"], td["value_target"]).normalized()
+    for _ in range(20):
+        ppo_gradients(model, frames, (math.log1p(-0.2), math.log1p(0.2)), 0.5, 0.0)
+        scale = 0.5 / (float(model.grad.norm()) + 1e-6)
+        if scale < 1.0:
+            model.grad.mul_(scale)
+        optim.step()
+        out = loss(td)
+        ref_optim.zero_grad()
+        (out["loss_objective"] + out["loss_critic"]).backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        ref_optim.step()
+    for ours, theirs in zip(nets.parameters(), params):
+        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=0, atol=1e-4 * float(theirs.detach().abs().max()))
