@@ -270,6 +270,11 @@ def candidate_scope() -> Iterator[None]:
                 worker.close()
 
 
+def in_candidate_scope() -> bool:
+    """Whether a :func:`candidate_scope` is open here (workers started now end with it)."""
+    return _SCOPE.get() is not None
+
+
 class _Warnings:
     """Each missing isolation layer is said once per process, in the run's log."""
 

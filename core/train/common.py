@@ -96,9 +96,11 @@ class CandidateEnv:
                  wrap_env: Callable[[Any], Any] | None = None) -> None:
         own = replace(candidate, reward=None) if reward_fn is not None else candidate
         self.worker = None  # the candidate's sandbox worker: every program of the candidate runs there
+        self._worker_scoped = True  # ended by train_safely's scope (after evaluation), else by close()
         if own.reward is not None or own.state is not None or own.macros:
-            from core.sandbox import ProgramWorker
+            from core.sandbox import ProgramWorker, in_candidate_scope
 
+            self._worker_scoped = in_candidate_scope()
             self.worker = ProgramWorker(*sandbox_settings(ctx))
         prepared, state_fn, state_dim = prepare_programs(task, own, ctx, self.worker)
         reward_fn = reward_fn if reward_fn is not None else prepared
@@ -149,10 +151,13 @@ class CandidateEnv:
         return obs
 
     def close(self) -> None:
-        """Close the env; the worker stays for evaluation and ends with the candidate (:func:`train_safely`)."""
+        """Close the env. Under :func:`train_safely` the worker stays for evaluation and ends with the
+        candidate; elsewhere (a population method's own loop) it ends here."""
         self.env.close(raise_if_closed=False)
         if self.worker is not None:
             self.program_metrics.update(self.worker.metrics())
+            if not self._worker_scoped:
+                self.worker.close()
 
     def macro_metrics(self) -> dict[str, float]:
         """``macros/<name>_calls`` (and primitive steps) when the candidate has macros."""
