@@ -546,7 +546,8 @@ class ProgramWorker:
         with self._lock:
             self._handles += 1
             handle = self._handles
-            reply, _ = self._request({"op": "load", "handle": handle, "program": program, "role": role,
+            source_only = Program(program.source, program.entry)  # not its prompt, reply or meta
+            reply, _ = self._request({"op": "load", "handle": handle, "program": source_only, "role": role,
                                       "arg_names": list(arg_names) if arg_names is not None else None,
                                       "fields": fields},
                                      self.limits.call_timeout_s)

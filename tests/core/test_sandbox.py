@@ -584,3 +584,36 @@ def test_per_state_features_stack_to_a_matrix() -> None:
     feats = fn(task.split_state(obs))
     assert torch.allclose(feats, torch.tensor([[0.25, 2.0], [0.01, -4.0]]))
     fn.close()
+
+
+# -- one worker per candidate, in training ----------------------------------------------------
+
+
+def test_a_candidates_programs_share_one_worker_that_ends_with_its_training() -> None:
+    from core.records import Candidate
+    from core.train.ppo import PPOConfig, train
+
+    task = _cartpole()
+    candidate = Candidate("c", 0, reward=RewardProgram(P.REWARD_OK), state=StateProgram(P.STATE_OK))
+    cfg = PPOConfig(frames=256, num_envs=4, rollout_steps=32, epochs=1, minibatch=64, hidden=[16], eval_every=0,
+                    eval_episodes=1)
+    started = set(SUPERVISORS)
+    result = train(task, candidate, cfg, seed=0)
+    assert result.ok, result.error
+    assert len(SUPERVISORS - started) == 1  # reward and state program in one worker
+    assert result.metrics["sandbox/program_calls"] > 0 and result.metrics["sandbox/namespaces"] in (0.0, 1.0)
+    assert 0.0 <= result.metrics["sandbox/program_share"] <= 1.0
+    assert wait_no_sandbox_procs() == []
+
+
+def test_missing_namespaces_are_said_in_the_log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from core.sandbox.host import _Warnings
+
+    monkeypatch.setattr(_Warnings, "_said", set())
+    with ProgramWorker(FAST) as worker:
+        worker._proc.isolation = {"network": False, "pid": True, "mount": False, "error": "Operation not permitted",
+                                  "root_dropped": True}
+        with caplog.at_level("WARNING", logger="core.sandbox"):
+            worker._say_what_is_missing()
+    text = caplog.text
+    assert "no network, mount namespace" in text and "can reach the network" in text and "Operation not permitted" in text
