@@ -41,7 +41,8 @@ def test_cartpole_trains_through_the_cli(tmp_path: Path) -> None:
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     value = float(re.search(r"fitness \(return\): ([-\d.]+)", out.stdout).group(1))
-    assert random_value < 40 and value > 150, (random_value, value)
+    # 16k frames: 113-500 over 64 seeded runs (median ~190), so 150 failed a third of the seeds
+    assert random_value < 40 and value > 100, (random_value, value)
 
 
 @pytest.mark.slow
