@@ -15,9 +15,14 @@ Two paths:
   env's own reward with the same (no-op) hook.
 
 ``call_overhead_us`` is the round trip of one call of a trivial program on a batch of 8
-states through the worker, less the same function called directly. Runs alternate
-(env, program, env, program...) so that other load on the machine hurts both alike;
-fps are the best of ``--repeats`` runs; the load average is printed before and after.
+states through the worker, back to back, less the same function called directly;
+``per_step_call_us`` is the mean round trip of the calls in the last per-step training
+run, where the worker sleeps between calls and must be scheduled again each time (on a
+busy machine this, not the crossing itself, is most of the cost). Runs alternate
+in pairs, back to back and in alternating order, so that other load on the machine hurts
+both alike: ``ratio`` and ``per_step_ratio`` are the medians of the pairs' ratios (as in
+``trainer_throughput.py``), ``best_ratio`` the best program run over the best env run;
+the load average is printed before and after.
 Prints one JSON object::
 
     {"ratio": ..., "per_step_ratio": ..., "call_overhead_us": ..., "env_reward_fps": ..., ...}
@@ -124,28 +129,40 @@ def main() -> None:
     best: dict[str, float] = {"env": 0.0, "program": 0.0, "env_step": 0.0, "program_step": 0.0}
     pairs: dict[str, list[float]] = {"batched": [], "per_step": []}
     metrics: dict[str, Any] = {}
+    step_metrics: dict[str, Any] = {}
     fps(coded, 2048, args.seed)  # start the sandbox's zygote (once per process) outside the timing
-    for _ in range(args.repeats):
-        env = fps(plain, args.frames, args.seed)[0]
-        program, metrics = fps(replace(coded, reward=replace(coded.reward)), args.frames, args.seed)
-        env_step = fps(plain, args.frames, args.seed, _hook())[0]
-        program_step, step_metrics = fps(replace(coded, reward=replace(coded.reward)), args.frames, args.seed, _hook())
+
+    def coded_run(hook: Any) -> tuple[float, dict[str, Any]]:
+        return fps(replace(coded, reward=replace(coded.reward)), args.frames, args.seed, hook)
+
+    for i in range(args.repeats):
+        # each pair back to back, in alternating order, so that load from elsewhere hurts both alike
+        if i % 2 == 0:
+            env, (program, metrics) = fps(plain, args.frames, args.seed)[0], coded_run(None)
+            env_step, (program_step, step_metrics) = fps(plain, args.frames, args.seed, _hook())[0], coded_run(_hook())
+        else:
+            (program, metrics), env = coded_run(None), fps(plain, args.frames, args.seed)[0]
+            (program_step, step_metrics), env_step = coded_run(_hook()), fps(plain, args.frames, args.seed, _hook())[0]
         for key, value in (("env", env), ("program", program), ("env_step", env_step), ("program_step", program_step)):
             best[key] = max(best[key], value)
         pairs["batched"].append(program / env)
         pairs["per_step"].append(program_step / env_step)
     overhead = call_overhead_us()
     print(json.dumps({
-        "ratio": round(best["program"] / best["env"], 3),
-        "per_step_ratio": round(best["program_step"] / best["env_step"], 3),
+        "ratio": round(statistics.median(pairs["batched"]), 3),
+        "per_step_ratio": round(statistics.median(pairs["per_step"]), 3),
         "call_overhead_us": overhead["call_overhead_us"],
-        "ratio_median_of_pairs": round(statistics.median(pairs["batched"]), 3),
-        "per_step_ratio_median_of_pairs": round(statistics.median(pairs["per_step"]), 3),
+        "best_ratio": round(best["program"] / best["env"], 3),
+        "per_step_best_ratio": round(best["program_step"] / best["env_step"], 3),
+        "pair_ratios": [round(r, 3) for r in pairs["batched"]],
+        "per_step_pair_ratios": [round(r, 3) for r in pairs["per_step"]],
         "env_reward_fps": round(best["env"], 1), "program_reward_fps": round(best["program"], 1),
         "per_step_env_reward_fps": round(best["env_step"], 1), "per_step_program_reward_fps": round(best["program_step"], 1),
         "sandboxed_call_us": overhead["sandboxed_call_us"], "direct_call_us": overhead["direct_call_us"],
-        "program_share_per_step": step_metrics.get("sandbox/program_share"),
-        "program_calls_per_step_run": step_metrics.get("sandbox/program_calls"),
+        "per_step_call_us": round(1e6 * step_metrics["sandbox/call_seconds"] / max(1.0, step_metrics["sandbox/program_calls"]), 1),
+        "per_step_call_share": step_metrics.get("sandbox/call_share"),
+        "per_step_program_share": step_metrics.get("sandbox/program_share"),
+        "per_step_calls": step_metrics.get("sandbox/program_calls"),
         "isolation": overhead["isolation"], "frames": args.frames, "repeats": args.repeats,
         "reward/env_correlation": metrics.get("reward/env_correlation"),
         "load_avg_before": [round(x, 2) for x in load_before], "load_avg_after": [round(x, 2) for x in os.getloadavg()],

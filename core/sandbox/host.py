@@ -44,9 +44,9 @@ log = logging.getLogger("core.sandbox")
 UID_BASE = 2_000_000_000
 MAX_REPLY = 1 << 18
 MAX_SOURCE_CHARS = 200_000
-ZYGOTE_START_S = 180.0
+ZYGOTE_START_S = 180.0  # the zygote imports torch once per host process; a busy machine is slow
 #: the share of the wall time that counted calls may take, overhead included, whatever the worker reports
-ROUND_TRIP_SHARE = 0.9  # the zygote imports torch once per host process; a busy machine is slow
+ROUND_TRIP_SHARE = 0.9
 _SCRATCH_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
 
 
@@ -127,7 +127,11 @@ class Zygote:
         """Fork a supervised worker that gets ``fds``; the supervisor's pid."""
         with self.lock:
             socket.send_fds(self.sock, [pickle.dumps(request)], fds)
-            reply = _recv_json(self.sock, self.buf, timeout)
+            try:
+                reply = _recv_json(self.sock, self.buf, timeout)
+            except TimeoutError:
+                self.close()  # a late answer must not be read as the next request's: start afresh
+                raise OSError("the zygote did not answer in time") from None
         if not reply or "pid" not in reply:
             raise OSError(f"the zygote could not fork a worker: {(reply or {}).get('error', 'no answer')}")
         return int(reply["pid"])
@@ -160,6 +164,9 @@ class _Process:
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
                 select.select([self.pidfd], [], [], 1.0)  # readable once it has exited
+        elif self.server > 0 and b"exit " not in self.status:  # no pidfd (an old kernel): by pid, while not reaped
+            with contextlib.suppress(OSError):
+                os.kill(self.server, signal.SIGKILL)
         uid = int(self.isolation.get("uid", 0) or 0)
         if not self.isolation.get("pid") and uid >= UID_BASE:
             _kill_uid(uid)  # no PID namespace: whatever the program started runs as its own uid
@@ -383,9 +390,10 @@ class ProgramWorker:
                     if attempt:
                         raise
             proc.server = proc.server_pid(max(0.1, deadline - time.monotonic()))
-            with contextlib.suppress(OSError):
-                proc.pidfd = os.pidfd_open(proc.server)
             ready = _recv_json(host, self._buf, max(0.1, deadline - time.monotonic()))
+            if ready and ready.get("ready"):  # alive and waiting for us: its pid cannot have been reused
+                with contextlib.suppress(OSError):
+                    proc.pidfd = os.pidfd_open(proc.server)
         except TimeoutError:
             self._end(fail("crashed", f"The sandbox worker did not start within {limits.wall_s:g} s."))
             raise SandboxError(self.dead) from None  # type: ignore[arg-type]

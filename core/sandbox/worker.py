@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import importlib
 import json
 import mmap
@@ -60,7 +59,8 @@ SAME = 1  # first byte of a short message: "the same call (or result layout) as 
 
 
 def _libc() -> Any:
-    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    """The C library already loaded in this process (``unshare``, ``mount``, ``prctl``)."""
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _prctl(option: int, value: int) -> bool:

@@ -150,6 +150,27 @@ def test_typing_is_a_module_like_any_other() -> None:
     assert check_source(source, "compute_reward", allowed_imports=("typing",)).ok
 
 
+@pytest.mark.parametrize(("source", "needle"), [
+    ("import typing\ndef compute_reward(s, a, n):\n    return typing.get_type_hints(compute_reward, {})", "typing"),
+    ("from typing import get_type_hints\ndef compute_reward(s, a, n):\n    return 0", "typing"),
+    ("from typing import Dict\ndef compute_reward(s, a, n):\n    return Dict", "outside a type annotation"),
+    ("import torch.nn.functional as F\ndef compute_reward(s, a, n):\n    match F.relu:\n        case T(__globals__=g):\n"
+     "            return g", "match pattern"),
+    ("def compute_reward(s, a, n):\n    match 'x':\n        case str(format=f):\n            return f", "match pattern"),
+    ("import torch\ntorch.isfinite = abs\ndef compute_reward(s, a, n):\n    return 0", "assigning to `torch.isfinite`"),
+    ("import torch\ndef compute_reward(s, a, n):\n    del torch.isfinite", "deleting `torch.isfinite`"),
+    ("from torch import nn\nnn.Linear.forward = abs\ndef compute_reward(s, a, n):\n    return 0", "assigning to"),
+    ("from torch.nn import Linear\nLinear.forward = abs\ndef compute_reward(s, a, n):\n    return 0", "assigning to"),
+    ("def compute_reward(s, a, n):\n    T = s\n    return T('S', (), {'__exit__': 1})", "building a class"),
+    ("def compute_reward(s, a, n):\n    raise KeyboardInterrupt", "KeyboardInterrupt"),
+    ("import torch\ndef compute_reward(s, a, n):\n    raise torch.SystemExit", "SystemExit"),
+    ("def compute_reward(s, a, n):\n    raise BaseExceptionGroup('x', [])", "BaseExceptionGroup"),
+])
+def test_listed_holes_are_closed_statically(source: str, needle: str) -> None:
+    report = check_source(source, "compute_reward")
+    assert report.kind == "forbidden" and needle in report.message, report.message
+
+
 def test_compiling_refuses_outside_a_worker() -> None:
     """No path of the host process executes LLM-written code."""
     with pytest.raises(RuntimeError, match="only in a sandbox worker"):
