@@ -65,7 +65,8 @@ def _layer(n_in: int, n_out: int, std: float = 2**0.5) -> nn.Linear:
 
 
 def _mlp(n_in: int, hidden: int, n_out: int, out_std: float) -> nn.Sequential:
-    return nn.Sequential(_layer(n_in, hidden), nn.Tanh(), _layer(hidden, hidden), nn.Tanh(), _layer(hidden, n_out, out_std))
+    return nn.Sequential(_layer(n_in, hidden), nn.Tanh(), _layer(hidden, hidden), nn.Tanh(),
+                         _layer(hidden, n_out, out_std))
 
 
 class Agent(nn.Module):

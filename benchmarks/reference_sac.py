@@ -121,7 +121,8 @@ def train(args: Args, frames: int, seed: int = 0) -> float:
         for i in np.flatnonzero(np.logical_or(terms, truncs)):
             real_next[i] = infos["final_obs"][i]
         at = step % size
-        b_obs[at], b_next[at], b_act[at], b_rew[at, 0], b_term[at, 0] = obs[0], real_next[0], actions[0], rewards[0], terms[0]
+        b_obs[at], b_next[at], b_act[at] = obs[0], real_next[0], actions[0]
+        b_rew[at, 0], b_term[at, 0] = rewards[0], terms[0]
         obs = next_obs
 
         if step >= args.learning_starts:

@@ -112,8 +112,8 @@ def ours_sac(frames: int, seed: int = 0) -> dict:
     from core.envs.classic import Pendulum
     from core.train.sac import SACConfig, train
 
-    result = train(Pendulum(), Candidate(id="bench", iteration=0), SACConfig(frames=frames, eval_every=0, eval_episodes=0),
-                   seed=seed)
+    cfg = SACConfig(frames=frames, eval_every=0, eval_episodes=0)
+    result = train(Pendulum(), Candidate(id="bench", iteration=0), cfg, seed=seed)
     if not result.ok:
         raise RuntimeError(result.error)
     return result.metrics
@@ -208,8 +208,8 @@ def main() -> None:
         ref_args = reference_ppo.Args(env_id="HalfCheetah-v5", num_envs=8, num_steps=256, update_epochs=10,
                                       minibatch_size=64, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95)
         pair = interleaved(lambda: ours_ppo(HalfCheetah(), args.mujoco_frames, args.seed, **MUJOCO),
-                           lambda: reference_ppo.train(ref_args, args.mujoco_frames, args.seed), max(2, args.repeats - 1),
-                           args.mujoco_frames)
+                           lambda: reference_ppo.train(ref_args, args.mujoco_frames, args.seed),
+                           max(2, args.repeats - 1), args.mujoco_frames)
         metrics = pair.pop("median_metrics")
         out["mujoco"] = {"env": "HalfCheetah-v5", "frames": args.mujoco_frames, **pair,
                          "profile": profile(metrics, MUJOCO["num_envs"] * MUJOCO["rollout_steps"])}

@@ -337,7 +337,8 @@ class FlatActorCritic:
         """
         ws = self._last
         assert ws is not None, "backward() needs a forward() first"
-        for (w, _, _, gw, gb), xj, dj, dhj in zip(self._heads, ws.act_halves[-1], (d_head, d_value), ws.grad_halves[-1]):
+        heads = zip(self._heads, ws.act_halves[-1], (d_head, d_value), ws.grad_halves[-1])
+        for (w, _, _, gw, gb), xj, dj, dhj in heads:
             torch.mm(dj.t(), xj, out=gw)
             torch.sum(dj, 0, out=gb)
             torch.mm(dj, w, out=dhj)
@@ -395,7 +396,8 @@ class FlatAdam:
         self.exp_avg = torch.zeros_like(params)
         self.exp_avg_sq = torch.zeros_like(params)
         self.steps = torch.zeros((), dtype=torch.float32, device=params.device)
-        self._fallback = None if hasattr(torch, "_fused_adam_") else torch.optim.Adam([params], lr=lr, eps=eps, betas=betas)
+        self._fallback = None if hasattr(torch, "_fused_adam_") else \
+            torch.optim.Adam([params], lr=lr, eps=eps, betas=betas)
 
     def step(self) -> None:
         if self._fallback is not None:

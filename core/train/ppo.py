@@ -39,7 +39,9 @@ from core.train.common import (CandidateEnv, config_from, corr_sums, pearson, sa
 from core.config import Settings
 from core.context import TrainContext
 from core.train.evaluate import evaluate_and_record
-from core.train.networks import _HALF_LOG_2PI, FlatActorCritic, FlatAdam, SamplingPolicy, build_networks
+from core.train.networks import FlatActorCritic, FlatAdam, SamplingPolicy, build_networks
+
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
 @dataclass
