@@ -6,18 +6,30 @@ order. A worker builds the task and the plugin manager from the config once per 
 (:func:`worker_runtime`), so any backend that can call :func:`run_job` in another
 process (a process pool, Ray) runs the same code, and jobs of several runs that reach
 one worker in turn each meet their own run's plugin objects.
+
+Sizing (``executor.workers: auto``): before each batch the executor reads how much CPU
+is free (:func:`read_cpu`: idle time of the cores this process may use over half a
+second, from ``/proc/stat``; psutil or the load average elsewhere) and trains at most
+:func:`plan_workers` jobs at once: one for the driver's own core (a serial training
+would compete for it anyway) plus one per free core, never more than the cores or the
+jobs. When that is one, the batch trains in this process, so a busy machine never
+makes parallel training slower than serial. Every worker runs one torch/OpenMP thread.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
+import math
 import multiprocessing as mp
 import os
 import sys
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
@@ -147,22 +159,182 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
         )
 
 
-def _warm_worker() -> None:
-    """Import the training stack once when a worker starts, not inside the first job."""
-    # one thread per job: the pool already fills the cores (set before torch/numpy load)
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ.setdefault(var, "1")
-    import torch  # noqa: F401
+def _warm_worker(prime: TrainJob | None = None) -> None:
+    """Import the training stack once when a worker starts, not inside the first job, and
+    build ``prime``'s run runtime (a failure to build shows in that run's jobs instead)."""
+    # one thread per job: the pool already fills the cores (workers start with these at 1)
+    os.environ.update(dict.fromkeys(THREAD_VARS, "1"))
+    import torch
 
     import core.train.ppo  # noqa: F401
 
     torch.set_num_threads(1)
+    if prime is not None and prime.run_key:
+        with contextlib.suppress(Exception):
+            worker_runtime(prime)
 
 
 def _make_llm(llm_cfg: dict[str, Any], on_call: Callable[[Any], None] | None = None) -> Any:
     from core.llm import make_client
 
     return make_client(llm_cfg, on_call=on_call)
+
+
+# -------------------------------------------------------------------------------------
+# Sizing to the free cores
+# -------------------------------------------------------------------------------------
+
+#: environment variables that set BLAS/OpenMP thread pools: one thread per worker
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """How much of the machine this process may use, and how much of that is idle."""
+
+    cores: int  # cores this process may run on (affinity, capped by a cgroup CPU quota)
+    free: float  # of those, cores' worth idle over the reading's window (0 .. cores)
+    load_avg: float | None = None  # 1-minute load average at the time, for the record
+    source: str = "none"  # where ``free`` came from: proc, psutil, loadavg or none (assumed idle)
+
+
+Reader = Callable[[], CpuReading]
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    quota = _cgroup_quota()
+    return max(1, min(cores, math.ceil(quota)) if quota else cores)
+
+
+def _cgroup_quota() -> float | None:
+    """Cores' worth of CPU time the cgroup may use (``cpu.max``), or None without a quota."""
+    try:
+        limit, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if limit == "max" else int(limit) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_times(text: str, cpus: set[int] | None = None) -> tuple[float, float]:
+    """(idle, total) jiffies of the given CPUs (all when None) from ``/proc/stat`` text.
+
+    Idle counts ``idle`` and ``iowait``; total counts user through steal (guest time is
+    already inside user).
+    """
+    idle = total = 0.0
+    for line in text.splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        if cpus is not None and int(name[3:]) not in cpus:
+            continue
+        values = [float(v) for v in fields[:8]]
+        idle += values[3] + values[4]
+        total += sum(values)
+    return idle, total
+
+
+def read_cpu(window_s: float = 0.5) -> CpuReading:
+    """Measure the idle cores this process may use over ``window_s`` seconds.
+
+    Threads of this process count as busy too (an LLM generating beside training is
+    work the training would compete with). A cgroup quota caps the result by what the
+    cgroup has left of it.
+    """
+    cores = usable_cores()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    stat, cgroup_stat = Path("/proc/stat"), Path("/sys/fs/cgroup/cpu.stat")
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        cpus = None
+    if stat.exists():
+        quota = _cgroup_quota()
+        idle0, total0 = cpu_times(stat.read_text(), cpus)
+        used0 = _cgroup_usage_s(cgroup_stat) if quota else None
+        start = time.perf_counter()
+        time.sleep(window_s)
+        idle1, total1 = cpu_times(stat.read_text(), cpus)
+        elapsed = time.perf_counter() - start
+        ncpus = len(cpus) if cpus is not None else (os.cpu_count() or 1)
+        free = ncpus * (idle1 - idle0) / max(total1 - total0, 1e-9)
+        if quota and used0 is not None:
+            used1 = _cgroup_usage_s(cgroup_stat)
+            if used1 is not None:
+                free = min(free, quota - (used1 - used0) / elapsed)
+        return CpuReading(cores, max(0.0, min(float(cores), free)), load, "proc")
+    with contextlib.suppress(ImportError):
+        import psutil  # type: ignore[import-untyped]
+
+        idle = sum(100.0 - p for p in psutil.cpu_percent(interval=window_s, percpu=True)) / 100.0
+        return CpuReading(cores, max(0.0, min(float(cores), idle)), load, "psutil")
+    if load is not None:
+        return CpuReading(cores, max(0.0, cores - load), load, "loadavg")
+    return CpuReading(cores, float(cores), None, "none")
+
+
+def _cgroup_usage_s(path: Path) -> float | None:
+    try:
+        for line in path.read_text().splitlines():
+            key, value = line.split()
+            if key == "usage_usec":
+                return int(value) / 1e6
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def workers_setting(value: Any) -> int | str:
+    """``executor.workers`` checked: ``"auto"`` or a positive int.
+
+    :raises core.errors.UserError: for anything else.
+    """
+    if isinstance(value, str) and value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    from core.errors import UserError
+
+    raise UserError(f"executor.workers must be 'auto' or a positive number of workers, got {value!r}.")
+
+
+def plan_workers(workers: int | str, jobs: int, reading: CpuReading | None = None) -> int:
+    """Jobs to train at once: ``workers`` if a number, else sized to ``reading``.
+
+    ``auto``: one for the driver's own core plus one per free core (a core at least half
+    idle counts), at most the usable cores; never more than ``jobs``, never less than 1.
+    1 means: train in this process.
+    """
+    workers = workers_setting(workers)
+    if workers == "auto":
+        reading = reading or read_cpu()
+        workers = min(reading.cores, 1 + int(math.floor(reading.free + 0.5)))
+    return max(1, min(int(workers), jobs))
+
+
+@contextlib.contextmanager
+def one_thread_env() -> Iterator[None]:
+    """BLAS/OpenMP thread variables at 1 while worker processes start (they inherit them)."""
+    saved = {var: os.environ.get(var) for var in THREAD_VARS}
+    os.environ.update(dict.fromkeys(THREAD_VARS, "1"))
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+# -------------------------------------------------------------------------------------
+# Executors
+# -------------------------------------------------------------------------------------
 
 
 class Executor:
@@ -193,52 +365,94 @@ class InProcessExecutor(Executor):
 
 
 class PoolExecutor(Executor):
-    """Train jobs in parallel in a pool of worker processes (spawned, so no forked state)."""
+    """Train jobs in parallel in a pool of worker processes (spawned, so no forked state).
 
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
+    :param workers: jobs at once, or ``"auto"``: sized before each batch to the free
+        cores (:func:`plan_workers`); a batch sized to 1 trains in this process.
+    :param runtime: the run's runtime, for batches trained in this process.
+    :param read: how the free cores are read (tests and benchmarks pass a fixed reading).
+
+    The pool starts on the first parallel batch (or :meth:`start`), grows when a later
+    batch may use more workers, and otherwise stays as it is: a smaller batch just keeps
+    fewer jobs in flight.
+    """
+
+    def __init__(self, workers: int | str, runtime: Runtime | None = None, progress: Any = None, read: Reader = read_cpu) -> None:
+        self.workers = workers_setting(workers)
+        self.runtime = runtime
+        self.progress = progress
+        self.read = read
+        self.size = 0  # processes in the running pool
+        self.last_plan = 0  # jobs in flight chosen for the last batch (1: in this process)
         self._pool: futures.ProcessPoolExecutor | None = None
 
-    def start(self) -> None:
-        """Start the workers and wait until each has imported the training stack."""
-        if self._pool is None:
-            self._pool = futures.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_warm_worker)
-            futures.wait([self._pool.submit(_warm_worker) for _ in range(self.workers)])
+    def plan(self, jobs: int) -> int:
+        """Jobs to train at once for a batch of ``jobs``."""
+        return plan_workers(self.workers, jobs, self.read() if self.workers == "auto" else None)
+
+    def start(self, workers: int | None = None, prime: TrainJob | None = None) -> None:
+        """Start ``workers`` processes (default: as planned now) and wait until each has
+        imported the training stack and built the runtime of ``prime``'s run."""
+        size = workers or plan_workers(self.workers, usable_cores(), self.read() if self.workers == "auto" else None)
+        if size <= 1 or (self._pool is not None and self.size >= size):
+            return
+        self.close()
+        with one_thread_env():
+            self._pool = futures.ProcessPoolExecutor(size, mp_context=mp.get_context("spawn"), initializer=_warm_worker, initargs=(prime,))
+            futures.wait([self._pool.submit(time.sleep, 0) for _ in range(size)])  # every worker started
+        self.size = size
 
     def run(self, jobs: list[TrainJob], on_done: Done | None = None) -> list[TrainResult]:
-        self.start()
+        if not jobs:
+            return []
+        self.last_plan = at_once = self.plan(len(jobs))
+        if at_once <= 1:
+            return InProcessExecutor(self.runtime, self.progress).run(jobs, on_done)
+        self.start(at_once, prime=jobs[0])
         assert self._pool is not None
-        pending = {self._pool.submit(run_job, job): i for i, job in enumerate(jobs)}
         results: list[TrainResult | None] = [None] * len(jobs)
-        for fut in futures.as_completed(pending):
-            i = pending[fut]
-            try:
-                results[i] = fut.result()
-            except Exception as exc:  # a worker died (e.g. killed for memory)
-                results[i] = TrainResult(jobs[i].candidate.id, ok=False, error=f"worker failed: {exc!r}", error_kind="crash")
-            if on_done:
-                on_done(i, results[i])  # type: ignore[arg-type]
+        queue = list(enumerate(jobs))
+        pending: dict[futures.Future[TrainResult], int] = {}
+        while queue or pending:
+            while queue and len(pending) < at_once:
+                i, job = queue.pop(0)
+                pending[self._pool.submit(run_job, job)] = i
+            finished, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
+            for fut in finished:
+                i = pending.pop(fut)
+                try:
+                    results[i] = fut.result()
+                except Exception as exc:  # a worker died (e.g. killed for memory)
+                    results[i] = TrainResult(jobs[i].candidate.id, ok=False, error=f"worker failed: {exc!r}", error_kind="crash")
+                if on_done:
+                    on_done(i, results[i])  # type: ignore[arg-type]
         return [r for r in results if r is not None]
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
+            self.size = 0
 
 
-def make_executor(cfg: Any, runtime: Runtime, jobs_hint: int, progress: Any = None) -> Executor:
-    """The executor the ``executor`` config names, for about ``jobs_hint`` jobs at a time."""
+def make_executor(cfg: Any, runtime: Runtime | None, jobs_hint: int, progress: Any = None, read: Reader = read_cpu) -> Executor:
+    """The executor the ``executor`` config names, for about ``jobs_hint`` jobs at a time.
+
+    ``workers: auto`` (local pool, local Ray) sizes each batch to the free cores (see the
+    module docstring); a single job, a one-core machine or ``workers: 1`` trains in this
+    process.
+    """
     kind = cfg.get("kind", "local")
     if kind == "local":
-        workers = cfg.get("workers", "auto")
-        workers = (os.cpu_count() or 1) if workers == "auto" else int(workers)
-        if workers <= 1 or jobs_hint <= 1:
+        workers = workers_setting(cfg.get("workers", "auto"))
+        most = usable_cores() if workers == "auto" else int(workers)
+        if most <= 1 or jobs_hint <= 1:
             return InProcessExecutor(runtime, progress)
-        return PoolExecutor(min(workers, jobs_hint))
+        return PoolExecutor(workers if workers == "auto" else min(int(workers), jobs_hint), runtime, progress, read)
     if kind == "ray":
         from core.ray_executor import RayExecutor  # optional extra
 
-        return RayExecutor(cfg)
+        return RayExecutor(cfg, runtime, progress, read)
     from core.errors import UserError
 
     raise UserError(f"Unknown executor kind '{kind}'. Use executor=local, executor=inprocess or executor=ray.")

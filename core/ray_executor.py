@@ -8,16 +8,33 @@ driver (the ``python -m core`` process); workers only train and return records.
     python -m core executor=ray                                  # local Ray, one CPU per job
     python -m core executor=ray executor.address=ray://head:10001   # a cluster
 
-Ray is started once per process and kept for the next iteration's jobs (the loop makes
-an executor per iteration); it shuts down when the process exits.
+Ray is started once per process, on the first batch that uses it, and kept for the next
+iteration's jobs; it shuts down when the process exits. On a local Ray
+``executor.workers`` (``auto``: sized to the free cores before each batch, as the local
+pool is) bounds the jobs in flight, and a batch sized to one trains in this process; on
+a cluster Ray schedules every job by ``cpus_per_job``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
-from core.executor import Done, Executor, TrainJob, run_job
+from core.executor import (
+    Done,
+    Executor,
+    InProcessExecutor,
+    Reader,
+    Runtime,
+    TrainJob,
+    plan_workers,
+    read_cpu,
+    run_job,
+    usable_cores,
+    worker_runtime,
+    workers_setting,
+)
 from core.records import TrainResult
 
 #: environment of every Ray worker: one BLAS/OpenMP thread per job (small MLPs, shared cores)
@@ -32,13 +49,17 @@ def _train(job: TrainJob) -> TrainResult:
     return run_job(job)
 
 
-def _warm() -> int:
-    """A no-op task that imports the training stack, so the first real job does not."""
+def _warm(prime: TrainJob | None = None) -> int:
+    """A task that imports the training stack (and builds ``prime``'s run runtime), so the
+    first real job does not."""
     import torch
 
     import core.train.ppo  # noqa: F401
 
     torch.set_num_threads(1)
+    if prime is not None and prime.run_key:
+        with contextlib.suppress(Exception):
+            worker_runtime(prime)
     return os.getpid()
 
 
@@ -64,43 +85,78 @@ def ensure_ray(cfg: Any) -> Any:
             kwargs["address"] = address
         else:  # a local instance sized for this machine
             cpus = cfg.get("num_cpus")
-            kwargs["num_cpus"] = int(cpus) if cpus else (os.cpu_count() or 1)
+            kwargs["num_cpus"] = int(cpus) if cpus else usable_cores()
         ray.init(**kwargs)
     return ray
 
 
 class RayExecutor(Executor):
-    """Run jobs as Ray tasks (``cpus_per_job`` CPUs each); results come back in order."""
+    """Run jobs as Ray tasks (``cpus_per_job`` CPUs each); results come back in order.
 
-    def __init__(self, cfg: Any) -> None:
+    :param runtime: the run's runtime, for batches a local Ray leaves to this process.
+    :param read: how the free cores are read (tests and benchmarks pass a fixed reading).
+    """
+
+    def __init__(self, cfg: Any, runtime: Runtime | None = None, progress: Any = None, read: Reader = read_cpu) -> None:
         self.cfg = cfg
-        self.ray = ensure_ray(cfg)
-        options: dict[str, Any] = {"num_cpus": float(cfg.get("cpus_per_job", 1)), "max_retries": int(cfg.get("max_retries", 0))}
-        self._remote = self.ray.remote(_train).options(**options)
+        self.runtime = runtime
+        self.progress = progress
+        self.read = read
+        self.local = not cfg.get("address")
+        self.workers = workers_setting(cfg.get("workers", "auto"))
+        self.cpus_per_job = float(cfg.get("cpus_per_job", 1))
+        self.last_plan = 0  # jobs in flight chosen for the last batch (0: no bound, on a cluster)
+        self.ray: Any = None
+        self._remote: Any = None
         self._pending: list[Any] = []
-        self._warm_workers(options["num_cpus"])
 
-    def _warm_workers(self, cpus_per_job: float) -> None:
+    def start(self, prime: TrainJob | None = None) -> None:
+        """Connect to (or start) Ray and warm its workers (once per process), building
+        ``prime``'s run runtime in each."""
+        if self.ray is not None:
+            return
+        self.ray = ensure_ray(self.cfg)
+        self._remote = self.ray.remote(_train).options(num_cpus=self.cpus_per_job, max_retries=int(self.cfg.get("max_retries", 0)))
+        self._warm_workers(self.cpus_per_job, prime)
+
+    def plan(self, jobs: int) -> int:
+        """Jobs in flight for a batch of ``jobs`` on a local Ray (at most its CPU slots); 0 on a cluster."""
+        if not self.local:
+            return 0
+        cpus = self.cfg.get("num_cpus") or usable_cores()
+        slots = max(1, int(cpus // max(self.cpus_per_job, 1e-9)))
+        return min(slots, plan_workers(self.workers, jobs, self.read() if self.workers == "auto" else None))
+
+    def _warm_workers(self, cpus_per_job: float, prime: TrainJob | None) -> None:
         """Start one worker per job slot once per process (as the local pool does)."""
         global _warmed
         if _warmed or not self.cfg.get("warm", True):
             return
         slots = int(self.ray.cluster_resources().get("CPU", 1) // max(cpus_per_job, 1e-9))
         warm = self.ray.remote(_warm).options(num_cpus=cpus_per_job)
-        self.ray.get([warm.remote() for _ in range(max(1, min(slots, 32)))])
+        self.ray.get([warm.remote(prime) for _ in range(max(1, min(slots, 32)))])
         _warmed = True
 
     def run(self, jobs: list[TrainJob], on_done: Done | None = None) -> list[TrainResult]:
+        if not jobs:
+            return []
+        self.last_plan = at_once = self.plan(len(jobs))
+        if self.local and at_once <= 1:
+            return InProcessExecutor(self.runtime, self.progress).run(jobs, on_done)
+        self.start(prime=jobs[0])
         ray = self.ray
-        refs = [self._remote.remote(job) for job in jobs]
-        self._pending = list(refs)
-        index = {ref: i for i, ref in enumerate(refs)}
+        limit = at_once or len(jobs)
+        queue = list(enumerate(jobs))
+        index: dict[Any, int] = {}
         results: list[TrainResult | None] = [None] * len(jobs)
-        waiting = list(refs)
-        while waiting:
-            ready, waiting = ray.wait(waiting, num_returns=1)
+        while queue or index:
+            while queue and len(index) < limit:
+                i, job = queue.pop(0)
+                index[self._remote.remote(job)] = i
+            self._pending = list(index)
+            ready, _ = ray.wait(self._pending, num_returns=1)
             for ref in ready:
-                i = index[ref]
+                i = index.pop(ref)
                 try:
                     results[i] = ray.get(ref)
                 except Exception as exc:  # the worker died (killed for memory, node lost)

@@ -6,8 +6,10 @@ import pytest
 import ray
 from omegaconf import OmegaConf
 
-from core.executor import InProcessExecutor, TrainJob, make_executor
-from core.records import Candidate
+import core.executor
+from core.executor import CpuReading, InProcessExecutor, TrainJob, make_executor
+from core.ray_executor import RayExecutor
+from core.records import Candidate, TrainResult
 
 pytestmark = pytest.mark.xdist_group("ray")  # one local Ray at a time
 
@@ -33,13 +35,34 @@ def _jobs(make_config, n: int) -> tuple[object, list[TrainJob]]:
 def test_config_composes(make_config) -> None:
     cfg = make_config(["executor=ray", "executor.address=ray://head:10001"])
     assert cfg.executor.kind == "ray" and cfg.executor.address == "ray://head:10001"
-    assert cfg.executor.cpus_per_job == 1
+    assert cfg.executor.cpus_per_job == 1 and cfg.executor.workers == "auto"
+
+
+def test_local_ray_sizes_to_the_free_cores_and_falls_back_in_process(monkeypatch, make_config) -> None:
+    ran: list[str] = []
+
+    def fake_run_job(job, runtime=None, progress=None):
+        ran.append(job.candidate.id)
+        return TrainResult(job.candidate.id, ok=True)
+
+    monkeypatch.setattr(core.executor, "run_job", fake_run_job)
+    cfg, jobs = _jobs(make_config, 3)
+    busy = make_executor(cfg.executor, runtime=None, jobs_hint=3, read=lambda: CpuReading(2, 0.3))
+    assert isinstance(busy, RayExecutor) and busy.plan(3) == 1
+    assert [r.candidate_id for r in busy.run(jobs)] == ran == ["c0", "c1", "c2"]
+    assert busy.ray is None  # Ray was never started for a batch it would not speed up
+    idle = make_executor(cfg.executor, runtime=None, jobs_hint=3, read=lambda: CpuReading(2, 2.0))
+    assert idle.plan(3) == min(2, core.executor.usable_cores()) or core.executor.usable_cores() == 1
+    capped = RayExecutor(OmegaConf.merge(cfg.executor, {"num_cpus": 1}), read=lambda: CpuReading(2, 2.0))
+    assert capped.plan(3) == 1
+    cluster = RayExecutor(OmegaConf.merge(cfg.executor, {"address": "ray://head:10001"}), read=lambda: CpuReading(2, 0.0))
+    assert cluster.plan(3) == 0  # a cluster schedules every job itself
 
 
 @pytest.mark.slow
 def test_ray_matches_in_process(local_ray, make_config) -> None:
     cfg, jobs = _jobs(make_config, 2)
-    executor = make_executor(cfg.executor, runtime=None, jobs_hint=len(jobs))  # type: ignore[arg-type]
+    executor = make_executor(cfg.executor, runtime=None, jobs_hint=len(jobs), read=lambda: CpuReading(2, 2.0))
     assert type(executor).__name__ == "RayExecutor"
     seen: list[int] = []
     ray_results = executor.run(jobs, lambda i, r: seen.append(i))
@@ -54,7 +77,10 @@ def test_ray_matches_in_process(local_ray, make_config) -> None:
 
 @pytest.mark.slow
 def test_failed_job_is_a_result(local_ray, make_config) -> None:
-    cfg, jobs = _jobs(make_config, 1)
-    jobs[0].config["trainer"]["name"] = "no-such-trainer"
-    (result,) = make_executor(cfg.executor, runtime=None, jobs_hint=1).run(jobs)  # type: ignore[arg-type]
-    assert not result.ok and result.error
+    cfg, jobs = _jobs(make_config, 2)
+    for job in jobs:
+        job.config = {**job.config, "trainer": {**job.config["trainer"], "name": "no-such-trainer"}}
+    executor = RayExecutor(OmegaConf.merge(cfg.executor, {"workers": 2}))
+    results = executor.run(jobs)
+    assert executor.ray is not None and executor.last_plan == 2  # it ran on Ray
+    assert all(not r.ok and r.error for r in results)
