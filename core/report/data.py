@@ -50,6 +50,7 @@ class StudyRun:
     fitness_name: str = "fitness"
     metrics: dict[str, float] = field(default_factory=dict)  # final metrics of the parent
     params: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)  # the parent run's tags (a study's arm and cell, ...)
     curve: list[tuple[int, float]] = field(default_factory=list)  # (frames, fitness) of the best candidate
     start_time: int = 0
     arm: str = ""
@@ -100,6 +101,7 @@ def load_study(uri: str, experiment: str, metric: str = "fitness", filter_string
             fitness_name=tags.get("fitness_name", metric),
             metrics=dict(r.data.metrics),
             params=dict(r.data.params),
+            tags=dict(tags),
             start_time=int(r.info.start_time or 0),
         )
         if status != OK:

@@ -129,13 +129,17 @@ def render_html(markdown: str, title: str) -> str:
 # -- figures ------------------------------------------------------------------------------
 
 
-def render_figures(tasks: list[TaskResult], out: Path) -> dict[str, list[str]]:
-    """PNG files per task (final scores, improvement, curves); env -> file names."""
+FIGURES = ("final", "improvement", "curves")  # the kinds of figure per task
+
+
+def render_figures(tasks: list[TaskResult], out: Path, kinds: tuple[str, ...] = FIGURES) -> dict[str, list[str]]:
+    """PNG files per task (final scores, improvement, curves: those in ``kinds``); env -> file names."""
+    draws = {"final": _final_figure, "improvement": _improvement_figure, "curves": _curve_figure}
     files: dict[str, list[str]] = {}
     for t in tasks:
         names = []
-        for suffix, draw in (("final", _final_figure), ("improvement", _improvement_figure), ("curves", _curve_figure)):
-            fig = draw(t)
+        for suffix in kinds:
+            fig = draws[suffix](t)
             if fig is None:
                 continue
             name = f"{_safe(t.env)}_{suffix}.png"

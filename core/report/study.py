@@ -82,8 +82,11 @@ class TaskResult:
     improvement: list[tuple[str, str, Interval]]  # (X, Y, P(X > Y))
 
 
-def analyze(runs: list[StudyRun], reps: int = 2000, seed: int = 0) -> list[TaskResult]:
-    """Group runs by task and arm and compute every statistic of the report."""
+def analyze(runs: list[StudyRun], reps: int = 2000, seed: int = 0, versus: list[str] | None = None) -> list[TaskResult]:
+    """Group runs by task and arm and compute every statistic of the report.
+
+    ``versus``: compute P(X > Y) only for Y among these arms (default: every pair).
+    """
     tasks = []
     for env in sorted({r.env for r in runs}):
         group = [r for r in runs if r.env == env]
@@ -92,7 +95,7 @@ def analyze(runs: list[StudyRun], reps: int = 2000, seed: int = 0) -> list[TaskR
         pairs = []
         for a in arms:
             for b in arms:
-                if a.arm != b.arm:
+                if a.arm != b.arm and (versus is None or b.arm in versus):
                     pairs.append((a.arm, b.arm, improvement(list(a.scores.values()), list(b.scores.values()), reps, seed)))
         names = {r.fitness_name for r in group if r.status == OK}
         tasks.append(TaskResult(env, ", ".join(sorted(names)) or "fitness", seeds, arms, pairs))

@@ -1,0 +1,510 @@
+"""``python -m core.study <spec>``: a study of arms x tasks x seeds, run cell by cell, then its report.
+
+A study spec (``conf/study/<name>.yaml``, schema :class:`StudySpec`) names the tasks (an env
+config, the frames of every training, task overrides), the arms (plugins and overrides, the
+tasks each applies to, whether it searches over candidates), the seeds and the targets. A
+*cell* is one arm on one task with one seed: one run of the normal entry point
+(:func:`core.loop.run_experiment` on the composed Hydra config, in this process), every
+cell in the one MLflow experiment of the study. :mod:`core.report.results` then writes
+the report (``docs/results.md`` for the ``results`` study).
+
+- **Equal frames for the final policy.** Every training of a cell gets the task's frames.
+  An arm that searches (picks the best of several candidates) retrains its best candidate
+  on ``final_seeds`` fresh seeds and is scored by their mean (``final/fresh_mean``), a
+  number free of the selection; the frames and LLM time its search spent are reported
+  beside it. Any other arm is scored by the fitness of its one training.
+- **Resumable.** A cell's key hashes its composed config (bookkeeping left out) and the code
+  that decides its result (:func:`core.config.framework_hash` and the arm's plugin sources).
+  A cell with a finished MLflow run of that key (tag ``study.cell``) is skipped, so an
+  interrupted study continues where it stopped; trainings a cut-short cell had finished
+  are reused from the results store beside the tracking store.
+- **Shrinkable.** ``--tasks``, ``--arms``, ``--seeds`` and ``--frames-scale`` select and
+  shrink cells for a check (a different frames scale makes different cells).
+
+    python -m core.study results                      # every cell not finished yet, then docs/results.md
+    python -m core.study results --list               # the cells, finished or not
+    python -m core.study results --tasks cartpole --arms sparse,human --seeds 0,1 --frames-scale 0.02
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from core.errors import UserError, did_you_mean
+from core.resources import conf_dir
+
+#: a search arm's score: the mean fitness of its best candidate retrained on fresh seeds
+FRESH_SCORE = "final/fresh_mean"
+#: config keys left out of a cell's key: where and how a run is recorded, not what it computes
+BOOKKEEPING = ("hydra", "run_name", "experiment", "cache_dir", "progress", "resume", "results_store", "save_policy",
+               "tracking", "executor")
+LLM_BOOKKEEPING = ("cache_path", "show_progress", "n_threads")  # llm.* keys that do not change a reply
+RELATIONS = ("beats", "matches")
+
+
+# -- the spec ---------------------------------------------------------------------------
+
+
+@dataclass
+class TaskSpec:
+    """One task of a study."""
+
+    env: str = ""  # the env config (conf/env/<env>.yaml)
+    frames: int = 0  # trainer.frames of every training of the task: each search candidate and each final policy
+    overrides: list[str] = field(default_factory=list)  # Hydra overrides of every cell of the task (trainer=sac, ...)
+    scaled: dict[str, int] = field(default_factory=dict)  # other budgets scaled with the frames, key -> value at scale 1
+
+
+@dataclass
+class ArmSpec:
+    """One arm: a method or a baseline."""
+
+    plugins: list[str] = field(default_factory=list)  # +plugins=[...]; none: plain RL on the env's reward
+    overrides: list[str] = field(default_factory=list)  # Hydra overrides of the arm (env.reward=sparse, plugin knobs)
+    tasks: list[str] | None = None  # the tasks it applies to; null: every task
+    search: bool = False  # picks the best of several candidates: its best is retrained on fresh seeds and scored there
+    note: str = ""  # what the arm is and why it applies where it does (shown in the report)
+
+
+@dataclass
+class TargetSpec:
+    """A target checked on the IQMs: ``arm`` beats (>) or matches (>= other - tolerance * |other|) ``other``."""
+
+    arm: str = ""  # the arm under test
+    relation: str = "beats"  # beats | matches
+    other: str = ""  # the arm it is compared with
+    tolerance: float = 0.0  # matches: the share of |other| the arm may fall short by
+    tasks: list[str] | None = None  # where it must hold; null: every task both arms ran
+    share: float = 1.0  # the share of those tasks on which it must hold
+
+
+@dataclass
+class StudySpec:
+    """A study: tasks x arms x seeds, and where its store and report go."""
+
+    name: str = ""  # the MLflow experiment of the study
+    title: str = ""  # the report's title
+    store: str = ""  # folder of the study's MLflow store (mlflow.db, artifacts, finished trainings)
+    out: str = ""  # the report (Markdown); its figures go to a folder of the same name
+    seeds: list[int] = field(default_factory=list)  # one cell per seed
+    final_seeds: int = 1  # fresh-seed retrainings of a search arm's best candidate; their mean is the cell's score
+    frames_scale: float = 1.0  # multiplies every task's frames (and its `scaled` values)
+    evaluations: int = 4  # periodic evaluations per training (trainer.eval_every = frames / evaluations)
+    overrides: list[str] = field(default_factory=list)  # Hydra overrides of every cell
+    tasks: dict[str, TaskSpec] = field(default_factory=dict)
+    arms: dict[str, ArmSpec] = field(default_factory=dict)
+    targets: list[TargetSpec] = field(default_factory=list)
+
+    def check(self, where: str) -> None:
+        problems = [f"'{key}' is empty" for key in ("name", "store", "out") if not getattr(self, key)]
+        problems += [] if self.seeds else ["no seeds"]
+        problems += [] if self.final_seeds >= 0 and self.evaluations >= 0 and self.frames_scale > 0 else [
+            "final_seeds and evaluations must be >= 0 and frames_scale > 0"]
+        for name, task in self.tasks.items():
+            if not task.env or task.frames < 1:
+                problems.append(f"task '{name}' needs an env and frames >= 1")
+        for name, arm in self.arms.items():
+            unknown = sorted(set(arm.tasks or []) - set(self.tasks))
+            if unknown:
+                problems.append(f"arm '{name}' names unknown task(s) {', '.join(unknown)}")
+        for target in self.targets:
+            if target.arm not in self.arms or target.other not in self.arms or target.relation not in RELATIONS:
+                problems.append(f"target {target.arm} {target.relation} {target.other}: arms must exist, relation one of {', '.join(RELATIONS)}")
+        if problems:
+            raise UserError(f"The study spec {where} is not valid: {'; '.join(problems)}.")
+
+
+def spec_names() -> list[str]:
+    """The study specs shipped in ``conf/study/``."""
+    return sorted(p.stem for p in (conf_dir() / "study").glob("*.yaml"))
+
+
+def load_spec(name: str) -> StudySpec:
+    """The spec ``conf/study/<name>.yaml``, or the YAML file at path ``name``, typed and checked."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = Path(name)
+    if not path.is_file():
+        path = conf_dir() / "study" / f"{name}.yaml"
+    if not path.is_file():
+        names = spec_names()
+        raise UserError(f"No study spec '{name}'.{did_you_mean(name, names)} Specs in conf/study/: {', '.join(names) or 'none'}; "
+                        "or give the path of a YAML file.")
+    try:
+        spec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(StudySpec), OmegaConf.load(path)))
+    except OmegaConfBaseException as err:
+        raise UserError(f"The study spec {path} does not fit its schema (core.study.StudySpec): {err}") from None
+    assert isinstance(spec, StudySpec)
+    spec.check(str(path))
+    return spec
+
+
+# -- cells -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One arm on one task with one seed: one run."""
+
+    arm: str
+    task: str
+    seed: int
+    plugins: tuple[str, ...]
+    overrides: tuple[str, ...]  # the run's Hydra overrides, in order
+    search: bool
+    final_seeds: int  # fresh-seed retrainings of the best candidate (0 for an arm that does not search)
+    frames: int  # trainer.frames of every training
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm}-{self.task}-s{self.seed}"
+
+    @property
+    def score_metric(self) -> str:
+        """The run metric that scores the cell."""
+        return FRESH_SCORE if self.final_seeds > 0 else "fitness"
+
+
+def scaled(value: int, scale: float) -> int:
+    return max(1, int(round(value * scale)))
+
+
+def _select(kind: str, wanted: list[str] | None, known: list[str]) -> list[str]:
+    if wanted is None:
+        return known
+    for name in wanted:
+        if name not in known:
+            raise UserError(f"Unknown {kind} '{name}'.{did_you_mean(name, known)} The study's {kind}s: {', '.join(known)}.")
+    return [name for name in known if name in wanted]  # the spec's order
+
+
+def expand(spec: StudySpec, tasks: list[str] | None = None, arms: list[str] | None = None,
+           seeds: list[int] | None = None, frames_scale: float | None = None, extra: tuple[str, ...] = ()) -> list[Cell]:
+    """The study's cells: every arm on every task it applies to, for every seed.
+
+    Seeds vary slowest, so an interrupted study has whole seeds of every arm. ``tasks``,
+    ``arms`` and ``seeds`` select; ``frames_scale`` replaces the spec's; ``extra`` are
+    overrides added to every cell.
+    """
+    task_names = _select("task", tasks, list(spec.tasks))
+    arm_names = _select("arm", arms, list(spec.arms))
+    scale = spec.frames_scale if frames_scale is None else frames_scale
+    if scale <= 0:
+        raise UserError(f"--frames-scale must be > 0, got {scale}.")
+    cells = []
+    for seed in spec.seeds if seeds is None else seeds:
+        for t in task_names:
+            task = spec.tasks[t]
+            frames = scaled(task.frames, scale)
+            budget = [f"trainer.frames={frames}", f"trainer.eval_every={frames // spec.evaluations if spec.evaluations else 0}"]
+            budget += [f"{key}={scaled(value, scale)}" for key, value in task.scaled.items()]
+            for a in arm_names:
+                arm = spec.arms[a]
+                if arm.tasks is not None and t not in arm.tasks:
+                    continue
+                final = spec.final_seeds if arm.search else 0
+                plugins = [f"+plugins=[{','.join(arm.plugins)}]"] if arm.plugins else []
+                overrides = (f"env={task.env}", *spec.overrides, *task.overrides, *plugins, *arm.overrides, *budget,
+                             f"seed={seed}", f"final_seeds={final}", *extra)
+                cells.append(Cell(a, t, int(seed), tuple(arm.plugins), overrides, arm.search, final, frames))
+    return cells
+
+
+def compose_cell(cell: Cell, experiment: str, store: Path) -> DictConfig:
+    """The cell's run config: the shipped config with its overrides, recorded in the study's store."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = compose(config_name="config", overrides=list(cell.overrides))
+    with open_dict(cfg):
+        cfg.experiment = experiment
+        cfg.run_name = cell.name
+        cfg.progress = False
+        cfg.tracking.uri = tracking_uri(store)
+        cfg.tracking.artifact_location = str(store.resolve() / "mlartifacts")
+    return cfg
+
+
+def tracking_uri(store: Path) -> str:
+    return f"sqlite:///{store.resolve() / 'mlflow.db'}"
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def config_key(config: DictConfig) -> str:
+    """A hash of what the cell computes: its resolved config without the bookkeeping keys."""
+    container: dict[str, Any] = OmegaConf.to_container(config, resolve=True)  # type: ignore[assignment]
+    for key in BOOKKEEPING:
+        container.pop(key, None)
+    for key in LLM_BOOKKEEPING:
+        (container.get("llm") or {}).pop(key, None)
+    return _digest(container)
+
+
+class CodeHashes:
+    """The code that decides a cell's result: the framework's training code and each plugin's source."""
+
+    def __init__(self) -> None:
+        from core.config import framework_hash
+
+        self.framework = framework_hash()
+        self._plugins: dict[str, str] = {}
+
+    def of(self, plugins: tuple[str, ...]) -> dict[str, str]:
+        from core.config import source_hash
+        from core.registry import catalogue, load_module
+
+        for name in plugins:
+            if name not in self._plugins:
+                self._plugins[name] = source_hash(load_module(catalogue()[name]))
+        return {"framework": self.framework, **{f"plugin:{n}": self._plugins[n] for n in plugins}}
+
+
+@dataclass
+class PlannedCell:
+    """A cell with its composed config and keys."""
+
+    cell: Cell
+    config: DictConfig
+    config_key: str  # what it computes
+    key: str  # what it computes and the code that computes it: the resume key
+
+    def tags(self, study: str, commit: str, machine: str) -> dict[str, str]:
+        c = self.cell
+        return {"study": study, "study.arm": c.arm, "study.task": c.task, "study.config": self.config_key,
+                "study.cell": self.key, "study.score": c.score_metric, "study.search": str(c.search),
+                "study.commit": commit, "study.machine": machine}
+
+
+def plan(cells: list[Cell], experiment: str, store: Path) -> list[PlannedCell]:
+    """Compose every cell's config (a bad override fails here, before any work) and key it.
+
+    Cells that differ only in the seed share one composition (the seed is a top-level
+    value, so interpolations of it follow the copy's).
+    """
+    import copy
+
+    from core.app import check_argv, register_third_party_configs
+
+    register_third_party_configs()
+    check_argv(sorted({o for cell in cells for o in cell.overrides}))
+    code = CodeHashes()
+    composed: dict[tuple[str, ...], DictConfig] = {}
+    planned = []
+    for cell in cells:
+        shared = tuple(o for o in cell.overrides if o != f"seed={cell.seed}")
+        if shared not in composed:
+            composed[shared] = compose_cell(cell, experiment, store)
+        cfg = copy.deepcopy(composed[shared])
+        with open_dict(cfg):
+            cfg.seed = cell.seed
+            cfg.run_name = cell.name
+        ckey = config_key(cfg)
+        planned.append(PlannedCell(cell, cfg, ckey, _digest({"config": ckey, "code": code.of(cell.plugins)})))
+    return planned
+
+
+def finished_cells(uri: str, experiment: str) -> dict[str, str]:
+    """Cell key -> run id of the study's finished runs (the latest of each key)."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return {}
+    done: dict[str, tuple[int, str]] = {}
+    token = None
+    while True:
+        page = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
+                                  max_results=1000, page_token=token)
+        for run in page:
+            key = run.data.tags.get("study.cell")
+            if key and (key not in done or run.info.start_time > done[key][0]):
+                done[key] = (run.info.start_time, run.info.run_id)
+        token = page.token
+        if not token:
+            return {key: run_id for key, (_, run_id) in done.items()}
+
+
+# -- the machine and the code --------------------------------------------------------------
+
+
+def commit() -> str:
+    """``git rev-parse HEAD`` of the checkout the code runs from, '+ uncommitted changes' when
+    tracked files differ from it; 'unknown' outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (" + uncommitted changes" if dirty else "")
+
+
+def machine() -> str:
+    """The machine in words: OS, CPU, usable cores, memory."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    memory = ""
+    try:
+        kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
+        memory = f", {kib / 2**20:.0f} GiB RAM"
+    except (OSError, StopIteration, ValueError):
+        pass
+    return f"{platform.system()} {platform.machine()}, {cpu}, {cores} cores{memory}"
+
+
+def load_average() -> float:
+    """The 1-minute load average (NaN where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return float("nan")
+
+
+# -- running -------------------------------------------------------------------------------
+
+
+@dataclass
+class Invocation:
+    """One call of the study command: what it ran and on what (stated in the report)."""
+
+    command: str
+    commit: str
+    machine: str
+    load_start: float
+    load_end: float = float("nan")
+    seconds: float = 0.0
+    ran: int = 0
+    skipped: int = 0
+    crashed: list[str] = field(default_factory=list)  # cells whose run raised (the run is FAILED in MLflow)
+
+
+def run_cells(planned: list[PlannedCell], study: str, uri: str, invocation: Invocation, console: Any) -> None:
+    """Run every planned cell that has no finished run of its key, one after another."""
+    import traceback
+
+    from core.loop import run_experiment
+
+    done = finished_cells(uri, study)
+    start = time.perf_counter()
+    try:
+        for i, p in enumerate(planned, 1):
+            where = f"[{i}/{len(planned)}] {p.cell.name}"
+            if p.key in done:
+                invocation.skipped += 1
+                console.print(f"{where}: finished before (run {done[p.key]}), skipped", highlight=False)
+                continue
+            began = time.perf_counter()
+            try:
+                summary = run_experiment(p.config, tags=p.tags(study, invocation.commit, invocation.machine))
+            except UserError:
+                raise
+            except Exception:  # noqa: BLE001 - one crashed cell does not end the study; its run is FAILED
+                invocation.crashed.append(p.cell.name)
+                console.print(f"{where}: [red]crashed[/red] (run again to retry)\n{traceback.format_exc(limit=3)}", highlight=False)
+                continue
+            invocation.ran += 1
+            _log_cell_seconds(uri, summary.run_id, time.perf_counter() - began)
+            final = f", fresh seeds {', '.join(f'{v:.4g}' for v in summary.final_fitness[1:])}" if summary.final_fitness else ""
+            console.print(f"{where}: {summary.fitness_name} {summary.fitness:.4g}{final}; {summary.candidates} candidate(s), "
+                          f"{time.perf_counter() - began:.0f} s", highlight=False)
+    finally:
+        invocation.seconds += time.perf_counter() - start
+        invocation.load_end = load_average()
+
+
+def _log_cell_seconds(uri: str, run_id: str, seconds: float) -> None:
+    """The cell's wall time, setup and recording included (``study/seconds`` on its run)."""
+    import mlflow
+
+    if run_id:
+        mlflow.MlflowClient(tracking_uri=uri).log_metric(run_id, "study/seconds", seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m core.study", description=__doc__.split("\n\n")[0])
+    parser.add_argument("spec", help=f"a spec in conf/study/ ({', '.join(spec_names())}) or a YAML file")
+    parser.add_argument("--tasks", help="comma-separated tasks of the spec (default: all)")
+    parser.add_argument("--arms", help="comma-separated arms of the spec (default: all)")
+    parser.add_argument("--seeds", help="comma-separated seeds (default: the spec's)")
+    parser.add_argument("--frames-scale", type=float, default=None, help="multiply every task's frames (default: the spec's)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="Hydra overrides added to every cell")
+    parser.add_argument("--store", help="folder of the study's MLflow store (default: the spec's)")
+    parser.add_argument("--out", help="the report file (default: the spec's)")
+    parser.add_argument("--list", action="store_true", help="list the cells, finished or not, and stop")
+    parser.add_argument("--report-only", action="store_true", help="run nothing; write the report from the finished cells")
+    parser.add_argument("--reps", type=int, default=2000, help="bootstrap replications of the intervals")
+    args = parser.parse_args(argv)
+    began = time.perf_counter()
+
+    from rich.console import Console
+
+    from core.quiet import quiet_third_party
+
+    quiet_third_party()
+    console = Console(soft_wrap=True)
+    try:
+        spec = load_spec(args.spec)
+        split = lambda text: [s.strip() for s in text.split(",") if s.strip()] if text else None  # noqa: E731
+        seeds = [int(s) for s in split(args.seeds)] if args.seeds else None
+        cells = expand(spec, split(args.tasks), split(args.arms), seeds, args.frames_scale, tuple(args.set))
+        if not cells:
+            raise UserError("The selection leaves no cell: no selected arm applies to a selected task.")
+        store = Path(args.store or spec.store)
+        out = Path(args.out or spec.out)
+        uri = tracking_uri(store)
+        invocation = Invocation("python -m core.study " + " ".join(shlex.quote(a) for a in argv), commit(), machine(), load_average())
+        planned = plan(cells, spec.name, store)
+        if args.list:
+            done = finished_cells(uri, spec.name)
+            for p in planned:
+                state = f"finished (run {done[p.key]})" if p.key in done else "to run"
+                console.print(f"{p.cell.name:40} frames {p.cell.frames:>9,}  {state}", highlight=False)
+            console.print(f"{len(planned)} cells, {sum(p.key in done for p in planned)} finished; store {store}", highlight=False)
+            return 0
+        invocation.seconds = time.perf_counter() - began  # planning; the cells add theirs
+        if not args.report_only:
+            console.print(f"{len(planned)} cells; store {store}; {invocation.machine}; commit {invocation.commit}", highlight=False)
+            run_cells(planned, spec.name, uri, invocation, console)
+        else:
+            invocation.load_end = load_average()
+        from core.report.results import write_results
+
+        written = write_results(spec, planned, uri, out, invocation, reps=args.reps)
+    except UserError as err:
+        console.print(f"[bold red]error:[/bold red] {err}")
+        return 2
+    except KeyboardInterrupt:
+        console.print("interrupted: the finished cells are kept; the same command continues the study")
+        return 130
+    console.print(f"report: {written[0]}", highlight=False)
+    return 1 if invocation.crashed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

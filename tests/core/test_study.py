@@ -1,0 +1,186 @@
+"""The study command: the spec, its cells, a tiny study run, interrupted and resumed, and its document."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import pytest
+import yaml
+
+import core.loop
+from core.errors import UserError
+from core.study import FRESH_SCORE, expand, load_spec, main, tracking_uri
+import fakes
+
+ISSUE_TASKS = {"cartpole", "mountaincar", "acrobot", "pendulum", "lunarlander", "hopper", "reach", "crafter"}
+METHODS = {"eureka", "text2reward", "lares", "llm_state_repr", "progress_reward", "rlaif_preference", "envgen", "rl_gpt"}
+#: every training of a test cell takes about a second, in this process
+TINY = ["trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=1", "trainer.minibatch=64", "trainer.hidden=[16]",
+        "trainer.eval_episodes=2", "executor=inprocess", "tracking.log_plots=false", "save_policy=false"]
+
+
+def _runs(store: Path, experiment: str = "results") -> list:
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri(store))
+    exp = client.get_experiment_by_name(experiment)
+    return [r for r in client.search_runs([exp.experiment_id]) if "study.cell" in r.data.tags]
+
+
+# -- the spec and its cells -------------------------------------------------------------------
+
+
+def test_the_results_spec_has_the_issue_tasks_the_baselines_and_every_method():
+    spec = load_spec("results")
+    assert set(spec.tasks) == ISSUE_TASKS
+    assert set(spec.arms) == {"sparse", "human"} | METHODS
+    assert spec.arms["sparse"].overrides == ["env.reward=sparse"] and spec.arms["sparse"].tasks is None
+    assert spec.arms["human"].overrides == ["env.reward=human"] and spec.arms["human"].tasks is None
+    assert spec.arms["envgen"].tasks == ["crafter"]  # the only task with controllable params
+    assert len(spec.seeds) >= 5 and spec.final_seeds >= 1
+    assert all(arm.search for name, arm in spec.arms.items() if name not in ("sparse", "human", "progress_reward", "rlaif_preference"))
+
+
+def test_cells_are_each_arm_on_the_tasks_it_applies_to_for_every_seed():
+    spec = load_spec("results")
+    cells = expand(spec)
+    per_seed = sum(len(arm.tasks) if arm.tasks is not None else len(spec.tasks) for arm in spec.arms.values())
+    assert len(cells) == per_seed * len(spec.seeds)
+    names = {c.name for c in cells}
+    assert len(names) == len(cells)
+    for task in spec.tasks:
+        for seed in spec.seeds:
+            assert {f"sparse-{task}-s{seed}", f"human-{task}-s{seed}", f"eureka-{task}-s{seed}"} <= names
+    assert {c.task for c in cells if c.arm == "lares"} == {"pendulum", "hopper", "reach"}
+    assert [c.seed for c in cells] == sorted(c.seed for c in cells)  # whole seeds first
+    eureka = next(c for c in cells if c.name == "eureka-cartpole-s0")
+    assert "+plugins=[eureka]" in eureka.overrides and "trainer.frames=100000" in eureka.overrides
+    assert eureka.final_seeds == spec.final_seeds and eureka.score_metric == FRESH_SCORE
+    human = next(c for c in cells if c.name == "human-cartpole-s0")
+    assert "final_seeds=0" in human.overrides and human.score_metric == "fitness"
+    # the same final-policy budget for every arm of a task
+    assert {c.frames for c in cells if c.task == "cartpole"} == {100000}
+
+
+def test_options_shrink_the_study():
+    spec = load_spec("results")
+    (cell,) = expand(spec, tasks=["pendulum"], arms=["human"], seeds=[3], frames_scale=0.1, extra=("trainer.lr=0.01",))
+    assert cell.name == "human-pendulum-s3" and cell.frames == 2000
+    for override in ("trainer=sac", "trainer.frames=2000", "trainer.eval_every=500", "trainer.init_random_frames=100",
+                     "seed=3", "trainer.lr=0.01"):
+        assert override in cell.overrides
+    with pytest.raises(UserError, match="Did you mean 'cartpole'"):
+        expand(spec, tasks=["cartpol"])
+    with pytest.raises(UserError, match="Unknown arm 'eurika'"):
+        expand(spec, arms=["eurika"])
+
+
+def test_a_spec_that_names_an_unknown_task_is_refused(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: bad\nstore: s\nout: o.md\nseeds: [0]\ntasks: {cartpole: {env: cartpole, frames: 10}}\n"
+                    "arms: {x: {tasks: [cartpol]}}\n")
+    with pytest.raises(UserError, match="arm 'x' names unknown task"):
+        load_spec(str(path))
+    with pytest.raises(UserError, match="No study spec 'resluts'. Did you mean 'results'"):
+        load_spec("resluts")
+
+
+# -- running -------------------------------------------------------------------------------
+
+
+def test_a_tiny_study_runs_is_resumed_after_an_interruption_and_writes_its_results(tmp_path, monkeypatch):
+    store, out = tmp_path / "store", tmp_path / "docs" / "results.md"
+    argv = ["results", "--tasks", "cartpole,mountaincar", "--arms", "sparse,human", "--seeds", "0,1",
+            "--frames-scale", "0.01", "--reps", "200", "--store", str(store), "--out", str(out), "--set", *TINY, f"cache_dir={tmp_path / 'cache'}"]
+    real = core.loop.run_experiment
+    calls: list[str] = []
+
+    def interrupted_on_the_fourth(config, extra_plugins=(), tags=None):
+        calls.append(str(config.run_name))
+        if len(calls) == 4:  # the run starts, then the user presses Ctrl-C
+            monkeypatch.setattr(core.loop.Loop, "execute", lambda self: (_ for _ in ()).throw(KeyboardInterrupt()))
+        return real(config, extra_plugins, tags)
+
+    monkeypatch.setattr(core.loop, "run_experiment", interrupted_on_the_fourth)
+    assert main(argv) == 130
+    assert calls == ["sparse-cartpole-s0", "human-cartpole-s0", "sparse-mountaincar-s0", "human-mountaincar-s0"]
+    assert sorted(r.info.status for r in _runs(store)) == ["FINISHED"] * 3 + ["KILLED"]
+    assert not out.exists()
+
+    monkeypatch.undo()
+    monkeypatch.setattr(core.loop, "run_experiment", lambda c, e=(), tags=None: calls.append(str(c.run_name)) or real(c, e, tags))
+    calls.clear()
+    assert main(argv) == 0
+    assert calls == ["human-mountaincar-s0", "sparse-cartpole-s1", "human-cartpole-s1", "sparse-mountaincar-s1",
+                     "human-mountaincar-s1"]  # only what had not finished
+    calls.clear()
+    assert main(argv) == 0 and calls == []  # everything finished: nothing runs again
+    finished = [r for r in _runs(store) if r.info.status == "FINISHED"]
+    assert len(finished) == 8 and all(r.data.tags["study"] == "results" for r in finished)
+    assert {r.data.tags["study.arm"] for r in finished} == {"sparse", "human"}
+    assert all(r.data.metrics["study/seconds"] > 0 for r in finished)
+
+    text = out.read_text()
+    assert "A reduced run of the study" in text
+    assert "- Command: `python -m core.study results --tasks cartpole,mountaincar --arms sparse,human" in text
+    assert "- Commit: `" in text and "- Machine: " in text and " cores" in text and "load average" in text
+    assert "- Study wall time: " in text and "summed over the 8 counted runs" in text
+    assert "this invocation ran 0 cell(s) and skipped 8" in text
+    assert "| task (fitness) | sparse | human |" in text
+    assert "| cartpole (return) |" in text and "| mountaincar (success_rate) |" in text
+    assert text.count("| sparse | 2/2 |") == 2 and text.count("| human | 2/2 |") == 2  # per task, both seeds
+    assert "KILLED" not in text.split("## Runs left out")[0]  # the interrupted attempt is not counted
+    for figure in ("cartpole_final.png", "cartpole_curves.png", "mountaincar_final.png"):
+        assert (out.parent / "results" / figure).exists() and f"(results/{figure})" in text
+
+
+def _spec(tmp_path: Path, arms: dict) -> Path:
+    """A one-task, one-seed study spec in ``tmp_path`` with these arms."""
+    path = tmp_path / "check.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "check", "store": str(tmp_path / "store"), "out": str(tmp_path / "check.md"), "seeds": [0],
+        "final_seeds": 1, "evaluations": 0, "overrides": [*TINY, f"cache_dir={tmp_path / 'cache'}"],
+        "tasks": {"cartpole": {"env": "cartpole", "frames": 512}}, "arms": arms,
+    }))
+    return path
+
+
+def test_a_search_arm_is_scored_on_fresh_seeds(tmp_path):
+    """An arm marked as a search (here plain PPO, one candidate) retrains its best on seed + 1 and is scored there."""
+    spec = _spec(tmp_path, {"human": {"overrides": ["env.reward=human"]}, "picked": {"search": True}})
+    assert main([str(spec), "--reps", "200"]) == 0
+    runs = {r.data.tags["study.arm"]: r for r in _runs(tmp_path / "store", "check")}
+    picked, human = runs["picked"].data.metrics, runs["human"].data.metrics
+    assert runs["picked"].data.tags["study.score"] == FRESH_SCORE
+    assert picked["final/seeds"] == 2 and picked["final/frames"] == picked["frames"]  # one retraining, same budget
+    assert picked["fitness"] == human["fitness"]  # the same training on seed 0 ...
+    assert picked[FRESH_SCORE] != picked["fitness"]  # ... but scored on seed 1
+    assert picked["final/fitness_mean"] == pytest.approx((picked["fitness"] + picked[FRESH_SCORE]) / 2)
+    text = (tmp_path / "check.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| cartpole (return) |"))
+    assert f"{picked[FRESH_SCORE]:.3g} [" in row.split("|")[3]  # the picked column shows the fresh-seed score
+
+
+def test_an_llm_arm_reports_its_llm_cost(tmp_path, monkeypatch):
+    llm = fakes.install_fake_litellm(monkeypatch)
+    eureka = ["plugins.eureka.iterations=1", "plugins.eureka.samples=2", *fakes.FAKE_LLM_OVERRIDES]
+    spec = _spec(tmp_path, {"human": {"overrides": ["env.reward=human"]},
+                            "eureka": {"plugins": ["eureka"], "overrides": eureka, "search": True}})
+    assert main([str(spec), "--reps", "200"]) == 0
+    assert llm.calls, "the eureka arm never asked the LLM"
+    runs = {r.data.tags["study.arm"]: r for r in _runs(tmp_path / "store", "check")}
+    eureka = runs["eureka"].data.metrics
+    assert eureka["llm/calls"] >= 1 and eureka["candidates"] == 2 and FRESH_SCORE in eureka
+    text = (tmp_path / "check.md").read_text()
+    cost = next(line for line in text.splitlines() if line.startswith("| eureka | 1 |"))
+    assert cost.split("|")[3].strip() == f"{eureka['llm/calls']:.0f}"
+
+
+@pytest.mark.slow
+def test_an_eureka_arm_with_the_embedded_model(tmp_path):
+    """The whole path with the shipped model: one round, one sample, a tiny budget."""
+    eureka = ["plugins.eureka.iterations=1", "plugins.eureka.samples=1"]
+    spec = _spec(tmp_path, {"eureka": {"plugins": ["eureka"], "overrides": eureka, "search": True}})
+    assert main([str(spec), "--reps", "200"]) == 0
+    (run,) = _runs(tmp_path / "store", "check")
+    assert run.info.status == "FINISHED" and run.data.metrics["llm/calls"] >= 1
+    assert "| eureka | 1 |" in (tmp_path / "check.md").read_text()
