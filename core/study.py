@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -197,7 +198,8 @@ def expand(spec: StudySpec, tasks: list[str] | None = None, arms: list[str] | No
 
     Seeds vary slowest, so an interrupted study has whole seeds of every arm. ``tasks``,
     ``arms`` and ``seeds`` select; ``frames_scale`` replaces the spec's; ``extra`` are
-    overrides added to every cell.
+    overrides added to every cell, except that a plugin's knob (``plugins.<name>.<key>=...``)
+    goes only to the cells of arms that run the plugin.
     """
     task_names = _select("task", tasks, list(spec.tasks))
     arm_names = _select("arm", arms, list(spec.arms))
@@ -217,10 +219,17 @@ def expand(spec: StudySpec, tasks: list[str] | None = None, arms: list[str] | No
                     continue
                 final = spec.final_seeds if arm.search else 0
                 plugins = [f"+plugins=[{','.join(arm.plugins)}]"] if arm.plugins else []
+                mine = [o for o in extra if _plugin_of(o) in (None, *arm.plugins)]
                 overrides = (f"env={task.env}", *spec.overrides, *task.overrides, *plugins, *arm.overrides, *budget,
-                             f"seed={seed}", f"final_seeds={final}", *extra)
+                             f"seed={seed}", f"final_seeds={final}", *mine)
                 cells.append(Cell(a, t, int(seed), tuple(arm.plugins), overrides, arm.search, final, frames))
     return cells
+
+
+def _plugin_of(override: str) -> str | None:
+    """The plugin whose knob an override sets (``plugins.eureka.samples=2`` -> ``eureka``), else None."""
+    match = re.match(r"^\+{0,2}plugins\.([\w\-]+)\.", override)
+    return match.group(1) if match else None
 
 
 def compose_cell(cell: Cell, experiment: str, store: Path) -> DictConfig:
@@ -453,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", help="comma-separated arms of the spec (default: all)")
     parser.add_argument("--seeds", help="comma-separated seeds (default: the spec's)")
     parser.add_argument("--frames-scale", type=float, default=None, help="multiply every task's frames (default: the spec's)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="Hydra overrides added to every cell")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="Hydra overrides added to every cell; plugins.<name>.<key>=... only to the arms running <name>")
     parser.add_argument("--store", help="folder of the study's MLflow store (default: the spec's)")
     parser.add_argument("--out", help="the report file (default: the spec's)")
     parser.add_argument("--list", action="store_true", help="list the cells, finished or not, and stop")

@@ -24,13 +24,13 @@ if TYPE_CHECKING:
     from core.report.study import TaskResult
 
 
-def _num(v: float) -> str:
+def number(v: float) -> str:
     if v != v:
         return "—"
     return f"{v:,.0f}" if abs(v) >= 100 or float(v).is_integer() else f"{v:.3g}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
     cells = [[c.replace("|", "\\|") for c in row] for row in rows]
     return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"] + ["| " + " | ".join(r) + " |" for r in cells]
 
@@ -55,10 +55,10 @@ def render_markdown(tasks: list[TaskResult], runs: list[StudyRun], experiment: s
         lines += ["", f"## {t.env}: {t.fitness_name}", ""]
         rows = []
         for a in t.arms:
-            per_seed = ", ".join(f"{s}: {_num(v)}" for s, v in a.scores.items()) or "—"
+            per_seed = ", ".join(f"{s}: {number(v)}" for s, v in a.scores.items()) or "—"
             status = a.status() if not a.complete else "complete"
             rows.append([a.arm, f"{len(a.scores)}/{len(t.seeds)}", a.iqm.fmt(), a.mean.fmt(), per_seed, status])
-        lines += _table(["arm", "n", "IQM [95% CI]", "mean [95% CI]", "per seed", "status"], rows)
+        lines += table(["arm", "n", "IQM [95% CI]", "mean [95% CI]", "per seed", "status"], rows)
         partial = [a.arm for a in t.arms if not a.complete]
         if partial:
             lines += ["", f"**Partial study**: {', '.join(partial)} lack finished runs for some seeds; "
@@ -66,12 +66,12 @@ def render_markdown(tasks: list[TaskResult], runs: list[StudyRun], experiment: s
         if t.improvement:
             lines += ["", "### Probability of improvement", ""]
             rows = [[x, y, p.fmt()] for x, y, p in t.improvement]
-            lines += _table(["X", "Y", "P(X > Y) [95% CI]"], rows)
+            lines += table(["X", "Y", "P(X > Y) [95% CI]"], rows)
         for name in figures.get(t.env, []):
             lines += ["", f"![{name}]({name})"]
         lines += ["", "### LLM cost and compute (totals over the arm's runs)", ""]
-        rows = [[a.arm] + [_num(a.cost[k]) for k, _ in COST_METRICS] for a in t.arms]
-        lines += _table(["arm"] + [title for _, title in COST_METRICS], rows)
+        rows = [[a.arm] + [number(a.cost[k]) for k, _ in COST_METRICS] for a in t.arms]
+        lines += table(["arm"] + [title for _, title in COST_METRICS], rows)
     problems = [r for r in runs if r.status != OK]
     if problems:
         lines += ["", "## Runs left out of the statistics", ""]
@@ -82,7 +82,7 @@ def render_markdown(tasks: list[TaskResult], runs: list[StudyRun], experiment: s
 def render_html(markdown: str, title: str) -> str:
     """An HTML page of the report's Markdown subset."""
     body: list[str] = []
-    table: list[str] = []
+    pending: list[str] = []  # the rows of the pipe table being read
     in_list = False
 
     def inline(text: str) -> str:
@@ -91,17 +91,17 @@ def render_html(markdown: str, title: str) -> str:
         return re.sub(r"`(.+?)`", r"<code>\1</code>", text)
 
     def flush_table() -> None:
-        if table:
-            rows = [[c.strip() for c in re.split(r"(?<!\\)\|", row.strip()[1:-1])] for row in table]
+        if pending:
+            rows = [[c.strip() for c in re.split(r"(?<!\\)\|", row.strip()[1:-1])] for row in pending]
             head, data = rows[0], rows[2:]
             body.append("<table><tr>" + "".join(f"<th>{inline(c)}</th>" for c in head) + "</tr>")
             body.extend("<tr>" + "".join(f"<td>{inline(c)}</td>" for c in r) + "</tr>" for r in data)
             body.append("</table>")
-            table.clear()
+            pending.clear()
 
     for line in markdown.splitlines():
         if line.startswith("|"):
-            table.append(line)
+            pending.append(line)
             continue
         flush_table()
         if in_list and not line.startswith("- "):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.report.data import FAILED, OK, StudyRun, load_study
-from core.report.render import _num, _table, render_figures
+from core.report.render import number, render_figures, table
 from core.report.study import TaskResult, analyze
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ BASELINES = ("sparse", "human")  # the arms every other arm is compared with, P(
 #: per-arm totals of the cost table: (run metric, column title)
 COSTS = (
     ("llm/calls", "LLM calls"),
+    ("llm/cache_hits", "cache hits"),
     ("llm/prompt_tokens", "prompt tokens"),
     ("llm/completion_tokens", "completion tokens"),
     ("llm/latency_s", "LLM time (s)"),
@@ -140,7 +141,7 @@ def check_target(target: TargetSpec, tasks: list[TaskResult]) -> tuple[str, list
             ok = x.iqm.value >= y.iqm.value - target.tolerance * abs(y.iqm.value)
         held.append(ok)
         overlap = " (CIs overlap)" if x.iqm.low <= y.iqm.high and y.iqm.low <= x.iqm.high else ""
-        lines.append(f"{t.env}: {target.arm} {_num(x.iqm.value)} vs {target.other} {_num(y.iqm.value)}: "
+        lines.append(f"{t.env}: {target.arm} {number(x.iqm.value)} vs {target.other} {number(y.iqm.value)}: "
                      f"{'holds' if ok else 'fails'}{overlap}")
     wanted = target.tasks or []
     unmeasured = [name for name in wanted if name not in {line.split(':')[0] for line in lines}]
@@ -222,7 +223,7 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
                 expected = len(a.scores) + len(a.failed) + len(a.missing)
                 row.append(a.iqm.fmt() + ("" if a.complete else f" (n={len(a.scores)}/{expected})"))
         rows.append(row)
-    lines += _table(["task (fitness)", *arm_names], rows)
+    lines += table(["task (fitness)", *arm_names], rows)
     lines += ["", "## Targets", ""]
     if not spec.targets:
         lines.append("The spec sets none.")
@@ -238,11 +239,11 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
     rows = []
     for arm in arm_names:
         runs = [r for (t, a, s), r in chosen.items() if a == arm]
-        row = [arm, str(len(runs))] + [_num(sum(r.metrics.get(k, 0.0) for r in runs)) for k, _ in COSTS]
-        row += [_num(_total(map(cell_seconds, runs))), _num(_total(map(search_frames, runs))),
-                _num(_total(r.metrics.get("final/frames", 0.0) for r in runs))]
+        row = [arm, str(len(runs))] + [number(sum(r.metrics.get(k, 0.0) for r in runs)) for k, _ in COSTS]
+        row += [number(_total(map(cell_seconds, runs))), number(_total(map(search_frames, runs))),
+                number(_total(r.metrics.get("final/frames", 0.0) for r in runs))]
         rows.append(row)
-    lines += _table(["arm", "runs", *[title for _, title in COSTS], "wall time (s)", "search frames", "retraining frames"], rows)
+    lines += table(["arm", "runs", *[title for _, title in COSTS], "wall time (s)", "search frames", "retraining frames"], rows)
     for name in task_names:
         lines += _task_section(name, by_task.get(name), arm_names, applies, chosen, figures.get(name, []))
     lines += ["", "## The arms", ""]
@@ -310,16 +311,16 @@ def _task_section(name: str, t: TaskResult | None, arm_names: list[str], applies
     rows = []
     for a in t.arms:
         runs = [r for (task, arm, _), r in chosen.items() if task == name and arm == a.arm]
-        per_seed = ", ".join(f"{s}: {_num(v)}" for s, v in a.scores.items()) or "—"
+        per_seed = ", ".join(f"{s}: {number(v)}" for s, v in a.scores.items()) or "—"
         rows.append([
             a.arm, f"{len(a.scores)}/{len(a.scores) + len(a.failed) + len(a.missing)}", a.iqm.fmt(), a.mean.fmt(), per_seed,
-            _num(_mean([search_frames(r) for r in runs])), _num(_mean([final_frames(r) for r in runs])),
-            _num(_mean([r.metrics.get("llm/calls", 0.0) for r in runs])),
-            _num(_mean([r.metrics.get("llm/latency_s", 0.0) for r in runs])),
-            _num(_mean([cell_seconds(r) for r in runs])),
+            number(_mean([search_frames(r) for r in runs])), number(_mean([final_frames(r) for r in runs])),
+            number(_mean([r.metrics.get("llm/calls", 0.0) for r in runs])),
+            number(_mean([r.metrics.get("llm/latency_s", 0.0) for r in runs])),
+            number(_mean([cell_seconds(r) for r in runs])),
             "complete" if a.complete else a.status(),
         ])
-    lines += _table(["arm", "n", "IQM [95% CI]", "mean [95% CI]", "per seed", "search frames / run",
+    lines += table(["arm", "n", "IQM [95% CI]", "mean [95% CI]", "per seed", "search frames / run",
                      "final-policy frames", "LLM calls / run", "LLM time / run (s)", "wall time / run (s)", "status"], rows)
     pairs = [(x, y, p) for x, y, p in t.improvement if np.isfinite(p.value)
              and not (x in BASELINES and BASELINES.index(x) < BASELINES.index(y))]  # human > sparse, not both ways

@@ -68,6 +68,8 @@ def test_options_shrink_the_study():
     for override in ("trainer=sac", "trainer.frames=2000", "trainer.eval_every=500", "trainer.init_random_frames=100",
                      "seed=3", "trainer.lr=0.01"):
         assert override in cell.overrides
+    human, eureka = expand(spec, tasks=["cartpole"], arms=["human", "eureka"], seeds=[0], extra=("plugins.eureka.samples=2",))
+    assert "plugins.eureka.samples=2" in eureka.overrides and "plugins.eureka.samples=2" not in human.overrides
     with pytest.raises(UserError, match="Did you mean 'cartpole'"):
         expand(spec, tasks=["cartpol"])
     with pytest.raises(UserError, match="Unknown arm 'eurika'"):
