@@ -18,6 +18,8 @@ the report (``docs/results.md`` for the ``results`` study).
   A cell with a finished MLflow run of that key (tag ``study.cell``) is skipped, so an
   interrupted study continues where it stopped; trainings a cut-short cell had finished
   are reused from the results store beside the tracking store.
+- **Its own caches.** LLM replies and the plugins' libraries live in ``<store>/cache``, so a
+  reply cached by another run never passes for free LLM time.
 - **Shrinkable.** ``--tasks``, ``--arms``, ``--seeds`` and ``--frames-scale`` select and
   shrink cells for a check (a different frames scale makes different cells).
 
@@ -233,12 +235,19 @@ def _plugin_of(override: str) -> str | None:
 
 
 def compose_cell(cell: Cell, experiment: str, store: Path) -> DictConfig:
-    """The cell's run config: the shipped config with its overrides, recorded in the study's store."""
+    """The cell's run config: the shipped config with its overrides, recorded in the study's store.
+
+    The caches (LLM replies, text2reward's library, LaRes's case base) are the study's own,
+    ``<store>/cache``, unless an override sets ``cache_dir``: replies cached by earlier
+    runs would cost no LLM time, and libraries grown elsewhere would leak into the arms.
+    """
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(config_name="config", overrides=list(cell.overrides))
     with open_dict(cfg):
+        if not any(o.startswith("cache_dir=") for o in cell.overrides):
+            cfg.cache_dir = str(store.resolve() / "cache")
         cfg.experiment = experiment
         cfg.run_name = cell.name
         cfg.progress = False
