@@ -171,8 +171,8 @@ class _Process:
         if not self.isolation.get("pid") and uid >= UID_BASE:
             _kill_uid(uid)  # no PID namespace: whatever the program started runs as its own uid
 
-    def exit_status(self, timeout: float) -> int | None:
-        """The server's wait status, from its supervisor (None if it does not come in time)."""
+    def exit_status(self, timeout: float) -> tuple[int, float] | None:
+        """The server's wait status and CPU seconds, from its supervisor (None if they do not come in time)."""
         deadline = time.monotonic() + timeout
         while b"exit " not in self.status:
             left = deadline - time.monotonic()
@@ -185,8 +185,11 @@ class _Process:
             if not chunk:
                 return None
             self.status += chunk
-        line = self.status.split(b"exit ", 1)[1].split(b"\n", 1)[0]
-        return int(line) if line.strip().lstrip(b"-").isdigit() else None
+        fields = self.status.split(b"exit ", 1)[1].split(b"\n", 1)[0].split()
+        try:
+            return int(fields[0]), float(fields[1]) if len(fields) > 1 else 0.0
+        except (ValueError, IndexError):
+            return None
 
     def server_pid(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
@@ -360,6 +363,7 @@ class ProgramWorker:
         self._next_cpu_raise = 0.0
         self._ended_at: float | None = None
         self._cpu: int | None = None
+        self._cpu_limit = float("inf")
         self.last_printed = ""
         scope = _SCOPE.get()
         if scope is not None:
@@ -413,6 +417,7 @@ class ProgramWorker:
         proc.isolation = isolation
         self._ready_at = time.monotonic()
         self._cpu_base = float(isolation.get("cpu_base", 0.0))
+        self._cpu_limit = float(int(self._cpu_base + limits.cpu_s) + 1)  # as the worker set it
         self._poll = select.poll()
         self._poll.register(host, select.POLLIN)
         self._say_what_is_missing()
@@ -462,16 +467,18 @@ class ProgramWorker:
 
     def _died(self) -> SandboxReport:
         """The worker went away on its own (or sent nonsense): say why, as well as we can tell."""
-        status = self._proc.exit_status(1.0)
+        exit = self._proc.exit_status(1.0)
         limits = self.limits
+        status, cpu = exit if exit is not None else (None, 0.0)
         if status is None:
             report = fail("crashed", "The program's worker stopped answering and was killed.")
         elif os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
             name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
-            if sig == signal.SIGXCPU:
-                report = fail("too_slow", f"The program used more CPU time than its budget ({limits.cpu_s:g} s plus "
-                                          f"{limits.max_time_share:.0%} of the training time) and was stopped.")
+            if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= self._cpu_limit - 0.5):
+                report = fail("too_slow", f"The program used {cpu:.1f} s of CPU time, more than its budget ({limits.cpu_s:g} s "
+                                          f"plus {limits.max_time_share:.0%} of the training time), and was stopped. "
+                                          "Do less work per call, and none between calls.")
             elif sig == signal.SIGKILL:
                 report = fail("crashed", "The program's worker was killed (SIGKILL), most likely out of memory. Allocate less.")
             else:
@@ -652,7 +659,8 @@ class ProgramWorker:
         with contextlib.suppress(OSError, ValueError):
             _, hard = resource.prlimit(self._proc.server, resource.RLIMIT_CPU)
             resource.prlimit(self._proc.server, resource.RLIMIT_CPU,
-                             (seconds, seconds if os.geteuid() == 0 else max(hard, seconds)))
+                             (seconds, seconds + 1 if os.geteuid() == 0 else max(hard, seconds + 1)))
+            self._cpu_limit = float(seconds)
 
     def metrics(self) -> dict[str, float]:
         """Time in programs for the candidate's result: seconds, calls, share of the wall time."""

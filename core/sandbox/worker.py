@@ -164,9 +164,11 @@ def _supervise(request: dict[str, Any], fds: list[int], zygote_fd: int) -> None:
     for fd in (sock_fd, in_fd, out_fd):
         os.close(fd)
     os.write(status_fd, f"server {pid}\n".encode())
+    cpu = 0.0
     while True:
         try:
-            _, status = os.waitpid(pid, 0)
+            _, status, usage = os.wait4(pid, 0)
+            cpu = usage.ru_utime + usage.ru_stime
             break
         except ChildProcessError:
             status = 0
@@ -174,7 +176,7 @@ def _supervise(request: dict[str, Any], fds: list[int], zygote_fd: int) -> None:
         except InterruptedError:
             continue
     with contextlib.suppress(OSError):
-        os.write(status_fd, f"exit {status}\n".encode())
+        os.write(status_fd, f"exit {status} {cpu:.3f}\n".encode())  # the wait status and the CPU seconds it used
     os._exit(0)
 
 
@@ -272,7 +274,7 @@ def _set_limits(limits: Any, root: bool) -> float:
     used = resource.getrusage(resource.RUSAGE_SELF)
     cpu_used = used.ru_utime + used.ru_stime
     soft_cpu = int(cpu_used + limits.cpu_s) + 1
-    hard_cpu = soft_cpu if root else soft_cpu + 24 * 3600  # the host raises it as the candidate trains
+    hard_cpu = soft_cpu + 1 if root else soft_cpu + 24 * 3600  # the host raises both as the candidate trains
     resource.setrlimit(resource.RLIMIT_CPU, (soft_cpu, hard_cpu))
     memory = int(limits.memory_mb) * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))

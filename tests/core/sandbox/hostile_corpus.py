@@ -572,13 +572,17 @@ def compute_reward(state, action, next_state):
     Hostile("sleep_past_the_deadline", "dos", reward("time.sleep(5)", head="import time", later=True), "forbidden", "timeout"),
     Hostile("sleep_in_module_body", "dos", reward("", head="import time\ntime.sleep(5)"), "forbidden", "timeout"),
     Hostile("cpu_burning_threads_between_calls", "dos", reward("""
-        import threading
+        import threading, torch
         def burn():
+            x = torch.ones(300, 300)
             while True:
-                pass
-        for _ in range(3):
-            threading.Thread(target=burn, daemon=True).start()
-        """), "forbidden", "too_slow", calls=60, gap_s=0.05, limits={"cpu_s": 0.5, "time_share_grace_s": 0.2}),
+                x @ x  # releases the GIL: the calls stay quick, the CPU time grows
+        if not STARTED:
+            for _ in range(3):
+                threading.Thread(target=burn, daemon=True).start()
+            STARTED.append(1)
+        """, head="STARTED = []"), "forbidden", "too_slow", calls=80, gap_s=0.05,
+            limits={"cpu_s": 0.5, "time_share_grace_s": 0.2, "call_timeout_s": 2.0}),
     Hostile("allocate_six_gib", "dos", reward("k = 1024\nx = torch.empty(6 * k * k * k, dtype=torch.uint8)",
                                               head="import torch"), "memory", "memory"),
     Hostile("grow_a_module_list_every_call", "dos", reward("HOARD.append(torch.ones(16 * 1024 * 1024))",
