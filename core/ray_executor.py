@@ -86,6 +86,11 @@ def ensure_ray(cfg: Any) -> Any:
         else:  # a local instance sized for this machine
             cpus = cfg.get("num_cpus")
             kwargs["num_cpus"] = int(cpus) if cpus else usable_cores()
+            # Ray starts workers at nice 15: beside any other work they then get a few
+            # percent of a core (a pool of 2 fell to 0.3x serial with one core busy)
+            niceness = cfg.get("worker_niceness", 0)
+            if niceness is not None:
+                kwargs["_system_config"] = {"worker_niceness": int(niceness)}
         ray.init(**kwargs)
     return ray
 

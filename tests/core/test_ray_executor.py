@@ -8,8 +8,9 @@ from omegaconf import OmegaConf
 
 import core.executor
 from core.executor import CpuReading, InProcessExecutor, TrainJob, make_executor
-from core.ray_executor import RayExecutor
+from core.ray_executor import RayExecutor, ensure_ray
 from core.records import Candidate, TrainResult
+from core.resources import conf_dir
 
 pytestmark = pytest.mark.xdist_group("ray")  # one local Ray at a time
 
@@ -19,10 +20,18 @@ TINY = ["env=cartpole", "trainer.frames=1024", "trainer.num_envs=4", "trainer.ro
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One local Ray instance for the module (its start-up costs seconds)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
+    """One local Ray instance for the module, started as the executor starts it (seconds)."""
+    cfg = OmegaConf.merge(OmegaConf.load(conf_dir() / "executor" / "ray.yaml"), {"num_cpus": 2})
+    yield ensure_ray(cfg)
     ray.shutdown()
+
+
+@pytest.mark.slow
+def test_local_ray_workers_run_at_normal_priority(local_ray) -> None:
+    # at Ray's default nice 15 a worker gets a few percent of a core beside any other work
+    import os
+
+    assert ray.get(ray.remote(num_cpus=1)(lambda: os.nice(0)).remote()) == 0
 
 
 def _jobs(make_config, n: int) -> tuple[object, list[TrainJob]]:
