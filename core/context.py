@@ -85,9 +85,12 @@ class RunContext(Context):
 
     @property
     def best(self) -> tuple[Candidate, TrainResult] | None:
-        """The best candidate over all finished iterations."""
-        pairs = [it.best for it in self.history if it.best is not None]
-        return max(pairs, key=lambda cr: cr[1].score) if pairs else None  # type: ignore[arg-type, return-value]
+        """The best candidate over all finished iterations, among the policies that no later
+        training continued (one continued goes on training in its successor)."""
+        pairs = [(c, r) for it in self.history for c, r in zip(it.candidates, it.results) if r.ok]
+        continued = {c.start.source for c, _ in pairs if c.start is not None}
+        pairs = [(c, r) for c, r in pairs if c.id not in continued]
+        return max(pairs, key=lambda cr: cr[1].score) if pairs else None
 
 
 @dataclass

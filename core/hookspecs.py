@@ -19,6 +19,7 @@ Each run goes through these stages::
         on_iteration_start
         plan / propose_rewards / propose_state_reprs / propose_actions / generate_envs
             -> the loop combines the proposals into candidates
+        prepare_candidates (how they train: a continued policy, a budget of their own)
         train_candidates (a population method trains them jointly), or
         for each candidate (through the executor):
             on_train_start
@@ -200,6 +201,25 @@ def generate_envs(run: RunContext, iteration: int) -> list[list[EnvConfig]] | No
     :param run: the run context.
     :param iteration: the iteration number, 0-based.
     :return: alternatives, each a set of env configs trained together; or None.
+    """
+
+
+@hookspec
+def prepare_candidates(run: RunContext, candidates: list[Candidate]) -> None:
+    """Set how this iteration's candidates train, before any of them does.
+
+    Called in the main process once the proposals are combined, before the results
+    store is asked for them. An implementation sets the training fields of the
+    candidates its parts are in (never of others'): ``start`` (continue an earlier
+    candidate's policy: :meth:`core.records.StartPolicy.of` its candidate and result,
+    which exists when that candidate had ``keep_policy``), ``frames`` (a budget of its
+    own instead of ``trainer.frames``), ``original_after`` (the share of the frames
+    trained last on the original env) and ``keep_policy``. EnvGen continues one agent
+    across its cycles this way. The loop's ``final_seeds`` retrains a continued
+    candidate's whole chain on each fresh seed.
+
+    :param run: the run context (``run.history`` holds the earlier iterations).
+    :param candidates: the iteration's candidates, to change in place.
     """
 
 

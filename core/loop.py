@@ -4,6 +4,7 @@ Outer loop (one iteration per LLM round)::
 
     plan -> propose_rewards / propose_state_reprs / propose_actions / generate_envs
          -> candidates (cartesian product of the roles that proposed something)
+         -> prepare_candidates (how they train: e.g. continuing an earlier policy)
          -> executor trains each (per-step hooks run inside as TorchRL transforms)
          -> fitness on the task's ground truth -> reflect -> next iteration
 
@@ -25,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from core.context import RunContext
 from core.executor import Executor, Runtime, TrainJob, build_runtime, make_executor
 from core.progress import make_progress
-from core.records import Candidate, IterationResult, TrainResult
+from core.records import Candidate, IterationResult, StartPolicy, TrainResult
 from core.registry import call_each
 from core.store import ResultStore, job_key, results_path
 from core.tracking import Tracker, format_llm_call
@@ -138,6 +139,7 @@ class Loop:
         candidates = combine(iteration, proposals, previous)
         for c in candidates:
             c.plan = run.plan
+        hook.prepare_candidates(run=run, candidates=candidates)
         return candidates
 
     def _proposals(self, caller: Any, iteration: int) -> list[Any]:
@@ -185,6 +187,8 @@ class Loop:
             result = replace(result, candidate_id=candidate.id)
             if self.tracker is not None:
                 tags = {"seed": str(seed), "resumed": str(i not in todo)}
+                if candidate.start is not None:
+                    tags["start_policy"] = f"{candidate.start.source} ({candidate.start.sha256[:12]})"
                 if i not in todo:  # say where the reused training was recorded first
                     tags["reused_from_run"] = result.run_id or "unknown"
                     tags["results_store"] = str(self.store_path)
@@ -235,6 +239,9 @@ class Loop:
     def final_seeds(self, progress: Any) -> list[float]:
         """Retrain the best candidate on ``final_seeds`` more seeds (Eureka's final evaluation).
 
+        A candidate that continues earlier ones' policy (``start``) is retrained with its
+        whole chain, oldest first, each continuing the fresh seed's previous training.
+
         Logs ``final/fitness_mean`` over the search's score and the fresh seeds together,
         ``final/fresh_mean`` over the fresh seeds alone (the chosen candidate's score free of
         the selection), and what the retraining cost: ``final/frames``, ``final/seconds``.
@@ -245,11 +252,18 @@ class Loop:
             return []
         start = time.perf_counter()
         fresh, frames = [], 0
+        chain = self.lineage(best[0])
         for k in range(1, n + 1):
-            candidate = replace(best[0], id=f"{best[0].id}-seed{self.run.seed + k}")
-            (result,) = self.train([candidate], self.run.seed + k, progress)
+            seed, policy = self.run.seed + k, None
+            for j, member in enumerate(chain):  # a continued candidate: its whole chain, on the fresh seed
+                candidate = replace(member, id=f"{member.id}-seed{seed}", start=policy,
+                                    keep_policy=member.keep_policy or j < len(chain) - 1)
+                (result,) = self.train([candidate], seed, progress)
+                frames += result.frames
+                if not result.ok:
+                    break
+                policy = StartPolicy.of(candidate, result) if j < len(chain) - 1 else None
             fresh.append(result.score)
-            frames += result.frames
         values = [best[1].score, *fresh]
         self.run.log_metrics({
             "final/fitness_mean": sum(values) / len(values), "final/seeds": len(values),
@@ -257,6 +271,14 @@ class Loop:
             "final/seconds": time.perf_counter() - start,
         })
         return values
+
+    def lineage(self, candidate: Candidate) -> list[Candidate]:
+        """The candidates whose trainings ``candidate`` continues, oldest first, then itself."""
+        by_id = {c.id: c for it in self.run.history for c in it.candidates}
+        chain = [candidate]
+        while chain[0].start is not None and chain[0].start.source in by_id:
+            chain.insert(0, by_id[chain[0].start.source])
+        return chain
 
     def _log_llm_stats(self, step: int | None = None) -> dict[str, float]:
         if self.run._llm is None:

@@ -6,6 +6,7 @@ to worker processes) and logs (tracking turns them into MLflow params/artifacts)
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,11 +80,42 @@ class EnvConfig:
 
 
 @dataclass
+class StartPolicy:
+    """A trained policy that a candidate's training continues instead of a fresh one.
+
+    Made from a finished training with :meth:`of` (its candidate had ``keep_policy``), so
+    the weights travel inside the candidate to whichever process trains it: no file is
+    shared between processes. ``sha256`` identifies the weights in the results store's
+    key; ``frames`` counts every frame the policy has trained, over the whole chain.
+    """
+
+    source: str  # the id of the candidate whose training produced it
+    state: bytes = field(repr=False)  # the trainer's state as TrainResult.final_policy holds it
+    sha256: str = ""  # sha256 of ``state``
+    frames: int = 0  # frames trained so far, by this policy and every policy it continued
+
+    @classmethod
+    def of(cls, candidate: Candidate, result: TrainResult) -> StartPolicy:
+        """The policy ``result`` ended with, to continue from; ``ValueError`` when it kept none."""
+        if not (result.ok and result.final_policy):
+            raise ValueError(f"candidate {candidate.id} has no final policy to continue from "
+                             f"({'it kept none: set keep_policy' if result.ok else 'its training failed'})")
+        before = candidate.start.frames if candidate.start is not None else 0
+        return cls(candidate.id, result.final_policy, hashlib.sha256(result.final_policy).hexdigest(),
+                   before + result.frames)
+
+
+@dataclass
 class Candidate:
     """One thing to train and score: a combination of the parts plugins proposed.
 
     Empty parts mean "the task's default": no reward program trains on the env's own
     reward, no env configs train on the original env.
+
+    The training fields (``start``, ``frames``, ``original_after``, ``keep_policy``) are
+    set by a ``prepare_candidates`` hook, not by the proposals: EnvGen trains one agent
+    across its cycles (each cycle's candidate continues the previous one's policy in the
+    generated envs, then in the original env), at the frames of one plain training.
     """
 
     id: str
@@ -94,6 +126,10 @@ class Candidate:
     envs: list[EnvConfig] = field(default_factory=list)
     plan: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    start: StartPolicy | None = None  # continue training this policy (actor, critic, optimizer) instead of a fresh one
+    frames: int = 0  # this candidate's training frames (0: trainer.frames)
+    original_after: float = 0.0  # share of the frames trained last on the original env, after ``envs``
+    keep_policy: bool = False  # return the trained state in TrainResult.final_policy (for a later start)
 
     @property
     def parts(self) -> dict[str, Any]:
@@ -161,6 +197,7 @@ class TrainResult:
     error_kind: str = ""  # sandbox category or exception class
     run_id: str = ""  # MLflow run of this candidate
     policy_path: str = ""  # saved policy weights, if any
+    final_policy: bytes = field(default=b"", repr=False)  # the trained state, when the candidate kept it (StartPolicy.of)
 
     @property
     def score(self) -> float:

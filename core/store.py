@@ -1,7 +1,8 @@
 """Finished trainings, kept so that an interrupted or repeated run does not pay twice.
 
 A training is identified by what determines its outcome: the candidate's parts (the
-LLM-written programs included), the task, trainer and plugin config, the seed, and the
+LLM-written programs included), how it trains (the hash of the policy it continues, its
+frames), the task, trainer and plugin config, the seed, and the
 code that runs it (a hash of the framework's training code and of every participating
 plugin's source), so that edited code never replays an old result. Records are pickled
 into a small sqlite file that lives beside the tracking store by default
@@ -47,6 +48,12 @@ def job_key(candidate: Candidate, config: dict[str, Any], seed: int, code: dict[
     payload = {
         "parts": parts,
         "macros": [asdict(m) for m in candidate.macros],
+        # how it trains: the policy it continues (by the weights' hash, not where they came from),
+        # its own budget, the original-env finish, and whether the result must hold the weights
+        "start": candidate.start.sha256 if candidate.start is not None else None,
+        "frames": candidate.frames,
+        "original_after": candidate.original_after,
+        "keep_policy": candidate.keep_policy,
         "env": config.get("env"),
         "trainer": config.get("trainer"),
         "plugins": config.get("plugins"),  # per-step plugins change training too

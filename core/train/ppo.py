@@ -17,15 +17,25 @@ collection policy without distribution objects, the collected batch indexed dire
 (no replay buffer), evaluation outside the timed part. ``time/<phase>_s`` metrics say
 where the training time went (rollout, reward, advantage, update).
 
+Continuing a policy (EnvGen's one agent across cycles): a candidate with ``start``
+begins from that policy's actor, critic and Adam state (loaded into the flat parameter
+tensor's views, :meth:`_Run.restore`), anneals lr and clip along the schedule the
+policy was on, and with ``keep_policy`` hands its own final state back in the result
+(bytes, so it crosses process boundaries; no file is written). ``original_after``
+trains the last share of the batches on the original env (a second env, the same
+networks and optimizer).
+
 Failures of LLM-written code (reward/state programs, hook plugins) are data: ``train``
 returns ``TrainResult(ok=False, error=..., error_kind=...)`` instead of raising.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -218,16 +228,26 @@ def train(
 ) -> TrainResult:
     """Train ``candidate`` on ``task`` with PPO and evaluate it; never raises for bad code.
 
+    The candidate's training fields: ``frames`` replaces ``cfg.frames`` as the budget;
+    ``start`` continues that policy (actor, critic and Adam's moments; see
+    :meth:`_Run.restore`); ``original_after`` trains that share of the batches last on the
+    original env; ``keep_policy`` returns the trained state in ``result.final_policy``.
+
     :param hook: ``pm.hook`` of the plugin manager, or None (no training hooks).
     :param ctx: the training context hooks receive; one is made when hooks need it.
         Its ``config`` gives the sandbox limits (``sandbox:``) and ``save_policy``.
     :param progress: a ``rich.progress.Progress`` to show a bar in, or None.
     """
+    budget = cfg.frames  # the learning-rate schedule's horizon, counted from the policy's first frame
+    if candidate.frames > 0:
+        cfg = replace(cfg, frames=int(candidate.frames))
     if hook is not None and ctx is None:
         ctx = TrainContext(settings=Settings.of(), task=task, candidate=candidate, seed=seed, total_frames=cfg.frames)
+    elif ctx is not None:
+        ctx.total_frames = cfg.frames
 
     def body(result: TrainResult) -> None:
-        _Run(task, candidate, cfg, seed, hook, ctx, progress, result).run()
+        _Run(task, candidate, cfg, seed, hook, ctx, progress, result, budget).run()
 
     return train_safely(body, candidate, hook, ctx)
 
@@ -236,97 +256,185 @@ class _Run:
     """One training run; its state lives here so that ``run`` reads as the loop."""
 
     def __init__(self, task: Task, candidate: Candidate, cfg: PPOConfig, seed: int, hook: Any,
-                 ctx: TrainContext | None, progress: Any, result: TrainResult) -> None:
+                 ctx: TrainContext | None, progress: Any, result: TrainResult, budget: int | None = None) -> None:
         self.task, self.candidate, self.cfg, self.seed = task, candidate, cfg, seed
         self.hook, self.ctx, self.progress, self.result = hook, ctx, progress, result
+        self.budget = cfg.frames if budget is None else budget
 
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> None:
         cfg, result, ctx, hook = self.cfg, self.result, self.ctx, self.hook
+        start = self.start_state()
+        self.before = int(start["frames"]) if start is not None else 0  # frames the policy trained before
         torch.set_num_threads(cfg.threads)
-        torch.manual_seed(self.seed)
-        self.cenv = cenv = CandidateEnv(self.task, self.candidate, cfg.num_envs, self.seed, hook, ctx)
+        torch.manual_seed(self.seed + self.before)  # a continued policy meets new worlds and noise
+        stages = self.stages()
+        self.cenv = cenv = CandidateEnv(self.task, stages[0][0], cfg.num_envs, self.seed + self.before, hook, ctx)
         self.env, self.base = cenv.env, cenv.base
         nets = build_networks(cenv.obs_dim, self.base.action_spec, cfg.hidden)
         self.nets, self.model = nets, FlatActorCritic(nets.actor_net, nets.critic_net)
-        optim = FlatAdam(self.model.params, lr=cfg.lr, eps=1e-5)  # one fused kernel per step
-        policy = SamplingPolicy(self.model.actor, nets.discrete, "action_log_prob")
-        batches = max(1, cfg.frames // cfg.frames_per_batch)
-        clock = _PhaseClock()
-        collector = Collector(self.env, policy, frames_per_batch=cfg.frames_per_batch,
-                              total_frames=batches * cfg.frames_per_batch, trust_policy=True,
-                              track_traj_ids=False, auto_register_policy_transforms=False,
-                              postproc=clock.timed("reward", cenv.postproc))
+        self.optim = FlatAdam(self.model.params, lr=cfg.lr, eps=1e-5)  # one fused kernel per step
+        if start is not None:
+            try:
+                self.restore(start)
+            except Exception:
+                cenv.close()
+                raise
+        self.policy = SamplingPolicy(self.model.actor, nets.discrete, "action_log_prob")
+        batches = sum(n for _, n in stages)
+        # lr and clip anneal over the trainer's budget from the policy's first batch: a chain of
+        # continued trainings follows one schedule (a lone training: over its own batches)
+        fpb = cfg.frames_per_batch
+        self.schedule = (self.before // fpb, max(self.budget // fpb, self.before // fpb + batches))
+        self.clock = _PhaseClock()
         if hook is not None:
             hook.on_train_start(train=ctx)
-        bar = self.progress.add_task(f"train {self.candidate.id}", total=batches * cfg.frames_per_batch) \
+        self.bar = self.progress.add_task(f"train {self.candidate.id}", total=batches * fpb) \
             if self.progress is not None else None
 
-        frames, train_seconds, next_eval = 0, 0.0, cfg.eval_every or math.inf
-        sample_every = max(1, batches // 10)  # reward components ~10 times per run
-        corr = np.zeros(6)  # n, sum x, sum y, sum xx, sum yy, sum xy (program vs env reward)
-        returns: list[float] = []
-        stats: dict[str, float] = {}
-        tick = time.perf_counter()
-        try:
-            for i, batch in enumerate(collector):
-                clock.lap("rollout", since=tick)  # env steps, policy, per-step transforms (less the reward program)
-                frames += batch.numel()
-                if ctx is not None:
-                    ctx.frames = frames
-                if hook is not None:
-                    hook.on_rollout(train=ctx, batch=batch)
-                    clock.lap("reward")
-                frac = 1.0 - i / batches if cfg.anneal_lr else 1.0
-                optim.lr = cfg.lr * frac
-                data = self._advantages(batch)
-                clock.lap("advantage")
-                stats = self._update(data, optim, cfg.clip * frac)
-                clock.lap("update")
-                if cenv.rewrites_reward:
-                    corr += corr_sums(batch)
-                finished = self.base.pop_finished()
-                returns += [r for r, _ in finished]
-                now = time.perf_counter()
-                train_seconds += now - tick
-                stats["charts/fps"] = frames / train_seconds
-                if finished:
-                    stats["charts/episodic_return"] = float(np.mean([r for r, _ in finished]))
-                if ctx is not None:
-                    for key, value in stats.items():
-                        ctx.log_metric(key, value)
-                if cenv.program_reward is not None and ((i + 1) % sample_every == 0 or i + 1 == batches):
-                    self._sample_components(frames)
-                if frames >= next_eval and frames < batches * cfg.frames_per_batch:
-                    self._evaluate(frames)
-                    next_eval += cfg.eval_every
-                if bar is not None:
-                    last = f"{returns[-1]:.1f}" if returns else "-"
-                    self.progress.update(bar, completed=frames, description=(
-                        f"train {self.candidate.id} {stats['charts/fps']:.0f} fps return {last}"))
-                tick = time.perf_counter()
-        finally:
-            collector.shutdown()
-            cenv.close()
+        self.frames, self.batch, self.train_seconds, self.next_eval = 0, 0, 0.0, cfg.eval_every or math.inf
+        self.sample_every = max(1, batches // 10)  # reward components ~10 times per run
+        self.corr = np.zeros(6)  # n, sum x, sum y, sum xx, sum yy, sum xy (program vs env reward)
+        self.returns: list[float] = []
+        self.stats: dict[str, float] = {}
+        self.total = batches * fpb
+        macro_metrics: dict[str, float] = {}
+        for k, (stage, n) in enumerate(stages):
+            if k:  # the next stage's env (the original one), the same networks
+                self.cenv = CandidateEnv(self.task, stage, cfg.num_envs, self.seed + self.before + self.frames, hook, ctx)
+                self.env, self.base = self.cenv.env, self.cenv.base
+            try:
+                self.train_stage(n)
+            finally:
+                self.cenv.close()
+            for key, value in self.cenv.macro_metrics().items():
+                macro_metrics[key] = macro_metrics.get(key, 0.0) + value
+        cenv = self.cenv  # the last stage's: evaluation uses its state transforms and macros
 
+        frames, stats, corr = self.frames, self.stats, self.corr
         result.frames = frames
         result.metrics.update(stats)
-        result.metrics["charts/fps"] = frames / max(train_seconds, 1e-9)
-        result.metrics.update({f"time/{phase}_s": seconds for phase, seconds in clock.seconds.items()})
+        result.metrics["charts/fps"] = frames / max(self.train_seconds, 1e-9)
+        result.metrics.update({f"time/{phase}_s": seconds for phase, seconds in self.clock.seconds.items()})
         result.metrics.update(cenv.program_metrics)
-        if returns:
-            result.metrics["charts/episodic_return"] = float(np.mean(returns[-20:]))
-        result.metrics.update(cenv.macro_metrics())
+        if self.returns:
+            result.metrics["charts/episodic_return"] = float(np.mean(self.returns[-20:]))
+        result.metrics.update(macro_metrics)
         if cenv.rewrites_reward and corr[0] > 1:
             result.metrics["reward/env_correlation"] = pearson(corr)
             if ctx is not None:
                 ctx.log_metric("reward/env_correlation", result.metrics["reward/env_correlation"])
+        if self.before:
+            result.metrics["train/start_frames"] = float(self.before)
         episodes = self._evaluate(frames)
         if episodes:
             result.episodes = episodes
             result.fitness = self.task.fitness(episodes)
         if wants_saved_policy(ctx):
             result.policy_path = save_policy(self._policy_state(), self.candidate.id)
+        if self.candidate.keep_policy:
+            result.final_policy = self.final_state()
+
+    def stages(self) -> list[tuple[Candidate, int]]:
+        """``(candidate, batches)`` per stage: the candidate's envs, then the original env for
+        ``original_after`` of the batches (a stage of no batches is left out, the first never)."""
+        total = max(1, self.cfg.frames // self.cfg.frames_per_batch)
+        last = int(round(min(1.0, max(0.0, float(self.candidate.original_after))) * total))
+        stages = [(self.candidate, total - last), (replace(self.candidate, envs=[]), last)]
+        return [(candidate, n) for candidate, n in stages if n > 0]
+
+    def train_stage(self, batches: int) -> None:
+        """Collect and update ``batches`` batches on the current stage's env."""
+        cfg, ctx, hook, cenv, clock = self.cfg, self.ctx, self.hook, self.cenv, self.clock
+        collector = Collector(self.env, self.policy, frames_per_batch=cfg.frames_per_batch,
+                              total_frames=batches * cfg.frames_per_batch, trust_policy=True,
+                              track_traj_ids=False, auto_register_policy_transforms=False,
+                              postproc=clock.timed("reward", cenv.postproc))
+        done, horizon = self.schedule
+        tick = time.perf_counter()
+        try:
+            for batch in collector:
+                clock.lap("rollout", since=tick)  # env steps, policy, per-step transforms (less the reward program)
+                self.frames += batch.numel()
+                if ctx is not None:
+                    ctx.frames = self.frames
+                if hook is not None:
+                    hook.on_rollout(train=ctx, batch=batch)
+                    clock.lap("reward")
+                frac = 1.0 - (done + self.batch) / horizon if cfg.anneal_lr else 1.0
+                self.optim.lr = cfg.lr * frac
+                data = self._advantages(batch)
+                clock.lap("advantage")
+                stats = self.stats = self._update(data, self.optim, cfg.clip * frac)
+                clock.lap("update")
+                self.batch += 1
+                if cenv.rewrites_reward:
+                    self.corr += corr_sums(batch)
+                finished = self.base.pop_finished()
+                self.returns += [r for r, _ in finished]
+                now = time.perf_counter()
+                self.train_seconds += now - tick
+                stats["charts/fps"] = self.frames / self.train_seconds
+                if finished:
+                    stats["charts/episodic_return"] = float(np.mean([r for r, _ in finished]))
+                if ctx is not None:
+                    for key, value in stats.items():
+                        ctx.log_metric(key, value)
+                if cenv.program_reward is not None and (self.batch % self.sample_every == 0 or self.frames >= self.total):
+                    self._sample_components(self.frames)
+                if self.frames >= self.next_eval and self.frames < self.total:
+                    self._evaluate(self.frames)
+                    self.next_eval += cfg.eval_every
+                if self.bar is not None:
+                    last = f"{self.returns[-1]:.1f}" if self.returns else "-"
+                    self.progress.update(self.bar, completed=self.frames, description=(
+                        f"train {self.candidate.id} {stats['charts/fps']:.0f} fps return {last}"))
+                tick = time.perf_counter()
+        finally:
+            collector.shutdown()
+
+    # -- continuing a policy ------------------------------------------------------------
+    def start_state(self) -> dict[str, Any] | None:
+        """The state the candidate's ``start`` holds (what :meth:`final_state` wrote), or None."""
+        start = self.candidate.start
+        if start is None:
+            return None
+        if hashlib.sha256(start.state).hexdigest() != start.sha256:
+            raise ValueError(f"the start policy from {start.source} does not match its sha256")
+        return torch.load(io.BytesIO(start.state), map_location=self.cfg.device, weights_only=True)
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Load a continued policy's actor, critic and Adam state into this run's networks.
+
+        ``load_state_dict`` copies into the modules' parameters in place: they stay views of
+        the flat parameter tensor that the update steps. Adam's moments and step count are
+        the flat tensors of the same layout.
+        """
+        mine = {"obs_dim": self.cenv.obs_dim, "hidden": list(self.cfg.hidden), "discrete": self.nets.discrete}
+        theirs = {k: state.get(k) for k in mine}
+        if theirs != mine:
+            raise ValueError(f"the start policy from {self.candidate.start.source} does not fit this training: "  # type: ignore[union-attr]
+                             f"it has {theirs}, this candidate's networks need {mine}")
+        self.nets.actor_net.load_state_dict(state["actor"])
+        self.nets.critic_net.load_state_dict(state["critic"])
+        optim = state.get("optimizer")
+        if optim is not None:
+            if self.optim._fallback is not None:
+                self.optim._fallback.load_state_dict(optim["fallback"])
+            else:
+                for name in ("exp_avg", "exp_avg_sq", "steps"):
+                    getattr(self.optim, name).copy_(optim[name])
+
+    def final_state(self) -> bytes:
+        """The trained state as bytes: both networks, Adam's state, and the frames trained so far."""
+        optim = self.optim
+        state = self._policy_state()
+        state["optimizer"] = ({"fallback": optim._fallback.state_dict()} if optim._fallback is not None else
+                              {name: getattr(optim, name).clone() for name in ("exp_avg", "exp_avg_sq", "steps")})
+        state["frames"] = self.before + self.frames
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
 
     def _policy_state(self) -> dict[str, Any]:
         """What the saved policy file holds: both networks and how to rebuild them."""
