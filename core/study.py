@@ -303,10 +303,11 @@ class PlannedCell:
     key: str  # what it computes and the code that computes it: the resume key
 
     def tags(self, study: str, commit: str, machine: str) -> dict[str, str]:
+        """The tags of the cell's run: what it is, and what it ran on (with the load as it started)."""
         c = self.cell
         return {"study": study, "study.arm": c.arm, "study.task": c.task, "study.config": self.config_key,
                 "study.cell": self.key, "study.score": c.score_metric, "study.search": str(c.search),
-                "study.commit": commit, "study.machine": machine}
+                "study.commit": commit, "study.machine": machine, "study.load": f"{load_average():.2f}"}
 
 
 def plan(cells: list[Cell], experiment: str, store: Path) -> list[PlannedCell]:
@@ -419,6 +420,8 @@ class Invocation:
     ran: int = 0
     skipped: int = 0
     crashed: list[str] = field(default_factory=list)  # cells whose run raised (the run is FAILED in MLflow)
+    overrides: tuple[str, ...] = ()  # what --set added to the cells
+    report_only: bool = False  # --report-only: no cell was run
 
 
 def run_cells(planned: list[PlannedCell], study: str, uri: str, invocation: Invocation, console: Any) -> None:
@@ -497,7 +500,9 @@ def main(argv: list[str] | None = None) -> int:
         store = Path(args.store or spec.store)
         out = Path(args.out or spec.out)
         uri = tracking_uri(store)
-        invocation = Invocation("python -m core.study " + " ".join(shlex.quote(a) for a in argv), commit(), machine(), load_average())
+        shown = [a for a in argv if a not in ("--report-only", "--list")]  # the command that runs the cells
+        invocation = Invocation("python -m core.study " + " ".join(shlex.quote(a) for a in shown), commit(), machine(),
+                                load_average(), overrides=tuple(args.set), report_only=args.report_only)
         planned = plan(cells, spec.name, store)
         if args.list:
             done = finished_cells(uri, spec.name)

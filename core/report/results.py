@@ -169,7 +169,7 @@ def _describe_target(target: TargetSpec) -> str:
 # -- the document ----------------------------------------------------------------------------
 
 
-def _reduced(spec: StudySpec, planned: list[PlannedCell]) -> str:
+def _reduced(spec: StudySpec, planned: list[PlannedCell], overrides: tuple[str, ...] = ()) -> str:
     """Why the planned cells are less than the whole study ('' if they are all of it)."""
     cells = [p.cell for p in planned]
     parts = []
@@ -184,6 +184,8 @@ def _reduced(spec: StudySpec, planned: list[PlannedCell]) -> str:
     scale = [frames[t] / spec.tasks[t].frames for t in frames]
     if scale and abs(max(scale) - 1.0) > 1e-9:
         parts.append(f"frames scaled by {max(scale):.3g}")
+    if overrides:
+        parts.append(f"overrides `{' '.join(overrides)}`")
     return ", ".join(parts)
 
 
@@ -196,7 +198,7 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
     applies = {(p.cell.task, p.cell.arm) for p in planned}
     chosen = counted.chosen
     lines = [f"# {spec.title or spec.name}", ""]
-    reduced = _reduced(spec, planned)
+    reduced = _reduced(spec, planned, invocation.overrides)
     if reduced:
         lines += [f"> **A reduced run of the study** ({reduced}): it checks the whole path, and its numbers are "
                   "what this run measured, not the study's findings. The full study is the same command without "
@@ -276,19 +278,26 @@ def _provenance(planned: list[PlannedCell], counted: Counted, invocation: Invoca
     seconds = sum(v for v in map(cell_seconds, runs) if v == v)
     commits = Counter(r.tags.get("study.commit", "unknown") for r in runs)
     machines = Counter(r.tags.get("study.machine", "unknown") for r in runs)
+    loads = [float(r.tags["study.load"]) for r in runs if "study.load" in r.tags]
+    load = (f"1-minute load average {min(loads):.1f} to {max(loads):.1f} (mean {np.mean(loads):.1f}) as the cells started"
+            if loads else "load not recorded")
+    if invocation.report_only:
+        this = f"this document was rewritten from the finished cells (`--report-only`) in {_duration(invocation.seconds)}"
+    else:
+        this = (f"this invocation ran {invocation.ran} cell(s) and skipped {invocation.skipped} finished before, in "
+                f"{_duration(invocation.seconds)}, load average {invocation.load_start:.1f} at its start and "
+                f"{invocation.load_end:.1f} at its end")
     lines = [
         f"- Command: `{invocation.command}`",
         f"- Commit: `{invocation.commit}`" + (
             "" if set(commits) <= {invocation.commit} else
             "; the counted runs ran at " + ", ".join(f"`{c}` ({n} run(s))" for c, n in commits.most_common())),
-        f"- Machine: {invocation.machine}; 1-minute load average {invocation.load_start:.1f} at the start of this "
-        f"invocation, {invocation.load_end:.1f} at its end" + (
+        f"- Machine: {invocation.machine}; {load}" + (
             "" if set(machines) <= {invocation.machine} else
             "; the counted runs ran on " + "; ".join(f"{m} ({n} run(s))" for m, n in machines.most_common())),
         f"- Study wall time: {_duration(seconds)} summed over the {len(runs)} counted runs (cells run one after "
-        f"another); this invocation ran {invocation.ran} cell(s) and skipped {invocation.skipped} finished before, "
-        f"in {_duration(invocation.seconds)}" + (f"; {len(invocation.crashed)} crashed: {', '.join(invocation.crashed)}"
-                                                 if invocation.crashed else ""),
+        f"another, setup and recording included); {this}" + (
+            f"; {len(invocation.crashed)} crashed: {', '.join(invocation.crashed)}" if invocation.crashed else ""),
         f"- Cells planned: {len(planned)}; with a run: {len(runs)}" + (
             f"; runs of other configs in the experiment, not counted: {counted.other_config}" if counted.other_config else ""),
     ]

@@ -8,6 +8,7 @@ import mlflow
 import pytest
 import yaml
 
+import core.config
 import core.loop
 from core.errors import UserError
 from core.study import FRESH_SCORE, expand, load_spec, main, tracking_uri
@@ -95,6 +96,8 @@ def test_a_tiny_study_runs_is_resumed_after_an_interruption_and_writes_its_resul
             "--frames-scale", "0.01", "--reps", "200", "--store", str(store), "--out", str(out), "--set", *TINY, f"cache_dir={tmp_path / 'cache'}"]
     real = core.loop.run_experiment
     calls: list[str] = []
+    same_code = lambda: monkeypatch.setattr(core.config, "framework_hash", lambda: "code")  # noqa: E731 - others may edit the checkout meanwhile
+    same_code()
 
     def interrupted_on_the_fourth(config, extra_plugins=(), tags=None):
         calls.append(str(config.run_name))
@@ -109,6 +112,7 @@ def test_a_tiny_study_runs_is_resumed_after_an_interruption_and_writes_its_resul
     assert not out.exists()
 
     monkeypatch.undo()
+    same_code()
     monkeypatch.setattr(core.loop, "run_experiment", lambda c, e=(), tags=None: calls.append(str(c.run_name)) or real(c, e, tags))
     calls.clear()
     assert main(argv) == 0
@@ -124,7 +128,7 @@ def test_a_tiny_study_runs_is_resumed_after_an_interruption_and_writes_its_resul
     text = out.read_text()
     assert "A reduced run of the study" in text
     assert "- Command: `python -m core.study results --tasks cartpole,mountaincar --arms sparse,human" in text
-    assert "- Commit: `" in text and "- Machine: " in text and " cores" in text and "load average" in text
+    assert "- Commit: `" in text and "- Machine: " in text and " cores" in text and "load average" in text and "as the cells started" in text
     assert "- Study wall time: " in text and "summed over the 8 counted runs" in text
     assert "this invocation ran 0 cell(s) and skipped 8" in text
     assert "| task (fitness) | sparse | human |" in text
@@ -133,6 +137,31 @@ def test_a_tiny_study_runs_is_resumed_after_an_interruption_and_writes_its_resul
     assert "KILLED" not in text.split("## Runs left out")[0]  # the interrupted attempt is not counted
     for figure in ("cartpole_final.png", "cartpole_curves.png", "mountaincar_final.png"):
         assert (out.parent / "results" / figure).exists() and f"(results/{figure})" in text
+
+    assert main([*argv, "--report-only"]) == 0 and calls == []
+    rewritten = out.read_text()
+    assert "rewritten from the finished cells (`--report-only`)" in rewritten
+    assert "--report-only`" not in rewritten.split("- Commit")[0]  # the command shown is the one that runs the cells
+    assert rewritten.split("## Scores")[1] == text.split("## Scores")[1]  # the same numbers
+
+
+def test_edited_code_makes_new_cells(tmp_path, monkeypatch, capsys):
+    """The resume key follows the framework's and the arm's plugin code: a finished cell of other code is not reused."""
+    from core.study import plan
+
+    spec = load_spec("results")
+    cells = expand(spec, tasks=["cartpole"], arms=["human", "eureka"], seeds=[0])
+    monkeypatch.setattr(core.config, "framework_hash", lambda: "a")
+    before = {p.cell.name: p for p in plan(cells, "results", tmp_path)}
+    monkeypatch.setattr(core.config, "framework_hash", lambda: "b")
+    after = {p.cell.name: p for p in plan(cells, "results", tmp_path)}
+    for name in before:
+        assert before[name].config_key == after[name].config_key  # the same config ...
+        assert before[name].key != after[name].key  # ... but other code: the cell runs again
+    monkeypatch.setattr(core.config, "source_hash", lambda module: "edited")
+    edited = {p.cell.name: p for p in plan(cells, "results", tmp_path)}
+    assert edited["human-cartpole-s0"].key == after["human-cartpole-s0"].key  # no plugin: untouched
+    assert edited["eureka-cartpole-s0"].key != after["eureka-cartpole-s0"].key
 
 
 def _spec(tmp_path: Path, arms: dict) -> Path:
