@@ -12,8 +12,9 @@ is free (:func:`read_cpu`: idle time of the cores this process may use over half
 second, from ``/proc/stat``; psutil or the load average elsewhere) and trains at most
 :func:`plan_workers` jobs at once: one for the driver's own core (a serial training
 would compete for it anyway) plus one per free core, never more than the cores or the
-jobs. When that is one, the batch trains in this process, so a busy machine never
-makes parallel training slower than serial. Every worker runs one torch/OpenMP thread.
+jobs. When that is one, the batch trains in this process: with no core to spare, the
+executor is the serial baseline rather than more processes competing for the same
+cores. Every worker runs one torch/OpenMP thread.
 """
 
 from __future__ import annotations
