@@ -197,7 +197,7 @@ class TrainResult:
     error_kind: str = ""  # sandbox category or exception class
     run_id: str = ""  # MLflow run of this candidate
     policy_path: str = ""  # saved policy weights, if any
-    final_policy: bytes = field(default=b"", repr=False)  # the trained state, when the candidate kept it (StartPolicy.of)
+    final_policy: bytes = field(default=b"", repr=False)  # the trained state when the candidate kept it (StartPolicy.of)
 
     @property
     def score(self) -> float:

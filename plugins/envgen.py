@@ -9,10 +9,18 @@ Embodied Agents"):
 2. Each config is validated against the parameter schema; what the game implies is
    repaired (a starting item that needs a tool also gets the tool); invalid output is
    sent back to the LLM, which tries again.
-3. Training cycles: the agent trains on a mix of the generated envs and the original
-   env, is evaluated on the original env, and the per-achievement success rates
-   (mean +- std over evaluation episodes) go back to the LLM, which updates the envs.
-   The conversation history is kept; the run makes only a few LLM calls.
+3. Training cycles, one agent throughout (``continue_training``, the paper's way): each
+   cycle continues the previous cycle's agent (actor, critic and Adam state) for its
+   share of the frames, first in the generated envs (``generated_share`` of the cycle),
+   then in the original env. The agent is evaluated on the original env and the
+   per-achievement success rates (mean +- std over evaluation episodes) go back to the
+   LLM, which updates the envs. ``trainer.frames`` is split over the cycles, so the final
+   agent has trained exactly as many frames as one plain PPO training. The conversation
+   history is kept; the run makes only a few LLM calls.
+
+   ``continue_training: false`` keeps the from-scratch variant: every cycle trains a
+   fresh agent for ``trainer.frames`` on a mix of the original env
+   (``original_share`` of the vector envs) and the generated ones.
 
 The hook is generic: any task that declares ``params`` (:class:`core.envs.task.ParamSpec`)
 can use it. Repair rules come from the config (``rules``) and from the task's optional
@@ -31,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from core import PluginConfig, hookimpl
-from core.records import Candidate, EnvConfig, IterationResult, TrainResult
+from core.records import Candidate, EnvConfig, IterationResult, StartPolicy, TrainResult
 
 NAME = "envgen"
 ORIGINAL = "original"
@@ -64,9 +72,11 @@ CRAFTER_RULES = (
 class Config(PluginConfig):
     """``plugins.envgen``; ``iterations`` and ``final_seeds`` come from :class:`core.PluginConfig`."""
 
-    iterations: int = 4  # training cycles: generate envs, train on the mix, evaluate, feed back (paper: 4)
+    iterations: int = 4  # training cycles: generate envs, train, evaluate on the original env, feed back (paper: 4)
     num_envs: int = 4  # environment configs the LLM writes per cycle (paper: 4)
-    original_share: float = 0.5  # share of the training envs that run the original env (the rest split among the generated ones)
+    continue_training: bool = True  # one agent across cycles, trainer.frames split over them (paper); false: a fresh agent per cycle
+    generated_share: float = 0.5  # continue_training: share of each cycle's frames in the generated envs, the rest in the original env after them (paper: 0.96M of 1.96M steps)
+    original_share: float = 0.5  # from scratch: share of the training envs that run the original env (the rest split among the generated ones)
     retries: int = 1  # extra LLM calls per cycle when configs are invalid (the errors are fed back)
     history: int = 3  # earlier exchanges kept in the conversation (besides the first prompt)
     temperature: float = 0.7  # sampling temperature
@@ -82,8 +92,9 @@ class Config(PluginConfig):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
-        if not 0.0 <= self.original_share <= 1.0:
-            raise ValueError(f"original_share must be in [0, 1], got {self.original_share}")
+        for name in ("original_share", "generated_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         for i, rule in enumerate(self.rules):
@@ -115,14 +126,17 @@ Write {n} different environment configs as a JSON list. Each item is an object
 {{"name": "...", "purpose": "<the skills it trains, one sentence>", "params": {{...}}}}.
 Example item: {example}"""
 
-FEEDBACK = """We trained the agent on your environments mixed with the original one and
-evaluated it in the original game. Success rate of each achievement over the evaluation
-episodes (percent, mean +- std):
+FEEDBACK = """We trained the agent {how} and evaluated it in the original game.
+Success rate of each achievement over the evaluation episodes (percent, mean +- std):
 {rates}
 Overall {fitness_name}: {fitness:.3g}.
 
 Write {n} updated environment configs (same JSON format) that help the agent improve at the
 achievements it rarely or never unlocks, while keeping the skills it has."""
+
+#: how a cycle trained, for FEEDBACK (continue_training true / false)
+HOW = {True: "in your environments, then in the original game (the same agent as before, trained further)",
+       False: "from scratch on your environments mixed with the original one"}
 
 INVALID = """Your configs could not be used:
 {errors}
@@ -313,8 +327,9 @@ def configs_from_reply(reply: str, specs: list[Any], rules: list[Rule], n: int) 
 
 
 def training_mix(configs: list[EnvConfig], original_share: float) -> list[EnvConfig]:
-    """The original env (default params) with ``original_share`` of the weight, the rest split."""
-    share = min(max(original_share, 0.0), 1.0)
+    """The original env (default params) with ``original_share`` of the weight, the rest split
+    (the original env alone when there are no configs)."""
+    share = min(max(original_share, 0.0), 1.0) if configs else 1.0
     rest = (1.0 - share) / max(1, len(configs))
     mix = [EnvConfig(ORIGINAL, {}, "the original environment", share)] if share > 0 else []
     return mix + [EnvConfig(c.name, dict(c.params), c.purpose, rest) for c in configs]
@@ -379,14 +394,20 @@ class Plugin:
         self.cfg = config
         self.messages: list[dict[str, str]] = []  # system + first prompt + the latest exchanges
         self.configs: list[EnvConfig] = []  # the latest cycle's generated envs
+        self.mixes: list[list[EnvConfig]] = []  # every training mix proposed (to know this plugin's candidates)
+        self.agent: StartPolicy | None = None  # continue_training: the agent the next cycle continues
         self.log: list[str] = []  # repairs and rejections so far
 
     @hookimpl
     def on_run_start(self, run) -> None:
-        if not run.task.params:
-            from core.errors import UserError
+        from core.errors import UserError
 
+        if not run.task.params:
             raise UserError(f"envgen needs a task with controllable params; '{run.task.name}' declares none.")
+        trainer = str((run.config.get("trainer") or {}).get("name", "ppo"))
+        if self.cfg.continue_training and trainer != "ppo":
+            raise UserError(f"plugins.envgen.continue_training continues one PPO agent across cycles; trainer={trainer} "
+                            "cannot. Use trainer=ppo, or plugins.envgen.continue_training=false (a fresh agent per cycle).")
 
     @hookimpl
     def generate_envs(self, run, iteration: int) -> list[list[EnvConfig]] | None:
@@ -419,10 +440,44 @@ class Plugin:
         if not configs:  # nothing usable: keep the last cycle's envs rather than stop
             configs = self.configs
         self.configs = configs
-        mix = training_mix(configs, cfg.original_share)
+        mix = training_mix(configs, 0.0 if cfg.continue_training else cfg.original_share)
+        self.mixes.append(mix)
         run.log_text(f"{NAME}/it{iteration}-envs.json", json.dumps([c.__dict__ for c in mix], indent=2))
-        run.log_metrics({f"{NAME}/generated_envs": len(configs), f"{NAME}/original_share": mix[0].weight if mix and mix[0].name == ORIGINAL else 0.0}, step=iteration)
+        original = (1.0 - cfg.generated_share if cfg.continue_training  # of the cycle's frames, after the generated envs
+                    else mix[0].weight if mix and mix[0].name == ORIGINAL else 0.0)  # of the vector envs
+        run.log_metrics({f"{NAME}/generated_envs": len(configs), f"{NAME}/original_share": original}, step=iteration)
         return [mix]
+
+    @hookimpl
+    def prepare_candidates(self, run, candidates: list[Candidate]) -> None:
+        """continue_training: this cycle's candidates continue the agent, for the cycle's frames.
+
+        Cycle ``k`` of ``K`` (the run's iterations) ends where ``(k + 1) / K`` of
+        ``trainer.frames`` is reached, counted over the agent's whole life, so the final
+        agent has trained exactly what one plain training does (the trainer rounds each
+        cycle down to whole batches; the next cycle makes up for it).
+        """
+        cfg = self.cfg
+        mine = [c for c in candidates if self._is_mine(c)]
+        if not cfg.continue_training or not mine:
+            return
+        total = int(run.config.trainer.frames)
+        target = total * (mine[0].iteration + 1) // max(1, run.iterations)
+        before = self.agent.frames if self.agent is not None else 0
+        for c in mine:
+            c.start = self.agent
+            c.frames = max(1, target - before)
+            c.original_after = 1.0 - cfg.generated_share
+            c.keep_policy = True
+
+    @hookimpl
+    def on_iteration_end(self, run, result: IterationResult) -> None:
+        """continue_training: the best of this cycle's trained agents is the one the next cycle continues."""
+        kept = [(c, r) for c, r in zip(result.candidates, result.results) if self._is_mine(c) and r.ok and r.final_policy]
+        if not self.cfg.continue_training or not kept:
+            return  # (a cycle that failed leaves the agent as it was: its frames are lost)
+        self.agent = StartPolicy.of(*max(kept, key=lambda cr: cr[1].score))
+        run.log_metrics({f"{NAME}/agent_frames": self.agent.frames}, step=result.iteration)
 
     @hookimpl
     def reflect(self, run, result: IterationResult) -> str | None:
@@ -437,7 +492,8 @@ class Plugin:
             _, best = max(ok, key=lambda cr: cr[1].score)
             rates = achievement_rates(best)
             run.log_metrics({f"{NAME}/success_{a}": m for a, (m, _) in rates.items()}, step=result.iteration)
-            text = FEEDBACK.format(rates=format_rates(rates), fitness_name=best.fitness.name, fitness=best.score, n=cfg.num_envs)  # type: ignore[union-attr]
+            text = FEEDBACK.format(how=HOW[cfg.continue_training], rates=format_rates(rates),
+                                   fitness_name=best.fitness.name, fitness=best.score, n=cfg.num_envs)  # type: ignore[union-attr]
         self.messages.append({"role": "user", "content": text})
         keep = 2 + 2 * cfg.history  # system + first prompt + the last `history` exchanges
         if len(self.messages) > keep:
@@ -450,4 +506,4 @@ class Plugin:
             run.log_text(f"{NAME}/repairs.txt", "\n".join(self.log))
 
     def _is_mine(self, candidate: Candidate) -> bool:
-        return any(e.name == ORIGINAL for e in candidate.envs) or bool(candidate.envs and candidate.envs == self.configs)
+        return bool(candidate.envs) and candidate.envs in self.mixes

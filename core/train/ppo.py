@@ -301,7 +301,8 @@ class _Run:
         macro_metrics: dict[str, float] = {}
         for k, (stage, n) in enumerate(stages):
             if k:  # the next stage's env (the original one), the same networks
-                self.cenv = CandidateEnv(self.task, stage, cfg.num_envs, self.seed + self.before + self.frames, hook, ctx)
+                seed = self.seed + self.before + self.frames
+                self.cenv = CandidateEnv(self.task, stage, cfg.num_envs, seed, hook, ctx)
                 self.env, self.base = self.cenv.env, self.cenv.base
             try:
                 self.train_stage(n)
@@ -380,7 +381,8 @@ class _Run:
                 if ctx is not None:
                     for key, value in stats.items():
                         ctx.log_metric(key, value)
-                if cenv.program_reward is not None and (self.batch % self.sample_every == 0 or self.frames >= self.total):
+                sample = self.batch % self.sample_every == 0 or self.frames >= self.total
+                if cenv.program_reward is not None and sample:
                     self._sample_components(self.frames)
                 if self.frames >= self.next_eval and self.frames < self.total:
                     self._evaluate(self.frames)
@@ -413,7 +415,8 @@ class _Run:
         mine = {"obs_dim": self.cenv.obs_dim, "hidden": list(self.cfg.hidden), "discrete": self.nets.discrete}
         theirs = {k: state.get(k) for k in mine}
         if theirs != mine:
-            raise ValueError(f"the start policy from {self.candidate.start.source} does not fit this training: "  # type: ignore[union-attr]
+            source = self.candidate.start.source if self.candidate.start is not None else "?"
+            raise ValueError(f"the start policy from {source} does not fit this training: "
                              f"it has {theirs}, this candidate's networks need {mine}")
         self.nets.actor_net.load_state_dict(state["actor"])
         self.nets.critic_net.load_state_dict(state["critic"])

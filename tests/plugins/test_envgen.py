@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from fakes import ScriptedLLM, make_run, plugin_object, texts_of
+from fakes import FAKE_LLM_OVERRIDES, MARK, ScriptedLLM, answer, install_fake_litellm, make_run, plugin_object, texts_of
 from omegaconf import OmegaConf
 
 from core.config import typed
@@ -38,9 +38,10 @@ class FakeTask:
 YAML = Path(__file__).parents[2] / "conf/plugins/envgen.yaml"
 
 
-def make(replies: list[str], task=None, **overrides):
+def make(replies: list[str], task=None, config=None, **overrides):
     """A started plugin and its run; the LLM answers ``replies`` in order."""
-    run = make_run(task or FakeTask(), ScriptedLLM(list(replies)), plugin=envgen.NAME, module=envgen, overrides=overrides)
+    run = make_run(task or FakeTask(), ScriptedLLM(list(replies)), plugin=envgen.NAME, module=envgen, overrides=overrides,
+                   config=config)
     plugin = envgen.Plugin(run.plugin_config(envgen.NAME))
     plugin.on_run_start(run=run)
     return plugin, run
@@ -92,10 +93,55 @@ def test_generate_envs_uses_salvaged_configs_when_retries_are_spent():
     reply = json.dumps([{"name": "forest", "params": {"biome": "forest", "start_wood_pickaxe": 1}}])
     plugin, run = make([reply], num_envs=1, retries=0)
     (mix,) = plugin.generate_envs(run, 0)
-    assert [c.name for c in mix] == ["original", "forest"] and mix[1].params == {"start_wood_pickaxe": 1}
+    assert [c.name for c in mix] == ["forest"] and mix[0].params == {"start_wood_pickaxe": 1}
     assert any("without its invalid parameters" in line for line in plugin.log)
     plugin.on_run_end(run, None)
     assert "without its invalid parameters" in texts_of(run)["envgen/repairs.txt"]
+
+
+@pytest.mark.parametrize("continuing,names,weights", [(True, ["a", "b"], [0.5, 0.5]),
+                                                       (False, ["original", "a", "b"], [0.5, 0.25, 0.25])])
+def test_the_training_mix_of_each_variant(continuing, names, weights):
+    """Continuing, the generated stage trains on the generated envs alone (the original env comes after);
+    from scratch, the original env keeps ``original_share`` of the mix."""
+    good = json.dumps([{"name": "a", "params": {"biome": "mountain"}}, {"name": "b", "params": {}}])
+    plugin, run = make([good], num_envs=2, retries=0, continue_training=continuing)
+    (mix,) = plugin.generate_envs(run, 0)
+    assert [c.name for c in mix] == names and [c.weight for c in mix] == weights
+
+
+def test_prepare_candidates_continues_the_agent_for_each_cycles_share_of_the_frames():
+    good = json.dumps([{"name": "a", "params": {"biome": "mountain"}}])
+    plugin, run = make([good], config={"trainer": {"frames": 3000}}, num_envs=1, retries=0, iterations=3, generated_share=0.25)
+    others = Candidate("it0-c1", 0)  # a candidate without this plugin's envs is left alone
+    (mix,) = plugin.generate_envs(run, 0)
+    first = Candidate("it0-c0", 0, envs=mix)
+    plugin.prepare_candidates(run, [first, others])
+    assert (first.start, first.frames, first.original_after, first.keep_policy) == (None, 1000, 0.75, True)
+    assert (others.start, others.frames, others.keep_policy) == (None, 0, False)
+    trained = TrainResult("it0-c0", True, fitness=Fitness("crafter_score", 1.0), frames=896, final_policy=b"weights")
+    plugin.on_iteration_end(run, IterationResult(0, [first], [trained]))
+    assert plugin.agent.source == "it0-c0" and plugin.agent.frames == 896
+    assert run.tracker.metrics["envgen/agent_frames"] == 896
+    (mix,) = plugin.generate_envs(run, 1)
+    second = Candidate("it1-c0", 1, envs=mix)
+    plugin.prepare_candidates(run, [second])
+    assert second.start is plugin.agent and second.frames == 2000 - 896  # the cycle ends at 2/3 of the budget
+
+
+def test_from_scratch_candidates_train_as_proposed():
+    good = json.dumps([{"name": "a", "params": {"biome": "mountain"}}])
+    plugin, run = make([good], num_envs=1, retries=0, continue_training=False)
+    (mix,) = plugin.generate_envs(run, 0)
+    candidate = Candidate("it0-c0", 0, envs=mix)
+    plugin.prepare_candidates(run, [candidate])
+    assert (candidate.start, candidate.frames, candidate.original_after, candidate.keep_policy) == (None, 0, 0.0, False)
+
+
+def test_continuing_needs_the_ppo_trainer():
+    with pytest.raises(UserError, match="continue_training"):
+        make([], config={"trainer": {"name": "sac"}})
+    make([], config={"trainer": {"name": "sac"}}, continue_training=False)
 
 
 def test_repair_rules_chain():
@@ -118,7 +164,7 @@ def test_achievement_rates_mean_and_std():
 
 def test_generate_envs_feeds_invalid_output_back():
     good = json.dumps([{"name": "mine", "purpose": "iron", "params": {"start_iron": 1}}, {"name": "hills", "params": {"biome": "mountain"}}])
-    plugin, run = make(["not json at all", good], num_envs=2, retries=1)
+    plugin, run = make(["not json at all", good], num_envs=2, retries=1, continue_training=False)
     (mix,) = plugin.generate_envs(run, 0)
     assert [c.name for c in mix] == ["original", "mine", "hills"]
     assert mix[1].params["start_stone_pickaxe"] == 1  # repaired by a default rule
@@ -185,6 +231,7 @@ def test_config_defaults_are_the_yaml_file():
 
 
 @pytest.mark.parametrize("key,value", [("num_envs", 0), ("history", 0), ("retries", -1), ("original_share", 1.5),
+                                       ("generated_share", -0.1),
                                        ("rules", [{"when": "", "then": "start_iron"}])])
 def test_config_refuses_values_that_cannot_work(key, value):
     with pytest.raises(UserError, match=key):
@@ -204,36 +251,145 @@ def test_crafter_params_validate_against_task():
     env.close()
 
 
+#: two EnvGen cycles on Crafter, in this process, with the shared fake LLM: seconds
+TWO_CYCLES = ["+plugins=[envgen]", "env=minecraft", "env.max_episode_steps=50", "plugins.envgen.iterations=2",
+              "plugins.envgen.num_envs=2", "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=32",
+              "trainer.epochs=1", "trainer.minibatch=64", "trainer.hidden=[16]", "trainer.eval_every=0",
+              "trainer.eval_episodes=1", "executor=inprocess", "save_policy=false", "tracking.log_plots=false",
+              *FAKE_LLM_OVERRIDES]
+
+
+@pytest.fixture
+def stages(monkeypatch):
+    """candidate id -> (flat parameters before, after) per training stage, as PPO ran them."""
+    from core.train import ppo
+
+    seen: dict[str, list[tuple]] = {}
+    train_stage = ppo._Run.train_stage
+
+    def spy(self, batches):
+        before = self.model.params.clone()
+        train_stage(self, batches)
+        done = seen.setdefault(self.candidate.id, [])
+        done.append((before, self.model.params.clone(), self.stages()[len(done)][0].envs))
+
+    monkeypatch.setattr(ppo._Run, "train_stage", spy)
+    return seen
+
+
+def test_the_second_cycle_continues_the_first_cycles_agent(make_config, monkeypatch, stages):
+    import torch
+
+    from core.loop import Loop
+
+    install_fake_litellm(monkeypatch)
+    loop = Loop(make_config(TWO_CYCLES))
+    summary = loop.execute()
+    (c0,), (c1,) = [it.candidates for it in loop.run.history]
+    (r0,), (r1,) = [it.results for it in loop.run.history]
+    assert r0.ok and r1.ok, r0.error + r1.error
+    assert [e.name for e in c0.envs] == ["fake_env_0", "fake_env_1"]  # the LLM's envs, then the original one
+    assert [envs for _, _, envs in stages["it0-c0"]] == [c0.envs, []]
+    assert torch.equal(stages["it1-c0"][0][0], stages["it0-c0"][-1][1])  # starts where the first cycle ended
+    assert c1.start.source == "it0-c0" and c1.start.sha256 and c0.start is None
+    assert r0.frames + r1.frames == 1024  # one plain training's frames, over the two cycles
+    assert summary.best_id == "it1-c0" and summary.frames == 1024
+    again = Loop(make_config(TWO_CYCLES)).execute()  # the same run again: both cycles come from the results store
+    assert again.reused == 2 and again.fitness == summary.fitness
+
+
+def test_the_from_scratch_switch_trains_each_cycle_afresh(make_config, monkeypatch, stages):
+    import torch
+
+    from core.loop import Loop
+
+    install_fake_litellm(monkeypatch)
+    # resume=false: the fake LLM writes the same envs each cycle, and the store would reuse the first training
+    loop = Loop(make_config([*TWO_CYCLES, "plugins.envgen.continue_training=false", "resume=false"]))
+    loop.execute()
+    (c0,), (c1,) = [it.candidates for it in loop.run.history]
+    assert c1.start is None and not c1.keep_policy and [e.name for e in c1.envs][0] == "original"
+    assert len(stages["it1-c0"]) == 1  # one stage: the mix
+    assert torch.equal(stages["it1-c0"][0][0], stages["it0-c0"][0][0])  # the seed's fresh initialisation
+    assert not torch.equal(stages["it1-c0"][0][0], stages["it0-c0"][-1][1])
+    assert [r.frames for it in loop.run.history for r in it.results] == [1024, 1024]
+
+
+def test_final_seeds_retrain_the_whole_chain(make_config, monkeypatch, stages):
+    from core.loop import Loop
+
+    install_fake_litellm(monkeypatch)
+    loop = Loop(make_config([*TWO_CYCLES, "plugins.envgen.final_seeds=1"]))
+    summary = loop.execute()
+    assert len(summary.final_fitness) == 2
+    import torch
+
+    assert torch.equal(stages["it1-c0-seed1"][0][0], stages["it0-c0-seed1"][-1][1])  # the fresh seed's own chain
+    assert not torch.equal(stages["it0-c0-seed1"][0][0], stages["it0-c0"][0][0])
+
+
+@pytest.fixture
+def llm_server():
+    """An OpenAI-compatible chat endpoint on 127.0.0.1 that answers with the shared fake LLM
+    (:func:`fakes.answer`); yields its ``api_base``. A subprocess reaches it like any server."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    class Completions(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the handler's API
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            text = answer(body["messages"])
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                       for i in range(int(body.get("n") or 1))]
+            data = json.dumps({"id": "fake", "object": "chat.completion", "created": 0, "model": body.get("model", "fake"),
+                               "choices": choices, "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data.encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Completions)
+    Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
 @pytest.mark.slow
-def test_end_to_end_eureka_envgen_minecraft(tmp_path):
-    """The command users type first, with a tiny budget: Eureka rewards x EnvGen envs on Crafter."""
+def test_end_to_end_eureka_envgen_minecraft(tmp_path, llm_server):
+    """The command users type first, with a tiny budget: Eureka rewards x EnvGen envs on Crafter.
+
+    The LLM is an OpenAI-compatible server answering with the shared fake LLM (the embedded
+    model took 8 of the 10+ minutes this test used to take under load, on the Eureka prompt
+    alone; its own end-to-end tests are the other plugins'). ~1 minute on 2 busy cores.
+    """
     cmd = [sys.executable, "-m", "core", "+plugins=[eureka,envgen]", "env=minecraft", "env.max_episode_steps=100", "seed=1",
-           "plugins.eureka.iterations=1", "plugins.eureka.samples=2", "plugins.eureka.max_tokens=600",
-           "plugins.envgen.iterations=1", "plugins.envgen.num_envs=2", "plugins.envgen.retries=0", "plugins.envgen.max_tokens=300",
-           "trainer.frames=2048", "trainer.num_envs=4", "trainer.rollout_steps=64", "trainer.epochs=2", "trainer.eval_episodes=4",
+           "plugins.eureka.iterations=1", "plugins.eureka.samples=2",
+           "plugins.envgen.iterations=1", "plugins.envgen.num_envs=2", "plugins.envgen.retries=0",
+           "llm=openai", "llm.model=openai/fake-llm", f"llm.api_base={llm_server}", "llm.api_key_env=null", "llm.retries=0",
+           "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=1", "trainer.eval_episodes=2",
            "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
-    # exit 1 is the app's answer when every candidate failed (the small model's reward code
-    # may not run); the generated envs and the training mix are logged either way
-    all_failed = out.returncode == 1 and "every candidate failed" in out.stdout
-    assert out.returncode == 0 or all_failed, (out.stdout + out.stderr)[-3000:]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     parent = next(r for r in runs if "candidate" not in r.data.tags)
-    assert parent.data.metrics["envgen/generated_envs"] >= 1
+    assert parent.data.metrics["envgen/generated_envs"] == 2
     generated = json.loads(Path(client.download_artifacts(parent.info.run_id, "envgen/it0-envs.json")).read_text())
     children = [r for r in runs if "candidate" in r.data.tags]
-    assert children, out.stdout[-2000:]
-    for child in children:  # every candidate pairs a Eureka reward with the generated training mix
+    assert len(children) == 2, out.stdout[-2000:]
+    for child in children:  # every candidate pairs a Eureka reward with the generated training mix, and trained
         arts = [a.path for a in client.list_artifacts(child.info.run_id)] + [a.path for a in client.list_artifacts(child.info.run_id, "reward")]
         assert "envs.json" in arts and "reward/compute_reward.py" in arts
+        assert MARK in Path(client.download_artifacts(child.info.run_id, "reward/compute_reward.py")).read_text()
         mix = json.loads(Path(client.download_artifacts(child.info.run_id, "envs.json")).read_text())
         assert mix == generated and sum(e["weight"] for e in mix) == pytest.approx(1.0)
-    ok = [r for r in children if r.data.tags.get("ok") == "True"]
-    assert bool(ok) != all_failed, out.stdout[-2000:]
-    if all_failed:
-        return
-    success = [k for k in ok[0].data.metrics if k.startswith("fitness/success_")]
-    assert len(success) == 22  # per-achievement success of every Crafter achievement
+        assert child.data.tags.get("ok") == "True" and child.data.metrics["frames"] == 1024
+        success = [k for k in child.data.metrics if k.startswith("fitness/success_")]
+        assert len(success) == 22  # per-achievement success of every Crafter achievement
