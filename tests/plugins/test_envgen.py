@@ -328,6 +328,34 @@ def test_final_seeds_retrain_the_whole_chain(make_config, monkeypatch, stages):
     assert not torch.equal(stages["it0-c0-seed1"][0][0], stages["it0-c0"][0][0])
 
 
+@pytest.mark.slow
+def test_the_agent_crosses_pool_workers_and_leaves_no_policy_file(make_config, monkeypatch, tmp_path):
+    """Two candidates a cycle (Eureka rewards x EnvGen envs) train in a pool of two workers:
+    the next cycle's candidates load the weights the first cycle's best sent back."""
+    import hashlib
+    import tempfile
+
+    from core.loop import Loop
+
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    monkeypatch.setenv("TMPDIR", str(folder))  # the spawned workers' temp folder
+    install_fake_litellm(monkeypatch)
+    overrides = [*TWO_CYCLES, "+plugins=[eureka,envgen]", "plugins.eureka.iterations=2", "plugins.eureka.samples=2",
+                 "executor=local", "executor.workers=2", "save_policy=true"]
+    loop = Loop(make_config([o for o in overrides if o not in ("+plugins=[envgen]", "executor=inprocess")]))
+    loop.execute()
+    first, second = loop.run.history
+    assert all(r.ok for r in first.results + second.results), [r.error for r in first.results + second.results]
+    best = max(zip(first.candidates, first.results), key=lambda cr: cr[1].score)
+    for candidate, result in zip(second.candidates, second.results):
+        assert candidate.start.source == best[0].id
+        assert candidate.start.sha256 == hashlib.sha256(best[1].final_policy).hexdigest()
+        assert result.metrics["train/start_frames"] == best[1].frames  # the worker loaded the state
+    assert not list(folder.rglob("policy-*.pt"))
+
+
 @pytest.fixture
 def llm_server():
     """An OpenAI-compatible chat endpoint on 127.0.0.1 that answers with the shared fake LLM
