@@ -338,7 +338,7 @@ class _Run:
 
     def stages(self) -> list[tuple[Candidate, int]]:
         """``(candidate, batches)`` per stage: the candidate's envs, then the original env for
-        ``original_after`` of the batches (a stage of no batches is left out, the first never)."""
+        ``original_after`` of the batches; a stage of no batches is left out."""
         total = max(1, self.cfg.frames // self.cfg.frames_per_batch)
         last = int(round(min(1.0, max(0.0, float(self.candidate.original_after))) * total))
         stages = [(self.candidate, total - last), (replace(self.candidate, envs=[]), last)]
