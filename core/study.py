@@ -170,6 +170,7 @@ class Cell:
     search: bool
     final_seeds: int  # fresh-seed retrainings of the best candidate (0 for an arm that does not search)
     frames: int  # trainer.frames of every training
+    extra: tuple[str, ...] = ()  # the overrides given on the command line (--set) that reach this cell
 
     @property
     def name(self) -> str:
@@ -224,7 +225,7 @@ def expand(spec: StudySpec, tasks: list[str] | None = None, arms: list[str] | No
                 mine = [o for o in extra if _plugin_of(o) in (None, *arm.plugins)]
                 overrides = (f"env={task.env}", *spec.overrides, *task.overrides, *plugins, *arm.overrides, *budget,
                              f"seed={seed}", f"final_seeds={final}", *mine)
-                cells.append(Cell(a, t, int(seed), tuple(arm.plugins), overrides, arm.search, final, frames))
+                cells.append(Cell(a, t, int(seed), tuple(arm.plugins), overrides, arm.search, final, frames, tuple(mine)))
     return cells
 
 
@@ -449,7 +450,7 @@ def run_cells(planned: list[PlannedCell], study: str, uri: str, invocation: Invo
                 console.print(f"{where}: [red]crashed[/red] (run again to retry)\n{traceback.format_exc(limit=3)}", highlight=False)
                 continue
             invocation.ran += 1
-            _log_cell_seconds(uri, summary.run_id, time.perf_counter() - began)
+            _record_cell(uri, summary, time.perf_counter() - began)
             final = f", fresh seeds {', '.join(f'{v:.4g}' for v in summary.final_fitness[1:])}" if summary.final_fitness else ""
             console.print(f"{where}: {summary.fitness_name} {summary.fitness:.4g}{final}; {summary.candidates} candidate(s), "
                           f"{time.perf_counter() - began:.0f} s", highlight=False)
@@ -458,12 +459,19 @@ def run_cells(planned: list[PlannedCell], study: str, uri: str, invocation: Invo
         invocation.load_end = load_average()
 
 
-def _log_cell_seconds(uri: str, run_id: str, seconds: float) -> None:
-    """The cell's wall time, setup and recording included (``study/seconds`` on its run)."""
+def _record_cell(uri: str, summary: Any, seconds: float) -> None:
+    """Add to the cell's run its wall time (setup and recording included), its failed
+    candidates and the last line of the first failure, for the report."""
     import mlflow
 
-    if run_id:
-        mlflow.MlflowClient(tracking_uri=uri).log_metric(run_id, "study/seconds", seconds)
+    if not summary.run_id:
+        return
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    client.log_metric(summary.run_id, "study/seconds", seconds)
+    client.log_metric(summary.run_id, "study/failed_candidates", summary.failed)
+    if summary.first_error:
+        last = summary.first_error.strip().splitlines()[-1]
+        client.set_tag(summary.run_id, "study.first_error", last[:300])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -132,6 +132,17 @@ def _failure_note(run: Any, children: list[Any], metric: str) -> str:
     return f"no '{metric}' recorded"
 
 
+def candidate_curve(uri: str, parent_id: str, candidate: str) -> list[tuple[int, float]]:
+    """The fitness-over-frames history of one candidate's nested run (by its id), [] if none."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_run(parent_id).info.experiment_id],
+                              filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}' and tags.candidate = '{candidate}'")
+    points = {int(m.step): float(m.value) for m in client.get_metric_history(runs[0].info.run_id, "fitness")} if runs else {}
+    return sorted(points.items())
+
+
 def _best_curve(client: Any, best: str, children: list[Any], seed: int) -> list[tuple[int, float]]:
     """The fitness-over-frames history of the best candidate's nested run."""
     matches = [c for c in children if c.data.tags.get("candidate") == best]

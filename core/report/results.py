@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from core.report.data import FAILED, OK, StudyRun, load_study
+from core.report.data import FAILED, OK, StudyRun, candidate_curve, load_study
 from core.report.render import number, render_figures, table
 from core.report.study import TaskResult, analyze
 
@@ -67,6 +67,8 @@ def study_runs(planned: list[PlannedCell], uri: str, experiment: str) -> Counted
                 r.status, r.fitness, r.note = FAILED, None, f"no '{metric}' (a fresh-seed retraining failed)"
             else:
                 r.fitness = float(value)
+            if metric != "fitness" and r.tags.get("best_candidate"):  # the curve of the policy that scored
+                r.curve = candidate_curve(uri, r.run_id, f"{r.tags['best_candidate']}-seed{r.seed + 1}") or r.curve
         runs.append(r)
     chosen: dict[tuple[str, str, int], StudyRun] = {}
     for r in sorted(runs, key=lambda r: (r.status == OK, r.start_time)):  # finished and latest win, as in analyze
@@ -253,6 +255,8 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
         a = spec.arms[arm]
         what = f"`+plugins=[{','.join(a.plugins)}]`" if a.plugins else "no plugin"
         overrides = f", `{' '.join(a.overrides)}`" if a.overrides else ""
+        given = next(p.cell.extra for p in planned if p.cell.arm == arm)
+        overrides += f", then from the command line `{' '.join(given)}`" if given else ""
         where = ", ".join(a.tasks) if a.tasks is not None else "every task"
         lines.append(f"- **{arm}** ({what}{overrides}; {'searches' if a.search else 'one training'}; {where}): {a.note}")
     lines += ["", "## The tasks", ""]
@@ -323,21 +327,41 @@ def _task_section(name: str, t: TaskResult | None, arm_names: list[str], applies
         per_seed = ", ".join(f"{s}: {number(v)}" for s, v in a.scores.items()) or "—"
         rows.append([
             a.arm, f"{len(a.scores)}/{len(a.scores) + len(a.failed) + len(a.missing)}", a.iqm.fmt(), a.mean.fmt(), per_seed,
-            number(_mean([search_frames(r) for r in runs])), number(_mean([final_frames(r) for r in runs])),
+            _candidates(runs), number(_mean([search_frames(r) for r in runs])), number(_mean([final_frames(r) for r in runs])),
             number(_mean([r.metrics.get("llm/calls", 0.0) for r in runs])),
             number(_mean([r.metrics.get("llm/latency_s", 0.0) for r in runs])),
             number(_mean([cell_seconds(r) for r in runs])),
             "complete" if a.complete else a.status(),
         ])
-    lines += table(["arm", "n", "IQM [95% CI]", "mean [95% CI]", "per seed", "search frames / run",
+    lines += table(["arm", "n", "IQM [95% CI]", "mean [95% CI]", "per seed", "candidates (failed)", "search frames / run",
                      "final-policy frames", "LLM calls / run", "LLM time / run (s)", "wall time / run (s)", "status"], rows)
     pairs = [(x, y, p) for x, y, p in t.improvement if np.isfinite(p.value)
              and not (x in BASELINES and BASELINES.index(x) < BASELINES.index(y))]  # human > sparse, not both ways
     if pairs:
         lines += ["", "| X | Y | P(X > Y) [95% CI] |", "|---|---|---|"]
         lines += [f"| {x} | {y} | {p.fmt()} |" for x, y, p in pairs]
-    lines += [""] + [f"![{Path(f).stem}]({f})" for f in figures]
+    failures = [f"- `{r.name}`: {int(r.metrics['study/failed_candidates'])} of {int(r.metrics.get('candidates', 0))} "
+                f"candidate(s) failed; the first: {r.tags.get('study.first_error', 'no error recorded')}"
+                for r in sorted(runs_of(chosen, name), key=lambda r: r.name) if r.metrics.get("study/failed_candidates")]
+    if failures:
+        lines += ["", "Failed candidates (a search goes on with the others):", "", *failures]
+    if figures:
+        lines += ["", "Figures: each run's final score with the arm's IQM and CI; the final policy's training curve "
+                  "(for an arm that searches, its best candidate's first fresh-seed retraining), IQM over seeds.", ""]
+    lines += [f"![{Path(f).stem}]({f})" for f in figures]
     return lines
+
+
+def runs_of(chosen: dict[tuple[str, str, int], StudyRun], task: str) -> list[StudyRun]:
+    return [r for (t, _, _), r in chosen.items() if t == task]
+
+
+def _candidates(runs: list[StudyRun]) -> str:
+    """Candidates trained per run (mean) and the failed ones in total, e.g. ``2 (1)``."""
+    total = _mean([r.metrics.get("candidates", float("nan")) for r in runs])
+    failed = sum(int(r.metrics.get("study/failed_candidates", 0)) for r in runs)
+    recorded = any("study/failed_candidates" in r.metrics for r in runs)
+    return f"{number(total)} ({failed})" if recorded else number(total)
 
 
 __all__ = ["BASELINES", "Counted", "check_target", "render_results", "study_runs", "write_results"]

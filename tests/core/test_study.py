@@ -189,6 +189,7 @@ def test_a_search_arm_is_scored_on_fresh_seeds(tmp_path):
     text = (tmp_path / "check.md").read_text()
     row = next(line for line in text.splitlines() if line.startswith("| cartpole (return) |"))
     assert f"{picked[FRESH_SCORE]:.3g} [" in row.split("|")[3]  # the picked column shows the fresh-seed score
+    assert "| picked | 1/1 |" in text and "| 1 (0) |" in text  # one candidate, none failed
 
 
 def test_an_llm_arm_reports_its_llm_cost(tmp_path, monkeypatch):
