@@ -230,7 +230,7 @@ def expand(spec: StudySpec, tasks: list[str] | None = None, arms: list[str] | No
 
 
 def _plugin_of(override: str) -> str | None:
-    """The plugin whose knob an override sets (``plugins.eureka.samples=2`` -> ``eureka``), else None."""
+    """The plugin whose knob an override sets (``plugins.<name>.<key>=...`` -> ``<name>``), else None."""
     match = re.match(r"^\+{0,2}plugins\.([\w\-]+)\.", override)
     return match.group(1) if match else None
 
@@ -238,8 +238,8 @@ def _plugin_of(override: str) -> str | None:
 def compose_cell(cell: Cell, experiment: str, store: Path) -> DictConfig:
     """The cell's run config: the shipped config with its overrides, recorded in the study's store.
 
-    The caches (LLM replies, text2reward's library, LaRes's case base) are the study's own,
-    ``<store>/cache``, unless an override sets ``cache_dir``: replies cached by earlier
+    The caches (LLM replies, the libraries plugins keep under ``cache_dir``) are the study's
+    own, ``<store>/cache``, unless an override sets ``cache_dir``: replies cached by earlier
     runs would cost no LLM time, and libraries grown elsewhere would leak into the arms.
     """
     from hydra import compose, initialize_config_dir
