@@ -21,8 +21,10 @@ run, where the worker sleeps between calls and must be scheduled again each time
 busy machine this, not the crossing itself, is most of the cost). Runs alternate
 in pairs, back to back and in alternating order, so that other load on the machine hurts
 both alike: ``ratio`` and ``per_step_ratio`` are the medians of the pairs' ratios (as in
-``trainer_throughput.py``), ``best_ratio`` the best program run over the best env run;
-the load average is printed before and after.
+``trainer_throughput.py``), ``best_ratio`` the best program run over the best env run.
+``cpu_ratio`` and ``per_step_cpu_ratio`` compare CPU time instead of wall time (the
+trainer's process plus the worker's), the cost of the sandbox without the waits for a
+CPU that a busy machine adds. The load average is printed before and after.
 Prints one JSON object::
 
     {"ratio": ..., "per_step_ratio": ..., "call_overhead_us": ..., "env_reward_fps": ..., ...}
@@ -80,10 +82,13 @@ def _hook() -> Any:
 
 
 def fps(candidate: Candidate, frames: int, seed: int, hook: Any = None) -> tuple[float, dict[str, Any]]:
+    """Training frames/s (wall clock); the metrics also hold ``cpu_s``: the trainer's CPU time plus the worker's."""
     cfg = PPOConfig(frames=frames, eval_every=0, eval_episodes=0)
+    cpu = time.process_time()
     result = train(cartpole_task(), candidate, cfg, seed=seed, hook=hook)
     if not result.ok:
         raise RuntimeError(f"{result.error_kind}: {result.error}")
+    result.metrics["cpu_s"] = time.process_time() - cpu + result.metrics.get("sandbox/worker_cpu_seconds", 0.0)
     return result.metrics["charts/fps"], result.metrics
 
 
@@ -127,7 +132,7 @@ def main() -> None:
     coded = Candidate(id="program-reward", iteration=0,
                       reward=RewardProgram(source=PROGRAM, entry="compute_reward", origin="benchmark"))
     best: dict[str, float] = {"env": 0.0, "program": 0.0, "env_step": 0.0, "program_step": 0.0}
-    pairs: dict[str, list[float]] = {"batched": [], "per_step": []}
+    pairs: dict[str, list[float]] = {"batched": [], "per_step": [], "batched_cpu": [], "per_step_cpu": []}
     metrics: dict[str, Any] = {}
     step_metrics: dict[str, Any] = {}
     fps(coded, 2048, args.seed)  # start the sandbox's zygote (once per process) outside the timing
@@ -138,11 +143,15 @@ def main() -> None:
     for i in range(args.repeats):
         # each pair back to back, in alternating order, so that load from elsewhere hurts both alike
         if i % 2 == 0:
-            env, (program, metrics) = fps(plain, args.frames, args.seed)[0], coded_run(None)
-            env_step, (program_step, step_metrics) = fps(plain, args.frames, args.seed, _hook())[0], coded_run(_hook())
+            (env, env_metrics), (program, metrics) = fps(plain, args.frames, args.seed), coded_run(None)
+            (env_step, env_step_metrics), (program_step, step_metrics) = (fps(plain, args.frames, args.seed, _hook()),
+                                                                          coded_run(_hook()))
         else:
-            (program, metrics), env = coded_run(None), fps(plain, args.frames, args.seed)[0]
-            (program_step, step_metrics), env_step = coded_run(_hook()), fps(plain, args.frames, args.seed, _hook())[0]
+            (program, metrics), (env, env_metrics) = coded_run(None), fps(plain, args.frames, args.seed)
+            (program_step, step_metrics), (env_step, env_step_metrics) = (coded_run(_hook()),
+                                                                          fps(plain, args.frames, args.seed, _hook()))
+        pairs["batched_cpu"].append(env_metrics["cpu_s"] / metrics["cpu_s"])
+        pairs["per_step_cpu"].append(env_step_metrics["cpu_s"] / step_metrics["cpu_s"])
         for key, value in (("env", env), ("program", program), ("env_step", env_step), ("program_step", program_step)):
             best[key] = max(best[key], value)
         pairs["batched"].append(program / env)
@@ -154,6 +163,8 @@ def main() -> None:
         "call_overhead_us": overhead["call_overhead_us"],
         "best_ratio": round(best["program"] / best["env"], 3),
         "per_step_best_ratio": round(best["program_step"] / best["env_step"], 3),
+        "cpu_ratio": round(statistics.median(pairs["batched_cpu"]), 3),
+        "per_step_cpu_ratio": round(statistics.median(pairs["per_step_cpu"]), 3),
         "pair_ratios": [round(r, 3) for r in pairs["batched"]],
         "per_step_pair_ratios": [round(r, 3) for r in pairs["per_step"]],
         "env_reward_fps": round(best["env"], 1), "program_reward_fps": round(best["program"], 1),

@@ -11,6 +11,7 @@ call, a report.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
@@ -18,8 +19,8 @@ import torch
 
 from core.records import Program, RewardProgram, StateProgram
 from core.sandbox.host import ProgramWorker
-from core.sandbox.programs import (REWARD_ARGS, STATE_ARGS, Invalid, batch_size, check_source, features_from,
-                                   reward_from, task_fields, validate_reward, validate_state, value_from)
+from core.sandbox.programs import (REWARD_ARGS, STATE_ARGS, Invalid, batch_size, check_source, task_fields,
+                                   validate_reward, validate_state)
 from core.sandbox.reports import DEFAULT_IMPORTS, Limits, SandboxError, SandboxReport
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,18 +32,6 @@ Validator = Callable[[Any, tuple[Any, ...]], SandboxReport]
 def role_of(program: Program) -> str:
     """How a program's value is shaped: ``reward``, ``state`` or ``value`` (anything else)."""
     return "reward" if isinstance(program, RewardProgram) else "state" if isinstance(program, StateProgram) else "value"
-
-
-def _assemble(role: str, named: list[tuple[str, Any]], batch: int) -> Any:
-    """The host's checked value: ``(reward, components)``, features, or a tensor."""
-    try:
-        if role == "reward":
-            return reward_from(named, batch)
-        if role == "state":
-            return features_from(named, batch)
-        return value_from(named)
-    except Invalid as e:
-        raise SandboxError(e.report()) from None
 
 
 def _retry_per_row(report: SandboxReport) -> bool:
@@ -67,8 +56,7 @@ def probe(worker: ProgramWorker, program: Program, args: tuple[Any, ...], *, arg
     batch = batch_size(args) if role != "value" else 0
 
     def attempt(per_row: bool) -> Any:
-        named = worker.call(handle, args, role=role, per_row=per_row, count=False, printed=True, split=split)
-        return _assemble(role, named, batch)
+        return worker.call(handle, args, role=role, batch=batch, per_row=per_row, count=False, printed=True, split=split)
 
     note = ""
     try:
@@ -110,8 +98,6 @@ def run_isolated(
     """
     limits = limits or Limits()
     if _skip_check:
-        from dataclasses import replace
-
         limits = replace(limits, static_check=False)
     if limits.static_check:
         report = check_source(program.source, program.entry, allowed_imports=allowed_imports)
@@ -178,12 +164,12 @@ class _WorkerFunction:
         self.fields = fields  # the task's state fields, for calls on whole observations
         self.call_timeout_s = limits.call_timeout_s
 
-    def _named(self, args: tuple[Any, ...], split: tuple[int, ...] = ()) -> list[tuple[str, Any]]:
+    def _call(self, args: tuple[Any, ...], batch: int, split: tuple[int, ...] = ()) -> Any:
         if self.worker is None or self.handle is None:  # unpickled: a worker of its own
             self.worker = ProgramWorker(self.limits, self.allowed_imports)
             self.owns_worker = True
             self.handle = self.worker.load(self.program, role=self.role, fields=self.fields)
-        return self.worker.call(self.handle, args, role=self.role, per_row=self.per_row, split=split)
+        return self.worker.call(self.handle, args, role=self.role, batch=batch, per_row=self.per_row, split=split)
 
     def close(self) -> None:
         """End the worker if this function started it (a shared worker is closed by its owner)."""
@@ -224,14 +210,14 @@ class RewardFunction(_WorkerFunction):
     def __call__(self, state: dict[str, torch.Tensor], action: torch.Tensor,
                  next_state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         args = (state, action, next_state)
-        return _assemble("reward", self._named(args), batch_size(args))
+        return self._call(args, batch_size(args))
 
     def from_obs(self, obs: torch.Tensor, action: torch.Tensor,
                  next_obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The same on whole observations ``[B, obs_dim]``, named in the worker (fewer tensors cross)."""
         if self.fields is None:
             raise ValueError("this reward function was prepared without the task's fields")
-        return _assemble("reward", self._named((obs, action, next_obs), split=(0, 2)), int(obs.shape[0]))
+        return self._call((obs, action, next_obs), int(obs.shape[0]), split=(0, 2))
 
     def _extra(self) -> dict[str, Any]:
         return {"per_row": self.per_row, "fields": self.fields, "components": self.component_names}
@@ -251,13 +237,13 @@ class StateFunction(_WorkerFunction):
 
     def __call__(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
         args = (state,)
-        return self._checked(_assemble("state", self._named(args), batch_size(args)))
+        return self._checked(self._call(args, batch_size(args)))
 
     def from_obs(self, obs: torch.Tensor) -> torch.Tensor:
         """The same on whole observations ``[B, obs_dim]``, named in the worker."""
         if self.fields is None:
             raise ValueError("this state function was prepared without the task's fields")
-        return self._checked(_assemble("state", self._named((obs,), split=(0,)), int(obs.shape[0])))
+        return self._checked(self._call((obs,), int(obs.shape[0]), split=(0,)))
 
     def _checked(self, feats: torch.Tensor) -> torch.Tensor:
         if feats.shape[1] != self.extra_dim:

@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Iterator
 
 from core.records import Program
 from core.sandbox import wire
+from core.sandbox.programs import Invalid, checked_result, component_names
 from core.sandbox.reports import DEFAULT_IMPORTS, KINDS, MESSAGE_CHARS, Limits, SandboxError, SandboxReport, fail
 from core.sandbox.worker import SAME
 
@@ -334,13 +335,12 @@ class ProgramWorker:
 
     >>> worker = ProgramWorker(Limits(), ("math", "torch"))
     >>> handle = worker.load(program, role="reward", arg_names=REWARD_ARGS)
-    >>> named = worker.call(handle, (state, action, next_state), role="reward")
+    >>> reward, components = worker.call(handle, (state, action, next_state), role="reward", batch=8)
 
     ``role`` says how the worker shapes a value before it crosses back: ``reward``
     (``reward [B]`` plus ``c:<name>`` components), ``state`` (``features [B, k]``) or
-    ``value`` (a small tensor). The results are copies, checked for size, dtype and
-    shape on the way; what they mean is checked by the caller
-    (:func:`core.sandbox.programs.reward_from` and friends).
+    ``value`` (a small tensor). The results are copies, checked in the host
+    (:func:`core.sandbox.programs.checked_result`).
     """
 
     def __init__(self, limits: Limits | None = None, allowed_imports: tuple[str, ...] | list[str] = DEFAULT_IMPORTS) -> None:
@@ -373,6 +373,7 @@ class ProgramWorker:
     # -- life ----------------------------------------------------------------------------------
     def _start(self) -> None:
         limits, proc = self.limits, self._proc
+        Zygote.shared()  # the first in a process imports torch (seconds): not the worker's start-up time
         deadline = time.monotonic() + limits.wall_s
         proc.arenas = [wire.Arena(wire.MIN_ARENA), wire.Arena(wire.MIN_ARENA)]
         host, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -570,9 +571,13 @@ class ProgramWorker:
                 raise SandboxError(report_from(reply["report"]))
             return handle
 
-    def call(self, handle: int, args: tuple[Any, ...], *, role: str, per_row: bool = False,
-             count: bool = True, printed: bool = False, split: tuple[int, ...] = ()) -> list[tuple[str, Any]]:
-        """Call a loaded program on ``args`` (tensors, dicts of tensors); its named result tensors.
+    def call(self, handle: int, args: tuple[Any, ...], *, role: str, batch: int = 0, per_row: bool = False,
+             count: bool = True, printed: bool = False, split: tuple[int, ...] = ()) -> Any:
+        """Call a loaded program on ``args`` (tensors, dicts of tensors); its checked value.
+
+        ``reward`` (``batch`` rows): ``(reward [B], {name: [B]})``; ``state``: features
+        ``[B, k]``; both float32, finite, copies of what the worker wrote.
+        ``value``: a small tensor (its meaning is the caller's to check).
 
         ``split`` lists the arguments that are observations ``[B, obs_dim]`` for the
         worker to name by the fields given to :meth:`load` (one tensor crosses instead of
@@ -604,12 +609,19 @@ class ProgramWorker:
             out = self._proc.arenas[1].map
             try:
                 if reply.get("out") == SAME and handle in self._last_header:
-                    layout = self._last_header[handle]
+                    layout, names = self._last_header[handle]
                 else:
-                    layout = self._last_header[handle] = wire.check_header(reply.get("out"), len(out))
-                return wire.read_named(layout, out)
+                    layout, names = wire.check_header(reply.get("out"), len(out)), component_names(reply.get("names", []))
+                    self._last_header[handle] = layout, names
+                named = wire.read_named(layout, out)
             except ValueError as e:
                 raise SandboxError(self._end(fail("crashed", f"The program's worker sent an unreadable result ({e})."))) from None
+            except Invalid as e:
+                raise SandboxError(e.report()) from None
+            try:
+                return checked_result(role, named, names, batch)
+            except Invalid as e:
+                raise SandboxError(e.report()) from None
 
     def _grow(self, need: int) -> list[int]:
         """New arenas that hold ``need`` bytes; the descriptors to send with the call."""
@@ -672,4 +684,18 @@ class ProgramWorker:
             out["sandbox/call_share"] = round(self.busy_s / max(end - self._clock0, 1e-9), 4)
         iso = self._proc.isolation
         out["sandbox/namespaces"] = float(all(iso.get(n) for n in ("network", "pid", "mount")))
+        cpu = self.cpu_seconds()
+        if cpu is not None:
+            out["sandbox/worker_cpu_seconds"] = round(cpu, 3)
         return out
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the worker's server process has used so far, all its threads (None once it is gone)."""
+        if self.dead is not None or not self._proc.server:
+            return None
+        try:
+            with open(f"/proc/{self._proc.server}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None

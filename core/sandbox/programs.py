@@ -8,8 +8,9 @@
   configured modules. It runs only in a sandbox worker (:mod:`core.sandbox.worker`);
   elsewhere it refuses.
 - :func:`normalize_reward`, :func:`normalize_state` and :func:`shape_result` turn what a
-  program returned into checked float tensors (finite, real, one row per state), in the
-  worker for clear feedback and again in the host on the copies that cross back.
+  program returned into checked float tensors (finite, real, one row per state) in the
+  worker, with clear feedback; :func:`checked_result` checks the copies that cross back
+  again in the host.
 """
 
 from __future__ import annotations
@@ -243,12 +244,17 @@ def _as_float_batch(value: Any, batch: int, what: str, *, allow_scalar: bool = F
     if isinstance(value, torch.Tensor):
         if value.is_complex():
             raise Invalid("dtype", f"{what} is complex ({value.dtype}); it must be real.")
+        if value.layout != torch.strided:
+            raise Invalid("dtype", f"{what} is a {value.layout} tensor; return a dense one.")
         value = value.detach()
-        if value.device.type != "cpu":
-            value = value.cpu()
-        if value.dtype == torch.bfloat16:
-            value = value.float()
-        value = value.numpy()
+        try:
+            if value.device.type != "cpu":
+                value = value.cpu()
+            if value.dtype == torch.bfloat16:
+                value = value.float()
+            value = value.numpy()
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            raise Invalid("dtype", f"{what} cannot be read ({e}); return a plain CPU tensor.") from None
     elif allow_scalar and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = np.asarray(float(value))
     elif not isinstance(value, np.ndarray):
@@ -375,41 +381,20 @@ def normalize_value(value: Any) -> torch.Tensor:
     return t
 
 
-def _crossing(value: Any, what: str, *, scalar: bool = False) -> Any:
-    """A value that can cross to the host (a tensor or an array); the host checks its numbers."""
-    if isinstance(value, torch.Tensor):
-        if value.is_complex():
-            raise Invalid("dtype", f"{what} is complex ({value.dtype}); it must be real.")
-        return value
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "fiub":
-            raise Invalid("dtype", f"{what} must be a real numeric array, got dtype {value.dtype}.")
-        return value
-    if scalar and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return torch.tensor(float(value))
-    raise Invalid("dtype", f"{what} must be a torch tensor, got {type(value).__name__}.")
+def shape_result(role: str, value: Any, batch: int) -> tuple[list[tuple[str, Any]], list[str]]:
+    """A program's value, checked, as named arrays that can cross to the host (in the worker); with names.
 
-
-def shape_result(role: str, value: Any) -> list[tuple[str, Any]]:
-    """A program's value as named tensors that can cross to the host (in the worker).
-
-    ``reward``: ``reward`` then ``c:<name>`` per component; ``state``: ``features``;
-    ``value``: ``value``. Only the structure is checked here; the host checks the
-    numbers (shape, dtype, finite) on its copy.
+    ``reward``: one float32 block ``[1 + C, B]`` (the reward, then each component) and
+    the component names; ``state``: ``features`` ``[B, k]`` float32; ``value``: a small
+    tensor. The messages for the LLM come from here; the host checks again what its
+    safety needs (shape, finite) on its copy.
     """
     if role == "reward":
-        comps: dict[str, Any] = {}
-        if isinstance(value, tuple):
-            if len(value) != 2 or not isinstance(value[1], dict):
-                raise Invalid("dtype", "compute_reward must return `reward` or `(reward, components_dict)`.")
-            value, raw = value
-            if len(raw) > MAX_COMPONENTS:
-                raise Invalid("shape", f"at most {MAX_COMPONENTS} reward components, got {len(raw)}.")
-            comps = {_component_name(k): _crossing(v, f"component {k!r}", scalar=True) for k, v in raw.items()}
-        return [("reward", _crossing(value, "the reward"))] + [(f"c:{k}", v) for k, v in comps.items()]
+        reward, comps = normalize_reward(value, batch)
+        return [("block", torch.stack([reward, *comps.values()]))], list(comps)
     if role == "state":
-        return [("features", _crossing(value, "the features"))]
-    return [("value", normalize_value(value))]
+        return [("features", normalize_state(value, batch))], []
+    return [("value", normalize_value(value))], []
 
 
 def split_fields(obs: Any, fields: list[tuple[str, int, int, tuple[int, ...]]], *, tensors: bool = False) -> dict[str, Any]:
@@ -434,25 +419,38 @@ def task_fields(task: Any) -> list[tuple[str, int, int, tuple[int, ...]]]:
     return [(f.name, int(f.start), int(f.stop), tuple(int(d) for d in f.shape)) for f in task.state_fields]
 
 
-def reward_from(named: list[tuple[str, torch.Tensor]], batch: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The host's check of a reward that crossed back: ``(reward [B], {name: [B]})``."""
-    if not named or named[0][0] != "reward":
-        raise Invalid("dtype", "the worker returned no reward.")
-    comps = {name[2:]: t for name, t in named[1:] if name.startswith("c:")}
-    if len(comps) != len(named) - 1:
-        raise Invalid("dtype", "the worker returned an unknown value.")
-    return normalize_reward((named[0][1], comps), batch)
+def component_names(names: Any) -> list[str]:
+    """Component names that crossed from a worker: a list of short printable strings (or Invalid)."""
+    if not isinstance(names, list) or len(names) > MAX_COMPONENTS:
+        raise Invalid("shape", f"at most {MAX_COMPONENTS} reward components.")
+    return [_component_name(n) if isinstance(n, str) else _component_name(repr(n)) for n in names]
 
 
-def features_from(named: list[tuple[str, torch.Tensor]], batch: int) -> torch.Tensor:
-    """The host's check of features that crossed back: ``[B, k]`` float32, finite."""
-    if len(named) != 1 or named[0][0] != "features":
-        raise Invalid("dtype", "the worker returned no features.")
-    return normalize_state(named[0][1], batch)
+def checked_result(role: str, named: list[tuple[str, np.ndarray]], names: list[str], batch: int) -> Any:
+    """The host's check of what crossed back, on its own copy: the worker is not trusted.
 
-
-def value_from(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-    """The host's check of any other value that crossed back."""
+    ``reward``: ``(reward [B], {name: [B]})`` from a float32 block ``[1 + C, B]``;
+    ``state``: features ``[B, k]`` float32; both finite. ``value``: a small tensor.
+    """
+    if role == "reward":
+        if len(named) != 1 or named[0][0] != "block":
+            raise Invalid("dtype", "the worker returned no reward.")
+        block = named[0][1]
+        if block.dtype != np.float32 or block.shape != (1 + len(names), batch):
+            raise Invalid("shape", f"the reward and its components must be [{batch}] each, got a block of {list(block.shape)}.")
+        if not np.isfinite(block).all():
+            raise Invalid("nonfinite", "the reward or a component has NaN or infinite values.")
+        t = torch.from_numpy(block)
+        return t[0], {name: t[i + 1] for i, name in enumerate(names)}
+    if role == "state":
+        if len(named) != 1 or named[0][0] != "features":
+            raise Invalid("dtype", "the worker returned no features.")
+        feats = named[0][1]
+        if feats.dtype != np.float32 or feats.ndim != 2 or feats.shape[0] != batch:
+            raise Invalid("shape", f"the features must be [{batch}, k], got {list(feats.shape)} of {feats.dtype}.")
+        if not np.isfinite(feats).all():
+            raise Invalid("nonfinite", "the features have NaN or infinite values.")
+        return torch.from_numpy(feats)
     if len(named) != 1 or named[0][0] != "value":
         raise Invalid("dtype", "the worker returned no value.")
     return normalize_value(named[0][1])

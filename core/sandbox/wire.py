@@ -193,6 +193,18 @@ def unpack_tree(spec: Any, buf: Any, *, arrays: bool = False) -> Any:
     return spec[1]
 
 
+def flat_plan(spec: Any) -> list[tuple[np.dtype, int, int, tuple[int, ...]]] | bool:
+    """For a flat tuple of arrays (the usual call), where each one lies; False for any other tree."""
+    if spec[0] != "t" or not all(item[0] == "a" for item in spec[1]):
+        return False
+    return [(DTYPES[dtype], math.prod(shape), offset, tuple(shape)) for _, dtype, shape, offset in spec[1]]
+
+
+def read_plan(plan: list[tuple[np.dtype, int, int, tuple[int, ...]]], buf: Any) -> tuple[np.ndarray, ...]:
+    """The arrays of a flat plan, as views of ``buf``."""
+    return tuple(np.frombuffer(buf, dtype, count, offset).reshape(shape) for dtype, count, offset, shape in plan)
+
+
 def as_tensors(tree: Any) -> Any:
     """Numpy arrays in ``tree`` as torch tensors (sharing memory)."""
     if isinstance(tree, np.ndarray):

@@ -380,12 +380,12 @@ class Server:
             try:
                 reply = getattr(self, "op_" + request["op"])(request)
                 handle = request.get("handle")
-                if "out" in reply and len(reply) == 2 and headers.get(handle) == reply["out"]:
+                if "out" in reply and len(reply) == 3 and headers.get(handle) == (reply["out"], reply["names"]):
                     # the same result layout as last time: (seq, seconds in the program)
                     self.sock.send(struct.pack("<BQd", SAME, seq, reply["program_s"]))
                     continue
                 if "out" in reply:
-                    headers[handle] = reply["out"]
+                    headers[handle] = (reply["out"], reply["names"])
             except self.sb.SandboxError as e:
                 reply = {"report": _report(e.report)}
             except self.sb.Invalid as e:
@@ -424,7 +424,11 @@ class Server:
         wire, sb = self.wire, self.sb
         handle = request["handle"]
         compiled = self.programs[handle]
-        args = wire.unpack_tree(request["args"], wire.private_copy(self.in_map, request["end"]), arrays=True)
+        buf = wire.private_copy(self.in_map, request["end"])
+        plan = request.get("plan")
+        if plan is None:  # kept on the request: a repeated call ("the same as last time") reuses it
+            plan = request["plan"] = wire.flat_plan(request["args"])
+        args = wire.unpack_tree(request["args"], buf, arrays=True) if plan is False else wire.read_plan(plan, buf)
         split = request.get("split") or ()
         fields = self.fields[handle]
         args = tuple(sb.split_fields(a, fields, tensors=True) if i in split else wire.as_tensors(a)
@@ -432,11 +436,13 @@ class Server:
         start = time.perf_counter()
         value = compiled(*args, per_row=request["per_row"])
         program_s = time.perf_counter() - start
+        role = request["role"]
+        named, names = sb.shape_result(role, value, sb.batch_size(args) if role != "value" else 0)
         try:
-            header = wire.pack_named(sb.shape_result(request["role"], value), self.out_map)
+            header = wire.pack_named(named, self.out_map)
         except (TypeError, ValueError) as e:
             raise sb.Invalid("dtype", f"the value cannot be used: {e}.") from None
-        reply: dict[str, Any] = {"out": header, "program_s": program_s}
+        reply: dict[str, Any] = {"out": header, "names": names, "program_s": program_s}
         if request.get("printed"):
             reply["printed"] = compiled.printer.text[-2000:]
         return reply

@@ -178,11 +178,10 @@ class MacroSet:
 
         row = torch.as_tensor(np.asarray(obs, dtype=np.float32)).reshape(1, -1)[:, : self.task.obs_dim]
         try:
-            (_, value), = self.worker.call(handle, (row,), role="value", split=(0,))
+            return self.worker.call(handle, (row,), role="value", split=(0,))
         except sandbox.SandboxError as e:
             e.report.message = f"macro {name!r}: {e.report.message}"
             raise sandbox.SandboxError(e.report) from None
-        return torch.from_numpy(value)
 
     def action(self, j: int, obs: np.ndarray, n_actions: int) -> int:
         macro = self.macros[j]

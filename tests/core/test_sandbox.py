@@ -467,9 +467,7 @@ def test_per_step_call_failures_raise_sandbox_error(name: str, kind: str) -> Non
         handle = worker.load(RewardProgram(getattr(P, name)), role="reward")
         start = time.monotonic()
         with pytest.raises(SandboxError) as err:
-            from core.sandbox.functions import _assemble
-
-            _assemble("reward", worker.call(handle, _args(), role="reward"), 6)
+            worker.call(handle, _args(), role="reward", batch=6)
         assert err.value.report.kind == kind, err.value.report
         assert time.monotonic() - start < 3.0
     good = prepare_reward(RewardProgram(P.REWARD_PLAIN_TENSOR), TASK, limits=FAST)
@@ -592,7 +590,7 @@ def test_per_row_complex_values_are_refused_not_truncated() -> None:
     with ProgramWorker(FAST) as worker:
         handle = worker.load(program, role="reward")
         with pytest.raises(SandboxError) as err:
-            worker.call(handle, _args(), role="reward", per_row=True)
+            worker.call(handle, _args(), role="reward", batch=6, per_row=True)
     assert err.value.report.kind == "invalid_value" and "complex" in err.value.report.message
 
 

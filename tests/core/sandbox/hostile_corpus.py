@@ -423,7 +423,7 @@ def compute_reward(state, action, next_state):
         import sys
         sys.modules['torch'] = None
         sys.modules['numpy'] = None
-        """), "forbidden", "ok"),
+        """), "forbidden", "exception"),  # its own worker can no longer check its values
     Hostile("poison_builtins", "corruption", reward("""
         import builtins
         builtins.len = lambda *a: 0
