@@ -235,26 +235,26 @@ class Invalid(Exception):
         return SandboxReport(False, self.kind, str(self), data={"check": self.check})
 
 
-def _as_float_batch(value: Any, batch: int, what: str, *, allow_scalar: bool = False, ndim: int = 1) -> torch.Tensor:
-    """``value`` as a float32 tensor ``[B]`` (``ndim=1``) or ``[B, k]`` (``ndim=2``), checked.
+def _float_rows(value: Any, batch: int, what: str, *, allow_scalar: bool = False, ndim: int = 1,
+                finite: bool = True) -> np.ndarray:
+    """``value`` as a float32 array ``[B]`` (``ndim=1``) or ``[B, k]`` (``ndim=2``), checked.
 
-    The checks run on numpy arrays (a few microseconds each): real float dtype, one row
-    per state, every value finite.
+    The checks run on numpy arrays (a microsecond or two each): real float dtype, one row
+    per state, and (with ``finite``) every value finite.
     """
     if isinstance(value, torch.Tensor):
         if value.is_complex():
             raise Invalid("dtype", f"{what} is complex ({value.dtype}); it must be real.")
         if value.layout != torch.strided:
             raise Invalid("dtype", f"{what} is a {value.layout} tensor; return a dense one.")
-        value = value.detach()
         try:
-            if value.device.type != "cpu":
-                value = value.cpu()
-            if value.dtype == torch.bfloat16:
-                value = value.float()
-            value = value.numpy()
-        except (RuntimeError, TypeError, NotImplementedError) as e:
-            raise Invalid("dtype", f"{what} cannot be read ({e}); return a plain CPU tensor.") from None
+            value = value.numpy()  # the common case: a plain CPU tensor
+        except (RuntimeError, TypeError):
+            try:
+                value = value.detach().cpu()
+                value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+            except (RuntimeError, TypeError, NotImplementedError) as e:
+                raise Invalid("dtype", f"{what} cannot be read ({e}); return a plain CPU tensor.") from None
     elif allow_scalar and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = np.asarray(float(value))
     elif not isinstance(value, np.ndarray):
@@ -268,16 +268,21 @@ def _as_float_batch(value: Any, batch: int, what: str, *, allow_scalar: bool = F
         value = np.full((batch,), value, dtype=np.float32)
     if ndim == 2 and value.ndim == 1 and value.shape[0] == batch:
         value = value[:, None]  # one feature
-    expected = f"[{batch}]" if ndim == 1 else f"[{batch}, k]"
     if value.ndim != ndim or value.shape[0] != batch:
+        expected = f"[{batch}]" if ndim == 1 else f"[{batch}, k]"
         raise Invalid("shape", f"{what} must have shape {expected} (one value per env of the batch), got {list(value.shape)}.")
     out = value.astype(np.float32, copy=False)
-    finite = np.isfinite(out)
-    if not finite.all():
-        raise Invalid("nonfinite", f"{what} has {int((~finite).sum())} NaN or infinite value(s); guard divisions, logs and exps.")
-    if not out.flags.writeable:
-        out = out.copy()
-    return torch.from_numpy(out)
+    if finite:
+        bad = out.size - int(np.isfinite(out).sum())
+        if bad:
+            raise Invalid("nonfinite", f"{what} has {bad} NaN or infinite value(s); guard divisions, logs and exps.")
+    return out
+
+
+def _as_float_batch(value: Any, batch: int, what: str, *, allow_scalar: bool = False, ndim: int = 1) -> torch.Tensor:
+    """:func:`_float_rows` as a float32 tensor."""
+    out = _float_rows(value, batch, what, allow_scalar=allow_scalar, ndim=ndim)
+    return torch.from_numpy(out if out.flags.writeable else out.copy())
 
 
 def batch_size(args: tuple[Any, ...]) -> int:
@@ -386,14 +391,24 @@ def shape_result(role: str, value: Any, batch: int) -> tuple[list[tuple[str, Any
 
     ``reward``: one float32 block ``[1 + C, B]`` (the reward, then each component) and
     the component names; ``state``: ``features`` ``[B, k]`` float32; ``value``: a small
-    tensor. The messages for the LLM come from here; the host checks again what its
-    safety needs (shape, finite) on its copy.
+    tensor. The messages for the LLM about types and shapes come from here; the host
+    checks its copy for what its safety needs (shape, finite), and says which part is
+    not finite.
     """
     if role == "reward":
-        reward, comps = normalize_reward(value, batch)
-        return [("block", torch.stack([reward, *comps.values()]))], list(comps)
+        comps: dict[str, np.ndarray] = {}
+        if isinstance(value, tuple):
+            if len(value) != 2 or not isinstance(value[1], dict):
+                raise Invalid("dtype", "compute_reward must return `reward` or `(reward, components_dict)`.")
+            value, raw = value
+            if len(raw) > MAX_COMPONENTS:
+                raise Invalid("shape", f"at most {MAX_COMPONENTS} reward components, got {len(raw)}.")
+            comps = {_component_name(k): _float_rows(v, batch, f"component {k!r}", allow_scalar=True, finite=False)
+                     for k, v in raw.items()}
+        reward = _float_rows(value, batch, "the reward", finite=False)
+        return [("block", np.stack([reward, *comps.values()]))], list(comps)
     if role == "state":
-        return [("features", normalize_state(value, batch))], []
+        return [("features", _float_rows(value, batch, "the features", ndim=2, finite=False))], []
     return [("value", normalize_value(value))], []
 
 
@@ -438,8 +453,12 @@ def checked_result(role: str, named: list[tuple[str, np.ndarray]], names: list[s
         block = named[0][1]
         if block.dtype != np.float32 or block.shape != (1 + len(names), batch):
             raise Invalid("shape", f"the reward and its components must be [{batch}] each, got a block of {list(block.shape)}.")
-        if not np.isfinite(block).all():
-            raise Invalid("nonfinite", "the reward or a component has NaN or infinite values.")
+        finite = np.isfinite(block)
+        if not finite.all():
+            bad = block.shape[1] - finite.sum(axis=1)
+            row = int(np.flatnonzero(bad)[0])
+            what = "the reward" if row == 0 else f"component {names[row - 1]!r}"
+            raise Invalid("nonfinite", f"{what} has {int(bad[row])} NaN or infinite value(s); guard divisions, logs and exps.")
         t = torch.from_numpy(block)
         return t[0], {name: t[i + 1] for i, name in enumerate(names)}
     if role == "state":
@@ -448,8 +467,9 @@ def checked_result(role: str, named: list[tuple[str, np.ndarray]], names: list[s
         feats = named[0][1]
         if feats.dtype != np.float32 or feats.ndim != 2 or feats.shape[0] != batch:
             raise Invalid("shape", f"the features must be [{batch}, k], got {list(feats.shape)} of {feats.dtype}.")
-        if not np.isfinite(feats).all():
-            raise Invalid("nonfinite", "the features have NaN or infinite values.")
+        bad = feats.size - int(np.isfinite(feats).sum())
+        if bad:
+            raise Invalid("nonfinite", f"the features have {bad} NaN or infinite value(s); guard divisions, logs and exps.")
         return torch.from_numpy(feats)
     if len(named) != 1 or named[0][0] != "value":
         raise Invalid("dtype", "the worker returned no value.")

@@ -24,6 +24,7 @@ closes, and dies with its supervisor).
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import importlib
@@ -360,13 +361,21 @@ class Server:
     def run(self) -> None:
         last: dict[int, dict[str, Any]] = {}  # the last call request per handle
         headers: dict[int, Any] = {}  # the last result header per handle
+        buf = bytearray(MAX_REQUEST)  # one buffer for every request (no megabyte allocated per call)
+        view = memoryview(buf)
+        fd_space = socket.CMSG_SPACE(4 * array.array("i").itemsize)
         while True:
             try:
-                msg, fds, _, _ = socket.recv_fds(self.sock, MAX_REQUEST, 4)
+                n, ancillary, _, _ = self.sock.recvmsg_into([buf], fd_space)
             except OSError:
                 os._exit(0)
-            if not msg:
+            if not n:
                 os._exit(0)  # the host closed the socket: this worker is done
+            fds = []
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds += array.array("i", data[: len(data) - len(data) % 4]).tolist()
+            msg = view[:n]
             if msg[0] == SAME:  # the same call as last time on new data: (seq, handle)
                 seq, handle = struct.unpack_from("<QI", msg, 1)
                 request = last[handle]

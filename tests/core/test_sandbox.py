@@ -40,6 +40,16 @@ def _args(batch: int = 6) -> tuple:
 
 
 SUPERVISORS: set[int] = set()  # the workers this test process started (other runs share the machine)
+ZYGOTES: set[int] = set()  # and the zygotes that forked them
+
+
+def _supervisor(pid: int) -> bool:
+    """Whether ``pid`` is still one of our supervisors (not a process that got its number since)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1]) in ZYGOTES
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 @pytest.fixture(autouse=True)
@@ -51,19 +61,20 @@ def record_workers(monkeypatch: pytest.MonkeyPatch):
     def recording(self, request, fds, timeout):
         pid = spawn(self, request, fds, timeout)
         SUPERVISORS.add(pid)
+        ZYGOTES.add(self.proc.pid)
         return pid
 
     monkeypatch.setattr(Zygote, "spawn", recording)
 
 
 def sandbox_procs() -> list[int]:
-    """Processes of this test process's workers' users now alive (zombies awaiting reaping included)."""
+    """This test process's workers now alive: supervisors (alive while their server is) and their users' processes."""
     uids = {UID_BASE + pid for pid in SUPERVISORS}
     found = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                if os.stat(f"/proc/{pid}").st_uid in uids:
+                if (int(pid) in SUPERVISORS and _supervisor(int(pid))) or os.stat(f"/proc/{pid}").st_uid in uids:
                     found.append(int(pid))
             except FileNotFoundError:
                 pass

@@ -56,6 +56,16 @@ LIMITS = Limits(cpu_s=3, wall_s=15, memory_mb=2048, max_procs=8, call_timeout_s=
 TASK = CartPole()
 SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", REPO, "/root", os.getcwd())
 SUPERVISORS: set[int] = set()  # the workers this test process started (other runs share the machine)
+ZYGOTES: set[int] = set()  # and the zygotes that forked them
+
+
+def _supervisor(pid: int) -> bool:
+    """Whether ``pid`` is still one of our supervisors (not a process that got its number since)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1]) in ZYGOTES
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 # -- the host around the tests ------------------------------------------------------------------------
@@ -121,6 +131,7 @@ def record_workers(monkeypatch: pytest.MonkeyPatch):
     def recording(self, request, fds, timeout):
         pid = spawn(self, request, fds, timeout)
         SUPERVISORS.add(pid)
+        ZYGOTES.add(self.proc.pid)
         return pid
 
     monkeypatch.setattr(Zygote, "spawn", recording)
@@ -133,7 +144,7 @@ def worker_processes() -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if int(entry) in SUPERVISORS or os.stat(f"/proc/{entry}").st_uid in uids:
+                if (int(entry) in SUPERVISORS and _supervisor(int(entry))) or os.stat(f"/proc/{entry}").st_uid in uids:
                     found.append(int(entry))
             except FileNotFoundError:
                 pass
