@@ -470,8 +470,14 @@ def _record_cell(uri: str, summary: Any, seconds: float) -> None:
     client.log_metric(summary.run_id, "study/seconds", seconds)
     client.log_metric(summary.run_id, "study/failed_candidates", summary.failed)
     if summary.first_error:
-        last = summary.first_error.strip().splitlines()[-1]
-        client.set_tag(summary.run_id, "study.first_error", last[:300])
+        client.set_tag(summary.run_id, "study.first_error", error_line(summary.first_error)[:300])
+
+
+def error_line(text: str) -> str:
+    """The line of an error text that names the error (``NameError: ...``), else its last line."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b", line)]
+    return (named or lines or [""])[-1]
 
 
 def main(argv: list[str] | None = None) -> int:

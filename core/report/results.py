@@ -208,7 +208,7 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
     lines += _provenance(planned, counted, invocation)
     lines += ["", "## Scores", "",
               "Each cell is the task's ground-truth fitness of the final policy: IQM over seeds with a 95 % "
-              "stratified-bootstrap CI (`rliable`, Agarwal et al., NeurIPS 2021). An arm that searches is scored on "
+              f"stratified-bootstrap CI ({reps} replications, `rliable`, Agarwal et al., NeurIPS 2021). An arm that searches is scored on "
               f"its best candidate retrained on {spec.final_seeds} fresh seed(s) (`final/fresh_mean`), never on the "
               "training it was selected by; any other arm by the fitness of its one training. n/a: the arm does not "
               "apply to the task; `n=k/N`: only k of the N seeds finished.", ""]
@@ -249,7 +249,7 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
         rows.append(row)
     lines += table(["arm", "runs", *[title for _, title in COSTS], "wall time (s)", "search frames", "retraining frames"], rows)
     for name in task_names:
-        lines += _task_section(name, by_task.get(name), arm_names, applies, chosen, figures.get(name, []))
+        lines += _task_section(name, by_task.get(name), chosen, figures.get(name, []))
     lines += ["", "## The arms", ""]
     for arm in arm_names:
         a = spec.arms[arm]
@@ -316,8 +316,9 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-def _task_section(name: str, t: TaskResult | None, arm_names: list[str], applies: set[tuple[str, str]],
-                  chosen: dict[tuple[str, str, int], StudyRun], figures: list[str]) -> list[str]:
+def _task_section(name: str, t: TaskResult | None, chosen: dict[tuple[str, str, int], StudyRun],
+                  figures: list[str]) -> list[str]:
+    """One task: each arm's seeds, costs and status, P(X > baseline), the failures, the figures."""
     lines = ["", f"## {name}: {t.fitness_name if t else 'no finished run'}", ""]
     if t is None:
         return lines

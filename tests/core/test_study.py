@@ -11,7 +11,7 @@ import yaml
 import core.config
 import core.loop
 from core.errors import UserError
-from core.study import FRESH_SCORE, expand, load_spec, main, tracking_uri
+from core.study import FRESH_SCORE, error_line, expand, load_spec, main, tracking_uri
 import fakes
 
 ISSUE_TASKS = {"cartpole", "mountaincar", "acrobot", "pendulum", "lunarlander", "hopper", "reach", "crafter"}
@@ -75,6 +75,13 @@ def test_options_shrink_the_study():
         expand(spec, tasks=["cartpol"])
     with pytest.raises(UserError, match="Unknown arm 'eurika'"):
         expand(spec, arms=["eurika"])
+
+
+def test_a_failure_is_reported_by_the_line_that_names_it():
+    torch_error = ("Traceback (most recent call last):\n  File x\nTypeError: sum() received an invalid combination of arguments\n"
+                   " * (Tensor input, *, torch.dtype dtype = None)\n * (Tensor input, int dim, bool keepdim = False)")
+    assert error_line(torch_error) == "TypeError: sum() received an invalid combination of arguments"
+    assert error_line("the program took too long") == "the program took too long"
 
 
 def test_a_spec_that_names_an_unknown_task_is_refused(tmp_path):
