@@ -423,7 +423,7 @@ def compute_reward(state, action, next_state):
         import sys
         sys.modules['torch'] = None
         sys.modules['numpy'] = None
-        """), "forbidden", "exception"),  # its own worker can no longer check its values
+        """), "forbidden", "ok"),
     Hostile("poison_builtins", "corruption", reward("""
         import builtins
         builtins.len = lambda *a: 0
@@ -581,13 +581,13 @@ def compute_reward(state, action, next_state):
             for _ in range(3):
                 threading.Thread(target=burn, daemon=True).start()
             STARTED.append(1)
-        """, head="STARTED = []"), "forbidden", "too_slow", calls=80, gap_s=0.05,
+        """, head="STARTED = []"), "forbidden", "too_slow", calls=400, gap_s=0.05,
             limits={"cpu_s": 0.5, "time_share_grace_s": 0.2, "call_timeout_s": 2.0}),
     Hostile("allocate_six_gib", "dos", reward("k = 1024\nx = torch.empty(6 * k * k * k, dtype=torch.uint8)",
                                               head="import torch"), "memory", "memory"),
     Hostile("grow_a_module_list_every_call", "dos", reward("HOARD.append(torch.ones(16 * 1024 * 1024))",
                                                            head="import torch\nHOARD = []"), "memory", "memory", calls=80,
-            limits={"time_share_grace_s": 30.0}),
+            limits={"time_share_grace_s": 30.0, "call_timeout_s": 5.0}),
     Hostile("huge_python_list", "dos", reward("k = 100000\nx = [1.5] * (k * k)"), "memory", "memory"),
     Hostile("bytearray_three_gib", "dos", reward("x = bytearray(3 * 1024 ** 3)"), "forbidden", "memory"),
     Hostile("fork_bomb", "dos", reward("""
@@ -612,12 +612,11 @@ def compute_reward(state, action, next_state):
     Hostile("recursion_bomb", "dos", reward("return compute_reward(state, action, next_state)"), "exception", "exception"),
     Hostile("recursion_past_the_c_stack", "dos", reward("""
         import sys
+        def down(n):
+            return list(map(down, [n + 1]))  # each level through C: the C stack runs out
         sys.setrecursionlimit(10**7)
-        nested = []
-        for _ in range(2 * 10**6):
-            nested = [nested]
-        repr(nested)
-        """), "forbidden", "crashed", limits={"call_timeout_s": 5}),
+        down(0)
+        """), "forbidden", "crashed", limits={"call_timeout_s": 15}),
     Hostile("fill_the_disk", "dos", reward("""
         with open('/tmp/llm4rl-hostile-{TAG}', 'wb') as f:
             for _ in range(1000):
