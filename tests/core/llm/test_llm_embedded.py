@@ -192,6 +192,14 @@ def test_slots_share_one_pool_that_holds_a_prompt_and_its_replies():
     assert plan.samples_per_request(prompt_chars=60000, max_tokens=4096) == 1  # never below one
 
 
+def test_one_thread_decodes_samples_one_after_another():
+    plan = embedded.plan_server(embedded.EmbeddedSettings(), 2, 1.0)
+    assert (plan.n_threads, plan.n_parallel, plan.n_ctx, plan.prefix_cache) == (1, 1, 8192, True)
+    assert plan.samples_per_request(4500, 1024) == 1
+    forced = embedded.plan_server(embedded.EmbeddedSettings(n_parallel=8), 2, 1.0)
+    assert (forced.n_threads, forced.n_parallel) == (1, 8)
+
+
 def test_one_slot_without_prefix_reuse_is_the_old_server():
     plan = embedded.plan_server(embedded.EmbeddedSettings(n_parallel=1, prefix_cache=False, n_threads=1), 2, 0.0)
     assert (plan.n_threads, plan.n_parallel, plan.n_ctx, plan.prefix_cache) == (1, 1, 8192, False)
