@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=None, help="LLM reply cache (default: a scratch dir)")
     args = parser.parse_args()
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    start, load_before = time.perf_counter(), os.getloadavg()
+    start, load_before, commit = time.perf_counter(), os.getloadavg(), _commit()  # the code as it starts
     runs: dict[str, list[dict[str, float]]] = {"baseline": [], **{v: [] for v in args.variants}}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
@@ -122,7 +122,7 @@ def main() -> None:
     out["baseline_seconds"] = [r["seconds"] for r in runs["baseline"]]
     out.update({"seconds": round(time.perf_counter() - start, 1), "load_before": [round(x, 2) for x in load_before],
                 "load_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
-                "machine": platform.platform(), "commit": _commit()})
+                "machine": platform.platform(), "commit": commit})
     print(json.dumps(out))
 
 
