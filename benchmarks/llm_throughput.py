@@ -4,8 +4,9 @@ Measures the embedded model (Qwen2.5-Coder-1.5B, llama.cpp) the way the agent lo
 it and prints one JSON object:
 
 - ``single_stream_tokens_per_s``: one reply decoded alone;
-- ``concurrent_tokens_per_s``: ``--samples`` replies of one prompt decoded together in the
-  server's slots (aggregate), and ``concurrent_speedup`` over one stream;
+- ``concurrent_tokens_per_s``: ``concurrent_k`` replies of one prompt decoded together in
+  the server's slots (aggregate), and ``concurrent_speedup`` over one stream; both also
+  per CPU-second of the process (steadier than wall time on a shared machine);
 - ``prompt_tokens_per_s_no_reuse``: the round's prompt computed from scratch;
   ``prompt_tokens_per_s_prefix_reused``: the same prompt after the previous round's prompt
   (system + task, the shared prefix) is in the cache, counted as all its tokens over the
@@ -21,23 +22,21 @@ it and prints one JSON object:
 
   - ``before``: the old path: one slot, every prompt computed from scratch, one request
     per sample served one at a time (``llm.n_parallel=1 llm.max_n=1 llm.prefix_cache=false``);
-  - ``after``: the defaults (prefix reuse; with several threads, 8 slots over a shared
-    KV pool and one request for the round; with one thread, one slot and the samples
-    decoded one after another);
-  - ``slots``: 8 slots and one request for the round whatever the threads
-    (``llm.n_parallel=8``);
+  - ``after``: the defaults (prefix reuse, 4 slots over a shared KV pool: the round is
+    two requests of 4 samples, the prompt computed once);
+  - ``slots8``: 8 slots, the round in one request (``llm.n_parallel=8``);
   - ``one_slot``: the server as it was configured before this benchmark existed: one slot,
     requests one at a time, and llama.cpp's own prompt cache left on, which already
     reuses the prefix a request shares with the one before it.
 
   ``round_time_ratio`` is after / before (mean wall times); ``round_time_ratio_one_slot``
-  is after / one_slot; ``round_time_ratio_slots`` is slots / before. Before a timed round each arm's server computes the previous
+  is after / one_slot; ``round_time_ratio_slots8`` is slots8 / before. Before a timed round each arm's server computes the previous
   round's prompt once (untimed), as a search would have.
 
 Load: ``load_avg`` (1, 5, 15 min) is read at the start and end and around every round;
 the machine may be shared, so compare arms within one run only.
 
-    python benchmarks/llm_throughput.py            # round 2, 8 x 460 tokens, 4 arms x 2 repeats (2-3 h on 2 busy cores)
+    python benchmarks/llm_throughput.py            # round 2, 8 x 460 tokens, 3 arms x 2 repeats (1-2 h on 2 busy cores)
     python benchmarks/llm_throughput.py --quick    # round 1, 4 x 32 tokens, before/after once (a check: 3-6 min)
     python benchmarks/llm_throughput.py --threads 2 --arms before,after --repeats 3
 """
@@ -62,7 +61,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "before": {"n_parallel": 1, "max_n": 1, "prefix_cache": False},
     "after": {},
     "one_slot": {"n_parallel": 1, "max_n": 1, "prefix_cache": True},
-    "slots": {"n_parallel": 8, "max_n": 8, "prefix_cache": True},
+    "slots8": {"n_parallel": 8, "max_n": 8, "prefix_cache": True},
 }
 
 #: The previous round's best reply (an assistant turn of typical length and style).
@@ -200,7 +199,7 @@ def worker_speeds(args: argparse.Namespace) -> dict[str, Any]:
     """Tokens/s of one stream and of K together; prompt tokens/s with and without reuse."""
     from core.llm import embedded
 
-    client_for("slots", args.threads, args.reply_tokens)  # several slots, to decode K together
+    client_for("after", args.threads, args.reply_tokens)  # configures the embedded server
     plan = embedded.get_plan()
     previous, current = previous_messages(args.round), round_messages(args.round)
     load_before = load_avg()
@@ -265,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=8, help="samples per round (eureka's K)")
     parser.add_argument("--reply-tokens", type=int, default=460, help="tokens per reply (every reply exactly this long)")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every arm")
-    parser.add_argument("--arms", default="before,after,one_slot,slots", help=f"comma-separated, of {', '.join(ARMS)}")
+    parser.add_argument("--arms", default="before,after,one_slot", help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--threads", type=int, default=0, help="llama.cpp threads for every arm (0: chosen once from the free cores)")
     parser.add_argument("--round", type=int, default=2, choices=(1, 2),
                         help="the eureka round whose prompt is timed (2: with the previous best reply and its reflection)")
@@ -314,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if "one_slot" in means and "after" in means:
         out["round_time_ratio_one_slot"] = round(means["after"] / means["one_slot"], 3)
-    if "slots" in means and "before" in means:
-        out["round_time_ratio_slots"] = round(means["slots"] / means["before"], 3)
+    if "slots8" in means and "before" in means:
+        out["round_time_ratio_slots8"] = round(means["slots8"] / means["before"], 3)
     for arm in arms:  # CPU time is steadier than wall time on a shared machine
         out[f"round_cpu_{arm}_s"] = round(statistics.mean(r["cpu_s"] for r in rounds if r["arm"] == arm), 2)
     out["load_avg_end"] = load_avg()

@@ -220,9 +220,11 @@ PROMPT_CACHE_MIB = 1024
 #: Characters per token assumed when sizing a request before it is tokenised (code and
 #: English run at 3.5-4.5 for the Qwen tokenizer; 3 errs on the side of fitting).
 CHARS_PER_TOKEN = 3.0
-#: Slots when ``n_parallel`` is 0 (auto) and the model has more than one thread: samples
-#: of one call decoded together. With one thread, auto means one slot (see plan_server).
-AUTO_SLOTS = 8
+#: Slots when ``n_parallel`` is 0 (auto): samples of one call decoded together. Measured
+#: on a 2-core x86 (AVX2) CPU, tokens per CPU-second decoding n replies together, relative
+#: to one: n=4 1.27x (1 thread) / 1.3x (2 threads), n=6 1.3x / 1.5x, n=8 0.95x / 1.1x
+#: (llama.cpp's CPU kernels change at 8 rows). 4 stays clear of that edge.
+AUTO_SLOTS = 4
 
 
 @dataclass
@@ -230,7 +232,7 @@ class EmbeddedSettings:
     """How the process-wide model is loaded; set by the client before the first call."""
 
     n_threads: int | str = "auto"  # "auto": the cores free at load; 0: all cores; N: N threads
-    n_parallel: int = 0  # server slots, i.e. samples decoded together (0: auto)
+    n_parallel: int = 0  # server slots, i.e. samples decoded together (0: AUTO_SLOTS)
     n_ctx: int = 8192  # context of one request in tokens (prompt + reply)
     prefix_cache: bool = True  # reuse the KV state of a prompt's already-computed prefix
     gguf_path: str | None = None  # a local GGUF to use instead of the shipped parts
@@ -308,14 +310,10 @@ def plan_server(s: EmbeddedSettings, cores: int, busy: float) -> ServerPlan:
       beside the model) holds up the rest: a core more than half busy costs more than its
       thread brings. On a shared 2-core machine 2 threads fell to 2-4 tokens/s where 1
       kept ~15.
-    - Slots: ``n_parallel``; 0 (auto) is :data:`AUTO_SLOTS` with several threads and one
-      slot with one thread. With more than one, the KV cells form one pool the slots share
-      (llama.cpp's unified KV cache) of twice the per-request context, so the K samples of
-      one call hold their common prompt once and are decoded together. Decoding together
-      pays where one stream leaves the cores waiting on memory (several threads); a single
-      thread on a small CPU is busy computing already, and a round of 8 samples decoded
-      together took 5-15 % more CPU time than one after another (``llm_throughput.py``),
-      so one thread decodes the samples one after another, each reusing the prompt.
+    - Slots: ``n_parallel`` (0: :data:`AUTO_SLOTS`). With more than one, the KV cells form
+      one pool the slots share (llama.cpp's unified KV cache) of twice the per-request
+      context, so the K samples of one call hold their common prompt once and are decoded
+      together, a few rows per weight read instead of one.
     - ``prefix_cache``: a request reuses the longest prefix of an earlier prompt still in a
       slot or in the host-memory prompt cache (:data:`PROMPT_CACHE_MIB`); off, every
       request computes its whole prompt (the behaviour the benchmark's ``before`` measures).
@@ -331,7 +329,7 @@ def plan_server(s: EmbeddedSettings, cores: int, busy: float) -> ServerPlan:
         threads, why = cores, f"{cores} thread(s): all cores"
     else:
         threads, why = int(s.n_threads), f"{int(s.n_threads)} thread(s) as configured"
-    slots = int(s.n_parallel) if int(s.n_parallel) > 0 else (AUTO_SLOTS if threads > 1 else 1)
+    slots = int(s.n_parallel) if int(s.n_parallel) > 0 else AUTO_SLOTS
     pool = int(s.n_ctx) * (2 if slots > 1 else 1)
     why += f", {slots} slot(s) sharing {pool} KV cells" if slots > 1 else f", 1 slot of {pool} KV cells"
     why += ", prefix reuse on" if s.prefix_cache else ", prefix reuse off"

@@ -186,18 +186,17 @@ def test_fixed_and_all_core_threads_ignore_the_load():
 
 def test_slots_share_one_pool_that_holds_a_prompt_and_its_replies():
     plan = embedded.plan_server(embedded.EmbeddedSettings(n_ctx=8192), 2, 0.0)
-    assert plan.n_parallel == embedded.AUTO_SLOTS and plan.n_ctx == 16384 and plan.prefix_cache
-    assert plan.samples_per_request(prompt_chars=4500, max_tokens=1024) == 8  # 1,564 + 8 x 1,024 fit
-    assert plan.samples_per_request(prompt_chars=4500, max_tokens=4096) == 3
+    assert plan.n_parallel == embedded.AUTO_SLOTS == 4 and plan.n_ctx == 16384 and plan.prefix_cache
+    assert plan.samples_per_request(prompt_chars=4500, max_tokens=1024) == 4
+    assert plan.samples_per_request(prompt_chars=4500, max_tokens=4096) == 3  # what the pool holds
     assert plan.samples_per_request(prompt_chars=60000, max_tokens=4096) == 1  # never below one
 
 
-def test_one_thread_decodes_samples_one_after_another():
-    plan = embedded.plan_server(embedded.EmbeddedSettings(), 2, 1.0)
-    assert (plan.n_threads, plan.n_parallel, plan.n_ctx, plan.prefix_cache) == (1, 1, 8192, True)
-    assert plan.samples_per_request(4500, 1024) == 1
+def test_slots_are_configurable():
     forced = embedded.plan_server(embedded.EmbeddedSettings(n_parallel=8), 2, 1.0)
-    assert (forced.n_threads, forced.n_parallel) == (1, 8)
+    assert (forced.n_threads, forced.n_parallel, forced.n_ctx) == (1, 8, 16384)
+    assert forced.samples_per_request(prompt_chars=4500, max_tokens=1024) == 8  # 1,564 + 8 x 1,024 fit
+    assert forced.samples_per_request(prompt_chars=4500, max_tokens=4096) == 3
 
 
 def test_one_slot_without_prefix_reuse_is_the_old_server():
