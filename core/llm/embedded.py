@@ -223,7 +223,7 @@ CHARS_PER_TOKEN = 3.0
 #: Slots when ``n_parallel`` is 0 (auto): samples of one call decoded together. Measured
 #: on a 2-core x86 (AVX2) CPU, tokens per CPU-second decoding n replies together, relative
 #: to one: n=4 1.27x (1 thread) / 1.3x (2 threads), n=6 1.3x / 1.5x, n=8 0.95x / 1.1x
-#: (llama.cpp's CPU kernels change at 8 rows). 4 stays clear of that edge.
+#: (the gain falls away at 7-8 rows together). 4 stays clear of that edge.
 AUTO_SLOTS = 4
 
 
