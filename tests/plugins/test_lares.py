@@ -456,20 +456,19 @@ def test_reflect_adds_the_best_final_reward_to_the_case_base(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_with_lares_and_eureka_trains_lares_candidates_jointly_and_the_others_by_the_executor(tmp_path, monkeypatch):
+def test_a_run_with_lares_and_eureka_trains_lares_candidates_jointly_and_the_others_by_the_executor(make_config, monkeypatch):
     """The loop hands the candidates lares did not propose (None in its answer) to the executor."""
-    from conftest import compose_config
     from contract import Recorder
 
     from core.loop import run_experiment
 
     fakes.install_fake_litellm(monkeypatch)
-    cfg = compose_config(["+plugins=[lares,eureka]", "env=pendulum", "trainer=sac", "trainer.frames=600",
+    cfg = make_config(["+plugins=[lares,eureka]", "env=pendulum", "trainer=sac", "trainer.frames=600",
                           "trainer.init_random_frames=100", "trainer.updates_per_frame=0.25", "trainer.batch_size=32",
                           "trainer.hidden=[32,32]", "trainer.eval_episodes=1", "trainer.eval_every=0",
                           "plugins.lares.population=2", "plugins.lares.elites=1", "plugins.lares.llm_freq=300",
                           "plugins.eureka.iterations=1", "plugins.eureka.samples=1", "executor=inprocess",
-                          "save_policy=false", *fakes.FAKE_LLM_OVERRIDES], tmp_path)
+                          "save_policy=false", *fakes.FAKE_LLM_OVERRIDES])
     recorder = Recorder()
     run_experiment(cfg, extra_plugins=(recorder,))
     origins = [(c.reward.origin, r) for c, r in recorder.trained]

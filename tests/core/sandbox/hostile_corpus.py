@@ -60,7 +60,7 @@ class Hostile:
     name: str
     kind: str  # escape, corruption, persistence, dos, value
     source: str
-    checked: str  # category with the static check on
+    checked: str  # category with the static check on; "a|b" when either is right
     unchecked: str  # category with it off
     role: str = "reward"  # reward, state or macro
     calls: int = 3  # training calls after the probe
@@ -70,8 +70,8 @@ class Hostile:
     followup_unchecked: str = "ok"
     gap_s: float = 0.005  # the trainer's own work between calls
 
-    def expected(self, static_check: bool) -> str:
-        return self.checked if static_check else self.unchecked
+    def expected(self, static_check: bool) -> set[str]:
+        return set((self.checked if static_check else self.unchecked).split("|"))
 
     def followup_expected(self, static_check: bool) -> str:
         return self.followup_checked if static_check else self.followup_unchecked
@@ -280,13 +280,13 @@ CORPUS: list[Hostile] = [
         for obj in gc.get_objects():
             if isinstance(obj, socket.socket):
                 obj.send(b'{"seq": 999999, "out": [["reward", "float32", [8], 999999936]]}')
-        """, later=True), "forbidden", "crashed"),
+        """, later=True), "forbidden", "crashed|timeout"),
     Hostile("fake_short_reply", "escape", reward("""
         import gc, socket, struct
         for obj in gc.get_objects():
             if isinstance(obj, socket.socket):
                 obj.send(struct.pack('<BQd', 1, 10**9, 0.0))
-        """, later=True), "forbidden", "crashed"),
+        """, later=True), "forbidden", "crashed|timeout"),
     Hostile("close_the_socket", "escape", reward("""
         import gc, socket
         for obj in gc.get_objects():
@@ -304,7 +304,7 @@ CORPUS: list[Hostile] = [
                     except TypeError:
                         pass
         threading.Thread(target=spoil, daemon=True).start()
-        """, later=True), "forbidden", "invalid_value", calls=6),
+        """, later=True), "forbidden", "invalid_value|too_slow", calls=6),
     Hostile("ignore_signals_then_loop", "escape", reward("""
         import signal
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM, signal.SIGHUP):
@@ -389,7 +389,7 @@ def compute_reward(state, action, next_state):
                     obj.fill_(float('nan'))
                 except RuntimeError:
                     pass
-        """), "forbidden", "invalid_value"),
+        """), "forbidden", "invalid_value|too_slow|timeout"),
     Hostile("patch_isfinite_then_return_nan", "corruption", reward("""
         torch.isfinite = lambda x: torch.ones_like(x, dtype=torch.bool)
         return next_state['pole_angle'] * float('nan')

@@ -287,7 +287,7 @@ def test_hostile_program(hostile: Hostile, static_check: bool, host: Listeners, 
 
     kind, message, names = run_candidate(fill(hostile.source, host, tag), hostile.role, limits, hostile.calls,
                                          hostile.gap_s, isolated)
-    assert kind == hostile.expected(static_check), message
+    assert kind in hostile.expected(static_check), message
     assert time.monotonic() - start < 30
     if hostile.followup:
         follow, follow_message, _ = run_candidate(fill(hostile.followup, host, tag), "reward", limits, 2, 0.0, isolated)
