@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from omegaconf import DictConfig
 
     from core.envs.task import Task
-    from core.records import Candidate, IterationResult, TrainResult
+    from core.records import Candidate, IterationResult, Plan, TrainResult
 
 
 @dataclass
@@ -66,13 +66,13 @@ class RunContext(Context):
 
     - ``iterations``: the outer iteration count; ``history``: every finished
       :class:`core.records.IterationResult`; ``best``: the best (candidate, result) so far.
-    - ``plan``: this iteration's plan from the ``plan`` hook, or "".
+    - ``plan``: this iteration's :class:`core.records.Plan` from the ``plan`` hook, or None.
     - ``log_text(path, text)`` / ``log_metrics(dict, step)``: record on the run's MLflow run.
     """
 
     iterations: int = 1
     history: list[IterationResult] = field(default_factory=list)
-    plan: str = ""
+    plan: Plan | None = None
     tracker: Any = field(default=None, repr=False)
 
     def log_text(self, path: str, text: str) -> None:
@@ -101,6 +101,8 @@ class TrainContext(Context):
     their ratio. ``log_metric`` records a metric over frames on the candidate's MLflow
     run and ``log_text`` a text artifact; both travel back with the result.
 
+    ``plan`` is the candidate's plan (the steps training follows), or None.
+
     ``state`` holds plugins' per-training objects, keyed by plugin name (a judge, a
     reward model): made in ``on_train_start``, gone with the training. A population
     method trains several candidates at once in one process, each with its own
@@ -113,6 +115,13 @@ class TrainContext(Context):
     metrics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     texts: dict[str, str] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The candidate's plan (the ``plan`` hook's :class:`core.records.Plan`), or None.
+
+        Follow it with :class:`core.plan.PlanFollower` (``core/plan.py``)."""
+        return self.candidate.plan if self.candidate is not None else None
 
     @property
     def progress(self) -> float:
@@ -159,3 +168,34 @@ class StepBatch:
     @property
     def next_state(self) -> dict[str, torch.Tensor]:
         return self.task.split_state(self.next_obs)
+
+
+@dataclass
+class ActionPrior:
+    """A per-step action prior the trainer combines with its policy (``action_prior`` hook).
+
+    Fill the half that fits the task's action space, over the ``B`` observations the hook
+    was given:
+
+    - discrete (``n`` actions, macros included): ``log_probs [B, n]``, finite
+      log-probabilities (rule an action out with a large negative number such as -30,
+      never ``-inf``), combined as ``logits <- logits + weight * log_probs`` (a product of
+      experts ``pi(a|s) * p(a|s)^weight``, renormalised). PPO samples from the combined
+      distribution and computes its loss on it, so training stays on-policy.
+    - continuous (``A`` action dims): ``mean [B, A]`` (within the action bounds) and
+      ``std`` (``[B, A]`` or a float; 0 acts the mean), taken in place of the policy's
+      action with probability ``prob`` per row (a behaviour policy: the transitions go
+      to SAC's replay buffer like any other). ``imitation > 0`` adds a behaviour-cloning
+      step, ``imitation * |actor(s) - a|^2`` on the replayed transitions the prior acted.
+
+    ``mask [B]`` (bool) says which rows the prior covers (None: all); rows outside it
+    keep the policy's own distribution or action.
+    """
+
+    log_probs: torch.Tensor | None = None  # [B, n] discrete log-probabilities
+    weight: float = 1.0  # exponent of the discrete prior in the product with the policy
+    mean: torch.Tensor | None = None  # [B, A] continuous behaviour action
+    std: torch.Tensor | float = 0.0  # [B, A] or scalar noise around ``mean``
+    prob: float = 0.0  # per-row probability that the continuous prior acts instead of the policy
+    imitation: float = 0.0  # weight of the behaviour-cloning step on the prior's transitions (SAC)
+    mask: torch.Tensor | None = None  # [B] bool rows the prior covers; None: every row

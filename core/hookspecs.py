@@ -24,6 +24,7 @@ Each run goes through these stages::
         for each candidate (through the executor):
             on_train_start
             per step, as TorchRL transforms: compute_reward, represent_state
+            per step, in the collection policy: action_prior
             on_rollout (each collected batch)     on_evaluation (each periodic eval)
             on_train_end
         reflect (each plugin turns the iteration's results into its next context)
@@ -60,11 +61,12 @@ if TYPE_CHECKING:  # pragma: no cover
         EnvConfig,
         IterationResult,
         MacroAction,
+        Plan,
         RewardProgram,
         StateProgram,
         TrainResult,
     )
-    from core.context import RunContext, StepBatch, TrainContext
+    from core.context import ActionPrior, RunContext, StepBatch, TrainContext
 
 PROJECT = "llm4rl"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -132,25 +134,42 @@ def on_run_end(run: RunContext, best: tuple[Candidate, TrainResult] | None) -> N
 
 
 # -------------------------------------------------------------------------------------
+# Planning role: a plan of steps, made once per outer iteration in the main process and
+# consumed by training (``Candidate.plan`` -> ``train.plan``; :mod:`core.plan`).
+# -------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def plan(run: RunContext, iteration: int) -> Plan | str | None:
+    """Skills planning: decompose the task into steps training follows (Plan4MC, RL-GPT).
+
+    Called before the other proposal hooks. The plan is stored in ``run.plan`` (a
+    :class:`core.records.Plan`) so that they can condition on it, attached to every
+    candidate of the iteration (``Candidate.plan``) and read in training as
+    ``train.plan``: its ``steps`` (:class:`core.records.PlanStep`: ``name``, ``kind``
+    ``"skill"`` / ``"goal"`` / ``"rl"``, ``goal_text``, ``done``, the task goal whose
+    achievement completes the step) say what to do in order. A training-side plugin
+    follows them with :class:`core.plan.PlanFollower` (the active step of each env, a
+    reward for completing it, the active step as policy input through
+    ``compute_reward`` / ``represent_state``); ``plan.text`` is the form for logs and
+    prompts. Check a plan with :func:`core.plan.check_plan` before returning it and send
+    its errors (unknown skills, goals the task cannot check) back to the LLM; a plan
+    that stays wrong is dropped by the planner, never raised.
+
+    :param run: the run context.
+    :param iteration: the iteration number, 0-based.
+    :return: a :class:`core.records.Plan` (plain text is kept as a plan of no steps), or
+        None. Stops at first non-None result.
+    """
+
+
+# -------------------------------------------------------------------------------------
 # Proposal hooks: one per LLM role. Called once per outer iteration, in the main
 # process. Each returns a list of alternatives (or None to abstain); the loop forms
 # candidates as the cartesian product of the roles that proposed something.
 # Each part a plugin returns gets ``origin=<plugin name>`` unless it set one, so the
 # plugin's ``reflect`` can find the candidates holding its parts.
 # -------------------------------------------------------------------------------------
-
-
-@hookspec(firstresult=True)
-def plan(run: RunContext, iteration: int) -> str | None:
-    """Skills planning: decompose the task into sub-goals (RL-GPT's slow agent, ELLM).
-
-    Called before the other proposal hooks; the plan is stored in ``run.plan`` so that
-    they can condition on it, and attached to every candidate of the iteration.
-
-    :param run: the run context.
-    :param iteration: the iteration number, 0-based.
-    :return: the plan as text, or None. Stops at first non-None result.
-    """
 
 
 @hookspec
@@ -336,6 +355,55 @@ def on_train_end(train: TrainContext, result: TrainResult) -> None:
 
     :param train: the training context.
     :param result: the candidate's result; a plugin may add to ``result.metrics``.
+    """
+
+
+# -------------------------------------------------------------------------------------
+# Action role, per step: a prior the policy is combined with (SayCan, RLingua). Called
+# inside the training process like the other training hooks; PPO takes discrete priors,
+# SAC continuous ones.
+# -------------------------------------------------------------------------------------
+
+
+@hookspec
+def action_prior(train: TrainContext, obs: torch.Tensor) -> ActionPrior | None:
+    """Per-step action role: a prior over actions that the trainer combines with its policy.
+
+    Called on every collection step with the observations of all training envs, and by
+    PPO on every evaluation step as well (the combined distribution is the policy PPO
+    trains, so it is also the one evaluated); SAC evaluates its actor alone, since its
+    prior is a behaviour policy meant to be annealed away. Must be fast: never block on
+    an LLM (score in the background, cache, and cover only the rows that are ready with
+    ``mask``).
+
+    How the trainer combines a :class:`core.context.ActionPrior`:
+
+    - discrete actions (PPO): ``logits + weight * log_probs`` on the rows in ``mask``;
+      several plugins' priors add up. The collected frames keep the prior's term, so the
+      clipped loss is computed on the same combined distribution that acted (on-policy).
+      Metrics: ``action_prior/rows`` (share of steps a prior covered) and
+      ``action_prior/changed`` (share of steps whose most likely action the prior changed).
+    - continuous actions (SAC): per row, with probability ``prob``, the action is drawn
+      from ``N(mean, std)`` clipped to the action bounds instead of from the actor; the
+      first prior (in hook call order) whose draw succeeds acts. Anneal ``prob`` yourself
+      (``train.progress`` goes from 0 to 1). The transitions fill the replay buffer like
+      any other; ``imitation > 0`` adds a behaviour-cloning step of the actor towards the
+      prior's actions on the replayed transitions the prior took. Metric:
+      ``action_prior/share`` (share of steps the prior acted).
+
+    A prior of the wrong kind or shape (``log_probs`` not ``[B, n]`` or not finite,
+    ``mean`` not ``[B, A]``, a continuous prior under PPO) fails the candidate with an
+    :class:`core.train.action_prior.ActionPriorError` naming the plugin and the shapes, which reaches
+    that plugin's :func:`reflect` as the result's ``error``: a plugin that runs LLM-written
+    code (a controller program) should check the program's value itself and turn its
+    failure into feedback (``train.log_text``) rather than return a broken prior.
+
+    :param train: the training context (``train.progress`` for annealing; per-training
+        objects in ``train.state[<plugin name>]``).
+    :param obs: the task's observations ``[B, obs_dim]`` (before any feature a state
+        program appends; ``train.task.split_state(obs)`` names the fields).
+    :return: an :class:`core.context.ActionPrior` over these ``B`` rows, or None to abstain
+        at this step.
     """
 
 
