@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from core.context import RunContext
 from core.executor import Executor, Runtime, TrainJob, build_runtime, make_executor
 from core.progress import make_progress
-from core.records import Candidate, IterationResult, StartPolicy, TrainResult
+from core.records import Candidate, IterationResult, Plan, StartPolicy, TrainResult
 from core.registry import call_each
 from core.store import ResultStore, job_key, results_path
 from core.tracking import Tracker, format_llm_call
@@ -133,7 +133,9 @@ class Loop:
     # -- one iteration ------------------------------------------------------------------
     def propose(self, iteration: int) -> list[Candidate]:
         hook, run = self.run.hook, self.run
-        run.plan = hook.plan(run=run, iteration=iteration) or ""
+        run.plan = Plan.of(hook.plan(run=run, iteration=iteration))
+        if run.plan is not None and self.tracker is not None:
+            self.tracker.log_text(run.plan.text, f"plan/it{iteration}.md")
         proposals = {role: self._proposals(getattr(hook, name), iteration) for name, role in ROLE_HOOKS.items()}
         previous = run.best[0] if run.best else None
         candidates = combine(iteration, proposals, previous)

@@ -77,6 +77,65 @@ class EnvConfig:
     params: dict[str, Any]
     purpose: str = ""
     weight: float = 1.0  # share of the training envs that use this config
+@dataclass
+class PlanStep:
+    """One step of a :class:`Plan`: a sub-goal or skill, and how its completion is checked.
+
+    ``kind`` says who carries it out: ``"skill"`` (a coded or learned basic skill, Plan4MC),
+    ``"goal"`` (a sub-goal the policy is rewarded for reaching, ELLM) or ``"rl"`` (a
+    sub-action left to RL to learn, RL-GPT). ``done`` names a goal the task can check
+    (:func:`core.plan.goal_names`, e.g. a Crafter achievement ``"collect_wood"``); ``""``
+    when nothing checks it (such a step never gates the ones after it).
+    """
+
+    name: str
+    kind: str = "goal"  # "skill" | "goal" | "rl"
+    goal_text: str = ""  # the step in words, as the LLM gave it
+    done: str = ""  # the task goal whose achievement completes the step ("" = unchecked)
+
+
+PLAN_KINDS = ("skill", "goal", "rl")
+
+
+@dataclass
+class Plan:
+    """What the ``plan`` hook returns and training consumes: steps in order.
+
+    Attached to every candidate of the iteration (``Candidate.plan``) and read in training
+    as ``TrainContext.plan``; :class:`core.plan.PlanFollower` turns it into the active
+    step of each env (the first checked step whose goal is not yet achieved), a reward for
+    completing it and a one-hot of it for the policy. ``text`` is the readable form for
+    logs and prompts (made from the steps when empty); ``origin`` the planning plugin.
+    """
+
+    steps: list[PlanStep] = field(default_factory=list)
+    text: str = ""
+    origin: str = ""
+    target: str = ""  # the goal the plan leads to, if it has one (Plan4MC's target item)
+
+    def __post_init__(self) -> None:
+        for step in self.steps:
+            if step.kind not in PLAN_KINDS:
+                raise ValueError(f"plan step {step.name!r}: kind must be one of {PLAN_KINDS}, not {step.kind!r}")
+        if not self.text and self.steps:
+            self.text = "\n".join(f"{i + 1}. {s.name} [{s.kind}]" + (f": {s.goal_text}" if s.goal_text else "")
+                                   + (f" (done when {s.done})" if s.done and s.done != s.name else "")
+                                   for i, s in enumerate(self.steps))
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __bool__(self) -> bool:
+        return bool(self.steps or self.text)
+
+    @classmethod
+    def of(cls, value: Plan | str | None, origin: str = "") -> Plan | None:
+        """A plan from a hook's result: a :class:`Plan` as it is, text as a plan of no steps."""
+        if value is None or isinstance(value, Plan):
+            return value or None
+        return cls(text=str(value), origin=origin) if str(value) else None
+
+
 
 
 @dataclass
@@ -124,7 +183,7 @@ class Candidate:
     state: StateProgram | None = None
     macros: list[MacroAction] = field(default_factory=list)
     envs: list[EnvConfig] = field(default_factory=list)
-    plan: str = ""
+    plan: Plan | None = None  # the iteration's plan (``plan`` hook); training reads it as ``TrainContext.plan``
     meta: dict[str, Any] = field(default_factory=dict)
     start: StartPolicy | None = None  # continue training this policy (actor, critic, optimizer) instead of a fresh one
     frames: int = 0  # this candidate's training frames (0: trainer.frames)

@@ -85,7 +85,7 @@ def test_two_loops_stepped_in_turn_keep_their_own_plugin_objects(local_plugins, 
             (candidate,) = it.candidates
             (result,) = it.results
             assert result.ok, result.error
-            assert candidate.plan == f"{tag} {it.iteration}"
+            assert candidate.plan.text == f"{tag} {it.iteration}"
             assert result.texts["probe.txt"].split()[1:] == [tag, tag, str(it.iteration + 1)]
 
 
