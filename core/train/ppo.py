@@ -48,8 +48,10 @@ from core.train.common import (CandidateEnv, config_from, corr_sums, pearson, sa
                                train_safely, wants_saved_policy)
 from core.config import Settings
 from core.context import TrainContext
+from core.train.action_prior import PriorSamplingPolicy, PriorSource
 from core.train.evaluate import evaluate_and_record
 from core.train.networks import FlatActorCritic, FlatAdam, SamplingPolicy, build_networks
+from core.train.transforms import has_impls
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -110,17 +112,19 @@ class Frames:
     log_prob: torch.Tensor  # [N, 1] log-probability of the action under the collecting policy
     advantage: torch.Tensor  # [N, 1] GAE advantage
     target: torch.Tensor  # [N, 1] value target (advantage + value)
+    prior: torch.Tensor | None = None  # [N, n] the action priors' term added to the logits (action_prior hooks)
 
     def take(self, index: torch.Tensor) -> Frames:
+        prior = self.prior.index_select(0, index) if self.prior is not None else None
         return Frames(*(t.index_select(0, index) for t in (self.obs, self.action, self.log_prob, self.advantage,
-                                                           self.target)))
+                                                           self.target)), prior)
 
     def normalized(self) -> Frames:
         """The same frames with standardised advantages (``ClipPPOLoss``'s ``normalize_advantage``)."""
         adv = self.advantage
         if adv.numel() > 1:
             adv = (adv - adv.mean()) / adv.std().clamp_min(1e-6)
-        return Frames(self.obs, self.action, self.log_prob, adv, self.target)
+        return Frames(self.obs, self.action, self.log_prob, adv, self.target, self.prior)
 
 
 def ppo_gradients(model: FlatActorCritic, mb: Frames, log_bounds: tuple[float, float], vf_coef: float,
@@ -137,6 +141,8 @@ def ppo_gradients(model: FlatActorCritic, mb: Frames, log_bounds: tuple[float, f
     log-probability's own gradient is ``onehot(a) - softmax`` (categorical) or
     ``z / std`` and ``z^2 - 1`` for the mean and ``log std`` (Gaussian, ``z = (a - mean) / std``).
     ``tests/core/train/test_ppo.py`` checks the result against autograd on ``ClipPPOLoss``.
+    With action priors (``mb.prior``), ``pi`` is ``softmax(logits + prior)``, the
+    distribution that acted; the prior is constant in the parameters.
 
     :param report: also return the loss terms (``policy``, ``value``; floats) for logging.
     """
@@ -147,7 +153,7 @@ def ppo_gradients(model: FlatActorCritic, mb: Frames, log_bounds: tuple[float, f
         z = (mb.action - head) / log_std.exp()
         log_prob = (-0.5 * z * z - log_std - _HALF_LOG_2PI).sum(-1, keepdim=True)
     else:
-        logp_all = torch.log_softmax(head, -1)
+        logp_all = torch.log_softmax(head if mb.prior is None else head + mb.prior, -1)
         log_prob = logp_all.gather(-1, mb.action)
     log_weight = log_prob - mb.log_prob
     gain = log_weight.exp().mul_(mb.advantage)
@@ -281,6 +287,11 @@ class _Run:
                 cenv.close()
                 raise
         self.policy = SamplingPolicy(self.model.actor, nets.discrete, "action_log_prob")
+        self.prior = None  # the action_prior hooks, combined with the policy in collection, loss and evaluation
+        if has_impls(hook, "action_prior") and ctx is not None:
+            n = int(self.base.action_spec.n) if nets.discrete else None
+            self.prior = PriorSamplingPolicy(self.model.actor, PriorSource(hook, ctx, self.task, n_actions=n), self.policy)
+            self.policy = self.prior
         batches = sum(n for _, n in stages)
         # lr and clip anneal over the trainer's budget from the policy's first batch: a chain of
         # continued trainings follows one schedule (a lone training: over its own batches)
@@ -321,6 +332,8 @@ class _Run:
         if self.returns:
             result.metrics["charts/episodic_return"] = float(np.mean(self.returns[-20:]))
         result.metrics.update(macro_metrics)
+        if self.prior is not None:
+            result.metrics.update(self.prior.source.metrics())
         if cenv.rewrites_reward and corr[0] > 1:
             result.metrics["reward/env_correlation"] = pearson(corr)
             if ctx is not None:
@@ -483,8 +496,10 @@ class _Run:
                   batch.get(("next", "terminated")), cfg.gamma, cfg.gae_lambda)
         action = batch.get("action")
         action = action.reshape(-1, 1) if self.nets.discrete else action.reshape(-1, action.shape[-1])
+        prior = batch.get("action_prior", None)
         return Frames(obs.reshape(-1, obs.shape[-1]), action, batch.get("action_log_prob").reshape(-1, 1),
-                      adv.reshape(-1, 1), (adv + value).reshape(-1, 1))
+                      adv.reshape(-1, 1), (adv + value).reshape(-1, 1),
+                      prior.reshape(-1, prior.shape[-1]) if prior is not None else None)
 
     def _sample_components(self, frames: int) -> None:
         assert self.cenv.program_reward is not None
@@ -497,6 +512,8 @@ class _Run:
         """Deterministic episodes on the original env (with the candidate's macros)."""
 
         def act(obs: torch.Tensor) -> torch.Tensor:
+            if self.prior is not None and self.nets.discrete:  # the combined distribution is the policy PPO trained
+                return self.prior.act(obs, self.cenv.augment(obs), self.cfg.eval_deterministic)
             if self.cfg.eval_deterministic:
                 return self.nets.act_deterministic(self.cenv.augment(obs))
             return self.nets.act_sampled(self.cenv.augment(obs))

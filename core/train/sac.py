@@ -41,7 +41,9 @@ from core.records import Candidate, Episode, TrainResult
 from core.train.common import CandidateEnv, config_from, corr_sums, pearson, save_policy, train_safely, wants_saved_policy
 from core.config import Settings
 from core.context import TrainContext
+from core.train.action_prior import PRIOR_KEYS, PriorBehaviour, PriorSource, imitation_step
 from core.train.evaluate import evaluate_and_record
+from core.train.transforms import has_impls
 
 #: what the replay buffer keeps of a collected batch (all SACLoss reads)
 BUFFER_KEYS = ("observation", "action", ("next", "observation"), ("next", "reward"), ("next", "done"),
@@ -207,8 +209,13 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
     buffer = make_replay_buffer(cfg)
     batches = max(1, cfg.frames // cfg.frames_per_batch)
     total = batches * cfg.frames_per_batch
-    collector = Collector(cenv.env, modules.actor, frames_per_batch=cfg.frames_per_batch, total_frames=total,
-                          init_random_frames=cfg.init_random_frames, trust_policy=True, track_traj_ids=False,
+    policy, random_frames, keys, prior = modules.actor, cfg.init_random_frames, BUFFER_KEYS, None
+    if has_impls(hook, "action_prior") and ctx is not None:  # a behaviour prior acts from the first step
+        spec = modules.action_spec.space
+        prior = PriorBehaviour(modules.actor, PriorSource(hook, ctx, task, low=spec.low, high=spec.high), random_frames)
+        policy, random_frames, keys = prior, 0, BUFFER_KEYS + PRIOR_KEYS
+    collector = Collector(cenv.env, policy, frames_per_batch=cfg.frames_per_batch, total_frames=total,
+                          init_random_frames=random_frames, trust_policy=True, track_traj_ids=False,
                           auto_register_policy_transforms=False, postproc=cenv.postproc)
 
     def evaluate_now(frames: int) -> list[Episode]:
@@ -234,17 +241,22 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
                 hook.on_rollout(train=ctx, batch=batch)
             if cenv.rewrites_reward:
                 corr += corr_sums(batch)
-            buffer.extend(batch.reshape(-1).select(*BUFFER_KEYS))
+            buffer.extend(batch.reshape(-1).select(*keys))
             if frames >= cfg.init_random_frames and len(buffer) >= cfg.batch_size:
                 owed += batch.numel() * cfg.updates_per_frame
-                losses = None  # updates_per_frame < 1: a batch may owe no update yet
+                losses = imitated = None  # updates_per_frame < 1: a batch may owe no update yet
                 while owed >= 1.0:
-                    losses = sac_update(modules, buffer.sample())
+                    sample = buffer.sample()
+                    losses = sac_update(modules, sample)
+                    if prior is not None and prior.source.imitation > 0:
+                        imitated = imitation_step(modules.actor, modules.optimizers[1], sample, prior.source.imitation)
                     owed -= 1.0
                 if losses is not None:
                     stats = {"losses/qvalue_loss": float(losses["loss_qvalue"]),
                              "losses/actor_loss": float(losses["loss_actor"]),
                              "losses/alpha_loss": float(losses["loss_alpha"]), "losses/alpha": float(losses["alpha"])}
+                    if imitated is not None:
+                        stats["losses/imitation_loss"] = imitated
             finished = cenv.base.pop_finished()
             returns += [r for r, _ in finished]
             now = time.perf_counter()
@@ -277,6 +289,8 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
     result.metrics["charts/fps"] = frames / max(train_seconds, 1e-9)
     result.metrics.update(cenv.program_metrics)
     result.metrics.update(cenv.macro_metrics())
+    if prior is not None:
+        result.metrics.update(prior.source.metrics())
     if returns:
         result.metrics["charts/episodic_return"] = float(np.mean(returns[-20:]))
     if cenv.rewrites_reward and corr[0] > 1:
