@@ -4,7 +4,15 @@ Replies come in many shapes: fenced blocks (```python, ```py, bare ```, ~~~), a 
 the model never closed, several blocks (a draft, a helper, the final version), or bare
 code with prose around it. :func:`extract_code` returns the most likely code;
 :func:`extract_function` finds the block that defines a given function and returns it
-with its helpers and imports, or an error text meant to be sent back to the LLM.
+with its helpers and imports, or an error text meant to be sent back to the LLM;
+:func:`program_from_reply` turns a reply into a program record either way (usable, or
+rejected with that error as its reason), so that no reply is dropped silently.
+
+A reply whose only flaw is the function's name (``improved_compute_reward`` for
+``compute_reward``) is accepted by renaming when asked (``rename=True``): exactly one
+top-level function fits the expected arguments, or exactly one of those that fit has
+the expected name inside its own. The rename is noted (``ExtractResult.renamed``) and
+recorded with the program (``meta["renamed_from"]``).
 
 Nothing here executes code: it only parses it (``ast``). Safety checks live in
 :mod:`core.sandbox`.
@@ -15,6 +23,11 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from core.records import Program
+
+P = TypeVar("P", bound=Program)
 
 # Language tags that mark a block as Python (anything else tagged is not Python).
 _PY_TAGS = {"python", "python3", "py", "py3", "pycon", "ipython", "{python}", "{py}"}
@@ -28,14 +41,22 @@ _CODE_START = re.compile(r"^(def |async def |class |import |from \S+ import |@\w
 class ExtractResult:
     """The function's source with its helpers and imports, or why it could not be found.
 
-    ``error`` is feedback text for the LLM; ``notes`` lists harmless things that were
-    dropped (example calls, ``if __name__ == "__main__"`` blocks).
+    ``error`` is feedback text for the LLM and ``kind`` its category (:data:`KINDS`);
+    ``notes`` lists harmless things that were changed or dropped (example calls,
+    ``if __name__ == "__main__"`` blocks, a rename); ``renamed`` is the function's name
+    in the reply when it was accepted under another.
     """
 
     ok: bool
     source: str = ""
     error: str = ""
     notes: list[str] = field(default_factory=list)
+    kind: str = ""  # why it failed: one of KINDS ("" when ok)
+    renamed: str = ""  # the reply's name for the function, when it was renamed to the entry
+
+
+#: the categories of unusable replies, as ``ExtractResult.kind`` and in run records
+KINDS = ("empty", "no_code", "syntax", "no_function", "duplicate", "async", "signature")
 
 
 @dataclass
@@ -164,21 +185,24 @@ def _strip_script_parts(code: str, tree: ast.Module) -> tuple[str, list[str]]:
     return "\n".join(kept).rstrip() + "\n", notes
 
 
-def extract_function(reply: str, entry: str, arg_names: list[str] | None = None) -> ExtractResult:
+def extract_function(reply: str, entry: str, arg_names: list[str] | None = None, *, rename: bool = False) -> ExtractResult:
     """Find the code block defining ``entry`` and return it with its helpers and imports.
 
     :param reply: the raw LLM reply.
     :param entry: the function the caller will call (``compute_reward``).
     :param arg_names: the positional arguments it will be called with, to check arity.
-    :return: ``ok`` with ``source``, or ``error`` text saying what was wrong.
+    :param rename: accept a reply whose only function fitting ``arg_names`` has another
+        name, renamed to ``entry`` (see the module docstring).
+    :return: ``ok`` with ``source``, or ``error`` text (and ``kind``) saying what was wrong.
     """
     if not (reply or "").strip():
-        return ExtractResult(False, error="The reply is empty: write the function in a ```python code block.")
+        return ExtractResult(False, error="The reply is empty: write the function in a ```python code block.", kind="empty")
     blocks = _blocks(reply)
     if not blocks:
         return ExtractResult(
             False,
             error=f"The reply contains no code, only prose. Write `def {entry}(...)` in a ```python code block.",
+            kind="no_code",
         )
     candidates = [b for b in blocks if b.pythonish] or blocks
     found: list[tuple[_Block, ast.Module]] = []
@@ -197,10 +221,17 @@ def extract_function(reply: str, entry: str, arg_names: list[str] | None = None)
             found.append((block, tree))
     if not found:
         if syntax_errors:
-            return ExtractResult(False, error=syntax_errors[-1])
+            return ExtractResult(False, error=syntax_errors[-1], kind="syntax")
+        if rename and arg_names is not None:
+            renamed = _renamed(candidates, entry, list(arg_names))
+            if renamed is not None:
+                return renamed
         defined = sorted({n.name for b in candidates for n in _safe_body(b.code) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))})
+        if not defined and any(_parse_error(b.code) for b in candidates):
+            return ExtractResult(False, error=_parse_error(candidates[-1].code) or _first_parse_error(candidates), kind="syntax")
         also = f" (found: {', '.join(f'`{d}`' for d in defined)})" if defined else ""
-        return ExtractResult(False, error=f"No function named `{entry}` is defined at the top level of the code{also}.")
+        return ExtractResult(False, error=f"No function named `{entry}` is defined at the top level of the code{also}.",
+                             kind="no_function")
     n_defs = sum(len(_defs(tree, entry)) for _, tree in found)
     distinct = {ast.dump(_defs(tree, entry)[0]) for _, tree in found}
     if any(len(_defs(tree, entry)) > 1 for _, tree in found) or len(distinct) > 1:
@@ -208,17 +239,82 @@ def extract_function(reply: str, entry: str, arg_names: list[str] | None = None)
         return ExtractResult(
             False,
             error=f"`{entry}` is defined {n_defs} times (code block{'s' if len(found) > 1 else ''} {where}); give exactly one definition.",
+            kind="duplicate",
         )
     block, tree = found[-1]
     fn = _defs(tree, entry)[0]
     if isinstance(fn, ast.AsyncFunctionDef):
-        return ExtractResult(False, error=f"`{entry}` must be a plain `def`, not `async def`.")
+        return ExtractResult(False, error=f"`{entry}` must be a plain `def`, not `async def`.", kind="async")
     if arg_names is not None:
         err = signature_error(fn, entry, list(arg_names))
         if err:
-            return ExtractResult(False, error=err)
+            return ExtractResult(False, error=err, kind="signature")
     source, notes = _strip_script_parts(block.code, tree)
     return ExtractResult(True, source=source, notes=notes)
+
+
+def _renamed(blocks: list[_Block], entry: str, arg_names: list[str]) -> ExtractResult | None:
+    """The one top-level function that fits ``arg_names``, renamed to ``entry``; None when
+    there is no such function or several (those with ``entry`` in their name first)."""
+    fits: list[tuple[_Block, ast.Module, ast.FunctionDef]] = []
+    for block in blocks:
+        try:
+            tree = ast.parse(block.code)
+        except SyntaxError:
+            continue
+        fits += [(block, tree, n) for n in tree.body
+                 if isinstance(n, ast.FunctionDef) and not signature_error(n, n.name, arg_names)]
+    if len({n.name for _, _, n in fits}) > 1:
+        fits = [f for f in fits if entry in f[2].name]
+    names = {n.name for _, _, n in fits}
+    if len(names) != 1:
+        return None
+    block, _, fn = fits[-1]
+    old = fn.name
+    code = re.sub(rf"\b{re.escape(old)}\b", entry, block.code)
+    tree = ast.parse(code)
+    if len(_defs(tree, entry)) != 1:
+        return None
+    source, notes = _strip_script_parts(code, tree)
+    return ExtractResult(True, source=source, notes=[f"renamed `{old}` to `{entry}`", *notes], renamed=old)
+
+
+def _parse_error(code: str) -> str:
+    """The code's syntax error as feedback text, or ``""`` when it parses."""
+    try:
+        ast.parse(code)
+    except SyntaxError as e:
+        line = (e.text or "").strip()
+        return f"SyntaxError on line {e.lineno}: {e.msg}" + (f"\n    {line}" if line else "")
+    return ""
+
+
+def _first_parse_error(blocks: list[_Block]) -> str:
+    return next((_parse_error(b.code) for b in blocks if _parse_error(b.code)), "")
+
+
+def program_from_reply(cls: type[P], reply: str, entry: str, arg_names: list[str], **fields: Any) -> P:
+    """The program a reply holds, or the same record rejected with the reason.
+
+    A usable reply gives ``cls(source=..., entry=entry, reply=reply, **fields)``; an
+    unusable one the same record with ``rejected`` set to the error (feedback text for
+    the LLM), ``source`` the reply's best-guess code, and ``meta["rejected_kind"]`` one of
+    :data:`KINDS`. A function accepted under another name is renamed and recorded in
+    ``meta["renamed_from"]``; ``meta["notes"]`` lists what extraction changed.
+
+    :param cls: the program record (:class:`core.records.RewardProgram`, ...).
+    :param fields: the record's other fields (``origin``, ``prompt``, ``meta``, ...).
+    """
+    found = extract_function(reply, entry, arg_names, rename=True)
+    meta = dict(fields.pop("meta", None) or {})
+    if found.notes:
+        meta["notes"] = list(found.notes)
+    if found.renamed:
+        meta["renamed_from"] = found.renamed
+    if not found.ok:
+        meta["rejected_kind"] = found.kind
+        return cls(source=extract_code(reply), entry=entry, reply=reply, meta=meta, rejected=found.error, **fields)
+    return cls(source=found.source, entry=entry, reply=reply, meta=meta, **fields)
 
 
 def _safe_body(code: str) -> list[ast.stmt]:

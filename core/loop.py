@@ -58,6 +58,12 @@ class RunSummary:
     reused: int = 0  # trainings taken from an earlier identical run (resume=true)
     results_store: str = ""  # where finished trainings are kept (and reused from)
     first_error: str = ""  # the first failed candidate's error, shown when nothing succeeded
+    rejected: int = 0  # candidates from replies that held no usable program (recorded, not trained; within ``failed``)
+
+    @property
+    def counts(self) -> str:
+        """``8 sampled, 6 usable, 5 trained``: candidates, those not rejected, those that trained."""
+        return f"{self.candidates} sampled, {self.candidates - self.rejected} usable, {self.candidates - self.failed} trained"
 
 
 def combine(iteration: int, proposals: dict[str, list[Any]], previous_best: Candidate | None) -> list[Candidate]:
@@ -138,10 +144,16 @@ class Loop:
             self.tracker.log_text(run.plan.text, f"plan/it{iteration}.md")
         proposals = {role: self._proposals(getattr(hook, name), iteration) for name, role in ROLE_HOOKS.items()}
         previous = run.best[0] if run.best else None
+        rejected = {role: [p for p in options if _rejected(p)] for role, options in proposals.items()}
+        proposals = {role: [p for p in options if not _rejected(p)] for role, options in proposals.items()}
         candidates = combine(iteration, proposals, previous)
         for c in candidates:
             c.plan = run.plan
         hook.prepare_candidates(run=run, candidates=candidates)
+        # a reply with no usable program: a candidate of its own that is recorded, never trained
+        for role, part in ((role, part) for role, parts in rejected.items() for part in parts):
+            candidates.append(Candidate(id=f"it{iteration}-c{len(candidates)}", iteration=iteration, plan=run.plan,
+                                        **{role: part}))
         return candidates
 
     def _proposals(self, caller: Any, iteration: int) -> list[Any]:
@@ -160,14 +172,18 @@ class Loop:
         """Train every candidate (reusing finished trainings), log each as a nested run."""
         jobs = [TrainJob(self.container, c, seed, self.runtime.run_key) for c in candidates]
         keys = [job_key(c, self.container, seed, self.runtime.fingerprint) for c in candidates]
-        results: list[TrainResult | None] = [self.store.get(k) if self.store else None for k in keys]
+        results: list[TrainResult | None] = [
+            TrainResult(c.id, ok=False, error=c.rejected, error_kind="rejected") if c.rejected
+            else self.store.get(k) if self.store else None for c, k in zip(candidates, keys)]
         todo = [i for i, r in enumerate(results) if r is None]
-        self.reused += len(jobs) - len(todo)
+        self.reused += len(jobs) - len(todo) - sum(bool(c.rejected) for c in candidates)
         bar = progress.add_task("candidates", total=len(jobs), completed=len(jobs) - len(todo)) if progress else None
+
+        ended: dict[int, float] = {}  # when each training came back (its MLflow run's end)
 
         def done(j: int, result: TrainResult) -> None:
             i = todo[j]
-            results[i] = result
+            results[i], ended[i] = result, time.time()
             if self.store is not None and result.ok:
                 self.store.put(keys[i], result)
             if progress is not None:
@@ -188,13 +204,14 @@ class Loop:
             assert result is not None
             result = replace(result, candidate_id=candidate.id)
             if self.tracker is not None:
-                tags = {"seed": str(seed), "resumed": str(i not in todo)}
+                reused = i not in todo and not candidate.rejected
+                tags = {"seed": str(seed), "resumed": str(reused), **_reply_tags(candidate)}
                 if candidate.start is not None:
                     tags["start_policy"] = f"{candidate.start.source} ({candidate.start.sha256[:12]})"
-                if i not in todo:  # say where the reused training was recorded first
+                if reused:  # say where the reused training was recorded first
                     tags["reused_from_run"] = result.run_id or "unknown"
                     tags["results_store"] = str(self.store_path)
-                self.tracker.log_candidate(candidate, result, tags)
+                self.tracker.log_candidate(candidate, result, tags, ended=ended.get(i))
                 if i in todo and self.store is not None and result.ok and result.run_id:
                     self.store.put(keys[i], result)  # again, now with its MLflow run id
             if i in todo and result.policy_path:  # uploaded by the tracker or wanted by nobody: never left in the temp folder
@@ -295,9 +312,13 @@ class Loop:
         fitness = best[1].score if best else float("nan")
         name = best[1].fitness.name if best and best[1].fitness else self.run.task.fitness_name
         llm = self._log_llm_stats()
+        rejected = sum(r.error_kind == "rejected" for r in results)
         if self.tracker is not None:
-            self.tracker.log_metrics({"fitness": fitness, "frames": frames, "seconds": seconds, "candidates": len(results)})
+            self.tracker.log_metrics({"fitness": fitness, "frames": frames, "seconds": seconds, "candidates": len(results),
+                                      "candidates_rejected": rejected})
             self.tracker.set_tags({"best_candidate": best[0].id if best else "none", "fitness_name": name})
+            self.tracker.describe_run(task=self.run.task.name, fitness_name=name, history=self.run.history, best=best,
+                                      llm=llm, seconds=seconds, final=final)
             curves = {f"{c.id}": r.curve for it in self.run.history for c, r in zip(it.candidates, it.results) if r.ok}
             if curves and self.config.tracking.get("log_plots", True):
                 from core.plots import learning_curve
@@ -318,7 +339,39 @@ class Loop:
             reused=self.reused,
             results_store=str(self.store_path) if self.store is not None else "",
             first_error=next((r.error for r in results if not r.ok), ""),
+            rejected=rejected,
         )
+
+
+def _rejected(part: Any) -> bool:
+    """Whether a proposed part (a program, a macro-action list) holds a rejected reply."""
+    parts = part if isinstance(part, list) else [part]
+    return any(getattr(getattr(p, "program", p), "rejected", "") for p in parts)
+
+
+def _reply_tags(candidate: Candidate) -> dict[str, str]:
+    """Tags that link a candidate to the LLM replies it came from, and say why it did not train.
+
+    ``sample`` (the reply's index in its LLM call; ``reward:3,state:1`` when several roles
+    have one), ``llm_call`` (the call's tag, as in the ``llm/`` records), ``renamed_from``,
+    and for a rejected reply ``status=rejected``, ``rejected_kind`` and the reason's first line.
+    """
+    tags: dict[str, str] = {}
+    programs = candidate.programs
+    samples = [(role, p.meta["sample"]) for role, p in programs if "sample" in p.meta]
+    if samples:
+        tags["sample"] = str(samples[0][1]) if len(samples) == 1 else ",".join(f"{r}:{i}" for r, i in samples)
+    calls = sorted({str(p.meta["call"]) for _, p in programs if p.meta.get("call")})
+    if calls:
+        tags["llm_call"] = ",".join(calls)
+    renamed = [f"{p.meta['renamed_from']} -> {p.entry}" for _, p in programs if p.meta.get("renamed_from")]
+    if renamed:
+        tags["renamed_from"] = ", ".join(renamed)
+    if candidate.rejected:
+        tags["status"] = "rejected"
+        tags["rejected_kind"] = ",".join(str(p.meta.get("rejected_kind", "other")) for _, p in programs if p.rejected)
+        tags["rejected"] = candidate.rejected.strip().splitlines()[0][:250]
+    return tags
 
 
 def _iteration_best(result: IterationResult) -> float:

@@ -6,6 +6,7 @@ return values, allowed imports); methods add their own framing around them.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from core.envs.task import Task
@@ -74,6 +75,39 @@ The fields of `state` (each a float32 tensor, scalars of shape [B]):
 {task.schema_text()}
 
 Use vectorised torch operations only. You may import only: {", ".join(allowed_imports)}."""
+
+
+# -- reflections as markdown (logged under reflection/, rendered by MLflow) ---------------------
+
+
+def fence(text: str, lang: str = "") -> str:
+    """``text`` in a fenced markdown block whose fence no backtick run inside can close."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    ticks = "`" * max(3, longest + 1)
+    return f"{ticks}{lang}\n{text.rstrip()}\n{ticks}"
+
+
+def reply_counts(pairs: list[tuple[Any, Any]]) -> str:
+    """``8 sampled, 6 usable, 5 trained`` for ``(candidate, result)`` pairs of one plugin."""
+    rejected = sum(bool(c.rejected) for c, _ in pairs)
+    trained = sum(bool(r.ok) for _, r in pairs)
+    return f"{len(pairs)} sampled, {len(pairs) - rejected} usable, {trained} trained"
+
+
+def candidate_line(candidate: Any, result: Any, program: Any = None) -> str:
+    """One markdown list item: the candidate, the reply it came from, and how it fared."""
+    sample = (program.meta.get("sample") if program is not None else None)
+    where = f" (reply {sample})" if sample is not None else ""
+    if candidate.rejected:
+        kind = program.meta.get("rejected_kind", "") if program is not None else ""
+        reason = candidate.rejected.strip().splitlines()[0]
+        return f"- `{candidate.id}`{where}: rejected{f' ({kind})' if kind else ''}, not trained: {reason}"
+    if result.ok and result.fitness is not None:
+        renamed = program.meta.get("renamed_from") if program is not None else None
+        note = f" (function `{renamed}` renamed to `{program.entry}`)" if renamed else ""
+        return f"- `{candidate.id}`{where}: {result.fitness.name} {result.fitness.value:.4g}{note}"
+    first = (result.error.strip().splitlines() or [""])[-1][:200]
+    return f"- `{candidate.id}`{where}: failed ({result.error_kind or 'error'}){': ' + first if first else ''}"
 
 
 def summarize_series(values: list[float]) -> str:

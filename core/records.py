@@ -17,6 +17,13 @@ class Program:
 
     The core never ``exec``s a program itself: ``core.sandbox`` compiles, checks and
     runs it. ``origin`` names the plugin that proposed it.
+
+    A reply that yields no usable program still becomes one, with ``rejected`` saying
+    why (no code, no function of that name, a syntax error, the wrong signature): the
+    loop records it as a candidate that did not train, so no reply is dropped silently,
+    and a repair step can send ``reply`` and ``rejected`` back to the LLM. ``source``
+    then holds the reply's best-guess code (possibly ``""``). ``meta["sample"]`` is the
+    reply's index in its LLM call.
     """
 
     source: str
@@ -25,6 +32,7 @@ class Program:
     prompt: str = ""  # the prompt that produced it (logged as an artifact)
     reply: str = ""  # the raw LLM reply it was extracted from
     meta: dict[str, Any] = field(default_factory=dict)
+    rejected: str = ""  # why the reply could not be used (feedback text for the LLM); set: recorded, never trained
 
 
 @dataclass
@@ -69,14 +77,6 @@ class MacroAction:
     done_entry: str | None = None
 
 
-@dataclass
-class EnvConfig:
-    """One training-environment variant: values for the task's controllable params."""
-
-    name: str
-    params: dict[str, Any]
-    purpose: str = ""
-    weight: float = 1.0  # share of the training envs that use this config
 @dataclass
 class PlanStep:
     """One step of a :class:`Plan`: a sub-goal or skill, and how its completion is checked.
@@ -136,6 +136,14 @@ class Plan:
         return cls(text=str(value), origin=origin) if str(value) else None
 
 
+@dataclass
+class EnvConfig:
+    """One training-environment variant: values for the task's controllable params."""
+
+    name: str
+    params: dict[str, Any]
+    purpose: str = ""
+    weight: float = 1.0  # share of the training envs that use this config
 
 
 @dataclass
@@ -189,6 +197,22 @@ class Candidate:
     frames: int = 0  # this candidate's training frames (0: trainer.frames)
     original_after: float = 0.0  # share of the frames trained last on the original env, after ``envs``
     keep_policy: bool = False  # return the trained state in TrainResult.final_policy (for a later start)
+
+    @property
+    def programs(self) -> list[tuple[str, Program]]:
+        """Every program of the candidate with its role (``reward``, ``state``, ``macros``)."""
+        out: list[tuple[str, Program]] = []
+        if self.reward is not None:
+            out.append(("reward", self.reward))
+        if self.state is not None:
+            out.append(("state", self.state))
+        out += [("macros", m.program) for m in self.macros]
+        return out
+
+    @property
+    def rejected(self) -> str:
+        """Why the candidate cannot train: its rejected programs' reasons (``""`` when it can)."""
+        return "\n".join(p.rejected for _, p in self.programs if p.rejected)
 
     @property
     def parts(self) -> dict[str, Any]:

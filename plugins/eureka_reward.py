@@ -9,7 +9,13 @@ Method (Ma et al., "Eureka: Human-Level Reward Design via Coding Large Language 
    each is scored on the task's ground-truth fitness; the best is kept.
 3. Reward reflection: the best candidate's components and fitness, sampled over
    training (with max/mean/min), go back to the LLM with tips on how to read them.
-   Failed candidates send their error instead.
+   Failed candidates send their error instead; when no reply held a usable function,
+   the reason goes back with the next request.
+
+Every reply becomes a candidate: an unusable one (no code, no ``compute_reward``, a
+syntax error, the wrong signature) is recorded as a rejected candidate with its reason
+and never trained; a lone function of the right arity under another name
+(``improved_compute_reward``) is renamed and trained, and the rename recorded.
 4. The context is system + task + the latest best reply + its feedback; after N
    iterations the best reward is retrained on more seeds (``final_seeds``).
 
@@ -21,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core import PluginConfig, hookimpl
-from core.codegen import extract_function
-from core.prompting import reward_interface, sample_evenly, summarize_series
+from core.codegen import program_from_reply
+from core.prompting import candidate_line, fence, reply_counts, reward_interface, sample_evenly, summarize_series
 from core.records import Candidate, IterationResult, RewardProgram, TrainResult
 
 NAME = "eureka"
@@ -143,7 +149,6 @@ class Plugin:
         self.feedback = ""  # reflection on it, shown as the next user turn
         self.best_score = float("-inf")
         self.best_source = ""
-        self.extract_errors: list[str] = []
 
     @hookimpl
     def propose_rewards(self, run, iteration: int) -> list[RewardProgram] | None:
@@ -152,27 +157,21 @@ class Plugin:
             return None
         msgs = messages(run, self.best_reply, self.feedback)
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
-        programs: list[RewardProgram] = []
-        self.extract_errors = []
+        tag = f"{NAME}-it{iteration}"
         replies = run.llm.chat(
             msgs,
             n=cfg.samples,
             temperature=cfg.temperature,
             max_tokens=cfg.max_tokens,
             seed=run.seed * 1000 + iteration,
-            tag=f"{NAME}-it{iteration}",
+            tag=tag,
         )
-        for i, reply in enumerate(replies):
-            found = extract_function(reply.text, ENTRY, ARGS)
-            if found.ok:
-                programs.append(
-                    RewardProgram(source=found.source, entry=ENTRY, origin=NAME, prompt=prompt, reply=reply.text, meta={"sample": i})
-                )
-            else:
-                self.extract_errors.append(found.error)
-        if not programs:
+        # every reply becomes a program: usable, or rejected with its reason (recorded, not trained)
+        programs = [program_from_reply(RewardProgram, reply.text, ENTRY, ARGS, origin=NAME, prompt=prompt,
+                                       meta={"sample": i, "call": tag}) for i, reply in enumerate(replies)]
+        if all(p.rejected for p in programs):
             # no usable code at all: the next iteration says why (Eureka resamples)
-            self.feedback = NO_CODE.format(error=self.extract_errors[0] if self.extract_errors else "empty replies")
+            self.feedback = NO_CODE.format(error=programs[0].rejected if programs else "empty replies")
         return programs
 
     @hookimpl
@@ -181,8 +180,11 @@ class Plugin:
         if not mine:
             return self.feedback or None
         ok = [(c, r) for c, r in mine if r.ok]
+        failed = [(c, r) for c, r in mine if not r.ok and not c.rejected]
+        about: Candidate | None = None  # the candidate whose reply and code the feedback answers
         if ok:
             best_c, best_r = max(ok, key=lambda cr: cr[1].score)
+            about = best_c
             self.best_reply = best_c.reward.reply  # type: ignore[union-attr]
             self.feedback = reflection(best_r, run.task.fitness_name, run.task.failure_modes(best_r.episodes))
             for c, r in ok:
@@ -191,18 +193,38 @@ class Plugin:
                     run.log_text(f"{NAME}/{c.id}/failure_modes.txt", modes)
             if best_r.score > self.best_score:
                 self.best_score, self.best_source = best_r.score, best_c.reward.source  # type: ignore[union-attr]
-        else:
-            failed_c, failed_r = mine[0]
-            self.best_reply = failed_c.reward.reply  # type: ignore[union-attr]
+        elif failed:
+            about, failed_r = failed[0]
+            self.best_reply = about.reward.reply  # type: ignore[union-attr]
             self.feedback = FAILURE.format(kind=failed_r.error_kind or "error", error=failed_r.error.strip()[-1500:])
-        summary = [f"iteration {result.iteration}: {len(ok)}/{len(mine)} reward functions trained"]
-        summary += [f"- {c.id}: {r.fitness.value:.4g}" if r.ok and r.fitness else f"- {c.id}: failed ({r.error_kind})" for c, r in mine]
-        return "\n".join(summary) + "\n\nFeedback for the next iteration:\n\n" + self.feedback
+        else:  # every reply rejected: propose_rewards set the reason as the next request's feedback
+            about = mine[0][0]
+        return reflection_markdown(result.iteration, mine, about, self.feedback)
 
     @hookimpl
     def on_run_end(self, run, best: tuple[Candidate, TrainResult] | None) -> None:
         if self.best_source:
             run.log_text(f"{NAME}/best_reward.py", self.best_source)
+
+
+def reflection_markdown(iteration: int, mine: list[tuple[Candidate, TrainResult]], about: Candidate | None,
+                        feedback: str) -> str:
+    """The iteration's record as markdown: the counts, one line per candidate, then the
+    candidate the feedback is about, its reward code, and the feedback itself."""
+    lines = [f"### Iteration {iteration}: {reply_counts(mine)}", ""]
+    lines += [candidate_line(c, r, c.reward) for c, r in mine]
+    if about is not None and about.reward is not None:
+        program = about.reward
+        sample = program.meta.get("sample")
+        which = "the best of this iteration" if not about.rejected else "rejected"
+        lines += ["", f"### Feedback on `{about.id}`{f' (reply {sample})' if sample is not None else ''}, {which}", ""]
+        if program.source.strip():
+            lines += [f"Its reward function (`{program.entry}`):", "", fence(program.source, "python"), ""]
+        else:
+            lines += ["Its reply held no code:", "", fence(program.reply, "text"), ""]
+    if feedback:
+        lines += ["Sent to the LLM with the next request:", "", fence(feedback, "text")]
+    return "\n".join(lines)
 
 
 def _is_mine(candidate: Candidate, iteration: int) -> bool:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.codegen import extract_code, extract_function
+from core.codegen import KINDS, extract_code, extract_function, program_from_reply
+from core.records import RewardProgram, StateProgram
 
 ARGS = ["state", "action", "next_state"]
 FN = "def compute_reward(state, action, next_state):\n    return helper(state['x'])"
@@ -125,3 +126,49 @@ def test_torchscript_decorators_are_dropped() -> None:
     from core.sandbox import check_source
 
     assert check_source(result.source, "compute_reward", arg_names=ARGS).ok
+
+
+# -- every failure has a kind; a lone misnamed function can be renamed ------------------------
+
+
+@pytest.mark.parametrize(
+    ("reply", "kind"),
+    [
+        ("", "empty"),
+        ("Reward the agent for balance.", "no_code"),
+        ("```python\ndef compute_reward(state, action, next_state):\n    return (1 +\n```", "syntax"),
+        ("```python\nx = (1 +\n```", "syntax"),
+        ("```python\ndef reward(s):\n    return 0\n```", "no_function"),
+        (f"```python\n{FN}\n\n{FN}\n```", "duplicate"),
+        ("```python\nasync def compute_reward(s, a, n):\n    return 0\n```", "async"),
+        ("```python\ndef compute_reward(s):\n    return 0\n```", "signature"),
+    ],
+)
+def test_every_failure_names_its_kind(reply: str, kind: str) -> None:
+    result = extract_function(reply, "compute_reward", ARGS, rename=True)
+    assert not result.ok and result.kind == kind and result.kind in KINDS and result.error
+
+
+def test_a_lone_misnamed_function_is_renamed_only_when_asked() -> None:
+    reply = f"```python\n{HELPER}\n\ndef improved_compute_reward(state, action, next_state):\n    return helper(state['x'])\n```"
+    assert not extract_function(reply, "compute_reward", ARGS).ok
+    result = extract_function(reply, "compute_reward", ARGS, rename=True)
+    assert result.ok and result.renamed == "improved_compute_reward"
+    assert "def compute_reward(state, action, next_state)" in result.source and "def helper(x)" in result.source
+    assert "renamed `improved_compute_reward` to `compute_reward`" in result.notes
+
+
+def test_two_functions_that_fit_are_not_guessed_between() -> None:
+    reply = "```python\ndef reward_a(s, a, n):\n    return 0\n\ndef reward_b(s, a, n):\n    return 1\n```"
+    result = extract_function(reply, "compute_reward", ARGS, rename=True)
+    assert not result.ok and result.kind == "no_function" and "`reward_a`" in result.error
+
+
+def test_program_from_reply_keeps_a_rejected_reply_with_its_reason() -> None:
+    program = program_from_reply(RewardProgram, "Reward balance.", "compute_reward", ARGS, origin="x", meta={"sample": 4})
+    assert program.rejected.startswith("The reply contains no code") and program.reply == "Reward balance."
+    assert program.meta == {"sample": 4, "rejected_kind": "no_code"} and program.origin == "x" and program.source == ""
+    bad = program_from_reply(RewardProgram, "```python\ndef compute_reward(s):\n    return 0\n```", "compute_reward", ARGS)
+    assert bad.rejected and bad.meta["rejected_kind"] == "signature" and "def compute_reward(s)" in bad.source
+    good = program_from_reply(StateProgram, "```python\ndef features(state):\n    return state['x']\n```", "revise_state", ["state"])
+    assert not good.rejected and good.meta["renamed_from"] == "features" and "def revise_state(state)" in good.source

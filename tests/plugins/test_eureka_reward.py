@@ -87,17 +87,29 @@ def test_propose_samples_k_candidates_and_parses_each_reply():
     (call,) = run.llm.calls
     assert call.n == 3 and call.temperature == 1.0 and call.max_tokens == 256
     assert call.seed == 3 * 1000 + 0
-    assert len(programs) == 2  # the reply without a function is dropped
+    assert len(programs) == 3  # the reply without a function is kept, rejected with its reason
     assert all(p.entry == "compute_reward" and p.origin == "eureka" for p in programs)
-    assert [p.meta["sample"] for p in programs] == [0, 2]
+    assert [p.meta["sample"] for p in programs] == [0, 1, 2]
+    assert [bool(p.rejected) for p in programs] == [False, True, False]
+    assert "contains no code" in programs[1].rejected and programs[1].meta["rejected_kind"] == "no_code"
+    assert programs[1].reply == NO_FUNCTION
     assert "def compute_reward" in programs[0].source and "Here is" not in programs[0].source
     assert programs[0].reply == GOOD and "[system]" in programs[0].prompt
-    assert len(p.extract_errors) == 1
+    assert programs[0].meta["call"] == "eureka-it0"
+
+
+def test_a_lone_function_under_another_name_is_renamed_and_noted():
+    renamed = GOOD.replace("def compute_reward(", "def improved_compute_reward(")
+    p, run = make_run([renamed])
+    program = p.propose_rewards(run=run, iteration=0)[0]
+    assert not program.rejected and "def compute_reward(state, action, next_state)" in program.source
+    assert program.meta["renamed_from"] == "improved_compute_reward"
 
 
 def test_no_usable_reply_asks_again_with_the_reason():
     p, run = make_run([NO_FUNCTION])
-    assert p.propose_rewards(run=run, iteration=0) == []
+    programs = p.propose_rewards(run=run, iteration=0)
+    assert len(programs) == 3 and all(x.rejected for x in programs)
     assert p.feedback.startswith("Your reply could not be used")
     msgs = messages(p, run)
     assert [m["role"] for m in msgs] == ["system", "user"]  # no assistant turn to attach it to
@@ -144,8 +156,12 @@ def test_reflect_keeps_the_best_candidate_and_its_reply_for_the_next_prompt():
     assert p.best_reply == "reply 2"
     assert p.best_score == 0.7
     assert p.best_source.endswith("return 2")
-    assert "2/3 reward functions trained" in text
-    assert "it0-c1: failed (exception)" in text
+    assert text.startswith("### Iteration 0: 3 sampled, 3 usable, 2 trained\n")
+    assert "- `it0-c1`: failed (exception): KeyError: 'position'" in text
+    # names the candidate the feedback is about and shows its code
+    assert "### Feedback on `it0-c2`, the best of this iteration" in text
+    assert "```python\ndef compute_reward(state, action, next_state):\n    return 2\n```" in text
+    assert p.feedback in text
     msgs = messages(p, run)
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
     assert msgs[2]["content"] == "reply 2"
@@ -168,7 +184,35 @@ def test_all_failed_sends_the_error_back():
     assert "KeyError: 'position'" in p.feedback
     assert p.feedback.startswith("Running the reward function above failed (exception)")
     assert p.best_reply == "reply 0"
-    assert "0/2" in text
+    assert "2 sampled, 2 usable, 0 trained" in text
+
+
+def test_rejected_replies_are_counted_and_their_reason_sent_back():
+    p, run = make_run([NO_FUNCTION])
+    programs = p.propose_rewards(run=run, iteration=0)
+    candidates = [Candidate(id=f"it0-c{i}", iteration=0, reward=x) for i, x in enumerate(programs)]
+    results = [TrainResult(c.id, ok=False, error=c.rejected, error_kind="rejected") for c in candidates]
+    text = p.reflect(run=run, result=IterationResult(0, candidates, results))
+    assert "3 sampled, 0 usable, 0 trained" in text
+    assert "- `it0-c1` (reply 1): rejected (no_code), not trained: The reply contains no code" in text
+    assert NO_FUNCTION in text  # the reply the feedback is about, shown since it held no code
+    assert "could not be used" in p.feedback and p.best_reply == ""
+
+
+def test_reflection_keeps_its_lines_apart_in_markdown():
+    """MLflow renders .md artifacts: lines of a paragraph merge, so every line is a list item,
+    a heading, blank-separated, or inside a fence."""
+    p, run = make_run([GOOD])
+    text = p.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1)], [_result("it0-c0", 0.2), _failed("x")]))
+    inside = False
+    previous = ""
+    for line in text.splitlines():
+        if line.startswith("```"):
+            inside = not inside
+        elif not inside and line and previous and not previous.startswith(("#", "-", "```")):
+            assert line.startswith("-"), f"{line!r} would merge with {previous!r}"
+        previous = line if not inside else "```"
+    assert not inside
 
 
 def test_reflect_ignores_other_plugins_candidates():
@@ -194,6 +238,45 @@ def test_extracted_program_passes_the_sandbox_on_the_task():
 
 
 # -- end to end --------------------------------------------------------------------------------
+
+TINY = ["env=cartpole", "trainer.frames=256", "trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=1",
+        "trainer.minibatch=64", "trainer.hidden=[16]", "trainer.eval_every=0", "trainer.eval_episodes=2",
+        "executor=inprocess", "tracking.log_plots=false", "save_policy=false", "resume=false"]
+
+
+@pytest.mark.slow
+def test_a_dropped_reply_is_recorded_with_its_reason_in_mlflow_and_the_counts(make_config, monkeypatch):
+    """Three replies: usable, prose only, and the function under another name. Each becomes a
+    candidate run; the prose one is rejected (not trained) with its reason, the renamed one trains."""
+    import mlflow
+
+    from core.loop import run_experiment
+
+    replies = iter([fakes.REWARD.format(entry="compute_reward"), NO_FUNCTION, fakes.REWARD.format(entry="improved_compute_reward")])
+    fakes.install_fake_litellm(monkeypatch, lambda msgs: next(replies))
+    cfg = make_config(["+plugins=[eureka]", "plugins.eureka.iterations=1", "plugins.eureka.samples=3", *TINY,
+                       *fakes.FAKE_LLM_OVERRIDES, "llm.max_n=1", "llm.concurrency=1"])
+    summary = run_experiment(cfg)
+    assert (summary.candidates, summary.rejected, summary.failed) == (3, 1, 1)
+    assert summary.counts == "3 sampled, 2 usable, 2 trained"
+    client = mlflow.MlflowClient(cfg.tracking.uri)
+    children = client.search_runs([client.get_run(summary.run_id).info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{summary.run_id}'")
+    by_sample = {r.data.tags["sample"]: r for r in children}
+    assert sorted(by_sample) == ["0", "1", "2"] and all(r.data.tags["llm_call"] == "eureka-it0" for r in children)
+    rejected = by_sample["1"]
+    assert rejected.data.tags["status"] == "rejected" and rejected.data.tags["rejected_kind"] == "no_code"
+    assert rejected.data.tags["rejected"].startswith("The reply contains no code")
+    assert rejected.info.status == "FAILED" and rejected.data.metrics.get("frames") == 0.0
+    folder = client.download_artifacts(rejected.info.run_id, "", str(cfg.cache_dir))
+    assert (Path(folder) / "error.txt").read_text().startswith("The reply contains no code")
+    assert (Path(folder) / "reward" / "reply.txt").read_text() == NO_FUNCTION
+    assert by_sample["2"].data.tags["renamed_from"] == "improved_compute_reward -> compute_reward"
+    assert by_sample["2"].data.tags["ok"] == "True" and "status" not in by_sample["0"].data.tags
+    assert client.get_run(summary.run_id).data.metrics["candidates_rejected"] == 1.0
+    reflection = Path(client.download_artifacts(summary.run_id, "reflection/it0-eureka.md", str(cfg.cache_dir))).read_text()
+    assert "3 sampled, 2 usable, 2 trained" in reflection and "rejected (no_code), not trained" in reflection
+
 
 
 @pytest.mark.slow
