@@ -10,7 +10,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.console import Console
 from rich.markup import escape
 
@@ -34,6 +34,24 @@ def requested_plugins(argv: list[str]) -> list[str]:
     return names
 
 
+def plugin_arms(argv: list[str]) -> list[list[str]] | None:
+    """The plugin list of each arm a ``+plugins=`` override sweeps, or None without one.
+
+    ``+plugins=[eureka],[]`` -> ``[["eureka"], []]``; ``+plugins=[a,b]`` -> ``[["a", "b"]]``;
+    a bare ``+plugins=a,b`` (Hydra's sweep of single options) -> ``[["a"], ["b"]]``.
+    """
+    arms: list[list[str]] | None = None
+    for arg in argv:
+        m = _PLUGIN_OVERRIDE.match(arg)
+        if not m or arg.startswith("~"):
+            continue
+        value = m.group(1).strip()
+        lists = re.findall(r"\[([^\]]*)\]", value)
+        found = [re.findall(r"[A-Za-z_][\w\-]*", x) for x in lists] if lists else [[n] for n in re.findall(r"[A-Za-z_][\w\-]*", value)]
+        arms = (arms or []) + found
+    return arms
+
+
 def check_argv(argv: list[str]) -> None:
     """Fail early, in one paragraph, on an unknown plugin or env name or plugin key.
 
@@ -50,6 +68,14 @@ def check_argv(argv: list[str]) -> None:
         m = _PLUGIN_KEY_OVERRIDE.match(arg)
         if m:
             check_plugin_override(m.group(1), m.group(2), requested, known, _other_config(argv))
+            if arg.startswith("+") and not arg.startswith("++"):
+                value = arg.split("=", 1)[1]
+                raise UserError(
+                    f"'{arg}': '+' adds a key, but 'plugins.{m.group(1)}.{m.group(2)}' is a field of the plugin's "
+                    f"schema; write 'plugins.{m.group(1)}.{m.group(2)}={value}' without '+'. In a study whose arms "
+                    f"differ in plugins ('+plugins=[{m.group(1)}],[]'), arms without '{m.group(1)}' ignore that knob "
+                    "and record it (docs/ablations.md, 'Sweeping a plugin's knob')."
+                )
     envs = sorted(p.stem for p in (conf_dir() / "env").glob("*.yaml"))
     for arg in argv:
         m = _ENV_OVERRIDE.match(arg)
@@ -60,6 +86,49 @@ def check_argv(argv: list[str]) -> None:
                         f"Unknown env '{name}'.{did_you_mean(name, envs)} Available envs: {', '.join(envs)}. "
                         "Any gymnasium id works with env=gym env.id=<id>."
                     )
+
+
+def sweep_ready(argv: list[str]) -> list[str]:
+    """``argv`` with each plain ``plugins.<name>.<key>=v`` that some arm of a ``+plugins=``
+    sweep lacks written ``++plugins.<name>.<key>=v``, so Hydra composes that arm too (it
+    refuses a key under a plugin the arm does not load); :func:`ignored_knobs` then drops
+    it from that arm's config. Call after :func:`check_argv`, which checked the key.
+    """
+    arms = plugin_arms(argv)
+    if not arms:
+        return list(argv)
+    out = []
+    for arg in argv:
+        m = _PLUGIN_KEY_OVERRIDE.match(arg)
+        if m and not arg.startswith("+") and any(m.group(1) not in arm for arm in arms):
+            arg = "++" + arg
+        out.append(arg)
+    return out
+
+
+#: The parent-run tag that lists the overrides a run ignored (a knob of a plugin it does not run).
+IGNORED_TAG = "llm4rl.ignored_overrides"
+
+
+def ignored_knobs(cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """Drop from ``cfg`` the plugin knobs this run's ``overrides`` set for plugins it does not run.
+
+    ``overrides`` are one run's (one arm of a sweep): the knobs of a plugin its
+    ``+plugins=[...]`` leaves out are removed from ``cfg.plugins`` (which would otherwise
+    hold a node for that plugin) and returned, to be recorded. Without a ``+plugins=``
+    override nothing is dropped (the config file decides the plugins).
+    """
+    arms = plugin_arms(list(overrides))
+    if not arms or len(arms) != 1:
+        return []
+    enabled = set(arms[0])
+    ignored = [o for o in overrides if (m := _PLUGIN_KEY_OVERRIDE.match(o)) and m.group(1) not in enabled]
+    names = {_PLUGIN_KEY_OVERRIDE.match(o).group(1) for o in ignored}  # type: ignore[union-attr]
+    with open_dict(cfg):
+        for name in names:
+            if cfg.get("plugins") is not None and name in cfg.plugins:
+                del cfg.plugins[name]
+    return [o.lstrip("+") for o in ignored]
 
 
 def _other_config(argv: list[str]) -> bool:
@@ -81,8 +150,8 @@ def check_plugin_override(name: str, key: str, requested: list[str], known: dict
     if name not in requested and not other_config:
         raise UserError(
             f"'{where}.{key}' is set but plugin '{name}' is not enabled in this run. Enable it with "
-            f"+plugins=[{name}] (or add it to the list you have), or, in a study whose arms differ in plugins, "
-            f"set the knob inside the arm's plugin list (docs/ablations.md, 'Sweeping a plugin's knob')."
+            f"+plugins=[{name}] (or add it to the list you have); in a study, enable it in at least one arm "
+            f"('+plugins=[{name}],[]'): arms without it ignore the knob (docs/ablations.md, 'Sweeping a plugin's knob')."
         )
     check_key(config_class(load_module(known[name])), key, where)
 
@@ -142,8 +211,14 @@ def run_one(cfg: DictConfig) -> float:
     quiet_third_party()
     from core.loop import run_experiment
 
+    tags = {}
+    ignored = ignored_knobs(cfg, list(HydraConfig.get().overrides.task)) if HydraConfig.initialized() else []
+    if ignored:
+        tags[IGNORED_TAG] = " ".join(ignored)
+        console.print(f"ignored in this run, whose plugins do not include theirs: {', '.join(ignored)} (tag {IGNORED_TAG})",
+                      markup=False, highlight=False)
     try:
-        summary = run_experiment(cfg)
+        summary = run_experiment(cfg, tags=tags)
     except UserError as err:
         console.print(f"[bold red]error:[/bold red] {escape(str(err))}")  # keeps "llm4rl[extra]"
         sys.exit(2)
@@ -164,6 +239,7 @@ def main() -> None:
     try:
         check_argv(argv)
         register_third_party_configs()
+        sys.argv[1:] = sweep_ready(argv)
     except UserError as err:
         console.print(f"[bold red]error:[/bold red] {escape(str(err))}")  # keeps "llm4rl[extra]"
         sys.exit(2)

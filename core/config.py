@@ -275,8 +275,8 @@ def validate(config: DictConfig, plugin_modules: Mapping[str, Any]) -> Settings:
         name = unknown[0]
         raise UserError(
             f"'plugins.{name}' is set but plugin '{name}' is not enabled in this run. Enable it with "
-            f"+plugins=[{name}], or, in a study whose arms differ in plugins, set the knob inside the arm's "
-            f"plugin list (docs/ablations.md, 'Sweeping a plugin's knob')."
+            f"+plugins=[{name}]; in a study whose arms differ in plugins, set it as plugins.{name}.<key>=... "
+            f"with '{name}' in at least one arm (docs/ablations.md, 'Sweeping a plugin's knob')."
         )
     plugins = {name: typed(config_class(module), plugins_node.get(name), f"plugins.{name}") for name, module in plugin_modules.items()}
     _check_trainer(config.get("trainer"))

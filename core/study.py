@@ -171,6 +171,7 @@ class Cell:
     final_seeds: int  # fresh-seed retrainings of the best candidate (0 for an arm that does not search)
     frames: int  # trainer.frames of every training
     extra: tuple[str, ...] = ()  # the overrides given on the command line (--set) that reach this cell
+    ignored: tuple[str, ...] = ()  # --set knobs of plugins this arm does not run (recorded, not applied)
 
     @property
     def name(self) -> str:
@@ -202,13 +203,17 @@ def expand(spec: StudySpec, tasks: list[str] | None = None, arms: list[str] | No
     Seeds vary slowest, so an interrupted study has whole seeds of every arm. ``tasks``,
     ``arms`` and ``seeds`` select; ``frames_scale`` replaces the spec's; ``extra`` are
     overrides added to every cell, except that a plugin's knob (``plugins.<name>.<key>=...``)
-    goes only to the cells of arms that run the plugin.
+    goes only to the cells of arms that run the plugin; the other cells record it as
+    ignored (as ``python -m core -m '+plugins=[name],[]' plugins.<name>.<key>=v`` does).
+    A knob of a plugin no selected arm runs, or one written ``+plugins.<name>.<key>``, is
+    refused.
     """
     task_names = _select("task", tasks, list(spec.tasks))
     arm_names = _select("arm", arms, list(spec.arms))
     scale = spec.frames_scale if frames_scale is None else frames_scale
     if scale <= 0:
         raise UserError(f"--frames-scale must be > 0, got {scale}.")
+    _check_knobs(extra, {p for a in arm_names for p in spec.arms[a].plugins})
     cells = []
     for seed in spec.seeds if seeds is None else seeds:
         for t in task_names:
@@ -225,8 +230,25 @@ def expand(spec: StudySpec, tasks: list[str] | None = None, arms: list[str] | No
                 mine = [o for o in extra if _plugin_of(o) in (None, *arm.plugins)]
                 overrides = (f"env={task.env}", *spec.overrides, *task.overrides, *plugins, *arm.overrides, *budget,
                              f"seed={seed}", f"final_seeds={final}", *mine)
-                cells.append(Cell(a, t, int(seed), tuple(arm.plugins), overrides, arm.search, final, frames, tuple(mine)))
+                ignored = tuple(o for o in extra if o not in mine)
+                cells.append(Cell(a, t, int(seed), tuple(arm.plugins), overrides, arm.search, final, frames, tuple(mine),
+                                  ignored))
     return cells
+
+
+def _check_knobs(extra: tuple[str, ...], running: set[str]) -> None:
+    """Refuse a ``--set`` plugin knob no selected arm can take (see :func:`expand`)."""
+    for o in extra:
+        name = _plugin_of(o)
+        if name is None:
+            continue
+        if o.startswith("+"):
+            raise UserError(f"--set '{o}': a plugin's knob is set without '+' ('{o.lstrip('+')}'); it reaches the "
+                            "arms that run the plugin and is recorded as ignored by the others "
+                            "(docs/ablations.md, 'Sweeping a plugin's knob').")
+        if name not in running:
+            raise UserError(f"--set '{o}' sets a knob of plugin '{name}', which no selected arm runs "
+                            f"(they run: {', '.join(sorted(running)) or 'no plugin'}).")
 
 
 def _plugin_of(override: str) -> str | None:
@@ -305,10 +327,13 @@ class PlannedCell:
 
     def tags(self, study: str, commit: str, machine: str) -> dict[str, str]:
         """The tags of the cell's run: what it is, and what it ran on (with the load as it started)."""
+        from core.app import IGNORED_TAG
+
         c = self.cell
         return {"study": study, "study.arm": c.arm, "study.task": c.task, "study.config": self.config_key,
                 "study.cell": self.key, "study.score": c.score_metric, "study.search": str(c.search),
-                "study.commit": commit, "study.machine": machine, "study.load": f"{load_average():.2f}"}
+                "study.commit": commit, "study.machine": machine, "study.load": f"{load_average():.2f}",
+                **({IGNORED_TAG: " ".join(c.ignored)} if c.ignored else {})}
 
 
 def plan(cells: list[Cell], experiment: str, store: Path) -> list[PlannedCell]:

@@ -257,6 +257,8 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
         overrides = f", `{' '.join(a.overrides)}`" if a.overrides else ""
         given = next(p.cell.extra for p in planned if p.cell.arm == arm)
         overrides += f", then from the command line `{' '.join(given)}`" if given else ""
+        ignored = next(p.cell.ignored for p in planned if p.cell.arm == arm)
+        overrides += f"; ignored here (its plugins do not include theirs): `{' '.join(ignored)}`" if ignored else ""
         where = ", ".join(a.tasks) if a.tasks is not None else "every task"
         lines.append(f"- **{arm}** ({what}{overrides}; {'searches' if a.search else 'one training'}; {where}): {a.note}")
     lines += ["", "## The tasks", ""]

@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from core.app import check_argv, requested_plugins
+from omegaconf import OmegaConf
+
+from core.app import IGNORED_TAG, check_argv, ignored_knobs, plugin_arms, requested_plugins, sweep_ready
 from core.errors import UserError
 
 
@@ -70,3 +72,94 @@ def test_the_summary_names_the_results_store(capsys):
     summary.reused = 1
     print_summary(summary)
     assert "1 training(s) reused" in " ".join(capsys.readouterr().out.split())
+
+
+# -- sweeping a plugin's knob in a study with a baseline arm (docs/ablations.md) ------------------
+
+
+def test_plugin_arms_are_read_from_sweeps_and_lists():
+    assert plugin_arms(["+plugins=[eureka],[]", "seed=0,1"]) == [["eureka"], []]
+    assert plugin_arms(["+plugins=[eureka,envgen]"]) == [["eureka", "envgen"]]
+    assert plugin_arms(["+plugins=eureka,text2reward"]) == [["eureka"], ["text2reward"]]
+    assert plugin_arms(["seed=1"]) is None
+
+
+def test_a_knob_reaches_every_arm_of_a_sweep_where_some_arm_lacks_its_plugin():
+    argv = ["-m", "+plugins=[eureka],[]", "plugins.eureka.iterations=2", "seed=0,1"]
+    check_argv(argv)
+    assert sweep_ready(argv) == ["-m", "+plugins=[eureka],[]", "++plugins.eureka.iterations=2", "seed=0,1"]
+    # every arm runs it: left as written
+    assert sweep_ready(["+plugins=[eureka]", "plugins.eureka.iterations=2"]) == ["+plugins=[eureka]", "plugins.eureka.iterations=2"]
+
+
+def test_the_arm_without_the_plugin_drops_its_knob_and_says_so():
+    baseline = OmegaConf.create({"seed": 0, "plugins": {"eureka": {"iterations": 2}}})
+    OmegaConf.set_struct(baseline, True)
+    assert ignored_knobs(baseline, ["+plugins=[]", "++plugins.eureka.iterations=2"]) == ["plugins.eureka.iterations=2"]
+    assert dict(baseline.plugins) == {}  # not a eureka run
+    arm = OmegaConf.create({"plugins": {"eureka": {"iterations": 2, "samples": 16}}})
+    assert ignored_knobs(arm, ["+plugins=[eureka]", "++plugins.eureka.iterations=2"]) == []
+    assert arm.plugins.eureka.iterations == 2
+    assert IGNORED_TAG == "llm4rl.ignored_overrides"
+
+
+def test_hydras_plus_form_of_a_knob_is_refused_with_the_right_form():
+    with pytest.raises(UserError) as err:
+        check_argv(["-m", "+plugins=[eureka],[]", "+plugins.eureka.iterations=2"])
+    message = str(err.value)
+    assert "write 'plugins.eureka.iterations=2' without '+'" in message
+    assert "docs/ablations.md, 'Sweeping a plugin's knob'" in message
+
+
+@pytest.fixture
+def llm_server():
+    """An OpenAI-compatible chat endpoint on 127.0.0.1 answering with the shared fake LLM; yields its api_base."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    from fakes import answer
+
+    class Completions(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the handler's API
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            choices = [{"index": i, "message": {"role": "assistant", "content": answer(body["messages"])},
+                        "finish_reason": "stop"} for i in range(int(body.get("n") or 1))]
+            data = json.dumps({"id": "fake", "object": "chat.completion", "created": 0, "model": "fake", "choices": choices,
+                               "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Completions)
+    Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.slow
+def test_a_baseline_arm_and_a_plugin_arm_sweep_a_knob(tmp_path, llm_server):
+    import mlflow
+
+    args = ["-m", "+plugins=[eureka],[]", "plugins.eureka.iterations=1", "plugins.eureka.samples=1",
+            "trainer.frames=512", "trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=1",
+            "trainer.eval_every=0", "trainer.eval_episodes=1", "executor=inprocess", "progress=false", "save_policy=false",
+            "tracking.log_plots=false", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"cache_dir={tmp_path}/cache",
+            "llm=openai", "llm.model=openai/fake-llm", f"llm.api_base={llm_server}", "llm.api_key_env=null", "llm.retries=0",
+            f"hydra.sweep.dir={tmp_path}/multirun"]
+    proc = subprocess.run([sys.executable, "-m", "core", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "ignored in this run" in output
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = [r for r in client.search_runs([client.get_experiment_by_name("llm4rl").experiment_id]) if "plugins" in r.data.tags]
+    by_plugins = {r.data.tags["plugins"]: r for r in runs}
+    assert by_plugins["none"].data.tags[IGNORED_TAG] == "plugins.eureka.iterations=1 plugins.eureka.samples=1"
+    assert "plugins.eureka.iterations" not in by_plugins["none"].data.params
+    assert "eureka" in by_plugins and IGNORED_TAG not in by_plugins["eureka"].data.tags

@@ -71,10 +71,19 @@ def test_options_shrink_the_study():
         assert override in cell.overrides
     human, eureka = expand(spec, tasks=["cartpole"], arms=["human", "eureka"], seeds=[0], extra=("plugins.eureka.samples=2",))
     assert "plugins.eureka.samples=2" in eureka.overrides and "plugins.eureka.samples=2" not in human.overrides
+    assert human.ignored == ("plugins.eureka.samples=2",) and eureka.ignored == ()
     with pytest.raises(UserError, match="Did you mean 'cartpole'"):
         expand(spec, tasks=["cartpol"])
     with pytest.raises(UserError, match="Unknown arm 'eurika'"):
         expand(spec, arms=["eurika"])
+
+
+def test_a_plugin_knob_set_for_the_study_is_checked_like_the_command_line():
+    spec = load_spec("results")
+    with pytest.raises(UserError, match=r"without '\+' \('plugins.eureka.samples=2'\).*Sweeping a plugin's knob"):
+        expand(spec, tasks=["cartpole"], arms=["human", "eureka"], extra=("+plugins.eureka.samples=2",))
+    with pytest.raises(UserError, match="plugin 'eureka', which no selected arm runs"):
+        expand(spec, tasks=["cartpole"], arms=["human"], extra=("plugins.eureka.samples=2",))
 
 
 def test_a_failure_is_reported_by_the_line_that_names_it():
