@@ -37,8 +37,9 @@ import numpy as np
 import torch
 
 from core import PluginConfig, hookimpl
-from core.codegen import extract_function
+from core.codegen import extract_code, extract_function
 from core.config import SandboxConfig
+from core.prompting import candidate_line, fence, reply_counts
 from core.records import Candidate, IterationResult, RewardProgram, StateProgram, TrainResult
 from core.sandbox import SandboxReport, normalize_reward, validate_state
 
@@ -172,18 +173,29 @@ def defined_functions(source: str) -> set[str]:
 
 def extract_pair(reply: str) -> tuple[str, str]:
     """The reply's code defining both functions (and helpers), or ``("", error)``."""
+    source, error, _ = extract_pair_kind(reply)
+    return source, error
+
+
+def extract_pair_kind(reply: str) -> tuple[str, str, str]:
+    """``(source, error, kind)``: :func:`extract_pair` with the failure's kind
+    (:data:`core.codegen.KINDS`, or ``compute_reward`` when the reply defines its own).
+
+    Neither function is renamed: with two entries and helpers of the same arity, a
+    misnamed function could not be told from a helper.
+    """
     found = extract_function(reply, STATE_ENTRY, ["state"])
     if not found.ok:
-        return "", found.error
+        return "", found.error, found.kind
     source = found.source
     if REWARD_ENTRY not in defined_functions(source):
         other = extract_function(reply, REWARD_ENTRY, ["state", "features"])
         if not other.ok:
-            return "", other.error
+            return "", other.error, other.kind
         source = source.rstrip() + "\n\n" + other.source
     if "compute_reward" in defined_functions(source):
-        return "", "Do not define `compute_reward`; write only `revise_state` and `intrinsic_reward` (and helpers)."
-    return source, ""
+        return "", "Do not define `compute_reward`; write only `revise_state` and `intrinsic_reward` (and helpers).", "compute_reward"
+    return source, "", ""
 
 
 def intrinsic_program(source: str, weight: float) -> RewardProgram:
@@ -318,50 +330,68 @@ class Plugin:
         msgs = messages(run, cfg, self.attempts)
         prompt = msgs[-1]["content"]
         programs: list[StateProgram] = []
+        rejected: list[StateProgram] = []  # samples still unusable after their retries: recorded, not trained
         fields = [f.name for f in run.task.state_fields]
-        pending = [(list(msgs), None)] * cfg.samples  # (conversation, previous failure)
+        pending: list[tuple[int, list[dict[str, str]], list[str]]] = [(j, list(msgs), []) for j in range(cfg.samples)]
         for attempt in range(1 + cfg.retries):
             if not pending:
                 break
             replies = []
-            for j, (conv, _) in enumerate(pending):
+            tag = f"{NAME}-it{iteration}-try{attempt}"
+            for k, (_, conv, _) in enumerate(pending):
                 replies += run.llm.chat(conv, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                        seed=run.seed * 10_000 + iteration * 100 + attempt * 10 + j, tag=f"{NAME}-it{iteration}-try{attempt}")
+                                        seed=run.seed * 10_000 + iteration * 100 + attempt * 10 + k, tag=tag)
             retry = []
-            for (conv, _), reply in zip(pending, replies):
-                source, error = extract_pair(reply.text)
-                kind = "no_code" if error else ""
+            for (j, conv, errors), reply in zip(pending, replies):
+                source, error, kind = extract_pair_kind(reply.text)
+                extracted = not error
                 if source:
                     report = check_pair(source, self.probe, cfg, run.sandbox)
                     kind, error = (report.kind, report.message) if not report.ok else ("", "")
+                meta: dict[str, Any] = {"sample": j, "call": tag, "attempts": attempt + 1}
                 if not error:
-                    meta = {"pair": len(programs), "intrinsic": intrinsic_program(source, cfg.weight).source, "weight": cfg.weight}
+                    meta |= {"pair": len(programs), "intrinsic": intrinsic_program(source, cfg.weight).source, "weight": cfg.weight}
                     programs.append(StateProgram(source=source, entry=STATE_ENTRY, origin=NAME, prompt=prompt, reply=reply.text, meta=meta))
-                elif kind == "no_code":  # cut off or incomplete: shown its own reply, the model repeats it; sample afresh
-                    retry.append((list(msgs), error))
+                elif attempt == cfg.retries:
+                    meta |= {"rejected_kind": kind, "errors": errors}
+                    rejected.append(StateProgram(source=source or extract_code(reply.text), entry=STATE_ENTRY, origin=NAME,
+                                                 prompt=prompt, reply=reply.text, meta=meta, rejected=error))
+                elif not extracted:  # cut off or incomplete: shown its own reply, the model repeats it; sample afresh
+                    retry.append((j, list(msgs), errors + [error]))
                 else:
                     follow = conv + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": INVALID.format(kind=kind, error=error, hint=hint_for(error, fields))}]
-                    retry.append((follow, error))
+                    retry.append((j, follow, errors + [error]))
             pending = retry
         if not programs:
-            run.log_text(f"{NAME}/it{iteration}-no-valid-sample.txt", "\n\n".join(err or "" for _, err in pending))
-        return programs or None
+            run.log_text(f"{NAME}/it{iteration}-no-valid-sample.txt", "\n\n".join(p.rejected for p in rejected))
+        return (programs + rejected) or None
 
     @hookimpl
     def reflect(self, run, result: IterationResult) -> str | None:
         mine = [(c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c) and c.iteration == result.iteration]
         if not mine:
             return None
-        lines = [f"iteration {result.iteration}:"]
+        lines = [f"### Iteration {result.iteration}: {reply_counts(mine)}", ""]
         for c, r in mine:
             assert c.state is not None
+            if c.rejected:  # retried with its error already; no training to learn from
+                lines.append(candidate_line(c, r, c.state))
+                continue
+            sample = c.state.meta.get("sample")
+            where = f"`{c.id}`" + (f" (reply {sample})" if sample is not None else "")
             if r.ok and r.fitness is not None:
                 feedback = f"Lipschitz constant of each dimension with the env reward: {format_lipschitz(r.metrics)}"
-                lines.append(f"- {c.id}: score {r.score:.4g}; {feedback}")
+                lines.append(f"- {where}: score {r.score:.4g}; {feedback}")
             else:
                 feedback = f"Training failed ({r.error_kind}): {r.error.strip()[-400:]}"
-                lines.append(f"- {c.id}: {feedback}")
+                lines.append(f"- {where}: {' '.join(feedback.split())}")
             self.attempts.append(Attempt(c.state.source, r.score if r.ok else float("-inf"), feedback))
+        ok = [(c, r) for c, r in mine if r.ok]
+        if ok:
+            best_c, _ = max(ok, key=lambda cr: cr[1].score)
+            sample = best_c.state.meta.get("sample")  # type: ignore[union-attr]
+            lines += ["", f"### `{best_c.id}`{f' (reply {sample})' if sample is not None else ''}, the best of this iteration", "",
+                      "Its state features and intrinsic reward:", "", fence(best_c.state.source, "python")]  # type: ignore[union-attr]
         return "\n".join(lines) + "\n\n" + SUGGESTIONS
 
     # training (the process that trains a candidate)

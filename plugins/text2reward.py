@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from core import PluginConfig, hookimpl
-from core.codegen import extract_function
+from core.codegen import program_from_reply
 from core.envs.task import Task
-from core.prompting import action_text
+from core.prompting import action_text, candidate_line, fence, reply_counts
 from core.records import Candidate, IterationResult, RewardProgram, TrainResult
 
 NAME = "text2reward"
@@ -263,13 +263,14 @@ def auto_comment(result: TrainResult, fitness_name: str) -> str:
     return f"The agent sometimes achieves the goal ({fitness_name} {value:.2f}) but not reliably. Make the final stage more rewarding."
 
 
-def program_of(reply: str, prompt: str, sample: int) -> tuple[RewardProgram | None, str]:
-    """The reward program in ``reply`` with the helpers prepended, or the error text."""
-    found = extract_function(reply, ENTRY, ARGS)
-    if not found.ok:
-        return None, found.error
-    source = HELPERS + "\n\n" + found.source
-    return RewardProgram(source=source, entry=ENTRY, origin=NAME, prompt=prompt, reply=reply, meta={"sample": sample}), ""
+def program_of(reply: str, prompt: str, sample: int, call: str = "") -> RewardProgram:
+    """The reward program in ``reply`` with the helpers prepended, or the same record
+    rejected with the reason (:func:`core.codegen.program_from_reply`)."""
+    meta: dict[str, Any] = {"sample": sample, **({"call": call} if call else {})}
+    program = program_from_reply(RewardProgram, reply, ENTRY, ARGS, origin=NAME, prompt=prompt, meta=meta)
+    if not program.rejected:
+        program.source = HELPERS + "\n\n" + program.source
+    return program
 
 
 # -- helpers reading the config ----------------------------------------------------------------
@@ -344,28 +345,36 @@ class Plugin:
         return self.generate(run, msgs, iteration)
 
     def generate(self, run: Any, msgs: list[dict[str, str]], iteration: int) -> list[RewardProgram]:
-        """``samples`` programs, each retried with its error until it parses and validates."""
+        """``samples`` programs, each retried with its error until it parses and validates.
+
+        A sample still unusable after its retries is returned rejected, with the last
+        error as its reason and its earlier errors in ``meta["errors"]`` (recorded, not trained).
+        """
         cfg = self.cfg
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
+        tag = f"{NAME}-it{iteration}"
         replies = run.llm.chat(msgs, n=cfg.samples, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                               seed=run.seed * 1000 + iteration, tag=f"{NAME}-it{iteration}")
+                               seed=run.seed * 1000 + iteration, tag=tag)
         fields = ", ".join(f'"{f.name}"' for f in run.task.state_fields)
         programs: list[RewardProgram] = []
         for i, reply in enumerate(replies):
-            text, convo = reply.text, list(msgs)
+            text, convo, errors = reply.text, list(msgs), []
             for attempt in range(cfg.retries + 1):
-                program, error = program_of(text, prompt, i)
-                if program is not None:
-                    error = sandbox_error(run, program) if cfg.validate else ""
-                    if not error:
-                        program.meta["attempts"] = attempt + 1
-                        programs.append(program)
-                        break
-                if attempt == cfg.retries:
+                program = program_of(text, prompt, i, tag)  # the sample index of the first request, whichever attempt
+                if not program.rejected and cfg.validate:
+                    error = sandbox_error(run, program)
+                    if error:  # parses, but fails on real states: rejected with the sandbox's reason
+                        program.rejected, program.meta["rejected_kind"] = error, "sandbox"
+                program.meta["attempts"] = attempt + 1
+                if not program.rejected or attempt == cfg.retries:
+                    program.meta["errors"] = errors
+                    programs.append(program)
                     break
-                convo = convo + [{"role": "assistant", "content": text}, {"role": "user", "content": RETRY.format(error=error[-1200:], fields=fields)}]
+                errors.append(program.rejected)
+                convo = convo + [{"role": "assistant", "content": text},
+                                 {"role": "user", "content": RETRY.format(error=program.rejected[-1200:], fields=fields)}]
                 text = run.llm.chat(convo, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                    seed=run.seed * 1000 + iteration * 100 + i * 10 + attempt, tag=f"{NAME}-it{iteration}-retry")[0].text
+                                    seed=run.seed * 1000 + iteration * 100 + i * 10 + attempt, tag=f"{tag}-retry")[0].text
         return programs
 
     @hookimpl
@@ -374,20 +383,24 @@ class Plugin:
         if not mine:
             return None
         ok = [(c, r) for c, r in mine if r.ok]
-        lines = [f"iteration {result.iteration}: {len(ok)}/{len(mine)} reward functions trained"]
-        lines += [f"- {c.id}: {r.fitness.value:.4g}" if r.ok and r.fitness else f"- {c.id}: failed ({r.error_kind})" for c, r in mine]
+        lines = [f"### Iteration {result.iteration}: {reply_counts(mine)}", ""]
+        lines += [candidate_line(c, r, c.reward) for c, r in mine]
         if not ok:
             return "\n".join(lines)
         best_c, best_r = max(ok, key=lambda cr: cr[1].score)
-        self.best = (best_c.reward, best_r)  # type: ignore[assignment]
+        assert best_c.reward is not None
+        self.best = (best_c.reward, best_r)
         if best_r.score > self.best_score:
-            self.best_score, self.best_source = best_r.score, best_c.reward.source  # type: ignore[union-attr]
-        if best_r.score >= self.cfg.library_min_fitness and best_c.reward is not None:
-            code = best_c.reward.source.replace(HELPERS, "").strip()
+            self.best_score, self.best_source = best_r.score, best_c.reward.source
+        code = best_c.reward.source.replace(HELPERS, "").strip()
+        sample = best_c.reward.meta.get("sample")
+        lines += ["", f"### `{best_c.id}`{f' (reply {sample})' if sample is not None else ''}, the best of this iteration", "",
+                  "Its reward function (the helpers omitted):", "", fence(code, "python"), "",
+                  "- behaviour: " + behaviour_summary(best_r, run.task.fitness_name)]
+        if best_r.score >= self.cfg.library_min_fitness:
             self.library = add_example(self.library, Example(run.task.name, instruction_of(self.cfg, run.task), code, best_r.score))
             self.save_library()
-            lines.append(f"added {best_c.id} to the few-shot library ({len(self.library)} examples)")
-        lines.append("behaviour of the best: " + behaviour_summary(best_r, run.task.fitness_name))
+            lines.append(f"- added `{best_c.id}` to the few-shot library ({len(self.library)} examples)")
         return "\n".join(lines)
 
     @hookimpl

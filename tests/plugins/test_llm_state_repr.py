@@ -30,6 +30,7 @@ def intrinsic_reward(state, features):
     return -0.1 * features[:, 0]
 ```'''
 NAN = GOOD.replace("-0.1 * features[:, 0]", "features[:, 0] / 0.0 * 0.0")
+PROSE_ONLY = "I would add the angle and its speed as features."
 HUGE = GOOD.replace("-0.1 * features[:, 0]", "1e6 + features[:, 0]")
 NO_REWARD = '''```python
 import torch
@@ -156,10 +157,18 @@ def test_propose_retries_failed_samples_with_feedback(task):
     assert "def compute_reward" in programs[0].meta["intrinsic"] and programs[0].meta["weight"] == 0.1
 
 
-def test_no_valid_sample_is_logged_and_proposes_nothing(task):
-    plugin, run = make(task, [NAN], samples=1, retries=0)
-    assert plugin.propose_state_reprs(run, 0) is None
+def test_no_valid_sample_is_logged_and_proposed_rejected_with_its_reason(task):
+    plugin, run = make(task, [NAN, PROSE_ONLY], samples=2, retries=1)
+    programs = plugin.propose_state_reprs(run, 0)
+    assert [p.meta["sample"] for p in programs] == [0, 1] and all(p.rejected for p in programs)
+    nan, prose = programs
+    assert "NaN or infinite" in nan.rejected and nan.reply == NAN and nan.meta["attempts"] == 2
+    assert prose.meta["rejected_kind"] == "no_code" and len(prose.meta["errors"]) == 1
     assert "NaN or infinite" in texts_of(run)["llm_state_repr/it0-no-valid-sample.txt"]  # the last error, for the record
+    results = [TrainResult(f"it0-c{i}", False, error=p.rejected, error_kind="rejected") for i, p in enumerate(programs)]
+    text = plugin.reflect(run, IterationResult(0, [Candidate(f"it0-c{i}", 0, state=p) for i, p in enumerate(programs)], results))
+    assert text.startswith("### Iteration 0: 2 sampled, 0 usable, 0 trained") and "- `it0-c1` (reply 1): rejected (no_code)" in text
+    assert plugin.attempts == []  # rejected samples were retried with their error already
 
 
 def _pair_candidate(cid: str, weight: float) -> Candidate:
@@ -218,7 +227,8 @@ def test_reflect_reports_scores_and_lipschitz(task):
     cand = Candidate("it0-c0", 0, state=StateProgram("def revise_state(state): ...", origin="llm_state_repr"))
     res = TrainResult("it0-c0", True, fitness=Fitness("return", -150.0), metrics={"llm_state_repr/lipschitz/feature_0": 2.5})
     text = plugin.reflect(run, IterationResult(0, [cand], [res]))
-    assert "score -150" in text and "feature_0: 2.5" in text
+    assert "- `it0-c0`: score -150" in text and "feature_0: 2.5" in text
+    assert "### `it0-c0`, the best of this iteration" in text and "```python\ndef revise_state(state): ...\n```" in text
     prompt = lesr.messages(run, cfg(), plugin.attempts)[-1]["content"]
     assert "Score: -150" in prompt and "Lipschitz" in prompt
     assert "Score:" not in lesr.messages(run, cfg(history=0), plugin.attempts)[-1]["content"]  # history 0 shows none

@@ -113,7 +113,8 @@ def test_programs_carry_the_helpers_and_pass_the_sandbox(tmp_path):
 def test_the_runs_sandbox_settings_decide_the_imports_and_the_probe(tmp_path):
     # torch is not allowed in this run: the prompt says so and the probe refuses the code
     plugin, run = make([GOOD], tmp_path, config={"sandbox": {"allowed_imports": ["math"]}}, samples=1, retries=1)
-    assert plugin.propose_rewards(run=run, iteration=0) == []
+    (program,) = plugin.propose_rewards(run=run, iteration=0)
+    assert "torch" in program.rejected and program.meta["rejected_kind"] == "sandbox"
     assert "You may import only: math." in run.llm.calls[0].messages[1]["content"]
     assert "torch" in run.llm.calls[1].last and run.llm.calls[1].tag.endswith("retry")
 
@@ -137,10 +138,13 @@ def test_without_validate_only_parsing_is_checked(tmp_path):
     assert 'next_state["car_height"]' in program.source and len(run.llm.calls) == 1
 
 
-def test_a_sample_that_never_validates_is_dropped(tmp_path):
+def test_a_sample_that_never_validates_is_returned_rejected_with_its_errors(tmp_path):
     plugin, run = make([PROSE], tmp_path, samples=1, retries=2)
-    assert plugin.propose_rewards(run=run, iteration=0) == []
+    (program,) = plugin.propose_rewards(run=run, iteration=0)
     assert len(run.llm.calls) == 3  # the sample and two retries
+    assert program.rejected.startswith("The reply contains no code") and program.meta["rejected_kind"] == "no_code"
+    assert program.meta["attempts"] == 3 and len(program.meta["errors"]) == 2
+    assert program.reply == PROSE and program.meta["sample"] == 0 and program.meta["call"] == "text2reward-it0"
 
 
 # -- few-shot library ------------------------------------------------------------------------------
@@ -178,7 +182,7 @@ def test_successful_run_joins_the_library_and_is_shown_as_an_example_next_time(t
     plugin, run = make([GOOD], tmp_path)
     good_source = "def compute_dense_reward(state, action, next_state):\n    return 7"
     text = plugin.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1, good_source)], [_result(0.2), _result(0.9)]))
-    assert "added it0-c1 to the few-shot library" in text
+    assert "- added `it0-c1` to the few-shot library" in text
     saved = t2r.load_library(tmp_path / "lib.json")
     assert len(saved) == 1 and saved[0].code == good_source and saved[0].fitness == 0.9
     assert t2r.HELPERS not in saved[0].code
@@ -255,7 +259,8 @@ def test_reflect_selects_the_fittest_and_logs_it_at_the_end(tmp_path):
     plugin, run = make([GOOD], tmp_path)
     failed = TrainResult(candidate_id="f", ok=False, error="boom", error_kind="exception")
     text = plugin.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1), _candidate(2)], [_result(0.2), failed, _result(0.4)]))
-    assert "2/3 reward functions trained" in text and "failed (exception)" in text
+    assert text.startswith("### Iteration 0: 3 sampled, 3 usable, 2 trained") and "failed (exception)" in text
+    assert "### `it0-c2`, the best of this iteration" in text and "```python\n" in text
     assert plugin.best[0].reply == "reply 2"
     plugin.on_run_end(run=run, best=None)
     assert texts_of(run)["text2reward/best_reward.py"].endswith("return 1")
