@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import re
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import gymnasium as gym
@@ -158,6 +160,12 @@ def require(module: str, extra: str, what: str) -> None:
         raise UserError(f"{what} needs the Python package '{module}', which is not installed. Install it with: pip install \"llm4rl[{extra}]\"")
 
 
+def without_reward_section(doc: str) -> str:
+    """An env class's documentation without its reward section: the designers' reward is
+    never shown to an LLM that writes rewards (it would copy it rather than design one)."""
+    return re.sub(r"\n#+ *Rewards?\b.*?(?=\n#+ |\Z)", "", doc, flags=re.DOTALL | re.IGNORECASE)
+
+
 def observation_source(env_id: str) -> str:
     """The source of the env's observation code, as Eureka shows it (best effort, '' if unavailable)."""
     try:
@@ -215,7 +223,7 @@ class GymTask(Task):
             self.check_available()
             probe = FloatObservation(gym.make(self.env_id, **self.make_kwargs))
             size = int(probe.observation_space.shape[0])
-            doc = inspect.getdoc(type(probe.unwrapped)) or ""
+            doc = without_reward_section(inspect.getdoc(type(probe.unwrapped)) or "")
             limit = probe.spec.max_episode_steps if probe.spec else None
             action_description = action_description or f"Action space: {probe.action_space}."
             probe.close()
@@ -279,6 +287,7 @@ class CartPole(GymTask):
     """CartPole-v1: keep a pole upright on a cart; fitness = mean return (max 500)."""
 
     env_id = "CartPole-v1"
+    success_return = 475.0  # gymnasium's own "solved" threshold
     sparse_text = (
         "+1 once, on the step the episode reaches its time limit with the pole still up (the whole "
         "episode balanced), 0 on every other step. The env's own +1 per step is a survival count, "
@@ -299,9 +308,9 @@ class CartPole(GymTask):
             description=(
                 "CartPole-v1 (gymnasium classic control). A pole is attached by an unactuated joint to a cart "
                 "that moves along a frictionless track. Observation (float32, 4 values): cart_position, "
-                "cart_velocity, pole_angle, pole_angular_velocity. Reward: +1 for every step the pole stays up. "
+                "cart_velocity, pole_angle, pole_angular_velocity. "
                 "The episode terminates when |pole_angle| > 0.2095 rad or |cart_position| > 2.4 m, and is "
-                "truncated after max_episode_steps (500)."
+                "truncated after max_episode_steps (500). Fitness: how many steps the pole stays up (500 at most)."
             ),
             action_description="Discrete(2): 0 pushes the cart to the left, 1 pushes it to the right (force 10 N).",
             show_source=show_source,
@@ -321,22 +330,27 @@ class CartPole(GymTask):
                 f"{abs(np.degrees(angle)):.0f} degrees to the {'right' if angle > 0 else 'left'} and the cart is "
                 f"{abs(x):.1f} m {'right' if x > 0 else 'left'} of the centre.")
 
+    def reference_policy(self) -> Callable[[np.ndarray], np.ndarray]:
+        """A PD controller on the pole angle (with a little cart centring): keeps it up for 500 steps."""
+
+        def act(obs: np.ndarray) -> np.ndarray:
+            x, v, angle, spin = obs[:, 0], obs[:, 1], obs[:, 2], obs[:, 3]
+            return (10.0 * angle + 2.0 * spin + 0.1 * x + 0.3 * v > 0).astype(np.int64)
+
+        return act
+
 
 class MountainCar(GymTask):
     """MountainCar-v0: sparse reward; fitness = success rate of reaching the flag."""
 
     env_id = "MountainCar-v0"
     _goal_position = 0.5
+    ends_on_success = True
     sparse_text = "+1 on the step the car reaches the flag, 0 on every other step (success only)."
 
     def __init__(self, max_episode_steps: int = 200, show_source: bool = False, shaped: bool = False,
                  shaping_gamma: float = 0.98, reward: str = "human") -> None:
         self.shaped, self.shaping_gamma = bool(shaped), float(shaping_gamma)
-        shaping = (
-            " With shaped=true the env reward also gets the potential-based shaping term "
-            "gamma * phi(s') - phi(s), phi = the car's mechanical energy (0.0025 / 3 * sin(3 * car_position) "
-            "+ car_velocity ** 2 / 2) scaled to about -10 in the valley and 0 at the flag (0 at termination)."
-        ) if self.shaped else ""
         super().__init__(
             name="mountaincar",
             max_episode_steps=max_episode_steps,
@@ -348,9 +362,9 @@ class MountainCar(GymTask):
                 "engine is too weak to climb the right hill directly. Observation (float32, 2 values): "
                 "car_position in [-1.2, 0.6] (the valley bottom is near -0.52, the flag at 0.5) and car_velocity "
                 "in [-0.07, 0.07]. Dynamics: velocity += (action - 1) * 0.001 - 0.0025 * cos(3 * position). "
-                "Reward: -1 every step (sparse: the only signal is ending early). The episode terminates when "
-                "car_position >= 0.5 (success) and is truncated after max_episode_steps (200). "
-                "Fitness is the success rate: the share of evaluation episodes that reach the flag." + shaping
+                "The episode terminates when car_position >= 0.5 (success) and is truncated after "
+                "max_episode_steps (200). Fitness is the success rate: the share of evaluation episodes that "
+                "reach the flag."
             ),
             action_description="Discrete(3): 0 accelerates left, 1 does nothing, 2 accelerates right.",
             show_source=show_source,
@@ -360,6 +374,10 @@ class MountainCar(GymTask):
     def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
                       episode: dict[str, Any]) -> float:
         return 1.0 if terminated else 0.0  # terminates only at the flag
+
+    def reference_policy(self) -> Callable[[np.ndarray], np.ndarray]:
+        """Push in the direction the car moves (pumps energy): reaches the flag in about 100-130 steps."""
+        return lambda obs: np.where(obs[:, 1] >= 0, 2, 0).astype(np.int64)
 
     def wrap(self, env: gym.Env) -> gym.Env:
         env = SuccessInfo(env, terminated_is_success)
@@ -389,14 +407,18 @@ class MountainCarContinuous(MountainCar):
                 "MountainCarContinuous-v0 (gymnasium classic control). A car sits in a valley between two hills "
                 "and its engine is too weak to climb the right hill directly. Observation (float32, 2 values): "
                 "car_position in [-1.2, 0.6] and car_velocity in [-0.07, 0.07]. Dynamics: velocity += "
-                "force * 0.0015 - 0.0025 * cos(3 * position). Reward: +100 on reaching the flag "
-                "(car_position >= 0.45) minus 0.1 * force^2 each step. The episode terminates at the flag "
-                "(success) and is truncated after max_episode_steps (999). Fitness is the success rate."
+                "force * 0.0015 - 0.0025 * cos(3 * position). The episode terminates at the flag "
+                "(car_position >= 0.45, success) and is truncated after max_episode_steps (999). Fitness is the "
+                "success rate."
             ),
             action_description="Box(1,) in [-1, 1]: the engine force, negative pushes left, positive pushes right.",
             show_source=show_source,
             reward=reward,
         )
+
+    def reference_policy(self) -> Callable[[np.ndarray], np.ndarray]:
+        """Full force in the direction the car moves."""
+        return lambda obs: np.where(obs[:, 1:2] >= 0, 1.0, -1.0).astype(np.float32)
 
 
 def _mountaincar_fields() -> list[StateField]:
@@ -410,6 +432,7 @@ class Pendulum(GymTask):
     """Pendulum-v1: swing up and hold an inverted pendulum; fitness = mean return."""
 
     env_id = "Pendulum-v1"
+    success_return = -400.0  # swung up and held: a random policy scores about -1200
     upright_rad = 0.2  # the sparse reward's "upright": within this angle of vertical (about 11 degrees)
     sparse_text = (
         "+1 on every step the pendulum is within 0.2 rad (about 11 degrees) of upright, 0 otherwise "
@@ -429,8 +452,9 @@ class Pendulum(GymTask):
             description=(
                 "Pendulum-v1 (gymnasium classic control). A pendulum is attached at one end to a fixed point; "
                 "theta is its angle, 0 upright, in [-pi, pi]. Observation (float32, 3 values): cos_theta, "
-                "sin_theta, angular_velocity. Reward: -(theta^2 + 0.1 * angular_velocity^2 + 0.001 * torque^2), "
-                "at most 0. The episode never terminates; it is truncated after max_episode_steps (200)."
+                "sin_theta, angular_velocity. The episode never terminates; it is truncated after "
+                "max_episode_steps (200). Fitness: the env's own return, higher the more of the episode the "
+                "pendulum spends upright and still, with little torque."
             ),
             action_description="Box(1,) in [-2, 2]: the torque applied to the free end.",
             show_source=show_source,
@@ -442,11 +466,25 @@ class Pendulum(GymTask):
         angle = float(np.arctan2(obs[1], obs[0]))  # 0 upright
         return 1.0 if abs(angle) <= self.upright_rad else 0.0
 
+    def reference_policy(self) -> Callable[[np.ndarray], np.ndarray]:
+        """Energy-based swing-up (torque along the motion until the energy reaches the upright
+        one), then a PD controller near the top."""
+
+        def act(obs: np.ndarray) -> np.ndarray:
+            angle, spin = np.arctan2(obs[:, 1], obs[:, 0]), obs[:, 2]
+            energy = 0.5 * spin ** 2 / 15.0 + (obs[:, 0] - 1.0)  # 0 at rest upright (g = 10, l = 1: 3g/2l = 15)
+            pump = np.where(energy < 0, 2.0, -2.0) * np.where(spin >= 0, 1.0, -1.0)
+            hold = np.clip(-(10.0 * angle + 2.0 * spin), -2.0, 2.0)
+            return np.where(obs[:, 0] > 0.85, hold, pump)[:, None].astype(np.float32)
+
+        return act
+
 
 class Acrobot(GymTask):
     """Acrobot-v1: swing the two-link chain's tip above the bar; fitness = mean return."""
 
     env_id = "Acrobot-v1"
+    ends_on_success = True
     sparse_text = (
         "+1 on the step the tip rises above the bar (the episode's success), 0 on every other step. "
         "The env's own -1 per step is already sparse; this is its success-only form."
@@ -469,9 +507,9 @@ class Acrobot(GymTask):
                 "Acrobot-v1 (gymnasium classic control). Two links hang from a fixed pivot; only the joint "
                 "between them is actuated. Observation (float32, 6 values): cos_theta1, sin_theta1, cos_theta2, "
                 "sin_theta2, theta1_velocity, theta2_velocity. The tip height above the pivot is "
-                "-cos(theta1) - cos(theta1 + theta2). Reward: -1 each step, 0 on the step that reaches the "
-                "goal. The episode terminates when the tip height > 1 and is truncated after "
-                "max_episode_steps (500)."
+                "-cos(theta1) - cos(theta1 + theta2). The episode terminates when the tip height > 1 "
+                "(success) and is truncated after max_episode_steps (500). Fitness: the env's own return, "
+                "higher the fewer steps the tip takes to rise above the bar."
             ),
             action_description="Discrete(3): torque on the middle joint: 0 is -1, 1 is 0, 2 is +1.",
             show_source=show_source,
@@ -482,6 +520,11 @@ class Acrobot(GymTask):
                       episode: dict[str, Any]) -> float:
         return 1.0 if terminated else 0.0  # terminates only at the goal
 
+    def reference_policy(self) -> Callable[[np.ndarray], np.ndarray]:
+        """Torque against the first link's angular velocity, which pumps energy into the swing
+        (reaches the bar in about 70-150 steps)."""
+        return lambda obs: np.where(obs[:, 4] >= 0, 0, 2).astype(np.int64)
+
     def wrap(self, env: gym.Env) -> gym.Env:
         return SuccessInfo(env, terminated_is_success)
 
@@ -491,6 +534,8 @@ class LunarLander(GymTask):
 
     env_id = "LunarLander-v3"
     requires = ("Box2D", "box2d")
+    ends_on_success = True  # coming to rest ends the episode
+    success_return = 200.0  # the env's own "solved" threshold
     sparse_text = (
         "only the outcome the env pays at the end: +100 on the step the lander comes to rest, -100 on the "
         "step it crashes or flies off screen, 0 on every other step (no distance, speed, tilt, leg or fuel terms)."
@@ -521,11 +566,10 @@ class LunarLander(GymTask):
             description=(
                 "LunarLander-v3 (gymnasium Box2D). Observation (float32, 8 values): x, y, x_velocity, "
                 "y_velocity, angle, angular_velocity, left_leg_contact, right_leg_contact; the pad is at "
-                "x = 0, y = 0. Reward: shaped by the decrease in distance to the pad, speed and tilt, +10 per "
-                "leg contact, -0.3 per frame of main engine and -0.03 per frame of side engine, and -100 for "
-                "crashing or +100 for coming to rest. The episode terminates on a crash, flying off screen "
-                "(|x| >= 1) or coming to rest, and is truncated after max_episode_steps (1000). A return of "
-                "200 counts as solved."
+                "x = 0, y = 0. The episode terminates on a crash, flying off screen (|x| >= 1) or coming to "
+                "rest, and is truncated after max_episode_steps (1000). Fitness: the env's own return, higher "
+                "for a landing on the pad that is soft, upright, on both legs and uses little fuel; 200 counts "
+                "as solved."
             ),
             action_description=actions,
             show_source=show_source,
@@ -535,6 +579,20 @@ class LunarLander(GymTask):
     def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
                       episode: dict[str, Any]) -> float:
         return reward if terminated else 0.0  # the env sets a terminal step's reward to exactly +100 or -100
+
+    def reference_policy(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """Gymnasium's own heuristic lander (``lunar_lander.heuristic``), row by row."""
+        try:
+            from gymnasium.envs.box2d.lunar_lander import heuristic
+        except ImportError:  # Box2D missing: no controller
+            return None
+        mode = SimpleNamespace(continuous=bool(self.make_kwargs.get("continuous")))
+        mode.unwrapped = mode  # the heuristic reads env.unwrapped.continuous
+
+        def act(obs: np.ndarray) -> np.ndarray:
+            return np.stack([np.asarray(heuristic(mode, row)) for row in obs])
+
+        return act
 
     def check_available(self) -> None:
         if importlib.util.find_spec("Box2D") is None:

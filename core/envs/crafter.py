@@ -542,7 +542,6 @@ def _rules_text() -> str:
             f"- Placing, in front of the player: {place}.",
             f"- Making: {making}.",
             _VITALS_RULES,
-            "Reward: +1 the first time each achievement is unlocked in an episode, +-0.1 per health point gained or lost.",
         ]
     )
 

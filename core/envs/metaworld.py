@@ -8,7 +8,7 @@ success when ``info["success"]`` was set at any of its steps.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import Any, Callable
 
 import gymnasium as gym
 import numpy as np
@@ -63,7 +63,7 @@ class MetaWorldTask(GymTask):
                 "Observation (39 values, float32): hand_pos (3), gripper_distance (1), obj_pos (3), obj_quat (4), "
                 "obj2_pos (3), obj2_quat (4); then the same 18 values at the previous step (prefix prev_); then "
                 "goal_pos (3). Positions are in metres in the world frame (x right, y forward away from the "
-                "robot base, z up; the table top is near z = 0). The env's own dense reward is in [0, 10]. "
+                "robot base, z up; the table top is near z = 0). "
                 f"An episode counts as a success if info['success'] is set at any step; episodes last "
                 f"max_episode_steps ({max_episode_steps}) steps. Fitness: the success rate over evaluation episodes."
             ),
@@ -112,6 +112,23 @@ class MetaWorldTask(GymTask):
 
     def fitness(self, episodes: list[Episode]) -> Fitness:
         return success_fitness(self.fitness_name, episodes)
+
+    def reference_policy(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """MetaWorld's scripted policy for the task (``metaworld.policies``), row by row; None if absent."""
+        camel = "".join(part.capitalize() for part in self.metaworld_name.removesuffix("-v3").split("-"))
+        try:
+            import metaworld.policies as policies
+        except ImportError:
+            return None
+        cls = getattr(policies, f"Sawyer{camel}V3Policy", None)
+        if cls is None:
+            return None
+        scripted = cls()
+
+        def act(obs: np.ndarray) -> np.ndarray:
+            return np.stack([np.clip(scripted.get_action(row.astype(np.float64)), -1.0, 1.0) for row in obs]).astype(np.float32)
+
+        return act
 
 
 class Reach(MetaWorldTask):

@@ -138,8 +138,8 @@ class HalfCheetah(MujocoTask):
                 "HalfCheetah-v5 (gymnasium MuJoCo). A planar cheetah with a torso, a back leg (bthigh, bshin, "
                 "bfoot) and a front leg (fthigh, fshin, ffoot). Observation (17 values): joint positions "
                 "qpos[1:] then joint velocities qvel, named <joint>_pos and <joint>_vel. " + _PLANAR_NOTE +
-                " Reward: forward velocity (dx/dt of the torso) - 0.1 * sum(action^2). No termination; "
-                "truncated after max_episode_steps (1000). Fitness: mean return; the mean forward velocity is logged."
+                " No termination; truncated after max_episode_steps (1000). Fitness: the env's own return, higher "
+                "the faster the torso moves forward with little control effort; the mean forward velocity is logged."
             ),
             action_description="Box(6,) in [-1, 1]: torques on bthigh, bshin, bfoot, fthigh, fshin, ffoot.",
             show_source=show_source,
@@ -162,10 +162,10 @@ class Hopper(MujocoTask):
             description=(
                 "Hopper-v5 (gymnasium MuJoCo). A planar one-legged robot: torso, thigh, leg, foot. Observation "
                 "(11 values): qpos[1:] then qvel, named <joint>_pos and <joint>_vel; rootz_pos is the torso "
-                "height and rooty_pos its pitch angle. " + _PLANAR_NOTE + " Reward: 1 per step alive + forward "
-                "velocity - 0.001 * sum(action^2). The episode terminates when unhealthy: torso height "
+                "height and rooty_pos its pitch angle. " + _PLANAR_NOTE + " The episode terminates when unhealthy: torso height "
                 "rootz_pos <= 0.7, |rooty_pos| >= 0.2 rad, or any other state value beyond +-100; truncated after "
-                "max_episode_steps (1000)."
+                "max_episode_steps (1000). Fitness: the env's own return, higher the longer the hopper stays "
+                "healthy and the faster it moves forward, with little control effort."
             ),
             action_description="Box(3,) in [-1, 1]: torques on thigh_joint, leg_joint, foot_joint.",
             show_source=show_source,
@@ -200,9 +200,9 @@ class Ant(MujocoTask):
                 "back right). Observation (105 values): qpos[2:] (root_z torso height, root_qw..root_qz torso "
                 "orientation quaternion, 8 joint angles), qvel (root_vx.. root_wz torso linear and angular "
                 "velocity, 8 joint velocities), then contact_forces (13 bodies x 6). The torso x, y position is "
-                "left out. Reward: 1 per step alive + forward velocity - 0.5 * sum(action^2) - 5e-4 * "
-                "sum(contact_forces^2). The episode terminates when the torso height leaves [0.2, 1.0]; "
-                "truncated after max_episode_steps (1000)."
+                "left out. The episode terminates when the torso height leaves [0.2, 1.0]; truncated after "
+                "max_episode_steps (1000). Fitness: the env's own return, higher the longer the ant stays upright "
+                "and the faster it moves forward, with little control effort and few hard contacts."
             ),
             action_description="Box(8,) in [-1, 1]: torques, in the model's actuator order, on hip_4, ankle_4, hip_1, ankle_1, hip_2, ankle_2, hip_3, ankle_3.",
             show_source=show_source,
@@ -247,9 +247,9 @@ class Humanoid(MujocoTask):
                 "shoulders, elbows). Observation (348 values): qpos[2:] (root_z torso height, root_qw..root_qz "
                 "orientation, 17 joint angles), qvel (root linear/angular velocity, 17 joint velocities), then "
                 "body_inertia (13x10), body_velocity (13x6), actuator_forces (17) and contact_forces (13x6). The "
-                "torso x, y position is left out. Reward: 5 per step alive + 1.25 * forward velocity of the "
-                "centre of mass - 0.1 * sum(action^2) - 5e-7 * sum(contact_forces^2). The episode terminates when "
-                "root_z leaves [1.0, 2.0]; truncated after max_episode_steps (1000)."
+                "torso x, y position is left out. The episode terminates when root_z leaves [1.0, 2.0]; "
+                "truncated after max_episode_steps (1000). Fitness: the env's own return, higher the longer the "
+                "humanoid stays up and the faster its centre of mass moves forward, with little control effort."
             ),
             action_description="Box(17,) in [-0.4, 0.4]: torques, in actuator order, on abdomen_y, abdomen_z, abdomen_x, right_hip_x, right_hip_z, right_hip_y, right_knee, left_hip_x, left_hip_z, left_hip_y, left_knee, right_shoulder1, right_shoulder2, right_elbow, left_shoulder1, left_shoulder2, left_elbow.",
             show_source=show_source,

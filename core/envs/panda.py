@@ -69,6 +69,7 @@ class PandaTask(Task):
     robot_fields: list[tuple[str, int, str, str]] = []
     achieved_text = ""
     task_goal = ""
+    ends_on_success = True  # reaching the goal terminates the episode
     actions = ""
 
     def __init__(self, reward_type: str = "dense", control_type: str = "ee", max_episode_steps: int = 50) -> None:
@@ -77,8 +78,6 @@ class PandaTask(Task):
         self.reward_type, self.control_type = reward_type, control_type
         fields = panda_fields(self.robot_fields, self.achieved_text)
         names = ", ".join(f"{f.name} ({f.size})" for f in fields)
-        reward = ("minus the distance between achieved_goal and desired_goal (dense)" if reward_type == "dense"
-                  else "-1 every step until achieved_goal is within 5 cm of desired_goal, then 0 (sparse)")
         super().__init__(
             name="panda_" + _snake(self.panda_name),
             goal=self.task_goal,
@@ -87,7 +86,7 @@ class PandaTask(Task):
                 f"panda-gym {self.panda_name} (PyBullet): a Franka Panda arm on a table. {self.task_goal} "
                 f"Observation ({len(fields)} fields, {fields[-1].stop} values, float32): {names}. Positions are in "
                 "metres in the world frame (z up; the table top is at z = 0, the robot base at x = -0.6). "
-                f"Reward: {reward}. The episode terminates as soon as achieved_goal is within 5 cm of "
+                "The episode terminates as soon as achieved_goal is within 5 cm of "
                 f"desired_goal (success) and is truncated after max_episode_steps ({max_episode_steps}). "
                 "Fitness: the success rate over evaluation episodes."
             ),

@@ -437,15 +437,14 @@ class KukaGrasp(Task):
                 "(dx, dy) and turns, while the arm descends by itself (quickly while high, slowly over the last "
                 "~25 cm). When the gripper touches the tray (after roughly 500 steps) the env closes the fingers and lifts the arm on its own within that "
                 "one step, then holds the block; the episode ends there (terminated) or after max_episode_steps "
-                f"({max_episode_steps}, truncated). The env's own reward is -10 x the gripper-block distance each "
-                "step, +10000 once the block is above z = 0.2, minus a turning cost. An episode is a success if "
+                f"({max_episode_steps}, truncated). An episode is a success if "
                 f"block_height > {threshold:.3f} m at its end. Fitness: the success rate over evaluation episodes. "
                 "Evaluation episodes are classified as success, timed out, never reached the block, missed the "
                 "grasp, grasp slipped or dropped after lift."
             ),
             action_description=(
                 "Box(3,) in [-1, 1]: move the gripper by (5 mm x a0, 5 mm x a1) in x and y, and turn it by "
-                "0.05 rad x a2 (turning is penalised by the env's reward). The descent and the grasp are automatic."
+                "0.05 rad x a2. The descent and the grasp are automatic."
             ),
             fitness_name="success_rate",
             max_episode_steps=max_episode_steps,

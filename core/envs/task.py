@@ -10,7 +10,7 @@ and the ground-truth fitness of a set of evaluation episodes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import gymnasium as gym
 import numpy as np
@@ -30,6 +30,30 @@ def ground_truth_return(episode: Episode) -> float:
     the episode's info (``human_return``); return-based fitness is computed from it.
     """
     return float(episode.info.get("human_return", episode.ret))
+
+
+@dataclass
+class Trajectory:
+    """One reference episode of a task, in the reward program's state format (:mod:`core.vetting`).
+
+    ``obs[t]`` / ``next_obs[t]`` are the flat observations before and after step ``t``
+    (``next_obs`` of the last step is the episode's true final observation), so
+    ``task.split_state`` turns them into the ``state`` / ``next_state`` a reward program
+    reads. ``success`` is the task's ground truth (:meth:`Task.judge_success`).
+    """
+
+    obs: np.ndarray  # [T, obs_dim] float32
+    action: np.ndarray  # [T, ...] as the env took it
+    next_obs: np.ndarray  # [T, obs_dim] float32
+    env_reward: np.ndarray  # [T] the reward the env paid (its designers' unless env.reward=sparse)
+    terminated: bool  # the env ended the episode (False: time limit or the rollout's step cap)
+    success: bool  # the episode achieved the task, by its ground truth
+    ground_truth: float  # the episode's return under the designers' reward
+    source: str  # "random" (uniform random actions) or "controller" (the task's reference policy)
+
+    @property
+    def length(self) -> int:
+        return int(len(self.obs))
 
 
 @dataclass(frozen=True)
@@ -87,6 +111,12 @@ class Task:
 
     #: the task's sparse reward in words; empty when the task has none (``reward=sparse`` refused)
     sparse_text: ClassVar[str] = ""
+    #: the task's success ends the episode (MountainCar, Acrobot, LunarLander): a reward that
+    #: pays for every step then pays the agent to never finish (:mod:`core.vetting` checks it)
+    ends_on_success: ClassVar[bool] = False
+    #: for tasks without a success flag: the ground-truth return at or above which an episode
+    #: counts as a success (None: such tasks have no successes to compare)
+    success_return: ClassVar[float | None] = None
 
     name: str
     goal: str
@@ -109,7 +139,7 @@ class Task:
                     "MetaWorld tasks, minecraft."
                 )
             self.description += (
-                f"\n\nTraining reward in this run (env.reward=sparse), in place of the reward above: {self.sparse_text}"
+                f"\n\nTraining reward in this run (env.reward=sparse), in place of the env designers' own: {self.sparse_text}"
             )
 
     # -- construction ---------------------------------------------------------------
@@ -213,3 +243,89 @@ class Task:
         (e.g. the Kuka grasp task: never reached the block, grasp slipped, dropped).
         """
         return ""
+
+    # -- reference trajectories (reward vetting) ------------------------------------------
+    def reference_policy(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """A known controller that often succeeds: batched observations ``[B, obs_dim]`` to actions.
+
+        Used to produce successful reference trajectories for :mod:`core.vetting`; None
+        (the default) when the task has none, so only random rollouts are available.
+        """
+        return None
+
+    def judge_success(self, success: bool | None, ground_truth: float) -> bool:
+        """Whether an episode achieved the task: its success flag, else ``success_return``."""
+        if success is not None:
+            return bool(success)
+        return self.success_return is not None and ground_truth >= self.success_return
+
+    def reference_trajectories(self, episodes: int, seed: int, max_steps: int = 1000) -> list[Trajectory]:
+        """``episodes`` random rollouts, then ``episodes`` of :meth:`reference_policy` if there is one.
+
+        Each rollout is one episode per env of a vector env of the task, cut at
+        ``max_steps`` (and the task's time limit). Deterministic in ``seed``.
+        """
+        out = rollouts(self, None, episodes, seed, max_steps)
+        policy = self.reference_policy()
+        if policy is not None:
+            out += rollouts(self, policy, episodes, seed + 1, max_steps)
+        return out
+
+
+def _final_info(info: dict[str, Any], i: int) -> dict[str, Any]:
+    """Env ``i``'s entries of the vector info's ``final_info`` (``_key`` arrays are masks)."""
+    final = info.get("final_info", {}) if isinstance(info, dict) else {}
+    out: dict[str, Any] = {}
+    for key, value in final.items():
+        mask = final.get("_" + key)
+        if key.startswith("_") or (mask is not None and not bool(np.asarray(mask)[i])):
+            continue
+        try:
+            out[key] = value[i]
+        except (TypeError, IndexError, KeyError):
+            out[key] = value
+    return out
+
+
+def rollouts(task: Task, policy: Callable[[np.ndarray], np.ndarray] | None, episodes: int, seed: int,
+             max_steps: int = 1000) -> list[Trajectory]:
+    """One episode in each of ``episodes`` envs of ``task``: random actions, or ``policy``'s."""
+    if episodes <= 0:
+        return []
+    env = task.make_env(episodes, seed)
+    steps = max(1, min(int(max_steps), int(task.max_episode_steps)))
+    record: list[list[tuple[np.ndarray, Any, np.ndarray, float]]] = [[] for _ in range(episodes)]
+    ends: dict[int, tuple[bool, bool, float]] = {}
+    try:
+        obs, _ = env.reset(seed=seed)
+        env.action_space.seed(seed)
+        for _ in range(steps):
+            action = np.asarray(policy(np.asarray(obs, np.float32)) if policy is not None else env.action_space.sample())
+            nxt, reward, term, trunc, info = env.step(action)
+            for i in range(episodes):
+                if i in ends:
+                    continue
+                done = bool(term[i] or trunc[i])
+                last = np.asarray(info["final_obs"][i] if done and "final_obs" in info else nxt[i], np.float32)
+                record[i].append((np.asarray(obs[i], np.float32), action[i], last, float(reward[i])))
+                if done:
+                    final = _final_info(info, i)
+                    flag, extra = task.episode_info(final)
+                    ret = float(extra.get("human_return", sum(r for *_, r in record[i])))
+                    ends[i] = (bool(term[i]), task.judge_success(flag, ret), ret)
+            obs = nxt
+            if len(ends) == episodes:
+                break
+    finally:
+        env.close()
+    source = "random" if policy is None else "controller"
+    out = []
+    for i, steps_i in enumerate(record):
+        paid = np.array([r for *_, r in steps_i], np.float32)
+        terminated, success, ret = ends.get(i, (False, False, float(paid.sum())))  # cut at the step cap
+        out.append(Trajectory(
+            obs=np.stack([o for o, *_ in steps_i]), action=np.stack([np.asarray(a) for _, a, *_ in steps_i]),
+            next_obs=np.stack([n for _, _, n, _ in steps_i]), env_reward=paid, terminated=terminated,
+            success=success, ground_truth=ret, source=source,
+        ))
+    return out
