@@ -9,19 +9,30 @@
    (``*_llm_calls``, ``preference_labels``) — a ratio measured while no evaluation
    finished would not measure a working judge. The plain trainer is timed before and
    after the plugins (load on a shared machine drifts); its mean is the reference.
-2. Label agreement: segments of a random policy on CartPole, paired so that their env
-   returns differ, labelled with the plugin's default settings (votes in both orders);
-   the fraction of decided labels (ties and unknowns excluded, and counted) that prefer
-   the segment with the higher return.
+2. Label agreement, on tasks whose segment text does not state the return: segments of a
+   random policy (8 envs x 128 steps, cut as the plugin cuts them) on each of
+   ``--label-tasks``, rendered by the plugin (``render_segment``) and labelled with its
+   default judge and prompt (one digit, both orders). Pairs are drawn in two strata:
+   ``clear`` (return difference at least the 75th percentile of the nonzero differences
+   among all pairs of segments) and ``small`` (nonzero, at most the 25th percentile).
+   Per stratum: the fraction of decided labels (ties and unknowns excluded, and counted
+   as abstentions) that prefer the segment with the higher return, with a percentile
+   bootstrap 95 % CI over the decided pairs; the LLM calls and seconds; one rendered
+   segment (``example``).
 
 Prints one JSON object::
 
     {"plain_fps": ..., "progress_fps": ..., "preference_fps": ...,
      "progress_fps_ratio": ..., "preference_fps_ratio": ..., "progress_llm_calls": ...,
-     "preference_labels": ..., "label_agreement": ..., "label_decided": ...,
-     "label_pairs": ..., "label_ties": ..., "label_unknown": ..., "load_before": ..., ...}
+     "preference_labels": ..., "load_before": ..., ...,
+     "labels": [{"task": "minecraft", "pairs": 20, "clear_min_diff": ..., "small_max_diff": ...,
+                 "llm_calls": ..., "llm_seconds": ..., "example": "...",
+                 "all": {"agreement": ..., "ci95": [lo, hi], "decided": ..., "abstain_fraction": ...,
+                         "unknown": ..., "ties": ..., "mean_margin": ..., ...},
+                 "clear": {...}, "small": {...}}, ...]}
 
-Run: ``python benchmarks/llm_judge.py [--frames 65536] [--pairs 24] [--llm embedded]``
+Run: ``python benchmarks/llm_judge.py [--frames 65536] [--llm embedded]
+[--label-tasks minecraft,lunarlander,halfcheetah] [--clear 10] [--small 10]``
 (``--llm fake`` answers instantly: it measures the plugins' own overhead only;
 ``--skip-fps`` / ``--skip-labels`` run one part).
 """
@@ -97,15 +108,14 @@ def train_fps(task: Any, plugin: str | None, frames: int, llm: Any, seed: int) -
     return float(result.metrics["charts/fps"]), result.metrics
 
 
-def label_agreement(task: Any, llm: Any, pairs: int, seed: int) -> dict[str, float]:
-    """Agreement of LLM labels with the env's return on random-policy CartPole segments."""
+def rollout_segments(task: Any, cfg: Any, envs: int, steps: int, seed: int) -> list[Any]:
+    """Segments of a random policy, cut as the plugin cuts training rollouts (``split_segments``)."""
     from plugins import rlaif_preference as rp
 
-    cfg = plugin_cfg("rlaif_preference")
-    env = task.make_env(8, seed)
-    obs, _ = env.reset(seed=seed)
+    env = task.make_env(envs, seed)
+    env.reset(seed=seed)
     rows: dict[str, list[np.ndarray]] = {k: [] for k in ("obs", "act", "rew", "term", "done")}
-    for _ in range(64):
+    for _ in range(steps):
         act = env.action_space.sample()
         nobs, rew, term, trunc, info = env.step(act)
         final = np.array(nobs, copy=True)
@@ -114,38 +124,114 @@ def label_agreement(task: Any, llm: Any, pairs: int, seed: int) -> dict[str, flo
         for k, v in zip(rows, (final, act, rew, term, np.logical_or(term, trunc))):
             rows[k].append(np.asarray(v))
     env.close()
-    arr = {k: np.stack(v, axis=1) for k, v in rows.items()}
+    arr = {k: np.stack(v, axis=1) for k, v in rows.items()}  # [envs, T, ...]
+    dim = task.obs_dim
     segments = []
     for e in range(arr["obs"].shape[0]):
-        segments += rp.split_segments(arr["obs"][e].astype(np.float32), arr["act"][e], arr["rew"][e], arr["term"][e],
-                                      arr["done"][e], cfg.segment_len, cfg.min_segment_len)
+        segments += rp.split_segments(arr["obs"][e][:, :dim].astype(np.float32), arr["act"][e], arr["rew"][e],
+                                      arr["term"][e], arr["done"][e], cfg.segment_len, cfg.min_segment_len)
+    return segments
+
+
+def choose_pairs(segments: list[Any], clear: int, small: int, seed: int) -> tuple[list[tuple[Any, Any, str]], dict]:
+    """``clear`` pairs whose returns differ by at least the 75th percentile of the nonzero
+    return differences among all pairs, and ``small`` pairs whose (nonzero) difference is
+    at most the 25th percentile; each segment in at most one pair where possible."""
+    diffs = [abs(a.env_return - b.env_return) for i, a in enumerate(segments) for b in segments[i + 1:]]
+    nonzero = np.array([d for d in diffs if d > 1e-6])
+    if len(nonzero) == 0:
+        return [], {"clear_min_diff": float("nan"), "small_max_diff": float("nan")}
+    lo, hi = float(np.percentile(nonzero, 25)), float(np.percentile(nonzero, 75))
     rng = random.Random(seed)
-    chosen = []
-    while len(chosen) < pairs:
-        a, b = rng.sample(segments, 2)
-        if rp.env_preference(a, b) != 0.5:
-            chosen.append((a, b))
-    for seg in (s for p in chosen for s in p):
+    pool = [(a, b) for i, a in enumerate(segments) for b in segments[i + 1:]]
+    rng.shuffle(pool)
+    chosen: list[tuple[Any, Any, str]] = []
+    used: set[int] = set()
+    want = {"clear": clear, "small": small}
+    for strict in (True, False):  # first with disjoint segments, then allowing reuse
+        for a, b in pool:
+            d = abs(a.env_return - b.env_return)
+            kind = "clear" if d >= hi else "small" if 1e-6 < d <= lo else None
+            if kind is None or want[kind] == 0 or (strict and (id(a) in used or id(b) in used)):
+                continue
+            if any(x is a and y is b for x, y, _ in chosen):
+                continue
+            pair = (a, b) if rng.random() < 0.5 else (b, a)
+            chosen.append((*pair, kind))
+            used.update((id(a), id(b)))
+            want[kind] -= 1
+    return chosen, {"clear_min_diff": hi, "small_max_diff": lo}
+
+
+def bootstrap_ci(hits: list[bool], seed: int, n: int = 2000) -> tuple[float, float]:
+    """Percentile bootstrap 95 % CI of the mean of ``hits`` (nan when empty)."""
+    if not hits:
+        return float("nan"), float("nan")
+    x = np.asarray(hits, np.float64)
+    means = np.random.default_rng(seed).choice(x, size=(n, len(x))).mean(1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def label_agreement(task_name: str, llm: Any, clear: int, small: int, seed: int, envs: int = 8,
+                    steps: int = 128) -> dict[str, Any]:
+    """Agreement of the plugin's labels (default judge, rendering and prompt) with the env's
+    return, on random-policy segments of one task, for pairs with a clear and a small
+    return difference; bootstrap 95 % CIs over the decided pairs."""
+    from plugins import rlaif_preference as rp
+
+    cfg = plugin_cfg("rlaif_preference")
+    task = make_task({"name": task_name})
+    segments = rollout_segments(task, cfg, envs, steps, seed)
+    chosen, cut = choose_pairs(segments, clear, small, seed)
+    for seg in {id(s): s for p in chosen for s in p[:2]}.values():
         seg.text = rp.render_segment(task, seg, cfg.summary_fields)
     labeller = rp.Labeller()
     t0 = time.perf_counter()
-    labels: list[float | None] = []
-    truths = [rp.env_preference(a, b) for a, b in chosen]
-    for k, (a, b) in enumerate(chosen):  # pair by pair, with a running tally on stderr
-        labels += labeller.label(llm, cfg, task.goal, [(a.text, b.text)])
-        acc, decided = rp.label_accuracy(labels, truths[: k + 1])
-        print(f"pair {k + 1}/{len(chosen)}: label {labels[-1]} truth {truths[k]}; agreement {acc:.2f} over {decided} "
-              f"decided; {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    acc, decided = rp.label_accuracy(labels, truths)
-    return {"label_agreement": acc, "label_decided": decided, "label_pairs": len(chosen),
-            "label_ties": sum(x == 0.5 for x in labels), "label_unknown": sum(x is None for x in labels),
-            "label_llm_calls": labeller.calls, "label_seconds": time.perf_counter() - t0}
+    rows = []
+    for k, (a, b, kind) in enumerate(chosen):  # pair by pair, with a running line on stderr
+        (lab,) = labeller.label(llm, cfg, task.goal, [(a.text, b.text)])
+        truth = rp.env_preference(a, b)
+        rows.append((kind, lab, truth, abs(a.env_return - b.env_return)))
+        print(f"{task_name} pair {k + 1}/{len(chosen)} ({kind}, diff {rows[-1][3]:.3g}): label "
+              f"{'-' if lab is None else f'{lab:.3f}'} truth {truth}; {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - t0
+    out: dict[str, Any] = {"task": task_name, "segments": len(segments), "pairs": len(rows), **cut,
+                           "llm_calls": labeller.calls, "llm_seconds": seconds,
+                           "seconds_per_label": seconds / max(len(rows), 1),
+                           "prompt_chars_mean": float(np.mean([len(s.text) for p in chosen for s in p[:2]]))
+                           if chosen else float("nan"),
+                           "example": chosen[0][0].text if chosen else ""}
+    for kind in ("all", "clear", "small"):
+        sel = [r for r in rows if kind == "all" or r[0] == kind]
+        decided = [r for r in sel if r[1] is not None and r[1] != 0.5]
+        hits = [(r[1] > 0.5) == (r[2] > 0.5) for r in decided]
+        lo, hi = bootstrap_ci(hits, seed)
+        out[kind] = {"pairs": len(sel), "decided": len(decided), "agreement": float(np.mean(hits)) if hits else float("nan"),
+                     "ci95": [lo, hi], "unknown": sum(r[1] is None for r in sel), "ties": sum(r[1] == 0.5 for r in sel),
+                     "abstain_fraction": (len(sel) - len(decided)) / max(len(sel), 1),
+                     "mean_margin": float(np.mean([abs(r[1] - 0.5) for r in decided])) if decided else float("nan"),
+                     "mean_return_diff": float(np.mean([r[3] for r in sel])) if sel else float("nan")}
+    return out
+
+
+def rounded(x: Any) -> Any:
+    if isinstance(x, float):
+        return round(x, 4)
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [rounded(v) for v in x]
+    return x
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=65536)
-    parser.add_argument("--pairs", type=int, default=24)
+    parser.add_argument("--label-tasks", default="minecraft,lunarlander,halfcheetah",
+                        help="comma-separated tasks whose label agreement is measured (cartpole too, if wanted)")
+    parser.add_argument("--clear", type=int, default=10, help="pairs per task with a clear return difference")
+    parser.add_argument("--small", type=int, default=10, help="pairs per task with a small return difference")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--llm", default="embedded", help="an llm config name (conf/llm/) or 'fake'")
     parser.add_argument("--cache-dir", default=None, help="LLM reply cache folder (default: a fresh temporary one)")
@@ -160,7 +246,7 @@ def main() -> None:
         from plugins.progress_reward import preload
 
         preload(llm)
-    out: dict[str, float] = {"frames": args.frames, "load_before": os.getloadavg()[0]}
+    out: dict[str, Any] = {"frames": args.frames, "load_before": os.getloadavg()[0]}
     if not args.skip_fps:
         plain = [train_fps(task, None, args.frames, llm, args.seed)[0]]
         out["progress_fps"], pm = train_fps(task, "progress_reward", args.frames, llm, args.seed)
@@ -177,9 +263,12 @@ def main() -> None:
             out["preference_" + key.split("/", 1)[1]] = fm.get(key, 0.0)
         out["load_after_fps"] = os.getloadavg()[0]
     if not args.skip_labels:
-        out.update(label_agreement(task, llm, args.pairs, args.seed))
+        out["labels"] = []
+        for name in filter(None, args.label_tasks.split(",")):
+            out["labels"].append(label_agreement(name, llm, args.clear, args.small, args.seed))
+            print("task done: " + json.dumps(rounded(out["labels"][-1])), file=sys.stderr, flush=True)
         out["load_after_labels"] = os.getloadavg()[0]
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}))
+    print(json.dumps(rounded(out)))
 
 
 if __name__ == "__main__":
