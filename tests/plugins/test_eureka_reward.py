@@ -323,3 +323,66 @@ def _artifact_paths(client, run_id: str, path: str | None = None) -> list[str]:
     for item in client.list_artifacts(run_id, path):
         out += _artifact_paths(client, run_id, item.path) if item.is_dir else [item.path]
     return out
+
+
+# -- end to end: the LLM's program trains (plumbing), and a run whose every program fails --------------------------
+
+
+def _run_eureka(make_config, overrides):
+    """One in-process Eureka run on CartPole with a tiny PPO; (summary, recorder)."""
+    from contract import PPO_TINY, SMOKE_BASE, Recorder
+
+    from core.loop import run_experiment
+
+    recorder = Recorder()
+    cfg = make_config(["+plugins=[eureka]", "env=cartpole", "plugins.eureka.iterations=1", *SMOKE_BASE, *PPO_TINY,
+                       *overrides])
+    return run_experiment(cfg, extra_plugins=(recorder,)), recorder
+
+
+@pytest.mark.slow  # ~15 s idle, 90 s on the shared machine under load
+def test_the_llms_reward_program_trains_and_its_components_are_logged(make_config, monkeypatch, tmp_path):
+    """Plumbing, not the model: the shared fake LLM (:func:`fakes.install_fake_litellm`)
+    answers through the real client; the program Eureka extracts from its reply is the
+    reward the candidate trains on, and the program's own components reach MLflow."""
+    import mlflow
+
+    llm = fakes.install_fake_litellm(monkeypatch)
+    summary, recorder = _run_eureka(make_config, ["plugins.eureka.samples=2"])
+    assert llm.count("def compute_reward") >= 1
+    trained = [(c, r) for c, r in recorder.trained if c.reward is not None and fakes.MARK in c.reward.source]
+    assert len(trained) == 2 and summary.failed == 0, recorder.report()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for candidate, result in trained:
+        assert candidate.reward.origin == "eureka" and result.ok and result.frames > 0
+        # "alive" is the program's constant term: its per-step mean is 1 only if the program ran on every step
+        assert [v for _, v in result.components["alive"]] == pytest.approx([1.0] * len(result.components["alive"]))
+        assert result.components["alive"] and result.components["level"]
+        assert client.get_metric_history(result.run_id, "components/alive")
+        assert result.metrics["reward/env_correlation"] == result.metrics["reward/env_correlation"]  # the reward was rewritten
+
+
+BROKEN = """```python
+import torch
+
+
+def compute_reward(state, action, next_state):
+    return next_state["no_such_field"] * 2.0, {}
+```"""
+
+
+def test_a_run_whose_every_program_fails_records_each_failure(make_config, monkeypatch, tmp_path):
+    """Failure handling (the fake LLM writes a program that reads a field CartPole lacks):
+    no candidate trains, each is recorded with its error on its MLflow run, and the
+    summary counts them all as failed."""
+    import mlflow
+
+    fakes.install_fake_litellm(monkeypatch, reply=lambda messages: BROKEN)
+    summary, recorder = _run_eureka(make_config, ["plugins.eureka.samples=2"])
+    assert summary.candidates == summary.failed == 2 and recorder.trained
+    assert all(not r.ok and r.frames == 0 and "no_such_field" in r.error for _, r in recorder.trained), recorder.report()
+    assert "no_such_field" in summary.first_error
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for _, result in recorder.trained:
+        assert client.get_run(result.run_id).data.tags["ok"] == "False"
+        assert "no_such_field" in Path(client.download_artifacts(result.run_id, "error.txt", str(tmp_path))).read_text()
