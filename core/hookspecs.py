@@ -448,3 +448,29 @@ def reflect(run: RunContext, result: IterationResult) -> str | None:
     :param result: the iteration's candidates and their results, in order.
     :return: feedback text, or None.
     """
+
+
+# -------------------------------------------------------------------------------------
+# Repair: a failing program goes back to the plugin that wrote it before a new sample
+# -------------------------------------------------------------------------------------
+
+
+@hookspec
+def repair_program(run: RunContext, program: RewardProgram, error: str) -> RewardProgram | None:
+    """Fix a program of this plugin's that failed before training (repair, not resample).
+
+    Called in the main process by :mod:`core.preflight` on the plugin that proposed the
+    program only (the one ``program.origin`` names), at most ``vetting.repair`` times
+    per program, when it fails its static check, its probe on real states, or reward
+    vetting on reference trajectories (:mod:`core.vetting`: it ranks failed episodes
+    above successful ones, or pays for prolonging an episode the task wants ended). A
+    typical implementation sends the conversation that produced the program, its reply
+    and ``error`` back to the LLM and asks for the corrected function. The repaired
+    program is checked again; one that passes trains in the original's place.
+
+    :param run: the run context.
+    :param program: the failing program (``program.reply`` holds the LLM reply it came from).
+    :param error: why it failed, in words meant for the LLM.
+    :return: the corrected program, or None to let it fail (its error then reaches
+        :func:`reflect` like any failed candidate's).
+    """
