@@ -47,10 +47,10 @@ import numpy as np
 import torch
 
 from core import PluginConfig, hookimpl
-from core.codegen import extract_function
+from core.codegen import program_from_reply
 from core.context import StepBatch, TrainContext
 from core.errors import UserError
-from core.prompting import reward_interface, sample_evenly, summarize_series
+from core.prompting import candidate_line, fence, reply_counts, reward_interface, sample_evenly, summarize_series
 from core.records import Candidate, Fitness, IterationResult, RewardProgram, TrainResult
 
 NAME = "lares"
@@ -310,16 +310,17 @@ def evolve_messages(base: list[dict[str, str]], code: str, feedback: str, analys
     return base + [{"role": "user", "content": EVOLVE.format(code=code.strip(), feedback=feedback, analysis=analysis.strip())}]
 
 
+def every_program(replies: list[Any], prompt: str, generation: int, call: str = "") -> list[RewardProgram]:
+    """A program per reply: usable, or rejected with the reason (:func:`core.codegen.program_from_reply`)."""
+    extra = {"call": call} if call else {}
+    return [program_from_reply(RewardProgram, reply.text, ENTRY, ARGS, origin=NAME, prompt=prompt,
+                               meta={"sample": i, "generation": generation, **extra}) for i, reply in enumerate(replies)]
+
+
 def programs_from(replies: list[Any], prompt: str, generation: int) -> tuple[list[RewardProgram], list[str]]:
-    programs, errors = [], []
-    for i, reply in enumerate(replies):
-        found = extract_function(reply.text, ENTRY, ARGS)
-        if found.ok:
-            programs.append(RewardProgram(source=found.source, entry=ENTRY, origin=NAME, prompt=prompt, reply=reply.text,
-                                          meta={"sample": i, "generation": generation}))
-        else:
-            errors.append(found.error)
-    return programs, errors
+    """The usable programs of ``replies`` and the rejected replies' reasons."""
+    programs = every_program(replies, prompt, generation)
+    return [p for p in programs if not p.rejected], [p.rejected for p in programs if p.rejected]
 
 
 # -- what a population can hold ------------------------------------------------------------------
@@ -881,9 +882,9 @@ class Evolution:
         self.diversity.append((self.frames, div))
         run.log_metrics({"lares/diversity": div, "lares/best_fitness": fitness[best], "lares/replaced": len(replaced)}, step=self.frames)
         self.plugin.log.append(
-            f"## generation {g} at {self.frames} frames\nfitness: {[round(f, 3) for f in fitness]}; complexity: {sizes}; "
+            f"## generation {g} at {self.frames} frames\n\n- fitness: {[round(f, 3) for f in fitness]}; complexity: {sizes}; "
             f"elites: {elites}; best: {best}; replaced: {replaced}; diversity: {div:.3f}"
-            + (f"\nerrors: {errors[:3]}" if errors else "")
+            + (f"\n- errors: {errors[:3]}" if errors else "")
             + (f"\n\n### behaviour of the best agent\n{behaviour}\n\n### analysis\n{analysis.strip()}\n" if losers else "\n")
         )
 
@@ -993,11 +994,14 @@ class Plugin:
             return None
         msgs = base_messages(run, self.cases_for(run))
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
+        tag = f"{NAME}-init-it{iteration}"
         replies = run.llm.chat(msgs, n=cfg.population, temperature=cfg.init_temperature, max_tokens=cfg.max_tokens,
-                               seed=run.seed * 1000 + iteration, tag=f"{NAME}-init-it{iteration}")
-        programs, errors = programs_from(replies, prompt, 0)
-        self.log.append(f"initial population: {len(programs)}/{len(replies)} replies held a reward function"
-                        + (f"; first error: {errors[0]}" if errors else ""))
+                               seed=run.seed * 1000 + iteration, tag=tag)
+        # every reply is proposed: a rejected one is recorded by the loop, never joins the population
+        programs = every_program(replies, prompt, 0, tag)
+        errors = [p.rejected for p in programs if p.rejected]
+        self.log.append(f"initial population: {len(programs) - len(errors)}/{len(replies)} replies held a reward function"
+                        + (f"; first error: {' '.join(errors[0].split())}" if errors else ""))
         return programs
 
     @hookimpl
@@ -1031,9 +1035,9 @@ class Plugin:
         if not mine:
             return None
         cfg = self.cfg
-        lines = [f"iteration {result.iteration}: population of {len(mine)}"]
-        for c, r in mine:
-            lines.append(f"- {c.id}: {r.fitness.value:.4g}" if r.ok and r.fitness else f"- {c.id}: failed ({r.error_kind})")
+        population = sum(not c.rejected for c, _ in mine)
+        lines = [f"### Iteration {result.iteration}: population of {population} ({reply_counts(mine)})", ""]
+        lines += [candidate_line(c, r, c.reward) for c, r in mine]
         ok = [(c, r) for c, r in mine if r.ok]
         if ok:
             best_c, best_r = max(ok, key=lambda cr: cr[1].score)
@@ -1045,7 +1049,10 @@ class Plugin:
                 self.cases.append({"task": run.task.name, "goal": run.task.goal, "code": source, "fitness": best_r.score})
                 self.case_path.parent.mkdir(parents=True, exist_ok=True)
                 self.case_path.write_text(json.dumps(self.cases, indent=1))
-                lines.append(f"added the best reward to the case base ({len(self.cases)} cases)")
+                lines.append(f"- added the best reward to the case base ({len(self.cases)} cases)")
+            lines += ["", f"### `{best_c.id}`, the best of this iteration", "",
+                      "Its reward function at the end of training (after the population's evolution):", "",
+                      fence(source, "python")]
         return "\n".join(lines + ["", *self.log])
 
     @hookimpl

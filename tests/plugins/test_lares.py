@@ -248,7 +248,9 @@ def test_initial_population_prompt_and_parsing(tmp_path):
     system, user = call.messages[0]["content"], call.messages[1]["content"]
     assert "reward engineer" in system and "simple" in system
     assert run.task.goal in user and "def compute_reward(state, action, next_state)" in user
-    assert len(programs) == 2 and all(p.origin == "lares" for p in programs)
+    assert len(programs) == 3 and all(p.origin == "lares" for p in programs)
+    assert [bool(p.rejected) for p in programs] == [False, True, False]  # the prose reply is kept, rejected
+    assert programs[1].meta == {"sample": 1, "generation": 0, "call": "lares-init-it0", "rejected_kind": "no_code"}
     assert "2/3 replies held a reward function" in plugin.log[0]
     assert plugin.propose_rewards(run=run, iteration=1) is None  # later generations are born in training
 
@@ -447,6 +449,8 @@ def test_reflect_adds_the_best_final_reward_to_the_case_base(tmp_path):
     result = TrainResult("c", ok=True, fitness=Fitness("return", -150.0), texts={"lares_final_reward.py": "evolved code"})
     text = plugin.reflect(run=run, result=IterationResult(0, [Candidate("c", 0, reward=program)], [result]))
     assert "case base (1 cases)" in text
+    assert "### `c`, the best of this iteration" in text and "```python\nevolved code\n```" in text
+    assert text.startswith("### Iteration 0: population of 1 (1 sampled, 1 usable, 1 trained)")
     assert lares.load_cases(tmp_path / "lares_cases.json")[0]["code"] == "evolved code"
     plugin.on_run_end(run=run, best=None)
     assert fakes.texts_of(run)["lares/best_reward.py"] == "evolved code"
