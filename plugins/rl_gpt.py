@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from core import PluginConfig, hookimpl
-from core.codegen import extract_function
+from core.codegen import extract_code, extract_function
 from core.records import Candidate, IterationResult, MacroAction, Program, TrainResult
 
 NAME = "rl_gpt"
@@ -287,6 +287,7 @@ class Plugin:
             return None
         limits, imports = run.sandbox.limits(), run.sandbox.imports
         macros: list[MacroAction] = []
+        rejected: list[MacroAction] = []  # skills with no runnable code after the critic's rounds: recorded, not trained
         for k, sub in enumerate(s for s in self.subactions if s.how == "code"):
             user = FAST_TASK.format(schema=run.task.schema_text(), actions=_actions(run.task), name=sub.name, what=sub.what,
                                     max_steps=cfg.max_steps, imports=", ".join(imports))
@@ -308,11 +309,17 @@ class Plugin:
                 msgs = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": error if macro is not None else f"{error}\nReply with `act` and `done` in one ```python block."}]
             if best is not None:
                 macros.append(best)
+            else:
+                program = Program(source=macro.program.source if macro is not None else extract_code(reply), entry=ACT, origin=NAME,
+                                  reply=reply, rejected=error,
+                                  meta={"skill": sub.name, "rounds": rnd + 1, "rejected_kind": "critic" if macro is not None else "extract"})
+                rejected.append(MacroAction(name=sub.name, program=program, max_steps=cfg.max_steps, done_entry=DONE))
         self.macros = macros
         report = {name: {"runs": r.runs, "finished": r.finished, "failures": r.failures} for name, r in self.rollouts.items()}
         run.log_text(f"{NAME}/it{iteration}-critic.json", json.dumps(report, indent=2))
         run.log_metrics({f"{NAME}/macros": len(macros)}, step=iteration)
-        return [macros] if macros else None
+        # each rejected skill alone: the loop records it as a candidate that did not train
+        return ([macros] if macros else []) + [[m] for m in rejected] or None
 
     @hookimpl
     def reflect(self, run, result: IterationResult) -> str | None:

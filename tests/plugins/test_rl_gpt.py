@@ -82,6 +82,15 @@ def test_plan_then_critic_revises_a_failing_macro(task):
     assert run.tracker.metrics["rl_gpt/macros"] == 1
 
 
+def test_a_skill_without_usable_code_is_proposed_rejected_with_its_reason(task):
+    plugin, run = make(task, [PLAN, "I would walk to the tree and hit it.", "Still no code."], critic_rounds=1, rollouts=1)
+    plugin.plan(run, 0)
+    ((macro,),) = plugin.propose_actions(run, 0)  # no usable skill: only the rejected one, alone
+    assert macro.name == "chop" and "no code" in macro.program.rejected
+    assert macro.program.reply == "Still no code." and macro.program.meta["rejected_kind"] == "extract"
+    assert Candidate("it0-c0", 0, macros=[macro]).rejected == macro.program.rejected
+
+
 def test_sampling_settings_and_hint_come_from_the_typed_config(task):
     plugin, run = make(task, [PLAN], temperature=0.9, max_tokens=77, max_subactions=1, hint="chop first")
     assert plugin.plan(run, 0) == "1. chop [code]: hit the tree in front"  # cut to max_subactions
