@@ -206,6 +206,22 @@ class Plugin:
         if self.best_source:
             run.log_text(f"{NAME}/best_reward.py", self.best_source)
 
+    @hookimpl
+    def repair_program(self, run, program: RewardProgram, error: str) -> RewardProgram | None:
+        """Send the failing reply back in its conversation with the error; the corrected function."""
+        msgs = messages(run, self.best_reply, self.feedback)  # the context the program was sampled in
+        msgs += [{"role": "assistant", "content": program.reply or f"```python\n{program.source}\n```"},
+                 {"role": "user", "content": FAILURE.format(kind="checked before training", error=error.strip()[-1500:])}]
+        attempt = int(program.meta.get("repairs", 0)) + 1
+        reply = run.llm.chat(msgs, n=1, temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens,
+                             seed=run.seed * 1000 + 500 + attempt, tag=f"{NAME}-repair")[0]
+        found = extract_function(reply.text, ENTRY, ARGS)
+        if not found.ok:
+            return None
+        prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
+        return RewardProgram(source=found.source, entry=ENTRY, origin=NAME, prompt=prompt, reply=reply.text,
+                             meta={**program.meta, "repairs": attempt})
+
 
 def reflection_markdown(iteration: int, mine: list[tuple[Candidate, TrainResult]], about: Candidate | None,
                         feedback: str) -> str:

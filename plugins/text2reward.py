@@ -414,6 +414,23 @@ class Plugin:
         self.library_path.parent.mkdir(parents=True, exist_ok=True)
         self.library_path.write_text(json.dumps([asdict(e) for e in self.library], indent=1))
 
+    @hookimpl
+    def repair_program(self, run, program: RewardProgram, error: str) -> RewardProgram | None:
+        """The task prompt, the failing reply and its error back to the LLM; the corrected function."""
+        cfg = self.cfg
+        msgs = messages(run.task, instruction_of(cfg, run.task), list(run.sandbox.imports), [])
+        fields = ", ".join(f'"{f.name}"' for f in run.task.state_fields)
+        msgs += [{"role": "assistant", "content": program.reply or f"```python\n{program.source}\n```"},
+                 {"role": "user", "content": RETRY.format(error=error.strip()[-1200:], fields=fields)}]
+        attempt = int(program.meta.get("repairs", 0)) + 1
+        reply = run.llm.chat(msgs, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                             seed=run.seed * 1000 + 900 + attempt, tag=f"{NAME}-repair")[0]
+        prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
+        repaired, _ = program_of(reply.text, prompt, int(program.meta.get("sample", 0)))
+        if repaired is not None:
+            repaired.meta["repairs"] = attempt
+        return repaired
+
 
 def _is_mine(candidate: Candidate, iteration: int) -> bool:
     return candidate.reward is not None and candidate.reward.origin == NAME and candidate.iteration == iteration
