@@ -15,6 +15,8 @@
    default judge and prompt (one digit, both orders). Pairs are drawn in two strata:
    ``clear`` (return difference at least the 75th percentile of the nonzero differences
    among all pairs of segments) and ``small`` (nonzero, at most the 25th percentile).
+   Pairs are labelled round-robin over the tasks, clear and small alternating, until
+   all are done or ``--budget-s`` has passed (``pairs`` of ``pairs_planned``).
    Per stratum: the fraction of decided labels (ties and unknowns excluded, and counted
    as abstentions) that prefer the segment with the higher return, with a percentile
    bootstrap 95 % CI over the decided pairs; the LLM calls and seconds; one rendered
@@ -32,7 +34,7 @@ Prints one JSON object::
                  "clear": {...}, "small": {...}}, ...]}
 
 Run: ``python benchmarks/llm_judge.py [--frames 65536] [--llm embedded]
-[--label-tasks minecraft,lunarlander,halfcheetah] [--clear 10] [--small 10]``
+[--label-tasks minecraft,lunarlander,halfcheetah] [--clear 10] [--small 10] [--budget-s 1200]``
 (``--llm fake`` answers instantly: it measures the plugins' own overhead only;
 ``--skip-fps`` / ``--skip-labels`` run one part).
 """
@@ -172,35 +174,47 @@ def bootstrap_ci(hits: list[bool], seed: int, n: int = 2000) -> tuple[float, flo
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def label_agreement(task_name: str, llm: Any, clear: int, small: int, seed: int, envs: int = 8,
-                    steps: int = 128) -> dict[str, Any]:
-    """Agreement of the plugin's labels (default judge, rendering and prompt) with the env's
-    return, on random-policy segments of one task, for pairs with a clear and a small
-    return difference; bootstrap 95 % CIs over the decided pairs."""
+def prepare_pairs(task_name: str, clear: int, small: int, seed: int, envs: int = 8, steps: int = 128) -> dict[str, Any]:
+    """One task's labelling job: its random-policy segments, the chosen pairs (clear and
+    small alternating, so that a run cut short by its time budget keeps both kinds), each
+    segment rendered by the plugin (``render_segment``)."""
     from plugins import rlaif_preference as rp
 
     cfg = plugin_cfg("rlaif_preference")
     task = make_task({"name": task_name})
     segments = rollout_segments(task, cfg, envs, steps, seed)
     chosen, cut = choose_pairs(segments, clear, small, seed)
+    kinds = {k: [p for p in chosen if p[2] == k] for k in ("clear", "small")}
+    chosen = [p for pair in zip(kinds["clear"], kinds["small"]) for p in pair]
+    chosen += kinds["clear"][len(kinds["small"]):] + kinds["small"][len(kinds["clear"]):]
     for seg in {id(s): s for p in chosen for s in p[:2]}.values():
         seg.text = rp.render_segment(task, seg, cfg.summary_fields)
-    labeller = rp.Labeller()
+    return {"name": task_name, "task": task, "cfg": cfg, "segments": len(segments), "chosen": chosen, "cut": cut,
+            "labeller": rp.Labeller(), "rows": [], "seconds": 0.0}
+
+
+def label_next(job: dict[str, Any], llm: Any) -> None:
+    """Label the job's next pair with the plugin's labeller (its default judge and prompt)."""
+    from plugins import rlaif_preference as rp
+
+    a, b, kind = job["chosen"][len(job["rows"])]
     t0 = time.perf_counter()
-    rows = []
-    for k, (a, b, kind) in enumerate(chosen):  # pair by pair, with a running line on stderr
-        (lab,) = labeller.label(llm, cfg, task.goal, [(a.text, b.text)])
-        truth = rp.env_preference(a, b)
-        rows.append((kind, lab, truth, abs(a.env_return - b.env_return)))
-        print(f"{task_name} pair {k + 1}/{len(chosen)} ({kind}, diff {rows[-1][3]:.3g}): label "
-              f"{'-' if lab is None else f'{lab:.3f}'} truth {truth}; {time.perf_counter() - t0:.0f} s",
-              file=sys.stderr, flush=True)
-    seconds = time.perf_counter() - t0
-    out: dict[str, Any] = {"task": task_name, "segments": len(segments), "pairs": len(rows), **cut,
-                           "llm_calls": labeller.calls, "llm_seconds": seconds,
-                           "seconds_per_label": seconds / max(len(rows), 1),
-                           "prompt_chars_mean": float(np.mean([len(s.text) for p in chosen for s in p[:2]]))
-                           if chosen else float("nan"),
+    (lab,) = job["labeller"].label(llm, job["cfg"], job["task"].goal, [(a.text, b.text)])
+    job["seconds"] += time.perf_counter() - t0
+    truth = rp.env_preference(a, b)
+    job["rows"].append((kind, lab, truth, abs(a.env_return - b.env_return)))
+    print(f"{job['name']} pair {len(job['rows'])}/{len(job['chosen'])} ({kind}, diff {job['rows'][-1][3]:.3g}): label "
+          f"{'-' if lab is None else f'{lab:.3f}'} truth {truth}; {job['seconds']:.0f} s", file=sys.stderr, flush=True)
+
+
+def summarize(job: dict[str, Any], seed: int) -> dict[str, Any]:
+    """Agreement with the env's return per stratum, bootstrap 95 % CIs over the decided pairs."""
+    rows, chosen = job["rows"], job["chosen"]
+    labelled = {id(s): s for p in chosen[: len(rows)] for s in p[:2]}.values()
+    out: dict[str, Any] = {"task": job["name"], "segments": job["segments"], "pairs_planned": len(chosen),
+                           "pairs": len(rows), **job["cut"], "llm_calls": job["labeller"].calls,
+                           "llm_seconds": job["seconds"], "seconds_per_label": job["seconds"] / max(len(rows), 1),
+                           "segment_chars_mean": float(np.mean([len(s.text) for s in labelled])) if rows else float("nan"),
                            "example": chosen[0][0].text if chosen else ""}
     for kind in ("all", "clear", "small"):
         sel = [r for r in rows if kind == "all" or r[0] == kind]
@@ -213,6 +227,18 @@ def label_agreement(task_name: str, llm: Any, clear: int, small: int, seed: int,
                      "mean_margin": float(np.mean([abs(r[1] - 0.5) for r in decided])) if decided else float("nan"),
                      "mean_return_diff": float(np.mean([r[3] for r in sel])) if sel else float("nan")}
     return out
+
+
+def label_agreement(tasks: list[str], llm: Any, clear: int, small: int, seed: int, budget_s: float) -> list[dict[str, Any]]:
+    """Label the tasks' pairs round-robin (one pair per task in turn) until all are labelled
+    or ``budget_s`` seconds have passed; a summary per task."""
+    jobs = [prepare_pairs(name, clear, small, seed) for name in tasks]
+    t0 = time.perf_counter()
+    while any(len(j["rows"]) < len(j["chosen"]) for j in jobs) and time.perf_counter() - t0 < budget_s:
+        for job in jobs:
+            if len(job["rows"]) < len(job["chosen"]) and time.perf_counter() - t0 < budget_s:
+                label_next(job, llm)
+    return [summarize(j, seed) for j in jobs]
 
 
 def rounded(x: Any) -> Any:
@@ -232,6 +258,8 @@ def main() -> None:
                         help="comma-separated tasks whose label agreement is measured (cartpole too, if wanted)")
     parser.add_argument("--clear", type=int, default=10, help="pairs per task with a clear return difference")
     parser.add_argument("--small", type=int, default=10, help="pairs per task with a small return difference")
+    parser.add_argument("--budget-s", type=float, default=1200.0,
+                        help="labelling stops after this many seconds (pairs go round-robin over the tasks)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--llm", default="embedded", help="an llm config name (conf/llm/) or 'fake'")
     parser.add_argument("--cache-dir", default=None, help="LLM reply cache folder (default: a fresh temporary one)")
@@ -263,10 +291,8 @@ def main() -> None:
             out["preference_" + key.split("/", 1)[1]] = fm.get(key, 0.0)
         out["load_after_fps"] = os.getloadavg()[0]
     if not args.skip_labels:
-        out["labels"] = []
-        for name in filter(None, args.label_tasks.split(",")):
-            out["labels"].append(label_agreement(name, llm, args.clear, args.small, args.seed))
-            print("task done: " + json.dumps(rounded(out["labels"][-1])), file=sys.stderr, flush=True)
+        tasks = [t for t in args.label_tasks.split(",") if t]
+        out["labels"] = label_agreement(tasks, llm, args.clear, args.small, args.seed, args.budget_s)
         out["load_after_labels"] = os.getloadavg()[0]
     print(json.dumps(rounded(out)))
 
