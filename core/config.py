@@ -99,6 +99,24 @@ class SandboxConfig:
 
 
 @dataclass
+class VettingConfig:
+    """Reward vetting and repair before training (``vetting:``; see ``core/vetting.py``, ``core/preflight.py``)."""
+
+    enabled: bool = True  # run every reward program on reference episodes before it trains; reject one that ranks failure above success or pays for prolonging
+    episodes: int = 8  # reference episodes of each kind: random, and the task's known controller where it has one
+    max_steps: int = 1000  # steps per reference episode at most
+    repair: int = 1  # times a program that fails its check, probe or vetting goes back to its plugin with the error (0: never)
+
+    def check(self) -> None:
+        if self.episodes < 1:
+            raise ValueError(f"episodes must be >= 1, got {self.episodes}")
+        if self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.repair < 0:
+            raise ValueError(f"repair must be >= 0, got {self.repair}")
+
+
+@dataclass
 class RunSettings:
     """The run's own top-level keys (``conf/config.yaml``); groups are checked by their owners."""
 
@@ -112,6 +130,10 @@ class RunSettings:
     progress: bool = True  # rich progress bars
     cache_dir: str = ""  # LLM replies and plugin libraries
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    vetting: VettingConfig = field(default_factory=VettingConfig)
+
+    def check(self) -> None:
+        self.vetting.check()
 
 
 #: top-level keys that are config groups, checked by the code that owns them
