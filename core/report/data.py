@@ -35,6 +35,10 @@ IGNORED_PREFIXES = (
 
 OK, FAILED, UNFINISHED = "ok", "failed", "unfinished"
 
+#: what the trainers log of their training episodes (mean return of the episodes that
+#: ended): the curve the report falls back to when evaluations are too few to draw one
+TRAIN_RETURN = "charts/episodic_return"
+
 
 @dataclass
 class StudyRun:
@@ -52,6 +56,7 @@ class StudyRun:
     params: dict[str, str] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)  # the parent run's tags (a study's arm and cell, ...)
     curve: list[tuple[int, float]] = field(default_factory=list)  # (frames, fitness) of the best candidate
+    train_curve: list[tuple[int, float]] = field(default_factory=list)  # (frames, TRAIN_RETURN) of the same training
     start_time: int = 0
     arm: str = ""
     note: str = ""  # why a run is not ok
@@ -107,6 +112,8 @@ def load_study(uri: str, experiment: str, metric: str = "fitness", filter_string
         if status != OK:
             run.note = _failure_note(r, children.get(r.info.run_id, []), metric)
         run.curve = _best_curve(client, tags.get("best_candidate", ""), children.get(r.info.run_id, []), run.seed)
+        run.train_curve = _best_curve(client, tags.get("best_candidate", ""), children.get(r.info.run_id, []), run.seed,
+                                      TRAIN_RETURN)
         study.append(run)
     return study
 
@@ -132,27 +139,27 @@ def _failure_note(run: Any, children: list[Any], metric: str) -> str:
     return f"no '{metric}' recorded"
 
 
-def candidate_curve(uri: str, parent_id: str, candidate: str) -> list[tuple[int, float]]:
-    """The fitness-over-frames history of one candidate's nested run (by its id), [] if none."""
+def candidate_curve(uri: str, parent_id: str, candidate: str, metric: str = "fitness") -> list[tuple[int, float]]:
+    """The ``metric``-over-frames history of one candidate's nested run (by its id), [] if none."""
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_run(parent_id).info.experiment_id],
                               filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}' and tags.candidate = '{candidate}'")
-    points = {int(m.step): float(m.value) for m in client.get_metric_history(runs[0].info.run_id, "fitness")} if runs else {}
+    points = {int(m.step): float(m.value) for m in client.get_metric_history(runs[0].info.run_id, metric)} if runs else {}
     return sorted(points.items())
 
 
-def _best_curve(client: Any, best: str, children: list[Any], seed: int) -> list[tuple[int, float]]:
-    """The fitness-over-frames history of the best candidate's nested run."""
+def _best_curve(client: Any, best: str, children: list[Any], seed: int, metric: str = "fitness") -> list[tuple[int, float]]:
+    """The ``metric``-over-frames history of the best candidate's nested run."""
     matches = [c for c in children if c.data.tags.get("candidate") == best]
     same_seed = [c for c in matches if c.data.tags.get("seed") == str(seed)]
     if not (same_seed or matches):
         return []
     child = (same_seed or matches)[0]
     points: dict[int, float] = {}
-    for m in client.get_metric_history(child.info.run_id, "fitness"):
-        points[int(m.step)] = float(m.value)  # the final value repeats the last evaluation's step
+    for m in client.get_metric_history(child.info.run_id, metric):
+        points[int(m.step)] = float(m.value)  # a value logged twice at one step: the later
     return sorted(points.items())
 
 

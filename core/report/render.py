@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import re
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ matplotlib.use("Agg")  # headless
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from core.report.data import FAILED, OK, UNFINISHED, StudyRun  # noqa: E402
+from core.report.data import FAILED, OK, TRAIN_RETURN, UNFINISHED, StudyRun  # noqa: E402
 
 if TYPE_CHECKING:
     from core.report.study import TaskResult
@@ -33,6 +34,32 @@ def number(v: float) -> str:
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     cells = [[c.replace("|", "\\|") for c in row] for row in rows]
     return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"] + ["| " + " | ".join(r) + " |" for r in cells]
+
+
+def best_of_note(t: TaskResult) -> str:
+    """A caveat where an arm's score is the best of several candidates and another arm's is one training."""
+    if t.metric != "fitness":
+        return ""
+    many = [a for a in t.arms if a.candidates > 1 and a.scores]
+    single = [a for a in t.arms if a.candidates <= 1 and a.scores]
+    if not (many and single):
+        return ""
+    which = ", ".join(f"{a.arm} (best of {number(a.candidates)})" for a in many)
+    return (f"**Best of N**: the score of {which} is the best of that many candidates per run, each trained on "
+            f"the run's seed and picked by the same {t.fitness_name} it is scored on, against one training per run "
+            f"of {', '.join(a.arm for a in single)}. Selection lifts a best-of-N score even when no candidate is "
+            "better (the more candidates, the more), so P(X > Y) favours the searching arm. Retrain the winner on "
+            "fresh seeds (`final_seeds=N`) and report `--metric final/fresh_mean` for a comparison free of it.")
+
+
+def curve_note(t: TaskResult) -> str:
+    """What the curves show when the evaluations were too few to draw them."""
+    if t.curve_metric == "fitness":
+        return ""
+    return (f"**Curves from training returns**: a run of this task has {t.eval_points} evaluation(s) of its best "
+            f"candidate (`trainer.eval_every` at or above `trainer.frames`?), too few for a curve, so the curves show "
+            f"`{t.curve_metric}`, the mean return of the training episodes in the task env's own reward, not the "
+            f"{t.fitness_name} of evaluation episodes.")
 
 
 def render_markdown(tasks: list[TaskResult], runs: list[StudyRun], experiment: str, reps: int, figures: dict[str, list[str]]) -> str:
@@ -57,8 +84,11 @@ def render_markdown(tasks: list[TaskResult], runs: list[StudyRun], experiment: s
         for a in t.arms:
             per_seed = ", ".join(f"{s}: {number(v)}" for s, v in a.scores.items()) or "—"
             status = a.status() if not a.complete else "complete"
-            rows.append([a.arm, f"{len(a.scores)}/{len(t.seeds)}", a.iqm.fmt(), a.mean.fmt(), per_seed, status])
-        lines += table(["arm", "n", "IQM [95% CI]", "mean [95% CI]", "per seed", "status"], rows)
+            rows.append([a.arm, f"{len(a.scores)}/{len(t.seeds)}", a.iqm.fmt(), a.mean.fmt(), per_seed,
+                         number(a.candidates), status])
+        lines += table(["arm", "n", "IQM [95% CI]", "mean [95% CI]", "per seed", "candidates / run", "status"], rows)
+        if note := best_of_note(t):
+            lines += ["", note]
         partial = [a.arm for a in t.arms if not a.complete]
         if partial:
             lines += ["", f"**Partial study**: {', '.join(partial)} lack finished runs for some seeds; "
@@ -67,6 +97,8 @@ def render_markdown(tasks: list[TaskResult], runs: list[StudyRun], experiment: s
             lines += ["", "### Probability of improvement", ""]
             rows = [[x, y, p.fmt()] for x, y, p in t.improvement]
             lines += table(["X", "Y", "P(X > Y) [95% CI]"], rows)
+        if note := curve_note(t):
+            lines += ["", note]
         for name in figures.get(t.env, []):
             lines += ["", f"![{name}]({name})"]
         lines += ["", "### LLM cost and compute (totals over the arm's runs)", ""]
@@ -143,7 +175,7 @@ def render_figures(tasks: list[TaskResult], out: Path, kinds: tuple[str, ...] = 
             if fig is None:
                 continue
             name = f"{_safe(t.env)}_{suffix}.png"
-            fig.savefig(out / name)
+            fig.savefig(out / name, bbox_inches="tight")  # long labels are kept whole
             plt.close(fig)
             names.append(name)
         files[t.env] = names
@@ -154,15 +186,46 @@ def _safe(name: str) -> str:
     return re.sub(r"[^\w\-]+", "_", name)
 
 
+#: characters per line of an arm's label in figures, and lines at most
+LABEL_WIDTH, LABEL_LINES = 28, 3
+
+
+def abbreviate(arm: str) -> str:
+    """``count_bonus plugins.count_bonus.beta=1.0`` -> ``count_bonus beta=1.0``: the arm's own
+    plugins' knobs without their ``plugins.<name>.`` prefix."""
+    head = arm.split(" ", 1)[0]
+    for name in head.split("+"):
+        arm = arm.replace(f" plugins.{name}.", " ")
+    return arm
+
+
+def short_label(arm: str, width: int = LABEL_WIDTH, lines: int = LABEL_LINES) -> str:
+    """An arm's label for a figure: a knob of the arm's own plugin without its ``plugins.<name>.``
+    prefix (``count_bonus plugins.count_bonus.beta=1.0`` -> ``count_bonus beta=1.0``), wrapped
+    at spaces to ``width`` and cut with an ellipsis after ``lines`` lines."""
+    arm = abbreviate(arm)
+    wrapped = textwrap.wrap(arm, width, break_on_hyphens=False) or [arm]
+    if len(wrapped) > lines:
+        wrapped = wrapped[:lines]
+        wrapped[-1] = wrapped[-1][: width - 1].rstrip() + "…"
+    return "\n".join(wrapped)
+
+
+def _rows_height(labels: list[str]) -> float:
+    return 0.6 + sum(0.3 + 0.17 * label.count("\n") for label in labels) + 0.25 * len(labels)
+
+
 def _final_figure(t: TaskResult):  # type: ignore[no-untyped-def]
     arms = t.arms
-    fig, ax = plt.subplots(figsize=(6.4, 0.6 + 0.55 * len(arms)), dpi=110)
+    labels = [short_label(f"{a.arm} (n={len(a.scores)})") for a in arms]
+    fig, ax = plt.subplots(figsize=(6.4, _rows_height(labels)), dpi=110)
     for i, a in enumerate(arms):
         if np.isfinite(a.iqm.value):
             ax.plot([a.iqm.low, a.iqm.high], [i, i], lw=6, alpha=0.35, color=f"C{i}", solid_capstyle="butt")
             ax.plot([a.iqm.value], [i], "|", ms=16, mew=2, color=f"C{i}")
         ax.scatter(list(a.scores.values()), [i] * len(a.scores), s=14, color="k", zorder=3)
-    ax.set_yticks(range(len(arms)), [f"{a.arm} (n={len(a.scores)})" for a in arms])
+    ax.set_yticks(range(len(arms)), labels)
+    ax.invert_yaxis()  # the first arm (the reference) on top
     ax.set_xlabel(f"final {t.fitness_name}: IQM, 95% CI, runs")
     ax.set_title(t.env)
     ax.grid(axis="x", alpha=0.3)
@@ -171,16 +234,20 @@ def _final_figure(t: TaskResult):  # type: ignore[no-untyped-def]
 
 
 def _improvement_figure(t: TaskResult):  # type: ignore[no-untyped-def]
-    pairs = [(x, y, p) for x, y, p in t.improvement if np.isfinite(p.value) and x < y]
+    rank = {a.arm: i for i, a in enumerate(t.arms)}  # one direction per pair: a later arm X against an earlier Y
+    pairs = [(x, y, p) for x, y, p in t.improvement if np.isfinite(p.value) and rank.get(x, 0) > rank.get(y, 0)]
     if not pairs:
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 0.6 + 0.5 * len(pairs)), dpi=110)
+    labels = [short_label(f"P({abbreviate(x)} > {abbreviate(y)})", width=LABEL_WIDTH + 8, lines=2 * LABEL_LINES)
+              for x, y, _ in pairs]
+    fig, ax = plt.subplots(figsize=(6.4, _rows_height(labels)), dpi=110)
     for i, (_, _, p) in enumerate(pairs):
         ax.plot([p.low, p.high], [i, i], lw=6, alpha=0.35, color="C0", solid_capstyle="butt")
         ax.plot([p.value], [i], "|", ms=16, mew=2, color="C0")
     ax.axvline(0.5, color="grey", ls="--", lw=1)
     ax.set_xlim(0, 1)
-    ax.set_yticks(range(len(pairs)), [f"P({x} > {y})" for x, y, _ in pairs])
+    ax.set_yticks(range(len(pairs)), labels)
+    ax.invert_yaxis()
     ax.set_xlabel("probability of improvement (95% CI)")
     ax.set_title(t.env)
     fig.tight_layout()
@@ -188,18 +255,20 @@ def _improvement_figure(t: TaskResult):  # type: ignore[no-untyped-def]
 
 
 def _curve_figure(t: TaskResult):  # type: ignore[no-untyped-def]
-    arms = [a for a in t.arms if a.curve]
+    arms = [(i, a) for i, a in enumerate(t.arms) if a.curve]  # an arm's colour as in the final-score figure
     if not arms:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
-    for i, a in enumerate(arms):
+    for i, a in arms:
         c = a.curve
-        ax.plot(c["frames"], c["iqm"], marker="o", ms=3, color=f"C{i}", label=f"{a.arm} (n={int(c['runs'][0])})")
+        ax.plot(c["frames"], c["iqm"], marker="o", ms=3, color=f"C{i}",
+                label=short_label(f"{a.arm} (n={int(c['runs'][0])})", width=2 * LABEL_WIDTH))
         ax.fill_between(c["frames"], c["low"], c["high"], color=f"C{i}", alpha=0.2)
     ax.set_xlabel("frames (best candidate's training)")
-    ax.set_ylabel(f"{t.fitness_name} (IQM, 95% CI)")
-    ax.set_title(f"{t.env}: sample efficiency")
+    train = t.curve_metric == TRAIN_RETURN
+    ax.set_ylabel(f"{'training return' if train else t.fitness_name} (IQM, 95% CI)")
+    ax.set_title(f"{t.env}: sample efficiency" + (" (training returns: too few evaluations)" if train else ""))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.24))  # below the axes, never over a curve
     fig.tight_layout()
     return fig

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from core.report.data import FAILED, OK, StudyRun, candidate_curve, load_study
-from core.report.render import number, render_figures, table
+from core.report.data import FAILED, OK, TRAIN_RETURN, StudyRun, candidate_curve, load_study
+from core.report.render import curve_note, number, render_figures, table
 from core.report.study import TaskResult, analyze
 
 if TYPE_CHECKING:
@@ -68,7 +68,9 @@ def study_runs(planned: list[PlannedCell], uri: str, experiment: str) -> Counted
             else:
                 r.fitness = float(value)
             if metric != "fitness" and r.tags.get("best_candidate"):  # the curve of the policy that scored
-                r.curve = candidate_curve(uri, r.run_id, f"{r.tags['best_candidate']}-seed{r.seed + 1}") or r.curve
+                fresh = f"{r.tags['best_candidate']}-seed{r.seed + 1}"
+                r.curve = candidate_curve(uri, r.run_id, fresh) or r.curve
+                r.train_curve = candidate_curve(uri, r.run_id, fresh, TRAIN_RETURN) or r.train_curve
         runs.append(r)
     chosen: dict[tuple[str, str, int], StudyRun] = {}
     for r in sorted(runs, key=lambda r: (r.status == OK, r.start_time)):  # finished and latest win, as in analyze
@@ -80,7 +82,7 @@ def write_results(spec: StudySpec, planned: list[PlannedCell], uri: str, out: Pa
                   reps: int = 2000) -> list[Path]:
     """Analyse the planned cells' runs and write ``out`` (Markdown) and its figures; returns the files."""
     counted = study_runs(planned, uri, spec.name)
-    tasks = analyze(counted.runs, reps=reps, versus=list(BASELINES)) if counted.runs else []
+    tasks = analyze(counted.runs, reps=reps, versus=list(BASELINES), order=list(spec.arms)) if counted.runs else []
     arm_order = {a: i for i, a in enumerate(spec.arms)}
     task_order = {t: i for i, t in enumerate(spec.tasks)}
     tasks.sort(key=lambda t: task_order.get(t.env, len(task_order)))
@@ -350,7 +352,8 @@ def _task_section(name: str, t: TaskResult | None, chosen: dict[tuple[str, str, 
         lines += ["", "Failed candidates (a search goes on with the others):", "", *failures]
     if figures:
         lines += ["", "Figures: each run's final score with the arm's IQM and CI; the final policy's training curve "
-                  "(for an arm that searches, its best candidate's first fresh-seed retraining), IQM over seeds.", ""]
+                  "(for an arm that searches, its best candidate's first fresh-seed retraining), IQM over seeds."
+                  + (f" {curve_note(t)}" if t.curve_metric != "fitness" else ""), ""]
     lines += [f"![{Path(f).stem}]({f})" for f in figures]
     return lines
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from core.report.data import OK, REPORT_TAG, StudyRun, assign_arms, load_study
+from core.report.data import OK, REPORT_TAG, TRAIN_RETURN, StudyRun, assign_arms, load_study
 from core.report.stats import Interval, curve_band, final_score_intervals, improvement
 
 #: per-run LLM/compute metrics summed per arm in the cost table: (metric, column title)
@@ -41,6 +41,11 @@ COST_METRICS = (
     ("candidates", "candidates"),
 )
 
+#: arms that are the comparison's reference, shown first in this order (a label's first word)
+BASELINE_ARMS = ("baseline", "sparse", "human")
+#: fewer evaluations than this per run and the curves fall back to training returns
+MIN_EVAL_POINTS = 2
+
 
 @dataclass
 class ArmResult:
@@ -55,6 +60,7 @@ class ArmResult:
     mean: Interval
     cost: dict[str, float]  # COST_METRICS summed over all this arm's runs (failed ones too)
     curve: dict[str, list[float]] = field(default_factory=dict)  # frames, iqm, low, high, runs
+    candidates: float = 1.0  # candidates per finished run (median): >1 means its score is a best of N
 
     @property
     def complete(self) -> bool:
@@ -80,29 +86,61 @@ class TaskResult:
     seeds: list[int]
     arms: list[ArmResult]
     improvement: list[tuple[str, str, Interval]]  # (X, Y, P(X > Y))
+    metric: str = "fitness"  # the parent-run metric compared
+    curve_metric: str = "fitness"  # what the curves show: the evaluations, or TRAIN_RETURN when they are too few
+    eval_points: int = 0  # evaluations per run behind the curves (the fewest over the task's finished runs)
 
 
-def analyze(runs: list[StudyRun], reps: int = 2000, seed: int = 0, versus: list[str] | None = None) -> list[TaskResult]:
+def arm_order(runs: list[StudyRun]) -> list[str]:
+    """The arms of ``runs`` in report order: the reference arms first (:data:`BASELINE_ARMS`),
+    then the rest in the order the study declared them, i.e. the order their first runs started
+    (a Hydra sweep and ``python -m core.study`` launch arms in the order they were written)."""
+    first: dict[str, int] = {}
+    for r in sorted(runs, key=lambda r: r.start_time):
+        first.setdefault(r.arm, len(first))
+
+    def rank(arm: str) -> tuple[int, int]:
+        head = arm.split(" ", 1)[0]
+        return (BASELINE_ARMS.index(head) if head in BASELINE_ARMS else len(BASELINE_ARMS), first[arm])
+
+    return sorted(first, key=rank)
+
+
+def analyze(runs: list[StudyRun], reps: int = 2000, seed: int = 0, versus: list[str] | None = None,
+            order: list[str] | None = None, metric: str = "fitness") -> list[TaskResult]:
     """Group runs by task and arm and compute every statistic of the report.
 
     ``versus``: compute P(X > Y) only for Y among these arms (default: every pair).
+    ``order``: the arms' order (default :func:`arm_order`); pairs follow it, Y before X.
+    ``metric``: the parent-run metric the scores are (for the best-of-N note).
+    The curves are the best candidates' evaluations; where a run of the task has fewer
+    than :data:`MIN_EVAL_POINTS`, every arm's curve is its training returns instead
+    (:data:`~core.report.data.TRAIN_RETURN`), and the task says so.
     """
     tasks = []
     for env in sorted({r.env for r in runs}):
         group = [r for r in runs if r.env == env]
         seeds = sorted({r.seed for r in group})
-        arms = [_arm_result(arm, [r for r in group if r.arm == arm], seeds, reps, seed) for arm in sorted({r.arm for r in group})]
+        names = order or arm_order(group)
+        present = {r.arm for r in group}
+        names = [a for a in names if a in present] + sorted(present - set(names))
+        finished = [r for r in group if r.status == OK]
+        points = min((len(r.curve) for r in finished), default=0)
+        use_train = points < MIN_EVAL_POINTS and any(len(r.train_curve) >= MIN_EVAL_POINTS for r in finished)
+        arms = [_arm_result(arm, [r for r in group if r.arm == arm], seeds, reps, seed, use_train) for arm in names]
         pairs = []
-        for a in arms:
-            for b in arms:
-                if a.arm != b.arm and (versus is None or b.arm in versus):
+        for j, b in enumerate(arms):  # Y: the earlier arm (the reference first); X: each other arm
+            for i, a in enumerate(arms):
+                if i != j and (versus is None or b.arm in versus):
                     pairs.append((a.arm, b.arm, improvement(list(a.scores.values()), list(b.scores.values()), reps, seed)))
-        names = {r.fitness_name for r in group if r.status == OK}
-        tasks.append(TaskResult(env, ", ".join(sorted(names)) or "fitness", seeds, arms, pairs))
+        fitness_names = {r.fitness_name for r in finished}
+        tasks.append(TaskResult(env, ", ".join(sorted(fitness_names)) or "fitness", seeds, arms, pairs, metric=metric,
+                                curve_metric=TRAIN_RETURN if use_train else "fitness", eval_points=points))
     return tasks
 
 
-def _arm_result(arm: str, runs: list[StudyRun], seeds: list[int], reps: int, seed: int) -> ArmResult:
+def _arm_result(arm: str, runs: list[StudyRun], seeds: list[int], reps: int, seed: int,
+                use_train: bool = False) -> ArmResult:
     chosen: dict[int, StudyRun] = {}
     duplicates = 0
     for r in sorted(runs, key=lambda r: (r.status == OK, r.start_time)):  # finished and latest win
@@ -113,13 +151,15 @@ def _arm_result(arm: str, runs: list[StudyRun], seeds: list[int], reps: int, see
     iqm, mean = final_score_intervals(list(scores.values()), reps, seed)
     cost = {key: float(sum(r.metrics.get(key, 0.0) for r in runs)) for key, _ in COST_METRICS}
     result = ArmResult(arm, scores, failed, [s for s in seeds if s not in chosen], duplicates, iqm, mean, cost)
-    result.curve = _curve(arm, [chosen[s] for s in scores], reps, seed)
+    counted = [chosen[s] for s in scores]
+    result.curve = _curve([r.train_curve if use_train else r.curve for r in counted], reps, seed)
+    result.candidates = float(np.median([r.metrics.get("candidates", 1.0) for r in counted])) if counted else 1.0
     return result
 
 
-def _curve(arm: str, runs: list[StudyRun], reps: int, seed: int) -> dict[str, list[float]]:
-    """IQM fitness over frames across runs, on the frames every run's curve covers."""
-    curves = [r.curve for r in runs if r.curve]
+def _curve(curves: list[list[tuple[int, float]]], reps: int, seed: int) -> dict[str, list[float]]:
+    """IQM over frames across runs' curves, on the frames every curve covers."""
+    curves = [c for c in curves if c]
     if not curves:
         return {}
     end = min(c[-1][0] for c in curves)
@@ -206,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         console.print(f"[bold red]error:[/bold red] experiment '{args.experiment}' has no runs of `python -m core`.")
         return 2
-    tasks = analyze(runs, reps=args.reps)
+    tasks = analyze(runs, reps=args.reps, metric=args.metric)
     out = Path(args.out or f"reports/{args.experiment}")
     write_report(tasks, runs, out, args.experiment, args.reps)
     for t in tasks:
