@@ -9,6 +9,7 @@ its policy with :func:`save_policy`.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -216,12 +217,12 @@ def save_policy(state: dict[str, Any], candidate_id: str) -> str:
 
 
 def pearson(s: np.ndarray) -> float:
-    """Pearson correlation from (n, sx, sy, sxx, syy, sxy); 0 when one side is constant."""
+    """Pearson correlation from (n, sx, sy, sxx, syy, sxy); NaN (undefined) when one side is constant."""
     n, sx, sy, sxx, syy, sxy = s
     cov = sxy / n - sx * sy / n**2
     vx, vy = sxx / n - (sx / n) ** 2, syy / n - (sy / n) ** 2
     if vx <= 1e-12 or vy <= 1e-12:
-        return 0.0
+        return math.nan
     return float(cov / math.sqrt(vx * vy))
 
 
@@ -236,7 +237,9 @@ def config_from(cls: type, cfg: Mapping[str, Any], algorithm: str) -> Any:
     """A trainer config dataclass from the Hydra ``trainer`` node (or a dict).
 
     ``name`` and ``_target_`` are ignored; unknown keys and a missing ``frames`` raise
-    ``ValueError``; ``hidden`` becomes a list of ints; ``validate()`` runs if defined.
+    ``ValueError``; ``hidden`` becomes a list of ints; ``validate()`` runs if defined. An
+    ``eval_every`` not below ``frames`` becomes ``frames // 4`` (with a warning), so even a
+    small budget gives a learning curve of several points.
     """
     if hasattr(cfg, "items") and not isinstance(cfg, dict):
         from omegaconf import OmegaConf  # a DictConfig
@@ -250,6 +253,12 @@ def config_from(cls: type, cfg: Mapping[str, Any], algorithm: str) -> Any:
     if "frames" not in values:
         raise ValueError("trainer.frames (the training budget) is required")
     config = cls(**values)
+    every = getattr(config, "eval_every", 0)
+    if every and every >= config.frames:  # one evaluation, at the end: a curve of one dot
+        config.eval_every = max(1, config.frames // 4)
+        logging.getLogger(__name__).warning(
+            "trainer.eval_every=%d is not below trainer.frames=%d: evaluating every %d frames instead",
+            every, config.frames, config.eval_every)
     if hasattr(config, "hidden"):
         config.hidden = [int(h) for h in config.hidden]
     if hasattr(config, "validate"):

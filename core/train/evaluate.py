@@ -101,7 +101,7 @@ def evaluate_and_record(
     hook: Any = None,
     wrap_env: Callable[[Any], Any] | None = None,
 ) -> list[Episode]:
-    """One periodic evaluation of a trainer: episodes, a curve point, metric and hook.
+    """One periodic evaluation of a trainer: episodes, a curve point and the hook.
 
     The curve point carries the latest mean of each reward component of ``result``.
     """
@@ -110,9 +110,8 @@ def evaluate_and_record(
     found = evaluate(task, act, episodes, seed=seed, wrap_env=wrap_env)
     fitness = task.fitness(found)
     components = {k: v[-1][1] for k, v in result.components.items() if v}
+    # the tracker logs the curve as ``fitness`` and ``eval/return``: no second series here
     result.curve.append(CurvePoint(frames, fitness.value, float(np.mean([e.ret for e in found])), components))
-    if ctx is not None:
-        ctx.log_metric("eval/fitness", fitness.value)
     if hook is not None:
         hook.on_evaluation(train=ctx, frames=frames, fitness=fitness.value, episodes=found)
     return found

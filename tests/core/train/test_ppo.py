@@ -111,7 +111,8 @@ def test_reward_program_metrics(task, tiny_cfg, monkeypatch):
 
     result = train(task, _with_reward_fn(monkeypatch, reward), tiny_cfg, seed=0)
     assert result.ok, result.error
-    assert -1.0 <= result.metrics["reward/env_correlation"] <= 1.0
+    value = result.metrics["reward/env_correlation"]
+    assert value != value  # NaN, undefined: CartPole's env reward is 1 on every step
     assert "angle" in result.components and len(result.components["angle"]) >= 1
 
 

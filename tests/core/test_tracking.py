@@ -1,0 +1,182 @@
+"""MLflow tracking: the pages, names, times and metrics a person sees (core/tracking.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import mlflow
+import numpy as np
+import pytest
+from markdown_it import MarkdownIt
+from omegaconf import open_dict
+
+from core import run_page
+from core.loop import run_experiment
+from core.records import Candidate, CurvePoint, Fitness, IterationResult, RewardProgram, TrainResult
+from core.tracking import EXPERIMENT_KIND, VIEW_KEY, Tracker, candidate_metrics, format_llm_call
+from core.train.common import config_from, pearson
+from core.train.ppo import PPOConfig
+
+
+@dataclass
+class _Reply:
+    text: str
+    cached: bool = False
+
+
+@dataclass
+class _Call:
+    tag: str
+    messages: list
+    replies: list
+
+
+def _headings(markdown: str) -> list[str]:
+    tokens = MarkdownIt().parse(markdown)
+    return [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open"]
+
+
+def test_a_code_fence_in_a_prompt_cannot_swallow_the_next_heading():
+    system = "Write a reward.\n```python\ndef compute_reward(s, a, n):\n    ...\n```\nand ```` this too"
+    reply = "Here:\n```python\ndef compute_reward(s, a, n):\n    return 1.0\n```"
+    call = _Call("eureka", [{"role": "system", "content": system}, {"role": "user", "content": "Go.\nTwo lines."}],
+                 [_Reply(reply), _Reply("no code", cached=True)])
+    text = format_llm_call(call)
+    assert _headings(text) == ["system", "user", "reply 0", "reply 1 (cached)"]
+    blocks = [t.content for t in MarkdownIt().parse(text) if t.type == "fence"]
+    assert blocks == [system + "\n", "Go.\nTwo lines.\n", reply + "\n", "no code\n"]  # every line kept
+
+
+# -- metrics: one name per meaning, one value per step --------------------------------------
+
+
+def _result(**kw) -> TrainResult:
+    curve = [CurvePoint(256, 10.0, 12.0), CurvePoint(512, 30.0, 31.0)]
+    series = {"charts/episodic_return": [(128, 9.0), (256, 11.0), (384, 20.0), (512, 25.0)],
+              "losses/value_loss": [(512, 0.5)], "reward/env_correlation": [(512, 0.3)]}
+    metrics = {"charts/episodic_return": 21.0, "losses/value_loss": 0.5, "reward/env_correlation": 0.3,
+               "time/update_s": 1.5}
+    args = dict(candidate_id="it0-c0", ok=True, fitness=Fitness("return", 30.0), frames=512, seconds=3.0,
+                curve=curve, series=series, metrics=metrics)
+    return TrainResult(**{**args, **kw})
+
+
+def test_each_metric_has_one_value_per_step_and_summaries_their_own_names():
+    points, summary = candidate_metrics(_result())
+    steps = [(k, s) for k, _, s in points]
+    assert len(steps) == len(set(steps)), "a metric got two values at one step"
+    assert [(s, v) for k, v, s in points if k == "fitness"] == [(256, 10.0), (512, 30.0)]  # the final score once
+    assert [(s, v) for k, v, s in points if k == "eval/return"] == [(256, 12.0), (512, 31.0)]
+    assert [s for k, _, s in points if k == "charts/episodic_return"] == [128, 256, 384, 512]  # training episodes
+    assert not any(k == "reward/env_correlation" for k, _, _ in points)  # a summary, never a series
+    assert summary == {"frames": 512.0, "seconds": 3.0, "summary/charts/episodic_return": 21.0,
+                       "reward/env_correlation": 0.3, "time/update_s": 1.5}
+
+
+def test_a_final_score_no_evaluation_logged_is_added_once():
+    points, _ = candidate_metrics(_result(curve=[]))
+    assert [(k, v, s) for k, v, s in points if k == "fitness"] == [("fitness", 30.0, 512)]
+
+
+def test_a_correlation_with_a_constant_signal_is_undefined():
+    x = np.array([1.0, 2.0, 3.0])
+    sums = lambda y: np.array([3, x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum()])  # noqa: E731
+    assert math.isnan(pearson(sums(np.ones(3))))
+    assert pearson(sums(2 * x)) == pytest.approx(1.0)
+
+
+def test_eval_every_adapts_to_a_small_budget(caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg = config_from(PPOConfig, {"frames": 2048, "eval_every": 25_000}, "ppo")
+    assert cfg.eval_every == 512 and "evaluating every 512 frames" in caplog.text
+    assert config_from(PPOConfig, {"frames": 100_000, "eval_every": 25_000}, "ppo").eval_every == 25_000
+    assert config_from(PPOConfig, {"frames": 2048, "eval_every": 0}, "ppo").eval_every == 0  # 0: only at the end
+
+
+# -- runs, names, times, pages ----------------------------------------------------------------
+
+
+@pytest.fixture
+def tracker(tmp_path):
+    return Tracker({"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "artifact_location": str(tmp_path / "art"),
+                    "log_plots": False}, "pages")
+
+
+def test_candidate_runs_carry_their_parent_real_times_and_a_page(tracker, make_config):
+    candidate = Candidate("it1-c0", 1, reward=RewardProgram(source="def compute_reward(s, a, n):\n    return 1.0\n"))
+    constant = _result(metrics={"reward/env_correlation": float("nan")}, series={}, seconds=4.0)
+    ended = time.time() - 60
+    with tracker.experiment_run(make_config(["env=cartpole"]), "eureka-s0", {}):
+        rid = tracker.log_candidate(candidate, constant, {}, ended=ended)
+        iteration = IterationResult(1, [candidate], [constant])
+        page = tracker.describe_run(task="CartPole-v1", fitness_name="return", history=[iteration],
+                                    best=(candidate, constant), llm={}, seconds=9.0)
+    client = mlflow.MlflowClient(tracker.uri)
+    run = client.get_run(rid)
+    assert run.info.run_name == "eureka-s0/it1-c0"
+    assert run.info.end_time == int(ended * 1000) and run.info.end_time - run.info.start_time == 4000
+    assert run.data.tags[run_page.WINNER_TAG] == "true"
+    assert "**Winner of the run.**" in run.data.tags[run_page.NOTE_TAG]
+    assert math.isnan(run.data.metrics["reward/env_correlation"])
+    assert "constant" in run.data.tags["note.reward/env_correlation"]
+    history = client.get_metric_history(rid, "fitness")
+    assert [(m.step, m.value) for m in history] == [(256, 10.0), (512, 30.0)]
+    parent = client.get_run(tracker.parent_id)
+    assert parent.data.tags[run_page.NOTE_TAG] == page and "eureka-s0/it1-c0" in page
+    assert parent.data.tags["llm4rl.winner_run"] == rid
+
+
+def test_the_experiment_opens_as_model_training_with_a_candidates_view(tracker):
+    tags = mlflow.MlflowClient(tracker.uri).get_experiment(tracker.experiment_id).tags
+    assert tags[EXPERIMENT_KIND[0]] == "custom_model_development"
+    view = json.loads(tags[f"mlflow.sharedViewState.{VIEW_KEY}"])
+    state = json.loads(view["state"])
+    assert state["orderByKey"] == "metrics.`fitness`" and "metrics.`fitness`" in state["selectedColumns"]
+    assert f"viewStateShareKey={VIEW_KEY}" in tracker.ui_hint()
+
+
+PROPOSER = '''
+    """Proposes two constant rewards; the second scores the same, so the rule picks by order."""
+
+    from core import PluginConfig, hookimpl
+    from core.records import RewardProgram
+
+
+    class Plugin:
+        def __init__(self, config: PluginConfig) -> None:
+            self.config = config
+
+        @hookimpl
+        def propose_rewards(self, run, iteration):
+            good = "def compute_reward(state, action, next_state):\\n    return 1.0 - next_state['pole_angle'].abs()\\n"
+            bad = "def compute_reward(state, action, next_state):\\n    return 1 / 0\\n"
+            return [RewardProgram(source=good), RewardProgram(source=bad)]
+'''
+
+
+def test_a_run_explains_itself_on_its_parent_page(local_plugins, tiny_run):
+    local_plugins("proposer", PROPOSER)
+    cfg = tiny_run("save_policy=false", "trainer.eval_every=256")
+    with open_dict(cfg):
+        cfg.plugins = {"proposer": {}}
+    summary = run_experiment(cfg)
+    client = mlflow.MlflowClient(cfg.tracking.uri)
+    parent = client.get_run(summary.run_id)
+    page = parent.data.tags[run_page.NOTE_TAG]
+    name = parent.info.run_name
+    assert f"**`{name}/it0-c0`** (winner)" in page and f"`{name}/it0-c1`" in page
+    (failed,) = [line for line in page.splitlines() if f"`{name}/it0-c1`" in line]
+    assert "| exception: ZeroDivisionError |" in failed or "| timeout |" in failed  # a loaded machine may time out first
+    assert "```python\ndef compute_reward(state, action, next_state):" in page
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{summary.run_id}'")
+    by_name = {c.info.run_name: c for c in children}
+    assert set(by_name) == {f"{name}/it0-c0", f"{name}/it0-c1"}
+    winner = by_name[f"{name}/it0-c0"]
+    assert winner.data.tags[run_page.WINNER_TAG] == "true" and by_name[f"{name}/it0-c1"].data.tags[run_page.WINNER_TAG] == "false"
+    seconds = winner.data.metrics["seconds"]
+    assert abs((winner.info.end_time - winner.info.start_time) / 1000 - seconds) < 0.01 and seconds > 0.05
+    assert [m.step for m in client.get_metric_history(winner.info.run_id, "fitness")] == [256, 512]
