@@ -67,6 +67,8 @@ SMOKE: dict[str, Smoke] = {
     "rlaif_preference": Smoke(["plugins.rlaif_preference.label_every=256", "plugins.rlaif_preference.label_budget=4",
                                "plugins.rlaif_preference.segment_len=8", "plugins.rlaif_preference.finish_s=2"], slow=False),
     "envgen": Smoke(["env=minecraft", "trainer.num_envs=4", "trainer.rollout_steps=64", "plugins.envgen.num_envs=1"], slow=False),
+    "ellm": Smoke(["env=minecraft", "env.max_episode_steps=100", "trainer.num_envs=4", "trainer.rollout_steps=64"]),
+    "plan4mc": Smoke(["env=minecraft", "env.max_episode_steps=100", "trainer.num_envs=4", "trainer.rollout_steps=64"]),
     "lares": Smoke(["env=pendulum", "plugins.lares.population=2", "plugins.lares.elites=1", "plugins.lares.llm_freq=300"],
                    trainer=["trainer=sac", "trainer.frames=600", "trainer.init_random_frames=100", "trainer.batch_size=32",
                             "trainer.hidden=[32,32]", "trainer.eval_episodes=1"]),
