@@ -5,6 +5,7 @@ Outer loop (one iteration per LLM round)::
     plan -> propose_rewards / propose_state_reprs / propose_actions / generate_envs
          -> candidates (cartesian product of the roles that proposed something)
          -> prepare_candidates (how they train: e.g. continuing an earlier policy)
+         -> preflight (reward programs checked, vetted on reference episodes, repaired)
          -> executor trains each (per-step hooks run inside as TorchRL transforms)
          -> fitness on the task's ground truth -> reflect -> next iteration
 
@@ -25,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from core.context import RunContext
 from core.executor import Executor, Runtime, TrainJob, build_runtime, make_executor
+from core.preflight import preflight
 from core.progress import make_progress
 from core.records import Candidate, IterationResult, Plan, StartPolicy, TrainResult
 from core.registry import call_each
@@ -224,7 +226,9 @@ class Loop:
         run, hook = self.run, self.run.hook
         hook.on_iteration_start(run=run, iteration=iteration)
         candidates = self.propose(iteration)
-        results = self.train(candidates, run.seed, progress)
+        rejected = preflight(run, candidates)  # reward programs checked, vetted and repaired before any RL
+        trained = iter(self.train([c for c in candidates if c.id not in rejected], run.seed, progress))
+        results = [rejected[c.id] if c.id in rejected else next(trained) for c in candidates]
         result = IterationResult(iteration, candidates, results)
         run.history.append(result)
         for plugin, text in call_each(hook.reflect, run=run, result=result):

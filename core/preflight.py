@@ -1,0 +1,188 @@
+"""Preflight: check each new reward program before it trains, and repair a failing one.
+
+Called by the loop (:meth:`core.loop.Loop.iterate`) on an iteration's candidates before
+any of them is dispatched to training. For every reward program proposed this iteration:
+
+1. **check and probe** it in the sandbox (:func:`core.sandbox.prepare_reward`: the AST
+   policy, then one call on real states), as training would first;
+2. **vet** it on the task's reference trajectories (:mod:`core.vetting`) when
+   ``vetting.enabled``: a program that ranks failed episodes above successful ones, or
+   pays for prolonging an episode the task wants ended, is rejected with feedback;
+3. **repair, not resample**: a program that fails 1 or 2, or a reply that held no usable
+   program (``Program.rejected``), goes back to the plugin that
+   proposed it (the ``repair_program`` hook of the plugin its ``origin`` names) with the
+   error, up to ``vetting.repair`` times; each repaired program is checked again and,
+   once it passes, trains in the original's place;
+4. a program still failing never trains: its candidates get a failed
+   :class:`core.records.TrainResult` (``error_kind="vetting"``, or the sandbox's category),
+   whose error reaches the plugin's ``reflect`` like any failed training's.
+
+Each verdict is logged on the run: ``vetting/it<k>-<candidate>.md`` (text) and the
+``vetting/*`` figures (``vetting/pair_accuracy``, ``vetting/step_reward``, ...) as metrics;
+a rejected candidate is also recorded as a failed nested run with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from core.context import RunContext
+from core.records import Candidate, RewardProgram, TrainResult
+from core.vetting import Verdict, reference_set, vet
+
+
+@dataclass
+class Examined:
+    """One program's check: ``error`` ("" when it may train), its ``kind``, the vetting verdict."""
+
+    program: RewardProgram
+    error: str = ""
+    kind: str = ""
+    verdict: Verdict | None = None
+    repairs: int = 0
+
+
+def preflight(run: RunContext, candidates: list[Candidate]) -> dict[str, TrainResult]:
+    """Check, vet and repair the candidates' new reward programs; the failed result of each rejected one.
+
+    Candidates whose program was repaired hold the repaired program afterwards. Programs
+    kept from earlier iterations (a role that proposed nothing keeps the best's part) are
+    not checked again.
+
+    :return: candidate id -> failed :class:`TrainResult`, for the candidates that must not train.
+    """
+    cfg = run.settings.run.vetting
+    if not cfg.enabled and cfg.repair <= 0:
+        return {}
+    seen = {id(c.reward) for it in run.history for c in it.candidates if c.reward is not None}
+    fresh: dict[int, list[Candidate]] = {}
+    for c in candidates:
+        if isinstance(c.reward, RewardProgram) and id(c.reward) not in seen:
+            fresh.setdefault(id(c.reward), []).append(c)
+    checker = _Checker(run)
+    rejected: dict[str, TrainResult] = {}
+    repaired = 0
+    for group in fresh.values():
+        first = group[0]
+        outcome = checker.settle(first)
+        repaired += outcome.repairs > 0 and not outcome.error
+        for c in group:
+            c.reward = outcome.program
+            if outcome.error and not outcome.program.rejected:  # an unusable reply is the loop's to record
+                rejected[c.id] = _failed(c, outcome)
+    if fresh:
+        iteration = candidates[0].iteration
+        run.log_metrics({"vetting/checked": len(fresh), "vetting/rejected": len(rejected), "vetting/repaired": repaired},
+                        step=iteration)
+    _record(run, [c for c in candidates if c.id in rejected], rejected)
+    return rejected
+
+
+class _Checker:
+    """Checks programs for one call of :func:`preflight`; builds the reference set once."""
+
+    def __init__(self, run: RunContext) -> None:
+        self.run = run
+        self.cfg = run.settings.run.vetting
+        self._references: list[Any] | None = None
+        self._reference_error = ""
+        self._step = 0
+
+    def settle(self, candidate: Candidate) -> Examined:
+        """Examine the candidate's program; repair it while it fails and repairs are left."""
+        program = candidate.reward
+        assert isinstance(program, RewardProgram)
+        outcome = Examined(program)
+        for attempt in range(self.cfg.repair + 1):
+            outcome = self.examine(outcome.program)
+            outcome.repairs = attempt
+            self._log(candidate, outcome, attempt)
+            if not outcome.error or attempt == self.cfg.repair:
+                break
+            fixed = self.repair(outcome.program, outcome.error)
+            if fixed is None:
+                break
+            outcome.program = fixed
+            outcome.repairs = attempt + 1
+        return outcome
+
+    def examine(self, program: RewardProgram) -> Examined:
+        """Check and probe ``program`` in the sandbox, then vet it (when enabled)."""
+        from core.sandbox import SandboxError, prepare_reward
+
+        if program.rejected:  # the reply held no usable program: only a repair can help
+            return Examined(program, program.rejected, str(program.meta.get("rejected_kind", "rejected")))
+        sandbox = self.run.sandbox
+        try:
+            fn = prepare_reward(program, self.run.task, limits=sandbox.limits(), allowed_imports=sandbox.imports)
+        except SandboxError as e:
+            return Examined(program, f"{e.report.kind}: {e.report.message}", e.report.kind or "sandbox")
+        try:
+            if not self.cfg.enabled:
+                return Examined(program)
+            references = self.references()
+            if not references:
+                return Examined(program, verdict=Verdict(True, checks=[f"not vetted: {self._reference_error}"]))
+            verdict = vet(fn, program, self.run.task, references)
+        finally:
+            fn.close()
+        return Examined(program, verdict.reason, "" if verdict.ok else "vetting", verdict)
+
+    def references(self) -> list[Any]:
+        """The task's reference trajectories for the run's seed (built once, cached on disk)."""
+        if self._references is None:
+            try:
+                self._references = reference_set(self.run.task, self.cfg.episodes, self.run.seed,
+                                                 max_steps=self.cfg.max_steps,
+                                                 cache_dir=self.run.settings.run.cache_dir or None)
+            except Exception as exc:  # noqa: BLE001 - a task that cannot roll out is not vetted, never a crash
+                self._references, self._reference_error = [], f"the reference episodes could not be made ({exc!r})"
+        return self._references
+
+    def repair(self, program: RewardProgram, error: str) -> RewardProgram | None:
+        """The proposing plugin's ``repair_program`` (the one ``program.origin`` names), or None."""
+        caller = getattr(self.run.hook, "repair_program", None) if self.run.hook is not None else None
+        if caller is None or not program.origin:
+            return None
+        kwargs = {"run": self.run, "program": program, "error": error}
+        for impl in caller.get_hookimpls():
+            if impl.plugin_name == program.origin:
+                fixed = impl.function(*[kwargs[name] for name in impl.argnames])
+                if isinstance(fixed, RewardProgram):
+                    fixed.origin = fixed.origin or program.origin
+                    return fixed
+                return None
+        return None
+
+    def _log(self, candidate: Candidate, outcome: Examined, attempt: int) -> None:
+        suffix = f"-repair{attempt}" if attempt else ""
+        verdict = outcome.verdict
+        if verdict is not None:
+            text = verdict.text()
+        else:
+            text = "# Reward check: " + (f"failed ({outcome.kind})\n\n{outcome.error}\n" if outcome.error else "passed (not vetted)\n")
+        self.run.log_text(f"vetting/it{candidate.iteration}-{candidate.id}{suffix}.md", text)
+        figures = dict(verdict.figures) if verdict is not None else {"vetting/passed": 0.0 if outcome.error else 1.0}
+        self.run.log_metrics(figures, step=candidate.iteration * 1000 + self._step)
+        self._step += 1
+
+
+def _failed(candidate: Candidate, outcome: Examined) -> TrainResult:
+    """The result of a candidate whose program never trains."""
+    verdict = outcome.verdict
+    repairs = f" (after {outcome.repairs} repair{'s' if outcome.repairs != 1 else ''})" if outcome.repairs else ""
+    return TrainResult(
+        candidate_id=candidate.id, ok=False, error=outcome.error, error_kind=outcome.kind or "vetting",
+        metrics={**(verdict.figures if verdict is not None else {}), "vetting/repairs": float(outcome.repairs)},
+        texts={"vetting.md": (verdict.text() if verdict is not None else outcome.error) + repairs},
+    )
+
+
+def _record(run: RunContext, candidates: list[Candidate], rejected: dict[str, TrainResult]) -> None:
+    """A failed nested run per rejected candidate, as the loop records trained ones."""
+    log = getattr(run.tracker, "log_candidate", None)
+    if log is None:
+        return
+    for c in candidates:
+        log(c, rejected[c.id], {"seed": str(run.seed), "rejected_by": "preflight"})

@@ -1,0 +1,204 @@
+"""Preflight (core.preflight): reward programs checked, vetted and repaired before any RL."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fakes
+import pytest
+from fakes import ScriptedLLM
+
+from core.envs import make_task
+from core.preflight import preflight
+from core.records import Candidate, IterationResult, RewardProgram
+from core.registry import make_plugin_manager
+from plugins import eureka_reward as eureka
+
+ALIVE = """```python
+import torch
+
+def compute_reward(state, action, next_state):
+    alive = torch.ones_like(state["car_position"])
+    return alive, {"alive": alive}
+```"""
+
+FIXED = """```python
+import torch
+
+def compute_reward(state, action, next_state):
+    reached = (next_state["car_position"] >= 0.5).float()
+    height = next_state["car_position"]
+    return height - 1.0 + 100.0 * reached, {"height": height, "reached": reached}
+```"""
+
+#: frames and sizes for a MountainCar run that trains in seconds
+TINY = ["env=mountaincar", "trainer.frames=256", "trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=1",
+        "trainer.minibatch=64", "trainer.hidden=[16]", "trainer.eval_every=0", "trainer.eval_episodes=2",
+        "executor=inprocess", "tracking.log_plots=false", "save_policy=false", "resume=false",
+        "vetting.episodes=3"]
+
+
+def eureka_run(replies: list[str], **vetting):
+    """A MountainCar run context with the eureka plugin registered (its repair_program reachable)."""
+    llm = ScriptedLLM(replies)
+    settings = fakes.settings_for("eureka", eureka)
+    pm = make_plugin_manager(settings, modules={"eureka": eureka})
+    run = fakes.make_run(make_task({"name": "mountaincar"}), llm, plugin="eureka", module=eureka,
+                         config={"vetting": {"episodes": 3, **vetting}}, hook=pm.hook)
+    return run, llm
+
+
+def candidate(reply: str, cid: str = "it0-c0", **fields) -> Candidate:
+    from core.codegen import extract_function
+
+    found = extract_function(reply, "compute_reward", ["state", "action", "next_state"])
+    program = RewardProgram(source=found.source, origin="eureka", reply=reply, **fields)
+    return Candidate(id=cid, iteration=0, reward=program)
+
+
+def test_a_vetoed_program_becomes_a_failed_result_with_the_reason_and_is_logged():
+    run, llm = eureka_run([], repair=0)
+    c = candidate(ALIVE)
+    rejected = preflight(run, [c])
+    result = rejected["it0-c0"]
+    assert not result.ok and result.error_kind == "vetting" and result.frames == 0
+    assert "prolonging the episode" in result.error and "ranks failure above success" in result.error
+    assert result.metrics["vetting/pair_accuracy"] == 0.0 and "vetting.md" in result.texts
+    assert not llm.calls  # repair 0: nothing sent back
+    texts, metrics = run.tracker.texts, run.tracker.metrics
+    assert "rejected" in texts["vetting/it0-it0-c0.md"] and "pair accuracy 0.00" in texts["vetting/it0-it0-c0.md"]
+    assert metrics["vetting/passed"] == 0.0 and metrics["vetting/rejected"] == 1 and metrics["vetting/checked"] == 1
+
+
+def test_a_good_program_passes_untouched():
+    run, llm = eureka_run([])
+    c = candidate(FIXED)
+    before = c.reward
+    assert preflight(run, [c]) == {} and c.reward is before and not llm.calls
+    assert run.tracker.metrics["vetting/pair_accuracy"] == 1.0 and "passed" in run.tracker.texts["vetting/it0-it0-c0.md"]
+
+
+def test_a_failing_program_is_repaired_once_through_its_plugin_with_the_error():
+    run, llm = eureka_run([FIXED])
+    c = candidate(ALIVE)
+    assert preflight(run, [c]) == {}
+    (call,) = llm.calls
+    assert call.tag == "eureka-repair" and call.messages[-2] == {"role": "assistant", "content": ALIVE}
+    assert "prolonging the episode" in call.last  # the vetting feedback went back to the LLM
+    assert "reached" in c.reward.source and c.reward.origin == "eureka" and c.reward.meta["repairs"] == 1
+    assert "passed" in run.tracker.texts["vetting/it0-it0-c0-repair1.md"]
+    assert run.tracker.metrics["vetting/repaired"] == 1
+
+
+def test_repair_is_tried_as_often_as_configured_then_the_candidate_fails():
+    run, llm = eureka_run([ALIVE], repair=2)
+    c = candidate(ALIVE)
+    result = preflight(run, [c])["it0-c0"]
+    assert len(llm.calls) == 2 and result.error_kind == "vetting" and result.metrics["vetting/repairs"] == 2.0
+
+
+def test_a_program_that_fails_its_probe_is_repaired_too():
+    run, llm = eureka_run([FIXED])
+    broken = ALIVE.replace('state["car_position"]', 'state["position"]')
+    c = candidate(broken)
+    assert preflight(run, [c]) == {}
+    assert "position" in llm.calls[0].last and "car_position" in llm.calls[0].last  # the sandbox's KeyError report
+
+
+def test_a_reply_without_code_is_sent_back_and_left_to_the_loop_when_it_stays_unusable():
+    run, llm = eureka_run(["still no code"])
+    c = Candidate(id="it0-c0", iteration=0, reward=RewardProgram(source="", origin="eureka", reply="I would reward speed.",
+                                                                rejected="The reply contains no code."))
+    assert preflight(run, [c]) == {}  # the loop records it as a rejected reply
+    assert "The reply contains no code." in llm.calls[0].last and c.reward.rejected
+
+
+def test_programs_kept_from_earlier_iterations_are_not_checked_again():
+    run, llm = eureka_run([], repair=0)
+    old = candidate(ALIVE)
+    run.history.append(IterationResult(0, [old], []))
+    kept = Candidate(id="it1-c0", iteration=1, reward=old.reward)
+    assert preflight(run, [kept]) == {} and not run.tracker.texts
+
+
+def test_nothing_is_checked_when_vetting_and_repair_are_off():
+    run, _ = eureka_run([], enabled=False, repair=0)
+    assert preflight(run, [candidate(ALIVE)]) == {} and not run.tracker.texts
+
+
+def test_in_a_run_the_repaired_program_trains_and_the_verdicts_are_in_mlflow(make_config, monkeypatch):
+    import mlflow
+
+    from contract import Recorder
+    from core.loop import run_experiment
+
+    def reply(messages):
+        return FIXED if "checked before training" in messages[-1]["content"] else ALIVE
+
+    fakes.install_fake_litellm(monkeypatch, reply)
+    cfg = make_config(["+plugins=[eureka]", "plugins.eureka.iterations=1", "plugins.eureka.samples=1", *TINY,
+                       *fakes.FAKE_LLM_OVERRIDES])
+    recorder = Recorder()
+    summary = run_experiment(cfg, extra_plugins=(recorder,))
+    ((c, r),) = recorder.trained
+    assert r.ok and r.frames > 0, recorder.report()
+    assert "reached" in c.reward.source and c.reward.meta["repairs"] == 1  # the repaired program is what trained
+    client = mlflow.MlflowClient(cfg.tracking.uri)
+    parent = client.get_run(summary.run_id)
+    assert parent.data.metrics["vetting/repaired"] == 1.0 and parent.data.metrics["vetting/pair_accuracy"] == 1.0
+    names = [a.path for a in client.list_artifacts(summary.run_id, "vetting")]
+    assert names == ["vetting/it0-it0-c0-repair1.md", "vetting/it0-it0-c0.md"]
+
+
+def test_in_a_run_a_vetoed_program_does_not_train_and_its_reason_reaches_the_next_prompt(make_config, monkeypatch):
+    import mlflow
+
+    from contract import Recorder
+    from core.loop import run_experiment
+
+    backend = fakes.install_fake_litellm(monkeypatch, lambda messages: ALIVE)
+    cfg = make_config(["+plugins=[eureka]", "plugins.eureka.iterations=2", "plugins.eureka.samples=1", *TINY,
+                       *fakes.FAKE_LLM_OVERRIDES, "vetting.repair=0"])
+    recorder = Recorder()
+    summary = run_experiment(cfg, extra_plugins=(recorder,))
+    assert [(r.ok, r.error_kind, r.frames) for _, r in recorder.trained] == [(False, "vetting", 0)] * 2
+    assert summary.failed == 2
+    prompts = [m["content"] for call in backend.calls for m in call["messages"] if m["role"] == "user"]
+    assert any("prolonging the episode" in p for p in prompts)  # the second round was told why
+    client = mlflow.MlflowClient(cfg.tracking.uri)
+    children = client.search_runs([client.get_run(summary.run_id).info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{summary.run_id}'")
+    assert len(children) == 2 and all(ch.data.tags["rejected_by"] == "preflight" for ch in children)
+    assert all(ch.info.status == "FAILED" and ch.data.metrics["vetting/pair_accuracy"] == 0.0 for ch in children)
+
+
+@pytest.mark.slow
+def test_end_to_end_with_the_embedded_model_records_a_verdict_for_every_program(tmp_path: Path):
+    """``python -m core +plugins=[eureka] env=mountaincar``: one round of two samples, few frames."""
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    cmd = [
+        sys.executable, "-m", "core", "+plugins=[eureka]", "env=mountaincar",
+        "plugins.eureka.iterations=1", "plugins.eureka.samples=2", "plugins.eureka.max_tokens=300",
+        "trainer.frames=512", "trainer.eval_episodes=2", "trainer.eval_every=0", "executor=inprocess",
+        "vetting.episodes=4", "progress=false", "save_policy=false", f"cache_dir={tmp_path / 'cache'}",
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_location={tmp_path / 'art'}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    all_failed = proc.returncode == 1 and "every candidate failed" in proc.stdout
+    assert proc.returncode == 0 or all_failed, (proc.stdout + proc.stderr)[-3000:]
+
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (parent,) = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()])
+                 if "mlflow.parentRunId" not in r.data.tags]
+    checked = parent.data.metrics.get("vetting/checked", 0.0)
+    verdicts = [a.path for a in client.list_artifacts(parent.info.run_id, "vetting")]
+    assert len({v.split("-repair")[0] for v in verdicts}) == checked, verdicts  # one verdict per program that had code
+    for path in verdicts:
+        text = Path(client.download_artifacts(parent.info.run_id, path, str(tmp_path))).read_text()
+        assert text.startswith(("# Reward vetting: ", "# Reward check: ")), text
+    assert list((tmp_path / "cache" / "reference").glob("mountaincar-*.pkl"))  # the reference episodes were cached
