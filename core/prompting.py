@@ -1,25 +1,109 @@
 """Prompt text every code-writing method needs: how the core will call the code.
 
 These describe the calling convention of ``core.sandbox`` (argument names, batching,
-return values, allowed imports); methods add their own framing around them.
+return values, allowed imports); methods add their own framing around them. The shapes
+the prompt states are read off a real batch of the task (:func:`batch_shapes`): the
+task's env stepped through the same TorchRL env training collects from, and its
+observation split into the state fields as training splits it, so that a prompt never
+says ``[B, ...]`` where the code will get ``[B]``.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from core.envs.task import Task
 
 
-def action_text(task: Task) -> str:
-    """One line describing the action tensor the code receives."""
+@dataclass(frozen=True)
+class Shapes:
+    """What code written for a task receives, read off a real batch (``B``: the batch).
+
+    ``action`` and each of ``fields`` are the dims after the batch dim (``()`` for one
+    number per env); ``actions`` is the number of discrete actions (0: continuous, then
+    ``low``/``high`` are the bounds).
+    """
+
+    action: tuple[int, ...]
+    action_dtype: str  # "int64", "float32"
+    fields: dict[str, tuple[int, ...]]
+    actions: int = 0
+    low: tuple[float, ...] = ()
+    high: tuple[float, ...] = ()
+
+    @staticmethod
+    def text(dims: tuple[int, ...]) -> str:
+        """``[B]``, ``[B, 3]``: a shape as the prompt writes it."""
+        return "[" + ", ".join(["B", *map(str, dims)]) + "]"
+
+
+def batch_shapes(task: Task, seed: int = 0) -> Shapes:
+    """The shapes of ``action`` and of every state field, from one real step of the task.
+
+    The task's vector env (2 copies) is wrapped in :class:`core.train.envs.VecGymEnv`, the
+    env the trainers collect from, and stepped once with a random action; the action is
+    read from that step's batch and the state fields from ``task.split_state`` of its
+    observation, as :class:`core.train.transforms.ProgramReward` splits it. Costs one env
+    construction (seconds for MuJoCo-based tasks): compute it once per run.
+    """
+    import gymnasium as gym
+
+    from core.train.envs import VecGymEnv
+
+    vec = task.make_env(2, seed)
+    space = vec.single_action_space
+    env = VecGymEnv(vec, seed)
+    try:
+        td = env.rand_step(env.reset())
+    finally:
+        env.close(raise_if_closed=False)
+    action = td.get("action")
+    states = task.split_state(td.get(("next", "observation"))[..., : task.obs_dim])
+    box = isinstance(space, gym.spaces.Box)
+    return Shapes(
+        action=tuple(action.shape[1:]),
+        action_dtype=str(action.dtype).removeprefix("torch."),
+        fields={name: tuple(value.shape[1:]) for name, value in states.items()},
+        actions=0 if box else int(getattr(space, "n", 0)),
+        low=tuple(float(x) for x in space.low.reshape(-1)) if box else (),
+        high=tuple(float(x) for x in space.high.reshape(-1)) if box else (),
+    )
+
+
+def action_text(task: Task, shapes: Shapes | None = None) -> str:
+    """What the ``action`` argument holds: dtype, shape and meaning, as training passes it."""
+    shapes = shapes or batch_shapes(task)
     described = f" {task.action_description}" if task.action_description else ""
-    return f"`action` is a tensor of shape [B, ...] holding each env's action.{described}"
+    shape = Shapes.text(shapes.action)
+    if shapes.actions:
+        return (f"`action` is an {shapes.action_dtype} tensor of shape {shape} (one action index per env, "
+                f"0..{shapes.actions - 1}; no trailing dimension).{described}")
+    bounds = ""
+    if shapes.low and len(set(shapes.low)) == 1 and len(set(shapes.high)) == 1:
+        bounds = f" within [{shapes.low[0]:g}, {shapes.high[0]:g}]"
+    return (f"`action` is a {shapes.action_dtype} tensor of shape {shape}: the policy's sample, which may lie "
+            f"outside the bounds{bounds} (the env clips it before stepping).{described}")
 
 
-def reward_interface(task: Task, allowed_imports: list[str] | tuple[str, ...] = ("math", "numpy", "torch")) -> str:
-    """The reward function's signature, inputs and outputs, for prompts."""
+def fields_text(task: Task, shapes: Shapes | None = None) -> str:
+    """One line per state field with the shape the code receives (``[B]`` or ``[B, 3]``)."""
+    shapes = shapes or batch_shapes(task)
+    lines = []
+    for f in task.state_fields:
+        unit = f", unit {f.unit}" if f.unit else ""
+        lines.append(f"- {f.name} ({Shapes.text(shapes.fields[f.name])}{unit}): {f.description}")
+    return "\n".join(lines)
+
+
+def reward_interface(task: Task, allowed_imports: list[str] | tuple[str, ...] = ("math", "numpy", "torch"),
+                     shapes: Shapes | None = None) -> str:
+    """The reward function's signature, inputs and outputs, for prompts.
+
+    :param shapes: the task's :func:`batch_shapes` (computed here when not given).
+    """
+    shapes = shapes or batch_shapes(task)
     return f"""Write the reward function with exactly this signature:
 
 ```python
@@ -33,10 +117,10 @@ def compute_reward(state, action, next_state):
     return reward, components
 ```
 
-The fields of `state` and `next_state` (each a float32 tensor, scalars of shape [B]):
-{task.schema_text()}
+The fields of `state` and `next_state` (float32 tensors; the shape each one has):
+{fields_text(task, shapes)}
 
-{action_text(task)}
+{action_text(task, shapes)}
 Every field is a whole batch, not a number: use vectorised torch operations
 (torch.where instead of `if`, torch.abs/torch.exp/torch.clamp instead of abs()/math.*),
 no Python loops over the batch, no in-place edits of the inputs. You may import only:
@@ -58,8 +142,13 @@ def compute_reward(state, action, next_state):
 ```"""
 
 
-def state_interface(task: Task, allowed_imports: list[str] | tuple[str, ...] = ("math", "numpy", "torch")) -> str:
-    """The state-representation function's signature, for prompts."""
+def state_interface(task: Task, allowed_imports: list[str] | tuple[str, ...] = ("math", "numpy", "torch"),
+                    shapes: Shapes | None = None) -> str:
+    """The state-representation function's signature, for prompts.
+
+    :param shapes: the task's :func:`batch_shapes` (computed here when not given).
+    """
+    shapes = shapes or batch_shapes(task)
     return f"""Write the function with exactly this signature:
 
 ```python
@@ -71,8 +160,8 @@ def revise_state(state):
     ...
 ```
 
-The fields of `state` (each a float32 tensor, scalars of shape [B]):
-{task.schema_text()}
+The fields of `state` (float32 tensors; the shape each one has):
+{fields_text(task, shapes)}
 
 Use vectorised torch operations only. You may import only: {", ".join(allowed_imports)}."""
 

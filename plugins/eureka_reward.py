@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from core import PluginConfig, hookimpl
 from core.codegen import program_from_reply
-from core.prompting import candidate_line, fence, reply_counts, reward_interface, sample_evenly, summarize_series
+from core.prompting import (Shapes, batch_shapes, candidate_line, fence, reply_counts, reward_interface, sample_evenly,
+                            summarize_series)
 from core.records import Candidate, IterationResult, RewardProgram, TrainResult
 
 NAME = "eureka"
@@ -98,15 +99,18 @@ Reply with the complete reward function in a ```python block."""
 # -- prompts -------------------------------------------------------------------------------
 
 
-def task_prompt(run) -> str:
-    """The user message describing the environment, the interface and the goal."""
-    return TASK.format(description=run.task.description, interface=reward_interface(run.task, list(run.sandbox.imports)),
-                       goal=run.task.goal)
+def task_prompt(run, shapes: Shapes | None = None) -> str:
+    """The user message describing the environment, the interface and the goal.
+
+    :param shapes: the task's :func:`core.prompting.batch_shapes` (computed when not given).
+    """
+    interface = reward_interface(run.task, list(run.sandbox.imports), shapes)
+    return TASK.format(description=run.task.description, interface=interface, goal=run.task.goal)
 
 
-def messages(run, best_reply: str, feedback: str) -> list[dict[str, str]]:
+def messages(run, best_reply: str, feedback: str, shapes: Shapes | None = None) -> list[dict[str, str]]:
     """System + task + (latest best reply + its feedback), Eureka's context policy."""
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task_prompt(run)}]
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task_prompt(run, shapes)}]
     if best_reply and feedback:
         msgs += [{"role": "assistant", "content": best_reply}, {"role": "user", "content": feedback}]
     elif feedback:  # nothing usable came back yet: say why and ask again
@@ -149,13 +153,15 @@ class Plugin:
         self.feedback = ""  # reflection on it, shown as the next user turn
         self.best_score = float("-inf")
         self.best_source = ""
+        self.shapes: Shapes | None = None  # what the code receives, read off a real batch once per run
 
     @hookimpl
     def propose_rewards(self, run, iteration: int) -> list[RewardProgram] | None:
         cfg = self.cfg
         if iteration >= cfg.iterations:
             return None
-        msgs = messages(run, self.best_reply, self.feedback)
+        self.shapes = self.shapes or batch_shapes(run.task, run.seed)
+        msgs = messages(run, self.best_reply, self.feedback, self.shapes)
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
         tag = f"{NAME}-it{iteration}"
         replies = run.llm.chat(
@@ -209,18 +215,16 @@ class Plugin:
     @hookimpl
     def repair_program(self, run, program: RewardProgram, error: str) -> RewardProgram | None:
         """Send the failing reply back in its conversation with the error; the corrected function."""
-        msgs = messages(run, self.best_reply, self.feedback)  # the context the program was sampled in
+        msgs = messages(run, self.best_reply, self.feedback, self.shapes)  # the context the program was sampled in
         msgs += [{"role": "assistant", "content": program.reply or f"```python\n{program.source}\n```"},
                  {"role": "user", "content": FAILURE.format(kind="checked before training", error=error.strip()[-1500:])}]
         attempt = int(program.meta.get("repairs", 0)) + 1
         reply = run.llm.chat(msgs, n=1, temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens,
                              seed=run.seed * 1000 + 500 + attempt, tag=f"{NAME}-repair")[0]
-        found = extract_function(reply.text, ENTRY, ARGS)
-        if not found.ok:
-            return None
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
-        return RewardProgram(source=found.source, entry=ENTRY, origin=NAME, prompt=prompt, reply=reply.text,
-                             meta={**program.meta, "repairs": attempt})
+        repaired = program_from_reply(RewardProgram, reply.text, ENTRY, ARGS, origin=NAME, prompt=prompt,
+                                      meta={**program.meta, "repairs": attempt})
+        return None if repaired.rejected else repaired
 
 
 def reflection_markdown(iteration: int, mine: list[tuple[Candidate, TrainResult]], about: Candidate | None,

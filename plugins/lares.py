@@ -50,7 +50,8 @@ from core import PluginConfig, hookimpl
 from core.codegen import program_from_reply
 from core.context import StepBatch, TrainContext
 from core.errors import UserError
-from core.prompting import candidate_line, fence, reply_counts, reward_interface, sample_evenly, summarize_series
+from core.prompting import (Shapes, batch_shapes, candidate_line, fence, reply_counts, reward_interface, sample_evenly,
+                            summarize_series)
 from core.records import Candidate, Fitness, IterationResult, RewardProgram, TrainResult
 
 NAME = "lares"
@@ -297,8 +298,9 @@ def load_cases(path: Path) -> list[dict[str, Any]]:
 # -- prompts -----------------------------------------------------------------------------------
 
 
-def base_messages(run: Any, cases: list[dict[str, Any]]) -> list[dict[str, str]]:
-    user = TASK.format(description=run.task.description, interface=reward_interface(run.task, list(run.sandbox.imports)),
+def base_messages(run: Any, cases: list[dict[str, Any]], shapes: Shapes | None = None) -> list[dict[str, str]]:
+    """System + (similar cases) + the task; ``shapes``: the task's :func:`core.prompting.batch_shapes` (made when None)."""
+    user = TASK.format(description=run.task.description, interface=reward_interface(run.task, list(run.sandbox.imports), shapes),
                        goal=run.task.goal)
     if cases:
         shown = "\n\n".join(f"Goal: {c['goal']}\n```python\n{c['code'].strip()}\n```" for c in cases)
@@ -609,7 +611,7 @@ class Evolution:
         for attempt in range(cfg.retries):
             if m.fn is not None or m.program is None:
                 return
-            msgs = base_messages(run, []) + [
+            msgs = base_messages(run, [], self.plugin.shapes) + [
                 {"role": "assistant", "content": m.program.reply or f"```python\n{m.program.source}\n```"},
                 {"role": "user", "content": FAILURE.format(kind=m.error_kind, error=m.error.strip()[-1500:], fields=_fields(self.task))},
             ]
@@ -864,10 +866,10 @@ class Evolution:
                                     seed=run.seed * 1000 + 500 + g, tag=f"{NAME}-analysis-g{g}")[0].text
             feedback = member_feedback([p.fitness for p in bm.result.curve], {k: [v for _, v in s] for k, s in bm.result.components.items()},
                                        self.task.fitness_name)
-            msgs = evolve_messages(base_messages(run, self.plugin.cases_for(run)), bm.program.source if bm.program else "", feedback, analysis)
+            msgs = evolve_messages(base_messages(run, self.plugin.cases_for(run), self.plugin.shapes), bm.program.source if bm.program else "", feedback, analysis)
         elif losers:  # nothing runs: the error is the feedback (as in Eureka)
             analysis = "(no working reward function: no behaviour analysis)"
-            msgs = base_messages(run, self.plugin.cases_for(run)) + [
+            msgs = base_messages(run, self.plugin.cases_for(run), self.plugin.shapes) + [
                 {"role": "assistant", "content": bm.program.reply if bm.program else ""},
                 {"role": "user", "content": FAILURE.format(kind=bm.error_kind, error=bm.error.strip()[-1500:], fields=_fields(self.task))},
             ]
@@ -975,6 +977,7 @@ class Plugin:
         self.best_source = ""
         self.best_score = float("-inf")
         self.log: list[str] = []  # what happened at each LLM update
+        self.shapes: Shapes | None = None  # what the reward code receives, read off a real batch once per run
 
     def cases_for(self, run: Any) -> list[dict[str, Any]]:
         return retrieve(self.cases, run.task.goal, self.cfg.retrieve_k) if self.cfg.retrieval else []
@@ -992,7 +995,8 @@ class Plugin:
         cfg = self.cfg
         if iteration >= cfg.iterations:
             return None
-        msgs = base_messages(run, self.cases_for(run))
+        self.shapes = self.shapes or batch_shapes(run.task, run.seed)
+        msgs = base_messages(run, self.cases_for(run), self.shapes)
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
         tag = f"{NAME}-init-it{iteration}"
         replies = run.llm.chat(msgs, n=cfg.population, temperature=cfg.init_temperature, max_tokens=cfg.max_tokens,

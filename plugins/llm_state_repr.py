@@ -39,7 +39,7 @@ import torch
 from core import PluginConfig, hookimpl
 from core.codegen import extract_code, extract_function
 from core.config import SandboxConfig
-from core.prompting import candidate_line, fence, reply_counts
+from core.prompting import Shapes, batch_shapes, candidate_line, fence, fields_text, reply_counts
 from core.records import Candidate, IterationResult, RewardProgram, StateProgram, TrainResult
 from core.sandbox import SandboxReport, normalize_reward, validate_state
 
@@ -82,7 +82,7 @@ Python functions over batched torch tensors. Reply with one ```python code block
 
 TASK = """Task goal: {goal}
 
-The state is a dict of named float32 tensors, each of shape [B] (B environments):
+The state is a dict of named float32 tensors over B environments, with these shapes:
 {schema}
 
 Write two functions in one ```python block:
@@ -293,9 +293,12 @@ class Training:
     kept: int = 0
 
 
-def messages(run: Any, cfg: Config, attempts: list[Attempt]) -> list[dict[str, str]]:
-    """System + task (schema, worked example, allowed imports) + the best ``history`` earlier attempts."""
-    user = TASK.format(goal=run.task.goal, schema=run.task.schema_text(), imports=", ".join(run.sandbox.imports))
+def messages(run: Any, cfg: Config, attempts: list[Attempt], shapes: Shapes | None = None) -> list[dict[str, str]]:
+    """System + task (schema, worked example, allowed imports) + the best ``history`` earlier attempts.
+
+    :param shapes: the task's :func:`core.prompting.batch_shapes` (made when None), for each field's shape.
+    """
+    user = TASK.format(goal=run.task.goal, schema=fields_text(run.task, shapes), imports=", ".join(run.sandbox.imports))
     shown = sorted(attempts, key=lambda a: a.score)[-cfg.history:] if cfg.history else []
     if shown:
         text = "\n\n".join(f"```python\n{a.source.strip()}\n```\nScore: {a.score:.4g}\n{a.feedback}" for a in shown)
@@ -314,6 +317,7 @@ class Plugin:
         self.cfg = config
         self.attempts: list[Attempt] = []
         self.probe: tuple[Any, ...] | None = None  # (state, action, next_state) of real steps, made once
+        self.shapes: Shapes | None = None  # each field's shape, read off a real batch once per run
 
     # proposal and reflection (main process)
 
@@ -327,7 +331,8 @@ class Plugin:
 
             obs, action, next_obs = probe_batch(run.task, num_envs=4, steps=8, seed=run.seed)
             self.probe = (run.task.split_state(obs), action, run.task.split_state(next_obs))
-        msgs = messages(run, cfg, self.attempts)
+        self.shapes = self.shapes or batch_shapes(run.task, run.seed)
+        msgs = messages(run, cfg, self.attempts, self.shapes)
         prompt = msgs[-1]["content"]
         programs: list[StateProgram] = []
         rejected: list[StateProgram] = []  # samples still unusable after their retries: recorded, not trained

@@ -31,7 +31,7 @@ from typing import Any
 from core import PluginConfig, hookimpl
 from core.codegen import program_from_reply
 from core.envs.task import Task
-from core.prompting import action_text, candidate_line, fence, reply_counts
+from core.prompting import Shapes, action_text, batch_shapes, candidate_line, fence, reply_counts
 from core.records import Candidate, IterationResult, RewardProgram, TrainResult
 
 NAME = "text2reward"
@@ -112,7 +112,7 @@ class {cls}:
     each is a float32 torch.Tensor of shape [B] unless its shape is given.\"\"\"
 {attributes}
 
-# action: torch.Tensor [B, ...]. {action}
+# {action}
 
 # Helper functions (already defined; call them, do not redefine them):
 def distance(a, b) -> torch.Tensor:            # Euclidean distance (|a - b| for scalars)
@@ -216,25 +216,30 @@ def add_example(library: list[Example], example: Example) -> list[Example]:
 # -- prompts ----------------------------------------------------------------------------------
 
 
-def abstraction(task: Task) -> str:
-    """The Pythonic class-style view of the task's state, action and helpers."""
+def abstraction(task: Task, shapes: Shapes | None = None) -> str:
+    """The Pythonic class-style view of the task's state, action and helpers, with the
+    shapes a real batch of the task has (:func:`core.prompting.batch_shapes`)."""
+    shapes = shapes or batch_shapes(task)
     cls = "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", task.name) if part) + "State"
     rows = []
     for f in task.state_fields:
-        shape = "" if f.size == 1 and not f.shape else f" shape [B, {', '.join(str(s) for s in (f.shape or (f.size,)))}];"
+        dims = shapes.fields[f.name]
+        shape = f" shape {Shapes.text(dims)};" if dims else ""
         unit = f" [{f.unit}]" if f.unit else ""
         rows.append(f"    {f.name}: torch.Tensor  #{shape}{unit} {f.description}")
-    return ABSTRACTION.format(cls=cls, attributes="\n".join(rows), action=action_text(task).split("tensor of shape [B, ...] ")[-1])
+    return ABSTRACTION.format(cls=cls, attributes="\n".join(rows), action=action_text(task, shapes))
 
 
-def task_prompt(task: Task, instruction: str, allowed: list[str]) -> str:
+def task_prompt(task: Task, instruction: str, allowed: list[str], shapes: Shapes | None = None) -> str:
     description = task.description.split("\n\n")[0]  # the prose, not the schema repeated
-    return TASK.format(abstraction=abstraction(task), description=description, instruction=instruction, imports=", ".join(allowed))
+    return TASK.format(abstraction=abstraction(task, shapes), description=description, instruction=instruction,
+                       imports=", ".join(allowed))
 
 
-def messages(task: Task, instruction: str, allowed: list[str], examples: list[Example]) -> list[dict[str, str]]:
+def messages(task: Task, instruction: str, allowed: list[str], examples: list[Example],
+             shapes: Shapes | None = None) -> list[dict[str, str]]:
     """System + (retrieved examples) + the task prompt."""
-    user = task_prompt(task, instruction, allowed)
+    user = task_prompt(task, instruction, allowed, shapes)
     if examples:
         shown = "\n\n".join(EXAMPLE.format(instruction=e.instruction, code=e.code.strip()) for e in examples)
         user = shown + "\n\nNow your task.\n\n" + user
@@ -315,6 +320,7 @@ class Plugin:
         self.best: tuple[RewardProgram, TrainResult] | None = None  # the latest iteration's best
         self.best_score = float("-inf")
         self.best_source = ""  # the fittest program over the run
+        self.shapes: Shapes | None = None  # what the code receives, read off a real batch once per run
 
     @hookimpl
     def on_run_start(self, run) -> None:
@@ -329,11 +335,12 @@ class Plugin:
             return None
         allowed = list(run.sandbox.imports)
         instruction = instruction_of(cfg, run.task)
+        self.shapes = self.shapes or batch_shapes(run.task, run.seed)
         if iteration > 0 and self.best is not None:
             comment = user_comment(cfg) or (auto_comment(self.best[1], run.task.fitness_name) if cfg.auto_feedback else "")
             if not comment:
                 return None  # no feedback round: keep the zero-/few-shot reward
-            msgs = messages(run.task, instruction, allowed, [])
+            msgs = messages(run.task, instruction, allowed, [], self.shapes)
             msgs += [
                 {"role": "assistant", "content": self.best[0].reply},
                 {"role": "user", "content": FEEDBACK.format(summary=behaviour_summary(self.best[1], run.task.fitness_name), comment=comment)},
@@ -341,7 +348,7 @@ class Plugin:
         else:
             shots = cfg.shots if cfg.few_shot else 0
             pool = [e for e in self.library if cfg.include_same_task or e.task != run.task.name]
-            msgs = messages(run.task, instruction, allowed, retrieve(pool, instruction, shots))
+            msgs = messages(run.task, instruction, allowed, retrieve(pool, instruction, shots), self.shapes)
         return self.generate(run, msgs, iteration)
 
     def generate(self, run: Any, msgs: list[dict[str, str]], iteration: int) -> list[RewardProgram]:
@@ -418,7 +425,7 @@ class Plugin:
     def repair_program(self, run, program: RewardProgram, error: str) -> RewardProgram | None:
         """The task prompt, the failing reply and its error back to the LLM; the corrected function."""
         cfg = self.cfg
-        msgs = messages(run.task, instruction_of(cfg, run.task), list(run.sandbox.imports), [])
+        msgs = messages(run.task, instruction_of(cfg, run.task), list(run.sandbox.imports), [], self.shapes)
         fields = ", ".join(f'"{f.name}"' for f in run.task.state_fields)
         msgs += [{"role": "assistant", "content": program.reply or f"```python\n{program.source}\n```"},
                  {"role": "user", "content": RETRY.format(error=error.strip()[-1200:], fields=fields)}]
@@ -426,9 +433,10 @@ class Plugin:
         reply = run.llm.chat(msgs, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                              seed=run.seed * 1000 + 900 + attempt, tag=f"{NAME}-repair")[0]
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
-        repaired, _ = program_of(reply.text, prompt, int(program.meta.get("sample", 0)))
-        if repaired is not None:
-            repaired.meta["repairs"] = attempt
+        repaired = program_of(reply.text, prompt, int(program.meta.get("sample", 0)), str(program.meta.get("call", "")))
+        if repaired.rejected:
+            return None
+        repaired.meta["repairs"] = attempt
         return repaired
 
 

@@ -1,0 +1,120 @@
+"""Prompt pieces: the shapes the prompt states are the shapes training passes, on every task family."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from core.envs import make_task
+from core.prompting import (Shapes, action_text, batch_shapes, candidate_line, fence, reply_counts, reward_interface,
+                            state_interface)
+from core.records import Candidate, Fitness, RewardProgram, TrainResult
+
+#: one task per family: classic discrete / continuous, MuJoCo, MetaWorld, Crafter, Kuka (PyBullet)
+FAMILIES = ["cartpole", "pendulum", "halfcheetah", "reach", "crafter", "kuka_grasp"]
+FAST = {"cartpole", "pendulum"}
+
+
+def stated_shapes(prompt: str) -> tuple[str, tuple[int, ...], dict[str, tuple[int, ...]]]:
+    """``(action dtype, action dims, field -> dims)`` as the prompt's text states them."""
+
+    def dims(text: str | None) -> tuple[int, ...]:
+        return tuple(int(d) for d in text.split(",")) if text else ()
+
+    action = re.search(r"`action` is an? (\w+) tensor of shape \[B(?:, ([\d, ]+))?\]", prompt)
+    assert action, prompt
+    fields = {m.group(1): dims(m.group(2)) for m in re.finditer(r"^- (\w+) \(\[B(?:, ([\d, ]+))?\]", prompt, re.MULTILINE)}
+    return action.group(1), dims(action.group(2)), fields
+
+
+def test_cartpole_says_its_action_is_one_index_per_env():
+    """The issue: the prompt said [B, ...] and a candidate called action.squeeze(1) on CartPole's [B]."""
+    task = make_task({"name": "cartpole"})
+    shapes = batch_shapes(task)
+    assert shapes.action == () and shapes.action_dtype == "int64" and shapes.actions == 2
+    assert set(shapes.fields) == {f.name for f in task.state_fields} and set(shapes.fields.values()) == {()}
+    prompt = reward_interface(task, shapes=shapes)
+    assert "[B, ...]" not in prompt
+    assert "`action` is an int64 tensor of shape [B] (one action index per env, 0..1; no trailing dimension)" in prompt
+    assert "- pole_angle ([B], unit rad)" in prompt
+
+
+def test_a_continuous_action_has_its_trailing_dimension_and_bounds():
+    task = make_task({"name": "pendulum"})
+    shapes = batch_shapes(task)
+    assert shapes.action == (1,) and shapes.action_dtype == "float32" and shapes.actions == 0
+    text = action_text(task, shapes)
+    assert text.startswith("`action` is a float32 tensor of shape [B, 1]") and "within [-2, 2]" in text
+    assert "[B]" in state_interface(task, shapes=shapes) and "[B, ...]" not in state_interface(task, shapes=shapes)
+
+
+def test_vector_fields_are_stated_with_their_shape():
+    shapes = Shapes(action=(4,), action_dtype="float32", fields={"hand_pos": (3,), "gap": ()})
+    task = SimpleNamespace(state_fields=[SimpleNamespace(name="hand_pos", unit="m", description="the hand"),
+                                         SimpleNamespace(name="gap", unit="", description="the gap")])
+    from core.prompting import fields_text
+
+    assert fields_text(task, shapes) == "- hand_pos ([B, 3], unit m): the hand\n- gap ([B]): the gap"
+    assert Shapes.text(()) == "[B]" and Shapes.text((2, 3)) == "[B, 2, 3]"
+
+
+CHECK = '''
+import torch
+
+
+def compute_reward(state, action, next_state):
+    expected_action, expected_fields, integer = {action!r}, {fields!r}, {integer!r}
+    got = tuple(action.shape[1:])
+    if got != expected_action or action.is_floating_point() == integer:
+        raise ValueError(f"action: the prompt said {{expected_action}} (integer: {{integer}}), training passed {{got}} {{action.dtype}}")
+    for name, dims in expected_fields.items():
+        for which in (state, next_state):
+            if tuple(which[name].shape[1:]) != dims or which[name].shape[0] != action.shape[0]:
+                raise ValueError(f"{{name}}: the prompt said {{dims}}, training passed {{tuple(which[name].shape)}}")
+    if set(state) != set(expected_fields):
+        raise ValueError(f"fields: the prompt named {{sorted(expected_fields)}}, training passed {{sorted(state)}}")
+    ones = torch.ones(action.shape[0])
+    return 0.0 * ones, {{"checked": ones}}
+'''
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in FAMILIES])
+def test_the_prompts_shapes_are_what_training_passes(name: str):
+    """A reward program that raises unless ``action`` and every field have the shapes the
+    prompt states trains through PPO's real path (env, collector, sandboxed program)."""
+    from core.train import ppo
+
+    task = make_task({"name": name})
+    dtype, action, fields = stated_shapes(reward_interface(task))
+    assert set(fields) == {f.name for f in task.state_fields}
+    source = CHECK.format(action=action, fields=fields, integer=dtype.startswith("int"))
+    candidate = Candidate("shapes", 0, reward=RewardProgram(source=source))
+    cfg = ppo.PPOConfig(frames=32, num_envs=2, rollout_steps=16, epochs=1, minibatch=16, hidden=[8], eval_episodes=0)
+    result = ppo.train(task, candidate, cfg, seed=0)
+    assert result.ok, result.error
+    assert result.components["checked"] and result.frames == 32  # the checks ran on the collected batches
+
+
+# -- reflections as markdown ----------------------------------------------------------------------
+
+
+def test_a_fence_is_longer_than_any_backtick_run_inside():
+    text = "a reply with a block:\n```python\nx = 1\n```"
+    block = fence(text, "text")
+    assert block.startswith("````text\n") and block.endswith("\n````") and text in block
+    assert fence("plain") == "```\nplain\n```"
+
+
+def test_counts_and_candidate_lines_say_why_a_candidate_did_not_train():
+    usable = RewardProgram(source="def compute_reward(s, a, n): ...", meta={"sample": 0, "renamed_from": "improved_compute_reward"})
+    rejected = RewardProgram(source="", rejected="No function named `compute_reward`.\nmore", meta={"sample": 1, "rejected_kind": "no_function"})
+    pairs = [(Candidate("it0-c0", 0, reward=usable), TrainResult("it0-c0", True, fitness=Fitness("return", 12.5))),
+             (Candidate("it0-c1", 0, reward=rejected), TrainResult("it0-c1", False, error="x", error_kind="rejected")),
+             (Candidate("it0-c2", 0, reward=RewardProgram(source="y")), TrainResult("it0-c2", False, error="Traceback\nKeyError: 'x'", error_kind="exception"))]
+    assert reply_counts(pairs) == "3 sampled, 2 usable, 1 trained"
+    lines = [candidate_line(c, r, c.reward) for c, r in pairs]
+    assert lines[0] == "- `it0-c0` (reply 0): return 12.5 (function `improved_compute_reward` renamed to `compute_reward`)"
+    assert lines[1] == "- `it0-c1` (reply 1): rejected (no_function), not trained: No function named `compute_reward`."
+    assert lines[2] == "- `it0-c2`: failed (exception): KeyError: 'x'"
