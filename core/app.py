@@ -174,12 +174,12 @@ def register_third_party_configs() -> None:
 def print_summary(summary) -> None:  # type: ignore[no-untyped-def]
     out = Console()
     out.rule("[bold]llm4rl run")
-    failed = f" ({summary.failed} failed)" if summary.failed else ""
+    counts = summary.counts if summary.failed else str(summary.candidates)  # "8 sampled, 6 usable, 5 trained"
     out.print(f"fitness ({summary.fitness_name}): [bold]{summary.fitness:.4g}[/bold]  best candidate: {summary.best_id}")
     if summary.final_fitness:
         vals = ", ".join(f"{v:.4g}" for v in summary.final_fitness)
         out.print(f"best candidate over {len(summary.final_fitness)} seeds: {vals}")
-    out.print(f"candidates: {summary.candidates}{failed}  frames: {summary.frames:,}  wall time: {summary.seconds:.1f} s")
+    out.print(f"candidates: {counts}  frames: {summary.frames:,}  wall time: {summary.seconds:.1f} s")
     if summary.failed == summary.candidates and summary.first_error:
         out.print("[red]every candidate failed; the first error:[/red]")
         out.print(summary.first_error.strip()[-1200:], markup=False, highlight=False)

@@ -74,6 +74,16 @@ def test_the_summary_names_the_results_store(capsys):
     assert "1 training(s) reused" in " ".join(capsys.readouterr().out.split())
 
 
+def test_the_summary_counts_sampled_usable_and_trained_candidates(capsys):
+    from core.app import print_summary
+    from core.loop import RunSummary
+
+    print_summary(RunSummary("return", 1.0, 10, 1.0, 8, 3, "rid", "ui", rejected=2))
+    assert "candidates: 8 sampled, 6 usable, 5 trained" in capsys.readouterr().out
+    print_summary(RunSummary("return", 1.0, 10, 1.0, 4, 0, "rid", "ui"))
+    assert "candidates: 4  frames" in capsys.readouterr().out
+
+
 # -- sweeping a plugin's knob in a study with a baseline arm (docs/ablations.md) ------------------
 
 
