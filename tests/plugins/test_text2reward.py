@@ -320,3 +320,62 @@ def test_end_to_end_on_a_continuous_task_with_the_embedded_model(tmp_path: Path)
     assert children, "no candidate was trained"
     assert all("fitness" in r.data.metrics for r in children if r.data.tags.get("ok") == "True")
     assert all_failed or any(r.data.tags.get("ok") == "True" for r in children)
+
+
+# -- end to end: the LLM's program trains (plumbing), and a run whose every program fails --------------------------
+
+
+def _run_text2reward(make_config, overrides):
+    """One in-process Text2Reward run on CartPole with a tiny PPO; (summary, recorder)."""
+    from contract import PPO_TINY, SMOKE_BASE, Recorder
+
+    from core.loop import run_experiment
+
+    recorder = Recorder()
+    cfg = make_config(["+plugins=[text2reward]", "env=cartpole", "plugins.text2reward.samples=1",
+                       "plugins.text2reward.few_shot=false", *SMOKE_BASE, *PPO_TINY, *overrides])
+    return run_experiment(cfg, extra_plugins=(recorder,)), recorder
+
+
+@pytest.mark.slow  # ~15 s idle, 90 s on the shared machine under load
+def test_the_llms_dense_reward_trains_and_its_components_are_logged(make_config, monkeypatch, tmp_path):
+    """Plumbing, not the model: the shared fake LLM (:func:`fakes.install_fake_litellm`)
+    answers through the real client; the ``compute_dense_reward`` Text2Reward extracts
+    from its reply is the reward the candidate trains on, and its components reach MLflow."""
+    import fakes
+    import mlflow
+
+    llm = fakes.install_fake_litellm(monkeypatch)
+    summary, recorder = _run_text2reward(make_config, [])
+    assert llm.count("def compute_dense_reward") >= 1
+    ((candidate, result),) = recorder.trained
+    assert candidate.reward.origin == "text2reward" and fakes.MARK in candidate.reward.source
+    assert result.ok and result.frames > 0 and summary.failed == 0, recorder.report()
+    # "alive" is the program's constant term: its per-step mean is 1 only if the program ran on every step
+    alive = [v for _, v in result.components["alive"]]
+    assert alive and alive == pytest.approx([1.0] * len(alive)) and result.components["level"]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert client.get_metric_history(result.run_id, "components/alive")
+
+
+BROKEN_DENSE = """```python
+import torch
+
+
+def compute_dense_reward(state, action, next_state):
+    return next_state["no_such_field"] * 2.0, {}
+```"""
+
+
+def test_a_run_whose_every_program_fails_records_each_failure(make_config, monkeypatch, tmp_path):
+    """Failure handling (the fake LLM keeps writing a program that reads a field CartPole
+    lacks, through every retry): nothing trains, the candidate is recorded failed with the
+    sandbox's reason, and every retry (and repair) was sent the error."""
+    import fakes
+
+    llm = fakes.install_fake_litellm(monkeypatch, reply=lambda messages: BROKEN_DENSE)
+    summary, recorder = _run_text2reward(make_config, ["plugins.text2reward.retries=1"])
+    mine = [(c, r) for c, r in recorder.trained if c.reward is not None and c.reward.origin == "text2reward"]
+    assert len(mine) == 1 and summary.failed >= 1, recorder.report()
+    assert all(not r.ok and r.frames == 0 and "no_such_field" in r.error for _, r in mine), recorder.report()
+    assert len(llm.calls) >= 2 and all("no_such_field" in c["messages"][-1]["content"] for c in llm.calls[1:])
