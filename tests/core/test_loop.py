@@ -132,3 +132,35 @@ def test_call_each_pairs_every_result_with_its_plugin(local_plugins):
     result = IterationResult(3, [], [])
     assert pm.hook.reflect(run=None, result=result) == ["alpha's reflection on iteration 3"]  # pluggy drops the None
     assert call_each(pm.hook.reflect, run=None, result=result) == [("beta", None), ("alpha", "alpha's reflection on iteration 3")]
+
+
+# -- a reply with no usable program is recorded, never trained -----------------------------------
+
+GAMMA = '''
+    """Proposes a usable reward and a rejected reply (as a code-writing plugin does with program_from_reply)."""
+
+    from core import hookimpl
+    from core.records import RewardProgram
+
+
+    @hookimpl
+    def propose_rewards(run, iteration):
+        good = RewardProgram(source="def compute_reward(state, action, next_state):\\n    return 1.0\\n", meta={"sample": 0})
+        bad = RewardProgram(source="", reply="Reward balance.", rejected="The reply contains no code.",
+                            meta={"sample": 1, "rejected_kind": "no_code"})
+        return [good, bad]
+'''
+
+
+def test_a_rejected_proposal_is_a_candidate_of_its_own_that_never_trains(local_plugins, tiny_run):
+    local_plugins("gamma", GAMMA)
+    cfg = tiny_run("save_policy=false", "resume=false")
+    with open_dict(cfg):
+        cfg.plugins = {"gamma": {}}
+    loop = Loop(cfg)
+    candidates = loop.propose(0)
+    assert [(c.id, c.rejected) for c in candidates] == [("it0-c0", ""), ("it0-c1", "The reply contains no code.")]
+    assert candidates[1].reward.origin == "gamma" and candidates[1].reward.reply == "Reward balance."
+    good, bad = loop.train(candidates, 0, None)
+    assert good.ok and good.frames > 0
+    assert (bad.ok, bad.error_kind, bad.error, bad.frames) == (False, "rejected", "The reply contains no code.", 0)
