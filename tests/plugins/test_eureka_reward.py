@@ -253,9 +253,13 @@ def test_a_dropped_reply_is_recorded_with_its_reason_in_mlflow_and_the_counts(ma
     from core.loop import run_experiment
 
     replies = iter([fakes.REWARD.format(entry="compute_reward"), NO_FUNCTION, fakes.REWARD.format(entry="improved_compute_reward")])
-    fakes.install_fake_litellm(monkeypatch, lambda msgs: next(replies))
+
+    def reply(msgs):  # the rejected reply goes to repair_program first; the repair holds no code either
+        return NO_FUNCTION if "checked before training" in msgs[-1]["content"] else next(replies)
+
+    fakes.install_fake_litellm(monkeypatch, reply)
     cfg = make_config(["+plugins=[eureka]", "plugins.eureka.iterations=1", "plugins.eureka.samples=3", *TINY,
-                       *fakes.FAKE_LLM_OVERRIDES, "llm.max_n=1", "llm.concurrency=1"])
+                       *fakes.FAKE_LLM_OVERRIDES, "llm.max_n=1", "llm.concurrency=1", "vetting.enabled=false"])
     summary = run_experiment(cfg)
     assert (summary.candidates, summary.rejected, summary.failed) == (3, 1, 1)
     assert summary.counts == "3 sampled, 2 usable, 2 trained"
