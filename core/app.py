@@ -171,7 +171,7 @@ def register_third_party_configs() -> None:
             store.store(group="plugins", name=info.name, node=defaults, package=f"plugins.{info.name}")
 
 
-def print_summary(summary) -> None:  # type: ignore[no-untyped-def]
+def print_summary(summary, steps: list[str] | None = None) -> None:  # type: ignore[no-untyped-def]
     out = Console()
     out.rule("[bold]llm4rl run")
     counts = summary.counts if summary.failed else str(summary.candidates)  # "8 sampled, 6 usable, 5 trained"
@@ -197,7 +197,9 @@ def print_summary(summary) -> None:  # type: ignore[no-untyped-def]
             f"LLM: {int(llm.get('llm/calls', 0))} calls, {int(llm.get('llm/cache_hits', 0))} cache hits, "
             f"{int(llm.get('llm/completion_tokens', 0))} completion tokens"
         )
-    out.print(f"MLflow run: {summary.run_id}   look at it: {summary.ui_hint}")
+    out.print(f"MLflow run: {summary.run_id}   look at it: {summary.ui_hint}", markup=False, highlight=False)
+    for line in steps or []:
+        out.print(line, markup=False, highlight=False, soft_wrap=True)  # a command stays one line
 
 
 def run_one(cfg: DictConfig) -> float:
@@ -222,7 +224,9 @@ def run_one(cfg: DictConfig) -> float:
     except UserError as err:
         console.print(f"[bold red]error:[/bold red] {escape(str(err))}")  # keeps "llm4rl[extra]"
         sys.exit(2)
-    print_summary(summary)
+    from core.progress import next_steps
+
+    print_summary(summary, next_steps(str(cfg.tracking.get("uri", "")), str(cfg.experiment))[:1])
     if summary.failed == summary.candidates and HydraConfig.get().mode == RunMode.RUN:
         sys.exit(1)  # a single run that produced nothing is a failure; a sweep goes on
     return summary.fitness
@@ -245,3 +249,20 @@ def main() -> None:
         sys.exit(2)
     sys.argv[0] = str(Path(sys.argv[0]).with_name("core"))
     hydra_main()
+    if any(a in ("-m", "--multirun") for a in argv):  # a study: what to do with it next
+        from core.progress import next_steps
+
+        Console().rule("[bold]study done")
+        for line in next_steps(*study_target(argv)):
+            Console().print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def study_target(argv: list[str]) -> tuple[str, str]:
+    """The tracking URI and experiment a command line's runs went to (its overrides, else the config's)."""
+    values = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith(("-", "+", "~")))
+    experiment = values.get("experiment") or str(OmegaConf.load(conf_dir() / "config.yaml").get("experiment", "llm4rl"))
+    uri = values.get("tracking.uri")
+    if not uri:
+        tracking = conf_dir() / "tracking" / f"{values.get('tracking', 'mlflow')}.yaml"
+        uri = str(OmegaConf.load(tracking).get("uri", "")) if tracking.is_file() else ""
+    return uri, experiment

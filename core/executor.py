@@ -36,6 +36,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from core.config import Settings
+from core.progress import ProgressRelay
 from core.records import Candidate, TrainResult
 
 Done = Callable[[int, TrainResult], None]
@@ -160,9 +161,18 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
         )
 
 
-def _warm_worker(prime: TrainJob | None = None) -> None:
+#: in a pool worker: the queue its trainings' frame bars go to (:class:`core.progress.RemoteProgress`)
+_progress_queue: Any = None
+
+
+def _warm_worker(prime: TrainJob | None = None, progress_queue: Any = None) -> None:
     """Import the training stack once when a worker starts, not inside the first job, and
-    build ``prime``'s run runtime (a failure to build shows in that run's jobs instead)."""
+    build ``prime``'s run runtime (a failure to build shows in that run's jobs instead).
+    ``progress_queue``: where the worker's trainings send their progress."""
+    global _progress_queue
+    if progress_queue is not None:
+        progress_queue.cancel_join_thread()  # a worker never waits at exit for the driver to read
+        _progress_queue = progress_queue
     # one thread per job: the pool already fills the cores (workers start with these at 1)
     os.environ.update(dict.fromkeys(THREAD_VARS, "1"))
     import torch
@@ -173,6 +183,18 @@ def _warm_worker(prime: TrainJob | None = None) -> None:
     if prime is not None and prime.run_key:
         with contextlib.suppress(Exception):
             worker_runtime(prime)
+
+
+def _pool_job(job: TrainJob, show_progress: bool = False) -> TrainResult:
+    """A job in a pool worker; with ``show_progress`` its frame bar goes to the driver."""
+    from core.progress import RemoteProgress
+
+    remote = RemoteProgress(_progress_queue) if show_progress and _progress_queue is not None else None
+    try:
+        return run_job(job, progress=remote)
+    finally:
+        if remote is not None:
+            remote.close()
 
 
 def _make_llm(llm_cfg: dict[str, Any], on_call: Callable[[Any], None] | None = None) -> Any:
@@ -386,6 +408,7 @@ class PoolExecutor(Executor):
         self.size = 0  # processes in the running pool
         self.last_plan = 0  # jobs in flight chosen for the last batch (1: in this process)
         self._pool: futures.ProcessPoolExecutor | None = None
+        self._queue: Any = None  # the workers' progress messages (core.progress.RemoteProgress)
 
     def plan(self, jobs: int) -> int:
         """Jobs to train at once for a batch of ``jobs``."""
@@ -398,8 +421,11 @@ class PoolExecutor(Executor):
         if size <= 1 or (self._pool is not None and self.size >= size):
             return
         self.close()
+        context = mp.get_context("spawn")
+        self._queue = context.Queue()
         with one_thread_env():
-            self._pool = futures.ProcessPoolExecutor(size, mp_context=mp.get_context("spawn"), initializer=_warm_worker, initargs=(prime,))
+            self._pool = futures.ProcessPoolExecutor(size, mp_context=context, initializer=_warm_worker,
+                                                     initargs=(prime, self._queue))
             futures.wait([self._pool.submit(time.sleep, 0) for _ in range(size)])  # every worker started
         self.size = size
 
@@ -414,10 +440,23 @@ class PoolExecutor(Executor):
         results: list[TrainResult | None] = [None] * len(jobs)
         queue = list(enumerate(jobs))
         pending: dict[futures.Future[TrainResult], int] = {}
+        show = self.progress is not None
+        relay = ProgressRelay(self.progress)
+        if show:
+            relay.pump(self._queue)  # the workers' frame bars, drawn here
+        try:
+            self._train_all(jobs, queue, pending, results, at_once, show, on_done)
+        finally:
+            relay.stop()
+        return [r for r in results if r is not None]
+
+    def _train_all(self, jobs: list[TrainJob], queue: list[tuple[int, TrainJob]], pending: dict[Any, int],
+                   results: list[TrainResult | None], at_once: int, show: bool, on_done: Done | None) -> None:
+        assert self._pool is not None
         while queue or pending:
             while queue and len(pending) < at_once:
                 i, job = queue.pop(0)
-                pending[self._pool.submit(run_job, job)] = i
+                pending[self._pool.submit(_pool_job, job, show)] = i
             finished, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
             for fut in finished:
                 i = pending.pop(fut)
@@ -427,13 +466,15 @@ class PoolExecutor(Executor):
                     results[i] = TrainResult(jobs[i].candidate.id, ok=False, error=f"worker failed: {exc!r}", error_kind="crash")
                 if on_done:
                     on_done(i, results[i])  # type: ignore[arg-type]
-        return [r for r in results if r is not None]
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
             self.size = 0
+        if self._queue is not None:
+            self._queue.close()
+            self._queue = None
 
 
 def make_executor(cfg: Any, runtime: Runtime | None, jobs_hint: int, progress: Any = None, read: Reader = read_cpu) -> Executor:

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from core.context import RunContext
 from core.executor import Executor, Runtime, TrainJob, build_runtime, make_executor
 from core.preflight import preflight
-from core.progress import make_progress
+from core.progress import LLMCallView, make_progress
 from core.records import Candidate, IterationResult, Plan, StartPolicy, TrainResult
 from core.registry import call_each
 from core.store import ResultStore, job_key, results_path
@@ -107,6 +107,8 @@ class Loop:
         self.store = ResultStore(self.store_path) if self.settings.run.resume else None
         self.reused = 0
         self._executor: Executor | None = None
+        self._llm_view = LLMCallView()  # a live line per LLM call, on the run's progress
+        self._outer: Any = None  # the iteration bar while iterating
         self.run = RunContext(
             settings=self.settings,
             task=self.runtime.task,
@@ -120,7 +122,8 @@ class Loop:
     def _make_llm(self) -> Any:
         from core.llm import make_client
 
-        return make_client(self.config.llm, on_call=self._log_llm_call)
+        return make_client(self.config.llm, on_call=self._log_llm_call,
+                           on_progress=self._llm_view if self.settings.run.progress else None)
 
     def _log_llm_call(self, record: Any) -> None:
         if self.tracker is None:
@@ -180,6 +183,8 @@ class Loop:
         todo = [i for i, r in enumerate(results) if r is None]
         self.reused += len(jobs) - len(todo) - sum(bool(c.rejected) for c in candidates)
         bar = progress.add_task("candidates", total=len(jobs), completed=len(jobs) - len(todo)) if progress else None
+        if progress is not None and self._outer is not None:  # the iteration bar moves by the candidates done
+            progress.advance(self._outer, (len(jobs) - len(todo)) / max(1, len(jobs)))
 
         ended: dict[int, float] = {}  # when each training came back (its MLflow run's end)
 
@@ -190,6 +195,8 @@ class Loop:
                 self.store.put(keys[i], result)
             if progress is not None:
                 progress.advance(bar)
+                if self._outer is not None:
+                    progress.advance(self._outer, 1 / len(jobs))
 
         joint = self.run.hook.train_candidates(run=self.run, candidates=[candidates[i] for i in todo], seed=seed) if todo else None
         # a population method gives None in place of each candidate it leaves to the executor
@@ -247,12 +254,15 @@ class Loop:
         run, hook = self.run, self.run.hook
         hook.on_run_start(run=run)
         with make_progress(enabled=self.settings.run.progress) as progress:
-            outer = progress.add_task("iterations", total=run.iterations) if progress else None
+            self._llm_view.attach(progress)
+            self._outer = outer = progress.add_task("iterations", total=run.iterations) if progress else None
             for iteration in range(run.iterations):
                 self.iterate(iteration, progress)
                 if progress is not None:
-                    progress.advance(outer)
+                    progress.update(outer, completed=iteration + 1)
+            self._outer = None
             final = self.final_seeds(progress)
+            self._llm_view.attach(None)
         if self._executor is not None:
             self._executor.close()
         best = run.best

@@ -35,18 +35,38 @@ from core.executor import (
     worker_runtime,
     workers_setting,
 )
+from core.progress import ProgressRelay
 from core.records import TrainResult
 
 #: environment of every Ray worker: one BLAS/OpenMP thread per job (small MLPs, shared cores)
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 
 
-def _train(job: TrainJob) -> TrainResult:
-    """The body of a Ray task: one job, single-threaded torch."""
+def _train(job: TrainJob, progress_queue: Any = None) -> TrainResult:
+    """The body of a Ray task: one job, single-threaded torch; with a ``progress_queue``
+    (a ``ray.util.queue.Queue``) its frame bar goes to the driver."""
     import torch
 
+    from core.progress import RemoteProgress
+
     torch.set_num_threads(1)
-    return run_job(job)
+    remote = RemoteProgress(progress_queue) if progress_queue is not None else None
+    try:
+        return run_job(job, progress=remote)
+    finally:
+        if remote is not None:
+            remote.close()
+
+
+def _drain(queue: Any, relay: ProgressRelay) -> None:
+    """Apply what the Ray tasks put on ``queue`` so far."""
+    try:
+        waiting = queue.qsize()
+        messages = queue.get_nowait_batch(waiting) if waiting else []
+    except Exception:  # the queue actor is gone: no more progress, the jobs go on
+        return
+    for message in messages:
+        relay.apply(message)
 
 
 def _warm(prime: TrainJob | None = None) -> int:
@@ -114,6 +134,7 @@ class RayExecutor(Executor):
         self.ray: Any = None
         self._remote: Any = None
         self._pending: list[Any] = []
+        self._queue: Any = None  # a ray.util.queue.Queue for the tasks' frame bars, made when shown
 
     def start(self, prime: TrainJob | None = None) -> None:
         """Connect to (or start) Ray and warm its workers (once per process), building
@@ -149,17 +170,39 @@ class RayExecutor(Executor):
         if self.local and at_once <= 1:
             return InProcessExecutor(self.runtime, self.progress).run(jobs, on_done)
         self.start(prime=jobs[0])
-        ray = self.ray
         limit = at_once or len(jobs)
         queue = list(enumerate(jobs))
         index: dict[Any, int] = {}
         results: list[TrainResult | None] = [None] * len(jobs)
+        relay = ProgressRelay(self.progress)
+        if self.progress is not None and self._queue is None:
+            from ray.util.queue import Queue
+
+            self._queue = Queue(actor_options={"num_cpus": 0})
+        progress_queue = self._queue if self.progress is not None else None
+        try:
+            self._run_all(jobs, queue, index, results, limit, progress_queue, relay, on_done)
+        finally:
+            if progress_queue is not None:
+                _drain(progress_queue, relay)
+            relay.stop()
+        self._pending = []
+        return [r for r in results if r is not None]
+
+    def _run_all(self, jobs: list[TrainJob], queue: list[tuple[int, TrainJob]], index: dict[Any, int],
+                 results: list[TrainResult | None], limit: int, progress_queue: Any, relay: ProgressRelay,
+                 on_done: Done | None) -> None:
+        ray = self.ray
         while queue or index:
             while queue and len(index) < limit:
                 i, job = queue.pop(0)
-                index[self._remote.remote(job)] = i
+                index[self._remote.remote(job, progress_queue)] = i
             self._pending = list(index)
-            ready, _ = ray.wait(self._pending, num_returns=1)
+            ready: list[Any] = []
+            while not ready:  # draw the tasks' frame bars while waiting
+                ready, _ = ray.wait(self._pending, num_returns=1, timeout=0.5 if progress_queue is not None else None)
+                if progress_queue is not None:
+                    _drain(progress_queue, relay)
             for ref in ready:
                 i = index.pop(ref)
                 try:
@@ -168,11 +211,13 @@ class RayExecutor(Executor):
                     results[i] = TrainResult(jobs[i].candidate.id, ok=False, error=f"Ray task failed: {exc!r}", error_kind="crash")
                 if on_done:
                     on_done(i, results[i])  # type: ignore[arg-type]
-        self._pending = []
-        return [r for r in results if r is not None]
 
     def close(self) -> None:
         """Cancel what is still running; Ray itself stays up for the next iteration."""
         for ref in self._pending:
             self.ray.cancel(ref, force=True)
         self._pending = []
+        if self._queue is not None:
+            with contextlib.suppress(Exception):
+                self._queue.shutdown()
+            self._queue = None

@@ -565,7 +565,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("interrupted: the finished cells are kept; the same command continues the study")
         return 130
+    from core.progress import next_steps
+
     console.print(f"report: {written[0]}", highlight=False)
+    console.print(next_steps(uri, spec.name)[1], highlight=False)
     return 1 if invocation.crashed else 0
 
 

@@ -77,6 +77,27 @@ class CallRecord:
 
 
 @dataclass
+class CallProgress:
+    """How far one :meth:`LLMClient.chat` call is, for a live line (``on_progress``).
+
+    ``tokens`` counts the completion tokens received so far over all the call's samples
+    as the backend streams them (the embedded model, and litellm backends that stream);
+    a backend that does not stream adds a request's tokens when it ends.
+    """
+
+    tag: str
+    samples: int  # samples requested from the backend (cache hits excluded)
+    max_tokens: int  # the cap per sample
+    tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    done: bool = False
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+@dataclass
 class LLMStats:
     """Running totals of one client. Tokens, cost and latency count backend work only."""
 
@@ -217,11 +238,21 @@ class LLMClient:
     :param cfg: the Hydra ``llm`` node (or any mapping with the same keys).
     :param on_call: called with a :class:`CallRecord` after every successful
         :meth:`chat` (the tracker logs it as an MLflow artifact).
+    :param on_progress: called with a :class:`CallProgress` when a call that needs the
+        backend starts, as its tokens arrive (a few times a second at most) and when it
+        ends (``done``); e.g. :class:`core.progress.LLMCallView`. With it, the backends
+        stream their replies (what is sampled, cached and returned is the same).
     """
 
-    def __init__(self, cfg: Mapping[str, Any] | None, on_call: Callable[[CallRecord], None] | None = None) -> None:
+    #: seconds between two ``on_progress`` reports of one call while tokens arrive
+    PROGRESS_EVERY_S = 0.25
+
+    def __init__(self, cfg: Mapping[str, Any] | None, on_call: Callable[[CallRecord], None] | None = None,
+                 on_progress: Callable[[CallProgress], None] | None = None) -> None:
         self.settings = LLMSettings.from_cfg(cfg)
         self.on_call = on_call
+        self.on_progress = on_progress
+        self._stream_ok = True  # set False when a litellm backend fails to stream (then it is asked whole)
         self.stats = LLMStats()
         self.records: list[CallRecord] = []
         self.cache: ResponseCache | None = None
@@ -293,7 +324,14 @@ class LLMClient:
                     replies[i] = Reply(**{**hit, "latency_s": 0.0, "cost": 0.0, "cached": True})
         missing = [i for i, r in enumerate(replies) if r is None]
         if missing:
-            self._sample(messages, params, seed, missing, keys, replies)
+            watch = CallProgress(tag, len(missing), params["max_tokens"]) if self.on_progress is not None else None
+            self._report(watch)
+            try:
+                self._sample(messages, params, seed, missing, keys, replies, watch)
+            finally:
+                if watch is not None:
+                    watch.done = True
+                    self._report(watch)
         done = [r for r in replies if r is not None]
         record = CallRecord(
             tag=tag,
@@ -338,8 +376,34 @@ class LLMClient:
 
     # -- backend -------------------------------------------------------------------
 
+    def _report(self, watch: CallProgress | None) -> None:
+        if watch is None or self.on_progress is None:
+            return
+        try:
+            self.on_progress(watch)
+        except Exception:  # a display hiccup must not lose a reply
+            log.debug("on_progress callback failed", exc_info=True)
+
+    def _counter(self, watch: CallProgress | None) -> Callable[[int], None] | None:
+        """A function that adds streamed tokens to ``watch`` and reports it now and then."""
+        if watch is None:
+            return None
+        last = [0.0]
+
+        def add(k: int) -> None:
+            with self._lock:
+                watch.tokens += k
+                now = time.perf_counter()
+                due = now - last[0] >= self.PROGRESS_EVERY_S
+                if due:
+                    last[0] = now
+            if due:
+                self._report(watch)
+
+        return add
+
     def _sample(self, messages: list[dict[str, str]], params: dict[str, Any], seed: int, missing: list[int],
-                keys: list[str], replies: list[Reply | None]) -> None:
+                keys: list[str], replies: list[Reply | None], watch: CallProgress | None = None) -> None:
         """Fill ``replies[i]`` for every ``i`` in ``missing``: requests of up to
         :meth:`samples_per_request` samples, run concurrently, each cached as it lands.
 
@@ -347,7 +411,7 @@ class LLMClient:
         kept; then the first failure is raised.
         """
         def run(chunk: list[int]) -> None:
-            for i, reply in zip(chunk, self._request_samples(messages, params, seed, chunk)):
+            for i, reply in zip(chunk, self._request_samples(messages, params, seed, chunk, watch)):
                 replies[i] = reply
                 if self.cache is not None:
                     stored = {k: v for k, v in reply.__dict__.items() if k not in ("cached",)}
@@ -408,16 +472,24 @@ class LLMClient:
         return self._n_support
 
     def _request_samples(self, messages: list[dict[str, str]], params: dict[str, Any], seed: int,
-                         chunk: list[int]) -> list[Reply]:
+                         chunk: list[int], watch: CallProgress | None = None) -> list[Reply]:
         """``len(chunk)`` samples starting at sample ``chunk[0]``; a backend that returns
         fewer choices than asked (it ignored ``n``) is asked again for the rest."""
         got: list[Reply] = []
         while len(got) < len(chunk):
-            got += self._request(messages, params, len(chunk) - len(got), sample_seed(seed, chunk[len(got)]))
+            got += self._request(messages, params, len(chunk) - len(got), sample_seed(seed, chunk[len(got)]), watch)
         return got
 
-    def _request(self, messages: list[dict[str, str]], params: dict[str, Any], n: int, seed: int) -> list[Reply]:
-        """One backend request for ``n`` samples, with retries and backoff."""
+    def _request(self, messages: list[dict[str, str]], params: dict[str, Any], n: int, seed: int,
+                 watch: CallProgress | None = None) -> list[Reply]:
+        """One backend request for ``n`` samples, with retries and backoff.
+
+        With a ``watch`` the reply is streamed and its tokens counted as they come: the
+        embedded model through :data:`core.llm.embedded.token_sink`, a litellm backend
+        with ``stream=True`` (its chunks joined by ``litellm.stream_chunk_builder``; a
+        backend that fails to stream is asked again without, and no longer streamed).
+        Calls that ask for ``top_logprobs`` are not streamed.
+        """
         s = self.settings
         kwargs: dict[str, Any] = {
             "model": s.model,
@@ -465,10 +537,22 @@ class LLMClient:
 
         litellm = self._litellm
         transient = _transient_errors(litellm)
-        for attempt in range(s.retries + 1):
+        add = self._counter(watch)
+        streamed = [0]  # tokens this request reported while streaming
+
+        def counted(k: int) -> None:
+            streamed[0] += k
+            add(k)  # type: ignore[misc]
+
+        attempt = 0
+        while True:
             start = time.perf_counter()
+            stream = add is not None and not params.get("top_logprobs") and (s.is_embedded or self._stream_ok)
+            if streamed[0]:  # an attempt that failed midway: its tokens do not count
+                add(-streamed[0])  # type: ignore[misc]
+                streamed[0] = 0
             try:
-                response = litellm.completion(**kwargs)
+                response = self._completion(kwargs, messages, counted if stream else None)
             except transient as exc:
                 if attempt == s.retries:
                     raise LLMError(self._explain_transient(exc, attempt + 1)) from exc
@@ -476,6 +560,7 @@ class LLMClient:
                 log.warning("LLM request failed (%s); retry %d/%d in %.1f s",
                             type(exc).__name__, attempt + 1, s.retries, delay)
                 self._sleep(delay)
+                attempt += 1
                 continue
             except LLMError:
                 raise
@@ -486,14 +571,49 @@ class LLMClient:
                     f"Check {env}, or use the offline default `llm=embedded`."
                 ) from exc
             except Exception as exc:  # bad request, unknown model, context too long...
+                if stream and not s.is_embedded:  # perhaps only the streaming: ask again, whole
+                    log.info("LLM backend '%s' did not stream (%s); asking for whole replies", s.model, _short(exc))
+                    self._stream_ok = False
+                    continue
                 raise LLMError(
                     f"The LLM call to '{s.model}' failed: {type(exc).__name__}: {_short(exc)}. "
                     "Check llm.model (any litellm model string) and the request size "
                     "(llm.max_tokens, llm.n_ctx)."
                 ) from exc
             latency = time.perf_counter() - start
-            return self._replies(response, n, latency)
-        raise AssertionError("unreachable")  # pragma: no cover
+            replies = self._replies(response, n, latency)
+            if add is not None:  # the request's own count replaces what was streamed
+                add(sum(r.completion_tokens for r in replies) - streamed[0])
+            return replies
+
+    def _completion(self, kwargs: dict[str, Any], messages: list[dict[str, str]],
+                    on_tokens: Callable[[int], None] | None) -> Any:
+        """``litellm.completion(**kwargs)``; with ``on_tokens``, streamed and counted."""
+        litellm = self._litellm
+        if on_tokens is None:
+            return litellm.completion(**kwargs)
+        if self.settings.is_embedded:  # the provider runs in this thread and reads the sink
+            from core.llm import embedded
+
+            token = embedded.token_sink.set(on_tokens)
+            try:
+                return litellm.completion(**kwargs)
+            finally:
+                embedded.token_sink.reset(token)
+        response = litellm.completion(**kwargs, stream=True, stream_options={"include_usage": True})
+        if hasattr(response, "choices") and not hasattr(response, "__next__"):
+            return response  # answered whole after all
+        chunks = []
+        for chunk in response:
+            chunks.append(chunk)
+            pieces = sum(1 for c in (getattr(chunk, "choices", None) or [])
+                         if getattr(getattr(c, "delta", None), "content", None))
+            if pieces:
+                on_tokens(pieces)
+        built = litellm.stream_chunk_builder(chunks, messages=messages)
+        if built is None or not getattr(built, "choices", None):
+            raise ValueError("the streamed response held no reply")
+        return built
 
     def _replies(self, response: Any, n: int, latency: float) -> list[Reply]:
         usage = getattr(response, "usage", None)
@@ -547,9 +667,10 @@ class LLMClient:
         )
 
 
-def make_client(cfg: Mapping[str, Any] | None, on_call: Callable[[CallRecord], None] | None = None) -> LLMClient:
-    """The client for the Hydra ``llm`` node ``cfg``."""
-    return LLMClient(cfg, on_call=on_call)
+def make_client(cfg: Mapping[str, Any] | None, on_call: Callable[[CallRecord], None] | None = None,
+                on_progress: Callable[[CallProgress], None] | None = None) -> LLMClient:
+    """The client for the Hydra ``llm`` node ``cfg`` (see :class:`LLMClient` for the callbacks)."""
+    return LLMClient(cfg, on_call=on_call, on_progress=on_progress)
 
 
 # -------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ prompt cache; the thread count follows the cores free when the model loads.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import importlib
 import logging
@@ -535,6 +536,11 @@ def unload() -> None:
         _loaded.clear()
 
 
+#: Where :func:`generate` reports the completion tokens of a streamed reply as they come
+#: (a function of the count), set around one request by the client that shows progress;
+#: unset, the reply is asked for whole. A context variable: each request thread has its own.
+token_sink: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar("token_sink", default=None)
+
 #: Fields of a llama.cpp request that ``llm.extra`` may pass through to the embedded model.
 PASSTHROUGH = ("ignore_eos", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
 
@@ -564,6 +570,9 @@ def generate(
     its ``top_logprobs`` alternatives (the OpenAI shape). ``cache_prompt=False`` computes
     this prompt from scratch even when the server reuses prefixes. ``extra``: the fields named in
     :data:`PASSTHROUGH` (e.g. ``ignore_eos=True`` for replies of exactly ``max_tokens``).
+    With a :data:`token_sink` set (and no ``top_logprobs``) the replies are streamed and
+    their tokens reported as they come; the result is the same dict (same sampling: the
+    seed and slots decide the tokens, not how they are delivered).
     """
     global _inflight
     server, plan = get_server(name), _plan
@@ -584,10 +593,11 @@ def generate(
     if top_logprobs > 0:
         request["logprobs"], request["top_logprobs"] = True, int(top_logprobs)
     request.update({k: v for k, v in extra.items() if k in PASSTHROUGH and v is not None})
+    sink = token_sink.get() if top_logprobs <= 0 else None
     with _lock:  # counted as running, so that retune() leaves the server alone
         _inflight += 1
     try:
-        result = server.handle_chat_completions(request)
+        result = _streamed(server, request, int(n), sink) if sink is not None else server.handle_chat_completions(request)
     finally:
         with _lock:
             _inflight -= 1
@@ -596,6 +606,46 @@ def generate(
         raise LLMError(f"The embedded model returned an error: {error}")
     _count_choice_tokens(server, result, int(max_tokens))
     return result
+
+
+def _streamed(server: Any, request: dict[str, Any], n: int, sink: Callable[[int], None]) -> dict[str, Any]:
+    """:func:`generate`'s request streamed: each chunk's content pieces reported to ``sink``
+    (one a token) and joined into the non-streamed shape (``choices``, ``usage``)."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    usage: dict[str, Any] = {}
+    errors: list[Any] = []
+
+    def on_chunk(chunk: Any) -> bool:
+        if not isinstance(chunk, dict):
+            return False
+        if "error" in chunk or ("message" in chunk and "choices" not in chunk):
+            errors.append(chunk.get("error", chunk))
+            return False
+        pieces = 0
+        for choice in chunk.get("choices") or []:
+            i = int(choice.get("index", 0))
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                texts[i] = texts.get(i, "") + content
+                pieces += 1
+            if choice.get("finish_reason"):
+                finish[i] = choice["finish_reason"]
+        if chunk.get("usage"):
+            usage.update(chunk["usage"])
+        if pieces:
+            try:
+                sink(pieces)
+            except Exception:  # progress must never cut a reply short
+                pass
+        return False  # go on
+
+    server.handle_chat_completions({**request, "stream": True, "stream_options": {"include_usage": True}}, on_chunk)
+    if errors and not texts and not finish:
+        return {"error": errors[0]}
+    choices = [{"index": i, "message": {"role": "assistant", "content": texts.get(i, "")},
+                "finish_reason": finish.get(i, "stop")} for i in range(max(n, len(texts), len(finish)))]
+    return {"choices": choices, "usage": usage}
 
 
 def _count_choice_tokens(server: Any, result: dict[str, Any], max_tokens: int) -> None:

@@ -1,0 +1,164 @@
+"""Progress: ETAs from work done, a live line per LLM call, frame bars from worker processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+
+import pytest
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.progress import Progress
+
+from core.executor import PoolExecutor, TrainJob, _pool_job
+from core.llm.client import CallProgress
+from core.progress import (
+    EtaColumn,
+    LLMCallView,
+    ProgressRelay,
+    RemoteProgress,
+    eta_seconds,
+    make_progress,
+    next_steps,
+)
+from core.records import Candidate
+
+
+class Recorder:
+    """A ``Progress`` look-alike that keeps every call (for the driver's side of a relay)."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[int, dict] = {}
+        self.removed: list[dict] = []
+        self.ids = iter(range(1000))
+
+    def add_task(self, description, total=None, **fields):
+        task = next(self.ids)
+        self.tasks[task] = {"description": description, "total": total, "completed": 0, "updates": 0, **fields}
+        return task
+
+    def update(self, task, **fields):
+        self.tasks[task].update(fields)
+        self.tasks[task]["updates"] += 1
+
+    def advance(self, task, advance=1):
+        self.tasks[task]["completed"] += advance
+
+    def remove_task(self, task):
+        self.removed.append(self.tasks.pop(task))
+
+
+def _quiet() -> Progress:
+    return Progress(EtaColumn(), console=Console(file=open("/dev/null", "w")), auto_refresh=False)
+
+
+def test_the_eta_comes_from_the_work_done_before_a_bar_ends():
+    assert eta_seconds(None, 0, 2) is None and eta_seconds(80.0, 0, 2) is None  # nothing done yet
+    assert eta_seconds(80.0, 0.5, 2) == pytest.approx(240.0)  # half an iteration in 80 s, 1.5 to go
+    assert eta_seconds(80.0, 2, 2) == 0.0
+    progress = _quiet()
+    task = progress.add_task("iterations", total=2)
+    progress.start_task(task)
+    column = EtaColumn()
+    assert column.render(progress.tasks[0]).plain == "-:--:--"
+    progress.advance(task, 0.5)  # one of two candidates of the first iteration: a rich column would still wait
+    time.sleep(0.05)
+    assert column.render(progress.tasks[0]).plain != "-:--:--"
+
+
+def test_make_progress_uses_the_eta_column():
+    with make_progress(enabled=True) as progress:
+        assert any(isinstance(c, EtaColumn) for c in progress.columns)
+    with make_progress(enabled=False) as none:
+        assert none is None
+
+
+def test_an_llm_call_is_a_live_line_that_goes_when_it_ends():
+    view = LLMCallView()
+    call = CallProgress("eureka/propose", samples=4, max_tokens=1024)
+    view(call)  # nothing attached: nothing shown, nothing raised
+    progress = _quiet()
+    view.attach(progress)
+    view(call)
+    (task,) = progress.tasks
+    assert task.description == "LLM eureka/propose x4" and task.total == 4 * 1024
+    call.tokens, call.started = 412, time.perf_counter() - 2.0
+    view(call)
+    assert task.completed == 412 and task.fields["info"].startswith("412 tok, 20") and "tok/s" in task.fields["info"]
+    call.done = True
+    view(call)
+    assert progress.tasks == []
+
+
+def test_remote_bars_are_drawn_by_the_relay_and_removed_at_the_end():
+    q: queue.Queue = queue.Queue()
+    remote = RemoteProgress(q, every_s=10.0)
+    bar = remote.add_task("train it0-c0", total=100)
+    remote.update(bar, completed=10, description="train it0-c0 500 fps")  # within every_s: not sent
+    remote.update(bar, completed=100, description="train it0-c0 done")  # the last one always is
+    driver = Recorder()
+    relay = ProgressRelay(driver)
+    relay.drain(q.get_nowait)
+    (shown,) = driver.tasks.values()
+    assert shown["completed"] == 100 and shown["description"] == "train it0-c0 done" and shown["updates"] == 1
+    remote.close()
+    relay.drain(q.get_nowait)
+    assert driver.tasks == {} and driver.removed[0]["total"] == 100
+    # a worker that died leaves its bar: the relay removes it when it stops
+    remote.add_task("train it0-c1", total=5)
+    relay.drain(q.get_nowait)
+    relay.stop()
+    assert driver.tasks == {}
+
+
+def test_a_pool_workers_training_draws_its_frames_in_the_driver(make_config, monkeypatch):
+    """The frame bar of a training in another process reaches the driver through the queue."""
+    cfg = make_config(["trainer.frames=1024", "trainer.eval_episodes=1", "trainer.eval_every=0", "save_policy=false"])
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("hydra", None)
+    job = TrainJob(container, Candidate(id="c0", iteration=0), 0)
+    q = mp.get_context("spawn").Queue()
+    monkeypatch.setattr("core.executor._progress_queue", q)  # as _warm_worker sets it in a worker
+    assert _pool_job(job, show_progress=True).ok
+    driver = Recorder()
+    relay = ProgressRelay(driver)
+    relay.pump(q)
+    deadline = time.monotonic() + 10
+    while not driver.removed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    relay.stop()
+    (bar,) = driver.removed  # added, updated to its last frame, removed when the job ended
+    assert bar["description"].startswith("train c0") and bar["completed"] == bar["total"] >= 1024
+
+
+@pytest.mark.slow
+def test_the_pool_relays_its_workers_bars(make_config):
+    cfg = make_config(["trainer.frames=2048", "trainer.eval_episodes=1", "trainer.eval_every=0", "save_policy=false"])
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("hydra", None)
+    jobs = [TrainJob(container, Candidate(id=f"c{s}", iteration=0), s) for s in (0, 1)]
+    driver = Recorder()
+    shown: list[str] = []
+    original = driver.add_task
+
+    def add_task(description, total=None, **fields):
+        shown.append(description)
+        return original(description, total, **fields)
+
+    driver.add_task = add_task  # type: ignore[method-assign]
+    pool = PoolExecutor(2, progress=driver, read=lambda: None)
+    try:
+        results = pool.run(jobs)
+    finally:
+        pool.close()
+    assert all(r.ok for r in results)
+    assert sorted(shown) == ["train c0", "train c1"]  # both workers' bars were drawn here
+    assert driver.tasks == {}  # and removed when their jobs ended
+
+
+def test_after_a_run_the_report_and_the_ui_are_named():
+    lines = next_steps("sqlite:///mlflow.db", "abl")
+    assert lines[0] == "report:    python -m core.report --experiment abl --uri sqlite:///mlflow.db"
+    assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in lines[1] and "http://127.0.0.1:5000" in lines[1]
+    assert next_steps("http://tracking:5000", "abl")[1] == "MLflow UI: http://tracking:5000"
