@@ -13,6 +13,14 @@ Method (Liu et al., "RL-GPT: Integrating Reinforcement Learning and Code-as-poli
    so that a later skill starts where the earlier one left off); failures (exceptions,
    bad actions, never reaching ``done``) go back to the LLM, which revises the code.
    After training, the macros' call counts and the task fitness feed the next round.
+4. Parameters of the coded actions: each macro's step budget is tuned from the critic's
+   rollouts (twice the longest run that finished, at most ``max_steps``).
+5. RL sub-actions as RL-trained skills: the plan (a :class:`core.records.Plan`) names for
+   each ``rl`` sub-action the task goal that shows it finished (a Crafter achievement);
+   in training the policy is paid ``rl_reward`` when it completes the active ``rl``
+   sub-action and sees which one is active (``compute_reward`` / ``represent_state``
+   through :class:`core.plan.PlanFollower`). A goal the task cannot check goes back to
+   the slow agent for a revision.
 
 Config: ``conf/plugins/rl_gpt.yaml`` (schema: :class:`Config`).
 """
@@ -28,7 +36,8 @@ import numpy as np
 
 from core import PluginConfig, hookimpl
 from core.codegen import extract_code, extract_function
-from core.records import Candidate, IterationResult, MacroAction, Program, TrainResult
+from core.plan import PlanFollower, goal_names, match_goal
+from core.records import Candidate, IterationResult, MacroAction, Plan, PlanStep, Program, TrainResult
 
 NAME = "rl_gpt"
 ACT, DONE = "act", "done"
@@ -46,6 +55,9 @@ class Config(PluginConfig):
     temperature: float = 0.3  # sampling temperature of both agents
     max_tokens: int = 500  # cap on each reply
     hint: str = ""  # optional decomposition hint for the slow agent, e.g. "collect wood, place a table, make a wood pickaxe"
+    repair_rounds: int = 1  # times a plan whose rl sub-actions name goals the task cannot check goes back to the slow agent
+    rl_reward: float = 1.0  # reward for completing the active rl sub-action (its goal), added to the env's reward
+    tune_steps: bool = True  # tune each macro's step budget from the critic's rollouts (twice the longest finished run)
     final_seeds: int = 0  # retrain the best candidate on this many more seeds after the loop
 
     def check(self) -> None:
@@ -55,6 +67,8 @@ class Config(PluginConfig):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.critic_rounds < 0:
             raise ValueError(f"critic_rounds must be >= 0, got {self.critic_rounds}")
+        if self.repair_rounds < 0:
+            raise ValueError(f"repair_rounds must be >= 0, got {self.repair_rounds}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
@@ -70,7 +84,16 @@ SLOW_TASK = """Task: {goal}
 Actions: {actions}
 
 Reply with a JSON list of at most {max_subactions} items in order, each
-{{"name": "<snake_case>", "how": "code" or "rl", "what": "<one sentence>"}}."""
+{{"name": "<snake_case>", "how": "code" or "rl", "what": "<one sentence>"{done}}}.{goals}"""
+
+#: the "done" field of an item, on tasks with goals the game can check
+DONE_FIELD = ', "done": "<the goal that shows it finished>"'
+GOALS = """
+For an "rl" sub-action, "done" must be one of the goals the game checks: {goals}."""
+
+REPAIR = """The plan has errors:
+{errors}
+Reply with the corrected JSON list."""
 
 FAST_SYSTEM = """You write small Python skills (code-as-policy) for a game agent. Reply with one
 ```python code block."""
@@ -121,6 +144,7 @@ class SubAction:
     name: str
     how: str  # "code" or "rl"
     what: str
+    done: str = ""  # the goal that shows it finished, as the slow agent named it
 
 
 def parse_plan(reply: str, max_items: int) -> list[SubAction]:
@@ -138,7 +162,8 @@ def parse_plan(reply: str, max_items: int) -> list[SubAction]:
     for item in items if isinstance(items, list) else []:
         if isinstance(item, dict) and item.get("name"):
             how = "code" if str(item.get("how", "")).strip().lower().startswith("code") else "rl"
-            out.append(SubAction(_snake(str(item["name"])), how, str(item.get("what", item["name"]))[:200]))
+            out.append(SubAction(_snake(str(item["name"])), how, str(item.get("what", item["name"]))[:200],
+                                 str(item.get("done") or "")[:60]))
     if not out:
         for line in text.splitlines():
             m = re.match(r"\s*[-*\d.]*\s*([A-Za-z_ ]+?)\s*[:|-]\s*(code|rl)\b\s*[:|-]?\s*(.*)", line, re.IGNORECASE)
@@ -155,6 +180,29 @@ def _snake(text: str) -> str:
 
 def plan_text(subs: list[SubAction]) -> str:
     return "\n".join(f"{i + 1}. {s.name} [{s.how}]: {s.what}" for i, s in enumerate(subs))
+
+
+def to_plan(subs: list[SubAction], goals: list[str]) -> tuple[Plan, list[str]]:
+    """The plan training consumes, and its errors for the slow agent.
+
+    Code sub-actions become ``"skill"`` steps, rl ones ``"rl"`` steps; a step's ``done`` is
+    the task goal its ``done`` (or its name) names. On a task with goals, an rl
+    sub-action whose goal the task cannot check is an error (RL would have nothing to
+    learn it from).
+    """
+    steps, errors = [], []
+    for sub in subs:
+        done = match_goal(sub.done, goals) or match_goal(sub.name, goals) or ""
+        if sub.how == "rl" and goals and not done:
+            errors.append(f"rl sub-action {sub.name}: the game cannot check the goal {sub.done or sub.name!r}; "
+                          f"set \"done\" to one of: {', '.join(goals)}")
+        steps.append(PlanStep(sub.name, "rl" if sub.how == "rl" else "skill", sub.what, done))
+    return Plan(steps, text=plan_text(subs), origin=NAME), errors
+
+
+def tuned_steps(rollout: Rollout, max_steps: int) -> int:
+    """A macro's step budget from its critic rollouts: twice the longest finished run, at most ``max_steps``."""
+    return min(max_steps, max(2, 2 * max(rollout.steps))) if rollout.steps else max_steps
 
 
 def extract_macro(reply: str, name: str, max_steps: int) -> tuple[MacroAction | None, str]:
@@ -180,6 +228,7 @@ class Rollout:
     runs: int = 0
     finished: int = 0
     failures: list[str] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # primitive steps each finished run took
 
     @property
     def ok(self) -> bool:
@@ -213,8 +262,9 @@ def rollout_macros(macros: list[MacroAction], task: Any, *, runs: int, seed: int
                     continue
                 st.runs += 1
                 obs, outcome = _run_one(env, mset, obs[0], n, macro.max_steps)
-                if outcome == "done":
+                if outcome.startswith("done"):
                     st.finished += 1
+                    st.steps.append(int(outcome.split()[-1]))
                 elif outcome not in st.failures:
                     st.failures.append(outcome)
     finally:
@@ -236,7 +286,7 @@ def _run_one(env: Any, mset: Any, obs: np.ndarray, n: int, max_steps: int) -> tu
             return batch, f"the episode ended after {step + 1} steps (the agent died or time ran out)"
         try:
             if mset.finished(0, batch[0]):
-                return batch, "done"
+                return batch, f"done {step + 1}"
         except SandboxError as e:
             return batch, f"error in done() at step {step}: {e.report.message}"
     return batch, f"`done` was still false after {max_steps} steps"
@@ -269,16 +319,30 @@ class Plugin:
         if iteration >= cfg.iterations:
             return None
         hint = f"Suggested decomposition: {cfg.hint}" if cfg.hint else ""
-        user = SLOW_TASK.format(goal=run.task.goal, hint=hint, actions=_actions(run.task), max_subactions=cfg.max_subactions)
+        goals = goal_names(run.task)
+        user = SLOW_TASK.format(goal=run.task.goal, hint=hint, actions=_actions(run.task), max_subactions=cfg.max_subactions,
+                                done=DONE_FIELD if goals else "", goals=GOALS.format(goals=", ".join(goals)) if goals else "")
         if self.feedback:
             user += "\n\nLast round:\n" + self.feedback + "\nRevise the plan (you may move sub-actions between code and rl)."
         msgs = [{"role": "system", "content": SLOW_SYSTEM}, {"role": "user", "content": user}]
-        reply = self._chat(run, msgs, run.seed * 1000 + iteration, f"{NAME}-slow-it{iteration}")
-        subs = parse_plan(reply, cfg.max_subactions)
+        subs: list[SubAction] = []
+        for rnd in range(1 + cfg.repair_rounds):
+            tag = f"{NAME}-slow-it{iteration}" + (f"-r{rnd}" if rnd else "")
+            reply = self._chat(run, msgs, run.seed * 1000 + iteration + 100 * rnd, tag)
+            subs = parse_plan(reply, cfg.max_subactions)
+            plan, errors = to_plan(subs, goals)
+            if subs and not errors:
+                break
+            errors = errors or ["no sub-actions found: reply with a JSON list of the items described above"]
+            run.log_text(f"{NAME}/it{iteration}-plan-errors-r{rnd}.md", "\n".join(errors))
+            msgs = msgs + [{"role": "assistant", "content": reply},
+                           {"role": "user", "content": REPAIR.format(errors="\n".join(f"- {e}" for e in errors))}]
         if not subs and self.subactions:
             subs = self.subactions  # keep the last usable plan
+        # rl sub-actions the game still cannot check stay in the plan as text, unfollowed (done "")
         self.subactions = subs
-        return plan_text(subs) or None
+        plan, _ = to_plan(subs, goals)
+        return plan if subs else None
 
     @hookimpl
     def propose_actions(self, run, iteration: int) -> list[list[MacroAction]] | None:
@@ -303,6 +367,8 @@ class Plugin:
                     runnable = not any(f.startswith(("the code does not run", "error")) for f in st.failures)
                     if runnable:
                         best = macro
+                        if cfg.tune_steps:
+                            best.max_steps = tuned_steps(st, cfg.max_steps)
                     if st.ok:
                         break
                     error = CRITIC.format(name=sub.name, runs=st.runs, failures="\n".join(f"- {f}" for f in st.failures[:4]))
@@ -315,11 +381,44 @@ class Plugin:
                                   meta={"skill": sub.name, "rounds": rnd + 1, "rejected_kind": "critic" if macro is not None else "extract"})
                 rejected.append(MacroAction(name=sub.name, program=program, max_steps=cfg.max_steps, done_entry=DONE))
         self.macros = macros
-        report = {name: {"runs": r.runs, "finished": r.finished, "failures": r.failures} for name, r in self.rollouts.items()}
+        report = {name: {"runs": r.runs, "finished": r.finished, "failures": r.failures, "steps": r.steps}
+                  for name, r in self.rollouts.items()}
+        report["max_steps"] = {m.name: m.max_steps for m in macros}  # the tuned step budgets
         run.log_text(f"{NAME}/it{iteration}-critic.json", json.dumps(report, indent=2))
         run.log_metrics({f"{NAME}/macros": len(macros)}, step=iteration)
         # each rejected skill alone: the loop records it as a candidate that did not train
         return ([macros] if macros else []) + [[m] for m in rejected] or None
+
+    # -- training: the plan's rl sub-actions as RL-trained skills --------------------------
+
+    def _follower(self, train) -> PlanFollower | None:
+        plan = train.plan
+        if plan is None or plan.origin != NAME:
+            return None
+        got = train.state.get(NAME)
+        if got is None:
+            got = train.state[NAME] = {"follower": PlanFollower(plan, train.task, kinds=["rl"]), "completed": 0}
+        return got["follower"] if len(got["follower"]) else None
+
+    @hookimpl
+    def represent_state(self, train, obs) -> Any:
+        follower = self._follower(train)
+        return None if follower is None else follower.one_hot(obs[..., : train.task.obs_dim])
+
+    @hookimpl
+    def compute_reward(self, train, batch) -> Any:
+        follower = self._follower(train)
+        if follower is None:
+            return None
+        done = follower.completed(batch.obs, batch.next_obs)
+        train.state[NAME]["completed"] += int(done.sum())
+        return done.float() * self.cfg.rl_reward
+
+    @hookimpl
+    def on_train_end(self, train, result: TrainResult) -> None:
+        st = train.state.pop(NAME, None)
+        if st is not None and len(st["follower"]):
+            result.metrics[f"{NAME}/rl_completed"] = float(st["completed"])
 
     @hookimpl
     def reflect(self, run, result: IterationResult) -> str | None:

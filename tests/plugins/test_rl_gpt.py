@@ -7,12 +7,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from fakes import ScriptedLLM, make_run, plugin_object, texts_of
+import torch
+from fakes import ScriptedLLM, make_run, make_train, plugin_object, texts_of
 from omegaconf import OmegaConf
 
 from core.config import typed
+from core.context import StepBatch
 from core.envs import make_task
 from core.errors import UserError
+from core.plan import goal_names
 from core.records import Candidate, Fitness, IterationResult, MacroAction, Program, TrainResult
 from core.sandbox import Limits
 from plugins import rl_gpt
@@ -65,12 +68,13 @@ def make(task, replies, config=None, **overrides):
     return rl_gpt.Plugin(run.plugin_config(rl_gpt.NAME)), run
 
 
-PLAN = '[{"name": "chop", "how": "code", "what": "hit the tree in front"}, {"name": "explore", "how": "rl", "what": "find trees"}]'
+PLAN = ('[{"name": "chop", "how": "code", "what": "hit the tree in front"}, '
+        '{"name": "explore", "how": "rl", "what": "find trees", "done": "collect wood"}]')
 
 
 def test_plan_then_critic_revises_a_failing_macro(task):
     plugin, run = make(task, [PLAN, NEVER_DONE, DONE_AT_ONCE], critic_rounds=1, rollouts=1, max_steps=4)
-    text = plugin.plan(run, 0)
+    text = plugin.plan(run, 0).text
     assert "chop [code]" in text and "explore [rl]" in text
     (macros,) = plugin.propose_actions(run, 0)
     assert [m.name for m in macros] == ["chop"]
@@ -93,7 +97,7 @@ def test_a_skill_without_usable_code_is_proposed_rejected_with_its_reason(task):
 
 def test_sampling_settings_and_hint_come_from_the_typed_config(task):
     plugin, run = make(task, [PLAN], temperature=0.9, max_tokens=77, max_subactions=1, hint="chop first")
-    assert plugin.plan(run, 0) == "1. chop [code]: hit the tree in front"  # cut to max_subactions
+    assert plugin.plan(run, 0).text == "1. chop [code]: hit the tree in front"  # cut to max_subactions
     (call,) = run.llm.calls
     assert (call.temperature, call.max_tokens, call.tag) == (0.9, 77, "rl_gpt-slow-it0")
     assert "Suggested decomposition: chop first" in call.last and "at most 1 items" in call.last
@@ -133,6 +137,63 @@ def test_the_next_plan_sees_the_last_rounds_feedback_and_other_runs_do_not(task)
     assert "Last round:" not in other_run.llm.calls[0].last and other.feedback == ""
 
 
+NO_GOAL = '[{"name": "chop", "how": "code", "what": "hit the tree"}, {"name": "explore", "how": "rl", "what": "find trees"}]'
+
+
+def test_rl_subactions_must_name_a_goal_the_task_checks(task):
+    plugin, run = make(task, [NO_GOAL, PLAN], repair_rounds=1)
+    plan = plugin.plan(run, 0)
+    first, second = run.llm.calls
+    assert '"done"' in first.last and "collect_wood" in first.last  # the checkable goals are offered
+    assert "rl sub-action explore: the game cannot check the goal 'explore'" in second.last  # the error went back
+    assert [(s.name, s.kind, s.done) for s in plan.steps] == [("chop", "skill", ""), ("explore", "rl", "collect_wood")]
+    assert plan.origin == "rl_gpt" and "rl_gpt/it0-plan-errors-r0.md" in texts_of(run)
+    # a task with no goals: no "done" asked, rl steps stay unchecked, no error
+    plugin, run = make(make_task({"name": "cartpole"}), [NO_GOAL])
+    plan = plugin.plan(run, 0)
+    assert len(run.llm.calls) == 1 and '"done"' not in run.llm.calls[0].last and plan.steps[1].done == ""
+
+
+def _obs(task, *goals):
+    obs = torch.zeros(task.obs_dim)
+    for f in task.state_fields:
+        if f.name in {f"achievement_{g}" for g in goals}:
+            obs[f.start] = 1.0
+    return obs
+
+
+def test_training_pays_the_active_rl_subaction(task):
+    plan, _ = rl_gpt.to_plan(rl_gpt.parse_plan(PLAN, 4), goal_names(task))
+    train = make_train(task, plugin=rl_gpt.NAME, module=rl_gpt, candidate=Candidate("c", 0, plan=plan), overrides={"rl_reward": 0.5})
+    plugin = rl_gpt.Plugin(train.plugin_config(rl_gpt.NAME))
+    before, after = torch.stack([_obs(task), _obs(task)]), torch.stack([_obs(task, "collect_wood"), _obs(task, "collect_sapling")])
+    batch = StepBatch(obs=before, action=torch.zeros(2), next_obs=after, env_reward=torch.zeros(2), reward=torch.zeros(2),
+                      done=torch.zeros(2, dtype=torch.bool), task=task)
+    assert plugin.compute_reward(train, batch).tolist() == [0.5, 0.0]
+    assert plugin.represent_state(train, after).tolist() == [[0.0, 1.0], [1.0, 0.0]]  # the rl skill's one-hot
+    result = TrainResult("c", True)
+    plugin.on_train_end(train, result)
+    assert result.metrics["rl_gpt/rl_completed"] == 1.0
+    # a plan with no rl step the task checks: the hooks abstain (no feature, no reward)
+    code_only, _ = rl_gpt.to_plan(rl_gpt.parse_plan(PLAN, 1), goal_names(task))
+    other = make_train(task, plugin=rl_gpt.NAME, module=rl_gpt, candidate=Candidate("c", 0, plan=code_only))
+    assert plugin.compute_reward(other, batch) is None and plugin.represent_state(other, after) is None
+
+
+def test_the_critic_tunes_each_macros_step_budget(task):
+    assert rl_gpt.tuned_steps(rl_gpt.Rollout("x", 2, 2, steps=[3, 5]), 32) == 10
+    assert rl_gpt.tuned_steps(rl_gpt.Rollout("x", 2, 2, steps=[30]), 32) == 32
+    assert rl_gpt.tuned_steps(rl_gpt.Rollout("x", 2, 0), 32) == 32  # never finished: the configured budget
+    plugin, run = make(task, [PLAN, DONE_AT_ONCE], critic_rounds=0, rollouts=2, max_steps=16)
+    plugin.plan(run, 0)
+    (macros,) = plugin.propose_actions(run, 0)
+    assert macros[0].max_steps == 2  # it finished after 1 step in each rollout
+    assert '"chop": 2' in texts_of(run)["rl_gpt/it0-critic.json"]
+    plugin, run = make(task, [PLAN, DONE_AT_ONCE], critic_rounds=0, rollouts=2, max_steps=16, tune_steps=False)
+    plugin.plan(run, 0)
+    assert plugin.propose_actions(run, 0)[0][0].max_steps == 16
+
+
 def test_config_defaults_are_the_yaml_file():
     yaml = OmegaConf.load(Path(__file__).parents[2] / "conf/plugins/rl_gpt.yaml")
     assert typed(rl_gpt.Config, yaml, "plugins.rl_gpt") == rl_gpt.Config() == plugin_object(rl_gpt).cfg
@@ -147,7 +208,7 @@ def test_config_refuses_values_that_cannot_work(key, value):
 @pytest.mark.slow
 def test_end_to_end_minecraft(tmp_path):
     cmd = [sys.executable, "-m", "core", "+plugins=[rl_gpt]", "env=minecraft", "env.max_episode_steps=100",
-           "plugins.rl_gpt.iterations=1", "plugins.rl_gpt.max_subactions=2", "plugins.rl_gpt.critic_rounds=0",
+           "plugins.rl_gpt.iterations=1", "plugins.rl_gpt.max_subactions=2", "plugins.rl_gpt.critic_rounds=1",
            "plugins.rl_gpt.rollouts=1", "plugins.rl_gpt.hint='collect wood, place a table, make a wood pickaxe'",
            "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=64", "trainer.epochs=2", "trainer.eval_episodes=2",
            "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
@@ -160,3 +221,8 @@ def test_end_to_end_minecraft(tmp_path):
     parent = next(r for r in runs if "candidate" not in r.data.tags)
     arts = [a.path for a in client.list_artifacts(parent.info.run_id, "rl_gpt")]
     assert any("critic" in a for a in arts)
+    # the role is not inert: at least one coded macro joined the action space and the policy trained with it
+    assert parent.data.metrics.get("rl_gpt/macros", 0) >= 1, "no macro-action was accepted"
+    trained = [r for r in runs if "candidate" in r.data.tags and r.data.tags.get("ok") == "True"]
+    calls = [k for r in trained for k in r.data.metrics if k.startswith("macros/") and k.endswith("_calls")]
+    assert calls, "no trained candidate had a macro-action in its action space"
