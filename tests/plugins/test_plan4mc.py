@@ -169,7 +169,7 @@ def test_config_refuses_values_that_cannot_work(key, value):
 
 
 @pytest.mark.slow
-def test_end_to_end_minecraft_training_follows_the_llms_plan(tmp_path):
+def test_end_to_end_minecraft_training_follows_the_llms_plan(tmp_path, monkeypatch):
     """The embedded model builds the graph; training pays for the plan's skills and logs them."""
     cmd = [sys.executable, "-m", "core", "+plugins=[plan4mc]", "env=minecraft", "env.max_episode_steps=150",
            "plugins.plan4mc.target=make_wood_pickaxe", "plugins.plan4mc.repair_rounds=1",
@@ -179,6 +179,7 @@ def test_end_to_end_minecraft_training_follows_the_llms_plan(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     import mlflow
 
+    monkeypatch.chdir(tmp_path)  # the run's artifact root is relative to where it ran
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     (child,) = [r for r in runs if "it0-c0" in r.info.run_name]
