@@ -129,9 +129,11 @@ def llm_description(call: Any) -> str:
 
 
 def llm_info(call: Any) -> str:
-    """``412 tok, 14.2 tok/s`` (the tokens of all the call's samples so far)."""
-    rate = call.tokens / call.elapsed if call.elapsed > 0 else 0.0
-    return f"{call.tokens} tok, {rate:.1f} tok/s"
+    """``412 tok, 14.2 tok/s`` (the tokens of all the call's samples so far, per second since
+    the first), or ``reading the prompt`` before the first token."""
+    if not call.tokens:
+        return "reading the prompt"
+    return f"{call.tokens} tok, {call.rate:.1f} tok/s"
 
 
 # -- training in other processes ---------------------------------------------------------

@@ -90,11 +90,19 @@ class CallProgress:
     max_tokens: int  # the cap per sample
     tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None  # when the first token came (before it: the prompt is computed)
     done: bool = False
 
     @property
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
+
+    @property
+    def rate(self) -> float:
+        """Completion tokens per second since the first one (0 before it)."""
+        if self.first_token is None:
+            return 0.0
+        return self.tokens / max(1e-6, time.perf_counter() - self.first_token)
 
 
 @dataclass
@@ -394,6 +402,8 @@ class LLMClient:
             with self._lock:
                 watch.tokens += k
                 now = time.perf_counter()
+                if watch.first_token is None and k > 0:
+                    watch.first_token = now
                 due = now - last[0] >= self.PROGRESS_EVERY_S
                 if due:
                     last[0] = now

@@ -83,7 +83,8 @@ def test_an_llm_call_is_a_live_line_that_goes_when_it_ends():
     view(call)
     (task,) = progress.tasks
     assert task.description == "LLM eureka/propose x4" and task.total == 4 * 1024
-    call.tokens, call.started = 412, time.perf_counter() - 2.0
+    assert task.fields["info"] == "reading the prompt"
+    call.tokens, call.first_token = 412, time.perf_counter() - 2.0
     view(call)
     assert task.completed == 412 and task.fields["info"].startswith("412 tok, 20") and "tok/s" in task.fields["info"]
     call.done = True

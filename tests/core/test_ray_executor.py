@@ -93,3 +93,34 @@ def test_failed_job_is_a_result(local_ray, make_config) -> None:
     results = executor.run(jobs)
     assert executor.ray is not None and executor.last_plan == 2  # it ran on Ray
     assert all(not r.ok and r.error for r in results)
+
+
+@pytest.mark.slow
+def test_ray_tasks_draw_their_frame_bars_in_the_driver(local_ray, make_config) -> None:
+    class Recorder:  # the driver's Progress, as far as the relay uses it
+        def __init__(self) -> None:
+            self.shown: dict[str, int] = {}
+            self.bars: dict[int, str] = {}
+
+        def add_task(self, description, total=None, **fields):
+            self.bars[len(self.shown)] = description
+            self.shown[description] = 0
+            return len(self.shown) - 1
+
+        def update(self, task, completed=0, **fields):
+            self.shown[self.bars[task]] = completed
+
+        def remove_task(self, task):
+            self.bars.pop(task)
+
+    cfg, jobs = _jobs(make_config, 2)
+    driver = Recorder()
+    executor = RayExecutor(OmegaConf.merge(cfg.executor, {"workers": 2}), progress=driver)
+    try:
+        results = executor.run(jobs)
+    finally:
+        executor.close()
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert sorted(d.split()[1] for d in driver.shown) == ["c0", "c1"]  # each task's bar, drawn here
+    assert all(frames >= 1024 for frames in driver.shown.values())  # up to its last frame
+    assert driver.bars == {}  # removed when the tasks ended
