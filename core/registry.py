@@ -36,7 +36,7 @@ class PluginInfo:
     """One catalogue entry."""
 
     name: str
-    module: str
+    module: str = ""  # a planned entry may have none yet
     roles: list[str] = field(default_factory=list)
     hooks: list[str] = field(default_factory=list)
     paper: dict[str, str] = field(default_factory=dict)
@@ -46,6 +46,8 @@ class PluginInfo:
     @property
     def installed(self) -> bool:
         """Whether the module can be imported here."""
+        if not self.module:
+            return False
         try:
             return importlib.util.find_spec(self.module) is not None
         except ModuleNotFoundError:
@@ -105,7 +107,8 @@ def check_names(names: Iterable[str], known: dict[str, PluginInfo] | None = None
         if not info.implemented:
             why = "is planned but not implemented yet" if info.status == "planned" else "cannot be imported"
             ready = ", ".join(sorted(n for n, i in known.items() if i.implemented)) or "none"
-            raise UserError(f"Plugin '{name}' ({info.module}) {why}. Plugins ready to use: {ready}.")
+            where = f" ({info.module})" if info.module else ""
+            raise UserError(f"Plugin '{name}'{where} {why}. Plugins ready to use: {ready}.")
 
 
 def load_module(info: PluginInfo) -> ModuleType:
@@ -245,7 +248,21 @@ def print_catalogue(enabled: Iterable[str] = ()) -> None:
             status if info.source == "builtin" else f"{status} ({info.source})",
             paper,
         )
-    Console(width=max(120, Console().width)).print(table)
+    console = Console(width=max(120, Console().width))
+    console.print(table)
+    console.print(taxonomy_text(catalogue().values()), highlight=False)
+
+
+def taxonomy_text(infos: Iterable[PluginInfo]) -> str:
+    """Per role of the taxonomy: the methods implemented and those still planned."""
+    infos = list(infos)
+    roles = sorted({r for i in infos for r in i.roles})
+    lines = ["By role (implemented | planned):"]
+    for role in roles:
+        done = [i.name for i in infos if role in i.roles and i.implemented]
+        left = [i.name for i in infos if role in i.roles and not i.implemented]
+        lines.append(f"  {role:<12} {', '.join(done) or '-'} | {', '.join(left) or '-'}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

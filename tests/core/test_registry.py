@@ -16,7 +16,40 @@ def test_catalogue_lists_every_mission_plugin_with_role_and_paper():
     for info in plugins.values():
         assert info.roles, info.name
         assert info.paper.get("title"), info.name
-        assert info.module.startswith("plugins."), info.name
+        assert info.status in ("implemented", "planned"), info.name
+        if info.status != "planned":
+            assert info.module.startswith("plugins."), info.name
+
+
+#: every method the paper index describes, by the name of its entry (saycan and rlingua join with their plugins)
+INDEX = MISSION | {"ellm", "plan4mc", "lgts", "quadruped_llm", "calm", "language_to_rewards",
+                   "state2explanation", "octopus"}
+ROLES = {"reward", "state", "action", "planning", "environment", "preference"}
+
+
+def test_the_whole_paper_index_is_in_the_registry_with_a_role_each():
+    plugins = {p.name: p for p in builtin_plugins()}
+    assert INDEX <= set(plugins), sorted(INDEX - set(plugins))
+    assert all(set(p.roles) <= ROLES for p in plugins.values())
+    assert {r for p in plugins.values() for r in p.roles} == ROLES  # every role of the taxonomy is represented
+
+
+def test_planned_entries_need_no_module_are_listed_and_refused_clearly(capsys):
+    from core.registry import main, taxonomy_text
+
+    planned = [p for p in builtin_plugins() if p.status == "planned"]
+    assert planned and any(not p.module for p in planned)
+    for info in planned:
+        assert not info.implemented and not info.installed
+    with pytest.raises(UserError, match="'lgts' is planned but not implemented yet"):
+        check_names(["lgts"])
+    text = taxonomy_text(catalogue().values())
+    planning = next(line for line in text.splitlines() if line.strip().startswith("planning"))
+    done, left = planning.split("|")
+    assert "plan4mc" in done and "ellm" in done and "lgts" in left and "octopus" in left
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "By role" in out and "lgts" in out
 
 
 def test_unknown_plugin_names_the_available_ones():
