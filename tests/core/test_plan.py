@@ -76,3 +76,11 @@ def test_follower_advances_through_the_steps_with_no_state(task):
     assert follow.completed(before, after).tolist() == [True, True, False, False]
     rl_only = PlanFollower(plan, task, kinds=["rl"])
     assert len(rl_only) == 0 and rl_only.completed(before, after).tolist() == [False] * 4
+
+
+def test_training_reads_the_candidates_plan(task):
+    from fakes import make_train
+
+    plan = Plan([PlanStep("collect_wood", "skill", done="collect_wood")], origin="x")
+    assert make_train(task, candidate=Candidate("c", 0, plan=plan)).plan is plan
+    assert make_train(task, candidate=Candidate("c", 0)).plan is None
