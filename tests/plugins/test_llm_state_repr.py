@@ -262,3 +262,66 @@ def test_end_to_end_halfcheetah(tmp_path):
     assert children, out.stdout[-2000:]
     ok = [r for r in children if r.data.tags.get("ok") == "True"]
     assert ok and any(k.startswith("llm_state_repr/lipschitz/") for k in ok[0].data.metrics)
+
+
+# -- end to end: the LLM's state features train (plumbing), and a run whose every pair fails ----------------------
+
+
+def _run_lesr(make_config, overrides):
+    """One in-process LESR run on CartPole with a tiny PPO; (summary, recorder)."""
+    from contract import PPO_TINY, SMOKE_BASE, Recorder
+
+    from core.loop import run_experiment
+
+    recorder = Recorder()
+    cfg = make_config(["+plugins=[llm_state_repr]", "env=cartpole", "plugins.llm_state_repr.iterations=1",
+                       "plugins.llm_state_repr.samples=1", "plugins.llm_state_repr.lipschitz_samples=512",
+                       *SMOKE_BASE, *PPO_TINY, *overrides])
+    return run_experiment(cfg, extra_plugins=(recorder,)), recorder
+
+
+@pytest.mark.slow  # ~15 s idle, 130 s on the shared machine under load
+def test_the_llms_state_features_and_intrinsic_reward_are_used_in_training(make_config, monkeypatch):
+    """Plumbing, not the model: the shared fake LLM (:func:`fakes.install_fake_litellm`)
+    answers through the real client; the candidate trains with the ``revise_state`` /
+    ``intrinsic_reward`` pair extracted from its reply: the intrinsic reward is logged on
+    training steps and the Lipschitz constants of both LLM features were measured."""
+    import fakes
+
+    llm = fakes.install_fake_litellm(monkeypatch)
+    summary, recorder = _run_lesr(make_config, [])
+    assert llm.count("def revise_state") >= 1
+    ((candidate, result),) = recorder.trained
+    assert candidate.state is not None and candidate.state.origin == "llm_state_repr"
+    assert fakes.MARK in candidate.state.source and candidate.state.extra_dim == 2
+    assert result.ok and result.frames > 0 and summary.failed == 0, recorder.report()
+    intrinsic = [v for _, v in result.series["llm_state_repr/intrinsic_reward"]]
+    assert intrinsic and any(v != 0.0 for v in intrinsic)  # 0.1 * tanh(feature 0): the LLM's reward ran
+    assert {"llm_state_repr/lipschitz/feature_0", "llm_state_repr/lipschitz/feature_1"} <= set(result.metrics)
+
+
+BROKEN_PAIR = """```python
+import torch
+
+
+def revise_state(state):
+    return torch.stack([state["no_such_field"], state["no_such_field"]], dim=-1)
+
+
+def intrinsic_reward(state, features):
+    return features[:, 0]
+```"""
+
+
+def test_a_run_whose_every_pair_fails_records_each_failure(make_config, monkeypatch):
+    """Failure handling (the fake LLM keeps writing a pair that reads a field CartPole
+    lacks): no state program trains, the sample is recorded as a candidate that did not
+    train with the reason, and the retry was sent the error."""
+    import fakes
+
+    llm = fakes.install_fake_litellm(monkeypatch, reply=lambda messages: BROKEN_PAIR)
+    summary, recorder = _run_lesr(make_config, ["plugins.llm_state_repr.retries=1"])
+    mine = [(c, r) for c, r in recorder.trained if c.state is not None]
+    assert mine and summary.failed >= len(mine), recorder.report()
+    assert all(not r.ok and r.frames == 0 and "no_such_field" in r.error for _, r in mine), recorder.report()
+    assert len(llm.calls) >= 2 and all("no_such_field" in c["messages"][-1]["content"] for c in llm.calls[1:])
