@@ -226,3 +226,64 @@ def test_end_to_end_minecraft(tmp_path):
     trained = [r for r in runs if "candidate" in r.data.tags and r.data.tags.get("ok") == "True"]
     calls = [k for r in trained for k in r.data.metrics if k.startswith("macros/") and k.endswith("_calls")]
     assert calls, "no trained candidate had a macro-action in its action space"
+
+
+# -- end to end: the LLM's skill is called in training (plumbing), and a run whose every skill fails ---------------
+
+
+def _run_rl_gpt(make_config, overrides):
+    """One in-process RL-GPT run on CartPole with a tiny PPO; (summary, recorder)."""
+    from contract import PPO_TINY, SMOKE_BASE, Recorder
+
+    from core.loop import run_experiment
+
+    recorder = Recorder()
+    cfg = make_config(["+plugins=[rl_gpt]", "env=cartpole", "plugins.rl_gpt.iterations=1", "plugins.rl_gpt.rollouts=1",
+                       "plugins.rl_gpt.critic_rounds=0", *SMOKE_BASE, *PPO_TINY, *overrides])
+    return run_experiment(cfg, extra_plugins=(recorder,)), recorder
+
+
+@pytest.mark.slow  # ~10 s idle, 30 s on the shared machine under load
+def test_the_llms_skill_is_called_by_the_trained_agent(make_config, monkeypatch):
+    """Plumbing, not the model: the shared fake LLM (:func:`fakes.install_fake_litellm`)
+    answers through the real client with a plan and an ``act``/``done`` skill; the
+    candidate trains with that skill as a macro-action and the agent calls it."""
+    import fakes
+
+    llm = fakes.install_fake_litellm(monkeypatch)
+    summary, recorder = _run_rl_gpt(make_config, [])
+    assert llm.count("def act(state)") >= 1
+    used = [(c, r) for c, r in recorder.trained if any(fakes.MARK in m.program.source for m in c.macros)]
+    assert used, recorder.report()
+    for candidate, result in used:
+        assert result.ok and result.frames > 0, recorder.report()
+        assert all(m.program.origin == "rl_gpt" for m in candidate.macros)
+        assert sum(result.metrics.get(f"macros/{m.name}_calls", 0) for m in candidate.macros) > 0, result.metrics
+
+
+BROKEN_SKILL = """```python
+def act(state):
+    return state["no_such_field"]
+
+
+def done(state):
+    return True
+```"""
+
+
+def test_a_run_whose_every_skill_fails_records_each_failure(make_config, monkeypatch):
+    """Failure handling (the fake LLM plans as usual but writes a skill that reads a field
+    CartPole lacks): no macro trains; the skill is recorded as a candidate that did not
+    train, with the reason."""
+    import fakes
+
+    def reply(messages):
+        text = fakes.answer(messages)
+        return BROKEN_SKILL if "def act(state)" in text else text
+
+    fakes.install_fake_litellm(monkeypatch, reply=reply)
+    summary, recorder = _run_rl_gpt(make_config, [])
+    mine = [(c, r) for c, r in recorder.trained if c.macros]
+    assert mine and summary.failed >= len(mine), recorder.report()
+    assert all(not r.ok and r.frames == 0 and r.error for _, r in mine), recorder.report()
+    assert any("no_such_field" in r.error for _, r in mine), recorder.report()
