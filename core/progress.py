@@ -45,13 +45,17 @@ class EtaColumn(ProgressColumn):
 
     Rich's own column waits for a measured speed, which a bar advanced once or twice (an
     iteration, a candidate) does not give until it ends; this one shows as soon as any
-    work is done. ``-:--:--`` before that, nothing once finished.
+    work is done. ``-:--:--`` before that, nothing once finished. A bar with an ``eta_s``
+    field shows that instead (an LLM call: the tokens left at its decoding rate).
     """
 
     def render(self, task: Task) -> Text:
         if task.finished:
             return Text("")
-        left = eta_seconds(task.elapsed, task.completed, task.total)
+        if "eta_s" in task.fields:  # the bar knows better (an LLM call: its decoding rate)
+            left = task.fields["eta_s"]
+        else:
+            left = eta_seconds(task.elapsed, task.completed, task.total)
         if left is None:
             return Text("-:--:--", style="progress.remaining")
         minutes, seconds = divmod(int(left + 0.5), 60)
@@ -121,7 +125,9 @@ class LLMCallView:
             total = max(1, call.samples * call.max_tokens)
             if key not in self._tasks:
                 self._tasks[key] = progress.add_task(llm_description(call), total=total)
-            progress.update(self._tasks[key], completed=min(call.tokens, total), info=llm_info(call))
+            rate = call.rate
+            left = (total - call.tokens) / rate if rate > 0 else None  # the prompt's time is behind it
+            progress.update(self._tasks[key], completed=min(call.tokens, total), info=llm_info(call), eta_s=left)
 
 
 def llm_description(call: Any) -> str:

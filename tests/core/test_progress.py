@@ -87,6 +87,9 @@ def test_an_llm_call_is_a_live_line_that_goes_when_it_ends():
     call.tokens, call.first_token = 412, time.perf_counter() - 2.0
     view(call)
     assert task.completed == 412 and task.fields["info"].startswith("412 tok, 20") and "tok/s" in task.fields["info"]
+    # time left: the tokens left at the decoding rate (~206 tok/s), not the prompt's pace
+    assert task.fields["eta_s"] == pytest.approx((4096 - 412) / 206, rel=0.05)
+    assert EtaColumn().render(task).plain == f"0:00:{int(task.fields['eta_s'] + 0.5):02d}"
     call.done = True
     view(call)
     assert progress.tasks == []
