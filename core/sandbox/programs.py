@@ -459,8 +459,8 @@ def checked_result(role: str, named: list[tuple[str, np.ndarray]], names: list[s
             row = int(np.flatnonzero(bad)[0])
             what = "the reward" if row == 0 else f"component {names[row - 1]!r}"
             raise Invalid("nonfinite", f"{what} has {int(bad[row])} NaN or infinite value(s); guard divisions, logs and exps.")
-        t = torch.from_numpy(block)
-        return t[0], {name: t[i + 1] for i, name in enumerate(names)}
+        rows = torch.from_numpy(block).unbind(0)
+        return rows[0], dict(zip(names, rows[1:]))
     if role == "state":
         if len(named) != 1 or named[0][0] != "features":
             raise Invalid("dtype", "the worker returned no features.")

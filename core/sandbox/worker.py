@@ -57,6 +57,8 @@ PRELOAD = ("math", "numpy", "numpy.linalg", "numpy.random", "numpy.fft", "torch"
            "torch.linalg", "torch.special", "torch.fft", "torch.distributions", "typing")
 MAX_REQUEST = 1 << 20
 SAME = 1  # first byte of a short message: "the same call (or result layout) as last time"
+#: set to 1 in the host's environment, workers start without namespaces (the fallback path, as where the kernel allows none)
+NO_NAMESPACES_ENV = "LLM4RL_SANDBOX_NO_NAMESPACES"
 
 
 def _libc() -> Any:
@@ -153,7 +155,7 @@ def _supervise(request: dict[str, Any], fds: list[int], zygote_fd: int) -> None:
         if fd > 2 and fd not in keep:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    spaces = _unshare()
+    spaces = _unshare() if request.get("namespaces", True) else _without_namespaces()
     me = os.getpid()
     pid = os.fork()
     if pid == 0:
@@ -213,6 +215,13 @@ def _unshare() -> dict[str, Any]:
     spaces["error"] = os.strerror(ctypes.get_errno())
     for name, flag in wanted.items():  # some may still work alone
         spaces[name] = libc.unshare(flag) == 0
+    return spaces
+
+
+def _without_namespaces() -> dict[str, Any]:
+    """No namespaces at all: the fallback path, as on a kernel or container that allows none (tests, diagnosis)."""
+    spaces: dict[str, Any] = {name: False for name in ("network", "pid", "mount", "ipc", "user")}
+    spaces["error"] = f"switched off by {NO_NAMESPACES_ENV}"
     return spaces
 
 
@@ -348,15 +357,20 @@ class Server:
     """The request loop of a worker: programs by handle, calls on shared-memory batches."""
 
     def __init__(self, sock: socket.socket, in_map: mmap.mmap, out_map: mmap.mmap, request: dict[str, Any]) -> None:
+        import numpy
+        import torch
+
         from core.sandbox import programs, wire
 
         programs._WorkerFlag.runs_programs = True
+        self.np, self.tensor = numpy, torch.Tensor  # taken now: a program may poison sys.modules
         self.sb, self.wire = programs, wire
         self.sock, self.in_map, self.out_map = sock, in_map, out_map
         self.limits = request["limits"]
         self.imports = tuple(request["imports"])
         self.programs: dict[int, Any] = {}
         self.fields: dict[int, Any] = {}
+        self.lanes: dict[int, _ResultLane] = {}  # per handle: where a result of the last call's layout goes
 
     def run(self) -> None:
         last: dict[int, dict[str, Any]] = {}  # the last call request per handle
@@ -411,6 +425,7 @@ class Server:
 
     def _remap(self, fds: list[int]) -> None:
         in_fd, out_fd = fds
+        self.lanes.clear()  # their views are of the old output arena
         for old in (self.in_map, self.out_map):
             with contextlib.suppress(BufferError):
                 old.close()
@@ -446,7 +461,11 @@ class Server:
         value = compiled(*args, per_row=request["per_row"])
         program_s = time.perf_counter() - start
         role = request["role"]
-        named, names = sb.shape_result(role, value, sb.batch_size(args) if role != "value" else 0)
+        batch = sb.batch_size(args) if role != "value" else 0
+        lane = self.lanes.get(handle)
+        if lane is not None and not request.get("printed") and lane.write(value):
+            return {"out": lane.header, "names": lane.names, "program_s": program_s}
+        named, names = sb.shape_result(role, value, batch)
         try:
             header = wire.pack_named(named, self.out_map)
         except (TypeError, ValueError) as e:
@@ -454,11 +473,61 @@ class Server:
         reply: dict[str, Any] = {"out": header, "names": names, "program_s": program_s}
         if request.get("printed"):
             reply["printed"] = compiled.printer.text[-2000:]
+        elif role in ("reward", "state"):
+            self.lanes[handle] = _ResultLane(role, header, names, self.out_map, self.np, self.tensor)
         return reply
 
     def op_sleep(self, request: dict[str, Any]) -> dict[str, Any]:  # tests: a call that takes time
         time.sleep(float(request["seconds"]))
         return {"ok": True}
+
+
+class _ResultLane:
+    """Where a result of the last call's layout goes: a view of the output arena, made once.
+
+    ``write`` takes only what :func:`core.sandbox.programs.shape_result` would pass
+    unchanged (plain float32 CPU tensors of the same shapes, the same component names)
+    and copies it straight into place; anything else goes the long way, with its checks
+    and messages. The host checks its copy either way.
+    """
+
+    __slots__ = ("role", "header", "names", "keys", "rows", "block", "tensor")
+
+    def __init__(self, role: str, header: list[Any], names: list[str], out_map: mmap.mmap, np: Any, tensor: type) -> None:
+        self.tensor = tensor
+        self.role, self.header, self.names, self.keys = role, header, names, tuple(names)
+        (_, _, shape, offset), = header
+        self.block = np.ndarray(tuple(shape), np.float32, buffer=out_map, offset=offset)
+        self.rows = tuple(shape) if role == "state" else (shape[1],)
+
+    def write(self, value: Any) -> bool:
+        if self.role == "state":
+            parts = [value]
+        elif type(value) is tuple:
+            if len(value) != 2 or type(value[1]) is not dict or tuple(value[1]) != self.keys:
+                return False
+            parts = [value[0], *value[1].values()]
+        elif self.keys:
+            return False
+        else:
+            parts = [value]
+        tensor = self.tensor
+        if any(type(p) is not tensor for p in parts):
+            return False
+        try:
+            arrays = [p.numpy() for p in parts]  # a plain CPU tensor (raises for grad, other devices)
+        except (RuntimeError, TypeError):
+            return False
+        rows = self.rows
+        for arr in arrays:
+            if arr.shape != rows or arr.dtype.char != "f":
+                return False
+        if self.role == "state":
+            self.block[...] = arrays[0]
+        else:
+            for i, arr in enumerate(arrays):
+                self.block[i] = arr
+        return True
 
 
 def _report(report: Any) -> dict[str, Any]:

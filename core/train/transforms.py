@@ -14,6 +14,7 @@ may already carry appended features, so it is cut back to the task's ``obs_dim``
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -26,6 +27,13 @@ from core.context import StepBatch, TrainContext
 
 RewardFn = Callable[[dict, torch.Tensor, dict], Any]  # -> reward [B] or (reward, components)
 StateFn = Callable[[dict], torch.Tensor]  # -> features [B, k]
+
+
+def _mean(value: Any) -> float:
+    """The mean of a reward component (a float32 row from the sandbox is summed in Python: no tensor op)."""
+    if type(value) is torch.Tensor and value.dim() == 1 and value.numel():
+        return math.fsum(value.tolist()) / value.numel()
+    return float(torch.as_tensor(value, dtype=torch.float32).mean())
 
 
 class ProgramReward(Transform):
@@ -41,7 +49,9 @@ class ProgramReward(Transform):
         super().__init__(in_keys=["reward"], out_keys=["reward"])
         self.fn, self.task, self.mode, self.weight = fn, task, mode, float(weight)
         self._dim = task.obs_dim
-        self._sums: dict[str, torch.Tensor] = {}
+        # a sandboxed program takes whole observations (the worker names the fields)
+        self._from_obs = getattr(fn, "from_obs", None) if getattr(fn, "fields", None) is not None else None
+        self._sums: dict[str, float] = {}
         self._steps = 0
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
@@ -59,29 +69,36 @@ class ProgramReward(Transform):
         """
         env_reward = tensordict.get(("next", "reward"))
         shape = env_reward.shape
-        flat = tensordict.reshape(-1)
-        reward = self._reward(flat.get("observation"), flat.get("action"), flat.get(("next", "observation")),
-                              env_reward.reshape(-1, 1))
+        dims = tensordict.batch_dims
+
+        def flat(key: Any) -> torch.Tensor:  # only the entries the program reads (not the whole batch) are reshaped
+            value = tensordict.get(key)
+            return value.reshape(-1, *value.shape[dims:])
+
+        reward = self._reward(flat("observation"), flat("action"), flat(("next", "observation")), env_reward.reshape(-1, 1))
         tensordict.set(("next", "env_reward"), env_reward)
         tensordict.set(("next", "reward"), reward.reshape(shape))
         return tensordict
 
     def _reward(self, obs: torch.Tensor, action: torch.Tensor, next_obs: torch.Tensor,
                 env_reward: torch.Tensor) -> torch.Tensor:
-        obs, next_obs = obs[..., : self._dim], next_obs[..., : self._dim]
-        if getattr(self.fn, "fields", None) is not None:  # a sandboxed program: the worker names the fields
-            out = self.fn.from_obs(obs, action, next_obs)  # type: ignore[attr-defined]
+        dim = self._dim
+        if obs.shape[-1] != dim or next_obs.shape[-1] != dim:  # appended state features: cut back to the task's observation
+            obs, next_obs = obs[..., :dim], next_obs[..., :dim]
+        if self._from_obs is not None:  # a sandboxed program: the worker names the fields
+            out = self._from_obs(obs, action, next_obs)
         else:
             out = self.fn(self.task.split_state(obs), action, self.task.split_state(next_obs))
         reward, components = out if isinstance(out, tuple) else (out, None)
-        reward = torch.as_tensor(reward, dtype=torch.float32).reshape(-1, 1)
+        if type(reward) is not torch.Tensor or reward.dtype != torch.float32:
+            reward = torch.as_tensor(reward, dtype=torch.float32)
+        reward = reward.reshape(-1, 1)
         if self.mode == "add":
             reward = env_reward + self.weight * reward
         if components:
+            sums = self._sums
             for name, value in components.items():
-                mean = torch.as_tensor(value, dtype=torch.float32).mean()
-                acc = self._sums.get(name)
-                self._sums[name] = mean if acc is None else acc + mean
+                sums[name] = sums.get(name, 0.0) + _mean(value)
         self._steps += 1
         return reward
 

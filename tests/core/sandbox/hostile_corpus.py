@@ -304,7 +304,7 @@ CORPUS: list[Hostile] = [
                     except TypeError:
                         pass
         threading.Thread(target=spoil, daemon=True).start()
-        """, later=True), "forbidden", "invalid_value|too_slow", calls=6),
+        """, later=True), "forbidden", "invalid_value|too_slow|timeout", calls=6),  # the thread holds the GIL: a late answer
     Hostile("ignore_signals_then_loop", "escape", reward("""
         import signal
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM, signal.SIGHUP):

@@ -263,16 +263,25 @@ def benign_candidate_works(limits: Limits) -> None:
         torch.testing.assert_close(reward, 1.0 - nxt[:, 2].abs())
 
 
+def workers_isolated(limits: Limits = LIMITS) -> bool:
+    """Whether a worker started now runs with every layer: its own uid, network, PID and mount namespaces.
+
+    Asked of a real worker (what its supervisor's ``unshare`` and its server's ``setuid``
+    achieved), never assumed from the user or the platform.
+    """
+    with candidate_scope():
+        iso = ProgramWorker(limits).isolation
+    return bool(iso.get("network") and iso.get("pid") and iso.get("mount") and iso.get("root_dropped"))
+
+
 @pytest.fixture(scope="module")
 def isolated() -> bool:
-    """Whether workers here run with every layer: their own uid, network, PID and mount namespaces.
+    """Whether workers here run with every layer (:func:`workers_isolated`).
 
     Without them (not root, no namespaces) only the runs with the static check on happen:
     the programs that pass it are plain Python, bounded by the resource limits.
     """
-    with candidate_scope():
-        iso = ProgramWorker(LIMITS).isolation
-    return bool(iso.get("network") and iso.get("pid") and iso.get("mount") and iso.get("root_dropped"))
+    return workers_isolated()
 
 
 @pytest.mark.parametrize("static_check", [True, False], ids=["checked", "unchecked"])
