@@ -175,7 +175,8 @@ def _failed(candidate: Candidate, outcome: Examined) -> TrainResult:
     return TrainResult(
         candidate_id=candidate.id, ok=False, error=outcome.error, error_kind=outcome.kind or "vetting",
         metrics={**(verdict.figures if verdict is not None else {}), "vetting/repairs": float(outcome.repairs)},
-        texts={"vetting.md": (verdict.text() if verdict is not None else outcome.error) + repairs},
+        texts={"vetting.md": (verdict.text() if verdict is not None else f"# Reward check: failed ({outcome.kind})\n\n"
+                              f"{outcome.error}\n") + (f"\nRejected{repairs}.\n" if repairs else "")},
     )
 
 

@@ -177,13 +177,14 @@ def test_in_a_run_a_vetoed_program_does_not_train_and_its_reason_reaches_the_nex
 
 @pytest.mark.slow
 def test_end_to_end_with_the_embedded_model_records_a_verdict_for_every_program(tmp_path: Path):
-    """``python -m core +plugins=[eureka] env=mountaincar``: one round of two samples, few frames."""
+    """``python -m core +plugins=[eureka] env=mountaincar``: one round of two samples, few frames
+    (no repair, to keep it short: repair is tested above with a scripted LLM)."""
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     cmd = [
         sys.executable, "-m", "core", "+plugins=[eureka]", "env=mountaincar",
         "plugins.eureka.iterations=1", "plugins.eureka.samples=2", "plugins.eureka.max_tokens=300",
         "trainer.frames=512", "trainer.eval_episodes=2", "trainer.eval_every=0", "executor=inprocess",
-        "vetting.episodes=4", "progress=false", "save_policy=false", f"cache_dir={tmp_path / 'cache'}",
+        "vetting.episodes=4", "vetting.repair=0", "progress=false", "save_policy=false", f"cache_dir={tmp_path / 'cache'}",
         f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_location={tmp_path / 'art'}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
@@ -197,7 +198,7 @@ def test_end_to_end_with_the_embedded_model_records_a_verdict_for_every_program(
                  if "mlflow.parentRunId" not in r.data.tags]
     checked = parent.data.metrics.get("vetting/checked", 0.0)
     verdicts = [a.path for a in client.list_artifacts(parent.info.run_id, "vetting")]
-    assert len({v.split("-repair")[0] for v in verdicts}) == checked, verdicts  # one verdict per program that had code
+    assert checked >= 1 and len({v.removesuffix(".md").split("-repair")[0] for v in verdicts}) == checked, verdicts
     for path in verdicts:
         text = Path(client.download_artifacts(parent.info.run_id, path, str(tmp_path))).read_text()
         assert text.startswith(("# Reward vetting: ", "# Reward check: ")), text
