@@ -421,3 +421,91 @@ def test_end_to_end_eureka_envgen_minecraft(tmp_path, llm_server):
         assert child.data.tags.get("ok") == "True" and child.data.metrics["frames"] == 1024
         success = [k for k in child.data.metrics if k.startswith("fitness/success_")]
         assert len(success) == 22  # per-achievement success of every Crafter achievement
+
+
+
+# -- end to end: the LLM's env config is trained in (plumbing), and a run whose every config is invalid ------------
+
+
+def _run_envgen(make_config, overrides):
+    """One in-process EnvGen cycle on Crafter with a tiny PPO; (summary, recorder)."""
+    from contract import PPO_TINY, SMOKE_BASE, Recorder
+
+    from core.loop import run_experiment
+
+    recorder = Recorder()
+    cfg = make_config(["+plugins=[envgen]", "env=minecraft", "env.max_episode_steps=100", "plugins.envgen.iterations=1",
+                       "plugins.envgen.num_envs=1", "trainer.num_envs=4", "trainer.rollout_steps=64",
+                       *SMOKE_BASE, *PPO_TINY, *overrides])
+    return run_experiment(cfg, extra_plugins=(recorder,)), recorder
+
+
+LLM_ENV = """```json
+[{"name": "wood_start", "purpose": "practise crafting with wood at hand", "params": {"start_wood": 5}}]
+```"""
+
+
+def _instead_of_configs(messages, configs: str) -> str:
+    """``configs`` where the shared fake would write env configs; its own reply elsewhere."""
+    import fakes
+
+    text = fakes.answer(messages)
+    return configs if "fake_env_" in text else text
+
+
+def _spy_on_crafter_envs(monkeypatch):
+    """Records the params of every Crafter vector env made (training and evaluation)."""
+    from core.envs.crafter import Crafter
+
+    made: list = []
+    original = Crafter.make_env
+
+    def make_env(self, num_envs, seed, params=None):
+        made.append(params)
+        return original(self, num_envs, seed, params)
+
+    monkeypatch.setattr(Crafter, "make_env", make_env)
+    return made
+
+
+@pytest.mark.slow  # ~20 s idle, longer on the shared machine under load
+def test_the_llms_env_config_is_the_env_the_agent_trains_in(make_config, monkeypatch):
+    """Plumbing, not the model: a fake LLM through the real client
+    (:func:`fakes.install_fake_litellm`) writes one env config (5 wood at the start);
+    the candidate carries it, and the training env is made with its params."""
+    import fakes
+
+    fakes.install_fake_litellm(monkeypatch, reply=lambda m: _instead_of_configs(m, LLM_ENV))
+    made = _spy_on_crafter_envs(monkeypatch)
+    summary, recorder = _run_envgen(make_config, [])
+    used = [(c, r) for c, r in recorder.trained if [e.name for e in c.envs] == ["wood_start"]]
+    assert used and summary.failed == 0, recorder.report()
+    (candidate, result), *_ = used
+    assert result.ok and result.frames > 0 and candidate.envs[0].params["start_wood"] == 5
+    trained_in = [p for p in made if p]  # the training env(s): one params dict per env of the vector env
+    assert trained_in and all(d.get("start_wood") == 5 for d in trained_in[0]), made
+
+
+NO_CONFIGS = "I would make the world a little easier for the agent."
+
+
+def test_a_run_whose_every_env_reply_is_unusable_trains_in_the_original_env_and_says_why(make_config, monkeypatch, tmp_path):
+    """Failure handling (the fake LLM never writes a JSON list of configs): the reason
+    goes back to the LLM, no candidate trains in a generated env, the cycle logs zero
+    generated envs, and the invalid replies are recorded in ``envgen/repairs.txt``."""
+    import fakes
+    import mlflow
+
+    from plugins import envgen as eg
+
+    llm = fakes.install_fake_litellm(monkeypatch, reply=lambda m: _instead_of_configs(m, NO_CONFIGS))
+    summary, recorder = _run_envgen(make_config, ["plugins.envgen.retries=1"])
+    assert recorder.trained and all(r.ok for _, r in recorder.trained), recorder.report()
+    assert not [e for c, _ in recorder.trained for e in c.envs if e.name != eg.ORIGINAL]
+    assert len(llm.calls) == 2 and "JSON" in llm.calls[1]["messages"][-1]["content"]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (parent,) = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()])
+                 if "candidate" not in r.data.tags]
+    assert parent.data.metrics["envgen/generated_envs"] == 0
+    repairs = Path(client.download_artifacts(parent.info.run_id, "envgen/repairs.txt", str(tmp_path))).read_text()
+    assert "it0: invalid" in repairs
