@@ -521,3 +521,57 @@ def test_end_to_end_on_pendulum_with_the_embedded_model(tmp_path: Path):
     evolution = Path(client.download_artifacts(parent.info.run_id, "lares/evolution.md", str(tmp_path)))
     text = evolution.read_text()
     assert "## generation 1" in text and "### behaviour of the best agent" in text and "### analysis" in text
+
+
+
+# -- end to end: the LLM's reward trains the population (plumbing), and a run whose every reward fails --------------
+
+
+def _run_lares(make_config, overrides):
+    """One in-process LaRes run on Pendulum with a tiny SAC; (summary, recorder)."""
+    from contract import SMOKE_BASE, Recorder
+
+    from core.loop import run_experiment
+
+    recorder = Recorder()
+    cfg = make_config(["+plugins=[lares]", "env=pendulum", "trainer=sac", "trainer.frames=600",
+                       "trainer.init_random_frames=100", "trainer.updates_per_frame=0.25", "trainer.batch_size=32",
+                       "trainer.hidden=[32,32]", "plugins.lares.population=2", "plugins.lares.elites=1",
+                       "plugins.lares.llm_freq=300", *SMOKE_BASE, "trainer.eval_episodes=1", *overrides])
+    return run_experiment(cfg, extra_plugins=(recorder,)), recorder
+
+
+@pytest.mark.slow  # ~30 s idle (SAC), longer on the shared machine under load
+def test_the_llms_reward_functions_train_the_population_and_their_components_are_logged(make_config, monkeypatch):
+    """Plumbing, not the model: the shared fake LLM (:func:`fakes.install_fake_litellm`)
+    answers through the real client; each member of the population trains on a reward
+    function extracted from its replies, whose components are logged."""
+    llm = fakes.install_fake_litellm(monkeypatch)
+    summary, recorder = _run_lares(make_config, [])
+    assert llm.count("def compute_reward") >= 2
+    members = [(c, r) for c, r in recorder.trained if c.reward is not None and c.reward.origin == "lares"]
+    assert len(members) == 2 and summary.failed == 0, recorder.report()
+    for candidate, result in members:
+        assert fakes.MARK in candidate.reward.source and result.ok and result.frames > 0
+        assert "lares/generation" in result.metrics
+        alive = [v for _, v in result.components.get("alive", [])]
+        assert alive and alive == pytest.approx([1.0] * len(alive)), result.components  # the program ran on each step
+
+
+BROKEN_REWARD = """```python
+import torch
+
+
+def compute_reward(state, action, next_state):
+    return next_state["no_such_field"] * 2.0, {}
+```"""
+
+
+def test_a_run_whose_every_reward_fails_records_each_failure(make_config, monkeypatch):
+    """Failure handling (the fake LLM only writes rewards that read a field Pendulum
+    lacks): no member trains on an LLM reward, each is recorded failed with the reason."""
+    fakes.install_fake_litellm(monkeypatch, reply=lambda m: BROKEN_REWARD if "compute_reward" in fakes.answer(m) else fakes.answer(m))
+    summary, recorder = _run_lares(make_config, ["plugins.lares.retries=0"])
+    members = [(c, r) for c, r in recorder.trained if c.reward is not None and c.reward.origin == "lares"]
+    assert members and summary.failed >= len(members), recorder.report()
+    assert all(not r.ok and "no_such_field" in r.error for _, r in members), recorder.report()
