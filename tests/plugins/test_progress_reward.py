@@ -353,3 +353,62 @@ def test_end_to_end_on_minecraft_with_the_embedded_model_logs_calls_latency_and_
     assert "texts/progress_reward/reasons.md" in artifacts and "texts/llm_calls.md" in artifacts
     reasons = Path(client.download_artifacts(child.info.run_id, "texts/progress_reward/reasons.md", str(tmp_path)))
     assert "Vitals:" in reasons.read_text()  # the Crafter state the judge saw
+
+
+# -- end to end: the LLM's progress scores reach the reward PPO trains on -----------------------------------------
+
+
+def _run_progress(make_config, overrides):
+    """One in-process run with this plugin on CartPole and a tiny PPO; (summary, recorder)."""
+    from contract import PPO_TINY, SMOKE_BASE, Recorder
+
+    from core.loop import run_experiment
+
+    recorder = Recorder()
+    cfg = make_config(["+plugins=[progress_reward]", "env=cartpole", "plugins.progress_reward.finish_s=5",
+                       *SMOKE_BASE, *PPO_TINY, *overrides])
+    return run_experiment(cfg, extra_plugins=(recorder,)), recorder
+
+
+def _spy_on_scores(monkeypatch):
+    """Records, at each training step, the judged progress scores the mixed reward is computed from."""
+    seen: list[float] = []
+    reward = pr.ProgressJudge.reward
+
+    def judge_reward(self, batch):
+        out = reward(self, batch)
+        known = self.progress[~np.isnan(self.progress)]
+        seen.extend(float(x) for x in known)
+        return out
+
+    monkeypatch.setattr(pr.ProgressJudge, "reward", judge_reward)
+    return seen
+
+
+def test_the_llms_progress_scores_are_used_in_the_training_reward(make_config, monkeypatch):
+    """Plumbing, not the model: the shared fake LLM through the real client
+    (:func:`fakes.install_fake_litellm`) scores every state 7. Its scores, not the rule's
+    fallback, are the progress the per-step reward is mixed from during training."""
+    llm = fakes.install_fake_litellm(monkeypatch)
+    seen = _spy_on_scores(monkeypatch)
+    summary, recorder = _run_progress(make_config, [])
+    ((_, result),) = recorder.trained
+    assert result.ok and result.frames > 0 and summary.failed == 0, recorder.report()
+    assert llm.count("Score: 7") >= 1 and result.metrics["judge/llm_calls"] >= 1
+    assert result.metrics["judge/fallbacks"] == 0 and result.metrics["judge/sparse_fraction"] < 1.0
+    assert seen and 7.0 in seen  # a score of the LLM was the progress of a training step
+    assert result.metrics["judge/progress_mean"] == pytest.approx(7.0, abs=1.0)
+    assert "Score" in llm.replies[0] and "**7.0** (llm;" in result.texts["progress_reward/reasons.md"]
+
+
+def test_scores_the_llm_cannot_give_fall_back_to_the_rule_and_are_recorded(make_config, monkeypatch):
+    """Failure handling (the fake LLM never writes a score): every evaluation is rejected
+    and replaced by the rule's score, counted as a fallback and recorded; training succeeds."""
+    fakes.install_fake_litellm(monkeypatch, reply=lambda messages: "The agent is doing something.")
+    summary, recorder = _run_progress(make_config, [])
+    ((_, result),) = recorder.trained
+    assert result.ok and result.frames > 0, recorder.report()
+    calls = result.metrics["judge/llm_calls"]
+    assert calls >= 1 and result.metrics["judge/fallbacks"] == calls
+    assert result.metrics["judge/rejected_replies"] >= calls
+    assert "(rule;" in result.texts["progress_reward/reasons.md"] and "(llm;" not in result.texts["progress_reward/reasons.md"]
