@@ -203,3 +203,22 @@ def test_end_to_end_with_the_embedded_model_records_a_verdict_for_every_program(
         text = Path(client.download_artifacts(parent.info.run_id, path, str(tmp_path))).read_text()
         assert text.startswith(("# Reward vetting: ", "# Reward check: ")), text
     assert list((tmp_path / "cache" / "reference").glob("mountaincar-*.pkl"))  # the reference episodes were cached
+
+
+def test_text2reward_repairs_its_own_program_with_its_helpers():
+    from plugins import text2reward as t2r
+
+    fixed = FIXED.replace("compute_reward", "compute_dense_reward")
+    llm = ScriptedLLM([fixed])
+    settings = fakes.settings_for(t2r.NAME, t2r)
+    pm = make_plugin_manager(settings, modules={t2r.NAME: t2r})
+    run = fakes.make_run(make_task({"name": "mountaincar"}), llm, plugin=t2r.NAME, module=t2r,
+                         config={"vetting": {"episodes": 3}}, hook=pm.hook)
+    alive = ALIVE.replace("compute_reward", "compute_dense_reward")
+    program = t2r.program_of(alive, "prompt", 0)
+    c = Candidate(id="it0-c0", iteration=0, reward=program)
+    assert preflight(run, [c]) == {}
+    (call,) = llm.calls
+    assert call.tag == "text2reward-repair" and "prolonging the episode" in call.last and '"car_position"' in call.last
+    assert c.reward.entry == "compute_dense_reward" and "def tolerance" in c.reward.source and "reached" in c.reward.source
+    assert c.reward.origin == t2r.NAME and c.reward.meta["repairs"] == 1
