@@ -47,15 +47,25 @@ class EtaColumn(ProgressColumn):
     iteration, a candidate) does not give until it ends; this one shows as soon as any
     work is done. ``-:--:--`` before that, nothing once finished. A bar with an ``eta_s``
     field shows that instead (an LLM call: the tokens left at its decoding rate).
+    Between two steps the estimate counts down from the last one instead of growing.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._steps: dict[Any, tuple[float, float]] = {}  # task id -> (completed, elapsed) at its last step
 
     def render(self, task: Task) -> Text:
         if task.finished:
             return Text("")
         if "eta_s" in task.fields:  # the bar knows better (an LLM call: its decoding rate)
             left = task.fields["eta_s"]
-        else:
-            left = eta_seconds(task.elapsed, task.completed, task.total)
+        else:  # the pace at the last step, less the time since: no growing estimate between steps
+            seen = self._steps.get(task.id)
+            if seen is None or seen[0] != task.completed:
+                seen = self._steps[task.id] = (task.completed, task.elapsed or 0.0)
+            left = eta_seconds(seen[1], task.completed, task.total)
+            if left is not None:
+                left = max(0.0, left - ((task.elapsed or 0.0) - seen[1]))
         if left is None:
             return Text("-:--:--", style="progress.remaining")
         minutes, seconds = divmod(int(left + 0.5), 60)
