@@ -368,3 +368,81 @@ def test_end_to_end_on_minecraft_with_the_embedded_model_labels_segments(tmp_pat
     assert "texts/rlaif_preference/labels.md" in artifacts and "texts/llm_calls.md" in artifacts
     labels = Path(client.download_artifacts(child.info.run_id, "texts/rlaif_preference/labels.md", str(tmp_path)))
     assert "votes" in labels.read_text()  # each label with its votes and the LLM's replies
+
+
+# -- end to end: the LLM's labels train the reward model that trains the agent ------------------------------------
+
+
+def _run_preference(make_config, overrides):
+    """One in-process run with this plugin on CartPole and a tiny PPO; (summary, recorder)."""
+    from contract import PPO_TINY, SMOKE_BASE, Recorder
+
+    from core.loop import run_experiment
+
+    recorder = Recorder()
+    cfg = make_config(["+plugins=[rlaif_preference]", "env=cartpole", "plugins.rlaif_preference.label_every=256",
+                       "plugins.rlaif_preference.label_budget=4", "plugins.rlaif_preference.segment_len=8",
+                       "plugins.rlaif_preference.finish_s=5", *SMOKE_BASE, *PPO_TINY, *overrides])
+    return run_experiment(cfg, extra_plugins=(recorder,)), recorder
+
+
+def _spy(monkeypatch):
+    """Records the labels each Bradley-Terry fit trains on, and the reward terms the learner adds to training."""
+    seen: dict[str, list] = {"labels": [], "terms": []}
+    loss, reward = rp.bt_loss, rp.PreferenceLearner.reward
+
+    def bt_loss(score_a, score_b, label):
+        seen["labels"].append(label.detach().clone())
+        return loss(score_a, score_b, label)
+
+    def learner_reward(self, batch):
+        term = reward(self, batch)
+        if term is not None:
+            seen["terms"].append(term)
+        return term
+
+    monkeypatch.setattr(rp, "bt_loss", bt_loss)
+    monkeypatch.setattr(rp.PreferenceLearner, "reward", learner_reward)
+    return seen
+
+
+@pytest.mark.slow  # ~20 s idle, 150 s on the shared machine under load
+def test_the_llms_labels_train_the_reward_model_and_its_reward_reaches_training(make_config, monkeypatch):
+    """Plumbing, not the model: the shared fake LLM through the real client
+    (:func:`fakes.install_fake_litellm`) answers each pair with one digit whose
+    log-probabilities give P("1") = 0.7 (``swap=false``: that is the label). The labels
+    are the targets of the reward model's Bradley-Terry loss, and the fitted model's
+    reward is added to the rewards PPO trains on. Offline labelling (Motif): the model is
+    fitted before training, so every step gets its term; online, whether a label lands
+    before a 1k-frame training ends depends on the machine's load."""
+    llm = fakes.install_fake_litellm(monkeypatch)
+    seen = _spy(monkeypatch)
+    summary, recorder = _run_preference(make_config, ["plugins.rlaif_preference.swap=false",
+                                                      "plugins.rlaif_preference.labelling=offline",
+                                                      "plugins.rlaif_preference.offline.envs=2",
+                                                      "plugins.rlaif_preference.offline.steps=64"])
+    ((_, result),) = recorder.trained
+    assert result.ok and result.frames > 0 and summary.failed == 0, recorder.report()
+    asked = [c for c in llm.calls if "Segment 1" in c["messages"][-1]["content"]]
+    assert len(asked) >= 2 and result.metrics["preference/labels"] >= 2
+    targets = torch.cat(seen["labels"])
+    assert len(targets) >= 2 and torch.allclose(targets, torch.tensor(0.7)), targets  # the LLM's labels are the loss's targets
+    assert result.metrics["preference/rm_loss"] == result.metrics["preference/rm_loss"]  # a fit happened (not nan)
+    assert seen["terms"] and any(bool(t.abs().sum() > 0) for t in seen["terms"])  # the model's reward reached training
+
+
+def test_labels_the_llm_cannot_give_train_nothing_and_are_recorded(make_config, monkeypatch):
+    """Failure handling (the fake LLM never answers with a label): every label is unknown
+    and counted, no reward model is fitted, no term is added, the training itself
+    succeeds, and the replies are recorded."""
+    fakes.install_fake_litellm(monkeypatch, reply=lambda messages: "I cannot tell which one is better.")
+    seen = _spy(monkeypatch)
+    summary, recorder = _run_preference(make_config, ["plugins.rlaif_preference.judge=text",
+                                                      "plugins.rlaif_preference.samples=1"])
+    ((_, result),) = recorder.trained
+    assert result.ok and result.frames > 0, recorder.report()
+    labels = result.metrics["preference/labels"]
+    assert labels >= 1 and result.metrics["preference/unknown"] == labels
+    assert result.metrics["judge/rejected_replies"] >= labels
+    assert not seen["labels"] and not seen["terms"] and "preference/rm_loss" not in result.metrics
+    assert "cannot tell" in result.texts["rlaif_preference/labels.md"]
