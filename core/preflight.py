@@ -101,8 +101,8 @@ class _Checker:
             if not outcome.error or attempt == self.cfg.repair:
                 break
             fixed = self.repair(outcome.program, outcome.error)
-            if fixed is None:
-                break
+            if fixed is None or fixed.source.strip() == outcome.program.source.strip():
+                break  # nothing new to check: the same verdict again
             outcome.program = fixed
             outcome.repairs = attempt + 1
         return outcome

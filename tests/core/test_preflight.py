@@ -94,10 +94,18 @@ def test_a_failing_program_is_repaired_once_through_its_plugin_with_the_error():
 
 
 def test_repair_is_tried_as_often_as_configured_then_the_candidate_fails():
-    run, llm = eureka_run([ALIVE], repair=2)
+    worse = [ALIVE.replace("alive = torch", f"alive = {k} * torch") for k in (2, 3)]
+    run, llm = eureka_run(worse, repair=2)
     c = candidate(ALIVE)
     result = preflight(run, [c])["it0-c0"]
     assert len(llm.calls) == 2 and result.error_kind == "vetting" and result.metrics["vetting/repairs"] == 2.0
+    assert "3 * torch" in c.reward.source  # the last attempt is what the candidate holds
+
+
+def test_a_repair_that_returns_the_same_code_ends_the_repairs():
+    run, llm = eureka_run([ALIVE], repair=3)
+    result = preflight(run, [candidate(ALIVE)])["it0-c0"]
+    assert len(llm.calls) == 1 and result.error_kind == "vetting"
 
 
 def test_a_program_that_fails_its_probe_is_repaired_too():
