@@ -11,7 +11,7 @@
    after the plugins (load on a shared machine drifts); its mean is the reference.
 2. Label agreement, on tasks whose segment text does not state the return: segments of a
    random policy (8 envs x 128 steps, cut as the plugin cuts them) on each of
-   ``--label-tasks``, rendered by the plugin (``render_segment``) and labelled with its
+   ``--label-tasks`` (``name:C:S`` gives one task its own counts), rendered by the plugin (``render_segment``) and labelled with its
    default judge and prompt (one digit, both orders). Pairs are drawn in two strata:
    ``clear`` (return difference at least the 75th percentile of the nonzero differences
    among all pairs of segments) and ``small`` (nonzero, at most the 25th percentile).
@@ -232,7 +232,11 @@ def summarize(job: dict[str, Any], seed: int) -> dict[str, Any]:
 def label_agreement(tasks: list[str], llm: Any, clear: int, small: int, seed: int, budget_s: float) -> list[dict[str, Any]]:
     """Label the tasks' pairs round-robin (one pair per task in turn) until all are labelled
     or ``budget_s`` seconds have passed; a summary per task."""
-    jobs = [prepare_pairs(name, clear, small, seed) for name in tasks]
+    jobs = []
+    for spec in tasks:  # "name" or "name:clear:small"
+        name, *counts = spec.split(":")
+        n_clear, n_small = (int(counts[0]), int(counts[1])) if counts else (clear, small)
+        jobs.append(prepare_pairs(name, n_clear, n_small, seed))
     t0 = time.perf_counter()
     while any(len(j["rows"]) < len(j["chosen"]) for j in jobs) and time.perf_counter() - t0 < budget_s:
         for job in jobs:
@@ -255,7 +259,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=65536)
     parser.add_argument("--label-tasks", default="minecraft,lunarlander,halfcheetah",
-                        help="comma-separated tasks whose label agreement is measured (cartpole too, if wanted)")
+                        help="comma-separated tasks whose label agreement is measured; name:C:S sets that task's clear and small pairs")
     parser.add_argument("--clear", type=int, default=10, help="pairs per task with a clear return difference")
     parser.add_argument("--small", type=int, default=10, help="pairs per task with a small return difference")
     parser.add_argument("--budget-s", type=float, default=1200.0,
