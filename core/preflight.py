@@ -9,13 +9,14 @@ any of them is dispatched to training. For every reward program proposed this it
    ``vetting.enabled``: a program that ranks failed episodes above successful ones, or
    pays for prolonging an episode the task wants ended, is rejected with feedback;
 3. **repair, not resample**: a program that fails 1 or 2, or a reply that held no usable
-   program (``Program.rejected``), goes back to the plugin that
-   proposed it (the ``repair_program`` hook of the plugin its ``origin`` names) with the
-   error, up to ``vetting.repair`` times; each repaired program is checked again and,
-   once it passes, trains in the original's place;
+   program (``Program.rejected``), goes back to the plugin that proposed it (the
+   ``repair_program`` hook of the plugin its ``origin`` names) with the error, up to
+   ``vetting.repair`` times (a repair that returns the same code ends them); each
+   repaired program is checked again and, once it passes, trains in the original's place;
 4. a program still failing never trains: its candidates get a failed
    :class:`core.records.TrainResult` (``error_kind="vetting"``, or the sandbox's category),
-   whose error reaches the plugin's ``reflect`` like any failed training's.
+   whose error reaches the plugin's ``reflect`` like any failed training's. A reply that
+   still holds no usable program stays the loop's rejected candidate (``Program.rejected``).
 
 Each verdict is logged on the run: ``vetting/it<k>-<candidate>.md`` (text) and the
 ``vetting/*`` figures (``vetting/pair_accuracy``, ``vetting/step_reward``, ...) as metrics;

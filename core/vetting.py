@@ -155,6 +155,7 @@ def vet(reward_fn: Any, program: Any, task: Task, trajectories: list[Trajectory]
     figures: dict[str, float] = {"vetting/trajectories": float(len(trajectories)), "vetting/successes": float(success.sum())}
     checks: list[str] = []
     problems: list[str] = []
+    names: list[str] = []  # the problems in a few words, for the reason's first line
 
     # CARD's trajectory preference: successes must earn more than failures
     if success.any() and (~success).any():
@@ -168,6 +169,7 @@ def vet(reward_fn: Any, program: Any, task: Task, trajectories: list[Trajectory]
                       f"{good_len:.0f} steps each on average) vs failures {bad.mean():.4g} ({len(bad)} episodes, "
                       f"{bad_len:.0f} steps); pair accuracy {wins:.2f}")
         if good.mean() <= bad.mean():
+            names.append("it ranks failure above success")
             problems.append(
                 f"It ranks failure above success: on reference episodes, the {len(good)} that achieved the task "
                 f"(mean length {good_len:.0f} steps) earn a mean return of {good.mean():.4g} under your reward, "
@@ -188,6 +190,7 @@ def vet(reward_fn: Any, program: Any, task: Task, trajectories: list[Trajectory]
             checks.append(f"prolonging: mean reward per continuing step of random episodes {mean:.4g} "
                           f"(mean magnitude {scale:.4g})")
             if mean > DRIFT_TOLERANCE * scale and mean > 0:
+                names.append("it pays for prolonging the episode")
                 problems.append(
                     f"It pays for prolonging the episode: reaching the goal ends the episode in this task, yet on "
                     f"random episodes that have not reached it your reward is positive on average "
@@ -202,5 +205,6 @@ def vet(reward_fn: Any, program: Any, task: Task, trajectories: list[Trajectory]
     figures["vetting/passed"] = 0.0 if problems else 1.0
     reason = ""
     if problems:
-        reason = "The reward function was rejected before training.\n\n" + "\n\n".join(f"- {p}" for p in problems)
+        reason = (f"The reward function was rejected before training: {'; '.join(names)}.\n\n"
+                  + "\n\n".join(f"- {p}" for p in problems))
     return Verdict(not problems, reason, figures, checks)
