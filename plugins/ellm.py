@@ -9,8 +9,8 @@ Suggestions are cached per unique caption, so the LLM is asked once per kind of 
 Here, on Crafter (``env=minecraft``):
 
 - Captions (:func:`caption`) are coarse on purpose, so that they repeat: the kinds of
-  things in view (resources, stations, creatures), the items held (without counts) and
-  the vitals running low.
+  things near the player (resources, stations, creatures within ``view_radius`` cells),
+  the items held (without counts) and the vitals running low.
 - Queries never block a step: ``compute_reward`` pays for the captions already answered
   and notes the others; after each collected batch (``on_rollout``) the most frequent
   unanswered captions, at most ``queries_per_rollout`` of them, go to the LLM together
@@ -52,12 +52,15 @@ class Config(PluginConfig):
     bonus: float = 1.0  # reward when a transition achieves a goal suggested for its state
     queries_per_rollout: int = 4  # most new captions sent to the LLM after each collected batch
     low_vital: int = 3  # a vital (food, drink, energy, health) at or below this is named in the caption
+    view_radius: int = 2  # the caption names what is within this many cells of the player (x and y; 4 = the whole 9x7 view)
     temperature: float = 0.0  # sampling temperature of the suggestions (0: one answer per caption)
     max_tokens: int = 60  # cap on each reply
     final_seeds: int = 0  # retrain the best candidate on this many more seeds after the loop
 
     def check(self) -> None:
         super().check()
+        if self.view_radius < 1:
+            raise ValueError(f"view_radius must be >= 1, got {self.view_radius}")
         for name in ("goals_per_state", "queries_per_rollout", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -83,12 +86,15 @@ UNKNOWN = "(The game cannot check these, never suggest them: {names}.)\n"
 SEEN = ("water", "stone", "tree", "lava", "coal", "iron", "diamond", "table", "furnace", "cow", "zombie", "skeleton", "plant")
 
 
-def caption_keys(task: Any, obs: torch.Tensor, low_vital: int) -> np.ndarray:
-    """``[B, K]`` bool: for each observation, what its caption says (things seen, items held, low vitals)."""
-    from core.envs.crafter import ITEMS, VIEW_IDS, VITALS
+def caption_keys(task: Any, obs: torch.Tensor, low_vital: int, radius: int = 4) -> np.ndarray:
+    """``[B, K]`` bool: for each observation, what its caption says (things within ``radius``
+    cells of the player, items held, low vitals)."""
+    from core.envs.crafter import ITEMS, VIEW, VIEW_IDS, VITALS
 
     state = task.split_state(torch.as_tensor(obs)[..., : task.obs_dim])
-    view = state["local_view"].reshape(obs.shape[0], -1)
+    cx, cy = VIEW[0] // 2, VIEW[1] // 2
+    view = state["local_view"].reshape(obs.shape[0], *VIEW)
+    view = view[:, max(0, cx - radius): cx + radius + 1, max(0, cy - radius): cy + radius + 1].reshape(obs.shape[0], -1)
     seen = torch.stack([(view == VIEW_IDS[k]).any(-1) for k in SEEN], -1)
     held = torch.stack([state[i].reshape(-1) > 0 for i in ITEMS], -1)
     low = torch.stack([state[v].reshape(-1) <= low_vital for v in VITALS], -1)
@@ -161,7 +167,7 @@ class Plugin:
     def compute_reward(self, train, batch) -> torch.Tensor | None:
         st = self._state(train)
         goals = st["goals"]
-        keys = caption_keys(train.task, batch.obs, self.cfg.low_vital)
+        keys = caption_keys(train.task, batch.obs, self.cfg.low_vital, self.cfg.view_radius)
         allowed = torch.zeros(len(keys), len(goals), dtype=torch.bool)
         for row, key in enumerate(keys):
             raw = np.packbits(key).tobytes()

@@ -29,6 +29,10 @@ def task():
     return make_task({"name": "minecraft", "max_episode_steps": 60, "pixels": False})
 
 
+#: view cells next to the player (the view is [dx + 4, dy + 3] of a 9x7 window, flattened)
+NEAR = [5 * 7 + 3, 3 * 7 + 3, 4 * 7 + 4, 4 * 7 + 2]
+
+
 def _obs(task, *, see=(), have=(), done=(), food=9):
     obs = torch.zeros(task.obs_dim)
     at = {f.name: f for f in task.state_fields}
@@ -37,8 +41,8 @@ def _obs(task, *, see=(), have=(), done=(), food=9):
         obs[at[v].start] = 9
     view = at["local_view"]
     obs[view.start: view.stop] = VIEW_IDS["grass"]
-    for i, thing in enumerate(see):
-        obs[view.start + i] = VIEW_IDS[thing]
+    for cell, thing in zip(NEAR, see):
+        obs[view.start + cell] = VIEW_IDS[thing]
     for item in have:
         obs[at[item].start] = 2
     for g in done:
@@ -53,6 +57,11 @@ def test_captions_are_coarse_and_repeat(task):
     assert (keys[0] == keys[1]).all() and not (keys[0] == keys[2]).all()
     assert ellm.caption(keys[0]) == "You see: tree, cow. You have: wood. Low: food."
     assert ellm.caption(keys[2]) == "You see: only grass. You have: nothing."
+    # the radius: a tree at the view's corner is named in the whole view, not in the 5x5 square
+    far = _obs(task)
+    far[next(f for f in task.state_fields if f.name == "local_view").start] = VIEW_IDS["tree"]  # cell [0, 0]: 4 left, 3 up
+    assert ellm.caption(ellm.caption_keys(task, far[None], 3, radius=4)[0]).startswith("You see: tree.")
+    assert ellm.caption(ellm.caption_keys(task, far[None], 3, radius=2)[0]).startswith("You see: only grass.")
 
 
 def test_parse_goals_maps_names_and_reports_the_rest(task):
@@ -132,7 +141,8 @@ def test_config_defaults_are_the_yaml_file():
     assert typed(ellm.Config, yaml, "plugins.ellm") == ellm.Config() == plugin_object(ellm).cfg
 
 
-@pytest.mark.parametrize("key,value", [("goals_per_state", 0), ("queries_per_rollout", 0), ("max_tokens", 0), ("temperature", -1.0)])
+@pytest.mark.parametrize("key,value", [("goals_per_state", 0), ("queries_per_rollout", 0), ("max_tokens", 0), ("temperature", -1.0),
+                                       ("view_radius", 0)])
 def test_config_refuses_values_that_cannot_work(key, value):
     with pytest.raises(UserError, match=key):
         plugin_object(ellm, **{key: value})
@@ -173,8 +183,9 @@ def test_combines_with_a_reward_plugin_eureka_and_ellm(make_config, monkeypatch)
 @pytest.mark.slow
 def test_end_to_end_minecraft_suggested_goals_earn_reward(tmp_path):
     """The embedded model suggests the goals; training pays for the ones the agent achieves."""
-    cmd = [sys.executable, "-m", "core", "+plugins=[ellm]", "env=minecraft", "env.max_episode_steps=200",
-           "trainer.frames=3072", "trainer.num_envs=8", "trainer.rollout_steps=128", "trainer.epochs=2", "trainer.eval_episodes=2",
+    cmd = [sys.executable, "-m", "core", "+plugins=[ellm]", "env=minecraft", "env.max_episode_steps=60",
+           "plugins.ellm.queries_per_rollout=8", "trainer.frames=4096", "trainer.num_envs=8", "trainer.rollout_steps=64",
+           "trainer.epochs=2", "trainer.eval_episodes=2",
            "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
