@@ -255,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_log:
         rid = log_to_mlflow(args.uri, args.experiment, out, tasks)
         console.print(f"logged to MLflow run {rid}")
+    from core.progress import next_steps
+
     console.print(f"report: {out / 'report.md'}")
+    console.print(next_steps(args.uri, args.experiment)[1], markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
