@@ -53,9 +53,13 @@ def number(value: float | None, digits: int = 4) -> str:
     return f"{value:.{digits}g}"
 
 
+#: MLflow 3's UI opens in its GenAI mode unless told: this query keeps it in model training
+ML_VIEW = "workflowType=machine_learning"
+
+
 def run_link(experiment_id: str, run_id: str) -> str:
-    """A link to a run that works inside the MLflow UI (its hash routes)."""
-    return f"#/experiments/{experiment_id}/runs/{run_id}"
+    """A link to a run that works inside the MLflow UI (its hash routes), in the model-training view."""
+    return f"#/experiments/{experiment_id}/runs/{run_id}?{ML_VIEW}"
 
 
 def winner_rule(fitness_name: str) -> str:

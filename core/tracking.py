@@ -20,8 +20,9 @@ from core.records import Candidate, RewardProgram, StateProgram, TrainResult
 
 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
-#: the experiment tag MLflow 3's UI reads to open an experiment in its model-training view
-#: (its other kinds are GenAI ones: traces, evaluations, prompts)
+#: the experiment tag MLflow 3 reads for an experiment's kind: model training, not GenAI. MLflow
+#: 3.17's global GenAI / Model training switch still wins over it, so links carry
+#: ``workflowType=machine_learning`` too (:data:`core.run_page.ML_VIEW`)
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 #: a saved runs-table view (experiment tag ``mlflow.sharedViewState.<key>``), opened by the URL
 #: ``#/experiments/<id>?viewStateShareKey=<key>`` and listed in the UI's view menu
@@ -255,7 +256,7 @@ class Tracker:
     def ui_hint(self) -> str:
         """How to open these results."""
         uri = self.uri
-        page = f"#/experiments/{self.experiment_id}?viewStateShareKey={VIEW_KEY}"
+        page = f"#/experiments/{self.experiment_id}/runs?viewStateShareKey={VIEW_KEY}&{run_page.ML_VIEW}"
         if uri.startswith("sqlite:///"):
             return f"mlflow ui --backend-store-uri {uri}, then open http://127.0.0.1:5000/{page}"
         return f"open {uri.rstrip('/')}/{page}"

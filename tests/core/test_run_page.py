@@ -47,9 +47,9 @@ def test_the_parent_page_has_every_candidate_the_winner_and_the_rule():
     page = _page()
     rows = [line for line in page.splitlines() if line.startswith("| ") and "`eureka-s0/" in line]
     assert len(rows) == 3
-    assert "| 0 | 1 | `eureka-s0/it0-c1` | - | timeout | [open](#/experiments/7/runs/r01) |" in rows
-    assert "| 1 | 3 | **`eureka-s0/it1-c0`** (winner) | 187.5 | ok | [open](#/experiments/7/runs/r10) |" in rows
-    assert "**Winner:** [`eureka-s0/it1-c0`](#/experiments/7/runs/r10)" in page
+    assert "| 0 | 1 | `eureka-s0/it0-c1` | - | timeout | [open](#/experiments/7/runs/r01?workflowType=machine_learning) |" in rows
+    assert "| 1 | 3 | **`eureka-s0/it1-c0`** (winner) | 187.5 | ok | [open](#/experiments/7/runs/r10?workflowType=machine_learning) |" in rows
+    assert "**Winner:** [`eureka-s0/it1-c0`](#/experiments/7/runs/r10?workflowType=machine_learning)" in page
     assert "**Rule:** the highest `return`" in page
     assert "| LLM tokens | 900 prompt + 300 completion |" in page and "$0.0012" in page
     assert "| candidates | 3 (1 failed) |" in page and "| training frames | 2000 |" in page
@@ -91,7 +91,7 @@ def test_a_candidate_page_links_its_parent_and_shows_its_error():
     failed = TrainResult("it0-c1", ok=False, error="Traceback\n  ...\nZeroDivisionError: x", error_kind="ZeroDivisionError")
     page = run_page.candidate_page(candidate=c, result=failed, parent_name="eureka-s0", parent_id="p1",
                                    experiment_id="7")
-    assert page.startswith("# Candidate `it0-c1` of run [`eureka-s0`](#/experiments/7/runs/p1)")
+    assert page.startswith("# Candidate `it0-c1` of run [`eureka-s0`](#/experiments/7/runs/p1?workflowType=machine_learning)")
     assert "status **ZeroDivisionError**" in page and "ZeroDivisionError: x" in page
     failed.error_kind = "exception"
     assert run_page.status_of(failed) == "exception: ZeroDivisionError"
