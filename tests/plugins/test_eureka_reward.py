@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -363,7 +364,8 @@ def test_the_llms_reward_program_trains_and_its_components_are_logged(make_confi
         assert [v for _, v in result.components["alive"]] == pytest.approx([1.0] * len(result.components["alive"]))
         assert result.components["alive"] and result.components["level"]
         assert client.get_metric_history(result.run_id, "components/alive")
-        assert result.metrics["reward/env_correlation"] == result.metrics["reward/env_correlation"]  # the reward was rewritten
+        # the reward was rewritten; CartPole's env reward is constant, so the correlation is undefined (NaN)
+        assert "reward/env_correlation" in result.metrics and math.isnan(result.metrics["reward/env_correlation"])
 
 
 BROKEN = """```python
