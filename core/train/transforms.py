@@ -29,6 +29,16 @@ RewardFn = Callable[[dict, torch.Tensor, dict], Any]  # -> reward [B] or (reward
 StateFn = Callable[[dict], torch.Tensor]  # -> features [B, k]
 
 
+class _Tally:
+    """Component sums and the step count since the last read (a plain object: a module's setattr costs microseconds)."""
+
+    __slots__ = ("sums", "steps")
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+
+
 def _mean(value: Any) -> float:
     """The mean of a reward component (a float32 row from the sandbox is summed in Python: no tensor op)."""
     if type(value) is torch.Tensor and value.dim() == 1 and value.numel():
@@ -51,13 +61,17 @@ class ProgramReward(Transform):
         self._dim = task.obs_dim
         # a sandboxed program takes whole observations (the worker names the fields)
         self._from_obs = getattr(fn, "from_obs", None) if getattr(fn, "fields", None) is not None else None
-        self._sums: dict[str, float] = {}
-        self._steps = 0
+        self._tally = _Tally()
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        obs, next_obs = tensordict.get("observation"), next_tensordict.get("observation")
-        reward = self._reward(obs, tensordict.get("action"), next_obs, next_tensordict.get("reward"))
-        next_tensordict.set("reward", reward)
+        # once per env step: tensordict's unvalidated accessors (the keys are plain strings, the values the env's)
+        env_reward = next_tensordict._get_str("reward", None)
+        reward = self._reward(tensordict._get_str("observation", None), tensordict._get_str("action", None),
+                              next_tensordict._get_str("observation", None), env_reward)
+        if reward.shape == env_reward.shape and reward.dtype == env_reward.dtype:
+            next_tensordict._set_str("reward", reward, validated=True, inplace=False, non_blocking=False)
+        else:  # let tensordict check (and refuse) it
+            next_tensordict.set("reward", reward)
         return next_tensordict
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -95,18 +109,19 @@ class ProgramReward(Transform):
         reward = reward.reshape(-1, 1)
         if self.mode == "add":
             reward = env_reward + self.weight * reward
+        tally = self._tally
         if components:
-            sums = self._sums
+            sums = tally.sums
             for name, value in components.items():
                 sums[name] = sums.get(name, 0.0) + _mean(value)
-        self._steps += 1
+        tally.steps += 1
         return reward
 
     def pop_components(self) -> dict[str, float]:
         """Mean of each reward component over the steps since the last call."""
-        steps, sums = max(1, self._steps), self._sums
-        self._sums, self._steps = {}, 0
-        return {name: float(total) / steps for name, total in sums.items()}
+        tally, self._tally = self._tally, _Tally()
+        steps = max(1, tally.steps)
+        return {name: total / steps for name, total in tally.sums.items()}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mode={self.mode!r}, weight={self.weight})"
