@@ -5,7 +5,7 @@ in Robotic Manipulations With Large Language Models"):
 
 1. The LLM gets the manipulation task in words (the environment, the state fields, the
    action space, the goal) and writes a rule-based controller as code: here
-   ``act(state) -> action [B, A]``, batched over the envs, values in the action bounds.
+   ``act(state) -> action [B, A]``, batched over the envs, values within the action bounds.
 2. The controller runs in the sandbox (a worker process, like reward programs): it is
    checked, loaded and probed on real states of the task before training; a program that
    fails (no function, an exception, the wrong shape) goes back to the LLM with the error,
@@ -97,12 +97,12 @@ import torch
 def act(state):
     # state: dict of field name -> torch.Tensor, batched over B environments
     #        (a scalar field is [B], a vector field [B, size])
-    # returns a float tensor [B, {act_dim}]: the action of each environment, each value in [-1, 1]
+    # returns a float tensor [B, {act_dim}]: the action of each environment, within the action's bounds
     ...
 ```
 
 Use only {imports}; work on the whole batch with tensor operations (no loop over B), and
-clamp the result to [-1, 1]."""
+clamp the result to the action's bounds."""
 
 RETRY = """The controller above failed the check on real states of the task:
 
@@ -181,7 +181,7 @@ class Controller:
             return None
         self.calls += 1
         weight = self.cfg.imitation * p / self.cfg.p0 if self.cfg.p0 > 0 else 0.0
-        return ActionPrior(mean=mean.clamp(-1.0, 1.0), std=self.cfg.std, prob=p, imitation=weight)
+        return ActionPrior(mean=mean, std=self.cfg.std, prob=p, imitation=weight)  # the trainer clips to the bounds
 
     def report(self) -> str:
         lines = [f"# RLingua controller ({'used' if self.source else 'none passed the check'})", ""]

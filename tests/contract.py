@@ -69,6 +69,9 @@ SMOKE: dict[str, Smoke] = {
     "envgen": Smoke(["env=minecraft", "trainer.num_envs=4", "trainer.rollout_steps=64", "plugins.envgen.num_envs=1"], slow=False),
     "ellm": Smoke(["env=minecraft", "env.max_episode_steps=100", "trainer.num_envs=4", "trainer.rollout_steps=64"]),
     "plan4mc": Smoke(["env=minecraft", "env.max_episode_steps=100", "trainer.num_envs=4", "trainer.rollout_steps=64"]),
+    "saycan": Smoke(["plugins.saycan.blocking=true", "plugins.saycan.max_queries=32"], slow=False),
+    "rlingua": Smoke(["env=pendulum"], trainer=["trainer.frames=400", "trainer.init_random_frames=100",  # SAC: the plugin's config
+                                                "trainer.batch_size=32", "trainer.hidden=[32,32]", "trainer.eval_episodes=1"]),
     "lares": Smoke(["env=pendulum", "plugins.lares.population=2", "plugins.lares.elites=1", "plugins.lares.llm_freq=300"],
                    trainer=["trainer=sac", "trainer.frames=600", "trainer.init_random_frames=100", "trainer.batch_size=32",
                             "trainer.hidden=[32,32]", "trainer.eval_episodes=1"]),
@@ -144,6 +147,12 @@ def used_preference_labels(rec: Recorder, llm: fakes.FakeLiteLLM) -> str:
     return ""
 
 
+def used_skill_scores(rec: Recorder, llm: fakes.FakeLiteLLM) -> str:
+    covered = [r for _, r in rec.trained if r.ok and r.metrics.get("saycan/queries", 0) > 0
+               and r.metrics.get("action_prior/rows", 0) > 0]
+    return "" if covered else "no skill score of the LLM reached the policy's action distribution"
+
+
 #: plugin -> a check that the smoke run trained with the LLM's output ("" = it did)
 EVIDENCE: dict[str, Callable[[Recorder, fakes.FakeLiteLLM], str]] = {
     "eureka": trained_llm_reward("eureka"),
@@ -154,6 +163,7 @@ EVIDENCE: dict[str, Callable[[Recorder, fakes.FakeLiteLLM], str]] = {
     "envgen": trained_llm_envs,
     "progress_reward": used_progress_scores,
     "rlaif_preference": used_preference_labels,
+    "saycan": used_skill_scores,
 }
 
 

@@ -178,6 +178,8 @@ def answer(messages: list[dict[str, str]]) -> str:
     last = messages[-1]["content"]
     if "name the defects" in last:
         return ANALYSIS
+    if "Answer with one letter" in last:  # SayCan's skill choice
+        return "B"
     if "Score: <integer 1-10>" in text:
         return PROGRESS
     if "Segment 1" in text and "Segment 2" in text:
