@@ -183,7 +183,7 @@ class Loop:
         todo = [i for i, r in enumerate(results) if r is None]
         self.reused += len(jobs) - len(todo) - sum(bool(c.rejected) for c in candidates)
         bar = progress.add_task("candidates", total=len(jobs), completed=len(jobs) - len(todo)) if progress else None
-        if progress is not None and self._outer is not None:  # the iteration bar moves by the candidates done
+        if progress is not None and self._outer is not None and len(todo) < len(jobs):  # moves by the candidates done
             progress.advance(self._outer, (len(jobs) - len(todo)) / max(1, len(jobs)))
 
         ended: dict[int, float] = {}  # when each training came back (its MLflow run's end)

@@ -173,3 +173,68 @@ def test_after_a_run_the_report_and_the_ui_are_named():
     assert lines[0] == "report:    python -m core.report --experiment abl --uri sqlite:///mlflow.db"
     assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in lines[1] and "http://127.0.0.1:5000" in lines[1]
     assert next_steps("http://tracking:5000", "abl")[1] == "MLflow UI: http://tracking:5000"
+
+
+TWO_REWARDS = '''
+    """Proposes two constant rewards every iteration."""
+
+    from dataclasses import dataclass
+
+    from core import PluginConfig, hookimpl
+    from core.records import RewardProgram
+
+
+    @dataclass
+    class Config(PluginConfig):
+        pass
+
+
+    class Plugin:
+        def __init__(self, config: Config) -> None:
+            self.config = config
+
+        @hookimpl
+        def propose_rewards(self, run, iteration):
+            return [RewardProgram(source=f"def compute_reward(state, action, next_state):\\n    return {k + 10 * iteration}.0\\n")
+                    for k in (1, 2)]
+'''
+
+
+def test_the_iteration_bar_moves_as_each_candidate_finishes(local_plugins, tiny_run, monkeypatch):
+    from contextlib import contextmanager
+
+    from omegaconf import open_dict
+
+    import core.loop
+
+    local_plugins("two", TWO_REWARDS)
+    cfg = tiny_run("save_policy=false", "executor=inprocess")
+    with open_dict(cfg):
+        cfg.plugins = {"two": {"iterations": 2}}
+    driver = Recorder()
+    moves: list[float] = []
+    advance, update = driver.advance, driver.update
+
+    def tracked_advance(task, amount=1):
+        advance(task, amount)
+        if driver.tasks[task]["description"] == "iterations":
+            moves.append(driver.tasks[task]["completed"])
+
+    def tracked_update(task, **fields):
+        update(task, **fields)
+        if driver.tasks[task]["description"] == "iterations":
+            moves.append(driver.tasks[task]["completed"])
+
+    driver.advance, driver.update = tracked_advance, tracked_update  # type: ignore[method-assign]
+
+    @contextmanager
+    def recorded(enabled=True):
+        yield driver
+
+    monkeypatch.setattr(core.loop, "make_progress", recorded)
+    core.loop.run_experiment(cfg)
+    # half an iteration per finished candidate (an ETA from the first), whole at each iteration's end
+    assert moves == [0.5, 1.0, 1, 1.5, 2.0, 2]
+    moves.clear()
+    core.loop.run_experiment(cfg)  # again: every training is reused from the results store
+    assert moves == [1.0, 1, 2.0, 2]
