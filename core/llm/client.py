@@ -613,16 +613,18 @@ class LLMClient:
         response = litellm.completion(**kwargs, stream=True, stream_options={"include_usage": True})
         if hasattr(response, "choices") and not hasattr(response, "__next__"):
             return response  # answered whole after all
-        chunks = []
+        chunks, received = [], 0
         for chunk in response:
             chunks.append(chunk)
             pieces = sum(1 for c in (getattr(chunk, "choices", None) or [])
                          if getattr(getattr(c, "delta", None), "content", None))
             if pieces:
+                received += pieces
                 on_tokens(pieces)
-        built = litellm.stream_chunk_builder(chunks, messages=messages)
+        built = litellm.stream_chunk_builder(chunks, messages=messages) if received else None
         if built is None or not getattr(built, "choices", None):
-            raise ValueError("the streamed response held no reply")
+            # a server that answers a streamed request whole reads as an empty stream: never an empty reply
+            raise ValueError("the streamed response held no text")
         return built
 
     def _replies(self, response: Any, n: int, latency: float) -> list[Reply]:

@@ -98,6 +98,47 @@ def test_a_backend_that_cannot_stream_is_asked_whole(monkeypatch, llm_cfg):
     assert client._stream_ok is False
 
 
+def test_a_server_that_answers_a_stream_whole_is_asked_again_not_read_as_empty(llm_cfg):
+    """An OpenAI-compatible server that ignores ``stream`` sends JSON: the SDK reads no chunk
+    from it. That must not become an empty reply (and be cached as one)."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    asked: list[bool] = []
+
+    class Whole(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the handler's API
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            asked.append(bool(body.get("stream")))
+            data = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+                {"index": i, "message": {"role": "assistant", "content": f"reply {i}"}, "finish_reason": "stop"}
+                for i in range(int(body.get("n") or 1))], "usage": {"prompt_tokens": 2, "completion_tokens": 4,
+                                                                     "total_tokens": 6}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Whole)
+    Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        seen = Seen()
+        client = make_client({**llm_cfg, "model": "openai/m", "api_base": f"http://127.0.0.1:{server.server_address[1]}/v1",
+                              "max_n": 2, "retries": 0}, on_progress=seen)
+        replies = client.chat([{"role": "user", "content": "q"}], n=2, seed=3)
+        assert [r.text for r in replies] == ["reply 0", "reply 1"]
+        assert asked == [True, False] and client._stream_ok is False
+        assert seen.reports[-1] == (4, True)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_the_embedded_provider_streams_into_the_sink(monkeypatch):
     """The client sets :data:`embedded.token_sink` around the request; generate streams then."""
     chunks = [{"choices": [{"index": j, "delta": {"content": f"t{k}"}}]} for k in range(3) for j in range(2)]
