@@ -100,7 +100,10 @@ def defaults(schema: type) -> dict[str, Any]:
 
 
 def plugin_yaml(name: str) -> dict[str, Any]:
-    return yaml.safe_load((conf_dir() / "plugins" / f"{name}.yaml").read_text()) or {}
+    """A plugin's YAML values; its Hydra defaults list (e.g. rlingua's ``override /trainer``) is no config key."""
+    node = yaml.safe_load((conf_dir() / "plugins" / f"{name}.yaml").read_text()) or {}
+    node.pop("defaults", None)
+    return node
 
 
 def config_yaml() -> dict[str, Any]:
