@@ -15,8 +15,11 @@ task has a known controller, successful ones) and compared with the ground truth
   the program is rejected when the mean return of the successes does not exceed the
   failures'.
 - **prolonging**: on a task whose success ends the episode (``Task.ends_on_success``),
-  the mean reward per continuing step of the random rollouts must not be materially
-  positive (``vetting/step_reward``): otherwise staying alive pays more than finishing.
+  a reward whose mean per continuing step of the random rollouts is materially positive
+  (``vetting/step_reward``) is rejected when stalling pays at least as much as finishing:
+  that per-step reward (or the successful episodes' own, short of their last step, if
+  higher) over the whole time limit (``vetting/stall_return``) against the successful
+  episodes' mean return. A small positive term beside a goal bonus that outweighs it passes.
 
 :func:`vet` returns a :class:`Verdict` with the reason in words for the LLM and the
 figures for MLflow. Trajectories are cached per task and seed (:func:`reference_set`).
@@ -189,15 +192,29 @@ def vet(reward_fn: Any, program: Any, task: Task, trajectories: list[Trajectory]
             figures["vetting/step_reward"] = mean
             checks.append(f"prolonging: mean reward per continuing step of random episodes {mean:.4g} "
                           f"(mean magnitude {scale:.4g})")
-            if mean > DRIFT_TOLERANCE * scale and mean > 0:
+            drifts = mean > DRIFT_TOLERANCE * scale and mean > 0
+            # what stalling pays: the per-step reward of random episodes, or of successful ones short of
+            # their last step (near the goal), kept for the whole time limit without finishing
+            near = [r[:-1] for t, r in zip(trajectories, rewards) if t.success and t.terminated and len(r) > 1]
+            hover = max(mean, float(np.concatenate(near).mean())) if near else mean
+            stall = hover * task.max_episode_steps
+            finish = float(returns[success].mean()) if success.any() else float("-inf")
+            if drifts:
+                figures["vetting/stall_return"] = stall
+                checks.append(f"prolonging: stalling for the {task.max_episode_steps}-step limit would earn {stall:.4g}, "
+                              f"finishing {finish:.4g}" if success.any() else "prolonging: no successful episode to compare")
+            if drifts and stall >= finish:
                 names.append("it pays for prolonging the episode")
+                than = (f", more than the {finish:.4g} that the successful episodes earn by reaching it"
+                        if success.any() else "")
                 problems.append(
                     f"It pays for prolonging the episode: reaching the goal ends the episode in this task, yet on "
-                    f"random episodes that have not reached it your reward is positive on average "
-                    f"({mean:.4g} per step). Every extra step then earns more, so the agent learns to avoid "
-                    "finishing. Make the reward per step negative or zero until the goal is reached (for example "
-                    "a small step penalty plus progress terms that are not positive on average), and pay the "
-                    "bonus on reaching the goal."
+                    f"episodes that have not reached it your reward is positive on average ({mean:.4g} per step on "
+                    f"random episodes). An agent that stays short of the goal until the {task.max_episode_steps}-step "
+                    f"time limit would collect about {stall:.4g}{than}, so it learns to avoid finishing. Make the "
+                    "reward per step negative or zero until the goal is reached (for example a small step penalty "
+                    "plus progress terms that are not positive on average), or pay a bonus on reaching the goal "
+                    "that outweighs everything staying could earn."
                 )
     else:
         checks.append("prolonging: not checked (success does not end this task's episodes)")

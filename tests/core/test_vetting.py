@@ -72,6 +72,23 @@ def test_a_reward_paying_one_per_step_on_mountaincar_is_rejected_naming_both_pro
     assert "rejected" in verdict.text() and "vetting/pair_accuracy" in verdict.text()
 
 
+def test_a_small_step_reward_beside_a_bonus_that_outweighs_it_passes(mountaincar):
+    """Stalling for the 200-step limit earns 0.05 * 200 = 10; finishing earns about 0.05 * 120 + 100."""
+    bonus = GOAL.replace("-1.0 + 100.0 * reached", "0.05 + 100.0 * reached")
+    verdict = verdict_of(bonus, *mountaincar)
+    assert verdict.ok, verdict.reason
+    assert verdict.figures["vetting/step_reward"] == pytest.approx(0.05) and verdict.figures["vetting/stall_return"] == pytest.approx(10.0)
+
+
+def test_a_positive_reward_near_the_goal_without_a_bonus_pays_for_stalling(mountaincar):
+    """exp(-distance to the flag) is paid most just short of it: hovering there beats finishing."""
+    near = ("import torch\n\ndef compute_reward(state, action, next_state):\n"
+            "    return torch.exp(-torch.abs(0.5 - next_state['car_position']))\n")
+    verdict = verdict_of(near, *mountaincar)
+    assert not verdict.ok and "prolonging the episode" in verdict.reason
+    assert verdict.figures["vetting/stall_return"] >= verdict.figures["vetting/success_return"]
+
+
 @pytest.mark.parametrize("source", [GOAL, HEIGHT], ids=["goal_bonus", "height"])
 def test_a_reward_that_ranks_successes_above_failures_passes(mountaincar, source):
     verdict = verdict_of(source, *mountaincar)
