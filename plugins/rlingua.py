@@ -101,8 +101,9 @@ def act(state):
     ...
 ```
 
-Use only {imports}; work on the whole batch with tensor operations (no loop over B), and
-clamp the result to the action's bounds."""
+Read only the state fields listed above, by those exact names. Use only {imports}; work
+on the whole batch with tensor operations (no loop over B), and clamp the result to the
+action's bounds."""
 
 RETRY = """The controller above failed the check on real states of the task:
 

@@ -124,7 +124,7 @@ def test_end_to_end_on_kuka_with_the_embedded_model(tmp_path: Path):
     cmd = [
         sys.executable, "-m", "core", "+plugins=[rlingua]", "env=kuka_grasp", "trainer.frames=300",
         "trainer.init_random_frames=100", "trainer.batch_size=32", "trainer.eval_episodes=1", "trainer.eval_every=0",
-        "plugins.rlingua.max_tokens=400", "plugins.rlingua.attempts=2", "executor=inprocess", "progress=false", "save_policy=false",
+        "plugins.rlingua.max_tokens=768", "executor=inprocess", "progress=false", "save_policy=false",
         f"cache_dir={tmp_path / 'cache'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
         f"tracking.artifact_location={tmp_path / 'art'}",
     ]  # fmt: skip
