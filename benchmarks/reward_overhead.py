@@ -24,7 +24,9 @@ both alike: ``ratio`` and ``per_step_ratio`` are the medians of the pairs' ratio
 ``trainer_throughput.py``), ``best_ratio`` the best program run over the best env run.
 ``cpu_ratio`` and ``per_step_cpu_ratio`` compare CPU time instead of wall time (the
 trainer's process plus the worker's), the cost of the sandbox without the waits for a
-CPU that a busy machine adds. The load average is printed before and after.
+CPU that a busy machine adds; ``batched_extra_cpu_s`` and ``per_step_extra_cpu_s`` are the
+CPU seconds the program adds to one run (medians of the pairs), ``per_step_worker_cpu_us``
+the worker's part per call. The load average is printed before and after.
 Prints one JSON object::
 
     {"ratio": ..., "per_step_ratio": ..., "call_overhead_us": ..., "env_reward_fps": ..., ...}
@@ -132,7 +134,8 @@ def main() -> None:
     coded = Candidate(id="program-reward", iteration=0,
                       reward=RewardProgram(source=PROGRAM, entry="compute_reward", origin="benchmark"))
     best: dict[str, float] = {"env": 0.0, "program": 0.0, "env_step": 0.0, "program_step": 0.0}
-    pairs: dict[str, list[float]] = {"batched": [], "per_step": [], "batched_cpu": [], "per_step_cpu": []}
+    pairs: dict[str, list[float]] = {"batched": [], "per_step": [], "batched_cpu": [], "per_step_cpu": [],
+                                     "batched_extra_cpu": [], "per_step_extra_cpu": []}
     metrics: dict[str, Any] = {}
     step_metrics: dict[str, Any] = {}
     fps(coded, 2048, args.seed)  # start the sandbox's zygote (once per process) outside the timing
@@ -152,6 +155,8 @@ def main() -> None:
                                                                           fps(plain, args.frames, args.seed, _hook()))
         pairs["batched_cpu"].append(env_metrics["cpu_s"] / metrics["cpu_s"])
         pairs["per_step_cpu"].append(env_step_metrics["cpu_s"] / step_metrics["cpu_s"])
+        pairs["batched_extra_cpu"].append(metrics["cpu_s"] - env_metrics["cpu_s"])
+        pairs["per_step_extra_cpu"].append(step_metrics["cpu_s"] - env_step_metrics["cpu_s"])
         for key, value in (("env", env), ("program", program), ("env_step", env_step), ("program_step", program_step)):
             best[key] = max(best[key], value)
         pairs["batched"].append(program / env)
@@ -174,6 +179,11 @@ def main() -> None:
         "per_step_call_share": step_metrics.get("sandbox/call_share"),
         "per_step_program_share": step_metrics.get("sandbox/program_share"),
         "per_step_calls": step_metrics.get("sandbox/program_calls"),
+        # CPU seconds the program costs a run (trainer and worker), and the worker's share per call
+        "batched_extra_cpu_s": round(statistics.median(pairs["batched_extra_cpu"]), 3),
+        "per_step_extra_cpu_s": round(statistics.median(pairs["per_step_extra_cpu"]), 3),
+        "per_step_worker_cpu_us": round(1e6 * step_metrics.get("sandbox/worker_cpu_seconds", 0.0)
+                                        / max(1.0, step_metrics["sandbox/program_calls"]), 1),
         "isolation": overhead["isolation"], "frames": args.frames, "repeats": args.repeats,
         "reward/env_correlation": metrics.get("reward/env_correlation"),
         "load_avg_before": [round(x, 2) for x in load_before], "load_avg_after": [round(x, 2) for x in os.getloadavg()],
