@@ -184,7 +184,7 @@ def test_combines_with_a_reward_plugin_eureka_and_ellm(make_config, monkeypatch)
 def test_end_to_end_minecraft_suggested_goals_earn_reward(tmp_path):
     """The embedded model suggests the goals; training pays for the ones the agent achieves."""
     cmd = [sys.executable, "-m", "core", "+plugins=[ellm]", "env=minecraft", "env.max_episode_steps=60",
-           "plugins.ellm.queries_per_rollout=8", "trainer.frames=4096", "trainer.num_envs=8", "trainer.rollout_steps=64",
+           "plugins.ellm.queries_per_rollout=4", "trainer.frames=4096", "trainer.num_envs=8", "trainer.rollout_steps=64",
            "trainer.epochs=2", "trainer.eval_episodes=2",
            "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
