@@ -45,7 +45,7 @@ class Config(PluginConfig):
     target: str = "make_stone_pickaxe"  # the goal the skill sequence leads to (a task goal: a Crafter achievement)
     repair_rounds: int = 2  # times a skill graph with errors goes back to the LLM for a revision
     check_rules: bool = True  # check the sequence against the game's rules (Crafter); errors go back to the LLM
-    fix_rules: bool = True  # after the last revision, add the prerequisites the game's rules say are missing
+    fix_rules: bool = True  # in the last round, mend the graph by the game's rules (requirements, missing skills, the target)
     skill_reward: float = 1.0  # reward for completing the active skill, added to the env's reward
     condition_policy: bool = True  # append the active skill's one-hot to the policy's observation
     temperature: float = 0.2  # sampling temperature of the graph builder
@@ -204,17 +204,20 @@ def rule_errors(sequence: list[str], rules: dict[str, set[str]]) -> list[str]:
     return errors
 
 
-def complete(graph: dict[str, Skill], rules: dict[str, set[str]]) -> dict[str, Skill]:
-    """The graph with every game prerequisite added to the skills' requirements (and as skills)."""
-    out = {name: Skill(s.name, list(s.requires), s.yields) for name, s in graph.items()}
+def complete(graph: dict[str, Skill], rules: dict[str, set[str]], target: str) -> dict[str, Skill]:
+    """The graph mended by the game's rules: each skill the rules know requires exactly what they
+    say (wrong requirements, and the cycles they make, go), missing prerequisites and the
+    target are added as skills."""
+    out = {name: Skill(s.name, sorted(rules[name]) if name in rules else list(s.requires), s.yields)
+           for name, s in graph.items()}
+    if target not in out:
+        out[target] = Skill(target, sorted(rules.get(target, set())), "")
     todo = list(out)
     while todo:
         name = todo.pop()
-        for req in sorted(rules.get(name, set())):
-            if req not in out[name].requires:
-                out[name].requires.append(req)
+        for req in out[name].requires:
             if req not in out:
-                out[req] = Skill(req, [], "")
+                out[req] = Skill(req, sorted(rules.get(req, set())), "")
                 todo.append(req)
     return out
 
@@ -222,18 +225,16 @@ def complete(graph: dict[str, Skill], rules: dict[str, set[str]]) -> dict[str, S
 def build_plan(reply: str, goals: list[str], target: str, rules: dict[str, set[str]] | None = None,
                fix: bool = False) -> tuple[Plan | None, list[str]]:
     """A plan from a reply: parse and validate the graph, search it from ``target``, check the
-    sequence against the game's ``rules``; with ``fix``, rule errors are mended from the rules."""
+    sequence against the game's ``rules``. With ``fix`` (the last round), a graph is first
+    mended by the rules (:func:`complete`); what the reply got wrong then no longer blocks
+    the plan, as long as it named some skills."""
     graph, errors = parse_graph(reply, goals)
+    if graph and fix and rules:
+        graph, errors = complete(graph, rules, target), []
     sequence, more = search(graph, target) if graph else ([], [])
     errors += more
     if not errors and rules:
-        broken = rule_errors(sequence, rules)
-        if broken and fix:
-            graph = complete(graph, rules)
-            sequence, more = search(graph, target)
-            errors += more
-        else:
-            errors += broken
+        errors += rule_errors(sequence, rules)
     if errors:
         return None, errors
     steps = [PlanStep(name, "skill", graph[name].yields if name in graph else "", done=name) for name in sequence]

@@ -86,6 +86,14 @@ def test_a_graph_that_breaks_the_games_rules_is_sent_back_then_mended(task, goal
     assert errors == [] and names[-1] == "make_stone_pickaxe" and plan4mc.rule_errors(names, rules) == []
     assert names.index("make_wood_pickaxe") < names.index("collect_stone") and names.index("place_table") < names.index("make_wood_pickaxe")
     assert plan4mc.build_plan(GRAPH, goals, "make_stone_pickaxe", rules)[1] == []  # a right graph passes as it is
+    # the last round mends wrong requirements and a missing target from the rules
+    wrong = ('[{"name": "collect_stone", "requires": []}, '
+             '{"name": "make_wood_pickaxe", "requires": ["collect_stone", "collect_wood"]}]')
+    assert "the game needs make_wood_pickaxe" in plan4mc.build_plan(wrong, goals, "make_wood_pickaxe", rules)[1][0]
+    plan, errors = plan4mc.build_plan(wrong, goals, "make_wood_pickaxe", rules, fix=True)
+    assert errors == [] and [s.name for s in plan.steps] == ["collect_wood", "place_table", "make_wood_pickaxe"]
+    plan, errors = plan4mc.build_plan(SHALLOW, goals, "place_table", rules, fix=True)
+    assert [s.name for s in plan.steps] == ["collect_wood", "place_table"]
 
 
 def test_the_last_round_mends_rule_errors_the_llm_left(task):
@@ -114,9 +122,14 @@ def test_plan_repairs_a_bad_graph_with_its_errors(task):
 
 
 def test_a_graph_that_stays_wrong_gives_no_plan_and_no_crash(task):
-    plugin, run = make(task, [BAD], repair_rounds=1)
+    plugin, run = make(task, [BAD], repair_rounds=1, fix_rules=False)
     assert plugin.plan(run, 0) is None and len(run.llm.calls) == 2 and plugin.errors
     assert plugin.plan(run, 1) is None and len(run.llm.calls) == 2  # past its iterations
+    # with the rules' mending, the last round turns the skills it did name into a plan
+    plugin, run = make(task, [BAD], repair_rounds=1)
+    assert [s.name for s in plugin.plan(run, 0).steps][-1] == "make_stone_pickaxe"
+    plugin, run = make(task, ["I would chop trees."], repair_rounds=0)
+    assert plugin.plan(run, 0) is None  # no skill named at all: nothing to mend
 
 
 def test_run_start_refuses_tasks_and_targets_it_cannot_check(task):
