@@ -468,7 +468,6 @@ def _spy_on_crafter_envs(monkeypatch):
     return made
 
 
-@pytest.mark.slow  # ~20 s idle, longer on the shared machine under load
 def test_the_llms_env_config_is_the_env_the_agent_trains_in(make_config, monkeypatch):
     """Plumbing, not the model: a fake LLM through the real client
     (:func:`fakes.install_fake_litellm`) writes one env config (5 wood at the start);

@@ -345,7 +345,6 @@ def _run_eureka(make_config, overrides):
     return run_experiment(cfg, extra_plugins=(recorder,)), recorder
 
 
-@pytest.mark.slow  # ~15 s idle, 90 s on the shared machine under load
 def test_the_llms_reward_program_trains_and_its_components_are_logged(make_config, monkeypatch, tmp_path):
     """Plumbing, not the model: the shared fake LLM (:func:`fakes.install_fake_litellm`)
     answers through the real client; the program Eureka extracts from its reply is the

@@ -541,7 +541,6 @@ def _run_lares(make_config, overrides):
     return run_experiment(cfg, extra_plugins=(recorder,)), recorder
 
 
-@pytest.mark.slow  # ~30 s idle (SAC), longer on the shared machine under load
 def test_the_llms_reward_functions_train_the_population_and_their_components_are_logged(make_config, monkeypatch):
     """Plumbing, not the model: the shared fake LLM (:func:`fakes.install_fake_litellm`)
     answers through the real client; each member of the population trains on a reward

@@ -280,7 +280,6 @@ def _run_lesr(make_config, overrides):
     return run_experiment(cfg, extra_plugins=(recorder,)), recorder
 
 
-@pytest.mark.slow  # ~15 s idle, 130 s on the shared machine under load
 def test_the_llms_state_features_and_intrinsic_reward_are_used_in_training(make_config, monkeypatch):
     """Plumbing, not the model: the shared fake LLM (:func:`fakes.install_fake_litellm`)
     answers through the real client; the candidate trains with the ``revise_state`` /

@@ -243,7 +243,6 @@ def _run_rl_gpt(make_config, overrides):
     return run_experiment(cfg, extra_plugins=(recorder,)), recorder
 
 
-@pytest.mark.slow  # ~10 s idle, 30 s on the shared machine under load
 def test_the_llms_skill_is_called_by_the_trained_agent(make_config, monkeypatch):
     """Plumbing, not the model: the shared fake LLM (:func:`fakes.install_fake_litellm`)
     answers through the real client with a plan and an ``act``/``done`` skill; the

@@ -406,7 +406,6 @@ def _spy(monkeypatch):
     return seen
 
 
-@pytest.mark.slow  # ~20 s idle, 150 s on the shared machine under load
 def test_the_llms_labels_train_the_reward_model_and_its_reward_reaches_training(make_config, monkeypatch):
     """Plumbing, not the model: the shared fake LLM through the real client
     (:func:`fakes.install_fake_litellm`) answers each pair with one digit whose
