@@ -129,8 +129,8 @@ def done(state):
 
 CRITIC = """We ran the skill "{name}" in the game {runs} times. It failed:
 {failures}
-Revise the code so that it reaches `done` reliably. Reply with both functions in one
-```python block."""
+`state` has only these fields: {fields}. Revise the code so that it reaches `done`
+reliably. Reply with both functions in one ```python block."""
 
 FEEDBACK = """With the skills {skills} added to the agent's actions, training reached
 {fitness_name} {fitness:.3g}. The agent called them: {calls}."""
@@ -371,7 +371,8 @@ class Plugin:
                             best.max_steps = tuned_steps(st, cfg.max_steps)
                     if st.ok:
                         break
-                    error = CRITIC.format(name=sub.name, runs=st.runs, failures="\n".join(f"- {f}" for f in st.failures[:4]))
+                    error = CRITIC.format(name=sub.name, runs=st.runs, failures="\n".join(f"- {f}" for f in st.failures[:4]),
+                                          fields=", ".join(f.name for f in run.task.state_fields))
                 msgs = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": error if macro is not None else f"{error}\nReply with `act` and `done` in one ```python block."}]
             if best is not None:
                 macros.append(best)

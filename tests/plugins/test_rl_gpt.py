@@ -82,6 +82,7 @@ def test_plan_then_critic_revises_a_failing_macro(task):
     assert len(run.llm.calls) == 3  # plan, the first code, the revision
     critic_prompt = run.llm.calls[2].last
     assert "still false after 4 steps" in critic_prompt
+    assert "`state` has only these fields: health, food" in critic_prompt  # the names it may use, with the failure
     assert "rl_gpt/it0-critic.json" in texts_of(run)
     assert run.tracker.metrics["rl_gpt/macros"] == 1
 
@@ -208,7 +209,7 @@ def test_config_refuses_values_that_cannot_work(key, value):
 @pytest.mark.slow
 def test_end_to_end_minecraft(tmp_path):
     cmd = [sys.executable, "-m", "core", "+plugins=[rl_gpt]", "env=minecraft", "env.max_episode_steps=100",
-           "plugins.rl_gpt.iterations=1", "plugins.rl_gpt.max_subactions=2", "plugins.rl_gpt.critic_rounds=1",
+           "plugins.rl_gpt.iterations=1", "plugins.rl_gpt.max_subactions=2", "plugins.rl_gpt.critic_rounds=2",
            "plugins.rl_gpt.rollouts=1", "plugins.rl_gpt.hint='collect wood, place a table, make a wood pickaxe'",
            "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=64", "trainer.epochs=2", "trainer.eval_episodes=2",
            "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
