@@ -318,3 +318,9 @@ def texts_of(run: RunContext) -> dict[str, str]:
 
 def first(items: Iterable[Any]) -> Any:
     return next(iter(items))
+
+
+def final_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """A candidate run's final values: ``summary/<name>`` (logged when it differs from the
+    series' last point, core.tracking) over the series' last point ``<name>``."""
+    return {**metrics, **{k[len("summary/"):]: v for k, v in metrics.items() if k.startswith("summary/")}}

