@@ -39,7 +39,7 @@ from core.records import Program
 from core.sandbox import wire
 from core.sandbox.programs import Invalid, checked_result, component_names
 from core.sandbox.reports import DEFAULT_IMPORTS, KINDS, MESSAGE_CHARS, Limits, SandboxError, SandboxReport, fail
-from core.sandbox.worker import NO_NAMESPACES_ENV, SAME
+from core.sandbox.worker import MAX_SPIN_US, NO_NAMESPACES_ENV, SAME, SAME_REQUEST, SPIN_ENV
 
 log = logging.getLogger("core.sandbox")
 
@@ -51,6 +51,7 @@ ZYGOTE_START_S = 180.0  # the zygote imports torch once per host process; a busy
 #: the share of the wall time that counted calls may take, overhead included, whatever the worker reports
 ROUND_TRIP_SHARE = 0.9
 _SCRATCH_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
+_SAME_BYTE = bytes((SAME,))
 
 
 def child_env() -> dict[str, str]:
@@ -332,6 +333,113 @@ def report_from(raw: Any) -> SandboxReport:
                          {"check": str(check)[:20]} if check else {})
 
 
+class _Spin:
+    """Whether a training step's round trip runs on two spinning CPUs instead of two sleeping processes.
+
+    A step's call is a hand-off: the trainer sends and waits, the worker answers and
+    waits for the next step (a millisecond later). Sleeping, each side pays a wake-up and
+    runs on caches the other process has just used. Where the machine has a CPU to spare,
+    the worker goes to another CPU and waits for the next step there, polling its socket
+    for up to :attr:`worker_s` (then it sleeps), and the trainer polls for the answer for
+    up to :attr:`host_s`. Nothing else changes: every message still goes through the
+    socket, and every deadline is the same.
+
+    Whether a CPU is spare is sampled every :data:`SAMPLE_S` from the kernel's count of
+    runnable tasks (``/proc/loadavg``), less this thread and the worker: spinning starts
+    only while no other task wants a CPU (a moving mean below 0.25 other tasks for two
+    CPUs; more CPUs leave more room), and stops as soon as others do (above 0.5). It also
+    stops while the steps come too far apart for a spin to catch them, and once the
+    worker's CPU time left under its limit falls to :data:`CPU_RESERVE_S` (where the host
+    may not raise the limit, it is the program's, not the polling's).
+    ``LLM4RL_SANDBOX_SPIN=0`` in the host's environment never spins, ``=1`` always does
+    (with two CPUs or more: measurements, tests).
+    """
+
+    SAMPLE_S = 0.05
+    WORKER_S = 0.002  # the longest a worker polls for the next step (a step of 8 small envs takes well under 1 ms)
+    HOST_MAX_S = 0.001  # the longest the trainer polls for an answer
+    #: no spinning once the worker's CPU time left under its limit is this short (where the host cannot raise the limit)
+    CPU_RESERVE_S = 2.0
+    __slots__ = ("cpus", "mode", "on", "others", "next_sample", "hits", "round_trip", "last_end", "worker_s", "host_s",
+                 "granted_s", "spun")
+
+    def __init__(self) -> None:
+        try:
+            self.cpus = frozenset(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self.cpus = frozenset()
+        self.mode = os.environ.get(SPIN_ENV, "")  # "0": never, "1": always, else sampled
+        self.on = self.mode == "1" and len(self.cpus) > 1
+        self.others = 1.0  # moving mean of the other runnable tasks
+        self.next_sample = 0.0
+        self.hits = 1.0  # moving share of steps that came within WORKER_S of the last answer
+        self.round_trip = 0.0  # moving mean of a spun round trip
+        self.last_end = 0.0
+        self.worker_s = 0.0  # asked of the worker with the current call
+        self.host_s = 0.0
+        self.granted_s = 0.0  # spinning asked of the worker so far: CPU time added to its limit
+        self.spun = 0  # calls whose answer was polled for
+
+    def before(self, now: float) -> int:
+        """At a training step's send: how long the worker may poll for the next one, in µs (0: sleep)."""
+        if self.last_end:
+            gap = now - self.last_end
+            self.hits = 0.9 * self.hits + (0.1 if gap < self.WORKER_S else 0.0)
+        spin = self.on and self.hits >= 0.5
+        self.worker_s = self.WORKER_S if spin else 0.0
+        self.host_s = min(self.HOST_MAX_S, 4 * self.round_trip + 50e-6) if spin else 0.0
+        self.granted_s += self.worker_s
+        self.spun += spin
+        return min(int(self.worker_s * 1e6), MAX_SPIN_US)
+
+    def after(self, now: float, took: float) -> bool:
+        """At the answer: the round trip noted; whether it is time to sample the machine."""
+        self.last_end = now
+        if self.worker_s:
+            self.round_trip = 0.9 * self.round_trip + 0.1 * took if self.round_trip else took
+        return now >= self.next_sample and self.mode != "0"
+
+    def sample(self, now: float, worker: int, cpu_room: float) -> bool:
+        """Look at the machine (and the worker's CPU time left); whether spinning changed."""
+        self.next_sample = now + self.SAMPLE_S
+        if len(self.cpus) < 2:
+            return False
+        if self.mode == "1":
+            on = cpu_room > self.CPU_RESERVE_S
+        else:
+            running = _runnable()
+            if running is None:
+                return False
+            others = max(0, running - 1 - _running(worker))  # less this thread, and the worker if it is running now
+            self.others = 0.7 * self.others + 0.3 * others
+            spare = len(self.cpus) - 2  # CPUs left once the trainer and the worker have one each
+            on = self.others < spare + (0.5 if self.on else 0.25) and cpu_room > self.CPU_RESERVE_S
+        if on == self.on:
+            return False
+        self.on = on
+        if not on:
+            self.round_trip = 0.0
+        return True
+
+
+def _running(pid: int) -> int:
+    """1 if process ``pid`` is running or waiting for a CPU now, else 0."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split(None, 1)[0] == b"R")
+    except (OSError, IndexError):
+        return 0
+
+
+def _runnable() -> int | None:
+    """The machine's runnable tasks now (the kernel's count, this one included); None where it cannot be read."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class _Lane:
     """A call repeated with the same layout (a training step): views of the input arena, made once.
 
@@ -396,6 +504,7 @@ class ProgramWorker:
         self._next_cpu_raise = 0.0
         self._ended_at: float | None = None
         self._cpu: int | None = None
+        self._spin = _Spin()
         self._cpu_limit = float("inf")
         self.last_printed = ""
         scope = _SCOPE.get()
@@ -524,14 +633,15 @@ class ProgramWorker:
 
     # -- requests ------------------------------------------------------------------------------
     def _request(self, message: dict[str, Any], timeout: float, fds: list[int] | None = None,
-                 same: int = 0) -> tuple[dict[str, Any], float]:
+                 same: int = 0, count: bool = False) -> tuple[dict[str, Any], float]:
         """Send a request (or, with ``same``, "the last call of that handle again") and wait for the reply."""
         if self.dead is not None:
             raise SandboxError(self.dead)
         self._seq += 1
         self._follow_cpu()
+        spin = self._spin
         if same:
-            data = struct.pack("<BQI", SAME, self._seq, same)
+            data = _SAME_BYTE + SAME_REQUEST.pack(self._seq, same, spin.before(time.perf_counter()) if count else 0)
         else:
             message["seq"] = self._seq
             data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -545,7 +655,13 @@ class ProgramWorker:
                 sock.send(data)
         except OSError:
             raise SandboxError(self._died()) from None
-        if not self._poll.poll(max(0, int(timeout * 1000))):
+        poll = self._poll.poll
+        ready = False
+        if same and count and spin.host_s:  # the worker answers from another CPU: poll for it there, then sleep
+            clock, end = time.perf_counter, start + spin.host_s
+            while not (ready := bool(poll(0))) and clock() < end:
+                pass
+        if not ready and not poll(max(0, int((timeout - (time.perf_counter() - start)) * 1000))):
             elapsed = time.perf_counter() - start
             self._end(fail("timeout", f"Timeout: a call took longer than {timeout:g} s (stopped after {elapsed:.2f} s). "
                                       "Make the function faster (vectorise over the batch, no long loops)."))
@@ -554,9 +670,12 @@ class ProgramWorker:
             n = sock.recv_into(self._buf)
         except OSError:
             n = 0
-        took = time.perf_counter() - start
+        now = time.perf_counter()
+        took = now - start
         if n == 0:
             raise SandboxError(self._died())
+        if same and count and spin.after(now, took) and spin.sample(now, self._proc.server, self._cpu_room()):
+            self._cpu = None  # spinning started or stopped: place the worker again
         if self._buf[0] == SAME and n == 17:  # the same result layout as this handle's last call
             seq, program_s = struct.unpack_from("<Qd", self._buf, 1)
             reply = {"seq": seq, "out": SAME, "program_s": program_s}
@@ -581,8 +700,10 @@ class ProgramWorker:
         if cpu is None or cpu == self._cpu:
             return
         self._cpu = cpu
+        spin = self._spin
+        where = spin.cpus - {cpu} if spin.on and cpu in spin.cpus and len(spin.cpus) > 1 else {cpu}
         with contextlib.suppress(OSError):
-            os.sched_setaffinity(self._proc.server, {cpu})
+            os.sched_setaffinity(self._proc.server, where)
 
     def load(self, program: Program, *, role: str, arg_names: tuple[str, ...] | list[str] | None = None,
              fields: list[tuple[str, int, int, tuple[int, ...]]] | None = None) -> int:
@@ -625,7 +746,7 @@ class ProgramWorker:
                 raise SandboxError(self.dead)
             lane = self._lanes.get(handle)
             if lane is not None and not printed and lane.key == (role, batch, per_row, split) and lane.write(args):
-                reply, took = self._request(None, self.limits.call_timeout_s, same=handle)  # type: ignore[arg-type]
+                reply, took = self._request(None, self.limits.call_timeout_s, same=handle, count=count)  # type: ignore[arg-type]
                 self.last_printed = ""
             else:
                 reply, took = self._call_request(handle, args, role, per_row, printed, split)
@@ -716,11 +837,17 @@ class ProgramWorker:
         if now >= self._next_cpu_raise:
             self._raise_cpu_limit(now)
 
+    def _cpu_room(self) -> float:
+        """CPU seconds the worker may still use under its limit as it stands."""
+        used = self.cpu_seconds()
+        return self._cpu_limit - used if used is not None else 0.0
+
     def _raise_cpu_limit(self, now: float) -> None:
         """The worker's CPU limit grows with its share of the wall time (checked once a second)."""
         self._next_cpu_raise = now + 1.0
         limits = self.limits
-        budget = self._cpu_base + limits.cpu_s + limits.time_share_grace_s + limits.max_time_share * (now - self._ready_at)
+        budget = (self._cpu_base + limits.cpu_s + limits.time_share_grace_s + limits.max_time_share * (now - self._ready_at)
+                  + self._spin.granted_s)  # the polling for the next step that the host asked for
         seconds = int(budget) + 1
         with contextlib.suppress(OSError, ValueError):
             _, hard = resource.prlimit(self._proc.server, resource.RLIMIT_CPU)
@@ -736,6 +863,8 @@ class ProgramWorker:
             end = self._ended_at if self._ended_at is not None else time.monotonic()
             out["sandbox/program_share"] = round(self.program_s / max(end - self._clock0, 1e-9), 4)
             out["sandbox/call_share"] = round(self.busy_s / max(end - self._clock0, 1e-9), 4)
+        if self.calls:
+            out["sandbox/spun_share"] = round(self._spin.spun / self.calls, 4)  # calls made on spinning CPUs
         iso = self._proc.isolation
         out["sandbox/namespaces"] = float(all(iso.get(n) for n in ("network", "pid", "mount")))
         cpu = self.cpu_seconds()

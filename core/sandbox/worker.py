@@ -57,8 +57,16 @@ PRELOAD = ("math", "numpy", "numpy.linalg", "numpy.random", "numpy.fft", "torch"
            "torch.linalg", "torch.special", "torch.fft", "torch.distributions", "typing")
 MAX_REQUEST = 1 << 20
 SAME = 1  # first byte of a short message: "the same call (or result layout) as last time"
+#: after SAME: the request's sequence number, the handle, and how long to wait for the next one on a spinning CPU (µs)
+SAME_REQUEST = struct.Struct("<QIH")
+#: the short answer: SAME, the sequence number, the seconds spent in the program
+_SAME_REPLY = struct.Struct("<BQd")
+#: the longest a worker waits for the next request on a spinning CPU, whatever the host asks (µs)
+MAX_SPIN_US = 5000
 #: set to 1 in the host's environment, workers start without namespaces (the fallback path, as where the kernel allows none)
 NO_NAMESPACES_ENV = "LLM4RL_SANDBOX_NO_NAMESPACES"
+#: in the host's environment: 0 never lets a worker spin for the next step, 1 always does (two CPUs or more), unset: while a CPU is spare
+SPIN_ENV = "LLM4RL_SANDBOX_SPIN"
 
 
 def _libc() -> Any:
@@ -371,6 +379,7 @@ class Server:
         self.programs: dict[int, Any] = {}
         self.fields: dict[int, Any] = {}
         self.lanes: dict[int, _ResultLane] = {}  # per handle: where a result of the last call's layout goes
+        self.call_lanes: dict[int, _CallLane] = {}  # per handle: the last call's layout, for its repeats
 
     def run(self) -> None:
         last: dict[int, dict[str, Any]] = {}  # the last call request per handle
@@ -378,54 +387,122 @@ class Server:
         buf = bytearray(MAX_REQUEST)  # one buffer for every request (no megabyte allocated per call)
         view = memoryview(buf)
         fd_space = socket.CMSG_SPACE(4 * array.array("i").itemsize)
+        sock, lanes, same_reply = self.sock, self.call_lanes, _SAME_REPLY.pack
+        spin = 0.0
         while True:
-            try:
-                n, ancillary, _, _ = self.sock.recvmsg_into([buf], fd_space)
-            except OSError:
-                os._exit(0)
+            n = self._receive(buf, fd_space, spin) if spin else -1
+            if n < 0:
+                try:
+                    n, ancillary, _, _ = sock.recvmsg_into([buf], fd_space)
+                except OSError:
+                    os._exit(0)
+                if ancillary:
+                    self._take_fds(ancillary)
             if not n:
                 os._exit(0)  # the host closed the socket: this worker is done
-            fds = []
-            for level, kind, data in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds += array.array("i", data[: len(data) - len(data) % 4]).tolist()
-            msg = view[:n]
-            if msg[0] == SAME:  # the same call as last time on new data: (seq, handle)
-                seq, handle = struct.unpack_from("<QI", msg, 1)
+            spin = 0.0
+            if buf[0] == SAME:  # the same call as last time on new data: (seq, handle, spin window)
+                seq, handle, spin_us = SAME_REQUEST.unpack_from(buf, 1)
+                lane = lanes.get(handle)
+                if lane is not None:  # a training step: the layout's work was done once
+                    try:
+                        program_s = lane.run(self.in_map)
+                    except BaseException as e:  # noqa: BLE001 - every failure of a program is data
+                        reply = {"report": self._failure(e, handle), "seq": seq}
+                    else:
+                        if program_s is not None:
+                            try:
+                                sock.send(same_reply(SAME, seq, program_s))
+                            except BaseException:  # noqa: BLE001 - e.g. the program replaced socket
+                                os._exit(4)
+                            spin = min(spin_us, MAX_SPIN_US) * 1e-6
+                            continue
+                        # the value does not fit the result lane: shaped and checked the long way
+                        value, lane.value = lane.value, None
+                        reply = self._reply(lambda: self.finish_call(last[handle], value, lane.program_s),
+                                            handle, headers, seq)
+                        if reply is None:
+                            continue
+                    self._send_reply(reply)
+                    continue
                 request = last[handle]
             else:
-                request = pickle.loads(msg)  # from the host: trusted
+                request = pickle.loads(view[:n])  # from the host: trusted
                 seq = request.get("seq")
                 if request["op"] == "call":
                     last[request["handle"]] = request
-            if fds:
-                self._remap(fds)
+            handle = request.get("handle")
+            reply = self._reply(lambda: getattr(self, "op_" + request["op"])(request), handle, headers, seq)
+            if reply is not None:
+                self._send_reply(reply)
+
+    def _receive(self, buf: bytearray, fd_space: int, spin: float) -> int:
+        """Wait for the next request on a spinning CPU for up to ``spin`` seconds; its size, or -1 (then block).
+
+        Only asked for by the host while the machine has a CPU to spare (a training step
+        comes within a millisecond): the request is read without the wake-up of a
+        sleeping process, on caches that are still warm.
+        """
+        sock, flags, clock = self.sock, socket.MSG_DONTWAIT, time.perf_counter
+        end = clock() + spin
+        while True:
             try:
-                reply = getattr(self, "op_" + request["op"])(request)
-                handle = request.get("handle")
-                if "out" in reply and len(reply) == 3 and headers.get(handle) == (reply["out"], reply["names"]):
-                    # the same result layout as last time: (seq, seconds in the program)
-                    self.sock.send(struct.pack("<BQd", SAME, seq, reply["program_s"]))
-                    continue
-                if "out" in reply:
-                    headers[handle] = (reply["out"], reply["names"])
-            except self.sb.SandboxError as e:
-                reply = {"report": _report(e.report)}
-            except self.sb.Invalid as e:
-                reply = {"report": _report(e.report())}
-            except BaseException as e:  # noqa: BLE001 - every failure of a program is data
-                compiled = self.programs.get(request.get("handle"))
-                filename = compiled.filename if compiled is not None else "<program>"
-                reply = {"report": _report(self.sb.report_exception(e, filename))}
-            reply["seq"] = seq
-            try:
-                self.sock.send(json.dumps(reply, default=str).encode())
-            except BaseException:  # noqa: BLE001 - e.g. the program replaced json
-                os._exit(4)
+                n, ancillary, _, _ = sock.recvmsg_into([buf], fd_space, flags)
+            except BlockingIOError:
+                if clock() > end:
+                    return -1
+                continue
+            except OSError:
+                os._exit(0)
+            if ancillary:
+                self._take_fds(ancillary)
+            return n
+
+    def _take_fds(self, ancillary: list[Any]) -> None:
+        fds = []
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += array.array("i", data[: len(data) - len(data) % 4]).tolist()
+        if fds:
+            self._remap(fds)
+
+    def _reply(self, work: Any, handle: Any, headers: dict[int, Any], seq: Any) -> dict[str, Any] | None:
+        """Run a request; its JSON reply, or None once the short "same layout" answer went out."""
+        try:
+            reply = work()
+            if "out" in reply and len(reply) == 3 and headers.get(handle) == (reply["out"], reply["names"]):
+                # the same result layout as last time: (seq, seconds in the program)
+                try:
+                    self.sock.send(_SAME_REPLY.pack(SAME, seq, reply["program_s"]))
+                except BaseException:  # noqa: BLE001 - e.g. the program replaced socket
+                    os._exit(4)
+                return None
+            if "out" in reply:
+                headers[handle] = (reply["out"], reply["names"])
+        except BaseException as e:  # noqa: BLE001 - every failure of a program is data
+            reply = {"report": self._failure(e, handle)}
+        reply["seq"] = seq
+        return reply
+
+    def _failure(self, e: BaseException, handle: Any) -> dict[str, Any]:
+        if isinstance(e, self.sb.SandboxError):
+            return _report(e.report)
+        if isinstance(e, self.sb.Invalid):
+            return _report(e.report())
+        compiled = self.programs.get(handle)
+        filename = compiled.filename if compiled is not None else "<program>"
+        return _report(self.sb.report_exception(e, filename))
+
+    def _send_reply(self, reply: dict[str, Any]) -> None:
+        try:
+            self.sock.send(json.dumps(reply, default=str).encode())
+        except BaseException:  # noqa: BLE001 - e.g. the program replaced json
+            os._exit(4)
 
     def _remap(self, fds: list[int]) -> None:
         in_fd, out_fd = fds
         self.lanes.clear()  # their views are of the old output arena
+        self.call_lanes.clear()
         for old in (self.in_map, self.out_map):
             with contextlib.suppress(BufferError):
                 old.close()
@@ -448,6 +525,7 @@ class Server:
         wire, sb = self.wire, self.sb
         handle = request["handle"]
         compiled = self.programs[handle]
+        self.call_lanes.pop(handle, None)
         buf = wire.private_copy(self.in_map, request["end"])
         plan = request.get("plan")
         if plan is None:  # kept on the request: a repeated call ("the same as last time") reuses it
@@ -460,26 +538,93 @@ class Server:
         start = time.perf_counter()
         value = compiled(*args, per_row=request["per_row"])
         program_s = time.perf_counter() - start
-        role = request["role"]
-        batch = sb.batch_size(args) if role != "value" else 0
+        batch = sb.batch_size(args) if request["role"] != "value" else 0
+        reply = self.finish_call(request, value, program_s, batch)
+        if plan is not False and not request.get("printed") and handle in self.lanes:
+            self.call_lanes[handle] = _CallLane(compiled, request, plan, fields, self.lanes[handle], batch, self.np)
+        return reply
+
+    def finish_call(self, request: dict[str, Any], value: Any, program_s: float, batch: int | None = None) -> dict[str, Any]:
+        """Shape a call's value into the output arena (the long way, with every check and message); the reply."""
+        sb, handle, role = self.sb, request["handle"], request["role"]
+        if batch is None:
+            batch = self.call_lanes[handle].batch
         lane = self.lanes.get(handle)
         if lane is not None and not request.get("printed") and lane.write(value):
             return {"out": lane.header, "names": lane.names, "program_s": program_s}
         named, names = sb.shape_result(role, value, batch)
         try:
-            header = wire.pack_named(named, self.out_map)
+            header = self.wire.pack_named(named, self.out_map)
         except (TypeError, ValueError) as e:
             raise sb.Invalid("dtype", f"the value cannot be used: {e}.") from None
         reply: dict[str, Any] = {"out": header, "names": names, "program_s": program_s}
         if request.get("printed"):
-            reply["printed"] = compiled.printer.text[-2000:]
+            reply["printed"] = self.programs[handle].printer.text[-2000:]
         elif role in ("reward", "state"):
             self.lanes[handle] = _ResultLane(role, header, names, self.out_map, self.np, self.tensor)
+            lane = self.call_lanes.get(handle)
+            if lane is not None:
+                lane.result = self.lanes[handle]
         return reply
 
     def op_sleep(self, request: dict[str, Any]) -> dict[str, Any]:  # tests: a call that takes time
         time.sleep(float(request["seconds"]))
         return {"ok": True}
+
+
+class _CallLane:
+    """A call repeated on new values of the same layout (a training step): its plan made once.
+
+    :meth:`run` copies the arguments out of the input arena into memory of the program's
+    own (new every call, so that a tensor the program keeps stays as it was), names the
+    fields, calls the program and hands the value to the result lane; the seconds spent in
+    the program, or None when the value must go the long way (:attr:`value` holds it then).
+    """
+
+    __slots__ = ("compiled", "per_row", "end", "args", "batch", "result", "value", "program_s", "np", "from_numpy", "split")
+
+    def __init__(self, compiled: Any, request: dict[str, Any], plan: list[Any], fields: list[Any], result: _ResultLane,
+                 batch: int, np: Any) -> None:
+        import torch
+
+        from core.sandbox.programs import split_fields
+
+        self.compiled, self.per_row, self.end, self.batch, self.result = compiled, request["per_row"], request["end"], batch, result
+        self.np, self.from_numpy, self.split = np, torch.from_numpy, split_fields
+        self.value: Any = None
+        self.program_s = 0.0
+        split = request.get("split") or ()
+        self.args = [(np.dtype(dtype), count, offset, shape, self._naming(fields, shape) if i in split else None)
+                     for i, (dtype, count, offset, shape) in enumerate(plan)]
+
+    @staticmethod
+    def _naming(fields: list[Any], shape: tuple[int, ...]) -> Any:
+        """How to name an observation's fields: their names (one ``unbind`` when each is one column, in order) or the fields."""
+        columns = all(stop - start == 1 and not fshape for _, start, stop, fshape in fields)
+        if columns and [start for _, start, _, _ in fields] == list(range(len(fields))) and shape and shape[-1] == len(fields):
+            return tuple(name for name, _, _, _ in fields)
+        return list(fields)
+
+    def run(self, in_map: mmap.mmap) -> float | None:
+        with memoryview(in_map) as view:
+            buf = bytearray(view[:self.end])
+        frombuffer, from_numpy = self.np.frombuffer, self.from_numpy
+        args = []
+        for dtype, count, offset, shape, naming in self.args:
+            arr = frombuffer(buf, dtype, count, offset).reshape(shape)
+            if naming is None:
+                args.append(from_numpy(arr))
+            elif type(naming) is tuple:
+                args.append(dict(zip(naming, from_numpy(arr).unbind(-1))))
+            else:
+                args.append(self.split(arr, naming, tensors=True))
+        start = time.perf_counter()
+        value = self.compiled(*args, per_row=self.per_row)
+        program_s = time.perf_counter() - start
+        if self.result.write(value):
+            return program_s
+        self.value, self.program_s = value, program_s
+        return None
 
 
 class _ResultLane:
