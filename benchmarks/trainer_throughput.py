@@ -51,6 +51,7 @@ from core.envs.task import StateField, Task  # noqa: E402
 from core.records import Candidate, RewardProgram  # noqa: E402
 
 PHASES = ("rollout", "reward", "advantage", "update")
+SAC_PHASES = ("rollout", "replay", "update", "target", "other")
 MUJOCO = dict(num_envs=8, rollout_steps=256, epochs=10, minibatch=64, lr=3e-4, gamma=0.99, gae_lambda=0.95)
 REWARD_PROGRAM = '''
 import torch
@@ -157,9 +158,9 @@ def interleaved(ours: Callable[[], dict], reference: Callable[[], float], repeat
     }
 
 
-def profile(metrics: dict, frames_per_batch: int) -> dict:
+def profile(metrics: dict, frames_per_batch: int, phases: tuple[str, ...] = PHASES) -> dict:
     """Seconds, share of the training time and milliseconds per batch of each phase."""
-    seconds = {p: metrics.get(f"time/{p}_s", 0.0) for p in PHASES}
+    seconds = {p: metrics.get(f"time/{p}_s", 0.0) for p in phases}
     total = sum(seconds.values())
     batches = max(1.0, metrics["charts/fps"] * total / frames_per_batch)
     return {p: {"s": round(s, 3), "share": round(s / total, 3) if total else 0.0,
@@ -218,8 +219,9 @@ def main() -> None:
         pair = interleaved(lambda: ours_sac(args.sac_frames, args.seed),
                            lambda: reference_sac.train(reference_sac.Args(), args.sac_frames, args.seed),
                            max(2, args.repeats - 1), args.sac_frames)
-        pair.pop("median_metrics")
-        out["sac"] = {"env": "Pendulum-v1", "frames": args.sac_frames, **pair}
+        metrics = pair.pop("median_metrics")
+        out["sac"] = {"env": "Pendulum-v1", "frames": args.sac_frames, **pair,
+                      "profile": profile(metrics, 1, SAC_PHASES)}
 
     out["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out))

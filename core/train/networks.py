@@ -30,10 +30,12 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
+from torch.nn import functional as F
 from torchrl.data import Categorical as CategoricalSpec
 from torchrl.data import TensorSpec
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+_LOG_2 = math.log(2.0)
 
 
 def mlp(n_in: int, hidden: list[int], n_out: int, out_std: float) -> nn.Sequential:
@@ -408,3 +410,204 @@ class FlatAdam:
         torch._fused_adam_([self.params], [self.params.grad], [self.exp_avg], [self.exp_avg_sq], [], [self.steps],
                            amsgrad=False, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=0.0,
                            eps=self.eps, maximize=False)
+
+
+# -- SAC -----------------------------------------------------------------------------------------
+
+
+class FlatParamsAdam(FlatAdam):
+    """:class:`FlatAdam` over modules' parameters that are views of one flat tensor.
+
+    Each parameter's ``.grad`` is made a view of the flat gradient, so that autograd
+    accumulates into it in place and one fused Adam call steps them all. Behaves as the
+    ``torch.optim.Adam`` it replaces where other code drives it: ``zero_grad`` (the flat
+    gradient is zeroed, the views stay), ``step`` (a gradient someone replaced is copied
+    back in first), ``state_dict`` / ``load_state_dict`` (the moments and the step count).
+
+    :param flat: the flat tensor the parameters are views of.
+    :param params: the parameters, in any order, each a view of ``flat``.
+    """
+
+    def __init__(self, flat: torch.Tensor, params: list[torch.Tensor], lr: float) -> None:
+        super().__init__(flat, lr)
+        flat.grad = torch.zeros_like(flat)
+        self.param_list = params
+        self._grad_views = []
+        for p in params:
+            offset = (p.data_ptr() - flat.data_ptr()) // flat.element_size()
+            self._grad_views.append(flat.grad[offset:offset + p.numel()].view(p.shape))
+        self.attach()
+
+    def attach(self) -> None:
+        """Point every parameter's ``.grad`` at its view of the flat gradient."""
+        for p, g in zip(self.param_list, self._grad_views):
+            p.grad = g
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - the views stay (the flat gradient is zeroed)
+        self.params.grad.zero_()
+        self.attach()
+
+    def step(self) -> None:
+        for p, g in zip(self.param_list, self._grad_views):
+            if p.grad is not g:  # replaced (set to None, or a fresh tensor): back into the flat gradient
+                g.copy_(p.grad) if p.grad is not None else g.zero_()
+        self.attach()
+        super().step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone(), "steps": self.steps.clone(),
+                "lr": self.lr}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.exp_avg.copy_(state["exp_avg"]), self.exp_avg_sq.copy_(state["exp_avg_sq"])
+        self.steps.copy_(state["steps"])
+        self.lr = float(state["lr"])
+
+
+def flatten_into(tensors: list[torch.Tensor], requires_grad: bool = False) -> torch.Tensor:
+    """One flat tensor holding ``tensors``' values; each tensor becomes a view of it (``.data``)."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    at = 0
+    for t in tensors:
+        t.data = flat[at:at + t.numel()].view(t.shape)
+        at += t.numel()
+    flat.requires_grad_(requires_grad)
+    return flat
+
+
+@dataclass
+class SquashedGaussian:
+    """The actor's output head: ``(loc, raw scale)`` -> a tanh-squashed Gaussian action in bounds.
+
+    ``scale = max(softplus(raw + shift) + min_scale, scale_lb)`` (TorchRL's
+    ``NormalParamExtractor`` with ``biased_softplus_1.0``), ``u = loc + scale * eps``,
+    ``action = mid + half * tanh(u)`` and, as ``TanhNormal.rsample_and_log_prob`` scores
+    it, ``log p = sum(-eps^2 / 2 - log scale - log(2 pi) / 2 - 2 (log 2 - u - softplus(-2 u)) - log half)``.
+    """
+
+    shift: float  # the softplus bias: softplus(0 + shift) + min_scale = 1
+    min_scale: float
+    scale_lb: float
+    mid: torch.Tensor  # (high + low) / 2
+    half: torch.Tensor  # (high - low) / 2
+
+    def sample(self, out: torch.Tensor, eps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(action [N, A], log-probability [N])`` from the head's output ``[N, 2A]``."""
+        loc, raw = out.chunk(2, -1)
+        scale = (F.softplus(raw + self.shift) + self.min_scale).clamp_min(self.scale_lb)
+        if eps is None:
+            eps = torch.randn_like(loc)
+        u = loc + scale * eps
+        log_det = 2.0 * (_LOG_2 - u - F.softplus(-2.0 * u)) + self.half.log()
+        logp = (-0.5 * eps.pow(2) - scale.log() - log_det).sum(-1) - _HALF_LOG_2PI * loc.shape[-1]
+        return torch.tanh(u) * self.half + self.mid, logp
+
+    def mean(self, out: torch.Tensor) -> torch.Tensor:
+        """The deterministic action: the squashed ``loc``."""
+        return torch.tanh(out.chunk(2, -1)[0]) * self.half + self.mid
+
+
+class FlatSAC:
+    """SAC's gradient step on flat tensors: an MLP actor, twin MLP critics, their targets.
+
+    The parameters stay the ones TorchRL's ``SACLoss`` and ``ProbabilisticActor`` hold
+    (so evaluation, saving, ``state_dict`` and ``load_state_dict`` see every step), but
+    their storage becomes three flat tensors: the actor, the critics (the twins stacked:
+    ``[2, out, in]`` per layer, as ``SACLoss`` holds them) and the target critics in the
+    critics' layout. Then one step is: the target ``r + gamma (1 - terminated) (min_j
+    Q'_j(s', a') - alpha log pi(a'|s'))`` without autograd; the critic loss
+    ``mean sum_j (Q_j(s, a) - target)^2`` with both critics in one batched matmul per
+    layer; the actor loss ``mean(alpha log pi(a~|s) - min_j Q_j(s, a~))`` through critics
+    with detached parameters; one backward pass of their sum into the flat gradients;
+    one fused Adam call per flat tensor; the temperature's gradient
+    ``-mean(log pi + target_entropy)`` written directly; the Polyak update
+    ``target <- target + tau (critic - target)`` as one ``lerp_``. The same losses as
+    ``SACLoss`` (v2, ``loss_function="l2"``); a test checks the gradients agree.
+
+    :param actor_params: the actor MLP's weights and biases, input layer first
+        (``Linear`` layers with ReLU between them; the last gives ``[loc, raw scale]``).
+    :param critic_params: the stacked twin critics' weights and biases, input layer first
+        (input: ``[observation, action]``).
+    :param target_params: the target critics, same shapes.
+    :param log_alpha: the temperature's log (a scalar parameter).
+    """
+
+    def __init__(self, actor_params: list[nn.Parameter], critic_params: list[nn.Parameter],
+                 target_params: list[torch.Tensor], log_alpha: nn.Parameter, head: SquashedGaussian, *,
+                 gamma: float, tau: float, target_entropy: float, lr: float, alpha_lr: float) -> None:
+        self.actor_params, self.critic_params, self.log_alpha, self.head = actor_params, critic_params, log_alpha, head
+        self.gamma, self.tau, self.target_entropy = float(gamma), float(tau), float(target_entropy)
+        self.actor_flat = flatten_into(actor_params)
+        self.critic_flat = flatten_into(critic_params)
+        self.target_flat = flatten_into(target_params)
+        self.actor_opt = FlatParamsAdam(self.actor_flat, actor_params, lr)
+        self.critic_opt = FlatParamsAdam(self.critic_flat, critic_params, lr)
+        self.alpha_opt = FlatParamsAdam(log_alpha, [], alpha_lr)
+        # detached aliases: the critics as the actor loss sees them, the targets, the actor without autograd
+        self._critic_detached = [p.detach() for p in critic_params]
+        self._target = [t.detach() for t in target_params]
+        self._actor_detached = [p.detach() for p in actor_params]
+
+    @staticmethod
+    def mlp(x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        """``x [N, in] -> [N, out]`` through one MLP (ReLU between layers)."""
+        last = len(params) - 2
+        for i in range(0, len(params), 2):
+            x = torch.addmm(params[i + 1], x, params[i].t())
+            if i < last:
+                x = x.relu_()
+        return x
+
+    @staticmethod
+    def twin(x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        """``x [N, in] -> [2, N, 1]``: both critics, one batched matmul per layer."""
+        last = len(params) - 2
+        h = x.unsqueeze(0).expand(params[0].shape[0], *x.shape)
+        for i in range(0, len(params), 2):
+            h = torch.baddbmm(params[i + 1].unsqueeze(1), h, params[i].mT)
+            if i < last:
+                h = h.relu_()
+        return h
+
+    @torch.no_grad()
+    def act(self, obs: torch.Tensor) -> torch.Tensor:
+        """A sampled action for collection."""
+        return self.head.sample(self.mlp(obs, self._actor_detached))[0]
+
+    def update(self, obs: torch.Tensor, action: torch.Tensor, reward: torch.Tensor, next_obs: torch.Tensor,
+               terminated: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One gradient step of critics, actor and temperature (not the targets: :meth:`update_targets`).
+
+        :param reward: ``[N, 1]``; :param terminated: ``[N, 1]`` (bool or float).
+        :return: the detached losses (``SACLoss``'s keys) and ``alpha``.
+        """
+        eps_next = torch.randn(obs.shape[0], self.head.mid.shape[-1])  # SACLoss's order: next actions first
+        eps = torch.randn(obs.shape[0], self.head.mid.shape[-1])
+        alpha = self.log_alpha.detach().exp()
+        with torch.no_grad():
+            next_action, next_logp = self.head.sample(self.mlp(next_obs, self._actor_detached), eps_next)
+            q_next = self.twin(torch.cat([next_obs, next_action], -1), self._target).min(0).values
+            target = reward + self.gamma * (~terminated.bool()) * (q_next - alpha * next_logp.unsqueeze(-1))
+        q = self.twin(torch.cat([obs, action], -1), self.critic_params)
+        loss_q = (q - target).pow(2).sum(0).mean()
+        new_action, logp = self.head.sample(self.mlp(obs, self.actor_params), eps)
+        q_new = self.twin(torch.cat([obs, new_action], -1), self._critic_detached).min(0).values.squeeze(-1)
+        loss_actor = (alpha * logp - q_new).mean()
+        self.critic_opt.zero_grad()
+        self.actor_opt.zero_grad()
+        (loss_q + loss_actor).backward()
+        self.critic_opt.step()
+        self.actor_opt.step()
+        with torch.no_grad():
+            entropy_gap = logp.detach().mean() + self.target_entropy
+            self.log_alpha.grad = -entropy_gap.reshape(self.log_alpha.shape)
+            loss_alpha = -self.log_alpha.detach() * entropy_gap
+            self.alpha_opt.step()
+        return {"loss_qvalue": loss_q.detach(), "loss_actor": loss_actor.detach(), "loss_alpha": loss_alpha,
+                "alpha": alpha}
+
+    @torch.no_grad()
+    def update_targets(self) -> None:
+        """Polyak: ``target <- (1 - tau) target + tau critic``."""
+        self.target_flat.lerp_(self.critic_flat, self.tau)
+

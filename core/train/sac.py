@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
-from torchrl.collectors import Collector
 from torchrl.data import Bounded, LazyTensorStorage, ReplayBuffer, TensorSpec
+from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
 from torchrl.objectives import SACLoss, SoftUpdate
@@ -43,6 +44,7 @@ from core.config import Settings
 from core.context import TrainContext
 from core.train.action_prior import PRIOR_KEYS, PriorBehaviour, PriorSource, imitation_step
 from core.train.evaluate import evaluate_and_record
+from core.train.networks import FlatParamsAdam, FlatSAC, SquashedGaussian
 from core.train.transforms import has_impls
 
 #: what the replay buffer keeps of a collected batch (all SACLoss reads)
@@ -102,14 +104,27 @@ class SACConfig:
 
 @dataclass
 class SACModules:
-    """One SAC agent: what :func:`sac_update` needs and what evaluation runs."""
+    """One SAC agent: what :func:`sac_update` needs and what evaluation runs.
+
+    ``actor``, ``qvalue``, ``loss`` and ``target`` are TorchRL's (evaluation, saving,
+    ``state_dict``); their parameters are views of :attr:`flat`'s tensors, which the
+    fused update steps.
+    """
 
     actor: ProbabilisticActor  # observation -> action (TanhNormal within the action bounds)
     qvalue: ValueOperator  # (observation, action) -> state_action_value
-    loss: SACLoss
+    loss: SACLoss  # holds the parameters: actor, twin critics, target critics, log_alpha
     target: SoftUpdate
-    optimizers: list[torch.optim.Optimizer]  # critic, actor, temperature
+    optimizers: list[FlatParamsAdam]  # critic, actor, temperature (torch.optim.Adam's interface)
     action_spec: TensorSpec
+    flat: FlatSAC  # the fused update over the same parameters
+
+
+def _layers(params: TensorDictBase) -> list[torch.Tensor]:
+    """An MLP's parameters in layer order (weight, bias, ...) from a ``module.<i>.weight`` TensorDict."""
+    items = params.flatten_keys(".").items()
+    return [v for _, v in sorted(items, key=lambda kv: ([int(k) for k in kv[0].split(".") if k.isdigit()],
+                                                         kv[0].endswith("bias")))]
 
 
 def make_sac_modules(obs_dim: int, action_spec: TensorSpec, cfg: SACConfig) -> SACModules:
@@ -125,8 +140,9 @@ def make_sac_modules(obs_dim: int, action_spec: TensorSpec, cfg: SACConfig) -> S
         low, high = low[0], high[0]
     act_dim = int(low.shape[-1])
     spec = Bounded(low=low, high=high, shape=low.shape, dtype=torch.float32)
+    extractor = NormalParamExtractor()
     actor_net = nn.Sequential(MLP(in_features=obs_dim, out_features=2 * act_dim, num_cells=list(cfg.hidden),
-                                  activation_class=nn.ReLU), NormalParamExtractor())
+                                  activation_class=nn.ReLU), extractor)
     actor = ProbabilisticActor(TensorDictModule(actor_net, in_keys=["observation"], out_keys=["loc", "scale"]),
                                in_keys=["loc", "scale"], distribution_class=TanhNormal,
                                distribution_kwargs={"low": low, "high": high}, spec=spec)
@@ -136,34 +152,92 @@ def make_sac_modules(obs_dim: int, action_spec: TensorSpec, cfg: SACConfig) -> S
                    target_entropy=cfg.target_entropy, action_spec=spec)
     loss.make_value_estimator(gamma=cfg.gamma)
     target = SoftUpdate(loss, tau=cfg.tau)
-    critic_params = list(loss.qvalue_network_params.flatten_keys().values())
-    actor_params = list(loss.actor_network_params.flatten_keys().values())
-    optimizers = [torch.optim.Adam(critic_params, lr=cfg.lr), torch.optim.Adam(actor_params, lr=cfg.lr),
-                  torch.optim.Adam([loss.log_alpha], lr=cfg.alpha_lr)]
-    return SACModules(actor, qvalue, loss, target, optimizers, spec)
+    head = SquashedGaussian(shift=float(extractor.scale_mapping.bias), min_scale=float(extractor.scale_mapping.min_val),
+                            scale_lb=float(extractor.scale_lb), mid=(high + low) / 2, half=(high - low) / 2)
+    actor_params = [p for m in actor_net[0] if isinstance(m, nn.Linear) for p in (m.weight, m.bias)]
+    flat = FlatSAC(actor_params, _layers(loss.qvalue_network_params), _layers(loss.target_qvalue_network_params),
+                   loss.log_alpha, head, gamma=cfg.gamma, tau=cfg.tau, target_entropy=float(loss.target_entropy),
+                   lr=cfg.lr, alpha_lr=cfg.alpha_lr)
+    return SACModules(actor, qvalue, loss, target, [flat.critic_opt, flat.actor_opt, flat.alpha_opt], spec, flat)
 
 
 def make_replay_buffer(cfg: SACConfig) -> ReplayBuffer:
-    """A uniform replay buffer of ``cfg.buffer_size`` frames sampling ``cfg.batch_size``."""
+    """A uniform TorchRL replay buffer of ``cfg.buffer_size`` frames sampling ``cfg.batch_size``.
+
+    The trainer itself uses the leaner :class:`FlatReplay`; this one is for code that wants TorchRL's.
+    """
     return ReplayBuffer(storage=LazyTensorStorage(cfg.buffer_size), batch_size=cfg.batch_size)
 
 
-def sac_update(modules: SACModules, batch: TensorDictBase) -> dict[str, torch.Tensor]:
-    """One gradient step of critics, actor and temperature on ``batch``; then targets.
+class FlatReplay:
+    """Uniform replay over one preallocated ``[capacity, width]`` tensor (a ring).
 
-    The actor loss sees detached critic parameters and the critic loss detached targets
-    (inside ``SACLoss``), so one backward pass of the summed losses is exact.
+    Each key of the stored batches is a column range (booleans as 0/1), so that adding a
+    batch is one copy and sampling is one ``index_select``; :meth:`sample` gives the
+    columns back as a dict of views (booleans restored).
+    """
+
+    def __init__(self, capacity: int, keys: tuple) -> None:
+        self.capacity, self.keys = int(capacity), keys
+        self.storage: torch.Tensor | None = None
+        self.columns: dict[Any, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
+        self.size = self.cursor = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def extend(self, batch: TensorDictBase) -> None:
+        """Add the rows of a flat batch (``[n]``) holding :attr:`keys`."""
+        values = [batch.get(k) for k in self.keys]
+        n = int(batch.shape[0])
+        if self.storage is None:
+            at = 0
+            for k, v in zip(self.keys, values):
+                width = math.prod(v.shape[1:])
+                self.columns[k] = (at, at + width, v.dtype, tuple(v.shape[1:]))
+                at += width
+            self.storage = torch.zeros(self.capacity, at)
+        rows = torch.cat([v.reshape(n, -1).to(torch.float32) for v in values], 1)
+        end = self.cursor + n
+        if end <= self.capacity:
+            self.storage[self.cursor:end] = rows
+        else:
+            self.storage[torch.arange(self.cursor, end) % self.capacity] = rows
+        self.cursor, self.size = end % self.capacity, min(self.capacity, self.size + n)
+
+    def sample(self, n: int) -> dict[Any, torch.Tensor]:
+        """``n`` rows drawn uniformly with replacement: key -> ``[n, ...]``."""
+        rows = self.storage.index_select(0, torch.randint(self.size, (n,)))
+        out = {}
+        for k, (a, b, dtype, shape) in self.columns.items():
+            col = rows[:, a:b].view(n, *shape)
+            out[k] = col.to(dtype) if dtype != torch.float32 else col
+        return out
+
+
+def sac_update(modules: SACModules, batch: TensorDictBase) -> dict[str, torch.Tensor]:
+    """One gradient step of critics, actor and temperature on ``batch``; then the targets.
+
+    ``batch`` holds ``SACLoss``'s keys (``observation``, ``action``, ``("next", "reward")``,
+    ``("next", "observation")``, ``("next", "terminated")``).
     :return: the detached losses and ``alpha``.
     """
-    out = modules.loss(batch)
-    total = out["loss_qvalue"] + out["loss_actor"] + out["loss_alpha"]
-    for opt in modules.optimizers:
-        opt.zero_grad(set_to_none=True)
-    total.backward()
-    for opt in modules.optimizers:
-        opt.step()
-    modules.target.step()
-    return {k: out[k].detach() for k in ("loss_qvalue", "loss_actor", "loss_alpha", "alpha")}
+    losses = modules.flat.update(batch.get("observation"), batch.get("action"), batch.get(("next", "reward")),
+                                 batch.get(("next", "observation")), batch.get(("next", "terminated")))
+    modules.flat.update_targets()
+    return losses
+
+
+class SamplingActor(nn.Module):
+    """The collection policy: writes a sampled ``action`` (the fused actor, no TensorDict plumbing)."""
+
+    def __init__(self, flat: FlatSAC) -> None:
+        super().__init__()
+        self.flat = flat
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        td.set("action", self.flat.act(td.get("observation")))
+        return td
 
 
 @torch.no_grad()
@@ -175,6 +249,51 @@ def act_deterministic(modules: SACModules, obs: torch.Tensor) -> torch.Tensor:
 
 
 # -- training ----------------------------------------------------------------------------
+
+#: the loop's phases (``time/<phase>_s`` metrics): collection (env steps, the policy,
+#: per-step transforms and the reward program), replay (adding and sampling), the
+#: gradient step, the target update, and the rest (hooks, metrics, progress)
+PHASES = ("rollout", "replay", "update", "target", "other")
+
+
+def _lap(phases: dict[str, float], phase: str, since: float) -> float:
+    now = time.perf_counter()
+    phases[phase] += now - since
+    return now
+
+
+def collect(env: EnvBase, policy: Callable[[TensorDictBase], TensorDictBase], batches: int, steps: int,
+            random_frames: int, postproc: Callable[[TensorDictBase], TensorDictBase] | None) -> Iterator[TensorDictBase]:
+    """``batches`` batches ``[envs, steps]`` from ``env``, as TorchRL's ``Collector`` gives them.
+
+    Uniformly random actions while fewer than ``random_frames`` frames were collected
+    (checked per batch), else ``policy``'s; ``postproc`` rewrites each batch. A plain
+    loop over ``step_and_maybe_reset``: the ``Collector``'s bookkeeping cost about a
+    millisecond a frame, as much as the env and the policy together at one env.
+    """
+    td, frames = env.reset(), 0
+    for _ in range(batches):
+        rows, explore = [], frames >= random_frames
+        with torch.no_grad():  # not across the yield: the consumer's gradient step needs autograd
+            for _ in range(steps):
+                if explore:
+                    td = policy(td)
+                else:
+                    td.set("action", env.action_spec.rand())
+                step, td = env.step_and_maybe_reset(td)
+                rows.append(step)
+            batch = torch.stack(rows, dim=1)
+            if postproc is not None:
+                batch = postproc(batch)
+        frames += batch.numel()
+        yield batch
+
+
+def _as_batch(sample: dict[Any, torch.Tensor]) -> TensorDict:
+    """A replay sample as the TensorDict :func:`imitation_step` reads."""
+    n = sample["observation"].shape[0]
+    return TensorDict({k: v for k, v in sample.items() if isinstance(k, str)}, batch_size=[n])
+
 
 
 def train(
@@ -206,17 +325,15 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
     torch.manual_seed(seed)
     cenv = CandidateEnv(task, candidate, cfg.num_envs, seed, hook, ctx)
     modules = make_sac_modules(cenv.obs_dim, cenv.base.action_spec, cfg)
-    buffer = make_replay_buffer(cfg)
+    buffer = FlatReplay(cfg.buffer_size, BUFFER_KEYS)
     batches = max(1, cfg.frames // cfg.frames_per_batch)
     total = batches * cfg.frames_per_batch
-    policy, random_frames, keys, prior = modules.actor, cfg.init_random_frames, BUFFER_KEYS, None
+    policy, random_frames, prior = SamplingActor(modules.flat), cfg.init_random_frames, None
     if has_impls(hook, "action_prior") and ctx is not None:  # a behaviour prior acts from the first step
         spec = modules.action_spec.space
-        prior = PriorBehaviour(modules.actor, PriorSource(hook, ctx, task, low=spec.low, high=spec.high), random_frames)
-        policy, random_frames, keys = prior, 0, BUFFER_KEYS + PRIOR_KEYS
-    collector = Collector(cenv.env, policy, frames_per_batch=cfg.frames_per_batch, total_frames=total,
-                          init_random_frames=random_frames, trust_policy=True, track_traj_ids=False,
-                          auto_register_policy_transforms=False, postproc=cenv.postproc)
+        prior = PriorBehaviour(policy, PriorSource(hook, ctx, task, low=spec.low, high=spec.high), random_frames)
+        policy, random_frames, buffer = prior, 0, FlatReplay(cfg.buffer_size, BUFFER_KEYS + PRIOR_KEYS)
+    collector = collect(cenv.env, policy, batches, cfg.rollout_steps, random_frames, cenv.postproc)
 
     def evaluate_now(frames: int) -> list[Episode]:
         def act(obs: torch.Tensor) -> torch.Tensor:
@@ -231,9 +348,13 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
     frames, train_seconds, next_eval, owed = 0, 0.0, cfg.eval_every or math.inf, 0.0
     log_every = max(1, batches // 100)  # ~100 metric points per run
     corr, returns, stats = np.zeros(6), [], {}
+    phases = dict.fromkeys(PHASES, 0.0)
+    flat = modules.flat
     tick = time.perf_counter()
     try:
         for i, batch in enumerate(collector):
+            lap = time.perf_counter()
+            phases["rollout"] += lap - tick
             frames += batch.numel()
             if ctx is not None:
                 ctx.frames = frames
@@ -241,15 +362,24 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
                 hook.on_rollout(train=ctx, batch=batch)
             if cenv.rewrites_reward:
                 corr += corr_sums(batch)
-            buffer.extend(batch.reshape(-1).select(*keys))
+            lap = _lap(phases, "other", lap)
+            buffer.extend(batch.reshape(-1))
+            lap = _lap(phases, "replay", lap)
             if frames >= cfg.init_random_frames and len(buffer) >= cfg.batch_size:
                 owed += batch.numel() * cfg.updates_per_frame
                 losses = imitated = None  # updates_per_frame < 1: a batch may owe no update yet
                 while owed >= 1.0:
-                    sample = buffer.sample()
-                    losses = sac_update(modules, sample)
+                    sample = buffer.sample(cfg.batch_size)
+                    lap = _lap(phases, "replay", lap)
+                    losses = flat.update(sample["observation"], sample["action"], sample["next", "reward"],
+                                         sample["next", "observation"], sample["next", "terminated"])
+                    lap = _lap(phases, "update", lap)
+                    flat.update_targets()
+                    lap = _lap(phases, "target", lap)
                     if prior is not None and prior.source.imitation > 0:
-                        imitated = imitation_step(modules.actor, modules.optimizers[1], sample, prior.source.imitation)
+                        imitated = imitation_step(modules.actor, modules.optimizers[1], _as_batch(sample),
+                                                  prior.source.imitation)
+                        lap = _lap(phases, "update", lap)
                     owed -= 1.0
                 if losses is not None:
                     stats = {"losses/qvalue_loss": float(losses["loss_qvalue"]),
@@ -260,6 +390,7 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
             finished = cenv.base.pop_finished()
             returns += [r for r, _ in finished]
             now = time.perf_counter()
+            phases["other"] += now - lap
             train_seconds += now - tick
             stats["charts/fps"] = frames / train_seconds
             if finished:
@@ -281,11 +412,12 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
                                 description=f"train {candidate.id} {stats['charts/fps']:.0f} fps return {last}")
             tick = time.perf_counter()
     finally:
-        collector.shutdown()
+        collector.close()
         cenv.close()
 
     result.frames = frames
     result.metrics.update(stats)
+    result.metrics.update({f"time/{phase}_s": seconds for phase, seconds in phases.items()})
     result.metrics["charts/fps"] = frames / max(train_seconds, 1e-9)
     result.metrics.update(cenv.program_metrics)
     result.metrics.update(cenv.macro_metrics())

@@ -18,7 +18,8 @@ from core.envs.classic import Pendulum
 from core.records import Candidate, RewardProgram
 from core.resources import conf_dir
 from core.train import get_trainer
-from core.train.sac import SACConfig, act_deterministic, make_replay_buffer, make_sac_modules, sac_update, train
+from core.train.sac import (PHASES, FlatReplay, SACConfig, act_deterministic, collect, make_replay_buffer,
+                            make_sac_modules, sac_update, train)
 
 
 def _yaml() -> dict:
@@ -77,6 +78,106 @@ def test_modules_and_update_are_reusable():
     assert buffer.sample().shape == (32,)
 
 
+def _loss_gradients(modules, batch: TensorDict) -> tuple[dict, list[torch.Tensor]]:
+    """SACLoss's losses and the gradients of their sum (autograd), the reference formulation."""
+    params = list(modules.loss.parameters())
+    out = modules.loss(batch.clone())
+    return out, list(torch.autograd.grad(out["loss_qvalue"] + out["loss_actor"] + out["loss_alpha"], params))
+
+
+def test_fused_update_has_sacloss_losses_and_gradients():
+    """Same noise, same batch: the fused step's losses and gradients are ``SACLoss``'s (terminal rows too)."""
+    torch.manual_seed(0)
+    spec = Bounded(low=-2.0, high=2.0, shape=(1,), dtype=torch.float32)
+    modules = make_sac_modules(3, spec, _tiny(hidden=[16, 8]))
+    modules.loss.log_alpha.data.fill_(-0.7)  # alpha != 1
+    batch = _batch(32)
+    batch["next", "terminated"] = torch.rand(32, 1) < 0.3
+    torch.manual_seed(1)
+    expected, grads = _loss_gradients(modules, batch)
+    for opt in modules.optimizers:
+        opt.lr = 0.0  # the gradients stay readable, the parameters unchanged
+    torch.manual_seed(1)
+    out = modules.flat.update(batch["observation"], batch["action"], batch["next", "reward"],
+                              batch["next", "observation"], batch["next", "terminated"])
+    for key in ("loss_qvalue", "loss_actor", "loss_alpha", "alpha"):
+        assert torch.allclose(out[key], expected[key], rtol=1e-5, atol=1e-6), key
+    for (name, param), grad in zip(modules.loss.named_parameters(), grads):
+        assert param.grad is not None and torch.allclose(param.grad, grad, rtol=1e-4, atol=1e-7), name
+
+
+def test_parameters_are_views_the_optimizers_step_and_the_targets_follow():
+    spec = Bounded(low=-1.0, high=1.0, shape=(2,), dtype=torch.float32)
+    modules, other = make_sac_modules(4, spec, _tiny()), make_sac_modules(4, spec, _tiny())
+    flat, tau = modules.flat, modules.flat.tau
+    actor = next(modules.actor.parameters())
+    assert actor.data_ptr() == flat.actor_flat.data_ptr()  # the TorchRL actor sees every step
+    critic_before, target_before = flat.critic_flat.clone(), flat.target_flat.clone()
+    n = 32
+    batch = TensorDict({"observation": torch.randn(n, 4), "action": torch.rand(n, 2) * 2 - 1,
+                        "next": {"observation": torch.randn(n, 4), "reward": torch.randn(n, 1),
+                                 "done": torch.zeros(n, 1, dtype=torch.bool),
+                                 "terminated": torch.zeros(n, 1, dtype=torch.bool)}}, [n])
+    sac_update(modules, batch)
+    assert not torch.equal(flat.critic_flat, critic_before)
+    assert torch.allclose(flat.target_flat, target_before + tau * (flat.critic_flat - target_before), atol=1e-7)
+    assert [int(o.steps) for o in modules.optimizers] == [1, 1, 1]
+    # a population copies an agent into another (LaRes' inherit): the views stay views
+    other.loss.load_state_dict(modules.loss.state_dict())
+    for mine, theirs in zip(other.optimizers, modules.optimizers):
+        mine.load_state_dict(theirs.state_dict())
+    assert torch.equal(other.flat.critic_flat, flat.critic_flat) and torch.equal(other.flat.actor_flat, flat.actor_flat)
+    assert torch.equal(other.optimizers[0].exp_avg, modules.optimizers[0].exp_avg)
+    obs = torch.randn(5, 4)
+    assert torch.equal(act_deterministic(other, obs), act_deterministic(modules, obs))
+    # driven as a torch.optim.Adam (behaviour cloning: zero_grad, backward through the TorchRL actor, step)
+    opt = modules.optimizers[1]
+    opt.zero_grad(set_to_none=True)
+    td = TensorDict({"observation": obs}, [5])
+    modules.actor(td)["action"].pow(2).sum().backward()
+    before = flat.actor_flat.clone()
+    opt.step()
+    assert int(opt.steps) == 2 and not torch.equal(flat.actor_flat, before)
+
+
+def test_flat_replay_keeps_keys_dtypes_and_wraps():
+    buffer = FlatReplay(10, ("observation", "action", ("next", "reward"), ("next", "terminated")))
+    for start in (0, 6):  # 12 rows into 10: the ring wraps
+        n = 6
+        obs = torch.arange(start, start + n, dtype=torch.float32).unsqueeze(-1).expand(n, 3)
+        batch = TensorDict({"observation": obs, "action": obs[:, :1] * 10,
+                            "next": {"reward": -obs[:, :1], "terminated": obs[:, :1] > 8}}, [n])
+        buffer.extend(batch)
+    assert len(buffer) == 10
+    sample = buffer.sample(64)
+    assert sample["observation"].shape == (64, 3) and sample["next", "terminated"].dtype == torch.bool
+    row = sample["observation"][:, 0]
+    assert torch.equal(sample["action"][:, 0], row * 10) and torch.equal(sample["next", "reward"][:, 0], -row)
+    assert torch.equal(sample["next", "terminated"][:, 0], row > 8)
+    assert set(row.tolist()) <= set(range(2, 12))  # rows 0 and 1 were overwritten
+
+
+def test_collect_gives_collector_batches(pendulum):
+    from core.train.common import CandidateEnv
+
+    cenv = CandidateEnv(pendulum, Candidate("c", 0), 2, 0, None, None)
+    modules = make_sac_modules(cenv.obs_dim, cenv.base.action_spec, _tiny())
+    calls = []
+
+    def policy(td):
+        calls.append(td.batch_size)
+        td.set("action", torch.zeros(2, 1))
+        return td
+
+    batches = list(collect(cenv.env, policy, 3, 4, random_frames=8, postproc=None))
+    cenv.close()
+    assert [b.shape for b in batches] == [(2, 4)] * 3
+    assert len(calls) == 8  # the first batch (8 frames) at random, then the policy at each step
+    assert bool((batches[1]["action"] == 0).all()) and not bool((batches[0]["action"] == 0).all())
+    assert torch.equal(batches[0]["next", "observation"][:, 0], batches[0]["observation"][:, 1])
+    assert modules.flat.act(torch.randn(3, 3)).shape == (3, 1)
+
+
 def test_discrete_actions_are_refused():
     with pytest.raises(ValueError, match="continuous"):
         make_sac_modules(4, Categorical(2), _tiny())
@@ -91,6 +192,7 @@ def test_training_contract(pendulum):
     assert result.frames == 400 and len(result.curve) == 2 and len(result.episodes) == 2
     for key in ("charts/fps", "losses/qvalue_loss", "losses/actor_loss", "losses/alpha"):
         assert key in result.metrics
+    assert all(result.metrics[f"time/{phase}_s"] > 0 for phase in PHASES)
     assert "losses/qvalue_loss" in ctx.metrics and ctx.frames == 400
     saved = torch.load(result.policy_path)
     Path(result.policy_path).unlink()  # in a run the tracker uploads it and deletes it
