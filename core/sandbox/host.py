@@ -503,7 +503,7 @@ class ProgramWorker:
         self._ready_at = 0.0
         self._next_cpu_raise = 0.0
         self._ended_at: float | None = None
-        self._cpu: int | None = None
+        self._cpu: tuple[int, bool] | None = None  # where the worker was placed: (this thread's CPU, away from it)
         self._spin = _Spin()
         self._cpu_limit = float("inf")
         self.last_printed = ""
@@ -638,10 +638,11 @@ class ProgramWorker:
         if self.dead is not None:
             raise SandboxError(self.dead)
         self._seq += 1
-        self._follow_cpu()
         spin = self._spin
+        spin_us = spin.before(time.perf_counter()) if same and count else 0
+        self._follow_cpu(away=spin_us > 0)
         if same:
-            data = _SAME_BYTE + SAME_REQUEST.pack(self._seq, same, spin.before(time.perf_counter()) if count else 0)
+            data = _SAME_BYTE + SAME_REQUEST.pack(self._seq, same, spin_us)
         else:
             message["seq"] = self._seq
             data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -674,8 +675,8 @@ class ProgramWorker:
         took = now - start
         if n == 0:
             raise SandboxError(self._died())
-        if same and count and spin.after(now, took) and spin.sample(now, self._proc.server, self._cpu_room()):
-            self._cpu = None  # spinning started or stopped: place the worker again
+        if same and count and spin.after(now, took):
+            spin.sample(now, self._proc.server, self._cpu_room())
         if self._buf[0] == SAME and n == 17:  # the same result layout as this handle's last call
             seq, program_s = struct.unpack_from("<Qd", self._buf, 1)
             reply = {"seq": seq, "out": SAME, "program_s": program_s}
@@ -688,20 +689,21 @@ class ProgramWorker:
             raise SandboxError(self._end(fail("crashed", "The program's worker sent an unreadable answer.")))
         return reply, took
 
-    def _follow_cpu(self) -> None:
-        """Keep the worker on the CPU this thread runs on: it runs while we wait, woken where we sleep.
+    def _follow_cpu(self, away: bool = False) -> None:
+        """Keep the worker on the CPU this thread runs on, or, ``away``, on the others.
 
         A call is a hand-off (the host blocks until the answer), so the host's CPU is the
         one that is free when the worker wakes; elsewhere it may wait for another
-        process's time slice (milliseconds on a busy machine). Re-pinned only when this
-        thread moved.
+        process's time slice (milliseconds on a busy machine). A worker asked to spin for
+        the next step (:class:`_Spin`) must not hold the trainer's CPU: it goes to the
+        others. Placed again only when this thread moved or that changed.
         """
         cpu = _current_cpu()
-        if cpu is None or cpu == self._cpu:
+        if cpu is None or (cpu, away) == self._cpu:
             return
-        self._cpu = cpu
-        spin = self._spin
-        where = spin.cpus - {cpu} if spin.on and cpu in spin.cpus and len(spin.cpus) > 1 else {cpu}
+        self._cpu = (cpu, away)
+        cpus = self._spin.cpus
+        where = cpus - {cpu} if away and cpu in cpus and len(cpus) > 1 else {cpu}
         with contextlib.suppress(OSError):
             os.sched_setaffinity(self._proc.server, where)
 

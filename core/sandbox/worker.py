@@ -127,7 +127,9 @@ def zygote(fd: int) -> None:
             continue
         if pid == 0:
             try:
-                _supervise(request, fds, ctl.fileno())
+                ctl.close()  # the zygote's socket: no object of it is left for a program to find
+                del ctl
+                _supervise(request, fds)
             finally:
                 os._exit(70)
         for f in fds:
@@ -151,10 +153,9 @@ def _alive(pid: int) -> bool:
 # -- the supervisor ---------------------------------------------------------------------------------
 
 
-def _supervise(request: dict[str, Any], fds: list[int], zygote_fd: int) -> None:
+def _supervise(request: dict[str, Any], fds: list[int]) -> None:
     """Leave the host's namespaces, fork the server, report its pid and exit status."""
     sock_fd, status_fd, in_fd, out_fd = fds
-    os.close(zygote_fd)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setsid()
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the zygote
@@ -371,7 +372,7 @@ class Server:
         from core.sandbox import programs, wire
 
         programs._WorkerFlag.runs_programs = True
-        self.np, self.tensor = numpy, torch.Tensor  # taken now: a program may poison sys.modules
+        self.np, self.tensor, self.from_numpy = numpy, torch.Tensor, torch.from_numpy  # taken now: a program may poison sys.modules
         self.sb, self.wire = programs, wire
         self.sock, self.in_map, self.out_map = sock, in_map, out_map
         self.limits = request["limits"]
@@ -541,7 +542,7 @@ class Server:
         batch = sb.batch_size(args) if request["role"] != "value" else 0
         reply = self.finish_call(request, value, program_s, batch)
         if plan is not False and not request.get("printed") and handle in self.lanes:
-            self.call_lanes[handle] = _CallLane(compiled, request, plan, fields, self.lanes[handle], batch, self.np)
+            self.call_lanes[handle] = _CallLane(compiled, request, plan, fields, self.lanes[handle], batch, self)
         return reply
 
     def finish_call(self, request: dict[str, Any], value: Any, program_s: float, batch: int | None = None) -> dict[str, Any]:
@@ -584,13 +585,10 @@ class _CallLane:
     __slots__ = ("compiled", "per_row", "end", "args", "batch", "result", "value", "program_s", "np", "from_numpy", "split")
 
     def __init__(self, compiled: Any, request: dict[str, Any], plan: list[Any], fields: list[Any], result: _ResultLane,
-                 batch: int, np: Any) -> None:
-        import torch
-
-        from core.sandbox.programs import split_fields
-
+                 batch: int, server: Server) -> None:
         self.compiled, self.per_row, self.end, self.batch, self.result = compiled, request["per_row"], request["end"], batch, result
-        self.np, self.from_numpy, self.split = np, torch.from_numpy, split_fields
+        np = self.np = server.np  # the server's modules, taken before any program ran
+        self.from_numpy, self.split = server.from_numpy, server.sb.split_fields
         self.value: Any = None
         self.program_s = 0.0
         split = request.get("split") or ()
