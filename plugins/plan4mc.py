@@ -107,7 +107,11 @@ def parse_graph(reply: str, goals: list[str]) -> tuple[dict[str, Skill], list[st
     try:
         items = json.loads(re.sub(r",\s*([\]}])", r"\1", match.group(0)))
     except json.JSONDecodeError as e:
-        return {}, [f"the JSON does not parse: {e.msg} (line {e.lineno})"]
+        # Small models repeat items until max_tokens cuts the list off; the objects that are
+        # whole still describe a graph, so keep them rather than throw the reply away.
+        items = objects_in(reply)
+        if not items:
+            return {}, [f"the JSON does not parse: {e.msg} (line {e.lineno})"]
     graph: dict[str, Skill] = {}
     errors: list[str] = []
     for item in items if isinstance(items, list) else []:
@@ -127,10 +131,25 @@ def parse_graph(reply: str, goals: list[str]) -> tuple[dict[str, Skill], list[st
                 errors.append(f"skill {name}: unknown requirement {req!r}")
             elif got != name:
                 known.append(got)
+        if name in graph:  # a repeated skill: one node with the requirements of every mention
+            known = graph[name].requires + [r for r in known if r not in graph[name].requires]
         graph[name] = Skill(name, known, str(item.get("yields", ""))[:120])
     if not graph and not errors:
         errors.append("the list holds no skills")
-    return graph, errors
+    return graph, list(dict.fromkeys(errors))
+
+
+def objects_in(reply: str) -> list[dict]:
+    """Every flat JSON object in the text that parses on its own (a cut-off or broken list's whole items)."""
+    items = []
+    for text in re.findall(r"\{[^{}]*\}", reply or ""):
+        try:
+            item = json.loads(re.sub(r",\s*([\]}])", r"\1", text))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(item, dict):
+            items.append(item)
+    return items
 
 
 def search(graph: dict[str, Skill], target: str) -> tuple[list[str], list[str]]:

@@ -66,6 +66,28 @@ def test_bad_graphs_give_errors_for_the_llm(goals, reply, needle):
     assert plan is None and any(needle in e for e in errors), errors
 
 
+# what the embedded 1.5B model wrote in a study: items repeated until max_tokens cut the list off
+CUT_OFF = "```json\n[" + ",\n ".join(
+    ['{"name": "collect_stone", "requires": ["make_wood_pickaxe"], "yields": "a stone"}',
+     '{"name": "make_stone_pickaxe", "requires": ["collect_wood", "place_table"], "yields": "a stone pickaxe"}'] * 6
+    + ['{"name": "collect_stone", "requires": ["make_wood_pickaxe"], "yi']) + "\n"
+
+
+def test_a_cut_off_list_of_repeated_items_keeps_its_whole_items(task, goals):
+    graph, errors = plan4mc.parse_graph(CUT_OFF, goals)
+    assert errors == [] and set(graph) == {"collect_stone", "make_stone_pickaxe"}
+    assert graph["make_stone_pickaxe"].requires == ["collect_wood", "place_table"]  # repeats merged, not duplicated
+    rules = plan4mc.game_requirements(task)
+    plan, errors = plan4mc.build_plan(CUT_OFF, goals, "make_stone_pickaxe", rules)
+    assert plan is None and any("the game needs" in e for e in errors)  # sent back with the rules' errors
+    plan, errors = plan4mc.build_plan(CUT_OFF, goals, "make_stone_pickaxe", rules, fix=True)
+    names = [s.name for s in plan.steps]
+    assert errors == [] and names[-1] == "make_stone_pickaxe" and plan4mc.rule_errors(names, rules) == []
+    # repeated errors are reported once
+    _, errors = plan4mc.parse_graph('[' + ', '.join(['{"name": "mine gold", "requires": []}'] * 3) + ']', goals)
+    assert errors == ["unknown skill 'mine gold'"]
+
+
 SHALLOW = '[{"name": "collect_stone", "requires": []}, {"name": "make_stone_pickaxe", "requires": ["collect_stone"]}]'
 
 
