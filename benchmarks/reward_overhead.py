@@ -26,7 +26,10 @@ both alike: ``ratio`` and ``per_step_ratio`` are the medians of the pairs' ratio
 trainer's process plus the worker's), the cost of the sandbox without the waits for a
 CPU that a busy machine adds; ``batched_extra_cpu_s`` and ``per_step_extra_cpu_s`` are the
 CPU seconds the program adds to one run (medians of the pairs), ``per_step_worker_cpu_us``
-the worker's part per call. The load average is printed before and after.
+the worker's part per call (with the polling for the next step where the worker spins on
+a spare CPU; ``per_step_spun_share`` says for what share of the calls it did). The load
+average is printed before and after; ``LLM4RL_SANDBOX_SPIN=0`` or ``=1`` in the
+environment switches the spinning off or on whatever the load.
 Prints one JSON object::
 
     {"ratio": ..., "per_step_ratio": ..., "call_overhead_us": ..., "env_reward_fps": ..., ...}
@@ -179,6 +182,8 @@ def main() -> None:
         "per_step_call_share": step_metrics.get("sandbox/call_share"),
         "per_step_program_share": step_metrics.get("sandbox/program_share"),
         "per_step_calls": step_metrics.get("sandbox/program_calls"),
+        # the share of the last per-step run's calls made with the worker spinning on a spare CPU (core.sandbox.host._Spin)
+        "per_step_spun_share": step_metrics.get("sandbox/spun_share"),
         # CPU seconds the program costs a run (trainer and worker), and the worker's share per call
         "batched_extra_cpu_s": round(statistics.median(pairs["batched_extra_cpu"]), 3),
         "per_step_extra_cpu_s": round(statistics.median(pairs["per_step_extra_cpu"]), 3),
