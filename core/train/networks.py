@@ -543,9 +543,17 @@ class FlatSAC:
         self.actor_opt = FlatParamsAdam(self.actor_flat, actor_params, lr)
         self.critic_opt = FlatParamsAdam(self.critic_flat, critic_params, lr)
         self.alpha_opt = FlatParamsAdam(log_alpha, [], alpha_lr)
+        # per critic, per layer: leaves of their own that alias the stacked parameters, their
+        # gradients views of the flat gradient (selecting from the stacked parameter in the
+        # graph would make its backward allocate and fill a zero [2, ...] tensor per use)
+        self._critic = _twin_layers([p.detach() for p in critic_params])
+        for layer, grads in zip(self._critic, _twin_layers(self.critic_opt._grad_views)):
+            for leaf, grad in zip(layer, grads):
+                leaf.requires_grad_(True)
+                leaf.grad = grad
         # detached aliases: the critics as the actor loss sees them, the targets, the actor without autograd
-        self._critic_detached = [p.detach() for p in critic_params]
-        self._target = [t.detach() for t in target_params]
+        self._critic_detached = _twin_layers([p.detach() for p in critic_params])
+        self._target = _twin_layers([t.detach() for t in target_params])
         self._actor_detached = [p.detach() for p in actor_params]
 
     @staticmethod
@@ -559,15 +567,18 @@ class FlatSAC:
         return x
 
     @staticmethod
-    def twin(x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-        """``x [N, in] -> [2, N, 1]``: both critics, one batched matmul per layer."""
-        last = len(params) - 2
-        h = x.unsqueeze(0).expand(params[0].shape[0], *x.shape)
-        for i in range(0, len(params), 2):
-            h = torch.baddbmm(params[i + 1].unsqueeze(1), h, params[i].mT)
-            if i < last:
-                h = h.relu_()
-        return h
+    def twin(x: torch.Tensor, layers: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """``x [N, in] -> [2, N, 1]``: both critics, one matmul per critic and layer.
+
+        ``layers``: per layer ``(weight_0, bias_0, weight_1, bias_1)``. (CPU ``bmm`` on the
+        stacked pair ran ~1.6x slower than two ``mm``.)
+        """
+        h0 = h1 = x
+        for i, (w0, b0, w1, b1) in enumerate(layers):
+            h0, h1 = torch.addmm(b0, h0, w0.t()), torch.addmm(b1, h1, w1.t())
+            if i < len(layers) - 1:
+                h0, h1 = h0.relu_(), h1.relu_()
+        return torch.stack((h0, h1))
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor) -> torch.Tensor:
@@ -588,7 +599,7 @@ class FlatSAC:
             next_action, next_logp = self.head.sample(self.mlp(next_obs, self._actor_detached), eps_next)
             q_next = self.twin(torch.cat([next_obs, next_action], -1), self._target).min(0).values
             target = reward + self.gamma * (~terminated.bool()) * (q_next - alpha * next_logp.unsqueeze(-1))
-        q = self.twin(torch.cat([obs, action], -1), self.critic_params)
+        q = self.twin(torch.cat([obs, action], -1), self._critic)
         loss_q = (q - target).pow(2).sum(0).mean()
         new_action, logp = self.head.sample(self.mlp(obs, self.actor_params), eps)
         q_new = self.twin(torch.cat([obs, new_action], -1), self._critic_detached).min(0).values.squeeze(-1)
@@ -611,3 +622,8 @@ class FlatSAC:
         """Polyak: ``target <- (1 - tau) target + tau critic``."""
         self.target_flat.lerp_(self.critic_flat, self.tau)
 
+
+
+def _twin_layers(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """Stacked ``[2, ...]`` weights and biases -> per layer ``(weight_0, bias_0, weight_1, bias_1)`` views."""
+    return [(w[0], b[0], w[1], b[1]) for w, b in zip(params[0::2], params[1::2])]
