@@ -349,8 +349,9 @@ class _Spin:
     only while no other task wants a CPU (a moving mean below 0.25 other tasks for two
     CPUs; more CPUs leave more room), and stops as soon as others do (above 0.5). It also
     stops while the steps come too far apart for a spin to catch them, and once the
-    worker's CPU time left under its limit falls to :data:`CPU_RESERVE_S` (where the host
-    may not raise the limit, it is the program's, not the polling's).
+    worker's CPU time left under its limit falls to :data:`CPU_RESERVE_S`. Where the host
+    may not raise the worker's CPU limit (no ``CAP_SYS_RESOURCE``), the limit is the
+    program's, and spinning may take only :data:`FIXED_LIMIT_SHARE` of ``cpu_s``.
     ``LLM4RL_SANDBOX_SPIN=0`` in the host's environment never spins, ``=1`` always does
     (with two CPUs or more: measurements, tests).
     """
@@ -358,10 +359,12 @@ class _Spin:
     SAMPLE_S = 0.05
     WORKER_S = 0.002  # the longest a worker polls for the next step (a step of 8 small envs takes well under 1 ms)
     HOST_MAX_S = 0.001  # the longest the trainer polls for an answer
-    #: no spinning once the worker's CPU time left under its limit is this short (where the host cannot raise the limit)
+    #: no spinning once the worker's CPU time left under its limit is this short
     CPU_RESERVE_S = 2.0
+    #: where the host may not raise the worker's CPU limit: the share of ``cpu_s`` that spinning may take
+    FIXED_LIMIT_SHARE = 0.2
     __slots__ = ("cpus", "mode", "on", "others", "next_sample", "hits", "round_trip", "last_end", "worker_s", "host_s",
-                 "granted_s", "spun")
+                 "granted_s", "spun", "spent_s", "allowance_s")
 
     def __init__(self) -> None:
         try:
@@ -379,13 +382,16 @@ class _Spin:
         self.host_s = 0.0
         self.granted_s = 0.0  # spinning asked of the worker so far: CPU time added to its limit
         self.spun = 0  # calls whose answer was polled for
+        self.spent_s = 0.0  # the worker's spinning so far, as the host saw it (the time until the next step, at most worker_s)
+        self.allowance_s: float | None = None  # spinning a worker may do in all (None: its CPU limit grows with it)
 
     def before(self, now: float) -> int:
         """At a training step's send: how long the worker may poll for the next one, in µs (0: sleep)."""
         if self.last_end:
             gap = now - self.last_end
             self.hits = 0.9 * self.hits + (0.1 if gap < self.WORKER_S else 0.0)
-        spin = self.on and self.hits >= 0.5
+            self.spent_s += min(gap, self.worker_s)
+        spin = self.on and self.hits >= 0.5 and (self.allowance_s is None or self.spent_s < self.allowance_s)
         self.worker_s = self.WORKER_S if spin else 0.0
         self.host_s = min(self.HOST_MAX_S, 4 * self.round_trip + 50e-6) if spin else 0.0
         self.granted_s += self.worker_s
@@ -560,6 +566,10 @@ class ProgramWorker:
         isolation = ready.get("isolation") if isinstance(ready.get("isolation"), dict) else {}
         proc.isolation = isolation
         self._ready_at = time.monotonic()
+        try:  # whether the host may raise the worker's CPU limit as it trains (needs CAP_SYS_RESOURCE over its user)
+            resource.prlimit(proc.server, resource.RLIMIT_CPU)
+        except OSError:
+            self._spin.allowance_s = _Spin.FIXED_LIMIT_SHARE * limits.cpu_s
         self._cpu_base = float(isolation.get("cpu_base", 0.0))
         self._cpu_limit = float(int(self._cpu_base + limits.cpu_s) + 1)  # as the worker set it
         self._poll = select.poll()

@@ -260,6 +260,30 @@ def test_spinning_stops_before_the_workers_cpu_limit(monkeypatch: pytest.MonkeyP
     assert not spin.on and spin.before(now) == 0
 
 
+def test_a_fixed_cpu_limit_bounds_the_spinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the host may not raise the worker's CPU limit, spinning takes only its allowance of it."""
+    _Machine(monkeypatch)
+    spin = _spin()
+    spin.allowance_s = 0.05
+    now = _steps_at(spin, 1.0, 0.5)  # 0.5 ms apart: the worker spins about 0.5 ms per step
+    assert spin.on and spin.before(now) == 0
+    assert 0.05 <= spin.spent_s < 0.06 and 90 <= spin.spun <= 110  # about 100 steps of 0.5 ms
+
+
+def test_the_host_knows_whether_it_may_raise_the_cpu_limit() -> None:
+    import resource
+
+    with candidate_scope(), ProgramWorker(LIMITS) as worker:
+        try:
+            resource.prlimit(worker._proc.server, resource.RLIMIT_CPU)
+            may = True
+        except OSError:
+            may = False
+        assert (worker._spin.allowance_s is None) == may
+        if not may:
+            assert worker._spin.allowance_s == pytest.approx(worker._spin.FIXED_LIMIT_SHARE * LIMITS.cpu_s)
+
+
 def test_more_cpus_leave_room_for_other_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
     machine = _Machine(monkeypatch)
     machine.runnable = 3  # this thread and two others
