@@ -508,21 +508,28 @@ class SquashedGaussian:
 
 
 class FlatSAC:
-    """SAC's gradient step on flat tensors: an MLP actor, twin MLP critics, their targets.
+    """SAC's gradient step on flat tensors, its backward pass written out: an MLP actor, twin MLP critics.
 
     The parameters stay the ones TorchRL's ``SACLoss`` and ``ProbabilisticActor`` hold
     (so evaluation, saving, ``state_dict`` and ``load_state_dict`` see every step), but
-    their storage becomes three flat tensors: the actor, the critics (the twins stacked:
+    their storage becomes three flat tensors: the actor, the critics (the twins stacked,
     ``[2, out, in]`` per layer, as ``SACLoss`` holds them) and the target critics in the
-    critics' layout. Then one step is: the target ``r + gamma (1 - terminated) (min_j
-    Q'_j(s', a') - alpha log pi(a'|s'))`` without autograd; the critic loss
-    ``mean sum_j (Q_j(s, a) - target)^2`` with both critics in one batched matmul per
-    layer; the actor loss ``mean(alpha log pi(a~|s) - min_j Q_j(s, a~))`` through critics
-    with detached parameters; one backward pass of their sum into the flat gradients;
-    one fused Adam call per flat tensor; the temperature's gradient
-    ``-mean(log pi + target_entropy)`` written directly; the Polyak update
-    ``target <- target + tau (critic - target)`` as one ``lerp_``. The same losses as
-    ``SACLoss`` (v2, ``loss_function="l2"``); a test checks the gradients agree.
+    critics' layout. One step, without autograd:
+
+    - target ``y = r + gamma (1 - terminated) (min_j Q'_j(s', a') - alpha log pi(a'|s'))``;
+    - critic loss ``mean sum_j (Q_j(s, a) - y)^2``; its gradient, layer by layer
+      (``dW = dz^T h``, ``db = sum_rows dz``, ``dh = dz W``, ReLU: ``dz = dh [h > 0]``), is
+      written straight into the flat gradient;
+    - actor loss ``mean(alpha log pi(a~|s) - min_j Q_j(s, a~))`` with ``a~`` reparametrised:
+      ``d/da~`` goes back through the critic each row's minimum came from, on those rows
+      only (so the two critics' backward passes together cost one critic's), then
+      through the squashing (``d log pi / du = 2 tanh u``, ``da~/du = half (1 - tanh^2 u)``)
+      and the actor;
+    - temperature: ``d/d log_alpha = -mean(log pi + target_entropy)``;
+    - one fused Adam call per flat tensor; Polyak (:meth:`update_targets`) one ``lerp_``.
+
+    The same losses and gradients as ``SACLoss`` (v2, ``loss_function="l2"``) given the
+    same noise; a test checks them against it.
 
     :param actor_params: the actor MLP's weights and biases, input layer first
         (``Linear`` layers with ReLU between them; the last gives ``[loc, raw scale]``).
@@ -543,79 +550,118 @@ class FlatSAC:
         self.actor_opt = FlatParamsAdam(self.actor_flat, actor_params, lr)
         self.critic_opt = FlatParamsAdam(self.critic_flat, critic_params, lr)
         self.alpha_opt = FlatParamsAdam(log_alpha, [], alpha_lr)
-        # per critic, per layer: leaves of their own that alias the stacked parameters, their
-        # gradients views of the flat gradient (selecting from the stacked parameter in the
-        # graph would make its backward allocate and fill a zero [2, ...] tensor per use)
-        self._critic = _twin_layers([p.detach() for p in critic_params])
-        for layer, grads in zip(self._critic, _twin_layers(self.critic_opt._grad_views)):
-            for leaf, grad in zip(layer, grads):
-                leaf.requires_grad_(True)
-                leaf.grad = grad
-        # detached aliases: the critics as the actor loss sees them, the targets, the actor without autograd
-        self._critic_detached = _twin_layers([p.detach() for p in critic_params])
-        self._target = _twin_layers([t.detach() for t in target_params])
-        self._actor_detached = [p.detach() for p in actor_params]
+        # plain aliases (no autograd): per network its weights and biases, and their gradients' views
+        self._actor = [p.detach() for p in actor_params]
+        self._actor_grads = self.actor_opt._grad_views
+        self._critics = _twins([p.detach() for p in critic_params])
+        self._critic_grads = _twins(self.critic_opt._grad_views)
+        self._targets = _twins([t.detach() for t in target_params])
 
     @staticmethod
-    def mlp(x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-        """``x [N, in] -> [N, out]`` through one MLP (ReLU between layers)."""
+    def forward(x: torch.Tensor, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``x [N, in]`` through one MLP (ReLU between layers): ``([x, h_1, ...], output)``."""
+        acts = [x]
         last = len(params) - 2
         for i in range(0, len(params), 2):
-            x = torch.addmm(params[i + 1], x, params[i].t())
-            if i < last:
-                x = x.relu_()
-        return x
+            z = torch.addmm(params[i + 1], acts[-1], params[i].t())
+            if i == last:
+                return acts, z
+            acts.append(z.relu_())
+        raise AssertionError("an MLP has layers")
 
     @staticmethod
-    def twin(x: torch.Tensor, layers: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        """``x [N, in] -> [2, N, 1]``: both critics, one matmul per critic and layer.
+    def backward(acts: list[torch.Tensor], params: list[torch.Tensor], dout: torch.Tensor,
+                 grads: list[torch.Tensor] | None = None, input_cols: slice | None = None) -> torch.Tensor | None:
+        """Backpropagate ``dout`` (d loss / d output) through the MLP of :meth:`forward`'s ``acts``.
 
-        ``layers``: per layer ``(weight_0, bias_0, weight_1, bias_1)``. (CPU ``bmm`` on the
-        stacked pair ran ~1.6x slower than two ``mm``.)
+        :param grads: views to write the weights' and biases' gradients into (None: not wanted).
+        :param input_cols: the input columns whose gradient to return (None: not wanted).
         """
-        h0 = h1 = x
-        for i, (w0, b0, w1, b1) in enumerate(layers):
-            h0, h1 = torch.addmm(b0, h0, w0.t()), torch.addmm(b1, h1, w1.t())
-            if i < len(layers) - 1:
-                h0, h1 = h0.relu_(), h1.relu_()
-        return torch.stack((h0, h1))
+        d = dout
+        for k in range(len(params) // 2 - 1, -1, -1):
+            w = params[2 * k]
+            if grads is not None:
+                torch.mm(d.t(), acts[k], out=grads[2 * k])
+                torch.sum(d, 0, out=grads[2 * k + 1])
+            if k > 0:
+                d = torch.ops.aten.threshold_backward(d.mm(w), acts[k], 0.0)  # dh [h > 0]
+            elif input_cols is not None:
+                return d.mm(w[:, input_cols])
+        return None
+
+    def mlp(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        """``x [N, in] -> [N, out]`` through one MLP."""
+        return self.forward(x, params)[1]
+
+    def twin(self, x: torch.Tensor, nets: tuple[list[torch.Tensor], list[torch.Tensor]]) -> torch.Tensor:
+        """``x [N, in] -> [2, N, 1]``: both critics (one ``mm`` per critic and layer: CPU ``bmm``
+        over the stacked pair ran ~1.6x slower)."""
+        return torch.stack([self.mlp(x, net) for net in nets])
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor) -> torch.Tensor:
         """A sampled action for collection."""
-        return self.head.sample(self.mlp(obs, self._actor_detached))[0]
+        return self.head.sample(self.mlp(obs, self._actor))[0]
 
+    @torch.no_grad()
     def update(self, obs: torch.Tensor, action: torch.Tensor, reward: torch.Tensor, next_obs: torch.Tensor,
                terminated: torch.Tensor) -> dict[str, torch.Tensor]:
         """One gradient step of critics, actor and temperature (not the targets: :meth:`update_targets`).
 
         :param reward: ``[N, 1]``; :param terminated: ``[N, 1]`` (bool or float).
-        :return: the detached losses (``SACLoss``'s keys) and ``alpha``.
+        :return: the losses (``SACLoss``'s keys) and ``alpha``.
         """
-        eps_next = torch.randn(obs.shape[0], self.head.mid.shape[-1])  # SACLoss's order: next actions first
-        eps = torch.randn(obs.shape[0], self.head.mid.shape[-1])
+        n, head = obs.shape[0], self.head
+        eps_next = torch.randn(n, head.mid.shape[-1])  # SACLoss's order: next actions first
+        eps = torch.randn(n, head.mid.shape[-1])
         alpha = self.log_alpha.detach().exp()
-        with torch.no_grad():
-            next_action, next_logp = self.head.sample(self.mlp(next_obs, self._actor_detached), eps_next)
-            q_next = self.twin(torch.cat([next_obs, next_action], -1), self._target).min(0).values
-            target = reward + self.gamma * (~terminated.bool()) * (q_next - alpha * next_logp.unsqueeze(-1))
-        q = self.twin(torch.cat([obs, action], -1), self._critic)
-        loss_q = (q - target).pow(2).sum(0).mean()
-        new_action, logp = self.head.sample(self.mlp(obs, self.actor_params), eps)
-        q_new = self.twin(torch.cat([obs, new_action], -1), self._critic_detached).min(0).values.squeeze(-1)
-        loss_actor = (alpha * logp - q_new).mean()
-        self.critic_opt.zero_grad()
-        self.actor_opt.zero_grad()
-        (loss_q + loss_actor).backward()
+        # the target
+        next_action, next_logp = head.sample(self.mlp(next_obs, self._actor), eps_next)
+        q_next = self.twin(torch.cat([next_obs, next_action], -1), self._targets).min(0).values
+        target = reward + self.gamma * (~terminated.bool()) * (q_next - alpha * next_logp.unsqueeze(-1))
+        # the critics: loss and gradient
+        x = torch.cat([obs, action], -1)
+        loss_q = obs.new_zeros(())
+        for net, grads in zip(self._critics, self._critic_grads):
+            acts, q = self.forward(x, net)
+            err = q - target
+            loss_q += err.pow(2).mean()
+            self.backward(acts, net, err.mul_(2.0 / n), grads)
+        # the actor: forward, the critics at its actions, d loss / d action through the minimal critic
+        acts, out = self.forward(obs, self._actor)
+        loc, raw = out.chunk(2, -1)
+        shifted = raw + head.shift
+        unclamped = F.softplus(shifted) + head.min_scale
+        scale = unclamped.clamp_min(head.scale_lb)
+        u = torch.addcmul(loc, scale, eps)
+        t = torch.tanh(u)
+        new_action = torch.addcmul(head.mid, t, head.half)
+        log_det = 2.0 * (_LOG_2 - u - F.softplus(-2.0 * u)) + head.half.log()
+        logp = (-0.5 * eps.pow(2) - scale.log() - log_det).sum(-1) - _HALF_LOG_2PI * loc.shape[-1]
+        xa = torch.cat([obs, new_action], -1)
+        runs = [self.forward(xa, net) for net in self._critics]
+        q_min, which = torch.min(torch.stack([q for _, q in runs]), 0)
+        d_action = torch.zeros_like(new_action)
+        for j, ((acts_j, _), net) in enumerate(zip(runs, self._critics)):
+            rows = (which.view(-1) == j).nonzero().view(-1)
+            if rows.numel():
+                picked = [a.index_select(0, rows) for a in acts_j]
+                dq = torch.full((rows.numel(), 1), -1.0 / n)
+                d_action.index_copy_(0, rows, self.backward(picked, net, dq, input_cols=slice(obs.shape[-1], None)))
+        loss_actor = (alpha * logp - q_min.squeeze(-1)).mean()
+        # back through the squashing and the scale mapping, then the actor
+        du = torch.addcmul(t.mul(2.0 * alpha / n), d_action, head.half * (1.0 - t * t))
+        d_scale = du * eps - (alpha / n) / scale
+        d_raw = d_scale.mul_(torch.sigmoid(shifted)).mul_(unclamped >= head.scale_lb)
+        self.backward(acts, self._actor, torch.cat([du, d_raw], -1), self._actor_grads)
         self.critic_opt.step()
         self.actor_opt.step()
-        with torch.no_grad():
-            entropy_gap = logp.detach().mean() + self.target_entropy
-            self.log_alpha.grad = -entropy_gap.reshape(self.log_alpha.shape)
-            loss_alpha = -self.log_alpha.detach() * entropy_gap
-            self.alpha_opt.step()
-        return {"loss_qvalue": loss_q.detach(), "loss_actor": loss_actor.detach(), "loss_alpha": loss_alpha,
-                "alpha": alpha}
+        # the temperature
+        entropy_gap = logp.mean() + self.target_entropy
+        self.log_alpha.grad = -entropy_gap.reshape(self.log_alpha.shape)
+        loss_alpha = -self.log_alpha.detach() * entropy_gap
+        self.alpha_opt.step()
+        return {"loss_qvalue": loss_q, "loss_actor": loss_actor, "loss_alpha": loss_alpha, "alpha": alpha}
 
     @torch.no_grad()
     def update_targets(self) -> None:
@@ -623,7 +669,6 @@ class FlatSAC:
         self.target_flat.lerp_(self.critic_flat, self.tau)
 
 
-
-def _twin_layers(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
-    """Stacked ``[2, ...]`` weights and biases -> per layer ``(weight_0, bias_0, weight_1, bias_1)`` views."""
-    return [(w[0], b[0], w[1], b[1]) for w, b in zip(params[0::2], params[1::2])]
+def _twins(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Stacked ``[2, ...]`` weights and biases -> each critic's list of views."""
+    return [p[0] for p in params], [p[1] for p in params]
