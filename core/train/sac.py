@@ -187,14 +187,14 @@ class FlatReplay:
         return self.size
 
     def extend(self, batch: TensorDictBase) -> None:
-        """Add the rows of a flat batch (``[n]``) holding :attr:`keys`."""
+        """Add the rows of a batch (any batch shape: its elements are the rows) holding :attr:`keys`."""
         values = [batch.get(k) for k in self.keys]
-        n = int(batch.shape[0])
+        n, dims = batch.numel(), batch.batch_dims
         if self.storage is None:
             at = 0
             for k, v in zip(self.keys, values):
-                width = math.prod(v.shape[1:])
-                self.columns[k] = (at, at + width, v.dtype, tuple(v.shape[1:]))
+                width = math.prod(v.shape[dims:])
+                self.columns[k] = (at, at + width, v.dtype, tuple(v.shape[dims:]))
                 at += width
             self.storage = torch.zeros(self.capacity, at)
         rows = torch.cat([v.reshape(n, -1).to(torch.float32) for v in values], 1)
@@ -271,6 +271,8 @@ def collect(env: EnvBase, policy: Callable[[TensorDictBase], TensorDictBase], ba
     loop over ``step_and_maybe_reset``: the ``Collector``'s bookkeeping cost about a
     millisecond a frame, as much as the env and the policy together at one env.
     """
+    space = env.action_spec.space
+    low, width = space.low, space.high - space.low  # uniform actions as the spec's rand() draws them, cheaper
     td, frames = env.reset(), 0
     for _ in range(batches):
         rows, explore = [], frames >= random_frames
@@ -279,10 +281,10 @@ def collect(env: EnvBase, policy: Callable[[TensorDictBase], TensorDictBase], ba
                 if explore:
                     td = policy(td)
                 else:
-                    td.set("action", env.action_spec.rand())
+                    td.set("action", low + width * torch.rand(width.shape))
                 step, td = env.step_and_maybe_reset(td)
                 rows.append(step)
-            batch = torch.stack(rows, dim=1)
+            batch = rows[0].unsqueeze(1) if steps == 1 else torch.stack(rows, dim=1)
             if postproc is not None:
                 batch = postproc(batch)
         frames += batch.numel()
@@ -363,7 +365,7 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
             if cenv.rewrites_reward:
                 corr += corr_sums(batch)
             lap = _lap(phases, "other", lap)
-            buffer.extend(batch.reshape(-1))
+            buffer.extend(batch)
             lap = _lap(phases, "replay", lap)
             if frames >= cfg.init_random_frames and len(buffer) >= cfg.batch_size:
                 owed += batch.numel() * cfg.updates_per_frame
