@@ -373,7 +373,7 @@ class _Spin:
             self.cpus = frozenset()
         self.mode = os.environ.get(SPIN_ENV, "")  # "0": never, "1": always, else sampled
         self.on = self.mode == "1" and len(self.cpus) > 1
-        self.others = 1.0  # moving mean of the other runnable tasks
+        self.others = 0.5  # moving mean of the other runnable tasks (two samples of none start spinning)
         self.next_sample = 0.0
         self.hits = 1.0  # moving share of steps that came within WORKER_S of the last answer
         self.round_trip = 0.0  # moving mean of a spun round trip
