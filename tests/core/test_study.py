@@ -16,6 +16,8 @@ import fakes
 
 ISSUE_TASKS = {"cartpole", "mountaincar", "acrobot", "pendulum", "lunarlander", "hopper", "reach", "crafter"}
 METHODS = {"eureka", "text2reward", "lares", "llm_state_repr", "progress_reward", "rlaif_preference", "envgen", "rl_gpt"}
+#: the action and planning roles' plugins, on Crafter (their own task)
+ROLE_METHODS = {"ellm", "saycan", "plan4mc"}
 #: every training of a test cell takes about a second, in this process
 TINY = ["trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=1", "trainer.minibatch=64", "trainer.hidden=[16]",
         "trainer.eval_episodes=2", "executor=inprocess", "tracking.log_plots=false", "save_policy=false"]
@@ -33,12 +35,13 @@ def _runs(store: Path, experiment: str = "results") -> list:
 def test_the_results_spec_has_the_issue_tasks_the_baselines_and_every_method():
     spec = load_spec("results")
     assert set(spec.tasks) == ISSUE_TASKS
-    assert set(spec.arms) == {"sparse", "human"} | METHODS
+    assert set(spec.arms) == {"sparse", "human"} | METHODS | ROLE_METHODS
+    assert all(spec.arms[name].tasks == ["crafter"] for name in ROLE_METHODS)
     assert spec.arms["sparse"].overrides == ["env.reward=sparse"] and spec.arms["sparse"].tasks is None
     assert spec.arms["human"].overrides == ["env.reward=human"] and spec.arms["human"].tasks is None
     assert spec.arms["envgen"].tasks == ["crafter"]  # the only task with controllable params
     assert len(spec.seeds) >= 5 and spec.final_seeds >= 1
-    assert all(arm.search for name, arm in spec.arms.items() if name not in ("sparse", "human", "progress_reward", "rlaif_preference"))
+    assert all(arm.search for name, arm in spec.arms.items() if name not in {"sparse", "human", "progress_reward", "rlaif_preference"} | ROLE_METHODS)
 
 
 def test_cells_are_each_arm_on_the_tasks_it_applies_to_for_every_seed():
