@@ -362,7 +362,7 @@ class _Spin:
     #: no spinning once the worker's CPU time left under its limit is this short
     CPU_RESERVE_S = 2.0
     #: where the host may not raise the worker's CPU limit: the share of ``cpu_s`` that spinning may take
-    FIXED_LIMIT_SHARE = 0.2
+    FIXED_LIMIT_SHARE = 0.25
     __slots__ = ("cpus", "mode", "on", "others", "next_sample", "hits", "round_trip", "last_end", "worker_s", "host_s",
                  "granted_s", "spun", "spent_s", "allowance_s")
 
