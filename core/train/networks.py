@@ -502,9 +502,11 @@ class SquashedGaussian:
         logp = (-0.5 * eps.pow(2) - scale.log() - log_det).sum(-1) - _HALF_LOG_2PI * loc.shape[-1]
         return torch.tanh(u) * self.half + self.mid, logp
 
-    def mean(self, out: torch.Tensor) -> torch.Tensor:
-        """The deterministic action: the squashed ``loc``."""
-        return torch.tanh(out.chunk(2, -1)[0]) * self.half + self.mid
+    def action(self, out: torch.Tensor) -> torch.Tensor:
+        """A sampled action alone (collection: no log-probability), the same draw as :meth:`sample`."""
+        loc, raw = out.chunk(2, -1)
+        scale = (F.softplus(raw + self.shift) + self.min_scale).clamp_min_(self.scale_lb)
+        return torch.addcmul(self.mid, torch.tanh(torch.addcmul(loc, scale, torch.randn_like(loc))), self.half)
 
 
 class FlatSAC:
@@ -601,7 +603,7 @@ class FlatSAC:
     @torch.no_grad()
     def act(self, obs: torch.Tensor) -> torch.Tensor:
         """A sampled action for collection."""
-        return self.head.sample(self.mlp(obs, self._actor))[0]
+        return self.head.action(self.mlp(obs, self._actor))
 
     @torch.no_grad()
     def update(self, obs: torch.Tensor, action: torch.Tensor, reward: torch.Tensor, next_obs: torch.Tensor,

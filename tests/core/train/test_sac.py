@@ -175,7 +175,12 @@ def test_collect_gives_collector_batches(pendulum):
     assert len(calls) == 8  # the first batch (8 frames) at random, then the policy at each step
     assert bool((batches[1]["action"] == 0).all()) and not bool((batches[0]["action"] == 0).all())
     assert torch.equal(batches[0]["next", "observation"][:, 0], batches[0]["observation"][:, 1])
-    assert modules.flat.act(torch.randn(3, 3)).shape == (3, 1)
+    obs = torch.randn(3, 3)
+    torch.manual_seed(0)
+    acted = modules.flat.act(obs)
+    torch.manual_seed(0)
+    sampled, _ = modules.flat.head.sample(modules.flat.mlp(obs, modules.flat._actor))
+    assert acted.shape == (3, 1) and torch.allclose(acted, sampled)  # collection draws as the loss does
 
 
 def test_discrete_actions_are_refused():
