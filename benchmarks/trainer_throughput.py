@@ -18,11 +18,14 @@ off in ours. The load average is printed before and after. ``profile`` is where 
 time goes (``time/*_s`` metrics of the median run): rollout (env steps, the policy,
 per-step transforms), reward (the candidate's reward program on the batch and
 ``on_rollout`` hooks; ``profile_reward_program`` is a run with an LLM-style reward
-program), advantage (values and GAE), update (the epochs of minibatch steps). Prints
-one JSON object::
+program), advantage (values and GAE), update (the epochs of minibatch steps). The
+``sac`` pair has its own ``profile`` (median run): rollout (env steps and the collection
+policy), replay (adding to and sampling the replay ring), update (the gradient step of
+critics, actor and temperature), target (the Polyak update), other (hooks, metrics).
+Prints one JSON object::
 
     {"ratio": ..., "ours_fps": ..., "reference_fps": ..., "profile": {...},
-     "mujoco": {"ratio": ...}, "sac": {"ratio": ...}, "load_avg": [...], ...}
+     "mujoco": {"ratio": ...}, "sac": {"ratio": ..., "profile": {...}}, "load_avg": [...], ...}
 
 Run: ``python benchmarks/trainer_throughput.py [--frames 50000] [--repeats 3]
 [--only cartpole,mujoco,sac]``.
