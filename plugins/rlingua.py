@@ -143,7 +143,7 @@ class Controller:
         messages = build_messages(train.task, train.sandbox.imports, self.act_dim)
         for attempt in range(cfg.attempts):
             reply = train.llm.chat(messages, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                   seed=attempt, tag=f"{NAME}/controller")[0].text
+                                   seed=train.seed * 1000 + attempt, tag=f"{NAME}/controller")[0].text
             found = extract_function(reply, ENTRY, ["state"], rename=True)
             error = found.error if not found.ok else ""
             if found.ok:

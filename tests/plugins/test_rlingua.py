@@ -39,9 +39,9 @@ def fields_of(task) -> list[str]:
     return [f.name for f in task.state_fields]
 
 
-def controller(llm: ScriptedLLM, **overrides):
+def controller(llm: ScriptedLLM, seed: int = 0, **overrides):
     task = MountainCarContinuous()
-    train = make_train(task, llm, plugin="rlingua", module=rlingua, overrides=overrides, total_frames=1000)
+    train = make_train(task, llm, plugin="rlingua", module=rlingua, overrides=overrides, total_frames=1000, seed=seed)
     plugin = plugin_object(rlingua, **overrides)
     plugin.on_train_start(train)
     return plugin, train
@@ -74,11 +74,13 @@ def test_a_probed_controller_acts_with_the_annealed_probability():
 
 def test_a_failing_controller_is_fed_back_to_the_llm_until_one_passes():
     llm = ScriptedLLM(replies=[BROKEN, WIDE, PUMP])
-    plugin, train = controller(llm, attempts=3)
+    plugin, train = controller(llm, seed=7, attempts=3)
     assert len(llm.calls) == 3
     second, third = llm.calls[1].last, llm.calls[2].last
     assert "failed the check" in second and "speed" in second and "car_velocity" in second  # the real fields are named
     assert "2 values per state" in third
+    # each attempt, and each training seed, draws its own sample (the LLM cache keys on the seed)
+    assert [c.seed for c in llm.calls] == [7000, 7001, 7002]
     assert plugin.action_prior(train, torch.zeros(1, 2)) is not None
     result = type("Result", (), {"metrics": {}})()
     plugin.on_train_end(train, result)
