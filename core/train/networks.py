@@ -18,6 +18,11 @@ tensor with Adam's fused kernel. On the small MLPs of classic control a PPO mini
 is a few dozen tiny kernels, and autograd's graph building, ``nn.Module`` calls,
 per-tensor gradient clipping and the ``Optimizer`` machinery cost more than the
 arithmetic; here one minibatch step is ~50 kernel calls and no Python beyond them.
+
+SAC's update runs :class:`FlatSAC` the same way: the actor's, the twin critics' and the
+target critics' parameters in flat tensors (TorchRL's modules keep views of them), the
+backward pass written out, :class:`FlatParamsAdam` (fused Adam with ``torch.optim``'s
+interface) and the action head :class:`SquashedGaussian` (TorchRL's ``TanhNormal``).
 """
 
 from __future__ import annotations
@@ -464,14 +469,13 @@ class FlatParamsAdam(FlatAdam):
         self.lr = float(state["lr"])
 
 
-def flatten_into(tensors: list[torch.Tensor], requires_grad: bool = False) -> torch.Tensor:
+def flatten_into(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One flat tensor holding ``tensors``' values; each tensor becomes a view of it (``.data``)."""
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     at = 0
     for t in tensors:
         t.data = flat[at:at + t.numel()].view(t.shape)
         at += t.numel()
-    flat.requires_grad_(requires_grad)
     return flat
 
 
@@ -483,6 +487,8 @@ class SquashedGaussian:
     ``NormalParamExtractor`` with ``biased_softplus_1.0``), ``u = loc + scale * eps``,
     ``action = mid + half * tanh(u)`` and, as ``TanhNormal.rsample_and_log_prob`` scores
     it, ``log p = sum(-eps^2 / 2 - log scale - log(2 pi) / 2 - 2 (log 2 - u - softplus(-2 u)) - log half)``.
+    (TorchRL's safe tanh also clamps ``tanh u`` to 1 - 1e-6 in magnitude; here an action
+    may reach a bound exactly. The log-density reads ``u``, not the action, so it stays finite.)
     """
 
     shift: float  # the softplus bias: softplus(0 + shift) + min_scale = 1

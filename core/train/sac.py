@@ -2,17 +2,22 @@
 
 Soft Actor-Critic (Haarnoja et al., 2018, "Soft Actor-Critic Algorithms and
 Applications"): a TanhNormal actor, twin Q networks with Polyak-averaged targets and an
-automatically tuned entropy temperature. TorchRL pieces: ``Collector`` (random actions
-for the first ``init_random_frames``), a ``ReplayBuffer`` over ``LazyTensorStorage``
-(uniform sampling: prioritised replay needs TorchRL's C++ extension), ``SACLoss`` and
-``SoftUpdate``. The env, the candidate's programs and hooks, evaluation and saving are
-the shared ones of :mod:`core.train.common`.
+automatically tuned entropy temperature. The networks are TorchRL's
+(``ProbabilisticActor``, ``ValueOperator``) and so is the loss module holding their
+parameters (``SACLoss``: evaluation, saving, ``state_dict``); the gradient step is
+:class:`core.train.networks.FlatSAC`, the same losses and gradients on flat parameter
+tensors with the backward pass written out (``docs/scaling.md``, "SAC"). Collection is a
+plain loop (:func:`collect`: uniformly random actions for the first
+``init_random_frames``), replay a uniform ring over one tensor (:class:`FlatReplay`).
+The env, the candidate's programs and hooks, evaluation and saving are the shared ones
+of :mod:`core.train.common`. ``time/<phase>_s`` metrics (:data:`PHASES`) say where the
+training time went.
 
 Building blocks other trainers reuse (LaRes trains a population with them):
 
 - :func:`make_sac_modules` ``(obs_dim, action_spec, cfg) -> SACModules``: networks,
   loss, target updater and optimisers of one agent;
-- :func:`make_replay_buffer` ``(cfg) -> ReplayBuffer``;
+- :func:`make_replay_buffer` ``(cfg) -> ReplayBuffer`` (TorchRL's; the trainer uses :class:`FlatReplay`);
 - :func:`sac_update` ``(modules, batch) -> dict[str, Tensor]``: one gradient step of
   critic, actor and temperature, then the target update;
 - :func:`act_deterministic` ``(modules, obs) -> action``: the greedy action.
