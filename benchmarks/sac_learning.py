@@ -15,7 +15,7 @@ sides can run at different times) and prints a summary. Learning is stochastic: 
 differ per seed even when the algorithm is the same (their random streams differ); the
 check is that the per-seed finals and the mean sit within each other's seed spread.
 
-Run: ``python benchmarks/sac_learning.py --seeds 0 1 2 3 --frames 8000 --before 25e99ad
+Run: ``python benchmarks/sac_learning.py --seeds 0 1 2 3 --frames 8000 --before 4323735
 --json docs/scaling/sac_learning.json``.
 """
 
