@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import contextlib
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -28,7 +29,7 @@ import sys
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -366,6 +367,14 @@ class Executor:
     def run(self, jobs: list[TrainJob], on_done: Done | None = None) -> list[TrainResult]:
         raise NotImplementedError
 
+    def stream(self, jobs: Iterable[TrainJob], on_done: Done | None = None, expected: int = 0) -> list[TrainResult]:
+        """:meth:`run` for jobs that arrive over time: ``jobs`` may block between jobs
+        (the loop's proposals, sampled by the LLM as training runs). ``expected``: about
+        how many will come, for sizing. This base version takes them all, then runs
+        them; the in-process and pool executors start on the first ones instead.
+        """
+        return self.run(list(jobs), on_done)
+
     def close(self) -> None:
         """Release workers."""
 
@@ -385,6 +394,11 @@ class InProcessExecutor(Executor):
             if on_done:
                 on_done(i, result)
         return results
+
+    def stream(self, jobs: Iterable[TrainJob], on_done: Done | None = None, expected: int = 0) -> list[TrainResult]:
+        """Each job as it arrives: training starts earlier, but the next jobs' sampling
+        waits while one trains (this process does both in turn)."""
+        return self.run(jobs, on_done)  # type: ignore[arg-type]  # run only iterates
 
 
 class PoolExecutor(Executor):
@@ -450,6 +464,59 @@ class PoolExecutor(Executor):
             relay.stop()
         return [r for r in results if r is not None]
 
+    def stream(self, jobs: Iterable[TrainJob], on_done: Done | None = None, expected: int = 0) -> list[TrainResult]:
+        """Jobs as they arrive: each is submitted once a worker is free, and the next is
+        asked for while the workers train, so its wait (the LLM sampling it) overlaps
+        their training. Sized to ``expected`` jobs, or to the usable cores when 0 (unknown)."""
+        source = iter(jobs)
+        first = next(source, None)
+        if first is None:
+            return []
+        self.last_plan = at_once = self.plan(expected or usable_cores())
+        if at_once <= 1:
+            return InProcessExecutor(self.runtime, self.progress).run(itertools.chain([first], source), on_done)  # type: ignore[arg-type]
+        self.start(at_once, prime=first)
+        assert self._pool is not None
+        arrived, queue = [first], [(0, first)]
+        results: list[TrainResult | None] = [None]
+        pending: dict[futures.Future[TrainResult], int] = {}
+        show = self.progress is not None
+        relay = ProgressRelay(self.progress)
+        if show:
+            relay.pump(self._queue)
+        try:
+            exhausted = False
+            while not exhausted or queue or pending:
+                while queue and len(pending) < at_once:
+                    i, job = queue.pop(0)
+                    pending[self._pool.submit(_pool_job, job, show)] = i
+                if not exhausted:
+                    job = next(source, None)  # may wait (on the LLM) while the workers train
+                    if job is None:
+                        exhausted = True
+                    else:
+                        queue.append((len(arrived), job))
+                        arrived.append(job)
+                        results.append(None)
+                    finished = {f for f in pending if f.done()}
+                else:
+                    finished, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
+                for fut in finished:
+                    self._collect(fut, pending.pop(fut), arrived, results, on_done)
+        finally:
+            relay.stop()
+        return [r for r in results if r is not None]
+
+    @staticmethod
+    def _collect(fut: futures.Future[TrainResult], i: int, jobs: list[TrainJob], results: list[TrainResult | None],
+                 on_done: Done | None) -> None:
+        try:
+            results[i] = fut.result()
+        except Exception as exc:  # a worker died (e.g. killed for memory)
+            results[i] = TrainResult(jobs[i].candidate.id, ok=False, error=f"worker failed: {exc!r}", error_kind="crash")
+        if on_done:
+            on_done(i, results[i])  # type: ignore[arg-type]
+
     def _train_all(self, jobs: list[TrainJob], queue: list[tuple[int, TrainJob]], pending: dict[Any, int],
                    results: list[TrainResult | None], at_once: int, show: bool, on_done: Done | None) -> None:
         assert self._pool is not None
@@ -459,13 +526,7 @@ class PoolExecutor(Executor):
                 pending[self._pool.submit(_pool_job, job, show)] = i
             finished, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
             for fut in finished:
-                i = pending.pop(fut)
-                try:
-                    results[i] = fut.result()
-                except Exception as exc:  # a worker died (e.g. killed for memory)
-                    results[i] = TrainResult(jobs[i].candidate.id, ok=False, error=f"worker failed: {exc!r}", error_kind="crash")
-                if on_done:
-                    on_done(i, results[i])  # type: ignore[arg-type]
+                self._collect(fut, pending.pop(fut), jobs, results, on_done)
 
     def close(self) -> None:
         if self._pool is not None:

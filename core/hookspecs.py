@@ -53,6 +53,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Iterator
+
     import torch
 
     from core.envs.task import Task
@@ -169,11 +171,22 @@ def plan(run: RunContext, iteration: int) -> Plan | str | None:
 # candidates as the cartesian product of the roles that proposed something.
 # Each part a plugin returns gets ``origin=<plugin name>`` unless it set one, so the
 # plugin's ``reflect`` can find the candidates holding its parts.
+#
+# Instead of a list, a hook may return an iterator of groups, each a list of
+# alternatives, as they become ready (e.g. one group per LLM request as it lands:
+# :meth:`core.llm.LLMClient.chat_groups`). Joined, the groups are the list the hook
+# would have returned; the iterator should give at least one alternative in all. When
+# its role is the only one proposing and no plugin implements ``prepare_candidates`` or
+# ``train_candidates``, the loop checks and trains each group's candidates while the
+# next group is made (:meth:`core.loop.Loop.train_arriving`); otherwise it reads the
+# iterator to its end first. Either way the candidates, their names and the parts'
+# order are the same. State the plugin sets while producing the groups is in place
+# once the iterator ends, before ``reflect``.
 # -------------------------------------------------------------------------------------
 
 
 @hookspec
-def propose_rewards(run: RunContext, iteration: int) -> list[RewardProgram] | None:
+def propose_rewards(run: RunContext, iteration: int) -> list[RewardProgram] | Iterator[list[RewardProgram]] | None:
     """Reward role: write reward functions as code (Eureka, Text2Reward, LaRes).
 
     Each :class:`core.records.RewardProgram` is compiled and probed by the sandbox
@@ -182,12 +195,13 @@ def propose_rewards(run: RunContext, iteration: int) -> list[RewardProgram] | No
 
     :param run: the run context.
     :param iteration: the iteration number, 0-based.
-    :return: the programs to try this iteration, or None to abstain.
+    :return: the programs to try this iteration (a list, or an iterator of groups of
+        them as they are written; see the section above), or None to abstain.
     """
 
 
 @hookspec
-def propose_state_reprs(run: RunContext, iteration: int) -> list[StateProgram] | None:
+def propose_state_reprs(run: RunContext, iteration: int) -> list[StateProgram] | Iterator[list[StateProgram]] | None:
     """State-representation role: write feature code appended to the observation (LESR).
 
     Each :class:`core.records.StateProgram` computes ``[B, k]`` features from the task's

@@ -11,6 +11,14 @@ Outer loop (one iteration per LLM round)::
 
 With no plugin enabled there is one iteration with one candidate: plain PPO on the
 env's own reward.
+
+Arriving proposals: a proposal hook may return an iterator of groups of parts instead
+of a list (Eureka does: each group is the samples of one LLM request, as it lands). When
+that role is the only one proposing, and no plugin prepares or trains candidates
+jointly, the loop prepares, checks and submits each group's candidates as it arrives,
+so a pool or Ray's workers train the first samples while the LLM writes the rest
+(:meth:`Loop.train_arriving`); the LLM's ``llm/overlap_s`` is the wait so hidden.
+Otherwise it reads the iterators to their end first, and nothing changes.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -143,11 +152,21 @@ class Loop:
 
     # -- one iteration ------------------------------------------------------------------
     def propose(self, iteration: int) -> list[Candidate]:
+        """The iteration's candidates, every proposal read to its end (see :func:`combine`)."""
+        return self._combined(iteration, self._ask(iteration))
+
+    def _ask(self, iteration: int) -> dict[str, list[Iterable[list[Any]]]]:
+        """Make the plan and call the proposal hooks: per role, each proposing plugin's groups
+        of parts (a list holding its one list, or its iterator of groups, not read yet)."""
         hook, run = self.run.hook, self.run
         run.plan = Plan.of(hook.plan(run=run, iteration=iteration))
         if run.plan is not None and self.tracker is not None:
             self.tracker.log_text(run.plan.text, f"plan/it{iteration}.md")
-        proposals = {role: self._proposals(getattr(hook, name), iteration) for name, role in ROLE_HOOKS.items()}
+        return {role: self._proposals(getattr(hook, name), iteration) for name, role in ROLE_HOOKS.items()}
+
+    def _combined(self, iteration: int, sources: dict[str, list[Iterable[list[Any]]]]) -> list[Candidate]:
+        hook, run = self.run.hook, self.run
+        proposals = {role: [p for source in groups for group in source for p in group] for role, groups in sources.items()}
         previous = run.best[0] if run.best else None
         rejected = {role: [p for p in options if _rejected(p)] for role, options in proposals.items()}
         proposals = {role: [p for p in options if not _rejected(p)] for role, options in proposals.items()}
@@ -161,17 +180,48 @@ class Loop:
                                         **{role: part}))
         return candidates
 
-    def _proposals(self, caller: Any, iteration: int) -> list[Any]:
-        """Every plugin's alternatives for one role, each part marked with its plugin (``origin``)."""
-        out: list[Any] = []
+    def _proposals(self, caller: Any, iteration: int) -> list[Iterable[list[Any]]]:
+        """Every plugin's alternatives for one role, each part marked with its plugin (``origin``):
+        a list result as one group (``[result]``), an iterator as its groups, marked as they are read."""
+        out: list[Iterable[list[Any]]] = []
         for name, result in call_each(caller, run=self.run, iteration=iteration):
-            for item in result or []:
-                for part in item if isinstance(item, list) else [item]:
-                    program = getattr(part, "program", part)  # a macro-action's program
-                    if hasattr(program, "origin") and not program.origin:
-                        program.origin = name
-                out.append(item)
+            if isinstance(result, list):
+                if result:
+                    out.append([_marked(name, result)])
+            elif result is not None:
+                out.append(_marked(name, group) for group in result)
         return out
+
+    def _arriving_role(self, sources: dict[str, list[Iterable[list[Any]]]]) -> str | None:
+        """The role whose arriving proposals can train as they come (see the module docstring), or None."""
+        proposing = [role for role, groups in sources.items() if groups]
+        hook = self.run.hook
+        if len(proposing) != 1 or hook.prepare_candidates.get_hookimpls() or hook.train_candidates.get_hookimpls():
+            return None
+        role = proposing[0]
+        return role if any(not isinstance(groups, list) for groups in sources[role]) else None
+
+    def _arrivals(self, iteration: int, role: str, sources: list[Iterable[list[Any]]]
+                  ) -> Iterator[tuple[Candidate, TrainResult | None]]:
+        """The candidates of one role's groups as they arrive, checked (:func:`preflight`) group by
+        group, each with its preflight failure or None; named as :meth:`propose` names them (the
+        usable parts in order, then the rejected replies, which come last)."""
+        run = self.run
+        previous = run.best[0] if run.best else None
+        held: list[Any] = []  # rejected replies: candidates after every usable one
+        count = 0
+        for group in (g for source in sources for g in source):
+            usable = [p for p in group if not _rejected(p)]
+            held += [p for p in group if _rejected(p)]
+            fresh = [replace(c, id=f"it{iteration}-c{count + j}", plan=run.plan)
+                     for j, c in enumerate(combine(iteration, {role: usable}, previous) if usable else [])]
+            count += len(fresh)
+            failed = preflight(run, fresh) if fresh else {}
+            yield from ((c, failed.get(c.id)) for c in fresh)
+        last = [Candidate(id=f"it{iteration}-c{count + j}", iteration=iteration, plan=run.plan, **{role: part})
+                for j, part in enumerate(held)]
+        failed = preflight(run, last) if last else {}  # a repaired reply trains like any other
+        yield from ((c, failed.get(c.id)) for c in last)
 
     def train(self, candidates: list[Candidate], seed: int, progress: Any) -> list[TrainResult]:
         """Train every candidate (reusing finished trainings), log each as a nested run."""
@@ -208,9 +258,18 @@ class Loop:
             self.executor(len(left), progress).run([jobs[todo[j]] for j in left], lambda k, result: done(left[k], result))
         if progress is not None:
             progress.remove_task(bar)
+        return self._record(candidates, results, todo, keys, ended, seed)  # type: ignore[arg-type]
+
+    def _record(self, candidates: list[Candidate], results: list[TrainResult], todo: list[int], keys: list[str],
+                ended: dict[int, float], seed: int, skip: frozenset[int] = frozenset()) -> list[TrainResult]:
+        """Each training's result under its candidate's id, logged as a nested run; policies cleaned up.
+        ``skip``: candidates whose result is final already (recorded by :func:`preflight`)."""
         final: list[TrainResult] = []
         for i, (candidate, result) in enumerate(zip(candidates, results)):
             assert result is not None
+            if i in skip:
+                final.append(result)
+                continue
             result = replace(result, candidate_id=candidate.id)
             if self.tracker is not None:
                 reused = i not in todo and not candidate.rejected
@@ -228,14 +287,69 @@ class Loop:
             final.append(result)
         return final
 
+    def train_arriving(self, arrivals: Iterable[tuple[Candidate, TrainResult | None]], seed: int, progress: Any
+                       ) -> tuple[list[Candidate], list[TrainResult]]:
+        """Train candidates as they arrive (:meth:`_arrivals`): each goes to the executor once
+        it is there, so training runs while the next are still being proposed.
+
+        As :meth:`train` does for each (results store, rejected replies, nested runs); a
+        candidate that arrives with a preflight failure keeps it and does not train.
+        :return: the candidates in arrival order and their results.
+        """
+        candidates: list[Candidate] = []
+        keys: list[str] = []
+        results: list[TrainResult | None] = []
+        todo: list[int] = []  # candidates handed to the executor, in the order it got them
+        checked: set[int] = set()  # candidates that failed preflight (recorded there)
+        ended: dict[int, float] = {}
+        bar = progress.add_task("candidates", total=None) if progress else None
+
+        def jobs() -> Iterator[TrainJob]:
+            for candidate, failed in arrivals:
+                i = len(candidates)
+                candidates.append(candidate)
+                keys.append(job_key(candidate, self.container, seed, self.runtime.fingerprint))
+                known = failed or (TrainResult(candidate.id, ok=False, error=candidate.rejected, error_kind="rejected")
+                                   if candidate.rejected else self.store.get(keys[i]) if self.store else None)
+                results.append(known)
+                if failed is not None:
+                    checked.add(i)
+                if progress is not None:
+                    progress.update(bar, total=len(candidates), advance=known is not None)
+                if known is None:
+                    todo.append(i)
+                    yield TrainJob(self.container, candidate, seed, self.runtime.run_key)
+                elif not failed and not candidate.rejected:
+                    self.reused += 1
+
+        def done(j: int, result: TrainResult) -> None:
+            i = todo[j]
+            results[i], ended[i] = result, time.time()
+            if self.store is not None and result.ok:
+                self.store.put(keys[i], result)
+            if progress is not None:
+                progress.advance(bar)
+
+        # about as many as last iteration (unknown at first: the pool sizes to the free cores)
+        expected = len(self.run.history[-1].candidates) if self.run.history else 0
+        self.executor(max(2, expected), progress).stream(jobs(), done, expected=expected)
+        if progress is not None:
+            progress.remove_task(bar)
+        return candidates, self._record(candidates, results, todo, keys, ended, seed, frozenset(checked))  # type: ignore[arg-type]
+
     def iterate(self, iteration: int, progress: Any = None) -> IterationResult:
         """One outer iteration: propose, train, score, reflect (each plugin's text under its name)."""
         run, hook = self.run, self.run.hook
         hook.on_iteration_start(run=run, iteration=iteration)
-        candidates = self.propose(iteration)
-        rejected = preflight(run, candidates)  # reward programs checked, vetted and repaired before any RL
-        trained = iter(self.train([c for c in candidates if c.id not in rejected], run.seed, progress))
-        results = [rejected[c.id] if c.id in rejected else next(trained) for c in candidates]
+        sources = self._ask(iteration)
+        role = self._arriving_role(sources)
+        if role is not None:  # train the first proposals while the rest arrive
+            candidates, results = self.train_arriving(self._arrivals(iteration, role, sources[role]), run.seed, progress)
+        else:
+            candidates = self._combined(iteration, sources)
+            rejected = preflight(run, candidates)  # reward programs checked, vetted and repaired before any RL
+            trained = iter(self.train([c for c in candidates if c.id not in rejected], run.seed, progress))
+            results = [rejected[c.id] if c.id in rejected else next(trained) for c in candidates]
         result = IterationResult(iteration, candidates, results)
         run.history.append(result)
         for plugin, text in call_each(hook.reflect, run=run, result=result):
@@ -355,6 +469,16 @@ class Loop:
             first_error=next((r.error for r in results if not r.ok), ""),
             rejected=rejected,
         )
+
+
+def _marked(name: str, group: list[Any]) -> list[Any]:
+    """``group``'s parts with ``origin=name`` where they name none (a macro-action's program too)."""
+    for item in group:
+        for part in item if isinstance(item, list) else [item]:
+            program = getattr(part, "program", part)
+            if hasattr(program, "origin") and not program.origin:
+                program.origin = name
+    return group
 
 
 def _rejected(part: Any) -> bool:

@@ -12,6 +12,9 @@ Method (Ma et al., "Eureka: Human-Level Reward Design via Coding Large Language 
    Failed candidates send their error instead; when no reply held a usable function,
    the reason goes back with the next request.
 
+The K samples are handed to the loop in groups as the LLM's requests land
+(:meth:`core.llm.LLMClient.chat_groups`), so the first ones train while the rest are sampled.
+
 Every reply becomes a candidate: an unusable one (no code, no ``compute_reward``, a
 syntax error, the wrong signature) is recorded as a rejected candidate with its reason
 and never trained; a lone function of the right arity under another name
@@ -24,6 +27,7 @@ Config: ``conf/plugins/eureka.yaml`` (schema: :class:`Config`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from core import PluginConfig, hookimpl
@@ -156,29 +160,30 @@ class Plugin:
         self.shapes: Shapes | None = None  # what the code receives, read off a real batch once per run
 
     @hookimpl
-    def propose_rewards(self, run, iteration: int) -> list[RewardProgram] | None:
+    def propose_rewards(self, run, iteration: int) -> Iterator[list[RewardProgram]] | None:
+        """The round's K programs, in groups as the LLM's requests land (the loop trains the
+        first while the rest are sampled); None after the last iteration."""
         cfg = self.cfg
         if iteration >= cfg.iterations:
             return None
         self.shapes = self.shapes or batch_shapes(run.task, run.seed)
-        msgs = messages(run, self.best_reply, self.feedback, self.shapes)
+        return self._sample(run, messages(run, self.best_reply, self.feedback, self.shapes), iteration)
+
+    def _sample(self, run, msgs: list[dict[str, str]], iteration: int) -> Iterator[list[RewardProgram]]:
+        cfg = self.cfg
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
         tag = f"{NAME}-it{iteration}"
-        replies = run.llm.chat(
-            msgs,
-            n=cfg.samples,
-            temperature=cfg.temperature,
-            max_tokens=cfg.max_tokens,
-            seed=run.seed * 1000 + iteration,
-            tag=tag,
-        )
-        # every reply becomes a program: usable, or rejected with its reason (recorded, not trained)
-        programs = [program_from_reply(RewardProgram, reply.text, ENTRY, ARGS, origin=NAME, prompt=prompt,
-                                       meta={"sample": i, "call": tag}) for i, reply in enumerate(replies)]
-        if all(p.rejected for p in programs):
-            # no usable code at all: the next iteration says why (Eureka resamples)
-            self.feedback = NO_CODE.format(error=programs[0].rejected if programs else "empty replies")
-        return programs
+        programs: list[RewardProgram] = []
+        for replies in run.llm.chat_groups(msgs, n=cfg.samples, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                           seed=run.seed * 1000 + iteration, tag=tag):
+            # every reply becomes a program: usable, or rejected with its reason (recorded, not trained)
+            group = [program_from_reply(RewardProgram, reply.text, ENTRY, ARGS, origin=NAME, prompt=prompt,
+                                        meta={"sample": len(programs) + j, "call": tag}) for j, reply in enumerate(replies)]
+            programs += group
+            if len(programs) == cfg.samples and all(p.rejected for p in programs):
+                # no usable code at all: the next iteration says why (Eureka resamples)
+                self.feedback = NO_CODE.format(error=programs[0].rejected)
+            yield group
 
     @hookimpl
     def reflect(self, run, result: IterationResult) -> str | None:

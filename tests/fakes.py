@@ -24,7 +24,7 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from omegaconf import OmegaConf
 
@@ -62,12 +62,18 @@ class ScriptedLLM:
     :param answer: or a function of the messages and the call's tag.
     :param delay_s: seconds each call sleeps (to test code that must not wait on the LLM).
     :param logprobs: a function ``(messages) -> {token: logprob}`` for calls with ``top_logprobs``.
+    :param group: samples per group from :meth:`chat_groups` (0: all in one group).
+    :param group_delay_s: seconds :meth:`chat_groups` sleeps before each group (a request landing);
+        ``delivered`` holds when each group was handed over (``time.time()``).
     """
 
     replies: list[str] = field(default_factory=list)
     answer: Answer | None = None
     delay_s: float = 0.0
     logprobs: Callable[[list[dict[str, str]]], dict[str, float]] | None = None
+    group: int = 0
+    group_delay_s: float = 0.0
+    delivered: list[float] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)
     stats: LLMStats = field(default_factory=LLMStats)
     records: list[Any] = field(default_factory=list)
@@ -88,6 +94,16 @@ class ScriptedLLM:
             out.append(Reply(text=text, prompt_tokens=0, completion_tokens=len(text.split()), latency_s=self.delay_s,
                              cost=0.0, cached=False, model="scripted", logprobs=lp))
         return out
+
+    def chat_groups(self, messages: list[dict[str, str]], *, n: int = 1, **kwargs: Any) -> Iterator[list[Reply]]:
+        """:meth:`chat`'s replies (one recorded call) in groups of ``group``, ``group_delay_s`` apart."""
+        replies = self.chat(messages, n=n, **kwargs)
+        size = self.group or n
+        for start in range(0, n, size):
+            if self.group_delay_s:
+                time.sleep(self.group_delay_s)
+            self.delivered.append(time.time())
+            yield replies[start:start + size]
 
     @classmethod
     def plausible(cls, **kwargs: Any) -> ScriptedLLM:

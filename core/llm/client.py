@@ -15,6 +15,10 @@ Reproducibility: sample ``i`` of a call with seed ``s`` is cached under a key of
 same seed makes no backend call and gets the same replies. A request that starts at
 sample ``i`` is sent the seed :func:`sample_seed` ``(s, i)``, so requests differ from
 one another. How the samples were grouped into requests is not part of the key.
+
+Arrival: :meth:`LLMClient.chat_groups` hands a call's samples over in groups as their
+requests land (in sample order, the same replies as :meth:`LLMClient.chat`), so that a
+caller can start on the first samples (the loop trains them) while the rest are sampled.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -119,6 +123,7 @@ class LLMStats:
     errors: int = 0  # calls that ended in LLMError
     cached_prompt_tokens: int = 0  # prompt tokens the backend reused from earlier requests (prefix cache)
     wait_s: float = 0.0  # wall time callers waited; below latency_s when requests ran concurrently
+    overlap_s: float = 0.0  # wall time requests ran while the caller worked on samples already delivered (chat_groups)
 
     def as_metrics(self) -> dict[str, float]:
         """``{"llm/calls": ..., "llm/cache_hits": ..., ...}`` for a metrics logger."""
@@ -313,6 +318,34 @@ class LLMClient:
         (the parameter is dropped) leave it None, so callers need a text fallback.
         Raises :class:`LLMError` when the backend cannot answer after the retries.
         """
+        return [reply for group in self.chat_groups(messages, n=n, temperature=temperature, max_tokens=max_tokens,
+                                                    stop=stop, seed=seed, tag=tag, top_logprobs=top_logprobs)
+                for reply in group]
+
+    def chat_groups(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        n: int = 1,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        stop: list[str] | None = None,
+        seed: int = 0,
+        tag: str = "",
+        top_logprobs: int = 0,
+    ) -> Iterator[list[Reply]]:
+        """:meth:`chat`'s ``n`` replies, handed over in groups as their requests land.
+
+        The groups, joined, are exactly :meth:`chat`'s list (same cache keys, same
+        replies, same order): a group is the run of samples from the first one not yet
+        handed over up to the first one still being sampled, so cached samples come at
+        once and a request that lands early waits for the ones before it. The requests
+        not yet landed keep running while the caller works on a group; that time counts
+        in ``stats.overlap_s``, not in ``stats.wait_s``. The call is recorded (and
+        ``on_call`` called) before its last group is handed over. Arguments and errors as
+        in :meth:`chat` (raised when the generator is first advanced, or after the
+        groups that did land).
+        """
         messages = _check_messages(messages)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -331,11 +364,26 @@ class LLMClient:
                 if hit is not None:
                     replies[i] = Reply(**{**hit, "latency_s": 0.0, "cost": 0.0, "cached": True})
         missing = [i for i, r in enumerate(replies) if r is None]
+        sent = 0  # samples handed over so far
+
+        def landed() -> list[Reply]:  # the samples from ``sent`` up to the first one still missing
+            nonlocal sent
+            end = sent
+            while end < n and replies[end] is not None:
+                end += 1
+            group, sent = replies[sent:end], end
+            return group  # type: ignore[return-value]
+
         if missing:
             watch = CallProgress(tag, len(missing), params["max_tokens"]) if self.on_progress is not None else None
             self._report(watch)
             try:
-                self._sample(messages, params, seed, missing, keys, replies, watch)
+                for _ in self._sample(messages, params, seed, missing, keys, replies, watch):
+                    if all(r is not None for r in replies[sent:]):
+                        continue  # the last group waits until the call is recorded
+                    group = landed()
+                    if group:
+                        yield group
             finally:
                 if watch is not None:
                     watch.done = True
@@ -356,7 +404,9 @@ class LLMClient:
                 self.on_call(record)
             except Exception:  # a tracking hiccup must not lose a paid-for reply
                 log.warning("on_call callback failed for LLM call %r", tag, exc_info=True)
-        return done
+        group = landed()
+        if group:
+            yield group
 
     def chat_many(self, calls: Sequence[Mapping[str, Any]]) -> list[list[Reply]]:
         """Several independent :meth:`chat` calls at once, replies in call order.
@@ -413,47 +463,77 @@ class LLMClient:
         return add
 
     def _sample(self, messages: list[dict[str, str]], params: dict[str, Any], seed: int, missing: list[int],
-                keys: list[str], replies: list[Reply | None], watch: CallProgress | None = None) -> None:
+                keys: list[str], replies: list[Reply | None], watch: CallProgress | None = None) -> Iterator[None]:
         """Fill ``replies[i]`` for every ``i`` in ``missing``: requests of up to
         :meth:`samples_per_request` samples, run concurrently, each cached as it lands.
 
+        A generator: it pauses (yields) each time a request has landed while others may
+        still run, so that :meth:`chat_groups` can hand those samples over. Time paused
+        counts as the caller's own work: in ``stats.overlap_s`` while requests were still
+        running, in neither figure after they had all landed.
+
         Every request runs to its end even when another fails, so what was paid for is
-        kept; then the first failure is raised.
+        kept; then the first failure (in sample order) is raised.
         """
+        last_landed = [time.perf_counter()]
+
         def run(chunk: list[int]) -> None:
             for i, reply in zip(chunk, self._request_samples(messages, params, seed, chunk, watch)):
                 replies[i] = reply
                 if self.cache is not None:
                     stored = {k: v for k, v in reply.__dict__.items() if k not in ("cached",)}
                     self.cache.put(keys[i], stored, model=self.model)
+            with self._lock:
+                last_landed[0] = max(last_landed[0], time.perf_counter())
+
+        paused: list[tuple[float, float]] = []  # (from, to): the caller worked on delivered samples
+
+        def pause() -> Iterator[None]:
+            began = time.perf_counter()
+            yield
+            paused.append((began, time.perf_counter()))
 
         start = time.perf_counter()
-        errors: list[LLMError] = []
+        errors: list[tuple[int, LLMError]] = []
         try:
             chunks = _chunks(missing, self.samples_per_request(messages, params["max_tokens"]))
+            first = None
             if self.settings.is_embedded and len(chunks) > 1 and self.settings.prefix_cache:
                 # the first request computes the prompt; the others then find it cached
                 # (requests sent together would each compute it in their own slot)
-                run(chunks.pop(0))
+                first = chunks.pop(0)
+                run(first)
             workers = min(self.settings.concurrency, len(chunks))
             if workers <= 1:
+                if first is not None:
+                    yield from pause()
                 for chunk in chunks:
                     run(chunk)
+                    yield from pause()
             else:
                 with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llm") as pool:
-                    for future in [pool.submit(run, chunk) for chunk in chunks]:
+                    order = {pool.submit(run, chunk): k for k, chunk in enumerate(chunks)}
+                    if first is not None:  # the others run while the caller takes the first
+                        yield from pause()
+                    for future in as_completed(order):
                         try:
                             future.result()
                         except LLMError as exc:
-                            errors.append(exc)
+                            errors.append((order[future], exc))
+                            continue
+                        yield from pause()
         except LLMError as exc:
-            errors.append(exc)
+            errors.append((-1, exc))
         finally:
+            end = time.perf_counter()
+            away = sum(b - a for a, b in paused)
+            overlap = sum(max(0.0, min(b, last_landed[0]) - a) for a, b in paused)
             with self._lock:
-                self.stats.wait_s += time.perf_counter() - start
+                self.stats.wait_s += end - start - away
+                self.stats.overlap_s += overlap
                 self.stats.errors += 1 if errors else 0
         if errors:
-            raise errors[0]
+            raise min(errors, key=lambda e: e[0])[1]
 
     def samples_per_request(self, messages: list[dict[str, str]], max_tokens: int) -> int:
         """How many samples one backend request asks for: ``llm.max_n``, 1 where the

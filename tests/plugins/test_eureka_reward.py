@@ -41,6 +41,12 @@ def make_run(texts: list[str], **cfg):
     return plugin_object(eureka, **overrides), run
 
 
+def proposed(plugin, run, iteration: int = 0) -> list[RewardProgram] | None:
+    """The programs ``propose_rewards`` hands over, its groups joined (None when it abstains)."""
+    groups = plugin.propose_rewards(run=run, iteration=iteration)
+    return None if groups is None else [p for group in groups for p in group]
+
+
 def messages(plugin, run) -> list[dict[str, str]]:
     return eureka.messages(run, plugin.best_reply, plugin.feedback)
 
@@ -84,7 +90,7 @@ def test_first_prompt_is_system_and_task_with_goal_interface_and_temperature_rul
 
 def test_propose_samples_k_candidates_and_parses_each_reply():
     p, run = make_run([GOOD, NO_FUNCTION, GOOD])
-    programs = p.propose_rewards(run=run, iteration=0)
+    programs = proposed(p, run, 0)
     (call,) = run.llm.calls
     assert call.n == 3 and call.temperature == 1.0 and call.max_tokens == 256
     assert call.seed == 3 * 1000 + 0
@@ -102,14 +108,14 @@ def test_propose_samples_k_candidates_and_parses_each_reply():
 def test_a_lone_function_under_another_name_is_renamed_and_noted():
     renamed = GOOD.replace("def compute_reward(", "def improved_compute_reward(")
     p, run = make_run([renamed])
-    program = p.propose_rewards(run=run, iteration=0)[0]
+    program = proposed(p, run, 0)[0]
     assert not program.rejected and "def compute_reward(state, action, next_state)" in program.source
     assert program.meta["renamed_from"] == "improved_compute_reward"
 
 
 def test_no_usable_reply_asks_again_with_the_reason():
     p, run = make_run([NO_FUNCTION])
-    programs = p.propose_rewards(run=run, iteration=0)
+    programs = proposed(p, run, 0)
     assert len(programs) == 3 and all(x.rejected for x in programs)
     assert p.feedback.startswith("Your reply could not be used")
     msgs = messages(p, run)
@@ -119,7 +125,7 @@ def test_no_usable_reply_asks_again_with_the_reason():
 
 def test_proposes_nothing_after_its_iterations():
     p, run = make_run([GOOD], iterations=1)
-    assert p.propose_rewards(run=run, iteration=1) is None
+    assert proposed(p, run, 1) is None
     assert run.llm.calls == []
 
 
@@ -190,7 +196,7 @@ def test_all_failed_sends_the_error_back():
 
 def test_rejected_replies_are_counted_and_their_reason_sent_back():
     p, run = make_run([NO_FUNCTION])
-    programs = p.propose_rewards(run=run, iteration=0)
+    programs = proposed(p, run, 0)
     candidates = [Candidate(id=f"it0-c{i}", iteration=0, reward=x) for i, x in enumerate(programs)]
     results = [TrainResult(c.id, ok=False, error=c.rejected, error_kind="rejected") for c in candidates]
     text = p.reflect(run=run, result=IterationResult(0, candidates, results))
@@ -233,7 +239,7 @@ def test_extracted_program_passes_the_sandbox_on_the_task():
     from core.sandbox import prepare_reward
 
     p, run = make_run([GOOD])
-    (program, *_) = p.propose_rewards(run=run, iteration=0)
+    (program, *_) = proposed(p, run, 0)
     fn = prepare_reward(program, run.task)
     assert set(fn.component_names) == {"height", "bonus"}
 
