@@ -15,10 +15,11 @@ env's own reward.
 Arriving proposals: a proposal hook may return an iterator of groups of parts instead
 of a list (Eureka does: each group is the samples of one LLM request, as it lands). When
 that role is the only one proposing, and no plugin prepares or trains candidates
-jointly, the loop prepares, checks and submits each group's candidates as it arrives,
-so a pool or Ray's workers train the first samples while the LLM writes the rest
-(:meth:`Loop.train_arriving`); the LLM's ``llm/overlap_s`` is the wait so hidden.
-Otherwise it reads the iterators to their end first, and nothing changes.
+jointly, the loop checks (preflight) and submits each group's candidates as it arrives,
+so a pool's workers train the first samples while the LLM writes the rest
+(:meth:`Loop.train_arriving`; in process, training only starts earlier; Ray takes the
+whole round first); the LLM's ``llm/overlap_s`` is the wait so hidden. Otherwise the
+loop reads the iterators to their end first, and nothing changes.
 """
 
 from __future__ import annotations
