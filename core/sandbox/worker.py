@@ -381,6 +381,10 @@ class Server:
         self.fields: dict[int, Any] = {}
         self.lanes: dict[int, _ResultLane] = {}  # per handle: where a result of the last call's layout goes
         self.call_lanes: dict[int, _CallLane] = {}  # per handle: the last call's layout, for its repeats
+        import select
+
+        self.poller = select.poll()
+        self.poller.register(sock, select.POLLIN)
 
     def run(self) -> None:
         last: dict[int, dict[str, Any]] = {}  # the last call request per handle
@@ -444,20 +448,18 @@ class Server:
         comes within a millisecond): the request is read without the wake-up of a
         sleeping process, on caches that are still warm.
         """
-        sock, flags, clock = self.sock, socket.MSG_DONTWAIT, time.perf_counter
+        poll, clock = self.poller.poll, time.perf_counter
         end = clock() + spin
-        while True:
-            try:
-                n, ancillary, _, _ = sock.recvmsg_into([buf], fd_space, flags)
-            except BlockingIOError:
-                if clock() > end:
-                    return -1
-                continue
-            except OSError:
-                os._exit(0)
-            if ancillary:
-                self._take_fds(ancillary)
-            return n
+        while not poll(0):
+            if clock() > end:
+                return -1
+        try:
+            n, ancillary, _, _ = self.sock.recvmsg_into([buf], fd_space)
+        except OSError:
+            os._exit(0)
+        if ancillary:
+            self._take_fds(ancillary)
+        return n
 
     def _take_fds(self, ancillary: list[Any]) -> None:
         fds = []
