@@ -33,6 +33,7 @@ import mmap
 import os
 import pickle
 import resource
+import select
 import signal
 import socket
 import struct
@@ -381,8 +382,6 @@ class Server:
         self.fields: dict[int, Any] = {}
         self.lanes: dict[int, _ResultLane] = {}  # per handle: where a result of the last call's layout goes
         self.call_lanes: dict[int, _CallLane] = {}  # per handle: the last call's layout, for its repeats
-        import select
-
         self.poller = select.poll()
         self.poller.register(sock, select.POLLIN)
 
