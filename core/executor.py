@@ -364,6 +364,9 @@ def one_thread_env() -> Iterator[None]:
 class Executor:
     """Base class: run jobs, report each result as it finishes, return them in order."""
 
+    #: seconds of the last :meth:`stream` during which jobs trained while the next was awaited
+    overlap_s: float = 0.0
+
     def run(self, jobs: list[TrainJob], on_done: Done | None = None) -> list[TrainResult]:
         raise NotImplementedError
 
@@ -467,7 +470,8 @@ class PoolExecutor(Executor):
     def stream(self, jobs: Iterable[TrainJob], on_done: Done | None = None, expected: int = 0) -> list[TrainResult]:
         """Jobs as they arrive: each is submitted once a worker is free, and the next is
         asked for while the workers train, so its wait (the LLM sampling it) overlaps
-        their training. Sized to ``expected`` jobs, or to the usable cores when 0 (unknown)."""
+        their training. Sized to ``expected`` jobs, or to the usable cores when 0 (unknown).
+        ``overlap_s`` is then the time jobs trained while the next was awaited."""
         source = iter(jobs)
         first = next(source, None)
         if first is None:
@@ -480,6 +484,8 @@ class PoolExecutor(Executor):
         arrived, queue = [first], [(0, first)]
         results: list[TrainResult | None] = [None]
         pending: dict[futures.Future[TrainResult], int] = {}
+        trainings: list[list[float]] = []  # [submitted, done] of each job (done: inf while it runs)
+        waits: list[tuple[float, float]] = []  # while the next job was awaited
         show = self.progress is not None
         relay = ProgressRelay(self.progress)
         if show:
@@ -489,9 +495,15 @@ class PoolExecutor(Executor):
             while not exhausted or queue or pending:
                 while queue and len(pending) < at_once:
                     i, job = queue.pop(0)
-                    pending[self._pool.submit(_pool_job, job, show)] = i
+                    span = [time.perf_counter(), math.inf]
+                    trainings.append(span)
+                    future = self._pool.submit(_pool_job, job, show)
+                    future.add_done_callback(lambda _, span=span: span.__setitem__(1, time.perf_counter()))
+                    pending[future] = i
                 if not exhausted:
+                    began = time.perf_counter()
                     job = next(source, None)  # may wait (on the LLM) while the workers train
+                    waits.append((began, time.perf_counter()))
                     if job is None:
                         exhausted = True
                     else:
@@ -505,6 +517,9 @@ class PoolExecutor(Executor):
                     self._collect(fut, pending.pop(fut), arrived, results, on_done)
         finally:
             relay.stop()
+            from core.llm.client import covered
+
+            self.overlap_s = sum(covered(a, b, trainings) for a, b in waits)
         return [r for r in results if r is not None]
 
     @staticmethod

@@ -18,8 +18,10 @@ that role is the only one proposing, and no plugin prepares or trains candidates
 jointly, the loop checks (preflight) and submits each group's candidates as it arrives,
 so a pool's workers train the first samples while the LLM writes the rest
 (:meth:`Loop.train_arriving`; in process, training only starts earlier; Ray takes the
-whole round first); the LLM's ``llm/overlap_s`` is the wait so hidden. Otherwise the
-loop reads the iterators to their end first, and nothing changes.
+whole round first). ``train/overlap_s`` is how long workers trained while the loop waited
+on the LLM, ``llm/overlap_s`` how long LLM requests ran while the loop worked (trained in
+process, checked programs). Otherwise the loop reads the iterators to their end first,
+and nothing changes.
 """
 
 from __future__ import annotations
@@ -333,7 +335,11 @@ class Loop:
 
         # about as many as last iteration (unknown at first: the pool sizes to the free cores)
         expected = len(self.run.history[-1].candidates) if self.run.history else 0
-        self.executor(max(2, expected), progress).stream(jobs(), done, expected=expected)
+        executor = self.executor(max(2, expected), progress)
+        executor.overlap_s = 0.0
+        executor.stream(jobs(), done, expected=expected)
+        if candidates:  # trainings in workers while the loop waited on the LLM for the next samples
+            self.run.log_metrics({"train/overlap_s": executor.overlap_s}, step=candidates[0].iteration)
         if progress is not None:
             progress.remove_task(bar)
         return candidates, self._record(candidates, results, todo, keys, ended, seed, frozenset(checked))  # type: ignore[arg-type]

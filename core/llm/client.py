@@ -24,6 +24,7 @@ caller can start on the first samples (the loop trains them) while the rest are 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import threading
@@ -469,22 +470,26 @@ class LLMClient:
 
         A generator: it pauses (yields) each time a request has landed while others may
         still run, so that :meth:`chat_groups` can hand those samples over. Time paused
-        counts as the caller's own work: in ``stats.overlap_s`` while requests were still
-        running, in neither figure after they had all landed.
+        counts as the caller's own work: in ``stats.overlap_s`` as far as a request was
+        running meanwhile (requests run on in threads), in neither figure otherwise.
 
         Every request runs to its end even when another fails, so what was paid for is
         kept; then the first failure (in sample order) is raised.
         """
-        last_landed = [time.perf_counter()]
+        flights: list[list[float]] = []  # [from, to] of each request (to: inf while it runs)
 
         def run(chunk: list[int]) -> None:
-            for i, reply in zip(chunk, self._request_samples(messages, params, seed, chunk, watch)):
-                replies[i] = reply
-                if self.cache is not None:
-                    stored = {k: v for k, v in reply.__dict__.items() if k not in ("cached",)}
-                    self.cache.put(keys[i], stored, model=self.model)
+            flight = [time.perf_counter(), math.inf]
             with self._lock:
-                last_landed[0] = max(last_landed[0], time.perf_counter())
+                flights.append(flight)
+            try:
+                for i, reply in zip(chunk, self._request_samples(messages, params, seed, chunk, watch)):
+                    replies[i] = reply
+                    if self.cache is not None:
+                        stored = {k: v for k, v in reply.__dict__.items() if k not in ("cached",)}
+                        self.cache.put(keys[i], stored, model=self.model)
+            finally:
+                flight[1] = time.perf_counter()
 
         paused: list[tuple[float, float]] = []  # (from, to): the caller worked on delivered samples
 
@@ -527,7 +532,8 @@ class LLMClient:
         finally:
             end = time.perf_counter()
             away = sum(b - a for a, b in paused)
-            overlap = sum(max(0.0, min(b, last_landed[0]) - a) for a, b in paused)
+            with self._lock:
+                overlap = sum(covered(a, b, flights) for a, b in paused)
             with self._lock:
                 self.stats.wait_s += end - start - away
                 self.stats.overlap_s += overlap
@@ -815,6 +821,17 @@ def first_token_logprobs(choice: Any) -> dict[str, float] | None:
         if lp is not None and float(lp) > out.get(token, float("-inf")):
             out[token] = float(lp)
     return out or None
+
+
+def covered(start: float, end: float, spans: Sequence[Sequence[float]]) -> float:
+    """Seconds of ``[start, end]`` that at least one of ``spans`` (``[from, to]`` pairs) covers."""
+    clipped = sorted((max(a, start), min(b, end)) for a, b in spans if b > start and a < end)
+    total, reach = 0.0, start
+    for a, b in clipped:
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
 
 
 def _chunks(items: list[int], size: int) -> list[list[int]]:

@@ -4,6 +4,7 @@ the loop training the first candidates while the rest are sampled."""
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import uuid
 from typing import Any
@@ -15,7 +16,7 @@ from omegaconf import OmegaConf
 
 from core import hookimpl
 from core.executor import build_runtime
-from core.llm.client import LLMClient
+from core.llm.client import LLMClient, covered
 from core.loop import Loop
 
 #: the fake LLM's reward with a weight of its own, so that every sample is a different program
@@ -81,6 +82,21 @@ def test_time_spent_on_a_group_while_requests_run_counts_as_overlap_not_wait(tmp
     assert llm.stats.overlap_s >= 0.3
     assert llm.stats.wait_s <= total - llm.stats.overlap_s + 0.05
     assert llm.stats.as_metrics()["llm/overlap_s"] == llm.stats.overlap_s
+
+
+def test_requests_made_one_after_another_overlap_nothing(tmp_path, monkeypatch):
+    """With one request at a time, the next starts only when the caller asks: no request runs meanwhile."""
+    staggered(monkeypatch, 0.1)
+    llm = client(tmp_path, max_n=1, concurrency=1, cache=False)
+    for _ in llm.chat_groups(MESSAGES, n=3, seed=1):
+        time.sleep(0.3)
+    assert llm.stats.overlap_s == 0.0 and llm.stats.wait_s >= 0.5
+
+
+def test_covered_counts_each_second_once():
+    assert covered(0.0, 10.0, [(1.0, 3.0), (2.0, 4.0), (8.0, 20.0), (-5.0, -1.0)]) == pytest.approx(5.0)
+    assert covered(2.0, 3.0, [(0.0, math.inf)]) == pytest.approx(1.0)
+    assert covered(0.0, 1.0, []) == 0.0
 
 
 # -- the loop: candidates train as their samples arrive --------------------------------------------
@@ -173,7 +189,7 @@ def test_a_pool_trains_the_first_job_while_the_next_is_awaited(tiny_run):
     finally:
         pool.close()
     assert [r.ok for r in results] == [True, True] and [r.candidate_id for r in results] == ["it0-c0", "it0-c1"]
-    assert pool.last_plan == 2
+    assert pool.last_plan == 2 and pool.overlap_s > 1.0  # the first job trained during the 20 s wait
     assert done[0] - asked["second"] < 1.0  # had finished during the wait: collected at once after it
 
 
