@@ -50,8 +50,28 @@ MAX_SOURCE_CHARS = 200_000
 ZYGOTE_START_S = 180.0  # the zygote imports torch once per host process; a busy machine is slow
 #: the share of the wall time that counted calls may take, overhead included, whatever the worker reports
 ROUND_TRIP_SHARE = 0.9
+#: where the host may not raise a worker's CPU limit, the kernel's limit is this far above the
+#: start-up budget and the host holds the worker to its growing budget itself (from /proc)
+CPU_BACKSTOP_S = 24 * 3600
 _SCRATCH_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
 _SAME_BYTE = bytes((SAME,))
+
+
+def may_raise_cpu_limits() -> bool:
+    """Whether this process may raise a worker's CPU limit as it trains.
+
+    A worker started by root runs as another user, whose hard limit only a process with
+    CAP_SYS_RESOURCE may raise (containers usually drop it); a worker started by anyone
+    else keeps their user and a high hard limit.
+    """
+    if os.geteuid() != 0:
+        return True
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line for line in f if line.startswith("CapEff:"))
+        return bool(int(caps.split()[1], 16) >> 24 & 1)  # CAP_SYS_RESOURCE is capability 24
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
 
 
 def child_env() -> dict[str, str]:
@@ -532,7 +552,8 @@ class ProgramWorker:
         status_r, status_w = os.pipe()
         proc.status_fd = status_r
         read_only = proc.arenas[0].read_only_fd()
-        request = {"limits": limits, "imports": self.imports, "uid_base": UID_BASE,
+        backstop = 0.0 if may_raise_cpu_limits() else float(CPU_BACKSTOP_S)
+        request = {"limits": limits, "imports": self.imports, "uid_base": UID_BASE, "cpu_backstop_s": backstop,
                    "namespaces": os.environ.get(NO_NAMESPACES_ENV, "") in ("", "0")}
         try:
             for attempt in range(2):
@@ -571,7 +592,7 @@ class ProgramWorker:
         except OSError:
             self._spin.allowance_s = _Spin.FIXED_LIMIT_SHARE * limits.cpu_s
         self._cpu_base = float(isolation.get("cpu_base", 0.0))
-        self._cpu_limit = float(int(self._cpu_base + limits.cpu_s) + 1)  # as the worker set it
+        self._cpu_limit = float(int(self._cpu_base + limits.cpu_s) + 1)  # the budget at start (the kernel's, or the host's)
         self._poll = select.poll()
         self._poll.register(host, select.POLLIN)
         self._say_what_is_missing()
@@ -866,6 +887,16 @@ class ProgramWorker:
             resource.prlimit(self._proc.server, resource.RLIMIT_CPU,
                              (seconds, seconds + 1 if os.geteuid() == 0 else max(hard, seconds + 1)))
             self._cpu_limit = float(seconds)
+        if self._spin.allowance_s is not None:
+            # The kernel's limit could not follow (it is the backstop far above): the host holds the
+            # worker to its budget itself, also where a program raised its own soft limit.
+            self._cpu_limit = float(seconds)
+        used = self.cpu_seconds()
+        if used is not None and used > seconds + 1.0:
+            raise SandboxError(self._end(fail("too_slow", (
+                f"The program used {used:.1f} s of CPU time, more than its budget ({limits.cpu_s:g} s plus "
+                f"{limits.max_time_share:.0%} of the training time), and was stopped. Do less work per call, "
+                "and none between calls."))))
 
     def metrics(self) -> dict[str, float]:
         """Time in programs for the candidate's result: seconds, calls, share of the wall time."""

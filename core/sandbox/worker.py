@@ -289,12 +289,18 @@ def _hide_homes(libc: Any) -> list[str]:
     return done
 
 
-def _set_limits(limits: Any, root: bool) -> float:
-    """Resource limits of the server (inherited by anything it starts); the CPU time used so far."""
+def _set_limits(limits: Any, root: bool, backstop: float = 0.0) -> float:
+    """Resource limits of the server (inherited by anything it starts); the CPU time used so far.
+
+    ``backstop`` > 0: the host cannot raise the CPU limit later (no CAP_SYS_RESOURCE), so the
+    kernel's limit sits that far above and the host holds the worker to its budget itself.
+    """
     used = resource.getrusage(resource.RUSAGE_SELF)
     cpu_used = used.ru_utime + used.ru_stime
     soft_cpu = int(cpu_used + limits.cpu_s) + 1
     hard_cpu = soft_cpu + 1 if root else soft_cpu + 24 * 3600  # the host raises both as the candidate trains
+    if root and backstop > 0:
+        soft_cpu = hard_cpu = soft_cpu + int(backstop)
     resource.setrlimit(resource.RLIMIT_CPU, (soft_cpu, hard_cpu))
     memory = int(limits.memory_mb) * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
@@ -346,7 +352,7 @@ def _serve(request: dict[str, Any], sock_fd: int, in_fd: int, out_fd: int, space
         import tempfile
 
         tempfile.tempdir = folder
-        cpu_used = _set_limits(limits, root)
+        cpu_used = _set_limits(limits, root, float(request.get("cpu_backstop_s", 0.0)))
         if root:
             _drop_privileges(uid, limits.gid)
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)

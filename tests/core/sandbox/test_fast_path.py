@@ -320,3 +320,45 @@ def test_the_environment_switch_overrides_the_machine(monkeypatch: pytest.Monkey
     always = _spin()
     _steps_at(always, 1.0, 1.0)
     assert always.on
+
+
+# -- the CPU budget where the host may not raise the kernel's limit -----------------------------------
+
+BUSY_MS = '''
+import torch
+
+def compute_reward(state, action, next_state):
+    x = torch.ones(64, 64)
+    for _ in range(400):  # some milliseconds of CPU per call
+        x = torch.tanh(x @ x * 0.01)
+    return next_state["pole_angle"] * 1.0 + x[0, 0] * 0.0
+'''
+
+
+def test_a_worker_within_its_time_share_outlives_its_start_up_cpu_budget() -> None:
+    """Its CPU use passes ``cpu_s`` + 2 s (where the kernel's limit stood before the host could raise it)."""
+    limits = replace(LIMITS, cpu_s=1, max_time_share=0.9, time_share_grace_s=0.5, call_timeout_s=2.0)
+    with candidate_scope():
+        fn = prepare_reward(RewardProgram(BUSY_MS), TASK, limits=limits)
+        steps, deadline = list(_steps(8)), time.monotonic() + 60
+        used = 0.0
+        while used < fn.worker._cpu_base + limits.cpu_s + 3 and time.monotonic() < deadline:
+            for obs, action, nxt in steps:
+                fn.from_obs(obs, action, nxt)  # raises if the worker is stopped
+                time.sleep(0.005)
+            used = fn.worker.cpu_seconds() or 0.0
+        assert used >= fn.worker._cpu_base + limits.cpu_s + 3 and fn.worker.dead is None
+
+
+def test_the_host_stops_a_worker_over_its_cpu_budget_whatever_the_kernels_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    limits = replace(LIMITS, cpu_s=1, max_time_share=0.9, time_share_grace_s=0.5, call_timeout_s=2.0)
+    with candidate_scope():
+        fn = prepare_reward(RewardProgram(WEIGHTED), TASK, limits=limits)
+        obs, action, nxt = next(_steps(1))
+        fn.from_obs(obs, action, nxt)
+        worker = fn.worker
+        monkeypatch.setattr(worker, "cpu_seconds", lambda: worker._cpu_limit + 60.0)  # as if it had burnt a minute
+        with pytest.raises(SandboxError) as err:
+            worker._raise_cpu_limit(time.monotonic())
+        assert err.value.report.kind == "too_slow" and "CPU time" in err.value.report.message
+        assert worker.dead is not None
