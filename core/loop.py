@@ -213,17 +213,18 @@ class Loop:
         previous = run.best[0] if run.best else None
         held: list[Any] = []  # rejected replies: candidates after every usable one
         count = 0
+        totals: dict[str, int] = {}  # the round's vetting counts, logged as they grow
         for group in (g for source in sources for g in source):
             usable = [p for p in group if not _rejected(p)]
             held += [p for p in group if _rejected(p)]
             fresh = [replace(c, id=f"it{iteration}-c{count + j}", plan=run.plan)
                      for j, c in enumerate(combine(iteration, {role: usable}, previous) if usable else [])]
             count += len(fresh)
-            failed = preflight(run, fresh) if fresh else {}
+            failed = preflight(run, fresh, totals) if fresh else {}
             yield from ((c, failed.get(c.id)) for c in fresh)
         last = [Candidate(id=f"it{iteration}-c{count + j}", iteration=iteration, plan=run.plan, **{role: part})
                 for j, part in enumerate(held)]
-        failed = preflight(run, last) if last else {}  # a repaired reply trains like any other
+        failed = preflight(run, last, totals) if last else {}  # a repaired reply trains like any other
         yield from ((c, failed.get(c.id)) for c in last)
 
     def train(self, candidates: list[Candidate], seed: int, progress: Any) -> list[TrainResult]:

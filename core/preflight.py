@@ -44,12 +44,13 @@ class Examined:
     repairs: int = 0
 
 
-def preflight(run: RunContext, candidates: list[Candidate]) -> dict[str, TrainResult]:
+def preflight(run: RunContext, candidates: list[Candidate], totals: dict[str, int] | None = None) -> dict[str, TrainResult]:
     """Check, vet and repair the candidates' new reward programs; the failed result of each rejected one.
 
     Candidates whose program was repaired hold the repaired program afterwards. Programs
     kept from earlier iterations (a role that proposed nothing keeps the best's part) are
-    not checked again.
+    not checked again. ``totals``: a round checked group by group (as its samples arrive)
+    passes one dict to every call, and the counts logged are the round's so far.
 
     :return: candidate id -> failed :class:`TrainResult`, for the candidates that must not train.
     """
@@ -74,8 +75,12 @@ def preflight(run: RunContext, candidates: list[Candidate]) -> dict[str, TrainRe
                 rejected[c.id] = _failed(c, outcome)
     if fresh:
         iteration = candidates[0].iteration
-        run.log_metrics({"vetting/checked": len(fresh), "vetting/rejected": len(rejected), "vetting/repaired": repaired},
-                        step=iteration)
+        counts = {"vetting/checked": len(fresh), "vetting/rejected": len(rejected), "vetting/repaired": repaired}
+        if totals is not None:
+            for key, value in counts.items():
+                totals[key] = totals.get(key, 0) + value
+            counts = dict(totals)
+        run.log_metrics(counts, step=iteration)
     _record(run, [c for c in candidates if c.id in rejected], rejected)
     return rejected
 

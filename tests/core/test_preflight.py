@@ -59,6 +59,15 @@ def candidate(reply: str, cid: str = "it0-c0", **fields) -> Candidate:
     return Candidate(id=cid, iteration=0, reward=program)
 
 
+def test_a_round_checked_group_by_group_logs_the_rounds_counts():
+    run, _ = eureka_run([], repair=0)
+    totals: dict[str, int] = {}
+    preflight(run, [candidate(ALIVE, "it0-c0")], totals)
+    preflight(run, [candidate(ALIVE, "it0-c1")], totals)
+    metrics = run.tracker.metrics
+    assert metrics["vetting/checked"] == 2 and metrics["vetting/rejected"] == 2 and totals["vetting/checked"] == 2
+
+
 def test_a_vetoed_program_becomes_a_failed_result_with_the_reason_and_is_logged():
     run, llm = eureka_run([], repair=0)
     c = candidate(ALIVE)
