@@ -108,6 +108,10 @@ def zygote(fd: int) -> None:
     import core.sandbox.wire  # noqa: F401
 
     (torch.ones(2) + 1).sum().item()  # lazily created state, before any fork
+    # torch's C code imports some modules on first use (torch.storage when a list holding
+    # tensors becomes a tensor); under a program's restricted __import__ that import fails
+    # with an internal assert, so make those first uses here
+    torch.tensor([0.0, torch.zeros(())]).storage()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
     _send(ctl, {"ready": True, "threads": len(os.listdir("/proc/self/task"))})
     children: list[int] = []

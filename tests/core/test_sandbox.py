@@ -423,6 +423,26 @@ def test_reward_function_pickles_as_its_program(reward_fn) -> None:
     clone.close()
 
 
+LIST_OF_TENSORS = """
+import torch
+def revise_state(state):
+    angle = state["pole_angle"]
+    offset = torch.tensor([0.0, angle[0] - 0.5])  # a list holding a tensor: torch imports torch.storage in C
+    return angle.unsqueeze(-1) + offset[1]
+"""
+
+
+def test_torch_code_that_imports_modules_from_c_runs_as_outside() -> None:
+    """torch's first use of some internals imports a module from C under the program's __import__."""
+    with candidate_scope():
+        fn = prepare_state(StateProgram(LIST_OF_TENSORS), TASK, limits=FAST)
+        state = _args(4)[0]
+        angle = state["pole_angle"]
+        feats = fn(state)
+        assert feats.shape == (4, 1)
+        torch.testing.assert_close(feats[:, 0], angle + angle[0] - 0.5)
+
+
 def test_prepare_state_finds_the_feature_width() -> None:
     program = StateProgram(P.STATE_OK)
     fn = prepare_state(program, TASK, limits=FAST)
