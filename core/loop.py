@@ -154,9 +154,10 @@ class Loop:
         return self._executor
 
     # -- one iteration ------------------------------------------------------------------
-    def propose(self, iteration: int) -> list[Candidate]:
-        """The iteration's candidates, every proposal read to its end (see :func:`combine`)."""
-        return self._combined(iteration, self._ask(iteration))
+    def propose(self, iteration: int, sources: dict[str, list[Iterable[list[Any]]]] | None = None) -> list[Candidate]:
+        """The iteration's candidates, every proposal read to its end (see :func:`combine`);
+        ``sources``: the proposal hooks' answers when :meth:`_ask` was called already."""
+        return self._combined(iteration, self._ask(iteration) if sources is None else sources)
 
     def _ask(self, iteration: int) -> dict[str, list[Iterable[list[Any]]]]:
         """Make the plan and call the proposal hooks: per role, each proposing plugin's groups
@@ -354,7 +355,7 @@ class Loop:
         if role is not None:  # train the first proposals while the rest arrive
             candidates, results = self.train_arriving(self._arrivals(iteration, role, sources[role]), run.seed, progress)
         else:
-            candidates = self._combined(iteration, sources)
+            candidates = self.propose(iteration, sources)
             rejected = preflight(run, candidates)  # reward programs checked, vetted and repaired before any RL
             trained = iter(self.train([c for c in candidates if c.id not in rejected], run.seed, progress))
             results = [rejected[c.id] if c.id in rejected else next(trained) for c in candidates]

@@ -83,7 +83,7 @@ def test_a_bare_trainer_call_saves_no_policy(temp_folder, trainer):
 @pytest.mark.slow
 def test_policies_saved_by_pool_workers_are_removed(tiny_run, temp_folder):
     loop = Loop(tiny_run("save_policy=true", "executor=local", "executor.workers=2"))
-    loop.propose = lambda iteration: [Candidate(f"it{iteration}-c{i}", iteration) for i in range(2)]  # two jobs: the pool
+    loop.propose = lambda iteration, sources=None: [Candidate(f"it{iteration}-c{i}", iteration) for i in range(2)]  # two jobs: the pool
     summary = loop.execute()
     assert summary.candidates == 2 and summary.failed == 0, summary.first_error
     _saved_in(loop, temp_folder)

@@ -189,7 +189,7 @@ def test_a_pool_trains_the_first_job_while_the_next_is_awaited(tiny_run):
     finally:
         pool.close()
     assert [r.ok for r in results] == [True, True] and [r.candidate_id for r in results] == ["it0-c0", "it0-c1"]
-    assert pool.last_plan == 2 and pool.overlap_s > 1.0  # the first job trained during the 20 s wait
+    assert pool.last_plan == 2 and pool.overlap_s > 0.2  # the first job (a training of under a second) ran during the 20 s wait
     assert done[0] - asked["second"] < 1.0  # had finished during the wait: collected at once after it
 
 
