@@ -13,6 +13,7 @@ connection so nothing is shared across threads or forks.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sqlite3
@@ -72,13 +73,25 @@ class ResponseCache:
         self.path = Path(path).expanduser()
         self.timeout_s = timeout_s
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as con:
-            # WAL lets readers proceed while one process writes.
-            con.execute("PRAGMA journal_mode=WAL")
-            con.execute(
-                "CREATE TABLE IF NOT EXISTS replies ("
-                " key TEXT PRIMARY KEY, model TEXT, value TEXT NOT NULL, created REAL)"
-            )
+        deadline = time.monotonic() + timeout_s
+        for attempt in itertools.count():
+            con = self._connect()
+            try:
+                # WAL lets readers proceed while one process writes.
+                con.execute("PRAGMA journal_mode=WAL")
+                con.execute(
+                    "CREATE TABLE IF NOT EXISTS replies ("
+                    " key TEXT PRIMARY KEY, model TEXT, value TEXT NOT NULL, created REAL)"
+                )
+                break
+            except sqlite3.OperationalError as exc:
+                # Switching a new file to WAL takes an exclusive lock that sqlite's busy
+                # handler does not wait for: several processes opening it at once retry.
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(min(0.01 * (attempt + 1), 0.2))
+            finally:
+                con.close()
 
     def _connect(self) -> sqlite3.Connection:
         con = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
