@@ -207,7 +207,7 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
         lines += [f"> **A reduced run of the study** ({reduced}): it checks the whole path, and its numbers are "
                   "what this run measured, not the study's findings. The full study is the same command without "
                   "the options that shrink it.", ""]
-    lines += _provenance(planned, counted, invocation)
+    lines += _provenance(spec, planned, counted, invocation)
     lines += ["", "## Scores", "",
               "Each cell is the task's ground-truth fitness of the final policy: IQM over seeds with a 95 % "
               f"stratified-bootstrap CI ({reps} replications, `rliable`, Agarwal et al., NeurIPS 2021). An arm that searches is scored on "
@@ -281,7 +281,7 @@ def cell_seconds(run: StudyRun) -> float:
     return run.metrics.get("study/seconds", run.metrics.get("seconds", float("nan")))
 
 
-def _provenance(planned: list[PlannedCell], counted: Counted, invocation: Invocation) -> list[str]:
+def _provenance(spec: StudySpec, planned: list[PlannedCell], counted: Counted, invocation: Invocation) -> list[str]:
     runs = list(counted.chosen.values())
     seconds = sum(v for v in map(cell_seconds, runs) if v == v)
     commits = Counter(r.tags.get("study.commit", "unknown") for r in runs)
@@ -306,10 +306,38 @@ def _provenance(planned: list[PlannedCell], counted: Counted, invocation: Invoca
         f"- Study wall time: {_duration(seconds)} summed over the {len(runs)} counted runs (cells run one after "
         f"another, setup and recording included); {this}" + (
             f"; {len(invocation.crashed)} crashed: {', '.join(invocation.crashed)}" if invocation.crashed else ""),
+        *_projection(spec, planned, counted),
         f"- Cells planned: {len(planned)}; with a run: {len(runs)}" + (
             f"; runs of other configs in the experiment, not counted: {counted.other_config}" if counted.other_config else ""),
     ]
     return lines
+
+
+def _projection(spec: StudySpec, planned: list[PlannedCell], counted: Counted) -> list[str]:
+    """What the counted runs would take at the spec's frames, for a study run with its frames scaled down.
+
+    A search arm's LLM calls fall between its trainings, so its LLM time is kept as measured
+    and the rest of its wall time is multiplied by the frames ratio; a one-training arm's LLM
+    calls (if any) overlap its training, so its whole wall time is. A first-order estimate:
+    setup does not grow with frames.
+    """
+    cells = {(p.cell.task, p.cell.arm, p.cell.seed): p.cell for p in planned}
+    total, seeds, scaled_down = 0.0, set(), False
+    for key, run in counted.chosen.items():
+        cell, seconds = cells.get(key), cell_seconds(run)
+        if cell is None or seconds != seconds:
+            continue
+        ratio = spec.tasks[cell.task].frames / cell.frames
+        scaled_down |= ratio > 1.0 + 1e-9
+        llm = min(run.metrics.get("llm/latency_s", 0.0), seconds) if cell.search else 0.0
+        total += llm + (seconds - llm) * ratio
+        seeds.add(cell.seed)
+    if not scaled_down:
+        return []
+    return [f"- Projected at the spec's frames: {_duration(total)} for the same {len(counted.chosen)} runs "
+            f"({_duration(total / len(seeds))} per seed), cells one after another on this machine: a search arm's "
+            "LLM time as measured plus the rest of its wall time times the frames ratio, a one-training arm's whole "
+            "wall time times the ratio; with this run's arm settings (not the spec's where `--set` changed them)"]
 
 
 def _duration(seconds: float) -> str:

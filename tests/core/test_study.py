@@ -150,6 +150,7 @@ def test_a_tiny_study_runs_is_resumed_after_an_interruption_and_writes_its_resul
     assert "- Commit: `" in text and "- Machine: " in text and " cores" in text and "load average" in text and "as the cells started" in text
     assert "- Study wall time: " in text and "summed over the 8 counted runs" in text
     assert "this invocation ran 0 cell(s) and skipped 8" in text
+    assert "- Projected at the spec's frames: " in text and "for the same 8 runs" in text
     assert "| task (fitness) | sparse | human |" in text
     assert "| cartpole (return) |" in text and "| mountaincar (success_rate) |" in text
     assert text.count("| sparse | 2/2 |") == 2 and text.count("| human | 2/2 |") == 2  # per task, both seeds
@@ -235,3 +236,22 @@ def test_an_eureka_arm_with_the_embedded_model(tmp_path):
     (run,) = _runs(tmp_path / "store", "check")
     assert run.info.status == "FINISHED" and run.data.metrics["llm/calls"] >= 1
     assert "| eureka | 1 |" in (tmp_path / "check.md").read_text()
+
+
+def test_the_projection_scales_training_time_but_not_a_searchs_llm_time():
+    """At frames scale 0.1: a search cell of 10 s with 4 s of LLM calls counts 4 + 6 x 10; a one-training cell 2 x 10."""
+    from types import SimpleNamespace
+
+    from core.report.data import OK, StudyRun
+    from core.report.results import Counted, _projection
+
+    spec = load_spec("results")
+    cells = expand(spec, tasks=["cartpole"], arms=["human", "eureka"], seeds=[0], frames_scale=0.1)
+    planned = [SimpleNamespace(cell=c) for c in cells]
+    runs = {("cartpole", "eureka", 0): {"study/seconds": 10.0, "llm/latency_s": 4.0},
+            ("cartpole", "human", 0): {"study/seconds": 2.0, "llm/latency_s": 1.5}}
+    chosen = {k: StudyRun("id", "n", "cartpole", "x", 0, OK, metrics=m) for k, m in runs.items()}
+    (line,) = _projection(spec, planned, Counted(list(chosen.values()), chosen, 0))  # type: ignore[arg-type]
+    assert line.startswith("- Projected at the spec's frames: 1.4 min for the same 2 runs (1.4 min per seed)")  # 84 s
+    full = expand(spec, tasks=["cartpole"], arms=["human"], seeds=[0])
+    assert _projection(spec, [SimpleNamespace(cell=c) for c in full], Counted([], {}, 0)) == []  # type: ignore[arg-type]
