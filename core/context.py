@@ -59,6 +59,10 @@ class Context:
             self._llm = self.llm_factory()
         return self._llm
 
+    def llm_metrics(self) -> dict[str, float]:
+        """What this context's LLM client did (``llm/calls``, ``llm/latency_s``, ...); empty if it was never made."""
+        return self._llm.stats.as_metrics() if self._llm is not None else {}
+
 
 @dataclass
 class RunContext(Context):

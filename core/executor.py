@@ -150,6 +150,8 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
         # what plugins recorded through the context travels back with the result
         for key, points in ctx.metrics.items():
             result.series.setdefault(key, []).extend(points)
+        for key, value in ctx.llm_metrics().items():  # a judge's or labeller's calls count in the run's LLM totals
+            result.series[key] = [(result.frames, value)]
         result.texts.update(ctx.texts)
         return result
     except Exception as exc:  # a candidate must never take the loop down

@@ -119,6 +119,7 @@ class Loop:
         self.store = ResultStore(self.store_path) if self.settings.run.resume else None
         self.reused = 0
         self._executor: Executor | None = None
+        self._training_llm: dict[str, float] = {}  # LLM totals of the trainings this run made
         self._llm_view = LLMCallView()  # a live line per LLM call, on the run's progress
         self._outer: Any = None  # the iteration bar while iterating
         self.run = RunContext(
@@ -287,6 +288,8 @@ class Loop:
                 self.tracker.log_candidate(candidate, result, tags, ended=ended.get(i))
                 if i in todo and self.store is not None and result.ok and result.run_id:
                     self.store.put(keys[i], result)  # again, now with its MLflow run id
+            if i in todo:
+                self._count_training_llm(result)
             if i in todo and result.policy_path:  # uploaded by the tracker or wanted by nobody: never left in the temp folder
                 Path(result.policy_path).unlink(missing_ok=True)
             final.append(result)
@@ -436,11 +439,19 @@ class Loop:
             chain.insert(0, by_id[chain[0].start.source])
         return chain
 
+    def _count_training_llm(self, result: TrainResult) -> None:
+        """Add the LLM calls a training made (``llm/*`` of its series, see :func:`core.executor.run_job`)."""
+        for key, points in result.series.items():
+            if key.startswith("llm/") and points:
+                self._training_llm[key] = self._training_llm.get(key, 0.0) + points[-1][1]
+
     def _log_llm_stats(self, step: int | None = None) -> dict[str, float]:
-        if self.run._llm is None:
-            return {}
-        metrics = self.run._llm.stats.as_metrics()
-        self.run.log_metrics(metrics, step=step)
+        """The run's LLM totals: the loop's own calls and those its trainings made (a judge's, a labeller's)."""
+        metrics = self.run._llm.stats.as_metrics() if self.run._llm is not None else {}
+        for key, value in self._training_llm.items():
+            metrics[key] = metrics.get(key, 0.0) + value
+        if metrics:
+            self.run.log_metrics(metrics, step=step)
         return metrics
 
     def summarize(self, best: tuple[Candidate, TrainResult] | None, final: list[float], seconds: float) -> RunSummary:

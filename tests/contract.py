@@ -281,6 +281,8 @@ class PluginContract:
         assert summary.failed < summary.candidates, recorder.report()
         problem = self.evidence(info)(recorder, llm)
         assert not problem, problem + "\n" + recorder.report()
+        # every request the plugin made, from the loop or from inside a training, is in the run's totals
+        assert summary.llm.get("llm/requests", 0.0) == len(llm.calls), (summary.llm, len(llm.calls))
 
 
 def params(names: list[str], function: Callable[..., Any]) -> list[Any]:
