@@ -246,9 +246,7 @@ class Loop:
 
         def done(j: int, result: TrainResult) -> None:
             i = todo[j]
-            results[i], ended[i] = result, time.time()
-            if self.store is not None and result.ok:
-                self.store.put(keys[i], result)
+            results[i], ended[i] = result, self._landed(keys[i], result)
             if progress is not None:
                 progress.advance(bar)
                 if self._outer is not None:
@@ -265,6 +263,12 @@ class Loop:
         if progress is not None:
             progress.remove_task(bar)
         return self._record(candidates, results, todo, keys, ended, seed)  # type: ignore[arg-type]
+
+    def _landed(self, key: str, result: TrainResult) -> float:
+        """A training came back: keep a successful one in the results store; when (its MLflow run's end)."""
+        if self.store is not None and result.ok:
+            self.store.put(key, result)
+        return time.time()
 
     def _record(self, candidates: list[Candidate], results: list[TrainResult], todo: list[int], keys: list[str],
                 ended: dict[int, float], seed: int, skip: frozenset[int] = frozenset()) -> list[TrainResult]:
@@ -332,9 +336,7 @@ class Loop:
 
         def done(j: int, result: TrainResult) -> None:
             i = todo[j]
-            results[i], ended[i] = result, time.time()
-            if self.store is not None and result.ok:
-                self.store.put(keys[i], result)
+            results[i], ended[i] = result, self._landed(keys[i], result)
             if progress is not None:
                 progress.advance(bar)
 
