@@ -64,7 +64,7 @@ def study_runs(planned: list[PlannedCell], uri: str, experiment: str) -> Counted
         if r.status == OK:
             value = r.metrics.get(metric)
             if value is None or not math.isfinite(value):
-                r.status, r.fitness, r.note = FAILED, None, f"no '{metric}' (a fresh-seed retraining failed)"
+                r.status, r.fitness, r.note = FAILED, None, _why_no_score(r, metric)
             else:
                 r.fitness = float(value)
             if metric != "fitness" and r.tags.get("best_candidate"):  # the curve of the policy that scored
@@ -76,6 +76,14 @@ def study_runs(planned: list[PlannedCell], uri: str, experiment: str) -> Counted
     for r in sorted(runs, key=lambda r: (r.status == OK, r.start_time)):  # finished and latest win, as in analyze
         chosen[(r.env, r.arm, r.seed)] = r
     return Counted(runs, chosen, other)
+
+
+def _why_no_score(run: StudyRun, metric: str) -> str:
+    """Why a finished run has no score: its search left no candidate to retrain, or a retraining failed."""
+    failed, candidates = run.metrics.get("study/failed_candidates", 0.0), run.metrics.get("candidates", 0.0)
+    if candidates and failed >= candidates:
+        return f"no policy: every one of its {int(candidates)} candidate(s) failed"
+    return f"no '{metric}' (a fresh-seed retraining failed)"
 
 
 def write_results(spec: StudySpec, planned: list[PlannedCell], uri: str, out: Path, invocation: Invocation,
@@ -143,10 +151,14 @@ def check_target(target: TargetSpec, tasks: list[TaskResult]) -> tuple[str, list
             ok = x.iqm.value > y.iqm.value
         else:
             ok = x.iqm.value >= y.iqm.value - target.tolerance * abs(y.iqm.value)
+        # a seed without a score is a run the user got no policy from: the IQM of the others cannot vouch for it
+        seeds = len(x.scores) + len(x.failed)
+        no_policy = f"; {target.arm} failed {len(x.failed)} of {seeds} seeds" if x.failed else ""
+        ok = ok and not x.failed
         held.append(ok)
         overlap = " (CIs overlap)" if x.iqm.low <= y.iqm.high and y.iqm.low <= x.iqm.high else ""
         lines.append(f"{t.env}: {target.arm} {number(x.iqm.value)} vs {target.other} {number(y.iqm.value)}: "
-                     f"{'holds' if ok else 'fails'}{overlap}")
+                     f"{'holds' if ok else 'fails'}{overlap}{no_policy}")
     wanted = target.tasks or []
     unmeasured = [name for name in wanted if name not in {line.split(':')[0] for line in lines}]
     if unmeasured:
@@ -213,7 +225,9 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
               f"stratified-bootstrap CI ({reps} replications, `rliable`, Agarwal et al., NeurIPS 2021). An arm that searches is scored on "
               f"its best candidate retrained on {spec.final_seeds} fresh seed(s) (`final/fresh_mean`), never on the "
               "training it was selected by; any other arm by the fitness of its one training. n/a: the arm does not "
-              "apply to the task; `n=k/N`: only k of the N seeds finished.", ""]
+              "apply to the task; `n=k/N`: only k of the N seeds finished (`j failed`: j seeds ended without a "
+              "score, e.g. a search whose every candidate failed; the IQM is over the k that finished, and a target "
+              "does not hold on a task where the arm failed a seed).", ""]
     rows = []
     for name in task_names:
         t = by_task.get(name)
@@ -227,7 +241,8 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
             else:
                 a = arms[arm]
                 expected = len(a.scores) + len(a.failed) + len(a.missing)
-                row.append(a.iqm.fmt() + ("" if a.complete else f" (n={len(a.scores)}/{expected})"))
+                failed = f", {len(a.failed)} failed" if a.failed else ""
+                row.append(a.iqm.fmt() + ("" if a.complete else f" (n={len(a.scores)}/{expected}{failed})"))
         rows.append(row)
     lines += table(["task (fitness)", *arm_names], rows)
     lines += ["", "## Targets", ""]

@@ -255,3 +255,37 @@ def test_the_projection_scales_training_time_but_not_a_searchs_llm_time():
     assert line.startswith("- Projected at the spec's frames: 1.4 min for the same 2 runs (1.4 min per seed)")  # 84 s
     full = expand(spec, tasks=["cartpole"], arms=["human"], seeds=[0])
     assert _projection(spec, [SimpleNamespace(cell=c) for c in full], Counted([], {}, 0)) == []  # type: ignore[arg-type]
+
+
+def test_a_target_does_not_hold_where_the_arm_failed_a_seed():
+    """An IQM over the seeds that finished cannot vouch for a seed that left no policy (every candidate failed)."""
+    from core.report.results import check_target
+    from core.report.stats import Interval
+    from core.report.study import ArmResult, TaskResult
+    from core.study import TargetSpec
+
+    def arm(name: str, scores: dict[int, float], failed: dict[int, str] | None = None) -> ArmResult:
+        v = sorted(scores.values())[len(scores) // 2]
+        return ArmResult(name, scores, failed or {}, [], 0, Interval(v, v, v), Interval(v, v, v), {})
+
+    beats = TargetSpec(arm="eureka", other="sparse", tasks=["mountaincar", "acrobot"])
+    tasks = [TaskResult("mountaincar", "success_rate", [0, 1, 2], [arm("sparse", {0: 0, 1: 0, 2: 0}),
+                                                                   arm("eureka", {0: 1.0, 1: 1.0, 2: 1.0})], []),
+             TaskResult("acrobot", "return", [0, 1, 2], [arm("sparse", {0: -500, 1: -500, 2: -500}),
+                                                        arm("eureka", {0: -90}, {1: "no policy", 2: "no policy"})], [])]
+    verdict, lines = check_target(beats, tasks)
+    assert verdict == "missed"
+    assert lines[0] == "mountaincar: eureka 1 vs sparse 0: holds"
+    assert lines[1] == "acrobot: eureka -90 vs sparse -500: fails; eureka failed 2 of 3 seeds"
+    tasks[1].arms[1].failed.clear()
+    assert check_target(beats, tasks)[0] == "met"
+
+
+def test_a_search_that_left_no_candidate_says_so():
+    from core.report.data import OK, StudyRun
+    from core.report.results import _why_no_score
+
+    none_left = StudyRun("id", "n", "acrobot", "eureka", 0, OK, metrics={"candidates": 2, "study/failed_candidates": 2})
+    assert _why_no_score(none_left, FRESH_SCORE) == "no policy: every one of its 2 candidate(s) failed"
+    retrain = StudyRun("id", "n", "acrobot", "eureka", 0, OK, metrics={"candidates": 2, "study/failed_candidates": 1})
+    assert "a fresh-seed retraining failed" in _why_no_score(retrain, FRESH_SCORE)
