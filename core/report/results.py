@@ -237,7 +237,7 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
             if (name, arm) not in applies:
                 row.append("n/a")
             elif arm not in arms or not arms[arm].scores:
-                row.append("not run" if arm not in arms else "failed")
+                row.append("failed" if arm in arms and arms[arm].failed else "not run")
             else:
                 a = arms[arm]
                 expected = len(a.scores) + len(a.failed) + len(a.missing)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from core.report.data import OK, REPORT_TAG, TRAIN_RETURN, StudyRun, assign_arms, load_study
+from core.report.data import OK, REPORT_TAG, TRAIN_RETURN, UNFINISHED, StudyRun, assign_arms, load_study
 from core.report.stats import Interval, curve_band, final_score_intervals, improvement
 
 #: per-run LLM/compute metrics summed per arm in the cost table: (metric, column title)
@@ -147,10 +147,12 @@ def _arm_result(arm: str, runs: list[StudyRun], seeds: list[int], reps: int, see
         duplicates += r.seed in chosen
         chosen[r.seed] = r
     scores = {s: float(r.fitness) for s, r in sorted(chosen.items()) if r.status == OK and r.fitness is not None}
-    failed = {s: (r.note or r.status) for s, r in sorted(chosen.items()) if s not in scores}
+    # a run still going, or stopped without an end (a killed study), is a seed not run yet, not a failure
+    failed = {s: (r.note or r.status) for s, r in sorted(chosen.items()) if s not in scores and r.status != UNFINISHED}
     iqm, mean = final_score_intervals(list(scores.values()), reps, seed)
     cost = {key: float(sum(r.metrics.get(key, 0.0) for r in runs)) for key, _ in COST_METRICS}
-    result = ArmResult(arm, scores, failed, [s for s in seeds if s not in chosen], duplicates, iqm, mean, cost)
+    missing = [s for s in seeds if s not in scores and s not in failed]
+    result = ArmResult(arm, scores, failed, missing, duplicates, iqm, mean, cost)
     counted = [chosen[s] for s in scores]
     result.curve = _curve([r.train_curve if use_train else r.curve for r in counted], reps, seed)
     result.candidates = float(np.median([r.metrics.get("candidates", 1.0) for r in counted])) if counted else 1.0

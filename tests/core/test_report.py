@@ -155,3 +155,15 @@ def test_unknown_experiment_is_a_clear_error(study, capsys) -> None:
     uri, _ = study
     assert main(["--experiment", "nope", "--uri", uri, "--no-log"]) == 2
     assert "No MLflow experiment 'nope'" in capsys.readouterr().out
+
+
+def test_a_run_cut_short_is_a_seed_not_run_yet_not_a_failure() -> None:
+    """A study killed mid-cell leaves a RUNNING run: that seed is missing (to run), and only a real failure is failed."""
+    from core.report.data import UNFINISHED
+    from core.report.study import _arm_result
+
+    runs = [StudyRun("a", "x-s0", "cartpole", "x", 0, OK, fitness=1.0), StudyRun("b", "x-s1", "cartpole", "x", 1, UNFINISHED),
+            StudyRun("c", "x-s2", "cartpole", "x", 2, FAILED, note="every candidate failed")]
+    arm = _arm_result("x", runs, [0, 1, 2, 3], reps=100, seed=0)
+    assert arm.scores == {0: 1.0} and arm.failed == {2: "every candidate failed"} and arm.missing == [1, 3]
+    assert arm.status() == "PARTIAL: failed seed 2 (every candidate failed); missing seed 1, 3"
