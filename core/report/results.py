@@ -145,6 +145,11 @@ def check_target(target: TargetSpec, tasks: list[TaskResult]) -> tuple[str, list
             continue
         arms = {a.arm: a for a in t.arms}
         x, y = arms.get(target.arm), arms.get(target.other)
+        if x is not None and x.failed and not x.scores and y is not None and y.scores:
+            held.append(False)  # every seed of the arm ended without a policy: a failure, not a gap
+            lines.append(f"{t.env}: {target.arm} failed all {len(x.failed)} of its seeds (no score) vs {target.other} "
+                         f"{number(y.iqm.value)}: fails")
+            continue
         if x is None or y is None or not (np.isfinite(x.iqm.value) and np.isfinite(y.iqm.value)):
             continue
         if target.relation == "beats":

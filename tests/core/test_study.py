@@ -279,6 +279,10 @@ def test_a_target_does_not_hold_where_the_arm_failed_a_seed():
     assert lines[1] == "acrobot: eureka -90 vs sparse -500: fails; eureka failed 2 of 3 seeds"
     tasks[1].arms[1].failed.clear()
     assert check_target(beats, tasks)[0] == "met"
+    tasks[1].arms[1] = arm("eureka", {0: -90}, {0: "no policy", 1: "no policy"})
+    tasks[1].arms[1].scores.clear()
+    verdict, lines = check_target(beats, tasks)
+    assert verdict == "missed" and lines[1] == "acrobot: eureka failed all 2 of its seeds (no score) vs sparse -500: fails"
 
 
 def test_a_search_that_left_no_candidate_says_so():
