@@ -35,13 +35,15 @@ def _runs(store: Path, experiment: str = "results") -> list:
 def test_the_results_spec_has_the_issue_tasks_the_baselines_and_every_method():
     spec = load_spec("results")
     assert set(spec.tasks) == ISSUE_TASKS
-    assert set(spec.arms) == {"sparse", "human"} | METHODS | ROLE_METHODS
+    assert set(spec.arms) == {"sparse", "human", "progress_no_llm"} | METHODS | ROLE_METHODS
+    assert spec.arms["progress_no_llm"].plugins == ["progress_reward"]  # the control runs the method, LLM weight 0
     assert all(spec.arms[name].tasks == ["crafter"] for name in ROLE_METHODS)
     assert spec.arms["sparse"].overrides == ["env.reward=sparse"] and spec.arms["sparse"].tasks is None
     assert spec.arms["human"].overrides == ["env.reward=human"] and spec.arms["human"].tasks is None
     assert spec.arms["envgen"].tasks == ["crafter"]  # the only task with controllable params
     assert len(spec.seeds) >= 5 and spec.final_seeds >= 1
-    assert all(arm.search for name, arm in spec.arms.items() if name not in {"sparse", "human", "progress_reward", "rlaif_preference"} | ROLE_METHODS)
+    assert all(arm.search for name, arm in spec.arms.items()
+               if name not in {"sparse", "human", "progress_reward", "progress_no_llm", "rlaif_preference"} | ROLE_METHODS)
 
 
 def test_cells_are_each_arm_on_the_tasks_it_applies_to_for_every_seed():
