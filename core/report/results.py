@@ -64,7 +64,7 @@ def study_runs(planned: list[PlannedCell], uri: str, experiment: str) -> Counted
         if r.status == OK:
             value = r.metrics.get(metric)
             if value is None or not math.isfinite(value):
-                r.status, r.fitness, r.note = FAILED, None, _why_no_score(r, metric)
+                r.status, r.fitness, r.note = FAILED, None, f"no '{metric}' (a fresh-seed retraining failed)"
             else:
                 r.fitness = float(value)
             if metric != "fitness" and r.tags.get("best_candidate"):  # the curve of the policy that scored
@@ -76,14 +76,6 @@ def study_runs(planned: list[PlannedCell], uri: str, experiment: str) -> Counted
     for r in sorted(runs, key=lambda r: (r.status == OK, r.start_time)):  # finished and latest win, as in analyze
         chosen[(r.env, r.arm, r.seed)] = r
     return Counted(runs, chosen, other)
-
-
-def _why_no_score(run: StudyRun, metric: str) -> str:
-    """Why a finished run has no score: its search left no candidate to retrain, or a retraining failed."""
-    failed, candidates = run.metrics.get("study/failed_candidates", 0.0), run.metrics.get("candidates", 0.0)
-    if candidates and failed >= candidates:
-        return f"no policy: every one of its {int(candidates)} candidate(s) failed"
-    return f"no '{metric}' (a fresh-seed retraining failed)"
 
 
 def write_results(spec: StudySpec, planned: list[PlannedCell], uri: str, out: Path, invocation: Invocation,

@@ -286,12 +286,3 @@ def test_a_target_does_not_hold_where_the_arm_failed_a_seed():
     verdict, lines = check_target(beats, tasks)
     assert verdict == "missed" and lines[1] == "acrobot: eureka failed all 2 of its seeds (no score) vs sparse -500: fails"
 
-
-def test_a_search_that_left_no_candidate_says_so():
-    from core.report.data import OK, StudyRun
-    from core.report.results import _why_no_score
-
-    none_left = StudyRun("id", "n", "acrobot", "eureka", 0, OK, metrics={"candidates": 2, "study/failed_candidates": 2})
-    assert _why_no_score(none_left, FRESH_SCORE) == "no policy: every one of its 2 candidate(s) failed"
-    retrain = StudyRun("id", "n", "acrobot", "eureka", 0, OK, metrics={"candidates": 2, "study/failed_candidates": 1})
-    assert "a fresh-seed retraining failed" in _why_no_score(retrain, FRESH_SCORE)
