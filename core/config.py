@@ -345,16 +345,26 @@ def _source_files(module: Any) -> list[Path]:
     return [path] if path.exists() else []
 
 
+#: core modules that only present results: editing them changes no candidate, so reuse survives it
+PRESENTATION = ("report", "plots.py", "run_page.py", "progress.py", "quiet.py", "__main__.py")
+
+
 def framework_hash() -> str:
-    """sha256 of the core's training code (trainers, envs, sandbox, records)."""
+    """sha256 of every core module that shapes what a candidate is and how it trains.
+
+    That is all of ``core/`` (prompts, code extraction and checks, vetting, preflight,
+    the loop, the LLM layer, the sandbox, the trainers and tasks, records) except the
+    modules in :data:`PRESENTATION`, which only show results. A finished training or
+    study cell is reused only under the same hash, so a fix to any of them retrains.
+    """
     import core
 
     root = Path(core.__file__).parent
     digest = hashlib.sha256()
-    for sub in ("train", "envs", "sandbox"):
-        for path in sorted((root / sub).rglob("*.py")):
-            digest.update(path.relative_to(root).as_posix().encode())
-            digest.update(path.read_bytes())
-    for name in ("records.py", "codegen.py"):
-        digest.update((root / name).read_bytes())
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in PRESENTATION or rel.name == "__main__.py":
+            continue
+        digest.update(rel.as_posix().encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
