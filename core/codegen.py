@@ -56,7 +56,7 @@ class ExtractResult:
 
 
 #: the categories of unusable replies, as ``ExtractResult.kind`` and in run records
-KINDS = ("empty", "no_code", "syntax", "no_function", "duplicate", "async", "signature")
+KINDS = ("empty", "no_code", "syntax", "no_function", "duplicate", "async", "signature", "names")
 
 
 @dataclass
@@ -293,7 +293,8 @@ def _first_parse_error(blocks: list[_Block]) -> str:
     return next((_parse_error(b.code) for b in blocks if _parse_error(b.code)), "")
 
 
-def program_from_reply(cls: type[P], reply: str, entry: str, arg_names: list[str], **fields: Any) -> P:
+def program_from_reply(cls: type[P], reply: str, entry: str, arg_names: list[str], *,
+                       state_fields: list[str] | None = None, prelude: str = "", **fields: Any) -> P:
     """The program a reply holds, or the same record rejected with the reason.
 
     A usable reply gives ``cls(source=..., entry=entry, reply=reply, **fields)``; an
@@ -302,19 +303,67 @@ def program_from_reply(cls: type[P], reply: str, entry: str, arg_names: list[str
     :data:`KINDS`. A function accepted under another name is renamed and recorded in
     ``meta["renamed_from"]``; ``meta["notes"]`` lists what extraction changed.
 
+    With ``state_fields`` (the task's :meth:`~core.envs.task.Task.field_names`), the names
+    the code reads are checked (:func:`core.namecheck.check_names`): the deterministic
+    fixes are applied and listed in ``meta["fixes"]``; an unknown field or a name never
+    assigned rejects the reply (kind ``names``) with the valid fields.
+
+    ``prelude`` is code the plugin puts before the reply's (Text2Reward's helper
+    functions): the names it defines count as bound, it is prepended to the usable
+    program's source and kept in ``meta["prelude"]`` (a repair shows the LLM the code
+    without it and puts it back).
+
     :param cls: the program record (:class:`core.records.RewardProgram`, ...).
     :param fields: the record's other fields (``origin``, ``prompt``, ``meta``, ...).
     """
+    from core.namecheck import check_names, state_arguments
+    from core.sandbox.policy import SAFE_BUILTIN_NAMES
+
     found = extract_function(reply, entry, arg_names, rename=True)
     meta = dict(fields.pop("meta", None) or {})
     if found.notes:
         meta["notes"] = list(found.notes)
     if found.renamed:
         meta["renamed_from"] = found.renamed
+    if prelude:
+        meta["prelude"] = prelude
+    if found.ok and state_fields is not None:
+        provided = tuple(defined_names(prelude))
+        names = check_names(found.source, list(state_fields), available=SAFE_BUILTIN_NAMES + provided,
+                            state_args=state_arguments(found.source, entry, arg_names))
+        if names.fixes:
+            meta["fixes"] = list(names.fixes)
+        found.source = names.source
+        if not names.ok:
+            found = ExtractResult(False, source=names.source, error=names.message(list(state_fields)), kind="names")
     if not found.ok:
         meta["rejected_kind"] = found.kind
-        return cls(source=extract_code(reply), entry=entry, reply=reply, meta=meta, rejected=found.error, **fields)
-    return cls(source=found.source, entry=entry, reply=reply, meta=meta, **fields)
+        source = found.source if found.kind == "names" else extract_code(reply)
+        return cls(source=source, entry=entry, reply=reply, meta=meta, rejected=found.error, **fields)
+    source = f"{prelude.rstrip()}\n\n\n{found.source}" if prelude else found.source
+    return cls(source=source, entry=entry, reply=reply, meta=meta, **fields)
+
+
+def defined_names(code: str) -> list[str]:
+    """The names ``code`` defines at its top level (functions, assignments, imports); [] if it does not parse."""
+    out: list[str] = []
+    for node in _safe_body(code):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.append(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out += [(a.asname or a.name).split(".")[0] for a in node.names]
+        elif isinstance(node, ast.Assign):
+            out += [t.id for t in node.targets if isinstance(t, ast.Name)]
+    return out
+
+
+def without_prelude(program: Any, prelude: str | None = None) -> str:
+    """A program's source without the plugin's prelude (``meta["prelude"]`` unless given): what the LLM wrote."""
+    prelude = str(program.meta.get("prelude", "") or "") if prelude is None else prelude
+    source = program.source
+    if prelude and source.startswith(prelude.rstrip()):
+        return source[len(prelude.rstrip()):].lstrip("\n")
+    return source
 
 
 def _safe_body(code: str) -> list[ast.stmt]:

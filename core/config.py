@@ -105,7 +105,7 @@ class VettingConfig:
     enabled: bool = True  # run every reward program on reference episodes before it trains; reject one that ranks failure above success or pays for prolonging
     episodes: int = 8  # reference episodes of each kind: random, and the task's known controller where it has one
     max_steps: int = 1000  # steps per reference episode at most
-    repair: int = 1  # times a program that fails its check, probe or vetting goes back to its plugin with the error (0: never)
+    repair: int = 2  # rounds of repair for a program that fails its check, probe or vetting: a short request with the error (0: never)
 
     def check(self) -> None:
         if self.episodes < 1:
@@ -114,6 +114,26 @@ class VettingConfig:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.repair < 0:
             raise ValueError(f"repair must be >= 0, got {self.repair}")
+
+
+@dataclass
+class CodeConfig:
+    """How LLM code is asked for and repaired (``code:``; see ``docs/llm.md``)."""
+
+    interface: str = "fields"  # fields: a skeleton from the task's fields, names checked before anything runs; dict: the earlier prompt, for comparison
+    repair_temperature: float = 0.2  # sampling temperature of a repair request (a short one: the function, the error, the rule)
+    repair_max_tokens: int = 768  # cap on a repair reply
+    stop_at_code_end: bool = True  # end every code reply at the close of its first code block (the prose after it is never used)
+
+    def check(self) -> None:
+        from core.prompting import INTERFACES
+
+        if self.interface not in INTERFACES:
+            raise ValueError(f"interface must be one of {', '.join(INTERFACES)}, got {self.interface!r}")
+        if self.repair_temperature < 0:
+            raise ValueError(f"repair_temperature must be >= 0, got {self.repair_temperature}")
+        if self.repair_max_tokens < 1:
+            raise ValueError(f"repair_max_tokens must be >= 1, got {self.repair_max_tokens}")
 
 
 @dataclass
@@ -131,9 +151,11 @@ class RunSettings:
     cache_dir: str = ""  # LLM replies and plugin libraries
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     vetting: VettingConfig = field(default_factory=VettingConfig)
+    code: CodeConfig = field(default_factory=CodeConfig)
 
     def check(self) -> None:
         self.vetting.check()
+        self.code.check()
 
 
 #: top-level keys that are config groups, checked by the code that owns them

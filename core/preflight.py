@@ -9,10 +9,13 @@ any of them is dispatched to training. For every reward program proposed this it
    ``vetting.enabled``: a program that ranks failed episodes above successful ones, or
    pays for prolonging an episode the task wants ended, is rejected with feedback;
 3. **repair, not resample**: a program that fails 1 or 2, or a reply that held no usable
-   program (``Program.rejected``), goes back to the plugin that proposed it (the
-   ``repair_program`` hook of the plugin its ``origin`` names) with the error, up to
-   ``vetting.repair`` times (a repair that returns the same code ends them); each
-   repaired program is checked again and, once it passes, trains in the original's place;
+   program (``Program.rejected``), is sent back to the LLM in a short request of its own
+   (:func:`core.prompting.repair_messages`: the task's fields, the failing function, the
+   error and the rule it broke) at ``code.repair_temperature``, up to ``vetting.repair``
+   rounds (a repair that returns the same code ends them); each repaired program is
+   checked again and, once it passes, trains in the original's place. With
+   ``code.interface=dict`` (the earlier interface, kept for comparison) the proposing
+   plugin's ``repair_program`` hook repairs instead, as before;
 4. a program still failing never trains: its candidates get a failed
    :class:`core.records.TrainResult` (``error_kind="vetting"``, or the sandbox's category),
    whose error reaches the plugin's ``reflect`` like any failed training's. A reply that
@@ -25,7 +28,7 @@ a rejected candidate is also recorded as a failed nested run with them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from core.context import RunContext
@@ -94,6 +97,7 @@ class _Checker:
         self._references: list[Any] | None = None
         self._reference_error = ""
         self._step = 0
+        self._shapes: Any = None
 
     def settle(self, candidate: Candidate) -> Examined:
         """Examine the candidate's program; repair it while it fails and repairs are left."""
@@ -106,7 +110,7 @@ class _Checker:
             self._log(candidate, outcome, attempt)
             if not outcome.error or attempt == self.cfg.repair:
                 break
-            fixed = self.repair(outcome.program, outcome.error)
+            fixed = self.repair(outcome.program, outcome.error, outcome.kind, attempt + 1)
             if fixed is None or fixed.source.strip() == outcome.program.source.strip():
                 break  # nothing new to check: the same verdict again
             outcome.program = fixed
@@ -146,7 +150,30 @@ class _Checker:
                 self._references, self._reference_error = [], f"the reference episodes could not be made ({exc!r})"
         return self._references
 
-    def repair(self, program: RewardProgram, error: str) -> RewardProgram | None:
+    def repair(self, program: RewardProgram, error: str, kind: str = "", attempt: int = 1) -> RewardProgram | None:
+        """The repaired program (possibly rejected again, with its new reason), or None when none came."""
+        if self.run.settings.run.code.interface == "dict":
+            return self._plugin_repair(program, error)
+        from core.codegen import program_from_reply, without_prelude
+        from core.prompting import CODE_STOP, batch_shapes, repair_messages
+        from core.sandbox import REWARD_ARGS
+
+        code, task = self.run.settings.run.code, self.run.task
+        self._shapes = self._shapes or batch_shapes(task, self.run.seed)
+        msgs = repair_messages(task, without_prelude(program) or program.reply, error, kind, entry=program.entry,
+                               shapes=self._shapes)
+        tag = f"{program.origin or 'program'}-repair"
+        reply = self.run.llm.chat(msgs, n=1, temperature=code.repair_temperature, max_tokens=code.repair_max_tokens,
+                                  stop=CODE_STOP if code.stop_at_code_end else None,
+                                  seed=self.run.seed * 1000 + 500 + attempt, tag=tag)[0]
+        found = program_from_reply(RewardProgram, reply.text, program.entry, list(REWARD_ARGS),
+                                   state_fields=task.field_names(), prelude=str(program.meta.get("prelude", "")),
+                                   meta={**program.meta, "repairs": attempt})
+        prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
+        return replace(program, source=found.source, reply=reply.text, prompt=prompt, meta=found.meta,
+                       rejected=found.rejected)
+
+    def _plugin_repair(self, program: RewardProgram, error: str) -> RewardProgram | None:
         """The proposing plugin's ``repair_program`` (the one ``program.origin`` names), or None."""
         caller = getattr(self.run.hook, "repair_program", None) if self.run.hook is not None else None
         if caller is None or not program.origin:

@@ -1,7 +1,18 @@
 """Prompt text every code-writing method needs: how the core will call the code.
 
 These describe the calling convention of ``core.sandbox`` (argument names, batching,
-return values, allowed imports); methods add their own framing around them. The shapes
+return values, allowed imports); methods add their own framing around them.
+
+Everything here is built from the task's own definition, never from an example of
+another task: the signature and a skeleton that binds each of the task's fields
+(:attr:`core.envs.task.Task.program_fields`, derived fields included) with its shape and
+meaning (:func:`field_bindings`), and the sign a per-step reward needs from the task's
+semantics (:func:`sign_rule`). A program reads fields as ``next_state.name`` /
+``state.name``; :mod:`core.namecheck` refuses any other name before the code runs.
+:func:`repair_messages` is the short request that asks for a fix; :data:`CODE_STOP`
+ends a reply at its code block, and :func:`sampling_temperature` is the default
+temperature for a number of samples. ``interface="dict"`` keeps the earlier prompt
+(dict reads and a worked example of a made-up task), for comparison only. The shapes
 the prompt states are read off a real batch of the task (:func:`batch_shapes`): the
 task's env stepped through the same TorchRL env training collects from, and its
 observation split into the state fields as training splits it, so that a prompt never
@@ -15,6 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.envs.task import Task
+
+#: the prompt styles :func:`reward_interface` and :func:`state_interface` can write (``code.interface``)
+INTERFACES = ("fields", "dict")
+#: ends a reply at the close of its first code block: the explanation after it is never used
+CODE_STOP = ["\n```\n"]
 
 
 @dataclass(frozen=True)
@@ -88,28 +104,122 @@ def action_text(task: Task, shapes: Shapes | None = None) -> str:
 
 
 def fields_text(task: Task, shapes: Shapes | None = None) -> str:
-    """One line per state field with the shape the code receives (``[B]`` or ``[B, 3]``)."""
+    """One line per field (derived fields included) with the shape the code receives (``[B]`` or ``[B, 3]``)."""
     shapes = shapes or batch_shapes(task)
     lines = []
-    for f in task.state_fields:
+    for f in program_fields(task):
         unit = f", unit {f.unit}" if f.unit else ""
-        lines.append(f"- {f.name} ({Shapes.text(shapes.fields[f.name])}{unit}): {f.description}")
+        lines.append(f"- {f.name} ({Shapes.text(shapes.fields.get(f.name, getattr(f, 'shape', ())))}{unit}): {f.description}")
     return "\n".join(lines)
 
 
+def program_fields(task: Any) -> list[Any]:
+    """The fields LLM code may read (:attr:`Task.program_fields`; a task-like object without it: its state fields)."""
+    return list(getattr(task, "program_fields", None) or task.state_fields)
+
+
+def sampling_temperature(samples: int) -> float:
+    """The default sampling temperature for ``samples`` replies to one prompt.
+
+    Eureka samples 16 rewards at 1.0: diversity pays when many are drawn. With a few
+    samples a small model's hotter replies are mostly broken, so the temperature falls
+    with the count: 0.4 + 0.6 * min(samples, 16) / 16 (1 -> 0.44, 4 -> 0.55, 8 -> 0.7, 16+ -> 1.0).
+    """
+    return round(0.4 + 0.6 * min(max(int(samples), 1), 16) / 16, 3)
+
+
+def code_options(run: Any, samples: int, temperature: float | None) -> dict[str, Any]:
+    """The chat options every request for code shares: the temperature (by ``samples`` when
+    None, :func:`sampling_temperature`) and the stop at the code block's end (``code.stop_at_code_end``)."""
+    code = run.settings.run.code
+    return {"temperature": sampling_temperature(samples) if temperature is None else float(temperature),
+            "stop": list(CODE_STOP) if code.stop_at_code_end else None}
+
+
+def interface_of(run: Any) -> str:
+    """The run's prompt style for code (``code.interface``: ``fields`` or ``dict``)."""
+    return str(run.settings.run.code.interface)
+
+
+def sign_rule(task: Task) -> str:
+    """One line on the sign a per-step reward needs, from how the task's episodes end."""
+    if task.ends_on_success and task.ends_on_failure:
+        return ("Sign rule: both reaching the goal and failing end this task's episode, so reaching the goal must pay "
+                "the most, failing the least, and no per-step term may make ending the episode early by failing pay "
+                "more than carrying on towards the goal.")
+    if task.ends_on_success:
+        return ("Sign rule: reaching the goal ends this task's episode, so the reward per step must be negative or zero "
+                "on average until the goal is reached (for example a small step cost plus progress terms), and "
+                "reaching the goal must pay the most; a positive reward on every step teaches the agent never to finish.")
+    if task.ends_on_failure:
+        return ("Sign rule: in this task a long episode is the success (failing ends it early), so the reward per step "
+                "must be positive on average while the agent has not failed; a negative reward on every step teaches "
+                "the agent to fail as early as it can.")
+    return ("Sign rule: this task's episodes always run to their time limit, so only differences between states matter: "
+            "pay more for states closer to the goal (a constant added to every step changes nothing).")
+
+
+def field_bindings(task: Task, shapes: Shapes | None = None, source: str = "next_state", indent: str = "    ") -> str:
+    """One line per field that binds it from ``source``, with its shape as a comment.
+
+    The meanings go in :func:`fields_text` above the skeleton: a model copies the skeleton
+    into its reply, and long comments there would be paid for again in every sample.
+    """
+    shapes = shapes or batch_shapes(task)
+    rows = [(f"{indent}{f.name} = {source}.{f.name}", f"# {Shapes.text(shapes.fields.get(f.name, f.shape))}")
+            for f in program_fields(task)]
+    width = max((len(code) for code, _ in rows), default=0)
+    return "\n".join(f"{code.ljust(width)}  {comment}" for code, comment in rows)
+
+
 def reward_interface(task: Task, allowed_imports: list[str] | tuple[str, ...] = ("math", "numpy", "torch"),
-                     shapes: Shapes | None = None) -> str:
+                     shapes: Shapes | None = None, interface: str = "fields", entry: str = "compute_reward") -> str:
     """The reward function's signature, inputs and outputs, for prompts.
 
     :param shapes: the task's :func:`batch_shapes` (computed here when not given).
+    :param interface: ``fields`` (the skeleton built from the task) or ``dict`` (the earlier prompt).
+    :param entry: the function's name (Text2Reward asks for ``compute_dense_reward``).
     """
     shapes = shapes or batch_shapes(task)
+    if interface == "dict":
+        return _dict_reward_interface(task, allowed_imports, shapes, entry)
+    return f"""The fields of a state (float32 tensors batched over B environments; the shape each one has):
+{fields_text(task, shapes)}
+
+Write the reward function by completing this skeleton; `state.<name>` is a field before the action,
+`next_state.<name>` after it:
+
+```python
+import torch
+
+def {entry}(state, action, next_state):
+{field_bindings(task, shapes)}
+    # ... compute the reward terms from these (and state.<name> where the change matters) ...
+    reward = ...  # float tensor [B]: the sum of the terms
+    return reward, {{...}}  # dict of every term you added up, each a named [B] tensor
+```
+
+{action_text(task, shapes)}
+Rules:
+- The state has no fields but those in the skeleton: reading any other is refused before the code runs.
+  Delete the bindings you do not use.
+- Every field is a whole batch, not a number: use torch operations (torch.where instead of `if`,
+  torch.abs/torch.exp/torch.clamp instead of abs()/math.*), no Python loops over the batch, no in-place
+  edits of the inputs. Give torch functions tensors, not Python numbers.
+- You may import only: {", ".join(allowed_imports)}. No file, network or process access. The reward must be
+  finite for every state.
+- {sign_rule(task)}
+Reply with the complete function in one ```python block and nothing after it."""
+
+
+def _dict_reward_interface(task: Task, allowed_imports: list[str] | tuple[str, ...], shapes: Shapes, entry: str) -> str:
+    """The earlier reward prompt (dict reads, an example from a made-up task), kept for comparison."""
     return f"""Write the reward function with exactly this signature:
 
 ```python
 import torch
 
-def compute_reward(state, action, next_state):
+def {entry}(state, action, next_state):
     # state, next_state: dict of field name -> torch.Tensor, batched over B environments
     # returns (reward, components): reward is a float tensor of shape [B];
     # components is a dict of named [B] tensors, the terms that make up the reward
@@ -132,7 +242,7 @@ The expected style, for a made-up task with fields `x` and `y` (not your task):
 ```python
 import torch
 
-def compute_reward(state, action, next_state):
+def {entry}(state, action, next_state):
     distance = torch.sqrt(next_state["x"] ** 2 + next_state["y"] ** 2)
     distance_temperature = 0.5
     closeness = torch.exp(-distance / distance_temperature)
@@ -143,13 +253,15 @@ def compute_reward(state, action, next_state):
 
 
 def state_interface(task: Task, allowed_imports: list[str] | tuple[str, ...] = ("math", "numpy", "torch"),
-                    shapes: Shapes | None = None) -> str:
+                    shapes: Shapes | None = None, interface: str = "fields") -> str:
     """The state-representation function's signature, for prompts.
 
     :param shapes: the task's :func:`batch_shapes` (computed here when not given).
+    :param interface: ``fields`` (the skeleton built from the task) or ``dict`` (the earlier prompt).
     """
     shapes = shapes or batch_shapes(task)
-    return f"""Write the function with exactly this signature:
+    if interface == "dict":
+        return f"""Write the function with exactly this signature:
 
 ```python
 import torch
@@ -164,6 +276,69 @@ The fields of `state` (float32 tensors; the shape each one has):
 {fields_text(task, shapes)}
 
 Use vectorised torch operations only. You may import only: {", ".join(allowed_imports)}."""
+    return f"""The fields of a state (float32 tensors batched over B environments; the shape each one has):
+{fields_text(task, shapes)}
+
+Write the function by completing this skeleton; it reads each field as `state.<name>`:
+
+```python
+import torch
+
+def revise_state(state):
+{field_bindings(task, shapes, source="state")}
+    # ... compute k >= 1 extra features from these ...
+    return torch.stack([...], dim=-1)  # float tensor [B, k]; k fixed
+```
+
+The state has no fields but those in the skeleton: reading any other is refused before the code runs
+(delete the bindings you do not use). Use vectorised torch operations only, and give torch functions tensors, not
+Python numbers. You may import only: {", ".join(allowed_imports)}."""
+
+
+# -- repair: a short request per failure ----------------------------------------------------------------
+
+#: the rule a failure of each kind broke, said again in the repair request
+RULES = {
+    "names": "Read only the task's fields listed above, as state.<name> or next_state.<name>, and assign every "
+             "variable before you use it.",
+    "signature": "Keep the function's name and arguments exactly as given.",
+    "syntax": "Write valid Python 3.",
+    "forbidden": "Use only the allowed imports and plain Python: no files, processes, dunder names or globals.",
+    "exception": "Every field is a [B] (or [B, n]) tensor: use torch operations on whole batches, and give torch "
+                 "functions tensors, not Python numbers.",
+    "invalid_value": "Return a finite float tensor with one value per environment (shape [B]).",
+    "timeout": "Keep it to a few vectorised torch operations: no loops.",
+    "too_slow": "Keep it to a few vectorised torch operations: no loops.",
+}
+
+
+def repair_messages(task: Task, source: str, error: str, kind: str, entry: str = "compute_reward",
+                    shapes: Shapes | None = None, role: str = "reward") -> list[dict[str, str]]:
+    """A short request to fix one program: the fields, the failing function, the error, the rule it broke.
+
+    Not the whole conversation again: a small model fixes a named error in a short prompt
+    far more often than it rewrites a function from a long one.
+    """
+    shapes = shapes or batch_shapes(task)
+    rule = sign_rule(task) if kind == "vetting" else RULES.get(kind, RULES["exception"])
+    fields = "\n".join(f"- {f.name} ({Shapes.text(shapes.fields.get(f.name, f.shape))})"
+                       for f in program_fields(task))
+    user = f"""A {role} function `{entry}` for this task failed its check before training.
+
+Task goal: {task.goal}
+The fields of a state, each a float32 tensor batched over B environments:
+{fields}
+
+The function:
+{fence(source, "python")}
+
+What went wrong:
+{error.strip()[-1500:]}
+
+{rule}
+Reply with the corrected complete function in one ```python block and nothing after it."""
+    return [{"role": "system", "content": "You fix Python functions. Change only what the error needs."},
+            {"role": "user", "content": user}]
 
 
 # -- reflections as markdown (logged under reflection/, rendered by MLflow) ---------------------
@@ -194,6 +369,8 @@ def candidate_line(candidate: Any, result: Any, program: Any = None) -> str:
     if result.ok and result.fitness is not None:
         renamed = program.meta.get("renamed_from") if program is not None else None
         note = f" (function `{renamed}` renamed to `{program.entry}`)" if renamed else ""
+        fixes = program.meta.get("fixes") if program is not None else None
+        note += f" ({len(fixes)} name fix{'es' if len(fixes) != 1 else ''} before it ran)" if fixes else ""
         return f"- `{candidate.id}`{where}: {result.fitness.name} {result.fitness.value:.4g}{note}"
     first = (result.error.strip().splitlines() or [""])[-1][:200]
     return f"- `{candidate.id}`{where}: failed ({result.error_kind or 'error'}){': ' + first if first else ''}"

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from core import PluginConfig, hookimpl
 from core.codegen import program_from_reply
-from core.prompting import (Shapes, batch_shapes, candidate_line, fence, reply_counts, reward_interface, sample_evenly,
-                            summarize_series)
+from core.prompting import (Shapes, batch_shapes, candidate_line, code_options, fence, interface_of, reply_counts,
+                            reward_interface, sample_evenly, summarize_series)
 from core.records import Candidate, IterationResult, RewardProgram, TrainResult
 
 NAME = "eureka"
@@ -47,7 +47,7 @@ class Config(PluginConfig):
 
     iterations: int = 5  # outer rounds of sampling + training + reflection (paper: 5)
     samples: int = 16  # reward functions sampled per round, each trained (paper: 16)
-    temperature: float = 1.0  # sampling temperature (paper: 1.0)
+    temperature: float | None = None  # sampling temperature; None: by the number of samples (1.0 at 16, the paper's; less for fewer)
     max_tokens: int = 1024  # cap on each reply
 
     def check(self) -> None:
@@ -108,7 +108,7 @@ def task_prompt(run, shapes: Shapes | None = None) -> str:
 
     :param shapes: the task's :func:`core.prompting.batch_shapes` (computed when not given).
     """
-    interface = reward_interface(run.task, list(run.sandbox.imports), shapes)
+    interface = reward_interface(run.task, list(run.sandbox.imports), shapes, interface=interface_of(run))
     return TASK.format(description=run.task.description, interface=interface, goal=run.task.goal)
 
 
@@ -174,11 +174,13 @@ class Plugin:
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
         tag = f"{NAME}-it{iteration}"
         programs: list[RewardProgram] = []
-        for replies in run.llm.chat_groups(msgs, n=cfg.samples, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                           seed=run.seed * 1000 + iteration, tag=tag):
+        fields = run.task.field_names()
+        for replies in run.llm.chat_groups(msgs, n=cfg.samples, max_tokens=cfg.max_tokens, seed=run.seed * 1000 + iteration,
+                                           tag=tag, **code_options(run, cfg.samples, cfg.temperature)):
             # every reply becomes a program: usable, or rejected with its reason (recorded, not trained)
-            group = [program_from_reply(RewardProgram, reply.text, ENTRY, ARGS, origin=NAME, prompt=prompt,
-                                        meta={"sample": len(programs) + j, "call": tag}) for j, reply in enumerate(replies)]
+            group = [program_from_reply(RewardProgram, reply.text, ENTRY, ARGS, state_fields=fields, origin=NAME,
+                                        prompt=prompt, meta={"sample": len(programs) + j, "call": tag})
+                     for j, reply in enumerate(replies)]
             programs += group
             if len(programs) == cfg.samples and all(p.rejected for p in programs):
                 # no usable code at all: the next iteration says why (Eureka resamples)
@@ -219,12 +221,16 @@ class Plugin:
 
     @hookimpl
     def repair_program(self, run, program: RewardProgram, error: str) -> RewardProgram | None:
-        """Send the failing reply back in its conversation with the error; the corrected function."""
+        """Send the failing reply back in its conversation with the error; the corrected function.
+
+        Used with ``code.interface=dict`` only (the earlier interface, for comparison): the
+        core repairs every other run's programs with a short request of its own."""
         msgs = messages(run, self.best_reply, self.feedback, self.shapes)  # the context the program was sampled in
         msgs += [{"role": "assistant", "content": program.reply or f"```python\n{program.source}\n```"},
                  {"role": "user", "content": FAILURE.format(kind="checked before training", error=error.strip()[-1500:])}]
         attempt = int(program.meta.get("repairs", 0)) + 1
-        reply = run.llm.chat(msgs, n=1, temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens,
+        reply = run.llm.chat(msgs, n=1, temperature=1.0 if self.cfg.temperature is None else self.cfg.temperature,
+                             max_tokens=self.cfg.max_tokens,
                              seed=run.seed * 1000 + 500 + attempt, tag=f"{NAME}-repair")[0]
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
         repaired = program_from_reply(RewardProgram, reply.text, ENTRY, ARGS, origin=NAME, prompt=prompt,

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from core import PluginConfig, hookimpl
-from core.codegen import program_from_reply
+from core.codegen import program_from_reply, without_prelude
 from core.envs.task import Task
-from core.prompting import Shapes, action_text, batch_shapes, candidate_line, fence, reply_counts
+from core.prompting import (Shapes, action_text, batch_shapes, candidate_line, code_options, fence, interface_of,
+                            program_fields, repair_messages, reply_counts, sign_rule)
 from core.records import Candidate, IterationResult, RewardProgram, TrainResult
 
 NAME = "text2reward"
@@ -45,7 +46,7 @@ class Config(PluginConfig):
 
     iterations: int = 1  # 1 = zero-/few-shot only; more = feedback rounds (user comment, or auto_feedback)
     samples: int = 4  # reward functions sampled per round, each trained
-    temperature: float = 0.7  # sampling temperature
+    temperature: float | None = None  # sampling temperature; None: by the number of samples (core.prompting.sampling_temperature)
     max_tokens: int = 768  # cap on each reply
     retries: int = 2  # re-asks per sample, with the error, until the code parses and validates
     validate: bool = True  # probe each program in the sandbox before accepting it (else only parse)
@@ -64,7 +65,7 @@ class Config(PluginConfig):
         super().check()
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
-        if self.temperature < 0:
+        if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -108,8 +109,9 @@ def stage(done, value):
 ABSTRACTION = """```python
 class {cls}:
     \"\"\"The state of the environment, batched over B parallel envs.
-    Read an attribute as state["name"] (and next_state["name"] after the action);
-    each is a float32 torch.Tensor of shape [B] unless its shape is given.\"\"\"
+    Read an attribute as state.{read} (and next_state.{read} after the action);
+    each is a float32 torch.Tensor of shape [B] unless its shape is given. It has
+    no attributes but these.\"\"\"
 {attributes}
 
 # {action}
@@ -140,7 +142,8 @@ def compute_dense_reward(state, action, next_state):
 Shape the reward in stages (for example: first approach, then make progress, then
 finish), each stage a term that switches on with torch.where when the previous one is
 done. Use only vectorised torch operations on whole batches: no `if` on tensors, no
-math.* on tensors, no Python loops over envs. You may import only: {imports}."""
+math.* on tensors, no Python loops over envs. You may import only: {imports}.
+{sign_rule}{ending}"""
 
 EXAMPLE = """An example reward that worked. Instruction: {instruction}
 
@@ -216,30 +219,34 @@ def add_example(library: list[Example], example: Example) -> list[Example]:
 # -- prompts ----------------------------------------------------------------------------------
 
 
-def abstraction(task: Task, shapes: Shapes | None = None) -> str:
-    """The Pythonic class-style view of the task's state, action and helpers, with the
-    shapes a real batch of the task has (:func:`core.prompting.batch_shapes`)."""
+def abstraction(task: Task, shapes: Shapes | None = None, interface: str = "fields") -> str:
+    """The Pythonic class-style view of the task's state (derived fields included), action
+    and helpers, with the shapes a real batch of the task has (:func:`core.prompting.batch_shapes`)."""
     shapes = shapes or batch_shapes(task)
     cls = "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", task.name) if part) + "State"
     rows = []
-    for f in task.state_fields:
+    for f in program_fields(task) if interface == "fields" else task.state_fields:
         dims = shapes.fields[f.name]
         shape = f" shape {Shapes.text(dims)};" if dims else ""
         unit = f" [{f.unit}]" if f.unit else ""
         rows.append(f"    {f.name}: torch.Tensor  #{shape}{unit} {f.description}")
-    return ABSTRACTION.format(cls=cls, attributes="\n".join(rows), action=action_text(task, shapes))
+    text = ABSTRACTION.format(cls=cls, attributes="\n".join(rows), action=action_text(task, shapes), read="name")
+    return text if interface == "fields" else text.replace("state.name", 'state["name"]')
 
 
-def task_prompt(task: Task, instruction: str, allowed: list[str], shapes: Shapes | None = None) -> str:
+def task_prompt(task: Task, instruction: str, allowed: list[str], shapes: Shapes | None = None,
+                interface: str = "fields") -> str:
     description = task.description.split("\n\n")[0]  # the prose, not the schema repeated
-    return TASK.format(abstraction=abstraction(task, shapes), description=description, instruction=instruction,
-                       imports=", ".join(allowed))
+    fields = interface == "fields"
+    return TASK.format(abstraction=abstraction(task, shapes, interface), description=description,
+                       instruction=instruction, imports=", ".join(allowed), sign_rule=sign_rule(task) + "\n" if fields else "",
+                       ending="Reply with the complete function in one ```python block and nothing after it." if fields else "")
 
 
 def messages(task: Task, instruction: str, allowed: list[str], examples: list[Example],
-             shapes: Shapes | None = None) -> list[dict[str, str]]:
+             shapes: Shapes | None = None, interface: str = "fields") -> list[dict[str, str]]:
     """System + (retrieved examples) + the task prompt."""
-    user = task_prompt(task, instruction, allowed, shapes)
+    user = task_prompt(task, instruction, allowed, shapes, interface)
     if examples:
         shown = "\n\n".join(EXAMPLE.format(instruction=e.instruction, code=e.code.strip()) for e in examples)
         user = shown + "\n\nNow your task.\n\n" + user
@@ -268,14 +275,13 @@ def auto_comment(result: TrainResult, fitness_name: str) -> str:
     return f"The agent sometimes achieves the goal ({fitness_name} {value:.2f}) but not reliably. Make the final stage more rewarding."
 
 
-def program_of(reply: str, prompt: str, sample: int, call: str = "") -> RewardProgram:
+def program_of(reply: str, prompt: str, sample: int, call: str = "", fields: list[str] | None = None) -> RewardProgram:
     """The reward program in ``reply`` with the helpers prepended, or the same record
-    rejected with the reason (:func:`core.codegen.program_from_reply`)."""
+    rejected with the reason (:func:`core.codegen.program_from_reply`); with ``fields``
+    (the task's field names) the names it reads are checked and mended first."""
     meta: dict[str, Any] = {"sample": sample, **({"call": call} if call else {})}
-    program = program_from_reply(RewardProgram, reply, ENTRY, ARGS, origin=NAME, prompt=prompt, meta=meta)
-    if not program.rejected:
-        program.source = HELPERS + "\n\n" + program.source
-    return program
+    return program_from_reply(RewardProgram, reply, ENTRY, ARGS, state_fields=fields, prelude=HELPERS, origin=NAME,
+                              prompt=prompt, meta=meta)
 
 
 # -- helpers reading the config ----------------------------------------------------------------
@@ -340,7 +346,7 @@ class Plugin:
             comment = user_comment(cfg) or (auto_comment(self.best[1], run.task.fitness_name) if cfg.auto_feedback else "")
             if not comment:
                 return None  # no feedback round: keep the zero-/few-shot reward
-            msgs = messages(run.task, instruction, allowed, [], self.shapes)
+            msgs = messages(run.task, instruction, allowed, [], self.shapes, interface_of(run))
             msgs += [
                 {"role": "assistant", "content": self.best[0].reply},
                 {"role": "user", "content": FEEDBACK.format(summary=behaviour_summary(self.best[1], run.task.fitness_name), comment=comment)},
@@ -348,26 +354,31 @@ class Plugin:
         else:
             shots = cfg.shots if cfg.few_shot else 0
             pool = [e for e in self.library if cfg.include_same_task or e.task != run.task.name]
-            msgs = messages(run.task, instruction, allowed, retrieve(pool, instruction, shots), self.shapes)
+            msgs = messages(run.task, instruction, allowed, retrieve(pool, instruction, shots), self.shapes, interface_of(run))
         return self.generate(run, msgs, iteration)
 
     def generate(self, run: Any, msgs: list[dict[str, str]], iteration: int) -> list[RewardProgram]:
         """``samples`` programs, each retried with its error until it parses and validates.
 
-        A sample still unusable after its retries is returned rejected, with the last
-        error as its reason and its earlier errors in ``meta["errors"]`` (recorded, not trained).
+        A retry is the core's short repair request (:func:`core.prompting.repair_messages`:
+        the fields, the function, the error, the rule) with ``code.interface=fields``, and
+        the conversation with the error appended (the paper's) with ``dict``. A sample
+        still unusable after its retries is returned rejected, with the last error as its
+        reason and its earlier errors in ``meta["errors"]`` (recorded, not trained).
         """
         cfg = self.cfg
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
         tag = f"{NAME}-it{iteration}"
-        replies = run.llm.chat(msgs, n=cfg.samples, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                               seed=run.seed * 1000 + iteration, tag=tag)
-        fields = ", ".join(f'"{f.name}"' for f in run.task.state_fields)
+        options = code_options(run, cfg.samples, cfg.temperature)
+        replies = run.llm.chat(msgs, n=cfg.samples, max_tokens=cfg.max_tokens, seed=run.seed * 1000 + iteration, tag=tag,
+                               **options)
+        fields = interface_of(run) == "fields"
+        names = run.task.field_names() if fields else None
         programs: list[RewardProgram] = []
         for i, reply in enumerate(replies):
             text, convo, errors = reply.text, list(msgs), []
             for attempt in range(cfg.retries + 1):
-                program = program_of(text, prompt, i, tag)  # the sample index of the first request, whichever attempt
+                program = program_of(text, prompt, i, tag, names)  # the sample index of the first request, whichever attempt
                 if not program.rejected and cfg.validate:
                     error = sandbox_error(run, program)
                     if error:  # parses, but fails on real states: rejected with the sandbox's reason
@@ -378,10 +389,21 @@ class Plugin:
                     programs.append(program)
                     break
                 errors.append(program.rejected)
+                seed = run.seed * 1000 + iteration * 100 + i * 10 + attempt
+                if fields:
+                    code = run.settings.run.code
+                    kind = str(program.meta.get("rejected_kind", ""))
+                    kind = program.rejected.split(":")[0] if kind == "sandbox" else kind  # the sandbox's own kind
+                    request = repair_messages(run.task, without_prelude(program) or text, program.rejected, kind,
+                                              entry=ENTRY, shapes=self.shapes)
+                    text = run.llm.chat(request, n=1, temperature=code.repair_temperature, max_tokens=code.repair_max_tokens,
+                                        stop=options["stop"], seed=seed, tag=f"{tag}-retry")[0].text
+                    continue
+                listed = ", ".join(f'"{f.name}"' for f in run.task.state_fields)
                 convo = convo + [{"role": "assistant", "content": text},
-                                 {"role": "user", "content": RETRY.format(error=program.rejected[-1200:], fields=fields)}]
-                text = run.llm.chat(convo, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                    seed=run.seed * 1000 + iteration * 100 + i * 10 + attempt, tag=f"{tag}-retry")[0].text
+                                 {"role": "user", "content": RETRY.format(error=program.rejected[-1200:], fields=listed)}]
+                text = run.llm.chat(convo, n=1, temperature=options["temperature"], max_tokens=cfg.max_tokens,
+                                    seed=seed, tag=f"{tag}-retry")[0].text
         return programs
 
     @hookimpl
@@ -399,7 +421,7 @@ class Plugin:
         self.best = (best_c.reward, best_r)
         if best_r.score > self.best_score:
             self.best_score, self.best_source = best_r.score, best_c.reward.source
-        code = best_c.reward.source.replace(HELPERS, "").strip()
+        code = without_prelude(best_c.reward, HELPERS).strip()
         sample = best_c.reward.meta.get("sample")
         lines += ["", f"### `{best_c.id}`{f' (reply {sample})' if sample is not None else ''}, the best of this iteration", "",
                   "Its reward function (the helpers omitted):", "", fence(code, "python"), "",
@@ -423,15 +445,17 @@ class Plugin:
 
     @hookimpl
     def repair_program(self, run, program: RewardProgram, error: str) -> RewardProgram | None:
-        """The task prompt, the failing reply and its error back to the LLM; the corrected function."""
+        """The task prompt, the failing reply and its error back to the LLM; the corrected function.
+
+        Used with ``code.interface=dict`` only: the core repairs every other run's programs."""
         cfg = self.cfg
-        msgs = messages(run.task, instruction_of(cfg, run.task), list(run.sandbox.imports), [], self.shapes)
+        msgs = messages(run.task, instruction_of(cfg, run.task), list(run.sandbox.imports), [], self.shapes, "dict")
         fields = ", ".join(f'"{f.name}"' for f in run.task.state_fields)
         msgs += [{"role": "assistant", "content": program.reply or f"```python\n{program.source}\n```"},
                  {"role": "user", "content": RETRY.format(error=error.strip()[-1200:], fields=fields)}]
         attempt = int(program.meta.get("repairs", 0)) + 1
-        reply = run.llm.chat(msgs, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                             seed=run.seed * 1000 + 900 + attempt, tag=f"{NAME}-repair")[0]
+        reply = run.llm.chat(msgs, n=1, temperature=0.7 if cfg.temperature is None else cfg.temperature,
+                             max_tokens=cfg.max_tokens, seed=run.seed * 1000 + 900 + attempt, tag=f"{NAME}-repair")[0]
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
         repaired = program_of(reply.text, prompt, int(program.meta.get("sample", 0)), str(program.meta.get("call", "")))
         if repaired.rejected:

@@ -36,6 +36,12 @@ from core.records import Candidate
 Answer = Callable[[list[dict[str, str]], str], str]
 
 
+def _cut_at(text: str, stop: list[str] | None) -> str:
+    """The text up to the first stop sequence (left out), as a real model's server ends a reply."""
+    ends = [text.find(s) for s in stop or () if s in text]
+    return text[: min(ends)] if ends else text
+
+
 @dataclass
 class Call:
     """One recorded ``chat`` call."""
@@ -47,6 +53,7 @@ class Call:
     seed: int
     tag: str
     top_logprobs: int
+    stop: list[str] | None = None
 
     @property
     def last(self) -> str:
@@ -83,13 +90,13 @@ class ScriptedLLM:
              max_tokens: int | None = None, stop: list[str] | None = None, seed: int = 0, tag: str = "",
              top_logprobs: int = 0) -> list[Reply]:
         messages = [dict(m) for m in messages]
-        self.calls.append(Call(messages, n, temperature, max_tokens, seed, tag, top_logprobs))
+        self.calls.append(Call(messages, n, temperature, max_tokens, seed, tag, top_logprobs, stop))
         self.stats.calls += 1
         if self.delay_s:
             time.sleep(self.delay_s)
         out = []
         for _ in range(n):
-            text = self._text(messages, tag)
+            text = _cut_at(self._text(messages, tag), stop)
             lp = self.logprobs(messages) if (top_logprobs and self.logprobs is not None) else None
             out.append(Reply(text=text, prompt_tokens=0, completion_tokens=len(text.split()), latency_s=self.delay_s,
                              cost=0.0, cached=False, model="scripted", logprobs=lp))

@@ -77,6 +77,29 @@ class StateField:
 
 
 @dataclass(frozen=True)
+class DerivedField:
+    """A quantity computed from a task's fields, offered to LLM code as a field of its own.
+
+    Small models reach for the quantities a task's goal talks about (Acrobot's joint
+    angles and tip height, Pendulum's angle, LunarLander's distance to the pad) rather
+    than the raw observation they hide in. ``compute`` maps the named base fields
+    (``{name: [B, ...]}``, as :meth:`Task.split_state` gives them before derived fields
+    are added) to a float tensor ``[B, *shape]``; it is the task's own (trusted) code and
+    runs in the host, before the state crosses to a program's worker.
+    """
+
+    name: str
+    description: str
+    compute: Callable[[dict[str, torch.Tensor]], torch.Tensor]
+    unit: str = ""
+    shape: tuple[int, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+
+@dataclass(frozen=True)
 class ParamSpec:
     """A controllable world parameter (EnvGen): name, allowed values or range, default."""
 
@@ -97,6 +120,8 @@ class Task:
     - ``name``: the config name (``cartpole``); ``goal``: the instruction in words.
     - ``state_fields``: schema over the flat float32 observation; per-step LLM code
       receives ``split_state(obs)``, a dict of these names to batched tensors.
+    - ``derived_fields``: quantities computed from those fields that LLM code may read
+      like fields (:class:`DerivedField`); :attr:`program_fields` lists both.
     - ``description``: environment context for prompts (observation code or a prose
       description listing the fields by name).
     - ``fitness_name``: name of the ground-truth metric (``return``, ``success_rate``,
@@ -114,6 +139,10 @@ class Task:
     #: the task's success ends the episode (MountainCar, Acrobot, LunarLander): a reward that
     #: pays for every step then pays the agent to never finish (:mod:`core.vetting` checks it)
     ends_on_success: ClassVar[bool] = False
+    #: the task's failure ends the episode (CartPole's fallen pole, a Hopper that falls, a lander
+    #: that crashes, death in Crafter): a reward that is negative on every step then pays the
+    #: agent to fail early (:func:`core.prompting.sign_rule` says which sign the task needs)
+    ends_on_failure: ClassVar[bool] = False
     #: for tasks without a success flag: the ground-truth return at or above which an episode
     #: counts as a success (None: such tasks have no successes to compare)
     success_return: ClassVar[float | None] = None
@@ -127,6 +156,7 @@ class Task:
     max_episode_steps: int = 500
     action_description: str = ""
     reward: str = "human"
+    derived_fields: list[DerivedField] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.reward not in REWARDS:
@@ -165,11 +195,35 @@ class Task:
     def obs_dim(self) -> int:
         return max(f.stop for f in self.state_fields)
 
-    def split_state(self, obs: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Name the fields of a batched observation ``[B, obs_dim]``.
+    @property
+    def program_fields(self) -> list[StateField]:
+        """Every field LLM code may read: the state fields, then the derived ones.
 
-        Scalars come out as ``[B]``, vectors as ``[B, *shape]``.
+        A derived field is a slice past :attr:`obs_dim` of :meth:`program_obs`'s columns.
         """
+        out, start = list(self.state_fields), self.obs_dim
+        for d in self.derived_fields:
+            out.append(StateField(d.name, start, start + d.size, d.description, d.unit, d.shape))
+            start += d.size
+        return out
+
+    def field_names(self) -> list[str]:
+        """The names of :attr:`program_fields`, in order."""
+        return [f.name for f in self.program_fields]
+
+    def program_obs(self, obs: torch.Tensor) -> torch.Tensor:
+        """``obs[..., :obs_dim]`` with the derived fields' columns appended (float32).
+
+        What a sandboxed program's worker receives; its fields are :attr:`program_fields`.
+        """
+        base = obs[..., : self.obs_dim]
+        if not self.derived_fields:
+            return base
+        named = self._base_fields(base)
+        extra = [d.compute(named).to(base.dtype).reshape(*base.shape[:-1], d.size) for d in self.derived_fields]
+        return torch.cat([base, *extra], dim=-1)
+
+    def _base_fields(self, obs: torch.Tensor) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for f in self.state_fields:
             part = obs[..., f.start : f.stop]
@@ -178,6 +232,16 @@ class Task:
             elif f.size == 1:
                 part = part[..., 0]
             out[f.name] = part
+        return out
+
+    def split_state(self, obs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Name the fields of a batched observation ``[B, obs_dim]`` (derived fields included).
+
+        Scalars come out as ``[B]``, vectors as ``[B, *shape]``.
+        """
+        out = self._base_fields(obs[..., : self.obs_dim])
+        for d in self.derived_fields:
+            out[d.name] = d.compute(out).to(obs.dtype)
         return out
 
     def render_state(self, obs: np.ndarray, info: dict[str, Any] | None = None) -> str:
@@ -203,9 +267,9 @@ class Task:
         return ""
 
     def schema_text(self) -> str:
-        """The state schema as prompt text: one line per field."""
+        """The state schema as prompt text: one line per field (derived fields included)."""
         lines = []
-        for f in self.state_fields:
+        for f in self.program_fields:
             shape = "scalar" if f.size == 1 and not f.shape else f"shape {f.shape or (f.size,)}"
             unit = f", unit {f.unit}" if f.unit else ""
             lines.append(f"- {f.name} ({shape}{unit}): {f.description}")

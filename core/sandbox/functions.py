@@ -156,8 +156,9 @@ class _WorkerFunction:
 
     def __init__(self, worker: ProgramWorker | None, handle: int | None, program: Program, *, limits: Limits,
                  allowed_imports: tuple[str, ...], owns_worker: bool, per_row: bool = False,
-                 fields: list[Any] | None = None) -> None:
+                 fields: list[Any] | None = None, widen: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.worker, self.handle, self.program = worker, handle, program
+        self.widen = widen  # the task's program_obs: appends its derived fields' columns (None: nothing to add)
         self.limits, self.allowed_imports = limits, tuple(allowed_imports)
         self.owns_worker = owns_worker
         self.per_row = per_row  # the probe found it written for one state: map it over the batch
@@ -180,7 +181,10 @@ class _WorkerFunction:
         return self.worker.metrics() if self.worker is not None else {}
 
     def _extra(self) -> dict[str, Any]:
-        return {"per_row": self.per_row, "fields": self.fields}
+        return {"per_row": self.per_row, "fields": self.fields, "widen": self.widen}
+
+    def _obs(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.widen(obs) if self.widen is not None else obs
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self.program, self.limits, self.allowed_imports, self._extra()))
@@ -202,9 +206,10 @@ class RewardFunction(_WorkerFunction):
 
     def __init__(self, worker: ProgramWorker | None, handle: int | None, program: Program, *, limits: Limits,
                  allowed_imports: tuple[str, ...], owns_worker: bool, per_row: bool = False,
-                 fields: list[Any] | None = None, components: tuple[str, ...] = ()) -> None:
+                 fields: list[Any] | None = None, widen: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 components: tuple[str, ...] = ()) -> None:
         super().__init__(worker, handle, program, limits=limits, allowed_imports=allowed_imports,
-                         owns_worker=owns_worker, per_row=per_row, fields=fields)
+                         owns_worker=owns_worker, per_row=per_row, fields=fields, widen=widen)
         self.component_names = tuple(components)
 
     def __call__(self, state: dict[str, torch.Tensor], action: torch.Tensor,
@@ -217,10 +222,10 @@ class RewardFunction(_WorkerFunction):
         """The same on whole observations ``[B, obs_dim]``, named in the worker (fewer tensors cross)."""
         if self.fields is None:
             raise ValueError("this reward function was prepared without the task's fields")
-        return self._call((obs, action, next_obs), int(obs.shape[0]), split=(0, 2))
+        return self._call((self._obs(obs), action, self._obs(next_obs)), int(obs.shape[0]), split=(0, 2))
 
     def _extra(self) -> dict[str, Any]:
-        return {"per_row": self.per_row, "fields": self.fields, "components": self.component_names}
+        return {**super()._extra(), "components": self.component_names}
 
 
 class StateFunction(_WorkerFunction):
@@ -230,9 +235,10 @@ class StateFunction(_WorkerFunction):
 
     def __init__(self, worker: ProgramWorker | None, handle: int | None, program: Program, *, limits: Limits,
                  allowed_imports: tuple[str, ...], owns_worker: bool, per_row: bool = False,
-                 fields: list[Any] | None = None, extra_dim: int = 0) -> None:
+                 fields: list[Any] | None = None, widen: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 extra_dim: int = 0) -> None:
         super().__init__(worker, handle, program, limits=limits, allowed_imports=allowed_imports,
-                         owns_worker=owns_worker, per_row=per_row, fields=fields)
+                         owns_worker=owns_worker, per_row=per_row, fields=fields, widen=widen)
         self.extra_dim = int(extra_dim)
 
     def __call__(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -243,7 +249,7 @@ class StateFunction(_WorkerFunction):
         """The same on whole observations ``[B, obs_dim]``, named in the worker."""
         if self.fields is None:
             raise ValueError("this state function was prepared without the task's fields")
-        return self._checked(self._call((obs,), int(obs.shape[0]), split=(0,)))
+        return self._checked(self._call((self._obs(obs),), int(obs.shape[0]), split=(0,)))
 
     def _checked(self, feats: torch.Tensor) -> torch.Tensor:
         if feats.shape[1] != self.extra_dim:
@@ -251,32 +257,41 @@ class StateFunction(_WorkerFunction):
         return feats
 
     def _extra(self) -> dict[str, Any]:
-        return {"per_row": self.per_row, "fields": self.fields, "extra_dim": self.extra_dim}
+        return {**super()._extra(), "extra_dim": self.extra_dim}
 
 
 @contextlib.contextmanager
-def _name_fields_on_key_error(task: Task) -> Iterator[None]:
-    """A KeyError on the state is usually a made-up field name: list the real ones."""
+def _with_fields(task: Task) -> Iterator[None]:
+    """Any failure of a program on the task's states ends with the fields it may read (feedback)."""
     try:
         yield
     except SandboxError as e:
-        if "KeyError" in e.report.message:
-            names = ", ".join(f.name for f in task.state_fields)
-            e.report.message += f"\nThe state has exactly these fields: {names}."
+        if e.report.kind in ("exception", "invalid_value", "signature", "names"):
+            e.report.message += "\n" + fields_line(task)
         raise
+
+
+def fields_line(task: Task) -> str:
+    """``The state has exactly these fields: a, b, c.`` (derived fields included)."""
+    names = getattr(task, "field_names", None)
+    return f"The state has exactly these fields: {', '.join(names() if names else [f.name for f in task.state_fields])}."
 
 
 def _prepare(program: Program, args: tuple[Any, ...], split: tuple[int, ...], arg_names: tuple[str, ...],
              validate: Validator, task: Task, limits: Limits, allowed_imports: tuple[str, ...],
              worker: ProgramWorker | None) -> tuple[ProgramWorker, int, SandboxReport, bool]:
     if limits.static_check:
-        report = check_source(program.source, program.entry, arg_names=arg_names, allowed_imports=allowed_imports)
+        report = check_source(program.source, program.entry, arg_names=arg_names, allowed_imports=allowed_imports,
+                              fields=task_field_names(task))
         if not report.ok:
+            if report.kind == "names":
+                report.message += "\n" + fields_line(task)
             raise SandboxError(report)
     own = worker is None
     worker = worker if worker is not None else ProgramWorker(limits, allowed_imports)
+    args = tuple(_widen(task)(a) if i in split else a for i, a in enumerate(args))
     try:
-        with _name_fields_on_key_error(task):
+        with _with_fields(task):
             handle, report = probe(worker, program, args, arg_names=arg_names, validate=validate,
                                    per_row_fallback=limits.per_row_fallback, fields=task_fields(task), split=split)
     except BaseException:
@@ -286,6 +301,16 @@ def _prepare(program: Program, args: tuple[Any, ...], split: tuple[int, ...], ar
     if report.data.get("per_row"):
         program.meta["per_row"] = True  # for the caller; trainings log sandbox/<role>_per_row
     return worker, handle, report, own
+
+
+def _widen(task: Task) -> Callable[[torch.Tensor], torch.Tensor]:
+    return task.program_obs if getattr(task, "derived_fields", None) else (lambda obs: obs[..., : task.obs_dim])
+
+
+def task_field_names(task: Task) -> list[str]:
+    """The names LLM code may read from the task's states."""
+    names = getattr(task, "field_names", None)
+    return names() if names else [f.name for f in task.state_fields]
 
 
 def prepare_reward(program: RewardProgram, task: Task, *, limits: Limits | None = None,
@@ -306,6 +331,7 @@ def prepare_reward(program: RewardProgram, task: Task, *, limits: Limits | None 
                                            task, limits, tuple(allowed_imports), worker)
     return RewardFunction(worker, handle, program, limits=limits, allowed_imports=tuple(allowed_imports),
                           owns_worker=own, per_row=bool(report.data.get("per_row")), fields=task_fields(task),
+                          widen=task.program_obs if getattr(task, "derived_fields", None) else None,
                           components=tuple(report.data.get("components", ())))
 
 
@@ -321,4 +347,4 @@ def prepare_state(program: StateProgram, task: Task, *, limits: Limits | None = 
     program.extra_dim = extra_dim
     return StateFunction(worker, handle, program, limits=limits, allowed_imports=tuple(allowed_imports),
                          owns_worker=own, per_row=bool(report.data.get("per_row")), fields=task_fields(task),
-                         extra_dim=extra_dim)
+                         widen=task.program_obs if getattr(task, "derived_fields", None) else None, extra_dim=extra_dim)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from core.codegen import signature_error
+from core.namecheck import check_names, state_arguments
 from core.records import Program
 from core.sandbox.policy import SAFE_BUILTIN_NAMES, annotation_import, find_violation, module_allowed
 from core.sandbox.reports import DEFAULT_IMPORTS, Limits, SandboxError, SandboxReport, fail
@@ -76,10 +77,15 @@ def check_source(
     *,
     arg_names: list[str] | tuple[str, ...] | None = None,
     allowed_imports: tuple[str, ...] = DEFAULT_IMPORTS,
+    fields: list[str] | None = None,
 ) -> SandboxReport:
     """Parse ``source`` and apply the AST policy; nothing is executed.
 
-    :return: ``kind`` ``ok``, ``no_code``, ``syntax``, ``forbidden`` or ``signature``.
+    With ``fields`` (the task's field names), every field the code reads from its state
+    arguments and every free name it uses is checked too (:func:`core.namecheck.check_names`,
+    without fixing: fixes are made when a reply is read).
+
+    :return: ``kind`` ``ok``, ``no_code``, ``syntax``, ``forbidden``, ``signature`` or ``names``.
     """
     if not (source or "").strip():
         return fail("no_code", f"No code was given: write `def {entry}(...)`.")
@@ -96,7 +102,13 @@ def check_source(
         problem = "the code is nested too deeply"
     if problem:
         return fail("forbidden", f"Forbidden construct: {problem} Use only {', '.join(allowed_imports)} and plain Python.")
-    return check_entry(tree, entry, arg_names)
+    report = check_entry(tree, entry, arg_names)
+    if report.ok and fields is not None:
+        names = check_names(source, list(fields), available=SAFE_BUILTIN_NAMES, fix=False,
+                            state_args=state_arguments(source, entry, arg_names))
+        if not names.ok:
+            return fail("names", "The code reads names that do not exist:\n" + "\n".join(f"- {e}" for e in names.errors))
+    return report
 
 
 def check_entry(tree: ast.Module, entry: str, arg_names: list[str] | tuple[str, ...] | None) -> SandboxReport:
@@ -300,7 +312,7 @@ def batch_size(args: tuple[Any, ...]) -> int:
 def _row(arg: Any, i: int) -> Any:
     """Row ``i`` of a batched argument (a tensor, or a dict of tensors)."""
     if isinstance(arg, dict):
-        return {k: (v[i] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in arg.items()}
+        return type(arg)({k: (v[i] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in arg.items()})
     if isinstance(arg, torch.Tensor) and arg.dim() > 0:
         return arg[i]
     return arg
@@ -412,12 +424,32 @@ def shape_result(role: str, value: Any, batch: int) -> tuple[list[tuple[str, Any
     return [("value", normalize_value(value))], []
 
 
-def split_fields(obs: Any, fields: list[tuple[str, int, int, tuple[int, ...]]], *, tensors: bool = False) -> dict[str, Any]:
+class State(dict):
+    """A task state as a program receives it: field name -> batched tensor.
+
+    Read a field as ``state.pole_angle`` or ``state["pole_angle"]``; an unknown one raises
+    with the fields the state has (``AttributeError`` / ``KeyError``), so that even a name
+    the static check could not see comes back as feedback that says what to use.
+    """
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"the state has no field {name!r}; its fields are: {', '.join(self)}") from None
+
+    def __missing__(self, key: Any) -> Any:
+        raise KeyError(f"{key!r} is not a field of the state; its fields are: {', '.join(self)}")
+
+
+def split_fields(obs: Any, fields: list[tuple[str, int, int, tuple[int, ...]]], *, tensors: bool = False) -> State:
     """Name the fields of a batched observation (a tensor or an array), as ``Task.split_state`` does.
 
     With ``tensors``, numpy parts come out as torch tensors (sharing memory).
     """
-    out = {}
+    out = State()
     for name, start, stop, shape in fields:
         if stop - start == 1 and not shape:
             part = obs[..., start]
@@ -430,8 +462,12 @@ def split_fields(obs: Any, fields: list[tuple[str, int, int, tuple[int, ...]]], 
 
 
 def task_fields(task: Any) -> list[tuple[str, int, int, tuple[int, ...]]]:
-    """A task's state fields as plain tuples (for :func:`split_fields` in a worker)."""
-    return [(f.name, int(f.start), int(f.stop), tuple(int(d) for d in f.shape)) for f in task.state_fields]
+    """A task's program fields (derived ones included) as plain tuples (for :func:`split_fields` in a worker).
+
+    They index :meth:`core.envs.task.Task.program_obs`, not the raw observation.
+    """
+    fields = getattr(task, "program_fields", None) or task.state_fields
+    return [(f.name, int(f.start), int(f.stop), tuple(int(d) for d in f.shape)) for f in fields]
 
 
 def component_names(names: Any) -> list[str]:

@@ -23,8 +23,9 @@ CATEGORIES = (
     "invalid_value",  # it returned something unusable: NaN/inf, complex, wrong shape or dtype
     "crashed",  # the worker died without an answer (a signal, an exit, a broken reply)
 )
-#: Every report kind: ``ok``, the three reading failures, then the categories.
-KINDS = ("ok", "no_code", "syntax", "signature") + CATEGORIES
+#: Every report kind: ``ok``, the four reading failures (``names``: an unknown field or
+#: a name never assigned, :mod:`core.namecheck`), then the categories.
+KINDS = ("ok", "no_code", "syntax", "signature", "names") + CATEGORIES
 #: Older and finer kinds, mapped to their category (the finer kind stays in ``data["check"]``).
 RENAMED = {"nonfinite": "invalid_value", "shape": "invalid_value", "dtype": "invalid_value",
            "output": "invalid_value", "crash": "crashed"}

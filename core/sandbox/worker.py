@@ -545,7 +545,7 @@ class Server:
         args = wire.unpack_tree(request["args"], buf, arrays=True) if plan is False else wire.read_plan(plan, buf)
         split = request.get("split") or ()
         fields = self.fields[handle]
-        args = tuple(sb.split_fields(a, fields, tensors=True) if i in split else wire.as_tensors(a)
+        args = tuple(sb.split_fields(a, fields, tensors=True) if i in split else _as_state(wire.as_tensors(a), sb.State)
                      for i, a in enumerate(args))
         start = time.perf_counter()
         value = compiled(*args, per_row=request["per_row"])
@@ -593,13 +593,14 @@ class _CallLane:
     the program, or None when the value must go the long way (:attr:`value` holds it then).
     """
 
-    __slots__ = ("compiled", "per_row", "end", "args", "batch", "result", "value", "program_s", "np", "from_numpy", "split")
+    __slots__ = ("compiled", "per_row", "end", "args", "batch", "result", "value", "program_s", "np", "from_numpy", "split",
+                 "state")
 
     def __init__(self, compiled: Any, request: dict[str, Any], plan: list[Any], fields: list[Any], result: _ResultLane,
                  batch: int, server: Server) -> None:
         self.compiled, self.per_row, self.end, self.batch, self.result = compiled, request["per_row"], request["end"], batch, result
         np = self.np = server.np  # the server's modules, taken before any program ran
-        self.from_numpy, self.split = server.from_numpy, server.sb.split_fields
+        self.from_numpy, self.split, self.state = server.from_numpy, server.sb.split_fields, server.sb.State
         self.value: Any = None
         self.program_s = 0.0
         split = request.get("split") or ()
@@ -624,7 +625,7 @@ class _CallLane:
             if naming is None:
                 args.append(from_numpy(arr))
             elif type(naming) is tuple:
-                args.append(dict(zip(naming, from_numpy(arr).unbind(-1))))
+                args.append(self.state(zip(naming, from_numpy(arr).unbind(-1))))
             else:
                 args.append(self.split(arr, naming, tensors=True))
         start = time.perf_counter()
@@ -682,6 +683,11 @@ class _ResultLane:
             for i, arr in enumerate(arrays):
                 self.block[i] = arr
         return True
+
+
+def _as_state(arg: Any, state: type) -> Any:
+    """A dict argument (a state the host named) as the program's :class:`~core.sandbox.programs.State`."""
+    return state(arg) if type(arg) is dict else arg
 
 
 def _report(report: Any) -> dict[str, Any]:

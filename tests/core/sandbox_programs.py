@@ -138,7 +138,7 @@ RUNTIME_ALLOC = (
     "import torch\ndef compute_reward(s, a, n):\n    k = 40000\n    big = torch.ones(k, k)\n    return big.sum() + s['pole_angle']"
 )
 RUNTIME_LIST_ALLOC = "def compute_reward(s, a, n):\n    k = 100000\n    x = [1.5] * (k * k)\n    return s['pole_angle']"
-RAISES_KEYERROR = "def compute_reward(s, a, n):\n    v = s['pole_velocity']\n    return v"
+RAISES_KEYERROR = "def compute_reward(s, a, n):\n    key = 'pole_' + 'velocity'\n    v = s[key]\n    return v"
 RAISES_ZERODIVISION = "def compute_reward(s, a, n):\n    scale = 1 / 0\n    return s['pole_angle'] * scale"
 RETURNS_NAN = "import torch\ndef compute_reward(s, a, n):\n    return torch.log(-1.0 - s['pole_angle'].abs())"
 RETURNS_INF = "def compute_reward(s, a, n):\n    return s['pole_angle'] * float('inf')"

@@ -90,8 +90,28 @@ def test_a_good_program_passes_untouched():
     assert run.tracker.metrics["vetting/pair_accuracy"] == 1.0 and "passed" in run.tracker.texts["vetting/it0-it0-c0.md"]
 
 
-def test_a_failing_program_is_repaired_once_through_its_plugin_with_the_error():
+def test_a_failing_program_is_repaired_once_in_a_short_request_with_the_error_and_the_rule():
     run, llm = eureka_run([FIXED])
+    c = candidate(ALIVE)
+    assert preflight(run, [c]) == {}
+    (call,) = llm.calls
+    assert call.tag == "eureka-repair" and len(call.messages) == 2  # not the whole conversation again
+    assert call.messages[0]["role"] == "system" and eureka.SYSTEM not in call.messages[0]["content"]
+    assert "prolonging the episode" in call.last  # the vetting feedback went back to the LLM
+    assert 'alive = torch.ones_like(state["car_position"])' in call.last  # the failing function
+    assert "Sign rule: reaching the goal ends this task's episode" in call.last  # the rule it broke
+    assert "- car_position ([B])" in call.last and call.temperature == 0.2
+    assert "reached" in c.reward.source and c.reward.origin == "eureka" and c.reward.meta["repairs"] == 1
+    assert "passed" in run.tracker.texts["vetting/it0-it0-c0-repair1.md"]
+    assert run.tracker.metrics["vetting/repaired"] == 1
+
+
+def test_with_the_earlier_interface_the_plugin_repairs_in_its_conversation():
+    llm = ScriptedLLM([FIXED])
+    settings = fakes.settings_for("eureka", eureka)
+    pm = make_plugin_manager(settings, modules={"eureka": eureka})
+    run = fakes.make_run(make_task({"name": "mountaincar"}), llm, plugin="eureka", module=eureka,
+                         config={"vetting": {"episodes": 3}, "code": {"interface": "dict"}}, hook=pm.hook)
     c = candidate(ALIVE)
     assert preflight(run, [c]) == {}
     (call,) = llm.calls
@@ -153,7 +173,7 @@ def test_in_a_run_the_repaired_program_trains_and_the_verdicts_are_in_mlflow(mak
     from core.loop import run_experiment
 
     def reply(messages):
-        return FIXED if "checked before training" in messages[-1]["content"] else ALIVE
+        return FIXED if "failed its check before training" in messages[-1]["content"] else ALIVE
 
     fakes.install_fake_litellm(monkeypatch, reply)
     cfg = make_config(["+plugins=[eureka]", "plugins.eureka.iterations=1", "plugins.eureka.samples=1", *TINY,
@@ -222,7 +242,7 @@ def test_end_to_end_with_the_embedded_model_records_a_verdict_for_every_program(
     assert list((tmp_path / "cache" / "reference").glob("mountaincar-*.pkl"))  # the reference episodes were cached
 
 
-def test_text2reward_repairs_its_own_program_with_its_helpers():
+def test_a_text2reward_program_is_repaired_without_its_helpers_and_keeps_them():
     from plugins import text2reward as t2r
 
     fixed = FIXED.replace("compute_reward", "compute_dense_reward")
@@ -236,6 +256,7 @@ def test_text2reward_repairs_its_own_program_with_its_helpers():
     c = Candidate(id="it0-c0", iteration=0, reward=program)
     assert preflight(run, [c]) == {}
     (call,) = llm.calls
-    assert call.tag == "text2reward-repair" and "prolonging the episode" in call.last and '"car_position"' in call.last
+    assert call.tag == "text2reward-repair" and "prolonging the episode" in call.last and "- car_position" in call.last
+    assert "def tolerance" not in call.last  # the helpers are the plugin's, not the LLM's to fix
     assert c.reward.entry == "compute_dense_reward" and "def tolerance" in c.reward.source and "reached" in c.reward.source
     assert c.reward.origin == t2r.NAME and c.reward.meta["repairs"] == 1

@@ -34,7 +34,7 @@ def test_cartpole_says_its_action_is_one_index_per_env():
     task = make_task({"name": "cartpole"})
     shapes = batch_shapes(task)
     assert shapes.action == () and shapes.action_dtype == "int64" and shapes.actions == 2
-    assert set(shapes.fields) == {f.name for f in task.state_fields} and set(shapes.fields.values()) == {()}
+    assert set(shapes.fields) == set(task.field_names()) and set(shapes.fields.values()) == {()}
     prompt = reward_interface(task, shapes=shapes)
     assert "[B, ...]" not in prompt
     assert "`action` is an int64 tensor of shape [B] (one action index per env, 0..1; no trailing dimension)" in prompt
@@ -88,7 +88,7 @@ def test_the_prompts_shapes_are_what_training_passes(name: str):
 
     task = make_task({"name": name})
     dtype, action, fields = stated_shapes(reward_interface(task))
-    assert set(fields) == {f.name for f in task.state_fields}
+    assert set(fields) == set(task.field_names())  # derived fields included
     source = CHECK.format(action=action, fields=fields, integer=dtype.startswith("int"))
     candidate = Candidate("shapes", 0, reward=RewardProgram(source=source))
     cfg = ppo.PPOConfig(frames=32, num_envs=2, rollout_steps=16, epochs=1, minibatch=16, hidden=[8], eval_episodes=0)
@@ -118,3 +118,53 @@ def test_counts_and_candidate_lines_say_why_a_candidate_did_not_train():
     assert lines[0] == "- `it0-c0` (reply 0): return 12.5 (function `improved_compute_reward` renamed to `compute_reward`)"
     assert lines[1] == "- `it0-c1` (reply 1): rejected (no_function), not trained: No function named `compute_reward`."
     assert lines[2] == "- `it0-c2`: failed (exception): KeyError: 'x'"
+
+
+# -- the interface built from the task -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["cartpole", "mountaincar", "acrobot", "pendulum"])
+def test_the_skeleton_binds_every_field_of_the_task_and_no_other(name: str):
+    task = make_task({"name": name})
+    prompt = reward_interface(task)
+    bound = re.findall(r"^    (\w+) = next_state\.(\w+)", prompt, re.MULTILINE)
+    assert [a for a, _ in bound] == task.field_names() and all(a == b for a, b in bound)
+    assert '["x"]' not in prompt and "made-up task" not in prompt and "closeness" not in prompt
+    assert "def compute_reward(state, action, next_state):" in prompt
+
+
+def test_the_sign_rule_follows_how_the_task_ends():
+    from core.prompting import sign_rule
+
+    assert "negative or zero on average until the goal is reached" in sign_rule(make_task({"name": "mountaincar"}))
+    assert "a long episode is the success" in sign_rule(make_task({"name": "cartpole"}))
+    assert "always run to their time limit" in sign_rule(make_task({"name": "pendulum"}))
+    assert "Sign rule" in reward_interface(make_task({"name": "acrobot"}))
+
+
+def test_the_earlier_interface_is_kept_for_comparison():
+    task = make_task({"name": "cartpole"})
+    assert "made-up task with fields `x` and `y`" in reward_interface(task, interface="dict")
+    assert "state: dict of field name" in state_interface(task, interface="dict")
+
+
+def test_the_temperature_falls_with_fewer_samples():
+    from core.prompting import sampling_temperature
+
+    assert sampling_temperature(16) == 1.0 and sampling_temperature(32) == 1.0
+    assert sampling_temperature(1) < sampling_temperature(4) < sampling_temperature(8) < 1.0
+
+
+def test_a_repair_request_is_short_and_says_the_fields_the_function_the_error_and_the_rule():
+    from core.prompting import repair_messages
+
+    task = make_task({"name": "mountaincar"})
+    source = "def compute_reward(state, action, next_state):\n    return state.car_position * 0 + 1\n"
+    msgs = repair_messages(task, source, "It pays for prolonging the episode.", "vetting")
+    assert len(msgs) == 2 and msgs[1]["role"] == "user"
+    text = msgs[1]["content"]
+    assert source.strip() in text and "It pays for prolonging the episode." in text
+    assert "- car_position ([B])" in text and "- car_velocity ([B])" in text and task.goal in text
+    assert "Sign rule: reaching the goal ends this task's episode" in text
+    names = repair_messages(task, source, "`x` is not a field", "names")[1]["content"]
+    assert "Read only the task's fields listed above" in names and "Sign rule" not in names

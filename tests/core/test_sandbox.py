@@ -243,8 +243,9 @@ def test_isolated_run_reports_kind(name: str, runtime_reports: dict) -> None:
 
 def test_isolated_exception_feedback_has_the_traceback(runtime_reports: dict) -> None:
     message = runtime_reports["RAISES_KEYERROR"].message
-    assert "Traceback" in message and "line 2" in message
-    assert "s['pole_velocity']" in message and "KeyError: 'pole_velocity'" in message
+    assert "Traceback" in message and "line 3" in message
+    assert "s[key]" in message and "KeyError: \"'pole_velocity' is not a field of the state" in message
+    assert "its fields are: cart_position, cart_velocity, pole_angle, pole_angular_velocity" in message
 
 
 def test_worker_runs_as_a_user_of_its_own(runtime_reports: dict, isolated: bool) -> None:
@@ -464,8 +465,11 @@ def test_one_worker_runs_all_of_a_candidates_programs() -> None:
 
 def test_prepare_reward_raises_the_probe_report() -> None:
     with pytest.raises(SandboxError) as err:
+        prepare_reward(RewardProgram(P.RAISES_ZERODIVISION), TASK, limits=FAST)
+    assert err.value.report.kind == "exception" and "ZeroDivisionError" in err.value.report.message
+    with pytest.raises(SandboxError) as err:
         prepare_reward(RewardProgram(P.RAISES_ZERODIVISION.replace("/ 0", "/ s['no_such_field']")), TASK, limits=FAST)
-    assert err.value.report.kind == "exception" and "no_such_field" in err.value.report.message
+    assert err.value.report.kind == "names" and "no_such_field" in err.value.report.message
     with pytest.raises(SandboxError) as err:
         prepare_reward(RewardProgram(P.IMPORT_OS), TASK, limits=FAST)
     assert err.value.report.kind == "forbidden"
@@ -530,15 +534,38 @@ def test_module_level_loop_is_a_timeout() -> None:
     assert err.value.report.kind == "timeout"
 
 
-def test_key_error_feedback_names_the_real_fields():
+def test_an_unknown_field_is_refused_before_anything_runs_with_the_real_fields():
     from core.envs import make_task
 
     task = make_task({"name": "pendulum"})
-    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return state['theta']\n")
+    program = RewardProgram(source="def compute_reward(s, action, next_state):\n    return s['theta_dot']\n")
+    with pytest.raises(SandboxError) as err:
+        prepare_reward(program, task)
+    assert err.value.report.kind == "names" and "`theta_dot` is not a field of this task" in err.value.report.message
+    assert "cos_theta, sin_theta, angular_velocity" in err.value.report.message
+
+
+def test_a_key_error_at_run_time_names_the_real_fields():
+    from core.envs import make_task
+
+    task = make_task({"name": "pendulum"})
+    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    key = 'the' + 'ta'\n"
+                                   "    return state[key]\n")  # a key no static check can read
     with pytest.raises(SandboxError) as err:
         prepare_reward(program, task)
     assert "KeyError" in err.value.report.message
     assert "cos_theta, sin_theta, angular_velocity" in err.value.report.message
+
+
+def test_fields_read_as_attributes_work_in_the_worker():
+    program = RewardProgram(source="def compute_reward(state, action, next_state):\n"
+                                   "    return next_state.pole_angle - state.pole_angle\n")
+    fn = prepare_reward(program, _cartpole(), limits=FAST)
+    try:
+        s, a, n = _args(5)
+        assert torch.allclose(fn(s, a, n)[0], n["pole_angle"] - s["pole_angle"])
+    finally:
+        fn.close()
 
 
 def test_values_of_other_programs_cross_as_small_tensors() -> None:
@@ -601,7 +628,8 @@ def test_per_row_fallback_can_be_switched_off() -> None:
 
 
 def test_per_row_keeps_the_batched_error_when_rows_fail_too() -> None:
-    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return state['pole_angle'] / 0 + state['nope']\n")
+    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    key = 'no' + 'pe'\n"
+                                   "    return state['pole_angle'] / 0 + state[key]\n")
     with pytest.raises(SandboxError) as err:
         prepare_reward(program, _cartpole())
     assert "KeyError" in err.value.report.message

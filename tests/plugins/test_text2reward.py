@@ -33,7 +33,7 @@ def compute_dense_reward(state, action, next_state):
 
 BROKEN = """```python
 def compute_dense_reward(state, action, next_state):
-    return next_state["car_height"] * 2.0
+    return next_state["car_fuel"] * 2.0
 ```"""
 
 PROSE = "Reward the car for height."
@@ -125,7 +125,18 @@ def test_invalid_code_is_retried_with_its_error_until_it_validates(tmp_path):
     programs = plugin.propose_rewards(run=run, iteration=0)
     assert len(programs) == 2 and all(p.meta["attempts"] == 2 for p in programs)
     retries = [c for c in run.llm.calls if c.tag.endswith("retry")]
-    assert len(retries) == 2
+    assert len(retries) == 2 and all(len(c.messages) == 2 for c in retries)  # the core's short repair request
+    assert "`compute_dense_reward` for this task failed its check" in retries[0].last and "no code" in retries[0].last
+    assert "`car_fuel` is not a field of this task" in retries[1].last and "- car_position ([B])" in retries[1].last
+    assert 'next_state["car_fuel"]' in retries[1].last and "def tolerance" not in retries[1].last
+
+
+def test_with_the_earlier_interface_a_retry_continues_the_conversation(tmp_path):
+    plugin, run = make([PROSE, BROKEN, GOOD, GOOD], tmp_path)
+    run.settings.run.code.interface = "dict"
+    programs = plugin.propose_rewards(run=run, iteration=0)
+    assert len(programs) == 2 and all(p.meta["attempts"] == 2 for p in programs)
+    retries = [c for c in run.llm.calls if c.tag.endswith("retry")]
     first_error = retries[0].last
     assert first_error.startswith("That code cannot be used") and "compute_dense_reward" in first_error
     assert retries[0].messages[-2] == {"role": "assistant", "content": PROSE}
@@ -133,9 +144,10 @@ def test_invalid_code_is_retried_with_its_error_until_it_validates(tmp_path):
 
 
 def test_without_validate_only_parsing_is_checked(tmp_path):
-    plugin, run = make([BROKEN], tmp_path, samples=1, validate=False)
+    infinite = BROKEN.replace('next_state["car_fuel"] * 2.0', 'next_state["car_position"] / 0.0')  # fails only when run
+    plugin, run = make([infinite], tmp_path, samples=1, validate=False)
     (program,) = plugin.propose_rewards(run=run, iteration=0)
-    assert 'next_state["car_height"]' in program.source and len(run.llm.calls) == 1
+    assert 'next_state["car_position"] / 0.0' in program.source and len(run.llm.calls) == 1 and not program.rejected
 
 
 def test_a_sample_that_never_validates_is_returned_rejected_with_its_errors(tmp_path):
