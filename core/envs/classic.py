@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 import gymnasium as gym
 import numpy as np
+import torch
 
-from core.envs.task import StateField, Task, ground_truth_return
+from core.envs.task import DerivedField, StateField, Task, ground_truth_return
 from core.records import Episode, Fitness
 from core.errors import UserError
 
@@ -200,6 +201,8 @@ class GymTask(Task):
     env_id: str = ""
     #: module that must be importable (with the extra naming it), checked by check_available
     requires: tuple[str, str] | None = None
+    #: the task's derived fields (:class:`core.envs.task.DerivedField`), passed to ``Task``
+    derived: tuple[DerivedField, ...] = ()
 
     def __init__(
         self,
@@ -231,7 +234,9 @@ class GymTask(Task):
             names = ", ".join(f.name for f in state_fields)
             description = description or (
                 f"Gymnasium environment {self.env_id}. Observation (float32, {size} values, the env's observation "
-                f"flattened in order, so obs_i is entry i of the observation table below): {names}.\n\n{doc}"
+                f"flattened in order, so obs_0 is entry 0 of the observation table below, obs_1 entry 1, and so on): "
+                f"{names}. The documentation below is gymnasium's own: the names it gives the observation's "
+                f"entries are not fields of the state; read the obs_<i> fields.\n\n{doc}"
             )
             goal = goal or f"Maximise the return of the gymnasium environment {self.env_id}."
             max_episode_steps = max_episode_steps or limit or 1000
@@ -248,10 +253,13 @@ class GymTask(Task):
             max_episode_steps=int(max_episode_steps or 500),
             action_description=action_description,
             reward=reward,
+            derived_fields=list(self.derived),
         )
         if any(f.name not in self.description for f in self.state_fields):
             # the LLM writes code against these names: list every one of them
-            self.description += "\n\nObservation fields, in order:\n" + self.schema_text()
+            computed = ", ".join(d.name for d in self.derived_fields)
+            self.description += ("\n\nObservation fields, in order" + (f" (then the fields computed from them: {computed})"
+                                                                        if computed else "") + ":\n" + self.schema_text())
 
     # -- construction ---------------------------------------------------------------
     def check_available(self) -> None:
@@ -298,7 +306,8 @@ class CartPole(GymTask):
         super().__init__(
             name="cartpole",
             max_episode_steps=max_episode_steps,
-            goal="Balance the pole upright on the moving cart for as long as possible while keeping the cart near the centre of the track.",
+            goal=("Balance the pole upright (`pole_angle` near 0) on the moving cart for as long as possible while keeping "
+                  "the cart near the centre of the track (`cart_position` near 0)."),
             state_fields=[
                 StateField("cart_position", 0, 1, "cart position along the track, 0 is the centre; the episode ends beyond +-2.4", "m"),
                 StateField("cart_velocity", 1, 2, "cart velocity, positive to the right", "m/s"),
@@ -310,7 +319,8 @@ class CartPole(GymTask):
                 "that moves along a frictionless track. Observation (float32, 4 values): cart_position, "
                 "cart_velocity, pole_angle, pole_angular_velocity. "
                 "The episode terminates when |pole_angle| > 0.2095 rad or |cart_position| > 2.4 m, and is "
-                "truncated after max_episode_steps (500). Fitness: how many steps the pole stays up (500 at most)."
+                f"truncated after {max_episode_steps} steps. Fitness: how many steps the pole stays up "
+                f"({max_episode_steps} at most)."
             ),
             action_description="Discrete(2): 0 pushes the cart to the left, 1 pushes it to the right (force 10 N).",
             show_source=show_source,
@@ -340,6 +350,27 @@ class CartPole(GymTask):
         return act
 
 
+def _mountaincar_height(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The track's height under the car, as gymnasium draws it (``MountainCarEnv._height``)."""
+    return 0.45 * torch.sin(3.0 * s["car_position"]) + 0.55
+
+
+def _scaled_energy(s: dict[str, torch.Tensor], flag: float) -> torch.Tensor:
+    """``0.0025 / 3 * sin(3 x) + v ** 2 / 2`` (about constant while the engine does nothing),
+    scaled to 0 at rest at the valley bottom and 1 at rest at ``flag``."""
+    unit = 0.0025 / 3.0
+    energy = torch.sin(3.0 * s["car_position"]) + 0.5 * s["car_velocity"] ** 2 / unit  # in units of 0.0025 / 3
+    return (energy + 1.0) / (float(np.sin(3.0 * flag)) + 1.0)
+
+
+def _mountaincar_energy(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return _scaled_energy(s, 0.5)
+
+
+def _mountaincar_continuous_energy(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return _scaled_energy(s, 0.45)
+
+
 class MountainCar(GymTask):
     """MountainCar-v0: sparse reward; fitness = success rate of reaching the flag."""
 
@@ -347,6 +378,12 @@ class MountainCar(GymTask):
     _goal_position = 0.5
     ends_on_success = True
     sparse_text = "+1 on the step the car reaches the flag, 0 on every other step (success only)."
+    derived = (
+        DerivedField("car_height", "track height at the car, 0.45 * sin(3 * car_position) + 0.55: 0.1 at the valley "
+                     "bottom, 1.0 at the flag", _mountaincar_height),
+        DerivedField("mechanical_energy", "the car's energy under the dynamics, scaled: 0 at rest at the valley bottom, "
+                     "1 at rest at the flag", _mountaincar_energy),
+    )
 
     def __init__(self, max_episode_steps: int = 200, show_source: bool = False, shaped: bool = False,
                  shaping_gamma: float = 0.98, reward: str = "human") -> None:
@@ -355,15 +392,18 @@ class MountainCar(GymTask):
             name="mountaincar",
             max_episode_steps=max_episode_steps,
             fitness_name="success_rate",
-            goal="Drive the under-powered car up the right hill to reach the flag at position 0.5; it must build momentum by rocking back and forth.",
+            goal=("Drive the under-powered car up the right hill to reach the flag at `car_position` 0.5; it must build "
+                  "momentum by rocking back and forth, which raises its `mechanical_energy`."),
             state_fields=_mountaincar_fields(),
             description=(
                 "MountainCar-v0 (gymnasium classic control). A car sits in a valley between two hills and its "
                 "engine is too weak to climb the right hill directly. Observation (float32, 2 values): "
                 "car_position in [-1.2, 0.6] (the valley bottom is near -0.52, the flag at 0.5) and car_velocity "
-                "in [-0.07, 0.07]. Dynamics: velocity += (action - 1) * 0.001 - 0.0025 * cos(3 * position). "
-                "The episode terminates when car_position >= 0.5 (success) and is truncated after "
-                "max_episode_steps (200). Fitness is the success rate: the share of evaluation episodes that "
+                "in [-0.07, 0.07]; car_height and mechanical_energy = (sin(3 * car_position) + 600 * car_velocity**2 + 1) "
+                "/ (sin(1.5) + 1) are computed from them. Dynamics, each step: car_velocity += (action - 1) * 0.001 - 0.0025 * cos(3 * car_position), then car_position += "
+                "car_velocity (both clipped to their ranges; at the left edge the car stops). The episode "
+                "terminates when car_position >= 0.5 with car_velocity >= 0 (success) and is truncated after "
+                f"{max_episode_steps} steps. Fitness is the success rate: the share of evaluation episodes that "
                 "reach the flag."
             ),
             action_description="Discrete(3): 0 accelerates left, 1 does nothing, 2 accelerates right.",
@@ -401,20 +441,31 @@ class MountainCarContinuous(MountainCar):
             name="mountaincar_continuous",
             max_episode_steps=max_episode_steps,
             fitness_name="success_rate",
-            goal="Drive the under-powered car up the right hill to reach the flag at position 0.45 using as little engine force as possible.",
+            goal=("Drive the under-powered car up the right hill to reach the flag at `car_position` 0.45 using as little "
+                  "engine force as possible; it must build momentum by rocking back and forth, which raises its "
+                  "`mechanical_energy`."),
             state_fields=_mountaincar_fields(),
             description=(
                 "MountainCarContinuous-v0 (gymnasium classic control). A car sits in a valley between two hills "
                 "and its engine is too weak to climb the right hill directly. Observation (float32, 2 values): "
-                "car_position in [-1.2, 0.6] and car_velocity in [-0.07, 0.07]. Dynamics: velocity += "
-                "force * 0.0015 - 0.0025 * cos(3 * position). The episode terminates at the flag "
-                "(car_position >= 0.45, success) and is truncated after max_episode_steps (999). Fitness is the "
-                "success rate."
+                "car_position in [-1.2, 0.6] (the valley bottom is near -0.52, the flag at 0.45) and car_velocity "
+                "in [-0.07, 0.07]; car_height and mechanical_energy = (sin(3 * car_position) + 600 * car_velocity**2 + 1) "
+                "/ (sin(1.35) + 1) are computed from them. Dynamics, each step: car_velocity += force * 0.0015 - 0.0025 * cos(3 * car_position), with force the action clipped "
+                "to [-1, 1], then car_position += car_velocity (both clipped to their ranges; at the left edge the "
+                "car stops). The episode terminates at the flag (car_position >= 0.45 with car_velocity >= 0, "
+                f"success) and is truncated after {max_episode_steps} steps. Fitness is the success rate."
             ),
             action_description="Box(1,) in [-1, 1]: the engine force, negative pushes left, positive pushes right.",
             show_source=show_source,
             reward=reward,
         )
+
+    derived = (
+        DerivedField("car_height", "track height at the car, 0.45 * sin(3 * car_position) + 0.55: 0.1 at the valley "
+                     "bottom, 0.99 at the flag", _mountaincar_height),
+        DerivedField("mechanical_energy", "the car's energy under the dynamics, scaled: 0 at rest at the valley bottom, "
+                     "1 at rest at the flag", _mountaincar_continuous_energy),
+    )
 
     def reference_policy(self) -> Callable[[np.ndarray], np.ndarray]:
         """Full force in the direction the car moves."""
@@ -428,6 +479,10 @@ def _mountaincar_fields() -> list[StateField]:
     ]
 
 
+def _pendulum_angle(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.atan2(s["sin_theta"], s["cos_theta"])
+
+
 class Pendulum(GymTask):
     """Pendulum-v1: swing up and hold an inverted pendulum; fitness = mean return."""
 
@@ -438,23 +493,29 @@ class Pendulum(GymTask):
         "+1 on every step the pendulum is within 0.2 rad (about 11 degrees) of upright, 0 otherwise "
         "(no torque or velocity terms)."
     )
+    derived = (
+        DerivedField("angle", "angle theta from upright, atan2(sin_theta, cos_theta): 0 upright, +-pi hanging down; "
+                     "positive torque raises it", _pendulum_angle, "rad"),
+    )
 
     def __init__(self, max_episode_steps: int = 200, show_source: bool = False, reward: str = "human") -> None:
         super().__init__(
             name="pendulum",
             max_episode_steps=max_episode_steps,
-            goal="Swing the pendulum up and keep it balanced upright (angle 0) with as little torque as possible.",
+            goal=("Swing the pendulum up and keep it balanced upright (`angle` 0) and still (`angular_velocity` 0) with "
+                  "as little torque as possible."),
             state_fields=[
-                StateField("cos_theta", 0, 1, "cosine of the pendulum angle; 1 when upright", ""),
-                StateField("sin_theta", 1, 2, "sine of the pendulum angle; 0 when upright or hanging", ""),
-                StateField("angular_velocity", 2, 3, "angular velocity of the pendulum, in [-8, 8]", "rad/s"),
+                StateField("cos_theta", 0, 1, "cosine of the pendulum's angle from upright; 1 when upright, -1 hanging down", ""),
+                StateField("sin_theta", 1, 2, "sine of the pendulum's angle from upright; 0 when upright or hanging down", ""),
+                StateField("angular_velocity", 2, 3, "angular velocity of the pendulum (rate of change of angle), in [-8, 8]", "rad/s"),
             ],
             description=(
                 "Pendulum-v1 (gymnasium classic control). A pendulum is attached at one end to a fixed point; "
-                "theta is its angle, 0 upright, in [-pi, pi]. Observation (float32, 3 values): cos_theta, "
-                "sin_theta, angular_velocity. The episode never terminates; it is truncated after "
-                "max_episode_steps (200). Fitness: the env's own return, higher the more of the episode the "
-                "pendulum spends upright and still, with little torque."
+                "its angle from upright is angle = atan2(sin_theta, cos_theta), 0 upright, +-pi hanging down. "
+                "Observation (float32, 3 values): cos_theta, sin_theta, angular_velocity; angle is computed from "
+                f"them. The episode never terminates; it is truncated after {max_episode_steps} steps. Fitness: "
+                "the env's own return, higher the more of the episode the pendulum spends upright and still, "
+                "with little torque."
             ),
             action_description="Box(1,) in [-2, 2]: the torque applied to the free end.",
             show_source=show_source,
@@ -480,6 +541,20 @@ class Pendulum(GymTask):
         return act
 
 
+def _acrobot_theta1(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.atan2(s["sin_theta1"], s["cos_theta1"])
+
+
+def _acrobot_theta2(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.atan2(s["sin_theta2"], s["cos_theta2"])
+
+
+def _acrobot_tip_height(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``-cos(theta1) - cos(theta1 + theta2)``, from the sines and cosines (the env's success test)."""
+    c1, s1, c2, s2 = s["cos_theta1"], s["sin_theta1"], s["cos_theta2"], s["sin_theta2"]
+    return -c1 - (c1 * c2 - s1 * s2)
+
+
 class Acrobot(GymTask):
     """Acrobot-v1: swing the two-link chain's tip above the bar; fitness = mean return."""
 
@@ -489,27 +564,36 @@ class Acrobot(GymTask):
         "+1 on the step the tip rises above the bar (the episode's success), 0 on every other step. "
         "The env's own -1 per step is already sparse; this is its success-only form."
     )
+    derived = (
+        DerivedField("theta1", "angle of the first link from pointing straight down, atan2(sin_theta1, cos_theta1), "
+                     "in [-pi, pi]", _acrobot_theta1, "rad"),
+        DerivedField("theta2", "angle of the second link relative to the first, atan2(sin_theta2, cos_theta2), in "
+                     "[-pi, pi]; 0 when the chain is straight", _acrobot_theta2, "rad"),
+        DerivedField("tip_height", "height of the free end above the pivot, -cos(theta1) - cos(theta1 + theta2), in "
+                     "[-2, 2]; success above 1", _acrobot_tip_height, "m"),
+    )
 
     def __init__(self, max_episode_steps: int = 500, show_source: bool = False, reward: str = "human") -> None:
         super().__init__(
             name="acrobot",
             max_episode_steps=max_episode_steps,
-            goal="Swing the free end of the two-link chain up so that it rises above the bar (height 1 above the pivot) as fast as possible.",
+            goal=("Swing the free end of the two-link chain up so that the tip's height `tip_height` rises above the bar "
+                  "(`tip_height` > 1, one link length above the pivot) as fast as possible."),
             state_fields=[
-                StateField("cos_theta1", 0, 1, "cosine of the first link's angle (0 angle: pointing down)", ""),
-                StateField("sin_theta1", 1, 2, "sine of the first link's angle", ""),
-                StateField("cos_theta2", 2, 3, "cosine of the second link's angle relative to the first", ""),
-                StateField("sin_theta2", 3, 4, "sine of the second link's angle relative to the first", ""),
+                StateField("cos_theta1", 0, 1, "cosine of theta1, the first link's angle (0: pointing down)", ""),
+                StateField("sin_theta1", 1, 2, "sine of theta1, the first link's angle", ""),
+                StateField("cos_theta2", 2, 3, "cosine of theta2, the second link's angle relative to the first", ""),
+                StateField("sin_theta2", 3, 4, "sine of theta2, the second link's angle relative to the first", ""),
                 StateField("theta1_velocity", 4, 5, "angular velocity of the first link, in [-4pi, 4pi]", "rad/s"),
                 StateField("theta2_velocity", 5, 6, "angular velocity of the second link, in [-9pi, 9pi]", "rad/s"),
             ],
             description=(
-                "Acrobot-v1 (gymnasium classic control). Two links hang from a fixed pivot; only the joint "
+                "Acrobot-v1 (gymnasium classic control). Two links of 1 m hang from a fixed pivot; only the joint "
                 "between them is actuated. Observation (float32, 6 values): cos_theta1, sin_theta1, cos_theta2, "
-                "sin_theta2, theta1_velocity, theta2_velocity. The tip height above the pivot is "
-                "-cos(theta1) - cos(theta1 + theta2). The episode terminates when the tip height > 1 "
-                "(success) and is truncated after max_episode_steps (500). Fitness: the env's own return, "
-                "higher the fewer steps the tip takes to rise above the bar."
+                "sin_theta2, theta1_velocity, theta2_velocity; the angles theta1 and theta2 and the tip's height "
+                "tip_height = -cos(theta1) - cos(theta1 + theta2) are computed from them. The episode terminates "
+                f"when tip_height > 1 (success) and is truncated after {max_episode_steps} steps. Fitness: the env's "
+                "own return, higher the fewer steps the tip takes to rise above the bar."
             ),
             action_description="Discrete(3): torque on the middle joint: 0 is -1, 1 is 0, 2 is +1.",
             show_source=show_source,
@@ -529,6 +613,14 @@ class Acrobot(GymTask):
         return SuccessInfo(env, terminated_is_success)
 
 
+def _lunar_distance_to_pad(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.sqrt(s["x"] ** 2 + s["y"] ** 2)
+
+
+def _lunar_speed(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.sqrt(s["x_velocity"] ** 2 + s["y_velocity"] ** 2)
+
+
 class LunarLander(GymTask):
     """LunarLander-v3 (Box2D): land softly on the pad; fitness = mean return (200 solves it)."""
 
@@ -539,6 +631,12 @@ class LunarLander(GymTask):
     sparse_text = (
         "only the outcome the env pays at the end: +100 on the step the lander comes to rest, -100 on the "
         "step it crashes or flies off screen, 0 on every other step (no distance, speed, tilt, leg or fuel terms)."
+    )
+    derived = (
+        DerivedField("distance_to_pad", "distance from the pad centre, sqrt(x**2 + y**2), in the scaled units of x and "
+                     "y; 0 on the pad", _lunar_distance_to_pad),
+        DerivedField("speed", "speed of the lander, sqrt(x_velocity**2 + y_velocity**2), scaled as those; near 0 for a "
+                     "soft landing", _lunar_speed),
     )
 
     def __init__(self, max_episode_steps: int = 1000, continuous: bool = False, show_source: bool = False,
@@ -552,7 +650,10 @@ class LunarLander(GymTask):
             name="lunarlander",
             max_episode_steps=max_episode_steps,
             make_kwargs={"continuous": continuous},
-            goal="Land the lander gently on the landing pad between the two flags (at the origin), upright, using little fuel.",
+            goal=("Land the lander gently (`speed` near 0) on the landing pad between the two flags (`distance_to_pad` "
+                  "0, at x = 0, y = 0), upright (`angle` near 0) and on both legs (`left_leg_contact` and "
+                  "`right_leg_contact` 1), firing the engines as little as possible (each firing spends fuel, "
+                  "which is not observed)."),
             state_fields=[
                 StateField("x", 0, 1, "horizontal position relative to the pad centre, scaled so the screen edges are about +-1", ""),
                 StateField("y", 1, 2, "height above the pad, scaled (about 1.4 at the start)", ""),
@@ -566,10 +667,13 @@ class LunarLander(GymTask):
             description=(
                 "LunarLander-v3 (gymnasium Box2D). Observation (float32, 8 values): x, y, x_velocity, "
                 "y_velocity, angle, angular_velocity, left_leg_contact, right_leg_contact; the pad is at "
-                "x = 0, y = 0. The episode terminates on a crash, flying off screen (|x| >= 1) or coming to "
-                "rest, and is truncated after max_episode_steps (1000). Fitness: the env's own return, higher "
-                "for a landing on the pad that is soft, upright, on both legs and uses little fuel; 200 counts "
-                "as solved."
+                "x = 0, y = 0; distance_to_pad and speed are computed from them. The lander starts near the top "
+                "of the screen (y about 1.4) with a random push. Fuel is not observed: what spends it is the "
+                "action, each step that fires an engine. The episode "
+                "terminates on a crash (the lander's body touches the ground), flying off screen (|x| >= 1) or "
+                f"coming to rest, and is truncated after {max_episode_steps} steps. Fitness: the env's own return, "
+                "higher for a landing on the pad that is soft, upright, on both legs and fires the engines little; "
+                "200 counts as solved."
             ),
             action_description=actions,
             show_source=show_source,

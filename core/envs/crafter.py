@@ -30,8 +30,9 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import torch
 
-from core.envs.task import ParamSpec, StateField, Task
+from core.envs.task import DerivedField, ParamSpec, StateField, Task
 from core.errors import UserError
 from core.records import Episode, Fitness
 
@@ -87,7 +88,7 @@ def _layout() -> list[StateField]:
         kind = "tool" if ("pickaxe" in item or "sword" in item) else "resource"
         add(item, 1, f"number of {item.replace('_', ' ')} in the inventory ({kind}, 0 to 9)", "count")
     for name in ACHIEVEMENTS:
-        add(f"achievement_{name}", 1, f"1 once the achievement {name} has been unlocked in this episode, else 0")
+        add(f"achievement_{name}", 1, f"1 once the achievement '{name.replace('_', ' ')}' has been unlocked in this episode, else 0")
     add("position", 2, "player cell (x, y) in the 64x64 world; x grows to the right, y grows downwards", "cells", (2,))
     add("facing", 2, "direction the player faces as (dx, dy): (-1,0) left, (1,0) right, (0,-1) up, (0,1) down", "", (2,))
     add("daylight", 1, "daylight level, 1 at noon, near 0 at night (zombies spawn more in the dark); a day lasts 300 steps")
@@ -111,6 +112,28 @@ _OFFSET = {f.name: f.start for f in STATE_FIELDS}
 _INVENTORY = VITALS + ITEMS  # the first fields, in this order
 _ACHIEVED = slice(_OFFSET["achievement_collect_coal"], _OFFSET["achievement_collect_coal"] + len(ACHIEVEMENTS))
 _VIEW_AT = slice(_OFFSET["local_view"], _OFFSET["local_view"] + VIEW[0] * VIEW[1])
+
+
+def faced_cell(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The ``local_view`` id of the cell the player faces (``[4 + dx, 3 + dy]``), what 'do' acts on."""
+    view = s["local_view"]
+    dx = torch.nan_to_num(s["facing"][..., 0]).round().clamp(-1, 1).long()
+    dy = torch.nan_to_num(s["facing"][..., 1]).round().clamp(-1, 1).long()
+    flat = view.reshape(-1, VIEW[0], VIEW[1])
+    rows = torch.arange(flat.shape[0], device=view.device)
+    return flat[rows, VIEW[0] // 2 + dx.reshape(-1), VIEW[1] // 2 + dy.reshape(-1)].reshape(view.shape[:-2])
+
+
+def achievements_unlocked(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.stack([s[f"achievement_{name}"] for name in ACHIEVEMENTS], dim=-1).sum(dim=-1)
+
+
+DERIVED_FIELDS = [
+    DerivedField("faced_cell", "local_view id of the cell the player faces, local_view[4 + dx, 3 + dy] for facing (dx, "
+                 "dy): what 'do' acts on", faced_cell, "id"),
+    DerivedField("achievements_unlocked", "how many of the 22 achievements this episode has unlocked (the sum of the "
+                 "achievement_ fields), 0 to 22", achievements_unlocked, "count"),
+]
 
 
 # -------------------------------------------------------------------------------------
@@ -506,14 +529,14 @@ def crafter_score(rates_percent: np.ndarray) -> float:
 _COLLECT = (
     "- 'do' on the faced cell collects: tree -> wood; stone -> stone (needs a wood_pickaxe); coal -> coal\n"
     "  (wood_pickaxe); iron -> iron (stone_pickaxe); diamond -> diamond (iron_pickaxe); water -> drink;\n"
-    "  grass -> sapling (10% chance). 'do' on a cow hits it (eat_cow when it dies), on a zombie or skeleton\n"
-    "  attacks it (swords do more damage), on a ripe plant eats it (eat_plant)."
+    "  grass -> sapling (10% chance). 'do' on a cow hits it (achievement_eat_cow when it dies), on a zombie or\n"
+    "  skeleton attacks it (swords do more damage), on a ripe plant eats it (achievement_eat_plant)."
 )
 _VITALS_RULES = (
     "- Vitals: food, drink and energy drop over time; eat (cows, plants), drink water and sleep to refill them.\n"
     "  Health regenerates while none of them is 0 and drops otherwise; zombies (more at night, on grass),\n"
     "  skeletons (in tunnels, shooting arrows) and lava (instant death) hurt. The episode ends when health is 0.\n"
-    "- Sleeping restores energy; waking up unlocks wake_up."
+    "- Sleeping restores energy; waking up unlocks achievement_wake_up."
 )
 
 
@@ -559,30 +582,34 @@ class Crafter(Task):
         super().__init__(
             name=name,
             goal=(
-                "Survive in the Crafter world and unlock as many of its 22 achievements as possible: collect "
-                "resources, craft tools, place objects, eat, drink, sleep and defeat monsters."
+                "Survive in the Crafter world (`health` above 0) and unlock as many of its 22 achievements as possible "
+                "(`achievements_unlocked` counts them): collect resources, craft tools, place objects, eat, drink, "
+                "sleep and defeat monsters."
             ),
             state_fields=fields,
-            description=self._describe(fields),
+            description=self._describe(fields, DERIVED_FIELDS),
             fitness_name="crafter_score",
             params=crafter_params(),
             max_episode_steps=max_episode_steps,
             action_description="Discrete(17): " + ", ".join(f"{i} {a}" for i, a in enumerate(ACTIONS))
             + ". Moving into a blocked cell only turns the player; 'do' interacts with the faced cell.",
             reward=reward,
+            derived_fields=list(DERIVED_FIELDS),
         )
 
     @staticmethod
-    def _describe(fields: list[StateField]) -> str:
+    def _describe(fields: list[StateField], derived: list[DerivedField]) -> str:
         lines = [
             "Crafter (a 2D Minecraft-like survival game, Hafner 2022) with a symbolic observation: "
             f"a flat float32 vector of {fields[-1].stop} values with these named fields:",
         ]
         lines += [f"- {f.name}: {f.description}" for f in fields]
+        lines.append("Computed from them:")
+        lines += [f"- {d.name}: {d.description}" for d in derived]
         lines.append(_rules_text())
         lines.append(
-            "Fitness: the Crafter score, exp(mean_i log(1 + s_i)) - 1 where s_i is the percentage of evaluation "
-            "episodes that unlocked achievement i, over all 22 achievements."
+            "Fitness: the Crafter score, exp(mean of log(1 + s)) - 1 over all 22 achievements, where s is the "
+            "percentage of evaluation episodes that unlocked the achievement."
         )
         return "\n".join(lines)
 

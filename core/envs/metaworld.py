@@ -12,9 +12,10 @@ from typing import Any, Callable
 
 import gymnasium as gym
 import numpy as np
+import torch
 
 from core.envs.classic import FloatObservation, GymTask, SuccessInfo, success_fitness, vector_env
-from core.envs.task import StateField
+from core.envs.task import DerivedField, StateField
 from core.errors import UserError
 from core.records import Episode, Fitness
 
@@ -39,6 +40,45 @@ def metaworld_fields(obj: str, obj2: str) -> list[StateField]:
     return fields
 
 
+#: the centre between the fingertips (where MetaWorld's success tests measure from) relative to the hand
+#: body: the arm keeps the hand's orientation fixed, so the offset is constant to within about 6 mm
+FINGERTIPS_OFFSET = (0.0, 0.0, -0.045)
+
+
+def fingertips_pos(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return s["hand_pos"] + torch.tensor(FINGERTIPS_OFFSET, dtype=s["hand_pos"].dtype, device=s["hand_pos"].device)
+
+
+def fingertips_goal_distance(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.linalg.vector_norm(fingertips_pos(s) - s["goal_pos"], dim=-1)
+
+
+def fingertips_obj_distance(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.linalg.vector_norm(fingertips_pos(s) - s["obj_pos"], dim=-1)
+
+
+def obj_goal_distance(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.linalg.vector_norm(s["obj_pos"] - s["goal_pos"], dim=-1)
+
+
+def obj_goal_x_distance(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (s["obj_pos"][..., 0] - s["goal_pos"][..., 0]).abs()
+
+
+def obj_goal_y_distance(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (s["obj_pos"][..., 1] - s["goal_pos"][..., 1]).abs()
+
+
+FINGERTIPS = DerivedField("fingertips_pos", "x, y, z of the centre between the fingertips: hand_pos 4.5 cm lower "
+                          "(approximate, to about 6 mm)", fingertips_pos, "m", (3,))
+TO_OBJ = DerivedField("fingertips_obj_distance", "distance from fingertips_pos to obj_pos", fingertips_obj_distance, "m")
+
+
+def _success_distance(name: str, what: str, compute: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                      threshold: float) -> DerivedField:
+    return DerivedField(name, f"{what}; the task succeeds when it is at most {threshold:g}", compute, "m")
+
+
 class MetaWorldTask(GymTask):
     """A MetaWorld v3 task (``env_name``), e.g. ``reach-v3``."""
 
@@ -58,14 +98,16 @@ class MetaWorldTask(GymTask):
             goal=self.task_goal,
             state_fields=metaworld_fields(self.obj, self.obj2),
             description=(
-                f"MetaWorld {self.metaworld_name} (v3): a Sawyer robot arm with a two-finger gripper on a table. "
+                f"MetaWorld {self.metaworld_name}: a Sawyer robot arm with a two-finger gripper on a table. "
                 f"{self.task_goal} The goal position is resampled from 50 variations at every reset. "
                 "Observation (39 values, float32): hand_pos (3), gripper_distance (1), obj_pos (3), obj_quat (4), "
-                "obj2_pos (3), obj2_quat (4); then the same 18 values at the previous step (prefix prev_); then "
-                "goal_pos (3). Positions are in metres in the world frame (x right, y forward away from the "
+                "obj2_pos (3), obj2_quat (4); then the same 18 values at the previous step (named with the prefix "
+                "prev_, e.g. prev_hand_pos); then goal_pos (3). "
+                + ", ".join(d.name for d in self.derived) + " are computed from them. "
+                "Positions are in metres in the world frame (x right, y forward away from the "
                 "robot base, z up; the table top is near z = 0). "
                 f"An episode counts as a success if info['success'] is set at any step; episodes last "
-                f"max_episode_steps ({max_episode_steps}) steps. Fitness: the success rate over evaluation episodes."
+                f"{max_episode_steps} steps. Fitness: the success rate over evaluation episodes."
             ),
             action_description=(
                 "Box(4,) in [-1, 1]: the first three move the end effector by (dx, dy, dz) (scaled to at most "
@@ -134,34 +176,52 @@ class MetaWorldTask(GymTask):
 class Reach(MetaWorldTask):
     metaworld_name = "reach-v3"
     obj, obj2 = "puck (unused in this task)", "second object"
-    task_goal = "Move the gripper (hand_pos) to the goal position goal_pos; success when within 5 cm."
+    task_goal = ("Move the gripper's fingertips (`fingertips_pos`, 4.5 cm below `hand_pos`) to the goal position "
+                 "`goal_pos`; success when `fingertips_goal_distance` <= 0.05 m.")
+    derived = (FINGERTIPS, _success_distance("fingertips_goal_distance", "distance from fingertips_pos to goal_pos",
+                                             fingertips_goal_distance, 0.05))
 
 
 class Push(MetaWorldTask):
     metaworld_name = "push-v3"
     obj = "puck"
-    task_goal = "Push the puck (obj_pos) across the table to the goal position goal_pos; success when the puck is within 5 cm of it."
+    task_goal = ("Push the puck (`obj_pos`) across the table to the goal position `goal_pos`; success when "
+                 "`obj_goal_distance` <= 0.05 m.")
+    derived = (FINGERTIPS, TO_OBJ, _success_distance("obj_goal_distance", "distance from obj_pos to goal_pos",
+                                                     obj_goal_distance, 0.05))
 
 
 class PickPlace(MetaWorldTask):
     metaworld_name = "pick-place-v3"
     obj = "puck"
-    task_goal = "Grasp the puck (obj_pos), lift it and place it at the goal position goal_pos in the air; success when within 7 cm."
+    task_goal = ("Grasp the puck (`obj_pos`), lift it and place it at the goal position `goal_pos`, which may be in the "
+                 "air; success when `obj_goal_distance` <= 0.07 m.")
+    derived = (FINGERTIPS, TO_OBJ, _success_distance("obj_goal_distance", "distance from obj_pos to goal_pos",
+                                                     obj_goal_distance, 0.07))
 
 
 class DoorOpen(MetaWorldTask):
     metaworld_name = "door-open-v3"
     obj = "door handle"
-    task_goal = "Open the door by pulling its handle (obj_pos) around the hinge until the handle's x coordinate is within 8 cm of goal_pos's x."
+    task_goal = ("Open the door by pulling its handle (`obj_pos`) around the hinge until the handle's x coordinate is "
+                 "within 8 cm of the goal's: success when `obj_goal_x_distance` <= 0.08 m.")
+    derived = (FINGERTIPS, TO_OBJ, _success_distance("obj_goal_x_distance", "|x of obj_pos - x of goal_pos|",
+                                                     obj_goal_x_distance, 0.08))
 
 
 class DrawerOpen(MetaWorldTask):
     metaworld_name = "drawer-open-v3"
     obj = "drawer handle"
-    task_goal = "Pull the drawer open by its handle (obj_pos) until the handle reaches goal_pos; success when within 3 cm."
+    task_goal = ("Pull the drawer open by its handle (`obj_pos`) until the handle reaches `goal_pos`; success when "
+                 "`obj_goal_distance` <= 0.03 m.")
+    derived = (FINGERTIPS, TO_OBJ, _success_distance("obj_goal_distance", "distance from obj_pos to goal_pos",
+                                                     obj_goal_distance, 0.03))
 
 
 class ButtonPress(MetaWorldTask):
     metaworld_name = "button-press-v3"
     obj = "button"
-    task_goal = "Press the button (obj_pos) in along its axis with the gripper until it reaches goal_pos; success when within 2 cm."
+    task_goal = ("Press the button (`obj_pos`) in along its axis (y) with the gripper until its y coordinate reaches "
+                 "the goal's: success when `obj_goal_y_distance` <= 0.02 m.")
+    derived = (FINGERTIPS, TO_OBJ, _success_distance("obj_goal_y_distance", "|y of obj_pos - y of goal_pos|",
+                                                     obj_goal_y_distance, 0.02))

@@ -66,7 +66,7 @@ def java_version() -> str | None:
 def minedojo_fields() -> list[StateField]:
     fields, at = [], 0
     for name in LIFE:
-        fields.append(StateField(name, at, at + 1, f"player {name} (MineDojo life_stats)"))
+        fields.append(StateField(name, at, at + 1, f"player {name} (from MineDojo's life stats)"))
         at += 1
     fields.append(StateField("position", at, at + 3, "player position x, y, z (y is height)", "blocks", (3,)))
     at += 3
@@ -137,7 +137,7 @@ class MineDojo(Task):
             ),
             fitness_name="success_rate",
             max_episode_steps=max_episode_steps,
-            action_description="Discrete: " + ", ".join(f"{i} {name}" for i, (name, _) in enumerate(ACTIONS)),
+            action_description=f"Discrete({len(ACTIONS)}): " + ", ".join(f"{i} {name.replace('_', ' ')}" for i, (name, _) in enumerate(ACTIONS)),
         )
 
     def check_available(self) -> None:

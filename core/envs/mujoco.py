@@ -7,13 +7,15 @@ Fitness is the mean return; the mean forward velocity of each episode is logged 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import torch
 
 from core.envs.classic import GymTask
-from core.envs.task import StateField, ground_truth_return
+from core.envs.task import DerivedField, StateField, ground_truth_return
 from core.errors import UserError
 from core.records import Episode, Fitness
 
@@ -40,12 +42,29 @@ def joint_fields(joints: list[tuple[str, str]], skip_positions: int) -> list[Sta
                 velocities.append((f"{name}_{axis}", unit, f"{name} body {kind_text} along {axis[1]}"))
         else:
             unit_pos, unit_vel = ("m", "m/s") if kind == "slide" else ("rad", "rad/s")
-            positions.append((f"{name}_pos", unit_pos, f"position of the {kind} joint {name}"))
-            velocities.append((f"{name}_vel", unit_vel, f"velocity of the {kind} joint {name}"))
+            words = re.sub(r"(?<=[a-z])(?=\d)", " ", name.replace("_", " "))  # the joint's name in words (right shoulder 1)
+            positions.append((f"{name}_pos", unit_pos, f"{'position' if kind == 'slide' else 'angle'} of the {kind} joint {words}"))
+            velocities.append((f"{name}_vel", unit_vel, f"velocity of the {kind} joint {words}"))
     fields = []
     for i, (name, unit, text) in enumerate(positions[skip_positions:] + velocities):
         fields.append(StateField(name, i, i + 1, text, unit))
     return fields
+
+
+def torso_upright(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The world z component of the torso's own z axis, from its quaternion ``root_qw .. root_qz``.
+
+    ``(w^2 - x^2 - y^2 + z^2) / |q|^2``: 1 upright, 0 on its side, -1 upside down (0 for a zero quaternion).
+    """
+    w, x, y, z = s["root_qw"], s["root_qx"], s["root_qy"], s["root_qz"]
+    norm = (w * w + x * x + y * y + z * z).clamp_min(1e-12)
+    return (w * w - x * x - y * y + z * z) / norm
+
+
+#: the torso's tilt, for the free-joint robots (Ant, Humanoid)
+TORSO_UPRIGHT = DerivedField(
+    "torso_upright", "cosine of the torso's tilt from vertical, from root_qw..root_qz: 1 upright, 0 on its side, "
+    "-1 upside down", torso_upright)
 
 
 def block(name: str, start: int, shape: tuple[int, ...], description: str, unit: str = "") -> StateField:
@@ -77,8 +96,9 @@ class MujocoTask(GymTask):
 
     requires = ("mujoco", "mujoco")
     sparse_text = (
-        "+1 each time the torso first gets another whole metre forward of the origin (x_position >= 1, 2, "
-        "3, ... m), 0 on every other step (no alive bonus, velocity or control terms)."
+        "+1 each time the torso first gets another whole metre forward of the origin (its x position, which "
+        "the observation leaves out, reaches 1, 2, 3, ... m), 0 on every other step (no alive bonus, velocity or "
+        "control terms)."
     )
 
     def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
@@ -115,8 +135,9 @@ class MujocoTask(GymTask):
 
 
 _PLANAR_NOTE = (
-    "rootx, rootz and rooty are the torso's slide (forward, up) and hinge (pitch) joints; "
-    "rootx_pos is left out of the observation, so the policy is position invariant."
+    "rootx, rootz and rooty are the torso's slide (forward, up) and hinge (pitch) joints: rootx_vel is the "
+    "torso's forward velocity and rooty_pos its pitch angle; the forward position (joint rootx) is left out of "
+    "the observation, so the policy is position invariant."
 )
 
 
@@ -132,16 +153,18 @@ class HalfCheetah(MujocoTask):
         super().__init__(
             name="halfcheetah",
             max_episode_steps=max_episode_steps,
-            goal="Make the two-legged planar cheetah run forward (+x) as fast as possible.",
+            goal="Make the two-legged planar cheetah run forward (+x, `rootx_vel` > 0) as fast as possible.",
             state_fields=joint_fields(self.joints, skip_positions=1),
             description=(
                 "HalfCheetah-v5 (gymnasium MuJoCo). A planar cheetah with a torso, a back leg (bthigh, bshin, "
                 "bfoot) and a front leg (fthigh, fshin, ffoot). Observation (17 values): joint positions "
                 "qpos[1:] then joint velocities qvel, named <joint>_pos and <joint>_vel. " + _PLANAR_NOTE +
-                " No termination; truncated after max_episode_steps (1000). Fitness: the env's own return, higher "
+                " rootz_pos is the torso's height relative to where it starts (0.7 m above the ground)." +
+                f" No termination; truncated after {max_episode_steps} steps. Fitness: the env's own return, higher "
                 "the faster the torso moves forward with little control effort; the mean forward velocity is logged."
             ),
-            action_description="Box(6,) in [-1, 1]: torques on bthigh, bshin, bfoot, fthigh, fshin, ffoot.",
+            action_description=("Box(6,) in [-1, 1]: torques on the back thigh, shin, foot and front thigh, shin, foot "
+                                "hinges (the joints of bthigh_pos, bshin_pos, bfoot_pos, fthigh_pos, fshin_pos, ffoot_pos)."),
             show_source=show_source,
             reward=reward,
         )
@@ -157,17 +180,19 @@ class Hopper(MujocoTask):
         super().__init__(
             name="hopper",
             max_episode_steps=max_episode_steps,
-            goal="Make the one-legged hopper hop forward (+x) as fast as possible without falling over.",
+            goal=("Make the one-legged hopper hop forward (+x, `rootx_vel` > 0) as fast as possible without falling over "
+                  "(torso height `rootz_pos` above 0.7, pitch `rooty_pos` within +-0.2 rad)."),
             state_fields=joint_fields(self.joints, skip_positions=1),
             description=(
                 "Hopper-v5 (gymnasium MuJoCo). A planar one-legged robot: torso, thigh, leg, foot. Observation "
-                "(11 values): qpos[1:] then qvel, named <joint>_pos and <joint>_vel; rootz_pos is the torso "
-                "height and rooty_pos its pitch angle. " + _PLANAR_NOTE + " The episode terminates when unhealthy: torso height "
-                "rootz_pos <= 0.7, |rooty_pos| >= 0.2 rad, or any other state value beyond +-100; truncated after "
-                "max_episode_steps (1000). Fitness: the env's own return, higher the longer the hopper stays "
-                "healthy and the faster it moves forward, with little control effort."
+                "(11 values): qpos[1:] then qvel, named <joint>_pos and <joint>_vel. " + _PLANAR_NOTE +
+                " rootz_pos is the torso's height above the ground (1.25 m at the start). The episode terminates when unhealthy: torso height rootz_pos <= 0.7, |rooty_pos| >= 0.2 rad, or "
+                f"any other state value beyond +-100; truncated after {max_episode_steps} steps. Fitness: the env's "
+                "own return, higher the longer the hopper stays healthy and the faster it moves forward, with "
+                "little control effort."
             ),
-            action_description="Box(3,) in [-1, 1]: torques on thigh_joint, leg_joint, foot_joint.",
+            action_description=("Box(3,) in [-1, 1]: torques on the thigh, leg and foot hinges (the joints of "
+                                "thigh_joint_pos, leg_joint_pos, foot_joint_pos)."),
             show_source=show_source,
             reward=reward,
         )
@@ -175,8 +200,8 @@ class Hopper(MujocoTask):
 
 def _body_names(kind: str) -> str:
     return {
-        "ant": "torso, front_left_leg, aux_1, front-left foot, front_right_leg, aux_2, front-right foot, back_leg, aux_3, back-left foot, right_back_leg, aux_4, back-right foot",
-        "humanoid": "torso, lwaist, pelvis, right_thigh, right_shin, right_foot, left_thigh, left_shin, left_foot, right_upper_arm, right_lower_arm, left_upper_arm, left_lower_arm",
+        "ant": "torso, front left leg, aux 1, front-left foot, front right leg, aux 2, front-right foot, back leg, aux 3, back-left foot, right back leg, aux 4, back-right foot",
+        "humanoid": "torso, lwaist, pelvis, right thigh, right shin, right foot, left thigh, left shin, left foot, right upper arm, right lower arm, left upper arm, left lower arm",
     }[kind]
 
 
@@ -184,6 +209,7 @@ class Ant(MujocoTask):
     """Ant-v5: walk forward with the four-legged ant."""
 
     env_id = "Ant-v5"
+    derived = (TORSO_UPRIGHT,)
     joints = [("root", "free")] + [(f"{p}_{i}", "hinge") for i in range(1, 5) for p in ("hip", "ankle")]
 
     def __init__(self, max_episode_steps: int = 1000, show_source: bool = False, reward: str = "human") -> None:
@@ -192,19 +218,23 @@ class Ant(MujocoTask):
         super().__init__(
             name="ant",
             max_episode_steps=max_episode_steps,
-            goal="Make the four-legged ant walk forward (+x) as fast as possible without flipping over.",
+            goal=("Make the four-legged ant walk forward (+x, `root_vx` > 0) as fast as possible without flipping over "
+                  "(`torso_upright` near 1, torso height `root_z` within [0.2, 1.0])."),
             state_fields=fields,
             description=(
-                "Ant-v5 (gymnasium MuJoCo). A torso with four legs; each leg has a hip and an ankle hinge "
-                "(hip_1/ankle_1 front left, hip_2/ankle_2 front right, hip_3/ankle_3 back left, hip_4/ankle_4 "
-                "back right). Observation (105 values): qpos[2:] (root_z torso height, root_qw..root_qz torso "
-                "orientation quaternion, 8 joint angles), qvel (root_vx.. root_wz torso linear and angular "
-                "velocity, 8 joint velocities), then contact_forces (13 bodies x 6). The torso x, y position is "
-                "left out. The episode terminates when the torso height leaves [0.2, 1.0]; truncated after "
-                "max_episode_steps (1000). Fitness: the env's own return, higher the longer the ant stays upright "
-                "and the faster it moves forward, with little control effort and few hard contacts."
+                "Ant-v5 (gymnasium MuJoCo). A torso with four legs; each leg has a hip and an ankle hinge, whose "
+                "angles are hip_1_pos/ankle_1_pos (front left), hip_2_pos/ankle_2_pos (front right), "
+                "hip_3_pos/ankle_3_pos (back left), hip_4_pos/ankle_4_pos (back right). Observation (105 values): "
+                "qpos[2:] (root_z torso height, root_qw..root_qz torso orientation quaternion, 8 joint angles), "
+                "qvel (root_vx..root_wz torso linear and angular velocity in the world frame, root_vx forward; 8 "
+                "joint velocities), then contact_forces (13 bodies x 6); torso_upright is computed from the "
+                "quaternion. The torso x, y position is left out. The episode terminates when root_z leaves "
+                f"[0.2, 1.0]; truncated after {max_episode_steps} steps. Fitness: the env's own return, higher the "
+                "longer the ant stays upright and the faster it moves forward, with little control effort and few "
+                "hard contacts."
             ),
-            action_description="Box(8,) in [-1, 1]: torques, in the model's actuator order, on hip_4, ankle_4, hip_1, ankle_1, hip_2, ankle_2, hip_3, ankle_3.",
+            action_description=("Box(8,) in [-1, 1]: torques, in the model's actuator order, on the hinges of hip_4_pos, "
+                                "ankle_4_pos, hip_1_pos, ankle_1_pos, hip_2_pos, ankle_2_pos, hip_3_pos, ankle_3_pos."),
             show_source=show_source,
             reward=reward,
         )
@@ -214,6 +244,7 @@ class Humanoid(MujocoTask):
     """Humanoid-v5: walk forward without falling."""
 
     env_id = "Humanoid-v5"
+    derived = (TORSO_UPRIGHT,)
     joints = [("root", "free")] + [
         (j, "hinge")
         for j in (
@@ -240,18 +271,25 @@ class Humanoid(MujocoTask):
         super().__init__(
             name="humanoid",
             max_episode_steps=max_episode_steps,
-            goal="Make the humanoid walk forward (+x) as fast as possible without falling.",
+            goal=("Make the humanoid walk forward (+x, `root_vx` > 0) as fast as possible without falling (torso height "
+                  "`root_z` within [1.0, 2.0], `torso_upright` near 1)."),
             state_fields=fields,
             description=(
                 "Humanoid-v5 (gymnasium MuJoCo). A 3D bipedal robot with 17 hinge joints (abdomen, hips, knees, "
                 "shoulders, elbows). Observation (348 values): qpos[2:] (root_z torso height, root_qw..root_qz "
-                "orientation, 17 joint angles), qvel (root linear/angular velocity, 17 joint velocities), then "
-                "body_inertia (13x10), body_velocity (13x6), actuator_forces (17) and contact_forces (13x6). The "
-                "torso x, y position is left out. The episode terminates when root_z leaves [1.0, 2.0]; "
-                "truncated after max_episode_steps (1000). Fitness: the env's own return, higher the longer the "
-                "humanoid stays up and the faster its centre of mass moves forward, with little control effort."
+                "orientation quaternion, 17 joint angles <joint>_pos), qvel (root_vx..root_wz torso linear and "
+                "angular velocity in the world frame, root_vx forward; 17 joint velocities <joint>_vel), then "
+                "body_inertia (13x10), body_velocity (13x6), actuator_forces (17) and contact_forces (13x6); "
+                "torso_upright is computed from the quaternion. The torso x, y position is left out. The episode "
+                f"terminates when root_z leaves [1.0, 2.0]; truncated after {max_episode_steps} steps. Fitness: the "
+                "env's own return, higher the longer the humanoid stays up and the faster its centre of mass moves "
+                "forward (the observation has no centre-of-mass velocity; root_vx is the torso's), with little "
+                "control effort."
             ),
-            action_description="Box(17,) in [-0.4, 0.4]: torques, in actuator order, on abdomen_y, abdomen_z, abdomen_x, right_hip_x, right_hip_z, right_hip_y, right_knee, left_hip_x, left_hip_z, left_hip_y, left_knee, right_shoulder1, right_shoulder2, right_elbow, left_shoulder1, left_shoulder2, left_elbow.",
+            action_description="Box(17,) in [-0.4, 0.4]: torques, in actuator order, on the hinges of " + ", ".join(
+                f"{j}_pos" for j in ("abdomen_y", "abdomen_z", "abdomen_x", "right_hip_x", "right_hip_z", "right_hip_y",
+                                     "right_knee", "left_hip_x", "left_hip_z", "left_hip_y", "left_knee", "right_shoulder1",
+                                     "right_shoulder2", "right_elbow", "left_shoulder1", "left_shoulder2", "left_elbow")) + ".",
             show_source=show_source,
             reward=reward,
         )

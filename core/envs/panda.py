@@ -15,10 +15,11 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import torch
 
 from core.envs.classic import SuccessInfo, success_fitness, vector_env
 from core.envs.pybullet_grasp import quiet_native_output
-from core.envs.task import StateField, Task
+from core.envs.task import DerivedField, StateField, Task
 from core.errors import UserError
 from core.records import Episode, Fitness
 
@@ -35,6 +36,18 @@ _OBJECT = [
     ("object_vel", 3, "linear velocity of the object", "m/s"),
     ("object_ang_vel", 3, "angular velocity of the object", "rad/s"),
 ]
+
+
+def goal_distance(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    """panda-gym's own distance: achieved_goal to desired_goal."""
+    return torch.linalg.vector_norm(s["achieved_goal"] - s["desired_goal"], dim=-1)
+
+
+def ee_object_distance(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.linalg.vector_norm(s["ee_pos"] - s["object_pos"], dim=-1)
+
+
+_EE_TO_OBJECT = DerivedField("ee_object_distance", "distance from ee_pos to object_pos", ee_object_distance, "m")
 
 
 class FlatGoalObservation(gym.ObservationWrapper):
@@ -71,6 +84,7 @@ class PandaTask(Task):
     task_goal = ""
     ends_on_success = True  # reaching the goal terminates the episode
     actions = ""
+    derived: tuple[DerivedField, ...] = ()
 
     def __init__(self, reward_type: str = "dense", control_type: str = "ee", max_episode_steps: int = 50) -> None:
         if reward_type not in ("dense", "sparse") or control_type not in ("ee", "joints"):
@@ -78,21 +92,24 @@ class PandaTask(Task):
         self.reward_type, self.control_type = reward_type, control_type
         fields = panda_fields(self.robot_fields, self.achieved_text)
         names = ", ".join(f"{f.name} ({f.size})" for f in fields)
+        computed = ", ".join(d.name for d in self.derived)
         super().__init__(
             name="panda_" + _snake(self.panda_name),
             goal=self.task_goal,
             state_fields=fields,
             description=(
                 f"panda-gym {self.panda_name} (PyBullet): a Franka Panda arm on a table. {self.task_goal} "
-                f"Observation ({len(fields)} fields, {fields[-1].stop} values, float32): {names}. Positions are in "
+                f"Observation ({len(fields)} fields, {fields[-1].stop} values, float32): {names}; {computed} "
+                f"{'is' if len(self.derived) == 1 else 'are'} computed from them. Positions are in "
                 "metres in the world frame (z up; the table top is at z = 0, the robot base at x = -0.6). "
-                "The episode terminates as soon as achieved_goal is within 5 cm of "
-                f"desired_goal (success) and is truncated after max_episode_steps ({max_episode_steps}). "
+                "The episode terminates as soon as achieved_goal is within 5 cm of desired_goal "
+                f"(goal_distance < 0.05, success) and is truncated after {max_episode_steps} steps. "
                 "Fitness: the success rate over evaluation episodes."
             ),
             action_description=self.actions if control_type == "ee" else "Box(7 or 8,) in [-1, 1]: joint target offsets (and finger width).",
             fitness_name="success_rate",
             max_episode_steps=max_episode_steps,
+            derived_fields=list(self.derived),
         )
 
     @property
@@ -138,24 +155,31 @@ class PandaReach(PandaTask):
     panda_name = "Reach"
     robot_fields = _EE
     achieved_text = "the achieved position: equal to ee_pos"
-    task_goal = "Move the end effector (ee_pos) to the target position desired_goal; success when within 5 cm."
+    task_goal = ("Move the end effector (`ee_pos`) to the target position `desired_goal`; success when "
+                 "`goal_distance` < 0.05 m.")
     actions = _EE_ACTIONS
+    derived = (DerivedField("goal_distance", "distance from achieved_goal (= ee_pos) to desired_goal; success when below "
+                            "0.05", goal_distance, "m"),)
 
 
 class PandaPush(PandaTask):
     panda_name = "Push"
     robot_fields = _EE + _OBJECT
     achieved_text = "the achieved position: equal to object_pos"
-    task_goal = ("Push the cube (object_pos) across the table to the target desired_goal (on the table) with the "
-                 "closed gripper; success when the cube is within 5 cm of it.")
+    task_goal = ("Push the cube (`object_pos`) across the table to the target `desired_goal` (on the table) with the "
+                 "closed gripper; success when `goal_distance` < 0.05 m.")
     actions = _EE_ACTIONS + " The fingers stay closed."
+    derived = (_EE_TO_OBJECT, DerivedField("goal_distance", "distance from achieved_goal (= object_pos) to desired_goal; "
+                                           "success when below 0.05", goal_distance, "m"))
 
 
 class PandaPickAndPlace(PandaTask):
     panda_name = "PickAndPlace"
     robot_fields = _EE + _FINGERS + _OBJECT
     achieved_text = "the achieved position: equal to object_pos"
-    task_goal = ("Grasp the cube (object_pos), lift it and carry it to the target desired_goal (on the table or "
-                 "in the air); success when the cube is within 5 cm of it.")
+    task_goal = ("Grasp the cube (`object_pos`), lift it and carry it to the target `desired_goal` (on the table or "
+                 "in the air); success when `goal_distance` < 0.05 m.")
+    derived = (_EE_TO_OBJECT, DerivedField("goal_distance", "distance from achieved_goal (= object_pos) to desired_goal; "
+                                           "success when below 0.05", goal_distance, "m"))
     actions = ("Box(4,) in [-1, 1]: move the end effector by (dx, dy, dz), at most 5 cm per step, and change the "
                "finger width (positive opens, negative closes).")

@@ -53,9 +53,10 @@ from typing import Any, Iterator
 
 import gymnasium as gym
 import numpy as np
+import torch
 
 from core.envs.classic import success_fitness, vector_env
-from core.envs.task import StateField, Task
+from core.envs.task import DerivedField, StateField, Task
 from core.errors import UserError
 from core.records import Episode, Fitness
 
@@ -412,6 +413,26 @@ def kuka_fields() -> list[StateField]:
     return fields
 
 
+def fingertips_block_xy_distance(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Horizontal distance of the fingertips' mean position from the block centre (what :data:`REACH_TOL` judges)."""
+    return torch.linalg.vector_norm(s["fingertips_pos"][..., :2] - s["block_pos"][..., :2], dim=-1)
+
+
+def fingertips_height(s: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Height of the fingertips' mean position above the table top (the reference of ``block_height``)."""
+    return s["fingertips_pos"][..., 2] - TABLE_TOP_Z
+
+
+def kuka_derived() -> list[DerivedField]:
+    return [
+        DerivedField("fingertips_block_xy_distance", "x-y distance from fingertips_pos to block_pos: 0 right above "
+                     f"the block; a grasp that closes beyond {REACH_TOL:g} misses it",
+                     fingertips_block_xy_distance, "m"),
+        DerivedField("fingertips_height", "height of fingertips_pos above the table top, as block_height is; about "
+                     "0.05 when the gripper reaches the tray", fingertips_height, "m"),
+    ]
+
+
 class KukaGrasp(Task):
     """Kuka iiwa with a two-finger gripper picks up a block from a tray (PyBullet)."""
 
@@ -424,8 +445,9 @@ class KukaGrasp(Task):
             name="kuka_grasp",
             goal=(
                 "Pick up the block with the Kuka arm's gripper and lift it: steer the descending gripper so that "
-                "it is right above the block and turned to fit it when it reaches the tray, so that the automatic "
-                f"grasp lifts the block above block_height {threshold:.3f} m and holds it."
+                "its fingertips are right above the block (`fingertips_block_xy_distance` near 0) and turned to fit "
+                "it (`block_rel_yaw` near 0 or pi) when it reaches the tray, so that the automatic grasp lifts the "
+                f"block above `block_height` {threshold:.3f} m and holds it."
             ),
             state_fields=kuka_fields(),
             description=(
@@ -433,21 +455,23 @@ class KukaGrasp(Task):
                 "(10 x 4 x 4 cm) lies at a random position and yaw in the tray. Positions are metres in the world "
                 "frame (z up; the table top is at z = -0.194). Observation (17 values, float32): gripper_pos (3), "
                 "gripper_euler (3), block_rel_xy (2), block_rel_yaw (1) (these 9 are the env's own observation), "
-                "then block_pos (3), block_height (1), gripper_opening (1) and fingertips_pos (3). Each step the gripper moves by "
-                "(dx, dy) and turns, while the arm descends by itself (quickly while high, slowly over the last "
-                "~25 cm). When the gripper touches the tray (after roughly 500 steps) the env closes the fingers and lifts the arm on its own within that "
-                "one step, then holds the block; the episode ends there (terminated) or after max_episode_steps "
-                f"({max_episode_steps}, truncated). An episode is a success if "
+                "then block_pos (3), block_height (1), gripper_opening (1) and fingertips_pos (3); "
+                "fingertips_block_xy_distance and fingertips_height are computed from them. Each step the gripper "
+                "moves by (dx, dy) and turns, while the arm descends by itself (quickly while high, slowly over the "
+                "last ~25 cm). When the gripper touches the tray (after roughly 500 steps) the env closes the "
+                "fingers and lifts the arm on its own within that one step, then holds the block; the episode ends "
+                f"there (terminated) or after {max_episode_steps} steps (truncated). An episode is a success if "
                 f"block_height > {threshold:.3f} m at its end. Fitness: the success rate over evaluation episodes. "
                 "Evaluation episodes are classified as success, timed out, never reached the block, missed the "
                 "grasp, grasp slipped or dropped after lift."
             ),
             action_description=(
-                "Box(3,) in [-1, 1]: move the gripper by (5 mm x a0, 5 mm x a1) in x and y, and turn it by "
-                "0.05 rad x a2. The descent and the grasp are automatic."
+                "Box(3,) in [-1, 1]: move the gripper by 5 mm x action[0] in x and 5 mm x action[1] in y, and "
+                "turn it by 0.05 rad x action[2]. The descent and the grasp are automatic."
             ),
             fitness_name="success_rate",
             max_episode_steps=max_episode_steps,
+            derived_fields=kuka_derived(),
         )
 
     def check_available(self) -> None:
