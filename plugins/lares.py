@@ -50,8 +50,8 @@ from core import PluginConfig, hookimpl
 from core.codegen import program_from_reply
 from core.context import StepBatch, TrainContext
 from core.errors import UserError
-from core.prompting import (Shapes, batch_shapes, candidate_line, fence, reply_counts, reward_interface, sample_evenly,
-                            summarize_series)
+from core.prompting import (Shapes, batch_shapes, candidate_line, code_options, fence, interface_of, repair_messages,
+                            reply_counts, reward_interface, sample_evenly, summarize_series)
 from core.records import Candidate, Fitness, IterationResult, RewardProgram, TrainResult
 
 NAME = "lares"
@@ -75,7 +75,7 @@ class Config(PluginConfig):
     tournament_size: int = 2  # entrants per tournament when selection=tournament
     llm_freq: int = 5000  # env steps (all members together) between LLM updates
     frames: int | None = None  # env steps for the whole population (all agents together); null = trainer.frames
-    init_temperature: float = 1.0  # sampling temperature of the initial population
+    init_temperature: float | None = None  # sampling temperature of the initial population; None: by its size (core.prompting.sampling_temperature)
     temperature: float = 0.4  # temperature of the analysis and regeneration calls (paper: 0.3-0.5)
     max_tokens: int = 768  # cap on each reward-function reply
     retries: int = 2  # re-asks with the error when an initial or repaired function fails the sandbox
@@ -94,7 +94,7 @@ class Config(PluginConfig):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("elites", "retries", "retrieve_k", "init_temperature", "temperature", "complexity_penalty"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.frames is not None and self.frames < 1:
             raise ValueError(f"frames must be >= 1 or null, got {self.frames}")
@@ -265,7 +265,7 @@ def member_feedback(fitness_curve: list[float], components: dict[str, list[float
 
 
 def _fields(task: Any) -> str:
-    return ", ".join(f'"{f.name}"' for f in task.state_fields)
+    return ", ".join(f'"{name}"' for name in task.field_names())
 
 
 # -- case base -----------------------------------------------------------------------------
@@ -300,8 +300,8 @@ def load_cases(path: Path) -> list[dict[str, Any]]:
 
 def base_messages(run: Any, cases: list[dict[str, Any]], shapes: Shapes | None = None) -> list[dict[str, str]]:
     """System + (similar cases) + the task; ``shapes``: the task's :func:`core.prompting.batch_shapes` (made when None)."""
-    user = TASK.format(description=run.task.description, interface=reward_interface(run.task, list(run.sandbox.imports), shapes),
-                       goal=run.task.goal)
+    interface = reward_interface(run.task, list(run.sandbox.imports), shapes, interface=interface_of(run))
+    user = TASK.format(description=run.task.description, interface=interface, goal=run.task.goal)
     if cases:
         shown = "\n\n".join(f"Goal: {c['goal']}\n```python\n{c['code'].strip()}\n```" for c in cases)
         user = EXAMPLES.format(examples=shown) + "\n\n" + user
@@ -312,16 +312,19 @@ def evolve_messages(base: list[dict[str, str]], code: str, feedback: str, analys
     return base + [{"role": "user", "content": EVOLVE.format(code=code.strip(), feedback=feedback, analysis=analysis.strip())}]
 
 
-def every_program(replies: list[Any], prompt: str, generation: int, call: str = "") -> list[RewardProgram]:
-    """A program per reply: usable, or rejected with the reason (:func:`core.codegen.program_from_reply`)."""
+def every_program(replies: list[Any], prompt: str, generation: int, call: str = "",
+                  fields: list[str] | None = None) -> list[RewardProgram]:
+    """A program per reply: usable, or rejected with the reason (:func:`core.codegen.program_from_reply`);
+    with ``fields`` (the task's field names) the names each reads are checked and mended first."""
     extra = {"call": call} if call else {}
-    return [program_from_reply(RewardProgram, reply.text, ENTRY, ARGS, origin=NAME, prompt=prompt,
+    return [program_from_reply(RewardProgram, reply.text, ENTRY, ARGS, state_fields=fields, origin=NAME, prompt=prompt,
                                meta={"sample": i, "generation": generation, **extra}) for i, reply in enumerate(replies)]
 
 
-def programs_from(replies: list[Any], prompt: str, generation: int) -> tuple[list[RewardProgram], list[str]]:
+def programs_from(replies: list[Any], prompt: str, generation: int,
+                  fields: list[str] | None = None) -> tuple[list[RewardProgram], list[str]]:
     """The usable programs of ``replies`` and the rejected replies' reasons."""
-    programs = every_program(replies, prompt, generation)
+    programs = every_program(replies, prompt, generation, fields=fields)
     return [p for p in programs if not p.rejected], [p.rejected for p in programs if p.rejected]
 
 
@@ -611,13 +614,23 @@ class Evolution:
         for attempt in range(cfg.retries):
             if m.fn is not None or m.program is None:
                 return
-            msgs = base_messages(run, [], self.plugin.shapes) + [
-                {"role": "assistant", "content": m.program.reply or f"```python\n{m.program.source}\n```"},
-                {"role": "user", "content": FAILURE.format(kind=m.error_kind, error=m.error.strip()[-1500:], fields=_fields(self.task))},
-            ]
-            replies = run.llm.chat(msgs, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                   seed=run.seed * 1000 + 300 + 10 * int(m.program.meta.get("sample", 0)) + attempt, tag=f"{NAME}-repair")
-            programs, errors = programs_from(replies, "\n\n".join(x["content"] for x in msgs), m.generation)
+            seed = run.seed * 1000 + 300 + 10 * int(m.program.meta.get("sample", 0)) + attempt
+            if interface_of(run) == "fields":  # the core's short repair request: fields, function, error, rule
+                code = run.settings.run.code
+                msgs = repair_messages(self.task, m.program.source or m.program.reply, m.error, m.error_kind, entry=ENTRY,
+                                       shapes=self.plugin.shapes)
+                replies = run.llm.chat(msgs, n=1, temperature=code.repair_temperature, max_tokens=code.repair_max_tokens,
+                                       seed=seed, tag=f"{NAME}-repair", stop=code_options(run, 1, None)["stop"])
+            else:
+                msgs = base_messages(run, [], self.plugin.shapes) + [
+                    {"role": "assistant", "content": m.program.reply or f"```python\n{m.program.source}\n```"},
+                    {"role": "user", "content": FAILURE.format(kind=m.error_kind, error=m.error.strip()[-1500:],
+                                                               fields=_fields(self.task))},
+                ]
+                replies = run.llm.chat(msgs, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=seed,
+                                       tag=f"{NAME}-repair")
+            programs, errors = programs_from(replies, "\n\n".join(x["content"] for x in msgs), m.generation,
+                                             self.task.field_names())
             if not programs:
                 m.error = errors[0] if errors else m.error
                 continue
@@ -873,10 +886,10 @@ class Evolution:
                 {"role": "assistant", "content": bm.program.reply if bm.program else ""},
                 {"role": "user", "content": FAILURE.format(kind=bm.error_kind, error=bm.error.strip()[-1500:], fields=_fields(self.task))},
             ]
-        replies = run.llm.chat(msgs, n=len(losers), temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                               seed=run.seed * 1000 + 600 + g, tag=f"{NAME}-evolve-g{g}") if losers else []
+        replies = run.llm.chat(msgs, n=len(losers), max_tokens=cfg.max_tokens, seed=run.seed * 1000 + 600 + g,
+                               tag=f"{NAME}-evolve-g{g}", **code_options(run, len(losers), cfg.temperature)) if losers else []
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs) if losers else ""
-        programs, errors = programs_from(replies, prompt, g)
+        programs, errors = programs_from(replies, prompt, g, self.task.field_names())
         target = apply_scale(buffer.raw[: buffer.size, best], bm.scale) if alive else buffer.env_reward[: buffer.size]
         replaced = [j for j in losers if self._replace(pop[j], programs, errors, g, target, scores[j], bm if alive else None)]
         columns = [apply_scale(buffer.raw[: buffer.size, j], m.scale) for j, m in enumerate(pop) if m.fn is not None]
@@ -999,10 +1012,10 @@ class Plugin:
         msgs = base_messages(run, self.cases_for(run), self.shapes)
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
         tag = f"{NAME}-init-it{iteration}"
-        replies = run.llm.chat(msgs, n=cfg.population, temperature=cfg.init_temperature, max_tokens=cfg.max_tokens,
-                               seed=run.seed * 1000 + iteration, tag=tag)
+        replies = run.llm.chat(msgs, n=cfg.population, max_tokens=cfg.max_tokens, seed=run.seed * 1000 + iteration, tag=tag,
+                               **code_options(run, cfg.population, cfg.init_temperature))
         # every reply is proposed: a rejected one is recorded by the loop, never joins the population
-        programs = every_program(replies, prompt, 0, tag)
+        programs = every_program(replies, prompt, 0, tag, run.task.field_names())
         errors = [p.rejected for p in programs if p.rejected]
         self.log.append(f"initial population: {len(programs) - len(errors)}/{len(replies)} replies held a reward function"
                         + (f"; first error: {' '.join(errors[0].split())}" if errors else ""))

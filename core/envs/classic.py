@@ -295,6 +295,7 @@ class CartPole(GymTask):
     """CartPole-v1: keep a pole upright on a cart; fitness = mean return (max 500)."""
 
     env_id = "CartPole-v1"
+    ends_on_failure = True  # the pole falling or the cart leaving the track ends the episode
     success_return = 475.0  # gymnasium's own "solved" threshold
     sparse_text = (
         "+1 once, on the step the episode reaches its time limit with the pole still up (the whole "
@@ -627,6 +628,7 @@ class LunarLander(GymTask):
     env_id = "LunarLander-v3"
     requires = ("Box2D", "box2d")
     ends_on_success = True  # coming to rest ends the episode
+    ends_on_failure = True  # so does crashing or flying off the screen
     success_return = 200.0  # the env's own "solved" threshold
     sparse_text = (
         "only the outcome the env pays at the end: +100 on the step the lander comes to rest, -100 on the "

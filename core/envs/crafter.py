@@ -573,6 +573,7 @@ class Crafter(Task):
     """Crafter as ``env=minecraft``: symbolic observation, Crafter-score fitness, EnvGen params."""
 
     sparse_text = "+1 each time an achievement is unlocked for the first time in the episode, nothing else (no health term)."
+    ends_on_failure = True  # the player's death ends the episode
 
     def __init__(self, max_episode_steps: int = 10000, pixels: bool = False, name: str = "minecraft", reward: str = "human") -> None:
         fields = list(STATE_FIELDS)

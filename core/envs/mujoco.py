@@ -174,6 +174,7 @@ class Hopper(MujocoTask):
     """Hopper-v5: hop forward without falling."""
 
     env_id = "Hopper-v5"
+    ends_on_failure = True  # the episode terminates when the body is unhealthy (falls)
     joints = [("rootx", "slide"), ("rootz", "slide"), ("rooty", "hinge"), ("thigh_joint", "hinge"), ("leg_joint", "hinge"), ("foot_joint", "hinge")]
 
     def __init__(self, max_episode_steps: int = 1000, show_source: bool = False, reward: str = "human") -> None:
@@ -209,6 +210,7 @@ class Ant(MujocoTask):
     """Ant-v5: walk forward with the four-legged ant."""
 
     env_id = "Ant-v5"
+    ends_on_failure = True  # the episode terminates when the body is unhealthy (falls)
     derived = (TORSO_UPRIGHT,)
     joints = [("root", "free")] + [(f"{p}_{i}", "hinge") for i in range(1, 5) for p in ("hip", "ankle")]
 
@@ -244,6 +246,7 @@ class Humanoid(MujocoTask):
     """Humanoid-v5: walk forward without falling."""
 
     env_id = "Humanoid-v5"
+    ends_on_failure = True  # the episode terminates when the body is unhealthy (falls)
     derived = (TORSO_UPRIGHT,)
     joints = [("root", "free")] + [
         (j, "hinge")

@@ -244,7 +244,7 @@ def test_initial_population_prompt_and_parsing(tmp_path):
     plugin, run = make_run([UPRIGHT, "no code here", SMOOTH], tmp_path, population=3)
     programs = plugin.propose_rewards(run=run, iteration=0)
     (call,) = run.llm.calls
-    assert call.n == 3 and call.temperature == 1.0
+    assert call.n == 3 and call.temperature == 0.512  # by the population's size (core.prompting.sampling_temperature)
     system, user = call.messages[0]["content"], call.messages[1]["content"]
     assert "reward engineer" in system and "simple" in system
     assert run.task.goal in user and "def compute_reward(state, action, next_state)" in user
@@ -415,8 +415,9 @@ def test_evolution_replaces_non_elites_relabels_and_reports_each_member(tmp_path
     tags = [c.tag for c in run.llm.calls]
     assert tags == ["lares-repair", "lares-analysis-g1", "lares-evolve-g1"]
     repair = run.llm.calls[0].messages
-    assert repair[-1]["content"].startswith("Running the reward function above failed (exception)")
-    assert "no_such_field" in repair[-1]["content"] and repair[-2]["content"] == BROKEN
+    assert len(repair) == 2 and "`compute_reward` for this task failed its check" in repair[-1]["content"]
+    assert "`no_such_field` is not a field of this task" in repair[-1]["content"]  # refused before it ran
+    assert 'return state["no_such_field"]' in repair[-1]["content"] and run.llm.calls[0].temperature == 0.2
     analysis_prompt = run.llm.calls[1].messages[0]["content"]
     assert "Episode of" in analysis_prompt and "name the defects" in analysis_prompt
     evolve = run.llm.calls[2]
@@ -438,7 +439,7 @@ def test_failed_functions_are_never_elites_and_all_get_regenerated(tmp_path):
     tags = [c.tag for c in run.llm.calls]
     assert tags == ["lares-evolve-g1"]  # no behaviour to analyse, no repair allowed
     evolve = run.llm.calls[0]
-    assert evolve.n == 2 and "failed (exception)" in evolve.last
+    assert evolve.n == 2 and "failed (names)" in evolve.last and "no_such_field" in evolve.last
     assert all(r.ok for r in results)
     assert all("effort" in r.texts["lares_final_reward.py"] for r in results)
 

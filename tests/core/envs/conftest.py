@@ -39,8 +39,8 @@ def check_schema(task: Task, num_envs: int = 2, steps: int = 3) -> np.ndarray:
     assert env.single_observation_space.shape == (task.obs_dim,)
 
     parts = task.split_state(torch.as_tensor(obs))
-    assert list(parts) == [f.name for f in task.state_fields]
-    for f in task.state_fields:
+    assert list(parts) == task.field_names()  # derived fields included
+    for f in task.program_fields:
         assert tuple(parts[f.name].shape) == (num_envs, *f.shape), f.name
 
     for f in task.state_fields:
@@ -48,7 +48,7 @@ def check_schema(task: Task, num_envs: int = 2, steps: int = 3) -> np.ndarray:
     assert task.goal and task.action_description
     text = task.render_state(obs[0])
     assert text.strip()
-    assert task.schema_text().count("\n") == len(task.state_fields) - 1
+    assert task.schema_text().count("\n") == len(task.program_fields) - 1
     return obs
 
 
