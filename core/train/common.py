@@ -4,7 +4,8 @@ A trainer (:mod:`core.train.ppo`, :mod:`core.train.sac`) builds its env with
 :class:`CandidateEnv` (the task's vector env, the candidate's macros, reward and state
 transforms), wraps its loop in :func:`train_safely` (failures of LLM-written code become
 ``TrainResult(ok=False)``), evaluates with :func:`core.train.evaluate.evaluate` and saves
-its policy with :func:`save_policy`.
+its policy with :func:`save_policy`. :class:`RewardNormalizer` scales the reward the learner
+sees (``trainer.normalize_reward``).
 """
 
 from __future__ import annotations
@@ -214,6 +215,76 @@ def save_policy(state: dict[str, Any], candidate_id: str) -> str:
     os.close(fd)
     torch.save(state, path)
     return path
+
+
+class RewardNormalizer:
+    """The learner's reward divided by the running standard deviation of a discounted return.
+
+    The method of SB3's ``VecNormalize(norm_reward=True)``, Gymnasium's ``NormalizeReward``
+    and rl_games: per env a return ``G <- gamma * G + r`` (reset to 0 after an episode's
+    last step, truncated or terminated), the running variance of ``G`` over every step seen
+    (Chan's parallel update, a prior of mean 0, variance 1 and weight 1e-4, as SB3's
+    ``RunningMeanStd``), and the learner's reward ``clip(r / sqrt(var + 1e-8), -clip, clip)``.
+    Only the trainer's advantages and targets see it: episode returns, logged rewards and
+    the fitness stay in the task's units.
+
+    The state is a few numbers computed from the collected rewards alone, so a training
+    is deterministic under its seed; :meth:`state_dict` / :meth:`load_state_dict` carry
+    the statistics across a continued policy (the per-env returns start again with the new
+    envs).
+    """
+
+    def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, eps: float = 1e-8) -> None:
+        self.gamma, self.clip, self.eps = float(gamma), float(clip), float(eps)
+        self.returns = torch.zeros(int(num_envs), dtype=torch.float64)
+        self.count, self.mean, self.var = 1e-4, 0.0, 1.0
+
+    @property
+    def scale(self) -> float:
+        """What rewards are divided by (``train/reward_scale``)."""
+        return math.sqrt(self.var + self.eps)
+
+    def update(self, reward: torch.Tensor, done: torch.Tensor) -> None:
+        """Accumulate a collected batch ``[envs, steps(, 1)]`` (the env's reward and done flags, in step order)."""
+        envs = self.returns.shape[0]
+        reward = reward.detach().reshape(envs, -1).to(torch.float64)
+        done = done.reshape(envs, -1).bool()
+        seen = torch.empty_like(reward)
+        ret = self.returns
+        for t in range(reward.shape[1]):
+            ret = ret * self.gamma + reward[:, t]
+            seen[:, t] = ret
+            ret = ret.masked_fill(done[:, t], 0.0)
+        self.returns = ret
+        n = seen.numel()
+        mean, var = float(seen.mean()), float(seen.var(unbiased=False))
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.var = (self.var * self.count + var * n + delta * delta * self.count * n / total) / total
+        self.count = total
+
+    def normalize(self, reward: torch.Tensor) -> torch.Tensor:
+        """``reward`` (any shape, its dtype kept) divided by :attr:`scale`, clipped to ``+-clip`` (0: no clip)."""
+        out = reward / self.scale
+        return out.clamp(-self.clip, self.clip) if self.clip > 0 else out
+
+    def reset_returns(self) -> None:
+        """New envs (a training's next stage): their returns start from 0, the statistics stay."""
+        self.returns.zero_()
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "var": self.var}
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        self.count, self.mean, self.var = (float(state[k]) for k in ("count", "mean", "var"))
+
+
+def reward_normalizer(cfg: Any) -> RewardNormalizer | None:
+    """The trainer config's :class:`RewardNormalizer` (``normalize_reward``, ``reward_clip``), or None when off."""
+    if not cfg.normalize_reward:
+        return None
+    return RewardNormalizer(cfg.num_envs, cfg.gamma, cfg.reward_clip)
 
 
 def pearson(s: np.ndarray) -> float:

@@ -25,6 +25,13 @@ policy was on, and with ``keep_policy`` hands its own final state back in the re
 trains the last share of the batches on the original env (a second env, the same
 networks and optimizer).
 
+Reward normalisation (``trainer.normalize_reward``, on by default): the advantages and
+value targets see the reward divided by the running std of a discounted return
+(:class:`core.train.common.RewardNormalizer`, clipped to ``+-reward_clip``), so a reward of
+any scale reaches the critic at unit scale; the batch hooks see, episode returns, metrics
+and the fitness keep the task's units. Its statistics continue with a continued policy.
+``train/reward_scale`` logs the divisor.
+
 Failures of LLM-written code (reward/state programs, hook plugins) are data: ``train``
 returns ``TrainResult(ok=False, error=..., error_kind=...)`` instead of raising.
 """
@@ -44,8 +51,8 @@ from torchrl.collectors import Collector
 
 from core.envs.task import Task
 from core.records import Candidate, Episode, TrainResult
-from core.train.common import (CandidateEnv, config_from, corr_sums, pearson, save_policy, split_env_params,  # noqa: F401
-                               train_safely, wants_saved_policy)
+from core.train.common import (CandidateEnv, config_from, corr_sums, pearson, reward_normalizer,  # noqa: F401
+                               save_policy, split_env_params, train_safely, wants_saved_policy)
 from core.config import Settings
 from core.context import TrainContext
 from core.train.action_prior import PriorSamplingPolicy, PriorSource
@@ -73,6 +80,8 @@ class PPOConfig:
     ent_coef: float = 0.0  # entropy bonus coefficient
     vf_coef: float = 0.5  # value loss coefficient
     max_grad_norm: float = 0.5  # gradient norm clip
+    normalize_reward: bool = True  # the learner's reward / running std of a discounted return (common.RewardNormalizer)
+    reward_clip: float = 10.0  # the normalised reward's clip range +-reward_clip (0: none); only with normalize_reward
     hidden: list[int] = field(default_factory=lambda: [64, 64])  # actor and critic MLP sizes
     eval_every: int = 25_000  # frames between periodic evaluations (0: only at the end)
     eval_episodes: int = 10  # episodes per evaluation (0: none)
@@ -97,6 +106,8 @@ class PPOConfig:
             raise ValueError("trainer.eval_every and trainer.eval_episodes must be >= 0")
         if not self.hidden:
             raise ValueError("trainer.hidden needs at least one layer size")
+        if self.reward_clip < 0:
+            raise ValueError(f"trainer.reward_clip must be >= 0 (0: no clip), got {self.reward_clip}")
 
     @property
     def frames_per_batch(self) -> int:
@@ -280,6 +291,7 @@ class _Run:
         nets = build_networks(cenv.obs_dim, self.base.action_spec, cfg.hidden)
         self.nets, self.model = nets, FlatActorCritic(nets.actor_net, nets.critic_net)
         self.optim = FlatAdam(self.model.params, lr=cfg.lr, eps=1e-5)  # one fused kernel per step
+        self.reward_norm = reward_normalizer(cfg)  # the learner's reward scale (trainer.normalize_reward), or None
         if start is not None:
             try:
                 self.restore(start)
@@ -315,6 +327,8 @@ class _Run:
                 seed = self.seed + self.before + self.frames
                 self.cenv = CandidateEnv(self.task, stage, cfg.num_envs, seed, hook, ctx)
                 self.env, self.base = self.cenv.env, self.cenv.base
+                if self.reward_norm is not None:
+                    self.reward_norm.reset_returns()
             try:
                 self.train_stage(n)
             finally:
@@ -380,6 +394,8 @@ class _Run:
                 data = self._advantages(batch)
                 clock.lap("advantage")
                 stats = self.stats = self._update(data, self.optim, cfg.clip * frac)
+                if self.reward_norm is not None:
+                    stats["train/reward_scale"] = self.reward_norm.scale
                 clock.lap("update")
                 self.batch += 1
                 if cenv.rewrites_reward:
@@ -423,7 +439,9 @@ class _Run:
 
         ``load_state_dict`` copies into the modules' parameters in place: they stay views of
         the flat parameter tensor that the update steps. Adam's moments and step count are
-        the flat tensors of the same layout.
+        the flat tensors of the same layout. With ``normalize_reward`` the reward statistics
+        continue too (the critic learned values in their scale); a state without them (one
+        trained without normalisation) starts them afresh.
         """
         mine = {"obs_dim": self.cenv.obs_dim, "hidden": list(self.cfg.hidden), "discrete": self.nets.discrete}
         theirs = {k: state.get(k) for k in mine}
@@ -440,13 +458,18 @@ class _Run:
             else:
                 for name in ("exp_avg", "exp_avg_sq", "steps"):
                     getattr(self.optim, name).copy_(optim[name])
+        if self.reward_norm is not None and state.get("reward_norm") is not None:
+            self.reward_norm.load_state_dict(state["reward_norm"])
 
     def final_state(self) -> bytes:
-        """The trained state as bytes: both networks, Adam's state, and the frames trained so far."""
+        """The trained state as bytes: both networks, Adam's state, the reward statistics (with
+        ``normalize_reward``) and the frames trained so far."""
         optim = self.optim
         state = self._policy_state()
         state["optimizer"] = ({"fallback": optim._fallback.state_dict()} if optim._fallback is not None else
                               {name: getattr(optim, name).clone() for name in ("exp_avg", "exp_avg_sq", "steps")})
+        if self.reward_norm is not None:
+            state["reward_norm"] = self.reward_norm.state_dict()
         state["frames"] = self.before + self.frames
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -487,13 +510,19 @@ class _Run:
         return stats
 
     def _advantages(self, batch: Any) -> Frames:
-        """The batch's frames as plain tensors, with GAE advantages and value targets."""
+        """The batch's frames as plain tensors, with GAE advantages and value targets.
+
+        With ``normalize_reward`` the advantages see the normalised reward; the batch keeps the
+        task's (hooks, metrics and the reward correlation read it)."""
         cfg = self.cfg
         obs, next_obs = batch.get("observation"), batch.get(("next", "observation"))
         values = self.model.critic(torch.cat([obs, next_obs]).reshape(-1, obs.shape[-1]))
         value, next_value = values.reshape(2, *obs.shape[:-1], 1).unbind(0)
-        adv = gae(batch.get(("next", "reward")), value, next_value, batch.get(("next", "done")),
-                  batch.get(("next", "terminated")), cfg.gamma, cfg.gae_lambda)
+        reward, done = batch.get(("next", "reward")), batch.get(("next", "done"))
+        if self.reward_norm is not None:
+            self.reward_norm.update(reward, done)
+            reward = self.reward_norm.normalize(reward)
+        adv = gae(reward, value, next_value, done, batch.get(("next", "terminated")), cfg.gamma, cfg.gae_lambda)
         action = batch.get("action")
         action = action.reshape(-1, 1) if self.nets.discrete else action.reshape(-1, action.shape[-1])
         prior = batch.get("action_prior", None)

@@ -11,7 +11,9 @@ plain loop (:func:`collect`: uniformly random actions for the first
 ``init_random_frames``), replay a uniform ring over one tensor (:class:`FlatReplay`).
 The env, the candidate's programs and hooks, evaluation and saving are the shared ones
 of :mod:`core.train.common`. ``time/<phase>_s`` metrics (:data:`PHASES`) say where the
-training time went.
+training time went. With ``trainer.normalize_reward`` (on by default) the gradient step sees the
+replayed reward divided by the running scale of :class:`core.train.common.RewardNormalizer`
+(``train/reward_scale``); the replay keeps the task's reward.
 
 Building blocks other trainers reuse (LaRes trains a population with them):
 
@@ -44,7 +46,8 @@ from torchrl.objectives import SACLoss, SoftUpdate
 
 from core.envs.task import Task
 from core.records import Candidate, Episode, TrainResult
-from core.train.common import CandidateEnv, config_from, corr_sums, pearson, save_policy, train_safely, wants_saved_policy
+from core.train.common import (CandidateEnv, config_from, corr_sums, pearson, reward_normalizer, save_policy,
+                               train_safely, wants_saved_policy)
 from core.config import Settings
 from core.context import TrainContext
 from core.train.action_prior import PRIOR_KEYS, PriorBehaviour, PriorSource, imitation_step
@@ -74,6 +77,8 @@ class SACConfig:
     target_entropy: float | str = "auto"  # "auto": -action_dim
     gamma: float = 0.99  # discount
     tau: float = 0.005  # Polyak rate of the target critics
+    normalize_reward: bool = True  # the learner's reward / running std of a discounted return (common.RewardNormalizer)
+    reward_clip: float = 10.0  # the normalised reward's clip range +-reward_clip (0: none); only with normalize_reward
     hidden: list[int] = field(default_factory=lambda: [256, 256])  # actor and critic MLP sizes
     eval_every: int = 5000  # frames between periodic evaluations (0: only at the end)
     eval_episodes: int = 10  # episodes per evaluation (0: none)
@@ -98,6 +103,8 @@ class SACConfig:
             raise ValueError("trainer.eval_every and trainer.eval_episodes must be >= 0")
         if not self.hidden:
             raise ValueError("trainer.hidden needs at least one layer size")
+        if self.reward_clip < 0:
+            raise ValueError(f"trainer.reward_clip must be >= 0 (0: no clip), got {self.reward_clip}")
 
     @property
     def frames_per_batch(self) -> int:
@@ -341,6 +348,9 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
         prior = PriorBehaviour(policy, PriorSource(hook, ctx, task, low=spec.low, high=spec.high), random_frames)
         policy, random_frames, buffer = prior, 0, FlatReplay(cfg.buffer_size, BUFFER_KEYS + PRIOR_KEYS)
     collector = collect(cenv.env, policy, batches, cfg.rollout_steps, random_frames, cenv.postproc)
+    # trainer.normalize_reward: the replay keeps the task's reward; the gradient step sees it
+    # divided by the running scale at sampling time (SB3's replay buffer under VecNormalize)
+    reward_norm = reward_normalizer(cfg)
 
     def evaluate_now(frames: int) -> list[Episode]:
         def act(obs: torch.Tensor) -> torch.Tensor:
@@ -371,6 +381,8 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
                 corr += corr_sums(batch)
             lap = _lap(phases, "other", lap)
             buffer.extend(batch)
+            if reward_norm is not None:
+                reward_norm.update(batch.get(("next", "reward")), batch.get(("next", "done")))
             lap = _lap(phases, "replay", lap)
             if frames >= cfg.init_random_frames and len(buffer) >= cfg.batch_size:
                 owed += batch.numel() * cfg.updates_per_frame
@@ -378,7 +390,10 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
                 while owed >= 1.0:
                     sample = buffer.sample(cfg.batch_size)
                     lap = _lap(phases, "replay", lap)
-                    losses = flat.update(sample["observation"], sample["action"], sample["next", "reward"],
+                    reward = sample["next", "reward"]
+                    if reward_norm is not None:
+                        reward = reward_norm.normalize(reward)
+                    losses = flat.update(sample["observation"], sample["action"], reward,
                                          sample["next", "observation"], sample["next", "terminated"])
                     lap = _lap(phases, "update", lap)
                     flat.update_targets()
@@ -394,6 +409,8 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
                              "losses/alpha_loss": float(losses["loss_alpha"]), "losses/alpha": float(losses["alpha"])}
                     if imitated is not None:
                         stats["losses/imitation_loss"] = imitated
+                    if reward_norm is not None:
+                        stats["train/reward_scale"] = reward_norm.scale
             finished = cenv.base.pop_finished()
             returns += [r for r, _ in finished]
             now = time.perf_counter()
