@@ -260,3 +260,38 @@ def test_a_text2reward_program_is_repaired_without_its_helpers_and_keeps_them():
     assert "def tolerance" not in call.last  # the helpers are the plugin's, not the LLM's to fix
     assert c.reward.entry == "compute_dense_reward" and "def tolerance" in c.reward.source and "reached" in c.reward.source
     assert c.reward.origin == t2r.NAME and c.reward.meta["repairs"] == 1
+
+
+@pytest.mark.slow
+def test_with_the_embedded_model_most_sampled_programs_are_usable(tmp_path: Path):
+    """The real pipeline on CartPole: four eureka samples from the embedded model, extracted,
+    checked, probed, vetted and repaired; at least half are usable and none fails at run time
+    on a field or name that does not exist. Replies are cached under LLM4RL_CACHE_DIR."""
+    from hydra import compose, initialize_config_dir
+
+    from core.config import validate
+    from core.context import RunContext
+    from core.llm.client import make_client
+    from core.resources import conf_dir
+
+    cache = os.environ.get("LLM4RL_CACHE_DIR") or str(tmp_path / "cache")
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = compose(config_name="config", overrides=[
+            "env=cartpole", "+plugins=[eureka]", "plugins.eureka.iterations=1", "plugins.eureka.samples=4",
+            "vetting.episodes=4", f"llm.cache_path={cache}", f"cache_dir={tmp_path}", "progress=false"])
+    settings = validate(cfg, {"eureka": eureka})
+    llm = make_client(cfg.llm)
+    pm = make_plugin_manager(settings, modules={"eureka": eureka})
+    run = RunContext(settings=settings, task=make_task(cfg.env), seed=0, llm_factory=lambda: llm, hook=pm.hook,
+                     tracker=fakes.Logged())
+    plugin = pm.get_plugin("eureka")
+    candidates = [Candidate(id=f"it0-c{i}", iteration=0, reward=p)
+                  for i, p in enumerate(p for group in plugin.propose_rewards(run=run, iteration=0) for p in group)]
+    failed = preflight(run, candidates)
+    usable = [c for c in candidates if not c.reward.rejected and c.id not in failed]
+    assert len(candidates) == 4 and len(usable) >= 2, [(c.reward.rejected or failed[c.id].error)[:300]
+                                                         for c in candidates if c not in usable]
+    for c in usable:  # what trains reads only the task's fields
+        assert "next_state" in c.reward.source or "state" in c.reward.source
+    runtime = [failed[c.id].error for c in candidates if c.id in failed and failed[c.id].error_kind == "exception"]
+    assert not any(word in e for e in runtime for word in ("KeyError", "NameError", "has no field")), runtime
