@@ -172,6 +172,19 @@ def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def table(result: dict[str, Any]) -> str:
+    """The result as a markdown table: a row per task, the two interfaces side by side."""
+    rows = ["| task | interface | usable (95 % CI) | failures | run-time name errors | completion tokens / usable | LLM s / usable |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for c in result["cells"]:
+        lo, hi = c["usable_ci95"]
+        kinds = ", ".join(f"{k} {v}" for k, v in c["failure_kinds"].items()) or "none"
+        rows.append(f"| {c['task']} | {c['interface']} | {c['usable']}/{c['samples']} = {c['usable_share']:.2f} "
+                    f"[{lo:.2f}, {hi:.2f}] | {kinds} | {c['runtime_name_errors']} | "
+                    f"{c['completion_tokens_per_usable'] or '-'} | {c['llm_s_per_usable'] or '-'} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="+", default=TASKS)
@@ -181,8 +194,12 @@ def main() -> None:
     parser.add_argument("--cache", default=str(Path.home() / ".cache" / "llm4rl" / "usable_rate"),
                         help="LLM reply cache and reference episodes (fresh for timing figures)")
     parser.add_argument("--out", default="", help="JSON file of the result; cells already in it are skipped")
+    parser.add_argument("--table", action="store_true", help="print the --out file's result as a markdown table and stop")
     parser.add_argument("override", nargs="*", help="further Hydra overrides (llm=..., vetting.repair=...)")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.out).read_text())))
+        return
 
     import torch
 
