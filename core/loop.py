@@ -27,6 +27,7 @@ and nothing changes.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -43,7 +44,9 @@ from core.progress import LLMCallView, make_progress
 from core.records import Candidate, IterationResult, Plan, StartPolicy, TrainResult
 from core.registry import call_each
 from core.store import ResultStore, job_key, results_path
-from core.tracking import Tracker, format_llm_call
+from core.tracking import Tracker, format_llm_call, tracking_failure
+
+log = logging.getLogger("core.loop")
 
 #: proposal hook -> the Candidate field it fills
 ROLE_HOOKS = {
@@ -267,7 +270,7 @@ class Loop:
     def _landed(self, key: str, result: TrainResult) -> float:
         """A training came back: keep a successful one in the results store; when (its MLflow run's end)."""
         if self.store is not None and result.ok:
-            self.store.put(key, result)
+            self._store_put(key, result)
         return time.time()
 
     def _record(self, candidates: list[Candidate], results: list[TrainResult], todo: list[int], keys: list[str],
@@ -289,15 +292,45 @@ class Loop:
                 if reused:  # say where the reused training was recorded first
                     tags["reused_from_run"] = result.run_id or "unknown"
                     tags["results_store"] = str(self.store_path)
-                self.tracker.log_candidate(candidate, result, tags, ended=ended.get(i))
+                self._log_candidate(candidate, result, tags, ended.get(i))
                 if i in todo and self.store is not None and result.ok and result.run_id:
-                    self.store.put(keys[i], result)  # again, now with its MLflow run id
+                    self._store_put(keys[i], result)  # again, now with its MLflow run id
             if i in todo:
                 self._count_training_llm(result)
             if i in todo and result.policy_path:  # uploaded by the tracker or wanted by nobody: never left in the temp folder
                 Path(result.policy_path).unlink(missing_ok=True)
             final.append(result)
         return final
+
+    def _log_candidate(self, candidate: Candidate, result: TrainResult, tags: dict[str, str], ended: float | None) -> None:
+        """Record a candidate's nested run; a failure to record it is the candidate's own.
+
+        :meth:`core.tracking.Tracker.log_candidate` does not raise; should a tracker raise all
+        the same, ``result`` becomes a ``tracking`` failure, the run it made (or a small one)
+        ends FAILED with the reason, and the loop goes on with the next candidate.
+        """
+        assert self.tracker is not None
+        before = result.run_id
+        try:
+            self.tracker.log_candidate(candidate, result, tags, ended=ended)
+        except Exception as exc:  # noqa: BLE001 - one candidate's recording never ends the run
+            log.warning("candidate %s could not be recorded (%s: %s); the run goes on",
+                        candidate.id, type(exc).__name__, str(exc)[:300])
+            tracking_failure(result, exc)
+            made = result.run_id if result.run_id != before else ""
+            try:
+                result.run_id = self.tracker.fail_candidate(candidate, result, run_id=made)
+            except Exception:  # noqa: BLE001 - a tracker without it, or one that fails again
+                result.run_id = made
+
+    def _store_put(self, key: str, result: TrainResult) -> None:
+        """Keep a result in the results store; one that cannot be kept is said in the log, and the run goes on."""
+        assert self.store is not None
+        try:
+            self.store.put(key, result)
+        except Exception as exc:  # noqa: BLE001 - the store is for resuming: losing an entry costs a retraining
+            log.warning("candidate %s: the results store could not keep its result (%s: %s)",
+                        result.candidate_id, type(exc).__name__, str(exc)[:300])
 
     def train_arriving(self, arrivals: Iterable[tuple[Candidate, TrainResult | None]], seed: int, progress: Any
                        ) -> tuple[list[Candidate], list[TrainResult]]:

@@ -2,12 +2,25 @@
 
 Only the main process talks to MLflow: workers return :class:`TrainResult` records and
 the tracker writes them, so a sqlite backend never sees concurrent writers.
+
+Names MLflow refuses (a reward component called ``angle (rad)`` or ``upright/``, a name
+longer than MLflow's limit) are logged under valid names (:func:`safe_key`); the run's
+``metric_names.json`` maps each such name back to the original. Recording a candidate
+never raises: a failure while writing it ends the candidate's run FAILED with the reason
+and makes the candidate's result a failure of kind ``tracking`` (:meth:`Tracker.log_candidate`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import json
+import logging
 import os
+import posixpath
+import re
+import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -19,6 +32,8 @@ from core import run_page
 from core.records import Candidate, RewardProgram, StateProgram, TrainResult
 
 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+
+log = logging.getLogger("core.tracking")
 
 #: the experiment tag MLflow 3 reads for an experiment's kind: model training, not GenAI. MLflow
 #: 3.17's global GenAI / Model training switch still wins over it, so links carry
@@ -34,6 +49,85 @@ SUMMARY_ONLY = ("reward/env_correlation",)
 #: why a summary metric can be undefined (NaN), written as the run's ``note.<metric>`` tag
 UNDEFINED = {"reward/env_correlation": "undefined: the env reward or the candidate's reward was constant "
                                        "over training (e.g. CartPole's 1 per step), so no correlation exists"}
+
+#: the characters MLflow allows in metric, param and tag names (its
+#: ``mlflow.utils.validation.validate_param_and_metric_name`` outside Windows), matched to the
+#: end: MLflow's own pattern ends in ``$``, which lets one trailing newline through
+_KEY = re.compile(r"[/\w.\- :]*")
+_NOT_KEY = re.compile(r"[^/\w.\- :]")
+#: MLflow's length limit on a metric, param or tag name (``mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH``)
+MAX_KEY_CHARS = 250
+#: the artifact of a run whose metric names were changed for MLflow: ``{logged name: original}``
+NAMES_ARTIFACT = "metric_names.json"
+#: the tag that says how many metric names of a run were changed (the originals in :data:`NAMES_ARTIFACT`)
+RENAMED_TAG = "llm4rl.renamed_metrics"
+
+
+def valid_key(name: Any) -> bool:
+    """Whether MLflow takes ``name`` as a metric, param or tag name as it is.
+
+    Its rule, mirrored: a non-empty string of at most :data:`MAX_KEY_CHARS` alphanumerics,
+    ``_ - . space / :``, that stays the same as a path (no empty, ``.`` or ``..`` part, no
+    leading or trailing ``/``). MLflow's own check runs too where it can be imported, so a
+    stricter MLflow is obeyed.
+    """
+    return isinstance(name, str) and _valid(name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _valid(name: str) -> bool:
+    if not name or len(name) > MAX_KEY_CHARS or _KEY.fullmatch(name) is None:
+        return False
+    norm = posixpath.normpath(name)
+    if norm != name or norm.startswith(("..", "/")):
+        return False
+    try:
+        from mlflow.utils.validation import _validate_metric_name
+    except ImportError:  # an MLflow without it: the mirrored rule alone
+        return True
+    try:
+        _validate_metric_name(name)
+    except Exception:  # noqa: BLE001 - MlflowException, or whatever a later MLflow raises
+        return False
+    return True
+
+
+def safe_key(name: Any) -> str:
+    """``name`` itself where MLflow takes it (:func:`valid_key`), else a valid name close to it.
+
+    Each refused character becomes ``_``, empty path parts are dropped and ``.`` / ``..``
+    parts become underscores (``components/upright/`` -> ``components/upright``,
+    ``components/angle (rad)`` -> ``components/angle _rad_``); a name still too long is cut
+    and ends in a digest of the original, so two long names stay apart.
+    """
+    text = name if isinstance(name, str) else str(name)
+    if valid_key(text):
+        return text
+    digest = _digest(text)
+    parts = [p if p not in (".", "..") else "_" * len(p) for p in _NOT_KEY.sub("_", text).split("/") if p]
+    out = "/".join(parts) or "_"
+    if out.startswith(".."):
+        out = "_" + out[1:]
+    if len(out) > MAX_KEY_CHARS:
+        out = out[: MAX_KEY_CHARS - 11].rstrip("/") + "-" + digest
+    return out if valid_key(out) else f"metric-{digest}"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+
+
+def tracking_failure(result: TrainResult, exc: BaseException) -> None:
+    """Make ``result`` the failure of a candidate that could not be recorded (in place).
+
+    A result that was ok fails as ``tracking``; one that had failed already keeps its own
+    kind, and the reason is added to its error.
+    """
+    reason = f"Recording the candidate in MLflow failed: {type(exc).__name__}: {str(exc)[:1500]}"
+    if result.ok or not result.error_kind:
+        result.error_kind = "tracking"
+    result.error = f"{result.error}\n\n{reason}" if result.error else reason
+    result.ok = False
 
 
 @contextmanager
@@ -104,6 +198,7 @@ class Tracker:
         self.parent_id = ""
         self.parent_name = ""
         self.uri = cfg["uri"]
+        self._renamed: dict[str, dict[str, str]] = {}  # per run: {logged metric name: original}, when they differ
 
     # -- parent run -------------------------------------------------------------------
     @contextmanager
@@ -136,16 +231,51 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int | None = None, run_id: str | None = None) -> None:
         self.log_points([(k, v, step or 0) for k, v in metrics.items()], run_id)
 
-    def log_points(self, points: list[tuple[str, float, int]], run_id: str | None = None) -> None:
-        """Many ``(key, value, step)`` metric points in few requests."""
+    def log_points(self, points: list[tuple[str, float, int]], run_id: str | None = None,
+                   keep_nan: bool = False) -> None:
+        """Many ``(key, value, step)`` metric points in few requests; non-finite values are left
+        out (NaN kept with ``keep_nan``). Names MLflow refuses are logged under :func:`safe_key`
+        names (:meth:`metric_names`)."""
         import time
 
         from mlflow.entities import Metric
 
+        rid = run_id or self.parent_id
         now = int(time.time() * 1000)
-        metrics = [Metric(k, float(v), now, int(step)) for k, v, step in points if _finite(v)]
+        kept = [(k, v, step) for k, v, step in points if _finite(v) or (keep_nan and isinstance(v, float) and v != v)]
+        names = self.metric_names([k for k, _, _ in kept], rid)
+        metrics = [Metric(names[k], float(v), now, int(step)) for k, v, step in kept]
         for i in range(0, len(metrics), 1000):  # MLflow's batch limit
-            self.client.log_batch(run_id or self.parent_id, metrics=metrics[i : i + 1000])
+            self.client.log_batch(rid, metrics=metrics[i : i + 1000])
+
+    def metric_names(self, keys: list[str], run_id: str | None = None) -> dict[str, str]:
+        """The name each metric key is logged under in a run: itself where MLflow takes it,
+        else :func:`safe_key`'s (with a digest where two would meet). A run that got a
+        changed name has :data:`NAMES_ARTIFACT` (``{logged name: original}``) and the
+        :data:`RENAMED_TAG` tag."""
+        rid = run_id or self.parent_id
+        renamed = self._renamed.setdefault(rid, {})
+        back = {original: logged for logged, original in renamed.items()}
+        keys = list(dict.fromkeys(keys))
+        taken = {k for k in keys if valid_key(k)} | set(renamed)
+        out: dict[str, str] = {}
+        new = False
+        for key in keys:
+            if key in taken and key not in renamed:
+                out[key] = key
+            elif key in back:
+                out[key] = back[key]
+            else:
+                logged = safe_key(key)
+                if logged in taken:  # another name is logged under it already: this one gets its digest
+                    logged = safe_key(f"{logged[:MAX_KEY_CHARS - 11]}-{_digest(str(key))}")
+                renamed[logged], back[key], out[key] = str(key), logged, logged
+                taken.add(logged)
+                new = True
+        if new:
+            self.log_json(renamed, NAMES_ARTIFACT, rid)
+            self.client.set_tag(rid, RENAMED_TAG, str(len(renamed)))
+        return out
 
     def log_text(self, text: str, path: str, run_id: str | None = None) -> None:
         self.client.log_text(run_id or self.parent_id, text, path)
@@ -161,7 +291,7 @@ class Tracker:
 
     def set_tags(self, tags: dict[str, str], run_id: str | None = None) -> None:
         for k, v in tags.items():
-            self.client.set_tag(run_id or self.parent_id, k, str(v))
+            self.client.set_tag(run_id or self.parent_id, safe_key(k), str(v))
 
     # -- candidates -------------------------------------------------------------------
     def log_candidate(self, candidate: Candidate, result: TrainResult, tags: dict[str, str],
@@ -177,26 +307,50 @@ class Tracker:
         frames (``charts/episodic_return`` is training episodes), reward ``components/*``,
         and per-training summaries (``frames``, ``seconds``, ``reward/env_correlation``,
         ``time/*``, ...) once at step 0; a summary that differs from its series' last point
-        is ``summary/<name>``.
+        is ``summary/<name>``. Names MLflow refuses are logged under valid ones
+        (:meth:`metric_names`).
+
+        Never raises: where writing the run fails (the backend, an artifact, a value MLflow
+        refuses), ``result`` becomes a failure of kind ``tracking`` (:func:`tracking_failure`)
+        and the run ends FAILED with the reason (:meth:`fail_candidate`). ``result.run_id``
+        is the new run's id from the moment it exists.
         """
         import time
 
+        end_ms = int((ended if ended is not None else time.time()) * 1000)
+        rid = ""
+        try:
+            rid = self._create_candidate_run(candidate, result, tags, end_ms)
+            result.run_id = rid
+            self._fill_candidate_run(rid, candidate, result, end_ms)
+            self.client.set_terminated(rid, status="FINISHED" if result.ok else "FAILED", end_time=end_ms)
+        except Exception as exc:  # noqa: BLE001 - a candidate that cannot be recorded fails alone
+            log.warning("candidate %s could not be recorded in MLflow (%s: %s); the run goes on",
+                        candidate.id, type(exc).__name__, str(exc)[:300])
+            tracking_failure(result, exc)
+            rid = self.fail_candidate(candidate, result, run_id=rid, end_ms=end_ms,
+                                      detail="".join(traceback.format_exception(exc))[-4000:])
+            result.run_id = rid
+        return rid
+
+    def _create_candidate_run(self, candidate: Candidate, result: TrainResult, tags: dict[str, str], end_ms: int) -> str:
         from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-        end_ms = int((ended if ended is not None else time.time()) * 1000)
-        start_ms = end_ms - int(result.seconds * 1000)
         fitness_name = result.fitness.name if result.fitness is not None else "fitness"
         page = run_page.candidate_page(candidate=candidate, result=result, parent_name=self.parent_name,
                                        parent_id=self.parent_id, experiment_id=self.experiment_id,
                                        fitness_name=fitness_name)
         run = self.client.create_run(
             self.experiment_id,
-            start_time=start_ms,
+            start_time=end_ms - int(result.seconds * 1000),
             run_name=run_page.candidate_run_name(self.parent_name, candidate.id),
             tags={MLFLOW_PARENT_RUN_ID: self.parent_id, "candidate": candidate.id, "ok": str(result.ok),
-                  run_page.WINNER_TAG: "false", run_page.NOTE_TAG: page, **tags},
+                  run_page.WINNER_TAG: "false", run_page.NOTE_TAG: page, **{safe_key(k): v for k, v in tags.items()}},
         )
-        rid = run.info.run_id
+        return run.info.run_id
+
+    def _fill_candidate_run(self, rid: str, candidate: Candidate, result: TrainResult, end_ms: int) -> None:
+        fitness_name = result.fitness.name if result.fitness is not None else "fitness"
         self._log_params({"iteration": candidate.iteration, "parts": ",".join(candidate.parts) or "baseline"}, rid)
         for role, part in candidate.parts.items():
             if isinstance(part, (RewardProgram, StateProgram)):
@@ -212,10 +366,9 @@ class Tracker:
         self.log_metrics({k: v for k, v in summary.items() if _finite(v)}, step=0, run_id=rid)
         undefined = {k: v for k, v in summary.items() if not _finite(v) and isinstance(v, float) and v != v}
         if undefined:  # NaN says "undefined"; the note says why
-            from mlflow.entities import Metric
-
-            self.client.log_batch(rid, metrics=[Metric(k, float("nan"), end_ms, 0) for k in undefined])
-            self.set_tags({f"note.{k}": UNDEFINED.get(k, "undefined") for k in undefined}, rid)
+            self.log_points([(k, float("nan"), 0) for k in undefined], rid, keep_nan=True)
+            names = self.metric_names(list(undefined), rid)
+            self.set_tags({f"note.{names[k]}": UNDEFINED.get(k, "undefined") for k in undefined}, rid)
         for name, text in result.texts.items():
             self.log_text(text, f"texts/{name}", rid)
         if not result.ok:
@@ -228,9 +381,45 @@ class Tracker:
 
             fig = learning_curve({candidate.id: result.curve}, title=f"{candidate.id}: {fitness_name}")
             self.log_figure(fig, "learning_curve.png", rid)
-        self.client.set_terminated(rid, status="FINISHED" if result.ok else "FAILED", end_time=end_ms)
-        result.run_id = rid
-        return rid
+
+    def fail_candidate(self, candidate: Candidate, result: TrainResult, run_id: str = "", end_ms: int | None = None,
+                       detail: str = "") -> str:
+        """Record a candidate whose recording failed (``result`` says why: :func:`tracking_failure`)
+        and end its run FAILED; its run id ("" when MLflow takes nothing). Best effort, never raises.
+
+        ``run_id``: the candidate's run, if it was created; else a small run of its own is made
+        (the parent, the candidate, ``ok=False``, the kind). The reason is the ``error`` tag
+        (the error's last line, the recording's own) and ``error.txt`` (with ``detail``, the traceback).
+        """
+        import time
+
+        from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+        end_ms = end_ms if end_ms is not None else int(time.time() * 1000)
+        first = (result.error.strip().splitlines() or ["recording failed"])[-1][:250]
+        tags = {"ok": "False", "error_kind": result.error_kind or "tracking", "error": first}
+        if not run_id:
+            with contextlib.suppress(Exception):
+                run_id = self.client.create_run(
+                    self.experiment_id, start_time=end_ms - int(max(result.seconds, 0.0) * 1000),
+                    run_name=run_page.candidate_run_name(self.parent_name, candidate.id),
+                    tags={MLFLOW_PARENT_RUN_ID: self.parent_id, "candidate": candidate.id, run_page.WINNER_TAG: "false",
+                          **tags}).info.run_id
+        if not run_id:
+            return ""
+        for key, value in tags.items():
+            with contextlib.suppress(Exception):
+                self.client.set_tag(run_id, key, value)
+        with contextlib.suppress(Exception):  # the description says it failed, and why
+            page = run_page.candidate_page(candidate=candidate, result=result, parent_name=self.parent_name,
+                                           parent_id=self.parent_id, experiment_id=self.experiment_id,
+                                           fitness_name=result.fitness.name if result.fitness is not None else "fitness")
+            self.client.set_tag(run_id, run_page.NOTE_TAG, page)
+        with contextlib.suppress(Exception):
+            self.log_text(result.error + (f"\n\n{detail}" if detail else ""), "error.txt", run_id)
+        with contextlib.suppress(Exception):
+            self.client.set_terminated(run_id, status="FAILED", end_time=end_ms)
+        return run_id
 
     def describe_run(self, *, task: str, fitness_name: str, history: list[Any], best: tuple[Candidate, TrainResult] | None,
                      llm: dict[str, float], seconds: float, final: list[float] | None = None) -> str:

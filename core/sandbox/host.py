@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
 import logging
 import os
 import pickle
@@ -90,15 +89,17 @@ def child_env() -> dict[str, str]:
 
 
 def _recv_json(sock: socket.socket, buf: bytearray, timeout: float) -> dict[str, Any] | None:
-    """One JSON message within ``timeout`` seconds; None on EOF or timeout."""
+    """One JSON object within ``timeout`` seconds; None on EOF or anything else (``TimeoutError`` past it)."""
     ready, _, _ = select.select([sock], [], [], max(0.0, timeout))
     if not ready:
         raise TimeoutError
     n = sock.recv_into(buf)
     if n == 0:
         return None
-    value = json.loads(bytes(buf[:n]))
-    return value if isinstance(value, dict) else None
+    try:
+        return wire.decode_reply(bytes(buf[:n]))
+    except wire.MalformedReply:
+        return None
 
 
 class Zygote:
@@ -665,7 +666,15 @@ class ProgramWorker:
     # -- requests ------------------------------------------------------------------------------
     def _request(self, message: dict[str, Any], timeout: float, fds: list[int] | None = None,
                  same: int = 0, count: bool = False) -> tuple[dict[str, Any], float]:
-        """Send a request (or, with ``same``, "the last call of that handle again") and wait for the reply."""
+        """Send a request (or, with ``same``, "the last call of that handle again") and wait for the reply.
+
+        Sending and receiving share one deadline, ``timeout`` from the start of the send:
+        a worker that stops reading its requests is as late as one that stops answering
+        (``timeout``, the worker killed). A reply is decoded by :func:`core.sandbox.wire.decode_reply`;
+        anything the protocol does not allow ends the worker as ``crashed``
+        (:meth:`_malformed`), so every reply either is a dict with this request's ``seq`` or
+        raises :class:`SandboxError`.
+        """
         if self.dead is not None:
             raise SandboxError(self.dead)
         self._seq += 1
@@ -681,12 +690,14 @@ class ProgramWorker:
         assert sock is not None
         start = time.perf_counter()
         try:
-            if fds:
-                socket.send_fds(sock, [data], fds)
-            else:
-                sock.send(data)
+            sent = self._send(sock, data, fds, start + timeout)
         except OSError:
             raise SandboxError(self._died()) from None
+        if not sent:
+            elapsed = time.perf_counter() - start
+            self._end(fail("timeout", f"Timeout: the program's worker took no request for {elapsed:.2f} s "
+                                      f"(a call may take {timeout:g} s) and was stopped."))
+            raise SandboxError(self.dead)  # type: ignore[arg-type]
         poll = self._poll.poll
         ready = False
         if same and count and spin.host_s:  # the worker answers from another CPU: poll for it there, then sleep
@@ -699,7 +710,7 @@ class ProgramWorker:
                                       "Make the function faster (vectorise over the batch, no long loops)."))
             raise SandboxError(self.dead)  # type: ignore[arg-type]
         try:
-            n = sock.recv_into(self._buf)
+            n = sock.recv_into(self._buf, 0, socket.MSG_DONTWAIT)
         except OSError:
             n = 0
         now = time.perf_counter()
@@ -713,12 +724,41 @@ class ProgramWorker:
             reply = {"seq": seq, "out": SAME, "program_s": program_s}
         else:
             try:
-                reply = json.loads(bytes(self._buf[:n]))
-            except ValueError:
-                reply = None
-        if not isinstance(reply, dict) or reply.get("seq") != self._seq:
-            raise SandboxError(self._end(fail("crashed", "The program's worker sent an unreadable answer.")))
+                reply = wire.decode_reply(bytes(self._buf[:n]))
+            except wire.MalformedReply as e:
+                raise self._malformed(str(e)) from None
+        if type(reply.get("seq")) is not int or reply["seq"] != self._seq:
+            raise self._malformed("not the answer to this request" if "seq" in reply else "no seq")
         return reply, took
+
+    @staticmethod
+    def _send(sock: socket.socket, data: bytes, fds: list[int] | None, deadline: float) -> bool:
+        """Send one message before ``deadline`` (``time.perf_counter()``); False when the worker
+        did not take it in time. Never blocks past the deadline: the socket is full while the
+        worker does not read.
+        """
+        waiter: Any = None  # a select.poll, made once the socket is full
+        while True:
+            try:
+                if fds:
+                    socket.send_fds(sock, [data], fds, socket.MSG_DONTWAIT)
+                else:
+                    sock.send(data, socket.MSG_DONTWAIT)
+                return True
+            except (BlockingIOError, InterruptedError):
+                pass
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return False
+            if waiter is None:
+                waiter = select.poll()
+                waiter.register(sock, select.POLLOUT)
+            waiter.poll(max(1, int(left * 1000)))  # writable, closed, or the deadline: the loop says which
+
+    def _malformed(self, detail: str) -> SandboxError:
+        """The worker's reply broke the protocol: the worker is ended (``crashed``); the error to raise."""
+        return SandboxError(self._end(fail("crashed", f"The program's worker sent a malformed reply ({detail[:200]}) "
+                                                      "and was stopped.")))
 
     def _follow_cpu(self, away: bool = False) -> None:
         """Keep the worker on the CPU this thread runs on, or, ``away``, on the others.
@@ -757,6 +797,8 @@ class ProgramWorker:
                                      self.limits.call_timeout_s)
             if "report" in reply:
                 raise SandboxError(report_from(reply["report"]))
+            if reply.get("ok") is not True:
+                raise self._malformed("a load answer with neither ok nor a report")
             return handle
 
     def call(self, handle: int, args: tuple[Any, ...], *, role: str, batch: int = 0, per_row: bool = False,
@@ -784,28 +826,32 @@ class ProgramWorker:
             else:
                 reply, took = self._call_request(handle, args, role, per_row, printed, split)
                 lane = None
+            if "report" not in reply and ("out" not in reply or "program_s" not in reply):
+                raise self._malformed(f"a call answer without {'out' if 'out' not in reply else 'program_s'}")
             if count:
-                self._account(took, reply.get("program_s"))
+                self._account(took, self._seconds(reply["program_s"]) if "program_s" in reply else float("nan"))
             if printed:
                 self.last_printed = str(reply.get("printed", ""))[:2000]
             if "report" in reply:
                 raise SandboxError(report_from(reply["report"]))
             out = self._proc.arenas[1].map
             try:
-                if reply.get("out") == SAME and handle in self._last_header:
+                if reply["out"] == SAME and handle in self._last_header:
                     layout, names = self._last_header[handle]
                 else:
-                    layout, names = wire.check_header(reply.get("out"), len(out)), component_names(reply.get("names", []))
+                    layout, names = wire.check_header(reply["out"], len(out)), component_names(reply.get("names", []))
                     self._last_header[handle] = layout, names
                 named = wire.read_named(layout, out)
             except ValueError as e:
-                raise SandboxError(self._end(fail("crashed", f"The program's worker sent an unreadable result ({e})."))) from None
+                raise self._malformed(f"its result: {e}") from None
             except Invalid as e:
                 raise SandboxError(e.report()) from None
             try:
                 value = checked_result(role, named, names, batch)
             except Invalid as e:
                 raise SandboxError(e.report()) from None
+            except Exception as e:  # noqa: BLE001 - a checked layout no check expected: the reply is the worker's fault
+                raise self._malformed(f"its result: {type(e).__name__}: {e}") from None
             if lane is None:
                 self._lanes.pop(handle, None)
                 if not printed:
@@ -813,6 +859,13 @@ class ProgramWorker:
                     if plan:
                         self._lanes[handle] = _Lane((role, batch, per_row, split), plan, self._proc.arenas[0].map)
             return value
+
+    def _seconds(self, value: Any) -> float:
+        """A reply's ``program_s`` (:func:`core.sandbox.wire.reply_seconds`), or the worker ends as ``crashed``."""
+        try:
+            return wire.reply_seconds(value)
+        except wire.MalformedReply as e:
+            raise self._malformed(str(e)) from None
 
     def _call_request(self, handle: int, args: tuple[Any, ...], role: str, per_row: bool, printed: bool,
                       split: tuple[int, ...]) -> tuple[dict[str, Any], float]:
@@ -841,7 +894,7 @@ class ProgramWorker:
         return [new[0].read_only_fd(), new[1].fd]
 
     # -- the time budget -----------------------------------------------------------------------
-    def _account(self, took: float, program_s: Any) -> None:
+    def _account(self, took: float, program_s: float) -> None:
         """Add a call to the time budget; ``too_slow`` once the program takes more than its share.
 
         The program's own time is measured in the worker (wall clock around the call, so
@@ -852,7 +905,7 @@ class ProgramWorker:
         now = time.monotonic()
         if self._clock0 is None:
             self._clock0 = now - took
-        reported = float(program_s) if isinstance(program_s, (int, float)) and program_s == program_s else took
+        reported = program_s if program_s == program_s else took  # NaN: the round trip
         self.program_s += min(max(reported, 0.0), took)
         self.busy_s += took
         self.calls += 1

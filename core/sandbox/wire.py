@@ -10,13 +10,16 @@ nor grow, so a worker cannot make the host fault on a truncated mapping):
   out with bound checks before looking at a value.
 
 Requests (host to worker) are pickles: the worker trusts its host. Replies (worker to
-host) are JSON and raw tensor bytes, decoded by :func:`unpack_named`; nothing a worker
-sends is ever unpickled.
+host) are JSON and raw tensor bytes, decoded by :func:`decode_reply` and
+:func:`unpack_named`; nothing a worker sends is ever unpickled. Decoding a reply is total:
+whatever the bytes, it returns checked values or raises :class:`MalformedReply` (a
+``ValueError``), never another exception.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import math
 import mmap
 import os
@@ -216,7 +219,41 @@ def as_tensors(tree: Any) -> Any:
     return tree
 
 
-# -- worker to host: named tensors, checked -------------------------------------------------
+# -- worker to host: replies and named tensors, checked --------------------------------------
+
+
+class MalformedReply(ValueError):
+    """A worker's reply that is not what the protocol allows (the worker is not trusted)."""
+
+
+def decode_reply(data: bytes) -> dict[str, Any]:
+    """A JSON reply from a worker as a dict; :class:`MalformedReply` for anything else.
+
+    Bytes that are not UTF-8 or not JSON, nesting deeper than the decoder's recursion
+    limit, integers longer than Python converts, and any value but an object are all
+    refused the same way.
+    """
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise MalformedReply("nested too deeply") from None
+    except (ValueError, TypeError, OverflowError, MemoryError) as e:  # not UTF-8, not JSON, an integer too long
+        raise MalformedReply(f"not JSON: {str(e)[:80]}") from None
+    if not isinstance(value, dict):
+        raise MalformedReply(f"a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def reply_seconds(value: Any) -> float:
+    """A reply's ``program_s``: a real number as a float (NaN and inf pass: the caller
+    falls back to its own clock); :class:`MalformedReply` for any other value."""
+    if type(value) not in (int, float):  # not bool, not a string or a list
+        raise MalformedReply(f"program_s is a {type(value).__name__}, not a number")
+    try:
+        return float(value)
+    except OverflowError:
+        raise MalformedReply("program_s is out of range") from None
+
 
 
 def pack_named(named: list[tuple[str, torch.Tensor]], buf: mmap.mmap) -> list[list[Any]]:
@@ -237,24 +274,26 @@ def pack_named(named: list[tuple[str, torch.Tensor]], buf: mmap.mmap) -> list[li
 def check_header(header: Any, size: int) -> list[tuple[str, np.dtype, int, int, tuple[int, ...]]]:
     """A result header from a worker, every field checked: ``[(name, dtype, count, offset, shape)]``.
 
-    :raises ValueError: on anything malformed: the worker is not trusted.
+    :raises MalformedReply: (a ``ValueError``) on anything malformed: the worker is not trusted.
     """
     if not isinstance(header, list) or len(header) > MAX_NAMED:
-        raise ValueError("malformed result header")
+        raise MalformedReply("malformed result header")
     layout = []
     for item in header:
         if not (isinstance(item, list) and len(item) == 4):
-            raise ValueError("malformed result entry")
+            raise MalformedReply("malformed result entry")
         name, dtype, shape, offset = item
-        if not isinstance(name, str) or len(name) > 100 or dtype not in DTYPES:
-            raise ValueError("malformed result name or dtype")
-        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(type(d) is int and d >= 0 for d in shape)):
-            raise ValueError("malformed result shape")
+        if not isinstance(name, str) or len(name) > 100 or not isinstance(dtype, str) or dtype not in DTYPES:
+            raise MalformedReply("malformed result name or dtype")
+        # each dimension at most the arena's size: an empty result cannot name a shape numpy refuses
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
+                and all(type(d) is int and 0 <= d <= size for d in shape)):
+            raise MalformedReply("malformed result shape")
         if type(offset) is not int or offset < 0 or offset % ALIGN:
-            raise ValueError("malformed result offset")
+            raise MalformedReply("malformed result offset")
         count = math.prod(shape)
         if offset + count * DTYPES[dtype].itemsize > size:
-            raise ValueError("result outside the shared memory")
+            raise MalformedReply("result outside the shared memory")
         layout.append((name, DTYPES[dtype], count, offset, tuple(shape)))
     return layout
 

@@ -6,10 +6,12 @@ from pathlib import Path
 import mlflow
 from omegaconf import open_dict
 
+import core.loop
 from core.config import PluginConfig, Settings
 from core.loop import Loop, combine, run_experiment
 from core.records import Candidate, EnvConfig, IterationResult, RewardProgram, StateProgram
 from core.registry import call_each, load_plugins, make_plugin_manager
+from core.tracking import Tracker
 
 
 def _reward(i: int) -> RewardProgram:
@@ -164,3 +166,39 @@ def test_a_rejected_proposal_is_a_candidate_of_its_own_that_never_trains(local_p
     good, bad = loop.train(candidates, 0, None)
     assert good.ok and good.frames > 0
     assert (bad.ok, bad.error_kind, bad.error, bad.frames) == (False, "rejected", "The reply contains no code.", 0)
+
+
+# -- a candidate that cannot be recorded fails alone -----------------------------------------------
+
+
+class _RefusesOne(Tracker):
+    """A tracker that fails, as MLflow once did on a component name, while recording ``it0-c0``: its run made, then an error."""
+
+    def log_candidate(self, candidate, result, tags, ended=None):
+        if candidate.id == "it0-c0":
+            from mlflow.exceptions import MlflowException
+            from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+            run = self.client.create_run(self.experiment_id, tags={MLFLOW_PARENT_RUN_ID: self.parent_id, "candidate": candidate.id})
+            result.run_id = run.info.run_id
+            raise MlflowException("Invalid metric name: 'components/angle (rad)'")
+        return super().log_candidate(candidate, result, tags, ended)
+
+
+def test_a_candidate_whose_recording_fails_fails_alone_and_the_run_goes_on(local_plugins, tiny_run, monkeypatch):
+    monkeypatch.setattr(core.loop, "Tracker", _RefusesOne)
+    cfg = _alpha_beta(local_plugins, tiny_run, iterations=2)
+    summary = run_experiment(cfg)
+    assert summary.candidates == 4 and summary.failed == 1 and summary.best_id != "it0-c0"
+    client = mlflow.MlflowClient(cfg.tracking.uri)
+    parent = client.get_run(summary.run_id)
+    assert parent.info.status == "FINISHED"
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{summary.run_id}'")
+    by_candidate = {c.data.tags["candidate"]: c for c in children}
+    assert set(by_candidate) == {"it0-c0", "it0-c1", "it1-c0", "it1-c1"}  # the later iteration ran
+    assert not [c for c in children if c.info.status == "RUNNING"]
+    failed = by_candidate["it0-c0"]
+    assert failed.info.status == "FAILED" and failed.data.tags["error_kind"] == "tracking"
+    assert "components/angle (rad)" in failed.data.tags["error"]
+    assert all(by_candidate[c].info.status == "FINISHED" for c in ("it0-c1", "it1-c0", "it1-c1"))
+    assert summary.first_error.startswith("Recording the candidate in MLflow failed: MlflowException")

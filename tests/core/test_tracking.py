@@ -17,7 +17,18 @@ from omegaconf import open_dict
 from core import run_page
 from core.loop import run_experiment
 from core.records import Candidate, CurvePoint, Fitness, IterationResult, RewardProgram, TrainResult
-from core.tracking import EXPERIMENT_KIND, VIEW_KEY, Tracker, candidate_metrics, format_llm_call
+from core.tracking import (
+    EXPERIMENT_KIND,
+    MAX_KEY_CHARS,
+    NAMES_ARTIFACT,
+    RENAMED_TAG,
+    VIEW_KEY,
+    Tracker,
+    candidate_metrics,
+    format_llm_call,
+    safe_key,
+    valid_key,
+)
 from core.train.common import config_from, pearson
 from core.train.ppo import PPOConfig
 
@@ -180,3 +191,128 @@ def test_a_run_explains_itself_on_its_parent_page(local_plugins, tiny_run):
     seconds = winner.data.metrics["seconds"]
     assert abs((winner.info.end_time - winner.info.start_time) / 1000 - seconds) < 0.01 and seconds > 0.05
     assert [m.step for m in client.get_metric_history(winner.info.run_id, "fitness")] == [256, 512]
+
+
+# -- names MLflow refuses, and a candidate that cannot be recorded ------------------------------
+
+ODD = ["angle (rad)", "upright/", 'a"b', "n" * 300, "a\nb"]  # a"b and a\nb meet at components/a_b
+
+
+def _logged_names(client, rid: str, tmp_path) -> dict[str, str]:
+    path = client.download_artifacts(rid, NAMES_ARTIFACT, str(tmp_path))
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_component_names_mlflow_refuses_are_logged_under_valid_names_with_the_originals_kept(tracker, make_config,
+                                                                                            tmp_path):
+    components = {name: [(256, float(i)), (512, float(i) + 0.5)] for i, name in enumerate(ODD)}
+    result = _result(components=components, series={**_result().series, "reward/angle (rad)": [(512, 0.25)]})
+    candidate = Candidate("it0-c0", 0)
+    with tracker.experiment_run(make_config(["env=cartpole"]), "odd-names", {}):
+        rid = tracker.log_candidate(candidate, result, {})
+    assert result.ok and result.error_kind == ""
+    client = mlflow.MlflowClient(tracker.uri)
+    run = client.get_run(rid)
+    assert run.info.status == "FINISHED"
+    assert all(valid_key(k) for k in run.data.metrics)
+    names = _logged_names(client, rid, tmp_path)
+    assert sorted(names.values()) == sorted([f"components/{n}" for n in ODD] + ["reward/angle (rad)"])
+    assert run.data.tags[RENAMED_TAG] == str(len(ODD) + 1)
+    for logged, original in names.items():  # every original's points, under its own logged name
+        assert logged in run.data.metrics and logged != original
+        if original.startswith("components/"):
+            history = client.get_metric_history(rid, logged)
+            assert [(m.step, m.value) for m in history] == components[original[len("components/"):]]
+    assert "components/angle _rad_" in names and "components/upright" in names
+    assert max(len(k) for k in names) == MAX_KEY_CHARS
+    assert len({k for k, v in names.items() if v in ('components/a"b', "components/a\nb")}) == 2  # kept apart
+    assert run.data.metrics["fitness"] == 30.0  # valid names are untouched
+
+
+def test_names_are_valid_as_mlflow_says():
+    from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH
+
+    assert MAX_KEY_CHARS == MAX_ENTITY_KEY_LENGTH
+    for name in ["fitness", "components/angle (rad)", "a:b c-d.e_f/g", "upright/", "/x", "a//b", "..x", ".", "", "x\n",
+                 "é°", "n" * 251]:
+        logged = safe_key(name)
+        assert valid_key(logged), name
+        assert (logged == name) == valid_key(name)
+    assert valid_key("components/angle_rad.x:y") and not valid_key("x\n")  # MLflow's own pattern lets "x\n" through
+
+
+def test_a_candidate_that_cannot_be_recorded_fails_alone_and_its_run_ends_failed(tracker, make_config, tmp_path,
+                                                                               monkeypatch):
+    from mlflow.exceptions import MlflowException
+
+    log_batch = tracker.client.log_batch
+    broken: set[str] = set()
+
+    def refuses(run_id, metrics=(), **kw):
+        if run_id in broken and metrics:
+            raise MlflowException("Invalid value for metric: the backend refused it")
+        return log_batch(run_id, metrics=metrics, **kw)
+
+    create_run = tracker.client.create_run
+
+    def created(*args, **kw):
+        run = create_run(*args, **kw)
+        if kw.get("tags", {}).get("candidate") == "it0-c0":
+            broken.add(run.info.run_id)
+        return run
+
+    monkeypatch.setattr(tracker.client, "log_batch", refuses)
+    monkeypatch.setattr(tracker.client, "create_run", created)
+    first, second = _result(), _result(candidate_id="it0-c1")
+    with tracker.experiment_run(make_config(["env=cartpole"]), "broken", {}):
+        rid = tracker.log_candidate(Candidate("it0-c0", 0), first, {})  # does not raise
+        other = tracker.log_candidate(Candidate("it0-c1", 0), second, {})
+    client = mlflow.MlflowClient(tracker.uri)
+    run = client.get_run(rid)
+    assert (first.ok, first.error_kind, first.run_id) == (False, "tracking", rid)
+    assert "MlflowException" in first.error and "backend refused" in first.error
+    assert run.info.status == "FAILED" and run.data.tags["error_kind"] == "tracking" and run.data.tags["ok"] == "False"
+    error = client.download_artifacts(rid, "error.txt", str(tmp_path))
+    with open(error) as f:
+        assert "backend refused" in f.read()
+    assert second.ok and client.get_run(other).info.status == "FINISHED"
+    assert client.get_run(tracker.parent_id).info.status == "FINISHED"
+
+
+ODD_PROPOSER = '''
+"""Proposes one reward whose components have names MLflow refuses."""
+
+from core import hookimpl
+from core.records import RewardProgram
+
+SOURCE = """
+def compute_reward(state, action, next_state):
+    angle = next_state["pole_angle"].abs()
+    return 1.0 - angle, {"angle (rad)": angle, "upright/": 1.0 - angle, 'a"b': angle * 0.5, "angle°": angle * 2.0}
+"""
+
+
+@hookimpl
+def propose_rewards(run, iteration):
+    return [RewardProgram(source=SOURCE)]
+'''
+
+
+def test_a_reward_whose_component_names_mlflow_refuses_trains_and_is_logged(local_plugins, tiny_run, tmp_path):
+    local_plugins("odd", ODD_PROPOSER)
+    cfg = tiny_run("save_policy=false", "resume=false")
+    with open_dict(cfg):
+        cfg.plugins = {"odd": {}}
+    summary = run_experiment(cfg)
+    assert summary.failed == 0 and summary.best_id == "it0-c0"
+    client = mlflow.MlflowClient(cfg.tracking.uri)
+    parent = client.get_run(summary.run_id)
+    assert parent.info.status == "FINISHED"
+    (child,) = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{summary.run_id}'")
+    assert child.info.status == "FINISHED" and child.data.tags["ok"] == "True"
+    names = _logged_names(client, child.info.run_id, tmp_path)
+    originals = {f"{prefix}/{n}" for prefix in ("components", "reward") for n in ("angle (rad)", "upright/", 'a"b', "angle°")}
+    assert set(names.values()) == originals
+    assert all(k in child.data.metrics for k in names)
+    assert {"components/angle _rad_", "components/upright", "components/a_b", "components/angle_"} <= set(names)
