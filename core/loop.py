@@ -547,7 +547,7 @@ def _reply_tags(candidate: Candidate) -> dict[str, str]:
 
     ``sample`` (the reply's index in its LLM call; ``reward:3,state:1`` when several roles
     have one), ``llm_call`` (the call's tag, as in the ``llm/`` records), ``renamed_from``,
-    and for a rejected reply ``status=rejected``, ``rejected_kind`` and the reason's first line.
+    ``name_fixes`` (the names :mod:`core.namecheck` mended), and for a rejected reply ``status=rejected``, ``rejected_kind`` and the reason's first line.
     """
     tags: dict[str, str] = {}
     programs = candidate.programs
@@ -560,6 +560,9 @@ def _reply_tags(candidate: Candidate) -> dict[str, str]:
     renamed = [f"{p.meta['renamed_from']} -> {p.entry}" for _, p in programs if p.meta.get("renamed_from")]
     if renamed:
         tags["renamed_from"] = ", ".join(renamed)
+    fixes = [fix for _, p in programs for fix in p.meta.get("fixes", ())]
+    if fixes:  # what core.namecheck mended before the program ran
+        tags["name_fixes"] = "; ".join(fixes)[:1000]
     if candidate.rejected:
         tags["status"] = "rejected"
         tags["rejected_kind"] = ",".join(str(p.meta.get("rejected_kind", "other")) for _, p in programs if p.rejected)

@@ -154,6 +154,8 @@ class _Checker:
         """The repaired program (possibly rejected again, with its new reason), or None when none came."""
         if self.run.settings.run.code.interface == "dict":
             return self._plugin_repair(program, error)
+        if not program.reply:  # not an LLM's code (a plugin or a person wrote it): nothing to send back
+            return None
         from core.codegen import program_from_reply, without_prelude
         from core.prompting import CODE_STOP, batch_shapes, repair_messages
         from core.sandbox import REWARD_ARGS

@@ -262,12 +262,15 @@ class StateFunction(_WorkerFunction):
 
 @contextlib.contextmanager
 def _with_fields(task: Task) -> Iterator[None]:
-    """Any failure of a program on the task's states ends with the fields it may read (feedback)."""
+    """Any failure of a program on the task's states carries the fields it may read (feedback).
+
+    The line goes first: the last line of a traceback says what went wrong, and run pages
+    and reflections show that line."""
     try:
         yield
     except SandboxError as e:
-        if e.report.kind in ("exception", "invalid_value", "signature", "names"):
-            e.report.message += "\n" + fields_line(task)
+        if e.report.kind in ("exception", "invalid_value", "signature"):
+            e.report.message = fields_line(task) + "\n" + e.report.message
         raise
 
 

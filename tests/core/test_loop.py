@@ -202,3 +202,11 @@ def test_a_candidate_whose_recording_fails_fails_alone_and_the_run_goes_on(local
     assert "components/angle (rad)" in failed.data.tags["error"]
     assert all(by_candidate[c].info.status == "FINISHED" for c in ("it0-c1", "it1-c0", "it1-c1"))
     assert summary.first_error.startswith("Recording the candidate in MLflow failed: MlflowException")
+
+
+def test_the_names_mended_before_a_program_ran_are_tagged_on_its_candidate():
+    from core.loop import _reply_tags
+
+    program = RewardProgram(source="x", meta={"sample": 2, "fixes": ["field `pole_angel` (line 2) read as `pole_angle`"]})
+    tags = _reply_tags(Candidate(id="it0-c0", iteration=0, reward=program))
+    assert tags["name_fixes"] == "field `pole_angel` (line 2) read as `pole_angle`" and tags["sample"] == "2"

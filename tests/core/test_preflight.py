@@ -106,6 +106,13 @@ def test_a_failing_program_is_repaired_once_in_a_short_request_with_the_error_an
     assert run.tracker.metrics["vetting/repaired"] == 1
 
 
+def test_a_program_no_llm_wrote_is_not_sent_to_the_llm_for_repair():
+    run, llm = eureka_run([FIXED])
+    c = candidate(ALIVE)
+    c.reward.reply = ""  # a plugin's own code
+    assert preflight(run, [c])["it0-c0"].error_kind == "vetting" and not llm.calls
+
+
 def test_with_the_earlier_interface_the_plugin_repairs_in_its_conversation():
     llm = ScriptedLLM([FIXED])
     settings = fakes.settings_for("eureka", eureka)
