@@ -14,6 +14,18 @@ Method (Wang et al., "LLM-Empowered State Representation for Reinforcement Learn
    holds earlier code, scores and suggestions. The best pair is retrained at the end
    (``final_seeds``).
 
+Prompt (``code.interface=fields``, the default): the task's fields (derived ones
+included) with their shapes and meanings and the skeleton that binds each as
+``state.<name>`` (:func:`core.prompting.state_interface`), the intrinsic reward's
+signature and the method's rules; no example from another task. The names a reply reads
+are checked before anything runs (:mod:`core.namecheck`): an unknown field or a name
+never assigned sends the pair back with the valid fields, a unique close field is
+renamed (``meta["fixes"]``). A pair that fails a check is repaired with the core's short
+request (:func:`core.prompting.repair_messages`: the fields, the code, the error, the
+rule) at ``code.repair_temperature``. ``code.interface=dict`` keeps the earlier prompt
+(dict reads and a worked example of a made-up task with fields x, y, vx, vy) and the
+conversation retry, for comparison.
+
 Design: a candidate holds one :class:`StateProgram` (the revised state reaches the policy
 through the core's ``ProgramState`` TorchRL transform) whose ``meta["intrinsic"]`` holds
 the paired intrinsic-reward program. That program is prepared through the sandbox in
@@ -39,7 +51,9 @@ import torch
 from core import PluginConfig, hookimpl
 from core.codegen import extract_code, extract_function
 from core.config import SandboxConfig
-from core.prompting import Shapes, batch_shapes, candidate_line, fence, fields_text, reply_counts
+from core.namecheck import check_names, state_arguments
+from core.prompting import (Shapes, batch_shapes, candidate_line, code_options, fence, fields_text, interface_of,
+                            repair_messages, reply_counts, state_interface)
 from core.records import Candidate, IterationResult, RewardProgram, StateProgram, TrainResult
 from core.sandbox import SandboxReport, normalize_reward, validate_state
 
@@ -58,7 +72,7 @@ class Config(PluginConfig):
     reward_bound: float = 100.0  # a sample whose |intrinsic reward| exceeds this on the probe states is rejected
     history: int = 3  # earlier attempts (code, score, feedback) shown in the next prompt
     lipschitz_samples: int = 20000  # collected states per candidate used to estimate the Lipschitz constants
-    temperature: float = 0.8  # sampling temperature
+    temperature: float | None = None  # sampling temperature; None: by the number of samples (core.prompting.sampling_temperature; the paper fixes none, its code defaults to 1.0)
     max_tokens: int = 700  # cap on each reply (a pair takes ~150-600 tokens; small models list every field)
     final_seeds: int = 0  # retrain the best pair on this many more seeds after the loop
 
@@ -67,9 +81,11 @@ class Config(PluginConfig):
         for name in ("samples", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("retries", "history", "lipschitz_samples", "temperature"):
+        for name in ("retries", "history", "lipschitz_samples"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not math.isfinite(self.weight):
             raise ValueError(f"weight must be a finite number, got {self.weight}")
         if not self.reward_bound > 0:
@@ -80,7 +96,30 @@ class Config(PluginConfig):
 SYSTEM = """You are an expert in reinforcement learning and state representation. You write
 Python functions over batched torch tensors. Reply with one ```python code block."""
 
+#: the request with ``code.interface=fields``: the core's state interface (the task's fields and a skeleton
+#: binding each), the intrinsic reward's signature, and the method's rules (no example of another task)
 TASK = """Task goal: {goal}
+
+{interface}
+
+In the same ```python block, also write the intrinsic reward over the revised state:
+
+```python
+def intrinsic_reward(state, features):
+    # features: what revise_state(state) returns, a float tensor [B, k]; read fields as state.<name>
+    ...
+    return reward  # float tensor [B] that rewards progress on the task, between about -1 and 1
+```
+
+Rules: write 2 to 4 new features: the policy already sees every field, so combine fields rather than
+copy them, and keep each function a few lines long. Every feature is a [B] tensor computed from the
+fields (not a constant, a Python number or a [B, 1] tensor), stacked with torch.stack(..., dim=-1).
+No `if` on tensors (use torch.where), no loops over the batch, no in-place edits of the inputs.
+Do not define compute_reward.
+Reply with both functions in one ```python block and nothing after it."""
+
+#: the earlier request (``code.interface=dict``), kept for comparison: dict reads and a worked example of a made-up task
+TASK_DICT = """Task goal: {goal}
 
 The state is a dict of named float32 tensors over B environments, with these shapes:
 {schema}
@@ -126,6 +165,9 @@ SUGGESTIONS = """Suggestions: dimensions with a Lipschitz constant near 0 barely
 reward (drop or rework the features among them); features with large constants change the
 reward sharply and are promising; keep the features of the best-scoring sample and add ones
 that explain what it still misses."""
+
+#: appended to the core's repair request: it asks for one function, LESR's reply needs both
+REPAIR_BOTH = "Keep both functions, revise_state and intrinsic_reward, in the block."
 
 INVALID = """The code above failed a check on real states ({kind}):
 {error}
@@ -177,9 +219,15 @@ def extract_pair(reply: str) -> tuple[str, str]:
     return source, error
 
 
-def extract_pair_kind(reply: str) -> tuple[str, str, str]:
+def extract_pair_kind(reply: str, fields: list[str] | None = None,
+                      fixes: list[str] | None = None) -> tuple[str, str, str]:
     """``(source, error, kind)``: :func:`extract_pair` with the failure's kind
     (:data:`core.codegen.KINDS`, or ``compute_reward`` when the reply defines its own).
+
+    With ``fields`` (the task's :meth:`~core.envs.task.Task.field_names`) the names both
+    functions read are checked (:func:`check_pair_names`): the fixes are applied (and
+    appended to ``fixes``); an unknown field or a name never assigned gives kind
+    ``names`` with the valid fields, and the checked source (nothing was run).
 
     Neither function is renamed: with two entries and helpers of the same arity, a
     misnamed function could not be told from a helper.
@@ -195,7 +243,24 @@ def extract_pair_kind(reply: str) -> tuple[str, str, str]:
         source = source.rstrip() + "\n\n" + other.source
     if "compute_reward" in defined_functions(source):
         return "", "Do not define `compute_reward`; write only `revise_state` and `intrinsic_reward` (and helpers).", "compute_reward"
+    if fields is not None:
+        names = check_pair_names(source, fields)
+        if fixes is not None:
+            fixes.extend(names.fixes)
+        if not names.ok:
+            return names.source, names.message(fields), "names"
+        source = names.source
     return source, "", ""
+
+
+def check_pair_names(source: str, fields: list[str]) -> Any:
+    """:func:`core.namecheck.check_names` over the pair: the state each of ``revise_state``
+    and ``intrinsic_reward`` takes (whatever it calls it) may hold only ``fields``."""
+    from core.sandbox.policy import SAFE_BUILTIN_NAMES
+
+    states = tuple(dict.fromkeys(state_arguments(source, STATE_ENTRY, ["state"])
+                                 + state_arguments(source, REWARD_ENTRY, ["state", "features"])))
+    return check_names(source, fields, available=SAFE_BUILTIN_NAMES, state_args=states)
 
 
 def intrinsic_program(source: str, weight: float) -> RewardProgram:
@@ -220,6 +285,8 @@ def validate_bounded(result: Any, args: tuple[Any, ...], bound: float) -> Sandbo
 def check_pair(source: str, states: tuple[Any, ...], cfg: Config, sandbox: SandboxConfig) -> SandboxReport:
     """Run both functions once on real states in the sandbox child and validate the outputs.
 
+    A failed report names the function that failed in ``data["entry"]``.
+
     :param sandbox: the run's sandbox settings (``run.sandbox``): limits and allowed imports.
     """
     from core.sandbox import run_isolated
@@ -228,10 +295,14 @@ def check_pair(source: str, states: tuple[Any, ...], cfg: Config, sandbox: Sandb
     state, action, next_state = states
     report = run_isolated(StateProgram(source, STATE_ENTRY), (state,), limits=limits, validate=validate_state, allowed_imports=imports)
     if not report.ok:
+        report.data["entry"] = STATE_ENTRY  # which function failed
         return report
     program = intrinsic_program(source, cfg.weight)
     check = functools.partial(validate_bounded, bound=cfg.reward_bound)
-    return run_isolated(program, (state, action, next_state), limits=limits, validate=check, allowed_imports=imports)
+    report = run_isolated(program, (state, action, next_state), limits=limits, validate=check, allowed_imports=imports)
+    if not report.ok:
+        report.data["entry"] = REWARD_ENTRY
+    return report
 
 
 def lipschitz(values: np.ndarray, reward: np.ndarray, eps: float = 1e-6, bins: int = 100) -> np.ndarray:
@@ -294,11 +365,21 @@ class Training:
 
 
 def messages(run: Any, cfg: Config, attempts: list[Attempt], shapes: Shapes | None = None) -> list[dict[str, str]]:
-    """System + task (schema, worked example, allowed imports) + the best ``history`` earlier attempts.
+    """System + task + the best ``history`` earlier attempts.
+
+    The task part follows the run's ``code.interface``: ``fields`` gives the core's state
+    interface (the task's fields, a skeleton binding each, the allowed imports) and the
+    intrinsic reward's signature; ``dict`` the earlier prompt (the schema, a worked
+    example of a made-up task, the allowed imports).
 
     :param shapes: the task's :func:`core.prompting.batch_shapes` (made when None), for each field's shape.
     """
-    user = TASK.format(goal=run.task.goal, schema=fields_text(run.task, shapes), imports=", ".join(run.sandbox.imports))
+    shapes = shapes or batch_shapes(run.task, run.seed)
+    imports = list(run.sandbox.imports)
+    if interface_of(run) == "dict":
+        user = TASK_DICT.format(goal=run.task.goal, schema=fields_text(run.task, shapes), imports=", ".join(imports))
+    else:
+        user = TASK.format(goal=run.task.goal, interface=state_interface(run.task, imports, shapes, interface="fields"))
     shown = sorted(attempts, key=lambda a: a.score)[-cfg.history:] if cfg.history else []
     if shown:
         text = "\n\n".join(f"```python\n{a.source.strip()}\n```\nScore: {a.score:.4g}\n{a.feedback}" for a in shown)
@@ -336,24 +417,37 @@ class Plugin:
         prompt = msgs[-1]["content"]
         programs: list[StateProgram] = []
         rejected: list[StateProgram] = []  # samples still unusable after their retries: recorded, not trained
-        fields = [f.name for f in run.task.state_fields]
-        pending: list[tuple[int, list[dict[str, str]], list[str]]] = [(j, list(msgs), []) for j in range(cfg.samples)]
+        checked = interface_of(run) == "fields"  # the earlier interface (dict) reads no names before running
+        fields = run.task.field_names()
+        code = run.settings.run.code
+        options = code_options(run, cfg.samples, cfg.temperature)
+        # (sample, request, earlier errors, whether the request is a repair)
+        pending: list[tuple[int, list[dict[str, str]], list[str], bool]] = [(j, list(msgs), [], False) for j in range(cfg.samples)]
         for attempt in range(1 + cfg.retries):
             if not pending:
                 break
             replies = []
             tag = f"{NAME}-it{iteration}-try{attempt}"
-            for k, (_, conv, _) in enumerate(pending):
-                replies += run.llm.chat(conv, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                        seed=run.seed * 10_000 + iteration * 100 + attempt * 10 + k, tag=tag)
+            for k, (_, conv, _, repair) in enumerate(pending):
+                seed = run.seed * 10_000 + iteration * 100 + attempt * 10 + k
+                if repair:  # the core's short repair request
+                    replies += run.llm.chat(conv, n=1, temperature=code.repair_temperature, max_tokens=code.repair_max_tokens,
+                                            stop=options["stop"], seed=seed, tag=f"{tag}-repair")
+                else:
+                    replies += run.llm.chat(conv, n=1, max_tokens=cfg.max_tokens, seed=seed, tag=tag, **options)
             retry = []
-            for (j, conv, errors), reply in zip(pending, replies):
-                source, error, kind = extract_pair_kind(reply.text)
-                extracted = not error
-                if source:
+            for (j, conv, errors, _), reply in zip(pending, replies):
+                fixes: list[str] = []
+                source, error, kind = extract_pair_kind(reply.text, fields if checked else None, fixes)
+                repairable = bool(source)  # the pair was extracted (a names refusal included): it can be mended
+                if source and not error:
                     report = check_pair(source, self.probe, cfg, run.sandbox)
                     kind, error = (report.kind, report.message) if not report.ok else ("", "")
+                    if kind == "invalid_value" and report.data.get("entry") == STATE_ENTRY:
+                        kind = "exception"  # the core's rule for this kind is a reward's ([B]); the features are [B, k]
                 meta: dict[str, Any] = {"sample": j, "call": tag, "attempts": attempt + 1}
+                if fixes:
+                    meta["fixes"] = fixes
                 if not error:
                     meta |= {"pair": len(programs), "intrinsic": intrinsic_program(source, cfg.weight).source, "weight": cfg.weight}
                     programs.append(StateProgram(source=source, entry=STATE_ENTRY, origin=NAME, prompt=prompt, reply=reply.text, meta=meta))
@@ -361,15 +455,25 @@ class Plugin:
                     meta |= {"rejected_kind": kind, "errors": errors}
                     rejected.append(StateProgram(source=source or extract_code(reply.text), entry=STATE_ENTRY, origin=NAME,
                                                  prompt=prompt, reply=reply.text, meta=meta, rejected=error))
-                elif not extracted:  # cut off or incomplete: shown its own reply, the model repeats it; sample afresh
-                    retry.append((j, list(msgs), errors + [error]))
+                elif not repairable:  # cut off or incomplete: shown its own reply, the model repeats it; sample afresh
+                    retry.append((j, list(msgs), errors + [error], False))
+                elif checked:
+                    retry.append((j, self.repair_request(run, source, error, kind, fields), errors + [error], True))
                 else:
                     follow = conv + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": INVALID.format(kind=kind, error=error, hint=hint_for(error, fields))}]
-                    retry.append((j, follow, errors + [error]))
+                    retry.append((j, follow, errors + [error], False))
             pending = retry
         if not programs:
             run.log_text(f"{NAME}/it{iteration}-no-valid-sample.txt", "\n\n".join(p.rejected for p in rejected))
         return (programs + rejected) or None
+
+    def repair_request(self, run: Any, source: str, error: str, kind: str, fields: list[str]) -> list[dict[str, str]]:
+        """The core's short repair request for a pair (:func:`core.prompting.repair_messages`),
+        with the hint for a known mistake and the reminder that both functions come back."""
+        msgs = repair_messages(run.task, source, error + "\n" + hint_for(error, fields), kind, entry=STATE_ENTRY,
+                               shapes=self.shapes, role="state")
+        msgs[-1]["content"] += "\n" + REPAIR_BOTH
+        return msgs
 
     @hookimpl
     def reflect(self, run, result: IterationResult) -> str | None:

@@ -7,8 +7,15 @@ Method (Liu et al., "RL-GPT: Integrating Reinforcement Learning and Code-as-poli
    to the RL agent to learn from primitive actions).
 2. Fast agent (``propose_actions``): for every ``code`` sub-action the LLM writes a
    macro-action, ``act(state) -> primitive action`` plus ``done(state) -> bool``, over the
-   task's named state fields; the macros are added to the policy's discrete action space
-   (:mod:`core.train.macros`), so RL learns when to call each one.
+   task's named fields; the macros are added to the policy's discrete action space
+   (:mod:`core.train.macros`), so RL learns when to call each one. The prompt lists the
+   task's fields (derived ones included) with their shapes at a batch of one, how the
+   code reads each (``name = state.name``, :func:`core.prompting.field_bindings`) and a
+   short skeleton of the two functions;
+   the names a reply reads are checked before anything runs (:mod:`core.namecheck`): an
+   unknown field goes back to the fast agent with the valid ones, a unique close one is
+   renamed. ``code.interface=dict`` keeps the earlier prompt (dict reads, an example of
+   another skill) and skips the check, for comparison.
 3. Critic: each macro is rolled out on its own on a small env of the task (in plan order,
    so that a later skill starts where the earlier one left off); failures (exceptions,
    bad actions, never reaching ``done``) go back to the LLM, which revises the code.
@@ -36,7 +43,9 @@ import numpy as np
 
 from core import PluginConfig, hookimpl
 from core.codegen import extract_code, extract_function
+from core.namecheck import check_names, state_arguments
 from core.plan import PlanFollower, goal_names, match_goal
+from core.prompting import Shapes, batch_shapes, code_options, field_bindings, fields_text, interface_of
 from core.records import Candidate, IterationResult, MacroAction, Plan, PlanStep, Program, TrainResult
 
 NAME = "rl_gpt"
@@ -98,7 +107,41 @@ Reply with the corrected JSON list."""
 FAST_SYSTEM = """You write small Python skills (code-as-policy) for a game agent. Reply with one
 ```python code block."""
 
-FAST_TASK = """Environment fields (`state` is a dict of these names to torch tensors with a
+#: the fast agent's request (``code.interface=fields``): the task's fields at a batch of one, the binding of each
+#: (:func:`core.prompting.field_bindings`) listed once, and a skeleton of the two functions. The bindings are not
+#: inside the skeleton: a skill reads a few of the task's fields, and the embedded model copies a skeleton whole
+#: (on Crafter, with its 45 bindings inside the skeleton, 6 of 6 replies were cut off before `done`; listed apart,
+#: 5 of 6 were complete skills that read only real fields, the sixth cut off before `done`).
+FAST_TASK = """The fields of `state` (float32 tensors with a batch dimension of 1; the shape each one has):
+{fields}
+
+Each field as the code reads it:
+{bindings}
+
+Actions: {actions}
+
+Write the skill "{name}": {what}
+
+Complete this skeleton:
+
+```python
+import torch
+
+def act(state):
+    # ... read the fields this skill needs as above ({first} = state.{first}) and choose this step's action ...
+    return ...  # one primitive action index (an int)
+
+def done(state):
+    # ... read the fields it needs the same way ...
+    return ...  # True once the skill has finished
+```
+`act` is called once per step until `done` is true or {max_steps} steps have passed.
+The state has no fields but those listed: reading any other is refused before the code runs.
+You may import only: {imports}.
+Reply with both functions in one ```python block and nothing after it."""
+
+#: the earlier request (``code.interface=dict``), kept for comparison: dict reads and an example of another skill
+FAST_TASK_DICT = """Environment fields (`state` is a dict of these names to torch tensors with a
 batch dimension of 1, e.g. state["wood"] has shape [1]):
 {schema}
 
@@ -205,19 +248,53 @@ def tuned_steps(rollout: Rollout, max_steps: int) -> int:
     return min(max_steps, max(2, 2 * max(rollout.steps))) if rollout.steps else max_steps
 
 
-def extract_macro(reply: str, name: str, max_steps: int) -> tuple[MacroAction | None, str]:
-    """A macro from a fast-agent reply (``act`` and ``done`` in one source), or an error text."""
+def extract_macro(reply: str, name: str, max_steps: int, fields: list[str] | None = None) -> tuple[MacroAction | None, str]:
+    """A macro from a fast-agent reply (``act`` and ``done`` in one source), or an error text.
+
+    With ``fields`` (the task's :meth:`~core.envs.task.Task.field_names`) the names both
+    functions read are checked first (:func:`check_macro_names`).
+    """
+    macro, error, _ = extract_macro_kind(reply, name, max_steps, fields)
+    return macro, error
+
+
+def extract_macro_kind(reply: str, name: str, max_steps: int,
+                       fields: list[str] | None = None) -> tuple[MacroAction | None, str, str]:
+    """:func:`extract_macro` with the failure's kind (:data:`core.codegen.KINDS`; ``names``
+    when a function reads a field the task lacks or a name never assigned)."""
     found = extract_function(reply, ACT, ["state"])
     if not found.ok:
-        return None, found.error
+        return None, found.error, found.kind
     source = found.source
     if f"def {DONE}(" not in source:
         other = extract_function(reply, DONE, ["state"])
         if not other.ok:
-            return None, other.error
+            return None, other.error, other.kind
         source = source.rstrip() + "\n\n" + other.source
-    program = Program(source=source, entry=ACT, origin=NAME, reply=reply, meta={"skill": name})
-    return MacroAction(name=name, program=program, max_steps=max_steps, done_entry=DONE), ""
+    meta: dict[str, Any] = {"skill": name}
+    if fields is not None:
+        names = check_macro_names(source, fields)
+        source = names.source
+        if names.fixes:
+            meta["fixes"] = list(names.fixes)
+        if not names.ok:
+            return None, names.message(fields), "names"
+    program = Program(source=source, entry=ACT, origin=NAME, reply=reply, meta=meta)
+    return MacroAction(name=name, program=program, max_steps=max_steps, done_entry=DONE), "", ""
+
+
+def check_macro_names(source: str, fields: list[str]) -> Any:
+    """:func:`core.namecheck.check_names` over both functions of a macro: the state each
+    of ``act`` and ``done`` takes (whatever it calls it) may hold only ``fields``."""
+    from core.sandbox.policy import SAFE_BUILTIN_NAMES
+
+    states = tuple(dict.fromkeys(state_arguments(source, ACT, ["state"]) + state_arguments(source, DONE, ["state"])))
+    return check_names(source, fields, available=SAFE_BUILTIN_NAMES, state_args=states)
+
+
+def batch_of_one(text: str) -> str:
+    """A prompt text's shapes at a batch of one (``[B]`` -> ``[1]``, ``[B, 2]`` -> ``[1, 2]``): a macro sees one env."""
+    return re.sub(r"\[B(?=[,\]])", "[1", text)
 
 
 @dataclass
@@ -308,10 +385,25 @@ class Plugin:
         self.feedback = ""  # how the last round's training went, for the next plan
         self.rollouts: dict[str, Rollout] = {}  # the critic's latest rollouts per skill
         self.macros: list[MacroAction] = []  # the latest round's accepted macros
+        self.shapes: Shapes | None = None  # each field's shape, read off a real batch once per run
 
-    def _chat(self, run: Any, msgs: list[dict[str, str]], seed: int, tag: str) -> str:
-        (reply,) = run.llm.chat(msgs, n=1, temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens, seed=seed, tag=tag)
+    def _chat(self, run: Any, msgs: list[dict[str, str]], seed: int, tag: str, code: bool = False) -> str:
+        """One reply at the configured temperature (the method's); a request for code also
+        ends at its code block (:func:`core.prompting.code_options`)."""
+        options = code_options(run, 1, self.cfg.temperature) if code else {"temperature": self.cfg.temperature}
+        (reply,) = run.llm.chat(msgs, n=1, max_tokens=self.cfg.max_tokens, seed=seed, tag=tag, **options)
         return reply.text
+
+    def fast_prompt(self, run: Any, sub: SubAction) -> str:
+        """The fast agent's request for one skill, in the run's ``code.interface``."""
+        cfg, task, imports = self.cfg, run.task, ", ".join(run.sandbox.imports)
+        if interface_of(run) == "dict":
+            return FAST_TASK_DICT.format(schema=task.schema_text(), actions=_actions(task), name=sub.name, what=sub.what,
+                                         max_steps=cfg.max_steps, imports=imports)
+        self.shapes = self.shapes or batch_shapes(task, run.seed)
+        return FAST_TASK.format(fields=batch_of_one(fields_text(task, self.shapes)), actions=_actions(task), name=sub.name,
+                                what=sub.what, bindings=batch_of_one(field_bindings(task, self.shapes, source="state")),
+                                first=task.field_names()[0], max_steps=cfg.max_steps, imports=imports)
 
     @hookimpl
     def plan(self, run, iteration: int) -> str | None:
@@ -352,14 +444,16 @@ class Plugin:
         limits, imports = run.sandbox.limits(), run.sandbox.imports
         macros: list[MacroAction] = []
         rejected: list[MacroAction] = []  # skills with no runnable code after the critic's rounds: recorded, not trained
+        fields = run.task.field_names() if interface_of(run) == "fields" else None  # None: the earlier interface, unchecked
+        listed = ", ".join(fields if fields is not None else [f.name for f in run.task.state_fields])
         for k, sub in enumerate(s for s in self.subactions if s.how == "code"):
-            user = FAST_TASK.format(schema=run.task.schema_text(), actions=_actions(run.task), name=sub.name, what=sub.what,
-                                    max_steps=cfg.max_steps, imports=", ".join(imports))
-            msgs = [{"role": "system", "content": FAST_SYSTEM}, {"role": "user", "content": user}]
+            msgs = [{"role": "system", "content": FAST_SYSTEM}, {"role": "user", "content": self.fast_prompt(run, sub)}]
             best: MacroAction | None = None
+            kind = ""
             for rnd in range(1 + cfg.critic_rounds):
-                reply = self._chat(run, msgs, run.seed * 100_000 + iteration * 1000 + k * 10 + rnd, f"{NAME}-fast-{sub.name}-r{rnd}")
-                macro, error = extract_macro(reply, sub.name, cfg.max_steps)
+                reply = self._chat(run, msgs, run.seed * 100_000 + iteration * 1000 + k * 10 + rnd, f"{NAME}-fast-{sub.name}-r{rnd}",
+                                   code=True)
+                macro, error, kind = extract_macro_kind(reply, sub.name, cfg.max_steps, fields)
                 if macro is not None:
                     # the critic rolls the new macro out after the ones already accepted
                     (st,) = rollout_macros(macros + [macro], run.task, runs=cfg.rollouts, seed=run.seed, limits=limits, imports=imports)[-1:]
@@ -372,14 +466,15 @@ class Plugin:
                     if st.ok:
                         break
                     error = CRITIC.format(name=sub.name, runs=st.runs, failures="\n".join(f"- {f}" for f in st.failures[:4]),
-                                          fields=", ".join(f.name for f in run.task.state_fields))
+                                          fields=listed)
                 msgs = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": error if macro is not None else f"{error}\nReply with `act` and `done` in one ```python block."}]
             if best is not None:
                 macros.append(best)
             else:
                 program = Program(source=macro.program.source if macro is not None else extract_code(reply), entry=ACT, origin=NAME,
                                   reply=reply, rejected=error,
-                                  meta={"skill": sub.name, "rounds": rnd + 1, "rejected_kind": "critic" if macro is not None else "extract"})
+                                  meta={"skill": sub.name, "rounds": rnd + 1,
+                                        "rejected_kind": "critic" if macro is not None else "names" if kind == "names" else "extract"})
                 rejected.append(MacroAction(name=sub.name, program=program, max_steps=cfg.max_steps, done_entry=DONE))
         self.macros = macros
         report = {name: {"runs": r.runs, "finished": r.finished, "failures": r.failures, "steps": r.steps}

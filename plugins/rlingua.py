@@ -6,11 +6,18 @@ in Robotic Manipulations With Large Language Models"):
 1. The LLM gets the manipulation task in words (the environment, the state fields, the
    action space, the goal) and writes a rule-based controller as code: here
    ``act(state) -> action [B, A]``, batched over the envs, values within the action bounds.
-2. The controller runs in the sandbox (a worker process, like reward programs): it is
+   The prompt lists the task's fields (derived ones included) with their shapes and
+   meanings and a skeleton that reads each as ``state.<name>``
+   (:func:`core.prompting.field_bindings`); ``code.interface=dict`` keeps the earlier
+   prompt (a dict signature over ``Task.schema_text``), for comparison.
+2. The names the controller reads are checked before anything runs
+   (:mod:`core.namecheck`; ``fields`` interface): a field the task lacks, or a name never
+   assigned, is refused with the valid fields; a unique close field is renamed. The
+   controller then runs in the sandbox (a worker process, like reward programs): it is
    checked, loaded and probed on real states of the task before training; a program that
-   fails (no function, an exception, the wrong shape) goes back to the LLM with the error,
-   up to ``attempts`` times. A controller that still fails leaves plain SAC, and says why
-   in ``rlingua/controller.md``.
+   fails (no function, an unknown name, an exception, the wrong shape) goes back to the
+   LLM with the error, up to ``attempts`` times. A controller that still fails leaves
+   plain SAC, and says why in ``rlingua/controller.md``.
 3. During training the controller is a behaviour policy through the ``action_prior``
    hook: with probability ``p = p0 * max(0, 1 - progress / anneal)`` a step's action is
    the controller's (plus Gaussian noise ``std``) instead of the actor's; its transitions
@@ -37,6 +44,8 @@ from core import PluginConfig, hookimpl
 from core.codegen import extract_function
 from core.context import ActionPrior
 from core.errors import UserError
+from core.namecheck import check_names, state_arguments
+from core.prompting import Shapes, batch_shapes, code_options, field_bindings, fields_text, interface_of
 from core.records import StateProgram
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -78,7 +87,38 @@ SYSTEM = """You are a robotics engineer. You write simple, robust feedback contr
 (proportional rules on the state) that solve manipulation tasks. Reply with one ```python
 code block holding the controller function (helpers may sit in the same block)."""
 
+#: the request with ``code.interface=fields``: the task's fields and a skeleton that binds each of them
 TASK = """The environment:
+
+{description}
+
+The fields of a state (float32 tensors batched over B environments; the shape each one has):
+{fields}
+
+The action: {actions}
+
+Task goal: {goal}
+
+Write the controller by completing this skeleton; it reads each field as `state.<name>`:
+
+```python
+import torch
+
+def act(state):
+{bindings}
+    # ... compute each environment's action from these (proportional rules on the state) ...
+    action = ...  # float tensor [B, {act_dim}]
+    return action  # clamped to the action's bounds
+```
+
+The state has no fields but those in the skeleton: reading any other is refused before the code runs
+(delete the bindings you do not use). Use only {imports}; work on the whole batch with tensor operations
+(no loop over B), give torch functions tensors, not Python numbers, and clamp the result to the
+action's bounds.
+Reply with the complete function in one ```python block and nothing after it."""
+
+#: the earlier request (``code.interface=dict``), kept for comparison
+TASK_DICT = """The environment:
 
 {description}
 
@@ -105,7 +145,7 @@ Read only the state fields listed above, by those exact names. Use only {imports
 on the whole batch with tensor operations (no loop over B), and clamp the result to the
 action's bounds."""
 
-RETRY = """The controller above failed the check on real states of the task:
+RETRY = """The controller above failed the check before training:
 
 {error}
 
@@ -118,10 +158,27 @@ def action_dim(task: Task) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def build_messages(task: Task, imports: tuple[str, ...], act_dim: int | None) -> list[dict[str, str]]:
-    text = TASK.format(description=task.description, schema=task.schema_text(), actions=task.action_description,
-                       goal=task.goal, act_dim=act_dim or "A", imports=", ".join(imports))
+def build_messages(task: Task, imports: tuple[str, ...], act_dim: int | None, shapes: Shapes | None = None,
+                   interface: str = "fields") -> list[dict[str, str]]:
+    """System + the controller request, in the run's ``code.interface`` (``fields``: the
+    task's fields with the shapes of a real batch, :func:`core.prompting.batch_shapes`,
+    made when ``shapes`` is None, and a skeleton binding each; ``dict``: the earlier prompt)."""
+    if interface == "dict":
+        text = TASK_DICT.format(description=task.description, schema=task.schema_text(), actions=task.action_description,
+                                goal=task.goal, act_dim=act_dim or "A", imports=", ".join(imports))
+    else:
+        shapes = shapes or batch_shapes(task)
+        text = TASK.format(description=task.description, fields=fields_text(task, shapes), actions=task.action_description,
+                           goal=task.goal, bindings=field_bindings(task, shapes, source="state"), act_dim=act_dim or "A",
+                           imports=", ".join(imports))
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+
+
+def check_controller_names(source: str, fields: list[str]) -> Any:
+    """:func:`core.namecheck.check_names` on a controller: its ``state`` (whatever ``act`` calls it) may hold only ``fields``."""
+    from core.sandbox.policy import SAFE_BUILTIN_NAMES
+
+    return check_names(source, fields, available=SAFE_BUILTIN_NAMES, state_args=state_arguments(source, ENTRY, ["state"]))
 
 
 class Controller:
@@ -132,6 +189,7 @@ class Controller:
         self.fn: Any = None  # the probed program (a core.sandbox.StateFunction), or None
         self.source = ""
         self.errors: list[str] = []
+        self.fixes: list[str] = []  # the name check's fixes to the controller that passed
         self.calls = 0
         self.act_dim = action_dim(train.task)
 
@@ -140,14 +198,24 @@ class Controller:
         from core import sandbox
 
         train, cfg = self.train, self.cfg
-        messages = build_messages(train.task, train.sandbox.imports, self.act_dim)
+        interface = interface_of(train)
+        shapes = batch_shapes(train.task, train.seed) if interface == "fields" else None
+        fields = train.task.field_names() if interface == "fields" else None  # None: the earlier interface, unchecked
+        messages = build_messages(train.task, train.sandbox.imports, self.act_dim, shapes, interface)
+        options = code_options(train, 1, cfg.temperature)
         for attempt in range(cfg.attempts):
-            reply = train.llm.chat(messages, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                   seed=train.seed * 1000 + attempt, tag=f"{NAME}/controller")[0].text
+            reply = train.llm.chat(messages, n=1, max_tokens=cfg.max_tokens, seed=train.seed * 1000 + attempt,
+                                   tag=f"{NAME}/controller", **options)[0].text
             found = extract_function(reply, ENTRY, ["state"], rename=True)
             error = found.error if not found.ok else ""
-            if found.ok:
-                program = StateProgram(source=found.source, entry=ENTRY, origin=NAME)
+            fixes: list[str] = []
+            if found.ok and fields is not None:  # the names it reads, before anything runs
+                names = check_controller_names(found.source, fields)
+                found.source, fixes = names.source, list(names.fixes)
+                if not names.ok:
+                    error = names.message(fields)
+            if found.ok and not error:
+                program = StateProgram(source=found.source, entry=ENTRY, origin=NAME, meta={"fixes": fixes} if fixes else {})
                 try:
                     fn = sandbox.prepare_state(program, train.task, limits=train.sandbox.limits(),
                                                allowed_imports=train.sandbox.imports)
@@ -158,7 +226,7 @@ class Controller:
                         error = f"act returned {fn.extra_dim} values per state; the action has {self.act_dim}."
                         fn.close()
                     else:
-                        self.fn, self.source = fn, found.source
+                        self.fn, self.source, self.fixes = fn, found.source, fixes
                         return
             self.errors.append(f"attempt {attempt + 1}: {error}")
             messages = messages + [{"role": "assistant", "content": reply},
@@ -188,6 +256,8 @@ class Controller:
         lines = [f"# RLingua controller ({'used' if self.source else 'none passed the check'})", ""]
         if self.source:
             lines += ["```python", self.source.strip(), "```", ""]
+        if self.fixes:
+            lines += ["## Name fixes before it ran", "", *[f"- {f}" for f in self.fixes], ""]
         if self.errors:
             lines += ["## Errors", "", *[f"- {e}" for e in self.errors]]
         return "\n".join(lines) + "\n"

@@ -9,8 +9,10 @@ primitive actions. Here a candidate's :class:`~core.records.MacroAction` list ex
 The agent sees one transition whose reward is the sum of the primitive rewards (a
 semi-MDP option; the discount is not adjusted for the option's length).
 
-Calling convention: ``state`` maps the task's state-field names to tensors of ONE env,
-batched as ``[1, ...]`` (the same layout as reward programs see, with a batch of one);
+Calling convention: ``state`` maps the task's field names (its derived fields included,
+:attr:`core.envs.task.Task.program_fields`) to tensors of ONE env, batched as ``[1, ...]``
+(the same layout as reward programs see, with a batch of one): the worker names the
+columns of ``task.program_obs(obs)``; a field is read as ``state.name`` or ``state["name"]``;
 ``entry`` returns an int, or a tensor/array holding one integer in ``[0, n)``;
 ``done_entry`` returns a bool or a one-element tensor. Macros run per env because a
 vector env cannot hold some envs still while others run a macro.
@@ -130,6 +132,7 @@ class MacroSet:
                 raise ValueError(f"macro {macro.name!r}: max_steps must be >= 1")
         n_actions = _discrete_actions(task)
         obs, _, _ = sandbox.probe_batch(task, num_envs=1, steps=1)
+        obs = program_obs(task, obs)
         owns = worker is None
         worker = worker if worker is not None else sandbox.ProgramWorker(limits, imports)
         try:
@@ -153,8 +156,13 @@ class MacroSet:
             program = Program(program.source, program.entry) if type(program) is not Program else program  # a value, not a reward
             try:
                 if limits.static_check:
-                    report = sandbox.check_source(program.source, program.entry, arg_names=STATE_ARGS, allowed_imports=imports)
+                    from core.sandbox.functions import fields_line, task_field_names
+
+                    report = sandbox.check_source(program.source, program.entry, arg_names=STATE_ARGS, allowed_imports=imports,
+                                                  fields=task_field_names(task))
                     if not report.ok:
+                        if report.kind == "names":
+                            report.message += "\n" + fields_line(task)
                         raise sandbox.SandboxError(report)
                 if probe:
                     handle, _ = sandbox.probe(worker, program, (obs,), arg_names=STATE_ARGS, validate=validate,
@@ -176,7 +184,7 @@ class MacroSet:
     def _call(self, handle: int, obs: np.ndarray, name: str) -> Any:
         from core import sandbox
 
-        row = torch.as_tensor(np.asarray(obs, dtype=np.float32)).reshape(1, -1)[:, : self.task.obs_dim]
+        row = program_obs(self.task, torch.as_tensor(np.asarray(obs, dtype=np.float32)).reshape(1, -1))
         try:
             return self.worker.call(handle, (row,), role="value", split=(0,))
         except sandbox.SandboxError as e:
@@ -221,6 +229,12 @@ class MacroSet:
         out = {f"macros/{name}_calls": float(n) for name, n in self.calls.items()}
         out["macros/env_steps"] = float(self.env_steps)
         return out
+
+
+def program_obs(task: Task, obs: torch.Tensor) -> torch.Tensor:
+    """``obs[..., :obs_dim]`` widened by the task's derived fields: the columns ``task_fields(task)`` index."""
+    widen = getattr(task, "program_obs", None)
+    return widen(obs) if widen is not None else obs[..., : task.obs_dim]
 
 
 def _discrete_actions(task: Task) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,12 +113,59 @@ def test_hint_for_unknown_field_lists_the_fields():
     assert lesr.hint_for("something else", ["x"]) == ""
 
 
-def test_prompt_shows_a_worked_example_and_the_schema(task):
+def test_the_prompt_binds_every_field_of_the_task_and_no_made_up_one(task):
     _, run = make(task, [], config={"sandbox": {"allowed_imports": ["math", "torch"]}})
+    prompt = lesr.messages(run, cfg(), [])[-1]["content"]
+    assert "def revise_state(state):" in prompt and "def intrinsic_reward(state, features):" in prompt
+    for name in task.field_names():  # derived fields included
+        assert re.search(rf"^    {name} = state\.{name} +# \[B\]$", prompt, re.MULTILINE), name
+    read = set(re.findall(r"state\.(\w+)", prompt)) | set(re.findall(r"state\[\"(\w+)\"\]", prompt))
+    assert read == set(task.field_names())  # every field read in the prompt is the task's: no example of another task
+    assert not re.search(r"\b(vx|vy)\b", prompt) and "made-up" not in prompt and "{" not in prompt.split("```")[0]
+    assert "You may import only: math, torch." in prompt  # the run's sandbox settings
+    assert prompt.endswith("Reply with both functions in one ```python block and nothing after it.")
+
+
+def test_the_earlier_prompt_shows_a_worked_example_and_the_schema(task):
+    _, run = make(task, [], config={"sandbox": {"allowed_imports": ["math", "torch"]}, "code": {"interface": "dict"}})
     prompt = lesr.messages(run, cfg(), [])[-1]["content"]
     assert "def revise_state(state)" in prompt and "torch.stack([distance, speed, approach], dim=-1)" in prompt
     assert "angular_velocity" in prompt and "{" not in prompt.split("```")[0]  # formatted, no stray braces
     assert prompt.endswith("You may import only: math, torch.")  # the run's sandbox settings
+
+
+UNKNOWN_FIELD = GOOD.replace('state["angular_velocity"]', 'state.pole_velocity')
+
+
+def test_a_pair_reading_an_unknown_field_is_refused_with_the_fields_before_it_runs(task, monkeypatch):
+    ran = []
+    monkeypatch.setattr(lesr, "check_pair", lambda source, *a, **k: ran.append(source) or lesr.SandboxReport(True, "ok", ""))
+    plugin, run = make(task, [UNKNOWN_FIELD, UNKNOWN_FIELD], samples=1, retries=1)
+    (program,) = plugin.propose_state_reprs(run, 0)
+    assert ran == []  # neither reply reached the sandbox
+    assert program.rejected and program.meta["rejected_kind"] == "names"
+    assert "`pole_velocity` is not a field of this task" in program.rejected
+    assert "The state has exactly these fields: " + ", ".join(task.field_names()) in program.rejected
+    repair = run.llm.calls[1]  # the retry: the core's short repair request with the error and the fields
+    assert "pole_velocity" in repair.last and all(name in repair.last for name in task.field_names())
+    assert "revise_state and intrinsic_reward" in repair.last
+
+
+def test_a_unique_close_field_is_renamed_and_recorded(task):
+    plugin, run = make(task, [GOOD.replace('state["angular_velocity"]', 'state.angular_velocty')], samples=1, retries=0)
+    (program,) = plugin.propose_state_reprs(run, 0)
+    assert not program.rejected and "state.angular_velocity" in program.source
+    assert "angular_velocty" in program.meta["fixes"][0]
+
+
+def test_with_the_earlier_interface_names_are_not_checked_and_a_retry_continues_the_conversation(task):
+    plugin, run = make(task, [UNKNOWN_FIELD, GOOD], config={"code": {"interface": "dict"}}, samples=1, retries=1,
+                       temperature=0.5)
+    (program,) = plugin.propose_state_reprs(run, 0)
+    assert not program.rejected
+    first, second = run.llm.calls
+    assert "pole_velocity" in second.last and "failed a check on real states" in second.last  # it ran, then went back
+    assert second.messages[:2] == first.messages and second.temperature == 0.5
 
 
 def test_lipschitz_of_a_linear_and_a_constant_dimension():
@@ -149,12 +197,25 @@ def make(task, replies, config=None, **overrides):
 
 
 def test_propose_retries_failed_samples_with_feedback(task):
-    plugin, run = make(task, [GOOD, NAN, GOOD], samples=2, retries=1, temperature=0.5, max_tokens=300)
+    plugin, run = make(task, [GOOD, NAN, GOOD], samples=2, retries=1, temperature=0.5, max_tokens=300,
+                       config={"code": {"repair_temperature": 0.1, "repair_max_tokens": 400}})
     programs = plugin.propose_state_reprs(run, 0)
     assert len(programs) == 2 and all(p.origin == "llm_state_repr" for p in programs)
     assert len(run.llm.calls) == 3 and "NaN or infinite" in run.llm.calls[2].last  # the retry saw the error
-    assert {(c.temperature, c.max_tokens) for c in run.llm.calls} == {(0.5, 300)}
+    samples, repair = run.llm.calls[:2], run.llm.calls[2]
+    assert {(c.temperature, c.max_tokens) for c in samples} == {(0.5, 300)}
+    assert (repair.temperature, repair.max_tokens) == (0.1, 400)  # the short repair request, at the run's code settings
+    assert "features[:, 0] / 0.0 * 0.0" in repair.last and "Task goal" in repair.last  # the failing pair, not the conversation
+    assert all(c.stop == ["\n```\n"] for c in run.llm.calls)  # every reply ends at its code block
     assert "def compute_reward" in programs[0].meta["intrinsic"] and programs[0].meta["weight"] == 0.1
+
+
+def test_the_temperature_by_default_follows_the_number_of_samples(task):
+    from core.prompting import sampling_temperature
+
+    plugin, run = make(task, [GOOD], samples=3, retries=0)
+    plugin.propose_state_reprs(run, 0)
+    assert {c.temperature for c in run.llm.calls} == {sampling_temperature(3)}
 
 
 def test_no_valid_sample_is_logged_and_proposed_rejected_with_its_reason(task):

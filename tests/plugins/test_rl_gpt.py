@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,70 @@ def test_sampling_settings_and_hint_come_from_the_typed_config(task):
     (call,) = run.llm.calls
     assert (call.temperature, call.max_tokens, call.tag) == (0.9, 77, "rl_gpt-slow-it0")
     assert "Suggested decomposition: chop first" in call.last and "at most 1 items" in call.last
+
+
+def test_the_fast_agent_prompt_binds_every_field_of_the_task_at_a_batch_of_one(task):
+    plugin, run = make(task, [PLAN, DONE_AT_ONCE], critic_rounds=0, rollouts=1, temperature=0.4)
+    plugin.plan(run, 0)
+    plugin.propose_actions(run, 0)
+    slow, fast = run.llm.calls
+    prompt = fast.last
+    for name in task.field_names():  # derived fields included
+        assert re.search(rf"^    {name} = state\.{name} +# \[1[\],]", prompt, re.MULTILINE), name
+    assert "- position ([1, 2]" in prompt and "[B" not in prompt  # a macro sees one env
+    read = set(re.findall(r"state\.(\w+)", prompt)) | set(re.findall(r"state\[\"(\w+)\"\]", prompt))
+    assert read == set(task.field_names())  # every field the prompt reads is the task's: no example of another skill
+    assert 'state["' not in prompt and "Example for a different skill" not in prompt and "def done(state):" in prompt
+    # the code request ends at its code block, at the method's temperature; the plan is no code
+    assert (fast.temperature, fast.stop) == (0.4, ["\n```\n"]) and (slow.temperature, slow.stop) == (0.4, None)
+
+
+def test_the_earlier_interface_keeps_the_dict_prompt_and_its_example(task):
+    plugin, run = make(task, [PLAN, DONE_AT_ONCE], config={"code": {"interface": "dict"}}, critic_rounds=0, rollouts=1)
+    plugin.plan(run, 0)
+    plugin.propose_actions(run, 0)
+    prompt = run.llm.calls[1].last
+    assert 'state["wood"] has shape [1]' in prompt and 'state["position"][0, 0] >= 10' in prompt
+    assert "wood = state.wood" not in prompt
+
+
+UNKNOWN = '```python\ndef act(state):\n    return 5\n\ndef done(state):\n    return bool(state.logs[0] >= 1)\n```'
+
+
+def test_a_skill_reading_an_unknown_field_is_refused_with_the_fields_before_it_runs(task, monkeypatch):
+    rolled = []
+    real = rl_gpt.rollout_macros
+    monkeypatch.setattr(rl_gpt, "rollout_macros", lambda macros, *a, **k: rolled.append([m.name for m in macros]) or real(macros, *a, **k))
+    plugin, run = make(task, [PLAN, UNKNOWN, UNKNOWN], critic_rounds=1, rollouts=1)
+    plugin.plan(run, 0)
+    ((macro,),) = plugin.propose_actions(run, 0)
+    assert rolled == []  # neither reply was run
+    assert macro.program.meta["rejected_kind"] == "names" and "`logs` is not a field of this task" in macro.program.rejected
+    fields = "The state has exactly these fields: " + ", ".join(task.field_names())
+    assert fields in macro.program.rejected
+    revision = run.llm.calls[2]  # the critic's revision request: the method's conversation, with the field list
+    assert revision.messages[:2] == run.llm.calls[1].messages and fields in revision.last and "`act` and `done`" in revision.last
+
+
+def test_a_unique_close_field_is_renamed_before_the_rollouts(task):
+    plugin, run = make(task, [PLAN, WOOD.replace('state["wood"]', "state.Wood")], critic_rounds=0, rollouts=1)
+    plugin.plan(run, 0)
+    (macros,) = plugin.propose_actions(run, 0)
+    assert "state.wood[0]" in macros[0].program.source and "`Wood`" in macros[0].program.meta["fixes"][0]
+
+
+def test_a_macro_reads_the_tasks_derived_fields():
+    """The worker names the columns of ``task.program_obs``: a derived field has its value, one per env."""
+    from core.envs.task import DerivedField
+
+    cartpole = make_task({"name": "cartpole"})
+    cartpole.derived_fields = [DerivedField("lean", "pole angle minus 1", lambda f: f["pole_angle"] - 1.0)]
+    skill = ("```python\ndef act(state):\n    return 0\n\ndef done(state):\n"
+             "    return bool(state.lean.shape == (1,) and state.lean[0] < -0.5)\n```")
+    macro, error = rl_gpt.extract_macro(skill, "lean", 5, cartpole.field_names())
+    assert error == ""
+    (st,) = rl_gpt.rollout_macros([macro], cartpole, runs=1, seed=0, limits=Limits(), imports=IMPORTS)
+    assert st.ok and st.steps == [1], st.failures
 
 
 def test_the_fast_agent_is_told_the_runs_allowed_imports(task):

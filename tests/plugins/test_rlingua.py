@@ -4,6 +4,7 @@ as SAC's behaviour policy with an annealed probability, and is imitated."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,46 @@ def test_task_fields_the_controllers_use():
 
 def test_action_dim_is_read_from_the_description():
     assert rlingua.action_dim(MountainCarContinuous()) == 1
+
+
+def test_the_prompt_binds_every_field_of_the_task_and_no_made_up_one():
+    task = MountainCarContinuous()
+    prompt = rlingua.build_messages(task, ("math", "torch"), 1)[-1]["content"]
+    for name in task.field_names():  # derived fields included
+        assert re.search(rf"^    {name} = state\.{name} +# \[B\]$", prompt, re.MULTILINE), name
+    read = set(re.findall(r"state\.(\w+)", prompt)) | set(re.findall(r"state\[\"(\w+)\"\]", prompt))
+    assert read == set(task.field_names())  # every field the prompt reads is the task's
+    assert "def act(state):" in prompt and "[B, 1]" in prompt and "Use only math, torch" in prompt
+    earlier = rlingua.build_messages(task, ("math", "torch"), 1, interface="dict")[-1]["content"]
+    assert "state: dict of field name -> torch.Tensor" in earlier and "state.car_velocity" not in earlier
+
+
+def test_a_controller_reading_an_unknown_field_is_refused_with_the_fields_before_it_runs(monkeypatch):
+    from core import sandbox
+
+    prepared = []
+    real = sandbox.prepare_state
+    monkeypatch.setattr(sandbox, "prepare_state", lambda program, *a, **k: prepared.append(program.source) or real(program, *a, **k))
+    llm = ScriptedLLM(replies=[PUMP.replace('state["car_velocity"]', "state.cart_speed"), PUMP])
+    plugin, train = controller(llm, attempts=2, temperature=0.3)
+    assert len(prepared) == 1 and "cart_speed" not in prepared[0]  # the first reply never reached the sandbox
+    retry = llm.calls[1].last
+    assert "`cart_speed` is not a field of this task" in retry
+    assert "The state has exactly these fields: " + ", ".join(MountainCarContinuous().field_names()) + "." in retry
+    assert {(c.temperature, tuple(c.stop)) for c in llm.calls} == {(0.3, ("\n```\n",))}  # the method's temperature
+    result = type("Result", (), {"metrics": {}})()
+    plugin.on_train_end(train, result)
+    assert result.metrics["rlingua/failed_attempts"] == 1 and result.metrics["rlingua/controller_ok"] == 1.0
+    assert "cart_speed` is not a field" in train.texts["rlingua/controller.md"]
+
+
+def test_a_unique_close_field_is_renamed_and_recorded():
+    plugin, train = controller(ScriptedLLM(replies=[PUMP.replace('state["car_velocity"]', "state.car_velocty")]), attempts=1)
+    assert plugin.action_prior(train, torch.tensor([[-0.5, 0.01]])).mean.tolist() == [[1.0]]
+    result = type("Result", (), {"metrics": {}})()
+    plugin.on_train_end(train, result)
+    text = train.texts["rlingua/controller.md"]
+    assert "state.car_velocity" in text and "## Name fixes before it ran" in text and "car_velocty" in text
 
 
 def test_a_probed_controller_acts_with_the_annealed_probability():
