@@ -261,8 +261,8 @@ def test_a_dropped_reply_is_recorded_with_its_reason_in_mlflow_and_the_counts(ma
 
     replies = iter([fakes.REWARD.format(entry="compute_reward"), NO_FUNCTION, fakes.REWARD.format(entry="improved_compute_reward")])
 
-    def reply(msgs):  # the rejected reply goes to repair_program first; the repair holds no code either
-        return NO_FUNCTION if "checked before training" in msgs[-1]["content"] else next(replies)
+    def reply(msgs):  # the rejected reply goes to the core's repair first; the repair holds no code either
+        return NO_FUNCTION if "failed its check before training" in msgs[-1]["content"] else next(replies)
 
     fakes.install_fake_litellm(monkeypatch, reply)
     cfg = make_config(["+plugins=[eureka]", "plugins.eureka.iterations=1", "plugins.eureka.samples=3", *TINY,
