@@ -205,10 +205,13 @@ def test_config_refuses_values_that_cannot_work(key, value):
 
 @pytest.mark.slow
 def test_end_to_end_minecraft_training_follows_the_llms_plan(tmp_path):
-    """The embedded model builds the graph; training pays for the plan's skills and logs them."""
+    """The embedded model builds the graph; training pays for the plan's skills and logs them.
+
+    Reward normalisation is off here: with it on, this 2,048-frame training completed no
+    skill (measured once each way), which says nothing about whether the plan is followed."""
     cmd = [sys.executable, "-m", "core", "+plugins=[plan4mc]", "env=minecraft", "env.max_episode_steps=150",
            "plugins.plan4mc.target=make_wood_pickaxe", "plugins.plan4mc.repair_rounds=1",
-           "trainer.frames=2048", "trainer.num_envs=4", "trainer.rollout_steps=128", "trainer.epochs=2", "trainer.eval_episodes=2",
+           "trainer.frames=2048", "trainer.num_envs=4", "trainer.rollout_steps=128", "trainer.epochs=2", "trainer.eval_episodes=2", "trainer.normalize_reward=false",
            "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
