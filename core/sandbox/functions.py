@@ -276,8 +276,7 @@ def _with_fields(task: Task) -> Iterator[None]:
 
 def fields_line(task: Task) -> str:
     """``The state has exactly these fields: a, b, c.`` (derived fields included)."""
-    names = getattr(task, "field_names", None)
-    return f"The state has exactly these fields: {', '.join(names() if names else [f.name for f in task.state_fields])}."
+    return f"The state has exactly these fields: {', '.join(task_field_names(task))}."
 
 
 def _prepare(program: Program, args: tuple[Any, ...], split: tuple[int, ...], arg_names: tuple[str, ...],
@@ -306,8 +305,13 @@ def _prepare(program: Program, args: tuple[Any, ...], split: tuple[int, ...], ar
     return worker, handle, report, own
 
 
+def _widener(task: Task) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The task's ``program_obs`` when it has derived fields to append, else None."""
+    return task.program_obs if getattr(task, "derived_fields", None) else None
+
+
 def _widen(task: Task) -> Callable[[torch.Tensor], torch.Tensor]:
-    return task.program_obs if getattr(task, "derived_fields", None) else (lambda obs: obs[..., : task.obs_dim])
+    return _widener(task) or (lambda obs: obs[..., : task.obs_dim])
 
 
 def task_field_names(task: Task) -> list[str]:
@@ -334,7 +338,7 @@ def prepare_reward(program: RewardProgram, task: Task, *, limits: Limits | None 
                                            task, limits, tuple(allowed_imports), worker)
     return RewardFunction(worker, handle, program, limits=limits, allowed_imports=tuple(allowed_imports),
                           owns_worker=own, per_row=bool(report.data.get("per_row")), fields=task_fields(task),
-                          widen=task.program_obs if getattr(task, "derived_fields", None) else None,
+                          widen=_widener(task),
                           components=tuple(report.data.get("components", ())))
 
 
@@ -350,4 +354,4 @@ def prepare_state(program: StateProgram, task: Task, *, limits: Limits | None = 
     program.extra_dim = extra_dim
     return StateFunction(worker, handle, program, limits=limits, allowed_imports=tuple(allowed_imports),
                          owns_worker=own, per_row=bool(report.data.get("per_row")), fields=task_fields(task),
-                         widen=task.program_obs if getattr(task, "derived_fields", None) else None, extra_dim=extra_dim)
+                         widen=_widener(task), extra_dim=extra_dim)
