@@ -122,6 +122,7 @@ class CodeConfig:
 
     interface: str = "fields"  # fields: a skeleton from the task's fields, names checked before anything runs; dict: the earlier prompt, for comparison
     repair_temperature: float = 0.2  # sampling temperature of a repair request (a short one: the function, the error, the rule)
+    retry_temperature: float = 0.8  # temperature of a repair round after a reply that returned the function unchanged
     repair_max_tokens: int = 768  # cap on a repair reply
     stop_at_code_end: bool = True  # end every code reply at the close of its first code block (the prose after it is never used)
 
@@ -130,8 +131,9 @@ class CodeConfig:
 
         if self.interface not in INTERFACES:
             raise ValueError(f"interface must be one of {', '.join(INTERFACES)}, got {self.interface!r}")
-        if self.repair_temperature < 0:
-            raise ValueError(f"repair_temperature must be >= 0, got {self.repair_temperature}")
+        if self.repair_temperature < 0 or self.retry_temperature < 0:
+            raise ValueError(f"repair_temperature and retry_temperature must be >= 0, got {self.repair_temperature} "
+                             f"and {self.retry_temperature}")
         if self.repair_max_tokens < 1:
             raise ValueError(f"repair_max_tokens must be >= 1, got {self.repair_max_tokens}")
 

@@ -100,21 +100,32 @@ class _Checker:
         self._shapes: Any = None
 
     def settle(self, candidate: Candidate) -> Examined:
-        """Examine the candidate's program; repair it while it fails and repairs are left."""
+        """Examine the candidate's program; repair it while it fails and repairs are left.
+
+        A reply that hands the function back unchanged uses up its round without a check (the
+        verdict would be the same); the next round says so and samples at
+        ``code.retry_temperature``.
+        """
         program = candidate.reward
         assert isinstance(program, RewardProgram)
-        outcome = Examined(program)
-        for attempt in range(self.cfg.repair + 1):
-            outcome = self.examine(outcome.program)
-            outcome.repairs = attempt
-            self._log(candidate, outcome, attempt)
-            if not outcome.error or attempt == self.cfg.repair:
-                break
-            fixed = self.repair(outcome.program, outcome.error, outcome.kind, attempt + 1)
-            if fixed is None or fixed.source.strip() == outcome.program.source.strip():
-                break  # nothing new to check: the same verdict again
-            outcome.program = fixed
-            outcome.repairs = attempt + 1
+        outcome = self.examine(program)
+        self._log(candidate, outcome, 0)
+        rounds = unchanged = 0
+        last_unchanged = False
+        while outcome.error and rounds < self.cfg.repair:
+            rounds += 1
+            fixed = self.repair(outcome.program, outcome.error, outcome.kind, rounds, unchanged=last_unchanged)
+            if fixed is None:
+                rounds -= 1
+                break  # nothing came: not an LLM's program, or no plugin repairs it
+            last_unchanged = fixed.source.strip() == outcome.program.source.strip()
+            if last_unchanged:
+                unchanged += 1
+                continue
+            outcome = self.examine(fixed)
+            self._log(candidate, outcome, rounds)
+        outcome.repairs = rounds
+        outcome.program.meta["unchanged_repairs"] = unchanged
         return outcome
 
     def examine(self, program: RewardProgram) -> Examined:
@@ -150,8 +161,13 @@ class _Checker:
                 self._references, self._reference_error = [], f"the reference episodes could not be made ({exc!r})"
         return self._references
 
-    def repair(self, program: RewardProgram, error: str, kind: str = "", attempt: int = 1) -> RewardProgram | None:
-        """The repaired program (possibly rejected again, with its new reason), or None when none came."""
+    def repair(self, program: RewardProgram, error: str, kind: str = "", attempt: int = 1,
+               unchanged: bool = False) -> RewardProgram | None:
+        """The repaired program (possibly rejected again, with its new reason), or None when none came.
+
+        ``unchanged``: the previous reply returned the function as it was; this request says
+        so and samples at ``code.retry_temperature``.
+        """
         if self.run.settings.run.code.interface == "dict":
             return self._plugin_repair(program, error)
         if not program.reply:  # not an LLM's code (a plugin or a person wrote it): nothing to send back
@@ -163,9 +179,10 @@ class _Checker:
         code, task = self.run.settings.run.code, self.run.task
         self._shapes = self._shapes or batch_shapes(task, self.run.seed)
         msgs = repair_messages(task, without_prelude(program) or program.reply, error, kind, entry=program.entry,
-                               shapes=self._shapes)
+                               shapes=self._shapes, unchanged=unchanged)
         tag = f"{program.origin or 'program'}-repair"
-        reply = self.run.llm.chat(msgs, n=1, temperature=code.repair_temperature, max_tokens=code.repair_max_tokens,
+        temperature = code.retry_temperature if unchanged else code.repair_temperature
+        reply = self.run.llm.chat(msgs, n=1, temperature=temperature, max_tokens=code.repair_max_tokens,
                                   stop=CODE_STOP if code.stop_at_code_end else None,
                                   seed=self.run.seed * 1000 + 500 + attempt, tag=tag)[0]
         found = program_from_reply(RewardProgram, reply.text, program.entry, list(REWARD_ARGS),

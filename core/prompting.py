@@ -313,16 +313,21 @@ RULES = {
 
 
 def repair_messages(task: Task, source: str, error: str, kind: str, entry: str = "compute_reward",
-                    shapes: Shapes | None = None, role: str = "reward") -> list[dict[str, str]]:
+                    shapes: Shapes | None = None, role: str = "reward", unchanged: bool = False) -> list[dict[str, str]]:
     """A short request to fix one program: the fields, the failing function, the error, the rule it broke.
 
     Not the whole conversation again: a small model fixes a named error in a short prompt
-    far more often than it rewrites a function from a long one.
+    far more often than it rewrites a function from a long one. A small model also tends to
+    hand the function back as it was (measured: 15 of 19 repairs of MountainCar rewards at
+    temperature 0.2); ``unchanged`` says the previous reply did that, so this request asks
+    for the lines the error points at to change.
     """
     shapes = shapes or batch_shapes(task)
     rule = sign_rule(task) if kind == "vetting" else RULES.get(kind, RULES["exception"])
     fields = "\n".join(f"- {f.name} ({Shapes.text(shapes.fields.get(f.name, f.shape))})"
                        for f in program_fields(task))
+    again = ("\nYour previous reply returned this function unchanged, so it fails the same way. Rewrite the lines that "
+             "cause the error.\n" if unchanged else "")
     user = f"""A {role} function `{entry}` for this task failed its check before training.
 
 Task goal: {task.goal}
@@ -334,10 +339,11 @@ The function:
 
 What went wrong:
 {error.strip()[-1500:]}
-
+{again}
 {rule}
-Reply with the corrected complete function in one ```python block and nothing after it."""
-    return [{"role": "system", "content": "You fix Python functions. Change only what the error needs."},
+The function fails as written: reply with the corrected complete function, changed where the error points, in one \
+```python block and nothing after it."""
+    return [{"role": "system", "content": "You fix Python functions: find the lines that cause the error and rewrite them."},
             {"role": "user", "content": user}]
 
 

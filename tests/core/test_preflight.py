@@ -138,10 +138,16 @@ def test_repair_is_tried_as_often_as_configured_then_the_candidate_fails():
     assert "3 * torch" in c.reward.source  # the last attempt is what the candidate holds
 
 
-def test_a_repair_that_returns_the_same_code_ends_the_repairs():
-    run, llm = eureka_run([ALIVE], repair=3)
-    result = preflight(run, [candidate(ALIVE)])["it0-c0"]
-    assert len(llm.calls) == 1 and result.error_kind == "vetting"
+def test_a_repair_that_returns_the_same_code_is_asked_again_saying_so_at_the_retry_temperature():
+    run, llm = eureka_run([ALIVE, ALIVE], repair=2)
+    c = candidate(ALIVE)
+    result = preflight(run, [c])["it0-c0"]
+    assert result.error_kind == "vetting" and len(llm.calls) == 2
+    first, second = llm.calls
+    assert first.temperature == 0.2 and "unchanged" not in first.last
+    assert second.temperature == 0.8 and "returned this function unchanged" in second.last
+    assert c.reward.meta["unchanged_repairs"] == 2
+    assert not any(k.endswith("-repair1.md") for k in run.tracker.texts)  # the same code is not checked again
 
 
 def test_a_program_that_fails_its_probe_is_repaired_too():
