@@ -62,6 +62,15 @@ RELATIONS = ("beats", "matches")
 
 
 @dataclass
+class CalibrationSpec:
+    """Whether a task can show an effect: its calibration arm must clear ``threshold`` (IQM over seeds)."""
+
+    arm: str = "human"  # the arm that must learn at the task's budget (the designers' reward, or a positive control)
+    threshold: float | None = None  # the score it must reach; null: the task is not calibrated (cannot score targets)
+    note: str = ""  # where the threshold comes from
+
+
+@dataclass
 class TaskSpec:
     """One task of a study."""
 
@@ -69,6 +78,8 @@ class TaskSpec:
     frames: int = 0  # trainer.frames of every training of the task: each search candidate and each final policy
     overrides: list[str] = field(default_factory=list)  # Hydra overrides of every cell of the task (trainer=sac, ...)
     scaled: dict[str, int] = field(default_factory=dict)  # other budgets scaled with the frames, key -> value at scale 1
+    seeds: list[int] | None = None  # the task's seeds; null: the study's
+    calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
 
 
 @dataclass
@@ -79,6 +90,8 @@ class ArmSpec:
     overrides: list[str] = field(default_factory=list)  # Hydra overrides of the arm (env.reward=sparse, plugin knobs)
     tasks: list[str] | None = None  # the tasks it applies to; null: every task
     search: bool = False  # picks the best of several candidates: its best is retrained on fresh seeds and scored there
+    trainer: str = ""  # a trainer in place of the task's (trainer=<name>; the task's trainer.* settings do not apply)
+    control_of: str = ""  # the arm this one is the control of: the same method with the LLM's contribution removed
     note: str = ""  # what the arm is and why it applies where it does (shown in the report)
 
 
@@ -119,10 +132,15 @@ class StudySpec:
         for name, task in self.tasks.items():
             if not task.env or task.frames < 1:
                 problems.append(f"task '{name}' needs an env and frames >= 1")
+        for name, task in self.tasks.items():
+            if task.calibration.arm not in self.arms:
+                problems.append(f"task '{name}' is calibrated on arm '{task.calibration.arm}', which is not an arm")
         for name, arm in self.arms.items():
             unknown = sorted(set(arm.tasks or []) - set(self.tasks))
             if unknown:
                 problems.append(f"arm '{name}' names unknown task(s) {', '.join(unknown)}")
+            if arm.control_of and arm.control_of not in self.arms:
+                problems.append(f"arm '{name}' is the control of '{arm.control_of}', which is not an arm")
         for target in self.targets:
             if target.arm not in self.arms or target.other not in self.arms or target.relation not in RELATIONS:
                 problems.append(f"target {target.arm} {target.relation} {target.other}: arms must exist, relation one of {', '.join(RELATIONS)}")
@@ -200,7 +218,9 @@ def expand(spec: StudySpec, tasks: list[str] | None = None, arms: list[str] | No
            seeds: list[int] | None = None, frames_scale: float | None = None, extra: tuple[str, ...] = ()) -> list[Cell]:
     """The study's cells: every arm on every task it applies to, for every seed.
 
-    Seeds vary slowest, so an interrupted study has whole seeds of every arm. ``tasks``,
+    Seeds vary slowest, so an interrupted study has whole seeds of every arm; a task with
+    its own ``seeds`` runs those (``--seeds`` gives every task the same). An arm with its own
+    ``trainer`` (the random policy) drops the task's trainer settings. ``tasks``,
     ``arms`` and ``seeds`` select; ``frames_scale`` replaces the spec's; ``extra`` are
     overrides added to every cell, except that a plugin's knob (``plugins.<name>.<key>=...``)
     goes only to the cells of arms that run the plugin; the other cells record it as
@@ -215,9 +235,12 @@ def expand(spec: StudySpec, tasks: list[str] | None = None, arms: list[str] | No
         raise UserError(f"--frames-scale must be > 0, got {scale}.")
     _check_knobs(extra, {p for a in arm_names for p in spec.arms[a].plugins})
     cells = []
-    for seed in spec.seeds if seeds is None else seeds:
+    all_seeds = sorted({int(x) for t in task_names for x in (spec.tasks[t].seeds or spec.seeds)})
+    for seed in all_seeds if seeds is None else seeds:
         for t in task_names:
             task = spec.tasks[t]
+            if seeds is None and seed not in (task.seeds or spec.seeds):
+                continue
             frames = scaled(task.frames, scale)
             budget = [f"trainer.frames={frames}", f"trainer.eval_every={frames // spec.evaluations if spec.evaluations else 0}"]
             budget += [f"{key}={scaled(value, scale)}" for key, value in task.scaled.items()]
@@ -228,12 +251,21 @@ def expand(spec: StudySpec, tasks: list[str] | None = None, arms: list[str] | No
                 final = spec.final_seeds if arm.search else 0
                 plugins = [f"+plugins=[{','.join(arm.plugins)}]"] if arm.plugins else []
                 mine = [o for o in extra if _plugin_of(o) in (None, *arm.plugins)]
-                overrides = (f"env={task.env}", *spec.overrides, *task.overrides, *plugins, *arm.overrides, *budget,
+                task_overrides, task_budget = list(task.overrides), budget
+                if arm.trainer:  # its own trainer: none of the task's trainer settings apply
+                    task_overrides = [o for o in task_overrides if not _sets_trainer(o)] + [f"trainer={arm.trainer}"]
+                    task_budget = [o for o in budget if not o.startswith(tuple(task.scaled))]
+                overrides = (f"env={task.env}", *spec.overrides, *task_overrides, *plugins, *arm.overrides, *task_budget,
                              f"seed={seed}", f"final_seeds={final}", *mine)
                 ignored = tuple(o for o in extra if o not in mine)
                 cells.append(Cell(a, t, int(seed), tuple(arm.plugins), overrides, arm.search, final, frames, tuple(mine),
                                   ignored))
     return cells
+
+
+def _sets_trainer(override: str) -> bool:
+    """Whether an override picks or sets the trainer (``trainer=sac``, ``trainer.gamma=0.99``)."""
+    return re.match(r"^\+{0,2}trainer[.=]", override) is not None
 
 
 def _check_knobs(extra: tuple[str, ...], running: set[str]) -> None:

@@ -8,7 +8,8 @@ from typing import Any, Callable
 from core.errors import UserError, did_you_mean
 
 #: trainer name (``trainer.name``) -> (module with a ``train`` function, its config dataclass)
-TRAINERS = {"ppo": ("core.train.ppo", "PPOConfig"), "sac": ("core.train.sac", "SACConfig")}
+TRAINERS = {"ppo": ("core.train.ppo", "PPOConfig"), "sac": ("core.train.sac", "SACConfig"),
+            "random": ("core.train.random_policy", "RandomConfig")}
 
 
 def get_trainer(name: str) -> tuple[Callable[..., Any], Any]:

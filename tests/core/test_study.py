@@ -35,7 +35,7 @@ def _runs(store: Path, experiment: str = "results") -> list:
 def test_the_results_spec_has_the_issue_tasks_the_baselines_and_every_method():
     spec = load_spec("results")
     assert set(spec.tasks) == ISSUE_TASKS
-    assert set(spec.arms) == {"sparse", "human", "progress_no_llm"} | METHODS | ROLE_METHODS
+    assert set(spec.arms) == {"random", "sparse", "human", "shaped", "eureka_1x8", "progress_no_llm"} | METHODS | ROLE_METHODS
     assert spec.arms["progress_no_llm"].plugins == ["progress_reward"]  # the control runs the method, LLM weight 0
     assert all(spec.arms[name].tasks == ["crafter"] for name in ROLE_METHODS)
     assert spec.arms["sparse"].overrides == ["env.reward=sparse"] and spec.arms["sparse"].tasks is None
@@ -43,18 +43,43 @@ def test_the_results_spec_has_the_issue_tasks_the_baselines_and_every_method():
     assert spec.arms["envgen"].tasks == ["crafter"]  # the only task with controllable params
     assert len(spec.seeds) >= 5 and spec.final_seeds >= 1
     assert all(arm.search for name, arm in spec.arms.items()
-               if name not in {"sparse", "human", "progress_reward", "progress_no_llm", "rlaif_preference"} | ROLE_METHODS)
+               if name not in {"random", "sparse", "human", "shaped", "progress_reward", "progress_no_llm",
+                               "rlaif_preference"} | ROLE_METHODS)
+    assert spec.arms["random"].trainer == "random" and spec.arms["shaped"].tasks == ["mountaincar"]
+    # reflection's ablation: the same number of samples in one round
+    assert spec.arms["eureka_1x8"].overrides == ["plugins.eureka.iterations=1", "plugins.eureka.samples=8"]
+    assert spec.arms["progress_no_llm"].control_of == "progress_reward"
+
+
+def test_every_task_that_scores_targets_is_calibrated_on_an_arm_it_runs():
+    spec = load_spec("results")
+    for name in ("cartpole", "mountaincar", "acrobot", "pendulum", "lunarlander"):
+        calibration = spec.tasks[name].calibration
+        arm = spec.arms[calibration.arm]
+        assert calibration.threshold is not None and calibration.note, name
+        assert arm.tasks is None or name in arm.tasks, name
+    assert spec.tasks["mountaincar"].calibration.arm == "shaped" and len(spec.tasks["mountaincar"].seeds) == 8
+
+
+def test_the_random_arm_drops_the_tasks_trainer_settings_and_keeps_its_env():
+    spec = load_spec("results")
+    cells = {c.task: c for c in expand(spec, arms=["random"], seeds=[0])}
+    pendulum, mountaincar = cells["pendulum"].overrides, cells["mountaincar"].overrides
+    assert "trainer=random" in pendulum and "trainer=sac" not in pendulum
+    assert not any(o.startswith("trainer.init_random_frames") for o in pendulum)
+    assert "env=mountaincar" in mountaincar and not any(o.startswith("trainer.lr") for o in mountaincar)
 
 
 def test_cells_are_each_arm_on_the_tasks_it_applies_to_for_every_seed():
     spec = load_spec("results")
     cells = expand(spec)
-    per_seed = sum(len(arm.tasks) if arm.tasks is not None else len(spec.tasks) for arm in spec.arms.values())
-    assert len(cells) == per_seed * len(spec.seeds)
+    expected = sum(len(task.seeds or spec.seeds) for name, task in spec.tasks.items()
+                   for arm in spec.arms.values() if arm.tasks is None or name in arm.tasks)
+    assert len(cells) == expected
     names = {c.name for c in cells}
     assert len(names) == len(cells)
     for task in spec.tasks:
-        for seed in spec.seeds:
+        for seed in spec.tasks[task].seeds or spec.seeds:
             assert {f"sparse-{task}-s{seed}", f"human-{task}-s{seed}", f"eureka-{task}-s{seed}"} <= names
     assert {c.task for c in cells if c.arm == "lares"} == {"pendulum", "hopper", "reach"}
     assert [c.seed for c in cells] == sorted(c.seed for c in cells)  # whole seeds first
