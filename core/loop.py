@@ -496,9 +496,13 @@ class Loop:
         name = best[1].fitness.name if best and best[1].fitness else self.run.task.fitness_name
         llm = self._log_llm_stats()
         rejected = sum(r.error_kind == "rejected" for r in results)
+        pairs = [(c, r) for it in self.run.history for c, r in zip(it.candidates, it.results)]
+        # what an LLM's code put into training: candidates that trained with a program an LLM wrote
+        llm_trained = sum(r.ok and any(getattr(p, "reply", "") for _, p in c.programs()) for c, r in pairs)
         if self.tracker is not None:
             self.tracker.log_metrics({"fitness": fitness, "frames": frames, "seconds": seconds, "candidates": len(results),
-                                      "candidates_rejected": rejected})
+                                      "candidates_rejected": rejected, "candidates_trained": sum(r.ok for r in results),
+                                      "llm_programs_trained": llm_trained})
             self.tracker.set_tags({"best_candidate": best[0].id if best else "none", "fitness_name": name})
             self.tracker.describe_run(task=self.run.task.name, fitness_name=name, history=self.run.history, best=best,
                                       llm=llm, seconds=seconds, final=final)
