@@ -498,7 +498,7 @@ class Loop:
         rejected = sum(r.error_kind == "rejected" for r in results)
         pairs = [(c, r) for it in self.run.history for c, r in zip(it.candidates, it.results)]
         # what an LLM's code put into training: candidates that trained with a program an LLM wrote
-        llm_trained = sum(r.ok and any(getattr(p, "reply", "") for _, p in c.programs()) for c, r in pairs)
+        llm_trained = sum(r.ok and any(getattr(p, "reply", "") for _, p in c.programs) for c, r in pairs)
         if self.tracker is not None:
             self.tracker.log_metrics({"fitness": fitness, "frames": frames, "seconds": seconds, "candidates": len(results),
                                       "candidates_rejected": rejected, "candidates_trained": sum(r.ok for r in results),

@@ -284,7 +284,10 @@ def test_a_dropped_reply_is_recorded_with_its_reason_in_mlflow_and_the_counts(ma
     assert (Path(folder) / "reward" / "reply.txt").read_text() == NO_FUNCTION
     assert by_sample["2"].data.tags["renamed_from"] == "improved_compute_reward -> compute_reward"
     assert by_sample["2"].data.tags["ok"] == "True" and "status" not in by_sample["0"].data.tags
-    assert client.get_run(summary.run_id).data.metrics["candidates_rejected"] == 1.0
+    metrics = client.get_run(summary.run_id).data.metrics
+    assert metrics["candidates_rejected"] == 1.0
+    # the study's measure of the LLM's contribution: the two programs the LLM wrote that trained
+    assert metrics["candidates_trained"] == 2.0 and metrics["llm_programs_trained"] == 2.0
     reflection = Path(client.download_artifacts(summary.run_id, "reflection/it0-eureka.md", str(cfg.cache_dir))).read_text()
     assert "3 sampled, 2 usable, 2 trained" in reflection and "rejected (no_code), not trained" in reflection
 
