@@ -57,6 +57,7 @@ class StudyRun:
     tags: dict[str, str] = field(default_factory=dict)  # the parent run's tags (a study's arm and cell, ...)
     curve: list[tuple[int, float]] = field(default_factory=list)  # (frames, fitness) of the best candidate
     train_curve: list[tuple[int, float]] = field(default_factory=list)  # (frames, TRAIN_RETURN) of the same training
+    training_metrics: dict[str, float] = field(default_factory=dict)  # final metrics of the best candidate's training
     start_time: int = 0
     arm: str = ""
     note: str = ""  # why a run is not ok
@@ -111,9 +112,11 @@ def load_study(uri: str, experiment: str, metric: str = "fitness", filter_string
         )
         if status != OK:
             run.note = _failure_note(r, children.get(r.info.run_id, []), metric)
-        run.curve = _best_curve(client, tags.get("best_candidate", ""), children.get(r.info.run_id, []), run.seed)
-        run.train_curve = _best_curve(client, tags.get("best_candidate", ""), children.get(r.info.run_id, []), run.seed,
-                                      TRAIN_RETURN)
+        child = _best_child(tags.get("best_candidate", ""), children.get(r.info.run_id, []), run.seed)
+        if child is not None:
+            run.curve = _history(client, child.info.run_id)
+            run.train_curve = _history(client, child.info.run_id, TRAIN_RETURN)
+            run.training_metrics = dict(child.data.metrics)
         study.append(run)
     return study
 
@@ -150,15 +153,20 @@ def candidate_curve(uri: str, parent_id: str, candidate: str, metric: str = "fit
     return sorted(points.items())
 
 
-def _best_curve(client: Any, best: str, children: list[Any], seed: int, metric: str = "fitness") -> list[tuple[int, float]]:
-    """The ``metric``-over-frames history of the best candidate's nested run."""
+def _best_child(best: str, children: list[Any], seed: int) -> Any:
+    """The best candidate's nested run on the run's seed (else on any seed); a run of one
+    candidate without a best (it failed) has that candidate's run; else None."""
     matches = [c for c in children if c.data.tags.get("candidate") == best]
     same_seed = [c for c in matches if c.data.tags.get("seed") == str(seed)]
-    if not (same_seed or matches):
-        return []
-    child = (same_seed or matches)[0]
+    if same_seed or matches:
+        return (same_seed or matches)[0]
+    return children[0] if len(children) == 1 else None
+
+
+def _history(client: Any, run_id: str, metric: str = "fitness") -> list[tuple[int, float]]:
+    """The ``metric``-over-frames history of a nested run."""
     points: dict[int, float] = {}
-    for m in client.get_metric_history(child.info.run_id, metric):
+    for m in client.get_metric_history(run_id, metric):
         points[int(m.step)] = float(m.value)  # a value logged twice at one step: the later
     return sorted(points.items())
 

@@ -4,7 +4,8 @@ For every task: each arm's final fitness over seeds (interquartile mean and mean
 95 % stratified-bootstrap intervals), the probability of improvement between arms,
 sample-efficiency curves (IQM fitness over frames with bands), and the LLM cost per arm.
 Runs that failed, never finished or are missing for a seed other arms have are listed
-per arm and flagged; the statistics use the finished runs only and say how many.
+per arm and flagged; the statistics use the finished runs only and say how many. A seed
+run more than once counts by its latest run, finished or not.
 
     python -m core -m '+plugins=[eureka],[]' env=cartpole seed=0,1   # the study
     python -m core.report                                          # -> reports/llm4rl/
@@ -143,7 +144,9 @@ def _arm_result(arm: str, runs: list[StudyRun], seeds: list[int], reps: int, see
                 use_train: bool = False) -> ArmResult:
     chosen: dict[int, StudyRun] = {}
     duplicates = 0
-    for r in sorted(runs, key=lambda r: (r.status == OK, r.start_time)):  # finished and latest win
+    # the latest attempt of a seed counts, whatever its status: a finished run does not beat a
+    # failed one for having finished (that would be the best of attempts)
+    for r in sorted(runs, key=lambda r: r.start_time):
         duplicates += r.seed in chosen
         chosen[r.seed] = r
     scores = {s: float(r.fitness) for s, r in sorted(chosen.items()) if r.status == OK and r.fitness is not None}

@@ -66,6 +66,7 @@ def test_load_study_reads_status_fitness_and_curves(study) -> None:
     base0 = next(r for r in runs if r.plugins == "none" and r.seed == 0)
     assert base0.status == OK and base0.fitness == 1.0
     assert base0.curve == [(1000, 0.0), (2000, 1.0)]
+    assert base0.training_metrics["fitness"] == 1.0  # the best candidate's run: its metrics at their last step
 
 
 def test_hand_computed_statistics(study) -> None:
@@ -167,3 +168,15 @@ def test_a_run_cut_short_is_a_seed_not_run_yet_not_a_failure() -> None:
     arm = _arm_result("x", runs, [0, 1, 2, 3], reps=100, seed=0)
     assert arm.scores == {0: 1.0} and arm.failed == {2: "every candidate failed"} and arm.missing == [1, 3]
     assert arm.status() == "PARTIAL: failed seed 2 (every candidate failed); missing seed 1, 3"
+
+
+def test_a_seed_run_twice_counts_by_its_latest_run() -> None:
+    """Not the best of attempts: a later failed run of a seed is what the seed got, whatever finished before."""
+    from core.report.study import _arm_result
+
+    runs = [StudyRun("a", "x-s0", "cartpole", "x", 0, OK, fitness=5.0, start_time=1),
+            StudyRun("b", "x-s0", "cartpole", "x", 0, FAILED, note="crashed", start_time=2),
+            StudyRun("c", "x-s1", "cartpole", "x", 1, FAILED, note="crashed", start_time=3),
+            StudyRun("d", "x-s1", "cartpole", "x", 1, OK, fitness=7.0, start_time=4)]
+    arm = _arm_result("x", runs, [0, 1], reps=100, seed=0)
+    assert arm.scores == {1: 7.0} and arm.failed == {0: "crashed"} and arm.duplicates == 2
