@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 from core.report.data import FAILED, OK, TRAIN_RETURN, UNFINISHED, StudyRun  # noqa: E402
 
 if TYPE_CHECKING:
+    from core.report.stats import Interval
     from core.report.study import TaskResult
 
 
@@ -29,6 +30,13 @@ def number(v: float) -> str:
     if v != v:
         return "—"
     return f"{v:,.0f}" if abs(v) >= 100 or float(v).is_integer() else f"{v:.3g}"
+
+
+def estimate(interval: Interval, n: int) -> str:
+    """An estimate over ``n`` runs with its CI; one run has no interval to show, so it says so."""
+    if n == 1 and np.isfinite(interval.value):
+        return f"{number(interval.value)} (n=1, no CI)"
+    return interval.fmt()
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -270,5 +278,25 @@ def _curve_figure(t: TaskResult):  # type: ignore[no-untyped-def]
     ax.set_title(f"{t.env}: sample efficiency" + (" (training returns: too few evaluations)" if train else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.24))  # below the axes, never over a curve
+    fig.tight_layout()
+    return fig
+
+
+def aggregate_figure(rows: list[tuple[str, Interval]], xlabel: str):  # type: ignore[no-untyped-def]
+    """Per arm a point with its 95 % CI (the interval-estimate figure of rliable's papers); None if none is finite."""
+    rows = [(arm, iv) for arm, iv in rows if np.isfinite(iv.value)]
+    if not rows:
+        return None
+    labels = [short_label(arm) for arm, _ in rows]
+    fig, ax = plt.subplots(figsize=(6.4, _rows_height(labels)), dpi=110)
+    for i, (_, iv) in enumerate(rows):
+        ax.plot([iv.low, iv.high], [i, i], lw=6, alpha=0.35, color=f"C{i}", solid_capstyle="butt")
+        ax.plot([iv.value], [i], "o", ms=6, color=f"C{i}")
+    for x in (0.0, 1.0):  # the random policy and the designers' reward
+        ax.axvline(x, color="grey", ls="--", lw=1)
+    ax.set_yticks(range(len(rows)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return fig

@@ -4,7 +4,8 @@ The estimators are rliable's (Agarwal et al., "Deep RL at the Edge of the Statis
 Precipice", NeurIPS 2021): the interquartile mean (25 % trimmed mean) of the final
 scores over runs, the stratified bootstrap over runs for 95 % confidence intervals
 (percentile method), and the probability of improvement P(X > Y) (the Mann-Whitney U
-statistic over all run pairs, ties counting one half).
+statistic over all run pairs, ties counting one half). Across tasks, the IQM of scores
+normalised per task, with the same stratified bootstrap (:func:`stratified_iqm`).
 
 rliable 1.2.0 builds its bootstraps with ``random_state=``, which arch >= 8 no longer
 accepts; the two small subclasses below construct the same bootstraps through arch's
@@ -118,6 +119,32 @@ def improvement(x: list[float], y: list[float], reps: int = 2000, seed: int = 0)
     sx, sy = np.asarray(x, dtype=float)[:, None], np.asarray(y, dtype=float)[:, None]
     point, bounds = _intervals(lambda a, b: np.array([metrics.probability_of_improvement(a, b)]), sx, sy, reps=reps, seed=seed)
     return Interval(point[0], bounds[0, 0], bounds[1, 0])
+
+
+def normalised(value: float, low: float, high: float) -> float:
+    """``value`` on the scale where ``low`` is 0 and ``high`` is 1: ``(value - low) / (high - low)``."""
+    return (value - low) / (high - low)
+
+
+def stratified_iqm(per_task: list[list[float]], reps: int = 2000, seed: int = 0) -> Interval:
+    """The IQM over every (task, run) score, with a 95 % stratified-bootstrap CI.
+
+    Each replication resamples the runs within each task, with replacement (rliable's
+    ``StratifiedBootstrap``), so every task keeps its number of runs; the interval is the
+    percentile one. rliable holds scores as a (runs, tasks) array, which cannot hold tasks
+    with different numbers of runs (a task with more seeds, a seed not run yet); this is the
+    same bootstrap over a list per task. Tasks of one run only are the point.
+    """
+    groups = [np.asarray(g, dtype=float) for g in per_task if len(g)]
+    if not groups:
+        return Interval(float("nan"), float("nan"), float("nan"))
+    point = iqm(np.concatenate(groups))
+    if all(len(g) < 2 for g in groups):  # nothing to resample
+        return Interval(point, point, point)
+    rng = np.random.default_rng(seed)
+    draws = [iqm(np.concatenate([g[rng.integers(0, len(g), len(g))] for g in groups])) for _ in range(reps)]
+    low, high = np.percentile(draws, [100 * (1 - CI_SIZE) / 2, 100 * (1 + CI_SIZE) / 2])
+    return Interval(point, float(low), float(high))
 
 
 def curve_band(matrix: np.ndarray, reps: int = 1000, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
