@@ -1,32 +1,55 @@
-"""The results document of a study (``python -m core.study``): scores per task and arm, costs, targets.
+"""The results document of a study (``python -m core.study``): what the study can show, then scores per task.
 
-Reads the study's runs back from MLflow (:func:`core.report.data.load_study`) and keeps
-those of the cells the command planned (tag ``study.config``: the same config; the
-commits they ran at are listed). Each run is scored by the metric its cell names (tag
+Reads the study's runs back from MLflow (:func:`core.report.data.load_study`). One run
+counts per planned cell (task, arm, seed): the latest whose code key (tag ``study.cell``:
+config and code) is the planned cell's, finished or not; runs of the same config at other
+code are set aside and counted. Each run is scored by the metric its cell names (tag
 ``study.score``): ``fitness`` for an arm of one training, ``final/fresh_mean`` for an arm
-that searches (its best candidate retrained on fresh seeds). The statistics are those of
-:func:`core.report.study.analyze` (IQM and mean with 95 % stratified-bootstrap CIs, P(X > Y)
-against the baselines), the figures those of :func:`core.report.render.render_figures`.
+that searches (its best candidate retrained on fresh seeds).
+
+The document opens with a summary: each task's calibration (can it show an effect at this
+budget?), each target met, missed or not scored and why, and every arm's IQM of normalised
+scores across tasks (:mod:`core.report.evidence`). Then the scores per task and arm (IQM
+and mean with 95 % stratified-bootstrap CIs, :func:`core.report.study.analyze`), a search
+arm's intent-to-treat IQM beside its conditional one, the LLM's contribution per cell
+(:mod:`core.report.contribution`), costs, and the figures of
+:func:`core.report.render.render_figures`. The document and its figures are logged to a
+``report`` run of the study's experiment.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from core.report.data import FAILED, OK, TRAIN_RETURN, StudyRun, candidate_curve, load_study
-from core.report.render import curve_note, number, render_figures, table
+from core.report.contribution import contribution
+from core.report.data import FAILED, OK, REPORT_TAG, TRAIN_RETURN, StudyRun, candidate_curve, load_study
+from core.report.evidence import (
+    BASELINES,
+    Aggregate,
+    Calibration,
+    Scored,
+    TargetResult,
+    aggregate,
+    bounds,
+    calibrate,
+    check_target,
+    controls_of,
+    describe,
+    random_arm,
+    score,
+)
+from core.report.render import aggregate_figure, curve_note, estimate, number, render_figures, table
 from core.report.study import TaskResult, analyze
 
 if TYPE_CHECKING:
-    from core.study import Invocation, PlannedCell, StudySpec, TargetSpec
+    from core.study import Invocation, PlannedCell, StudySpec
 
-BASELINES = ("sparse", "human")  # the arms every other arm is compared with, P(X > Y)
 #: per-arm totals of the cost table: (run metric, column title)
 COSTS = (
     ("llm/calls", "LLM calls"),
@@ -35,53 +58,78 @@ COSTS = (
     ("llm/completion_tokens", "completion tokens"),
     ("llm/latency_s", "LLM time (s)"),
 )
+AGGREGATE_FIGURE = "aggregate.png"
 
 
 @dataclass
 class Counted:
-    """The runs that count for a study: the chosen run of each planned cell, and what was set aside."""
+    """The runs that count for a study: one per planned cell that ran, and what was set aside."""
 
-    runs: list[StudyRun]  # every run of a planned cell's config (analysis keeps the latest per seed)
+    runs: list[StudyRun]  # the chosen run of each planned cell that has one
     chosen: dict[tuple[str, str, int], StudyRun]  # (task, arm, seed) -> the run that counts
     other_config: int  # runs of the study's experiment made with another config (other budgets, code edits kept)
+    other_code: int = 0  # runs of a planned cell's config at other code (set aside)
+    retried: int = 0  # earlier runs of a planned cell's key: the latest counts
 
 
 def study_runs(planned: list[PlannedCell], uri: str, experiment: str) -> Counted:
-    """The study's runs of the planned cells, scored by their cell's metric."""
+    """The study's runs of the planned cells, one per cell, scored by their cell's metric."""
     wanted = {p.config_key: p for p in planned}
     try:
         loaded = load_study(uri, experiment, "fitness")
     except Exception:  # noqa: BLE001 - no experiment yet: nothing ran
         loaded = []
-    runs, other = [], 0
-    for r in loaded:
+    latest: dict[tuple[str, str, int], StudyRun] = {}
+    other = other_code = retried = 0
+    for r in sorted(loaded, key=lambda r: r.start_time):
         p = wanted.get(r.tags.get("study.config", ""))
         if p is None:
             other += r.tags.get("study") == experiment
             continue
-        r.env, r.arm = p.cell.task, p.cell.arm
-        metric = r.tags.get("study.score", "fitness")
-        if r.status == OK:
-            value = r.metrics.get(metric)
-            if value is None or not math.isfinite(value):
-                r.status, r.fitness, r.note = FAILED, None, f"no '{metric}' (a fresh-seed retraining failed)"
-            else:
-                r.fitness = float(value)
-            if metric != "fitness" and r.tags.get("best_candidate"):  # the curve of the policy that scored
-                fresh = f"{r.tags['best_candidate']}-seed{r.seed + 1}"
-                r.curve = candidate_curve(uri, r.run_id, fresh) or r.curve
-                r.train_curve = candidate_curve(uri, r.run_id, fresh, TRAIN_RETURN) or r.train_curve
-        runs.append(r)
-    chosen: dict[tuple[str, str, int], StudyRun] = {}
-    for r in sorted(runs, key=lambda r: (r.status == OK, r.start_time)):  # finished and latest win, as in analyze
-        chosen[(r.env, r.arm, r.seed)] = r
-    return Counted(runs, chosen, other)
+        if r.tags.get("study.cell") != p.key:  # the same config at other code: not this study's result
+            other_code += 1
+            continue
+        key = (p.cell.task, p.cell.arm, p.cell.seed)
+        retried += key in latest
+        latest[key] = r  # the latest attempt counts, whatever its status: not the best of attempts
+    for (task, arm, _), r in latest.items():
+        r.env, r.arm = task, arm
+        _score(r, uri)
+    return Counted(list(latest.values()), latest, other, other_code, retried)
 
 
-def write_results(spec: StudySpec, planned: list[PlannedCell], uri: str, out: Path, invocation: Invocation,
-                  reps: int = 2000) -> list[Path]:
-    """Analyse the planned cells' runs and write ``out`` (Markdown) and its figures; returns the files."""
-    counted = study_runs(planned, uri, spec.name)
+def _score(r: StudyRun, uri: str) -> None:
+    """Score a run by its cell's metric; a search arm's curve is the retraining that scored."""
+    metric = r.tags.get("study.score", "fitness")
+    if r.status != OK:
+        return
+    value = r.metrics.get(metric)
+    if value is None or not math.isfinite(value):
+        r.status, r.fitness, r.note = FAILED, None, f"no '{metric}' (a fresh-seed retraining failed)"
+        return
+    r.fitness = float(value)
+    if metric != "fitness" and r.tags.get("best_candidate"):  # the curve of the policy that scored
+        fresh = f"{r.tags['best_candidate']}-seed{r.seed + 1}"
+        r.curve = candidate_curve(uri, r.run_id, fresh) or r.curve
+        r.train_curve = candidate_curve(uri, r.run_id, fresh, TRAIN_RETURN) or r.train_curve
+
+
+@dataclass
+class Findings:
+    """What the study shows: per task its results and calibration, per cell its scores, the targets, the aggregate."""
+
+    tasks: list[TaskResult]
+    cells: dict[tuple[str, str], Scored]  # (task, arm) -> scores, for every planned cell
+    calibrations: dict[str, Calibration]
+    targets: list[TargetResult]
+    aggregate: list[Aggregate]
+    scale: dict[str, tuple[float, float]]  # task -> (random, human): the tasks whose scores normalise
+    random: str | None  # the random-policy arm
+    controls: dict[str, list[str]] = field(default_factory=dict)  # LLM arm -> its controls
+
+
+def assess(spec: StudySpec, planned: list[PlannedCell], counted: Counted, reps: int = 2000) -> Findings:
+    """Analyse the counted runs: the per-task statistics, then calibration, targets and the aggregate."""
     tasks = analyze(counted.runs, reps=reps, versus=list(BASELINES), order=list(spec.arms)) if counted.runs else []
     arm_order = {a: i for i, a in enumerate(spec.arms)}
     task_order = {t: i for i, t in enumerate(spec.tasks)}
@@ -91,14 +139,77 @@ def write_results(spec: StudySpec, planned: list[PlannedCell], uri: str, out: Pa
         for a in t.arms:  # missing: planned seeds without a run, whatever other arms ran
             planned_seeds = {p.cell.seed for p in planned if p.cell.task == t.env and p.cell.arm == a.arm}
             a.missing = sorted(s for s in planned_seeds if s not in a.scores and s not in a.failed)
+    by_task = {t.env: {a.arm: a for a in t.arms} for t in tasks}
+    random = random_arm(spec)
+    task_names = [t for t in spec.tasks if any(p.cell.task == t for p in planned)]
+    calibrations = {t: calibrate(t, spec.tasks[t], by_task.get(t, {}), random) for t in task_names}
+    cells = {}
+    for task, arm in dict.fromkeys((p.cell.task, p.cell.arm) for p in planned):
+        runs = [r for (t, a, _), r in counted.chosen.items() if t == task and a == arm]
+        cells[(task, arm)] = score(task, arm, by_task.get(task, {}).get(arm), spec.arms[arm].search,
+                                   contribution(spec.arms[arm], runs), calibrations[task].random, reps)
+    applies = set(cells)
+    targets = []
+    for target in spec.targets:
+        scope = target.tasks or [t for t in task_names if (t, target.arm) in applies and (t, target.other) in applies]
+        targets.append(check_target(target, cells, calibrations, list(scope), controls_of(spec, target.arm), reps))
+    arm_names = [a for a in spec.arms if any(p.cell.arm == a for p in planned)]
+    scale = bounds(cells, task_names, random)
+    controls = {a: controls_of(spec, a) for a in arm_names if controls_of(spec, a)}
+    return Findings(tasks, cells, calibrations, targets, aggregate(arm_names, cells, scale, reps), scale, random, controls)
+
+
+def write_results(spec: StudySpec, planned: list[PlannedCell], uri: str, out: Path, invocation: Invocation,
+                  reps: int = 2000) -> list[Path]:
+    """Analyse the planned cells' runs, write ``out`` (Markdown) and its figures, log them to MLflow; returns the files."""
+    counted = study_runs(planned, uri, spec.name)
+    findings = assess(spec, planned, counted, reps)
     figures_dir = out.with_suffix("")
     figures_dir.mkdir(parents=True, exist_ok=True)
-    figures = render_figures(tasks, figures_dir, kinds=("final", "curves"))
+    figures = render_figures(findings.tasks, figures_dir, kinds=("final", "curves"))
     links = {env: [f"{figures_dir.name}/{name}" for name in names] for env, names in figures.items()}
-    text = render_results(spec, planned, counted, tasks, invocation, links, reps)
+    files = [figures_dir / name for names in figures.values() for name in names]
+    fig = aggregate_figure([(a.arm, a.iqm) for a in findings.aggregate], "normalised score: (x - random) / (human - random), "
+                           "IQM over (task, seed), 95% CI")
+    if fig is not None:
+        import matplotlib.pyplot as plt
+
+        fig.savefig(figures_dir / AGGREGATE_FIGURE, bbox_inches="tight")
+        plt.close(fig)
+        files.append(figures_dir / AGGREGATE_FIGURE)
+        links["aggregate"] = [f"{figures_dir.name}/{AGGREGATE_FIGURE}"]
+    text = render_results(spec, planned, counted, findings, invocation, links, reps)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    return [out] + [figures_dir / name for names in figures.values() for name in names]
+    log_results(uri, spec.name, out, files, findings)
+    return [out] + files
+
+
+def log_results(uri: str, experiment: str, out: Path, figures: list[Path], findings: Findings) -> str | None:
+    """Log the document and its figures to a ``report`` run of the study's experiment (None: no experiment yet)."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    run = client.create_run(exp.experiment_id, run_name="results", tags={REPORT_TAG: "true"})
+    rid = run.info.run_id
+    client.log_artifact(rid, str(out), "report")
+    for path in figures:
+        client.log_artifact(rid, str(path), f"report/{path.parent.name}")
+    for (task, arm), cell in findings.cells.items():
+        if cell.result is not None and np.isfinite(cell.result.iqm.value):
+            client.log_metric(rid, _metric_key(f"iqm/{task}/{arm}"), cell.result.iqm.value)
+    for a in findings.aggregate:
+        if np.isfinite(a.iqm.value):
+            client.log_metric(rid, _metric_key(f"aggregate/{a.arm}"), a.iqm.value)
+    client.set_terminated(rid)
+    return rid
+
+
+def _metric_key(key: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "_-./ " else "_" for ch in key)
 
 
 # -- what a run cost -------------------------------------------------------------------------
@@ -110,7 +221,10 @@ def search_frames(run: StudyRun) -> float:
 
 
 def final_frames(run: StudyRun) -> float:
-    """Frames of one final-policy training: a fresh-seed retraining, or the run's one training."""
+    """Frames of one final-policy training: a fresh-seed retraining, or the run's one training
+    (NaN for a run without a final policy: it trained none)."""
+    if run.status != OK:
+        return float("nan")
     fresh = run.metrics.get("final/seeds", 0.0) - 1
     if run.tags.get("study.score") != "fitness" and fresh > 0 and "final/frames" in run.metrics:
         return run.metrics["final/frames"] / fresh
@@ -124,59 +238,6 @@ def _total(values: Any) -> float:
 def _mean(values: list[float]) -> float:
     finite = [v for v in values if v == v]
     return float(np.mean(finite)) if finite else float("nan")
-
-
-# -- targets ---------------------------------------------------------------------------------
-
-
-def check_target(target: TargetSpec, tasks: list[TaskResult]) -> tuple[str, list[str]]:
-    """(verdict, one line per task) of a target on the study's IQMs: met, missed or not measured."""
-    lines, held = [], []
-    for t in tasks:
-        if target.tasks is not None and t.env not in target.tasks:
-            continue
-        arms = {a.arm: a for a in t.arms}
-        x, y = arms.get(target.arm), arms.get(target.other)
-        if x is not None and x.failed and not x.scores and y is not None and y.scores:
-            held.append(False)  # every seed of the arm ended without a policy: a failure, not a gap
-            lines.append(f"{t.env}: {target.arm} failed all {len(x.failed)} of its seeds (no score) vs {target.other} "
-                         f"{number(y.iqm.value)}: fails")
-            continue
-        if x is None or y is None or not (np.isfinite(x.iqm.value) and np.isfinite(y.iqm.value)):
-            continue
-        if target.relation == "beats":
-            ok = x.iqm.value > y.iqm.value
-        else:
-            ok = x.iqm.value >= y.iqm.value - target.tolerance * abs(y.iqm.value)
-        # a seed without a score is a run the user got no policy from: the IQM of the others cannot vouch for it
-        seeds = len(x.scores) + len(x.failed)
-        no_policy = f"; {target.arm} failed {len(x.failed)} of {seeds} seeds" if x.failed else ""
-        ok = ok and not x.failed
-        held.append(ok)
-        overlap = " (CIs overlap)" if x.iqm.low <= y.iqm.high and y.iqm.low <= x.iqm.high else ""
-        lines.append(f"{t.env}: {target.arm} {number(x.iqm.value)} vs {target.other} {number(y.iqm.value)}: "
-                     f"{'holds' if ok else 'fails'}{overlap}{no_policy}")
-    wanted = target.tasks or []
-    unmeasured = [name for name in wanted if name not in {line.split(':')[0] for line in lines}]
-    if unmeasured:
-        lines.append(f"not measured in this study: {', '.join(unmeasured)}")
-    if not held:
-        return "not measured", lines
-    share = sum(held) / len(held)
-    if unmeasured and target.share >= 1.0:
-        return ("missed" if share < 1.0 else "not measured on every task"), lines
-    return ("met" if share >= target.share else "missed"), lines
-
-
-def _describe_target(target: TargetSpec) -> str:
-    where = f"on {', '.join(target.tasks)}" if target.tasks else "on the tasks both ran"
-    if target.relation == "beats":
-        how = f"**{target.arm}** beats **{target.other}** (higher IQM)"
-    else:
-        tol = f" within {target.tolerance:.0%} of |{target.other}|" if target.tolerance else ""
-        how = f"**{target.arm}** reaches **{target.other}**'s IQM{tol}"
-    share = "" if target.share >= 1.0 else f" on at least {target.share:.0%} of them"
-    return f"{how} {where}{share}"
 
 
 # -- the document ----------------------------------------------------------------------------
@@ -202,13 +263,12 @@ def _reduced(spec: StudySpec, planned: list[PlannedCell], overrides: tuple[str, 
     return ", ".join(parts)
 
 
-def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted, tasks: list[TaskResult],
+def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted, findings: Findings,
                    invocation: Invocation, figures: dict[str, list[str]], reps: int) -> str:
-    """The results document as Markdown."""
-    by_task = {t.env: t for t in tasks}
+    """The results document as Markdown: the summary first, then the scores, targets, costs and tasks."""
+    by_task = {t.env: t for t in findings.tasks}
     task_names = [t for t in spec.tasks if any(p.cell.task == t for p in planned)]
     arm_names = [a for a in spec.arms if any(p.cell.arm == a for p in planned)]
-    applies = {(p.cell.task, p.cell.arm) for p in planned}
     chosen = counted.chosen
     lines = [f"# {spec.title or spec.name}", ""]
     reduced = _reduced(spec, planned, invocation.overrides)
@@ -217,38 +277,43 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
                   "what this run measured, not the study's findings. The full study is the same command without "
                   "the options that shrink it.", ""]
     lines += _provenance(spec, planned, counted, invocation)
+    lines += _summary(spec, findings, task_names, figures.get("aggregate", []), reps)
     lines += ["", "## Scores", "",
               "Each cell is the task's ground-truth fitness of the final policy: IQM over seeds with a 95 % "
-              f"stratified-bootstrap CI ({reps} replications, `rliable`, Agarwal et al., NeurIPS 2021). An arm that searches is scored on "
+              f"stratified-bootstrap CI ({reps} replications, `rliable`, Agarwal et al., NeurIPS 2021); one run has "
+              "no interval (`n=1, no CI`). An arm that searches is scored on "
               f"its best candidate retrained on {spec.final_seeds} fresh seed(s) (`final/fresh_mean`), never on the "
               "training it was selected by; any other arm by the fitness of its one training. n/a: the arm does not "
-              "apply to the task; `n=k/N`: only k of the N seeds finished (`j failed`: j seeds ended without a "
-              "score, e.g. a search whose every candidate failed; the IQM is over the k that finished, and a target "
-              "does not hold on a task where the arm failed a seed).", ""]
+              "apply to the task; `n=k/N`: only k of the N seeds have a score (`j failed`: j seeds ended without "
+              "one, e.g. a search whose every candidate failed). The IQM is over the searches that succeeded; "
+              "`ITT`: the intent-to-treat IQM, where each failed search scores the random arm's IQM on the task "
+              "(what its user gets), the score the targets read. **inert**: an LLM arm whose LLM put nothing "
+              "into any of its runs here.", ""]
     rows = []
     for name in task_names:
         t = by_task.get(name)
-        arms = {a.arm: a for a in t.arms} if t else {}
         row = [f"{name} ({t.fitness_name if t else '?'})"]
         for arm in arm_names:
-            if (name, arm) not in applies:
-                row.append("n/a")
-            elif arm not in arms or not arms[arm].scores:
-                row.append("failed" if arm in arms and arms[arm].failed else "not run")
-            else:
-                a = arms[arm]
-                expected = len(a.scores) + len(a.failed) + len(a.missing)
-                failed = f", {len(a.failed)} failed" if a.failed else ""
-                row.append(a.iqm.fmt() + ("" if a.complete else f" (n={len(a.scores)}/{expected}{failed})"))
+            cell = findings.cells.get((name, arm))
+            row.append("n/a" if cell is None else _grid_cell(cell))
         rows.append(row)
     lines += table(["task (fitness)", *arm_names], rows)
-    lines += ["", "## Targets", ""]
+    lines += ["", "## Targets", "",
+              "A target is scored per task: `beats` holds where the 95 % CI of P(X > Y) lies above 0.5, `matches` "
+              "where X's IQM is within the tolerance of Y's (both stated with their intervals). A search arm's "
+              "scores are its intent-to-treat ones. A task scores no target where it cannot show an effect "
+              "(calibration), where either arm has one run, or where the LLM arm is inert there. A target of an LLM "
+              "arm is also judged against its controls (the arm declared its control, else the sparse and the "
+              "designers' reward): it must beat each control other than the target's own other arm, P(X > control) "
+              "above 0.5, unless the target is itself `beats` a control. Met: it holds on the share of its tasks "
+              "the target asks; missed: it cannot, even if every task not scored held; else not scored.", ""]
     if not spec.targets:
         lines.append("The spec sets none.")
-    for target in spec.targets:
-        verdict, detail = check_target(target, tasks)
-        lines.append(f"- {_describe_target(target)}: **{verdict}**")
-        lines += [f"  - {d}" for d in detail]
+    for target, result in zip(spec.targets, findings.targets):
+        controls = findings.controls.get(target.arm)
+        judged = f"; judged against its control(s) {', '.join(controls)}" if controls else ""
+        lines.append(f"- {describe(target)}: **{result.verdict}** ({result.reason}){judged}")
+        lines += [f"  - {v.text}" for v in result.tasks]
     lines += ["", "## What each arm cost", "",
               "Totals over the arm's counted runs (every task). LLM time: the summed request time of its LLM calls. "
               "Search frames: what the arm trained to choose its final candidate (all candidates; for an arm of one "
@@ -263,18 +328,21 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
         rows.append(row)
     lines += table(["arm", "runs", *[title for _, title in COSTS], "wall time (s)", "search frames", "retraining frames"], rows)
     for name in task_names:
-        lines += _task_section(name, by_task.get(name), chosen, figures.get(name, []))
+        lines += _task_section(name, by_task.get(name), findings, chosen, figures.get(name, []))
     lines += ["", "## The arms", ""]
     for arm in arm_names:
         a = spec.arms[arm]
         what = f"`+plugins=[{','.join(a.plugins)}]`" if a.plugins else "no plugin"
+        what += f", `trainer={a.trainer}`" if a.trainer else ""
         overrides = f", `{' '.join(a.overrides)}`" if a.overrides else ""
         given = next(p.cell.extra for p in planned if p.cell.arm == arm)
         overrides += f", then from the command line `{' '.join(given)}`" if given else ""
         ignored = next(p.cell.ignored for p in planned if p.cell.arm == arm)
         overrides += f"; ignored here (its plugins do not include theirs): `{' '.join(ignored)}`" if ignored else ""
         where = ", ".join(a.tasks) if a.tasks is not None else "every task"
-        lines.append(f"- **{arm}** ({what}{overrides}; {'searches' if a.search else 'one training'}; {where}): {a.note}")
+        control = f"; the control of {a.control_of}" if a.control_of else ""
+        lines.append(f"- **{arm}** ({what}{overrides}; {'searches' if a.search else 'one training'}; {where}{control}): "
+                     f"{a.note}")
     lines += ["", "## The tasks", ""]
     for name in task_names:
         task = spec.tasks[name]
@@ -286,6 +354,48 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
         lines += ["", "## Runs left out of the statistics", ""]
         lines += [f"- `{r.name}`: {r.status}, {r.note}" for r in sorted(problems, key=lambda r: r.name)]
     return "\n".join(lines) + "\n"
+
+
+def _summary(spec: StudySpec, findings: Findings, task_names: list[str], figure: list[str], reps: int) -> list[str]:
+    """The summary: calibration per task, each target's verdict and why, the aggregate over tasks."""
+    lines = ["", "## Summary", "", "Calibration: can each task show an effect at this budget? Its calibration arm's "
+             "IQM against the task's threshold, and the random policy's score.", ""]
+    lines += [f"- **{t}**: {findings.calibrations[t].line()}" for t in task_names]
+    lines += ["", "Targets (details under [Targets](#targets)):", ""]
+    lines += [f"- {describe(target)}: **{result.verdict}** ({result.reason})"
+              for target, result in zip(spec.targets, findings.targets)] or ["- the spec sets none"]
+    random = findings.random or "random"
+    lines += ["", f"Across tasks: per arm, the IQM over (task, seed) of the normalised score (x - {random}) / "
+              f"(human - {random}), with the task's {random} and human IQMs (0: the random policy, 1: the designers' "
+              f"reward), and a 95 % stratified-bootstrap CI ({reps} replications, runs resampled within each task); "
+              "over the tasks where both ran and differ"
+              + (f" ({', '.join(findings.scale)})" if findings.scale else "")
+              + ". A search arm's scores are its intent-to-treat ones. Arms over different tasks are not comparable.", ""]
+    if not findings.aggregate:
+        lines.append(f"No task has both a {random} and a human score that differ: nothing to normalise.")
+        return lines
+    rows = [[a.arm, str(len(a.tasks)), str(a.runs), estimate(a.iqm, a.runs),
+             ", ".join(a.tasks) + (f" (**inert** on {', '.join(a.inert)})" if a.inert else "")]
+            for a in findings.aggregate]
+    lines += table(["arm", "tasks", "runs", "normalised IQM [95% CI]", "over"], rows)
+    lines += ["", *[f"![aggregate]({f})" for f in figure]] if figure else []
+    return lines
+
+
+def _grid_cell(cell: Scored) -> str:
+    """One cell of the scores table: the IQM, how many seeds, the intent-to-treat IQM, inert."""
+    a = cell.result
+    if a is None or not a.scores:
+        text = "not run" if a is None or not a.failed else f"failed ({len(a.failed)})"
+        if a is not None and cell.search and a.failed and not cell.no_itt:
+            text += f"; ITT {number(cell.itt.value)}"
+    else:
+        expected = len(a.scores) + len(a.failed) + len(a.missing)
+        failed = f", {len(a.failed)} failed" if a.failed else ""
+        text = estimate(a.iqm, len(a.scores)) + ("" if a.complete else f" (n={len(a.scores)}/{expected}{failed})")
+        if cell.search and a.failed:
+            text += " (ITT: random not run)" if cell.no_itt else f"; ITT {estimate(cell.itt, len(cell.counted))}"
+    return text + (" **inert**" if cell.contribution.inert else "")
 
 
 def cell_seconds(run: StudyRun) -> float:
@@ -319,7 +429,9 @@ def _provenance(spec: StudySpec, planned: list[PlannedCell], counted: Counted, i
         f"another, setup and recording included); {this}" + (
             f"; {len(invocation.crashed)} crashed: {', '.join(invocation.crashed)}" if invocation.crashed else ""),
         *_projection(spec, planned, counted),
-        f"- Cells planned: {len(planned)}; with a run: {len(runs)}" + (
+        f"- Cells planned: {len(planned)}; with a run: {len(runs)} (the latest run of the cell's config and code)" + (
+            f"; earlier runs of the same cells, not counted: {counted.retried}" if counted.retried else "") + (
+            f"; runs of the same configs at other code, set aside: {counted.other_code}" if counted.other_code else "") + (
             f"; runs of other configs in the experiment, not counted: {counted.other_config}" if counted.other_config else ""),
     ]
     return lines
@@ -360,30 +472,38 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-def _task_section(name: str, t: TaskResult | None, chosen: dict[tuple[str, str, int], StudyRun],
+def _task_section(name: str, t: TaskResult | None, findings: Findings, chosen: dict[tuple[str, str, int], StudyRun],
                   figures: list[str]) -> list[str]:
-    """One task: each arm's seeds, costs and status, P(X > baseline), the failures, the figures."""
-    lines = ["", f"## {name}: {t.fitness_name if t else 'no finished run'}", ""]
+    """One task: its calibration, each arm's seeds, scores, LLM contribution, costs and status, P(X > baseline), failures, figures."""
+    lines = ["", f"## {name}: {t.fitness_name if t else 'no finished run'}", "", findings.calibrations[name].line()]
     if t is None:
         return lines
     rows = []
     for a in t.arms:
         runs = [r for (task, arm, _), r in chosen.items() if task == name and arm == a.arm]
+        cell = findings.cells.get((name, a.arm))
         per_seed = ", ".join(f"{s}: {number(v)}" for s, v in a.scores.items()) or "—"
         rows.append([
-            a.arm, f"{len(a.scores)}/{len(a.scores) + len(a.failed) + len(a.missing)}", a.iqm.fmt(), a.mean.fmt(), per_seed,
+            a.arm, f"{len(a.scores)}/{len(a.scores) + len(a.failed) + len(a.missing)}", estimate(a.iqm, len(a.scores)),
+            _itt(cell), estimate(a.mean, len(a.scores)), per_seed, cell.contribution.text() if cell else "-",
             _candidates(runs), number(_mean([search_frames(r) for r in runs])), number(_mean([final_frames(r) for r in runs])),
             number(_mean([r.metrics.get("llm/calls", 0.0) for r in runs])),
             number(_mean([r.metrics.get("llm/latency_s", 0.0) for r in runs])),
             number(_mean([cell_seconds(r) for r in runs])),
             "complete" if a.complete else a.status(),
         ])
-    lines += table(["arm", "n", "IQM [95% CI]", "mean [95% CI]", "per seed", "candidates (failed)", "search frames / run",
-                     "final-policy frames", "LLM calls / run", "LLM time / run (s)", "wall time / run (s)", "status"], rows)
+    lines += ["", "ITT: a search arm's intent-to-treat IQM, each failed search scored as the random policy (the "
+              "count of failed searches in brackets). LLM contribution: for a search arm, its candidates that "
+              "trained with a program an LLM wrote, of its candidates; for another LLM arm, what its plugin logs of "
+              "its LLM's part; `-`: no LLM. Final-policy frames: one final-policy training, over the runs that "
+              "trained one.", ""]
+    lines += table(["arm", "n", "IQM [95% CI]", "ITT IQM (failed)", "mean [95% CI]", "per seed", "LLM contribution",
+                    "candidates (failed)", "search frames / run", "final-policy frames", "LLM calls / run",
+                    "LLM time / run (s)", "wall time / run (s)", "status"], rows)
     pairs = [(x, y, p) for x, y, p in t.improvement if np.isfinite(p.value)
              and not (x in BASELINES and BASELINES.index(x) < BASELINES.index(y))]  # human > sparse, not both ways
     if pairs:
-        lines += ["", "| X | Y | P(X > Y) [95% CI] |", "|---|---|---|"]
+        lines += ["", "| X | Y | P(X > Y) [95% CI] (the runs with a score) |", "|---|---|---|"]
         lines += [f"| {x} | {y} | {p.fmt()} |" for x, y, p in pairs]
     failures = [f"- `{r.name}`: {int(r.metrics['study/failed_candidates'])} of {int(r.metrics.get('candidates', 0))} "
                 f"candidate(s) failed; the first: {r.tags.get('study.first_error', 'no error recorded')}"
@@ -398,6 +518,15 @@ def _task_section(name: str, t: TaskResult | None, chosen: dict[tuple[str, str, 
     return lines
 
 
+def _itt(cell: Scored | None) -> str:
+    """A search arm's intent-to-treat IQM and its failed searches; ``-`` for an arm that does not search."""
+    if cell is None or not cell.search:
+        return "-"
+    if cell.no_itt:
+        return f"random not run ({cell.failed})"
+    return f"{estimate(cell.itt, len(cell.counted))} ({cell.failed})"
+
+
 def runs_of(chosen: dict[tuple[str, str, int], StudyRun], task: str) -> list[StudyRun]:
     return [r for (t, _, _), r in chosen.items() if t == task]
 
@@ -410,4 +539,4 @@ def _candidates(runs: list[StudyRun]) -> str:
     return f"{number(total)} ({failed})" if recorded else number(total)
 
 
-__all__ = ["BASELINES", "Counted", "check_target", "render_results", "study_runs", "write_results"]
+__all__ = ["Counted", "Findings", "assess", "log_results", "render_results", "study_runs", "write_results"]
