@@ -4,6 +4,10 @@
 - :mod:`core.report.stats`: IQM, bootstrap intervals, probability of improvement.
 - :mod:`core.report.render`: markdown, HTML and figures.
 - :mod:`core.report.study`: the analysis and the ``python -m core.report`` command.
+- :mod:`core.report.results`: the results document of ``python -m core.study``.
+- :mod:`core.report.evidence`: what a study's scores can show (calibration, intent to
+  treat, targets judged with intervals and controls, the aggregate over tasks).
+- :mod:`core.report.contribution`: what an arm's LLM put into its runs.
 """
 
 from core.report.study import ArmResult, TaskResult, analyze, main, write_report  # noqa: F401

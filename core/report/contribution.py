@@ -5,9 +5,11 @@ the candidates that trained with a program an LLM wrote, of ``candidates``. An a
 training is measured by what its plugin logs on that training (its best candidate's nested
 run, :attr:`~core.report.data.StudyRun.training_metrics`) or on the run, per plugin in
 :data:`MEASURES`; a plugin that logs nothing usable is "not measured". An LLM arm whose
-measure is zero on every run is **inert**: it ran as the arm without its LLM, so its
-scores are no evidence for the method. Arms without a plugin, and controls (an arm with
-``control_of``: the method with the LLM's part removed), are not LLM arms.
+measure is zero on every run that trained a policy is **inert**: it ran as the arm without
+its LLM, so its scores are no evidence for the method. A run without a policy (a search
+whose every candidate failed) is left out: it failed, and the report counts it so. Arms
+without a plugin, and controls (an arm with ``control_of``: the method with the LLM's part
+removed), are not LLM arms.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from core.report.data import UNFINISHED, StudyRun
+from core.report.data import OK, StudyRun
 
 if TYPE_CHECKING:
     from core.study import ArmSpec
@@ -58,13 +60,14 @@ class Contribution:
 
     kind: str  # "llm" | "none" (not an LLM arm) | "unmeasured" (an LLM arm whose plugin logs nothing usable)
     measure: Measure | None = None
-    values: list[float] = field(default_factory=list)  # per run that ended and logged the measure
+    runs: int = 0  # runs that trained a policy
+    values: list[float] = field(default_factory=list)  # per such run that logged the measure
     totals: list[float] = field(default_factory=list)  # per run, the candidates (the search measure's "of")
     extras: dict[str, list[float]] = field(default_factory=dict)  # extra metric -> its values
 
     @property
     def inert(self) -> bool:
-        """An LLM arm whose LLM put nothing into any run."""
+        """An LLM arm whose LLM put nothing into any run that trained a policy."""
         return self.kind == "llm" and bool(self.values) and all(v == 0 for v in self.values)
 
     def text(self) -> str:
@@ -73,6 +76,8 @@ class Contribution:
 
         if self.kind == "none":
             return "-"
+        if self.kind == "llm" and self.runs == 0:
+            return "no run with a policy"
         if self.kind == "unmeasured" or self.measure is None or not self.values:
             return "not measured"
         mean = sum(self.values) / len(self.values)
@@ -103,7 +108,7 @@ def measure_of(arm: ArmSpec) -> Measure | None:
 
 
 def contribution(arm: ArmSpec, runs: list[StudyRun]) -> Contribution:
-    """The LLM's part in the runs of one cell (a run still going has not logged it yet)."""
+    """The LLM's part in the runs of one cell that trained a policy."""
     if not is_llm_arm(arm):
         return Contribution("none")
     measure = measure_of(arm)
@@ -111,8 +116,9 @@ def contribution(arm: ArmSpec, runs: list[StudyRun]) -> Contribution:
         return Contribution("unmeasured")
     result = Contribution("llm", measure)
     for r in runs:
-        if r.status == UNFINISHED:
+        if r.status != OK:  # still going (nothing logged yet), or no policy: a failure, not an inert LLM
             continue
+        result.runs += 1
         metrics = r.metrics if measure.on == "run" else r.training_metrics
         value = _final(metrics, measure.metric)
         if value is None or not math.isfinite(value):

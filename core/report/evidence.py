@@ -119,7 +119,8 @@ class Scored:
     search: bool
     contribution: Contribution
     counted: dict[int, float] = field(default_factory=dict)  # seed -> score; a failed search: random's IQM
-    itt: Interval = field(default_factory=lambda: Interval(math.nan, math.nan, math.nan))  # IQM of ``counted`` (a search arm), NaN otherwise
+    # the IQM of ``counted`` for a search arm (intent to treat), NaN for any other
+    itt: Interval = field(default_factory=lambda: Interval(math.nan, math.nan, math.nan))
     no_itt: bool = False  # a search arm failed seeds and the random arm has not run: no score for them
 
     @property
@@ -212,7 +213,7 @@ def _on_task(target: TargetSpec, task: str, cells: dict[tuple[str, str], Scored]
     if cal is not None and not cal.ok:
         return unscored(f"the task cannot show an effect at this budget ({cal.reason()})")
     if x.contribution.inert:
-        return unscored(f"{x.arm} is inert here (its LLM put nothing into any run)")
+        return unscored(f"{x.arm} is inert here (its LLM put nothing into any run that trained a policy)")
     for c in (x, y):
         if c.no_itt:
             return unscored(f"{c.arm} failed {c.failed} search(es) and the random arm has not run (no intent-to-treat score)")

@@ -288,7 +288,7 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
               "one, e.g. a search whose every candidate failed). The IQM is over the searches that succeeded; "
               "`ITT`: the intent-to-treat IQM, where each failed search scores the random arm's IQM on the task "
               "(what its user gets), the score the targets read. **inert**: an LLM arm whose LLM put nothing "
-              "into any of its runs here.", ""]
+              "into any of its runs with a policy here.", ""]
     rows = []
     for name in task_names:
         t = by_task.get(name)

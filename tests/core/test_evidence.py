@@ -96,7 +96,7 @@ def test_no_target_on_an_uncalibrated_task_an_inert_arm_or_a_task_not_planned():
                                                 "not planned in this run of the study"]
     assert result.verdict == "not scored"
     result = check_target(beats, cells, {"t": _ok()}, ["t"], [], REPS)
-    assert result.tasks[0].reason == "x is inert here (its LLM put nothing into any run)"
+    assert result.tasks[0].reason == "x is inert here (its LLM put nothing into any run that trained a policy)"
     cells[("t", "x")] = _cell("t", "x", [10.0, 11.0, 12.0], llm=[0.0, 2.0, 0.0])  # its LLM did something once
     assert check_target(beats, cells, {"t": _ok()}, ["t"], [], REPS).verdict == "met"
 
@@ -161,10 +161,13 @@ def test_the_llms_contribution_per_run():
 
     search = ArmSpec(plugins=["eureka"], search=True)
     c = contribution(search, [run(metrics={"llm_programs_trained": 3.0, "candidates": 4.0}),
-                              run(FAILED, metrics={"llm_programs_trained": 0.0, "candidates": 4.0}),
-                              run(UNFINISHED, metrics={"llm_programs_trained": 0.0})])  # still going: not counted
+                              run(metrics={"llm_programs_trained": 0.0, "candidates": 4.0}),
+                              run(FAILED, metrics={"llm_programs_trained": 0.0, "candidates": 4.0}),  # no policy
+                              run(UNFINISHED, metrics={"llm_programs_trained": 0.0})])  # still going
     assert c.values == [3.0, 0.0] and not c.inert
     assert c.text() == "candidates trained with an LLM's program: 1.5 of 4 per run, 0 on 1 of 2 runs"
+    failed = contribution(search, [run(FAILED, metrics={"llm_programs_trained": 0.0})] * 2)
+    assert not failed.inert and failed.text() == "no run with a policy"  # a failure, scored as one (ITT)
     rlaif = ArmSpec(plugins=["rlaif_preference"])
     labels = {"preference/labels": 10.0, "preference/ties": 4.0, "preference/unknown": 6.0, "preference/label_accuracy": 0.5}
     c = contribution(rlaif, [run(training=labels), run(training=labels)])
