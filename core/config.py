@@ -55,9 +55,9 @@ class SandboxConfig:
     """Limits for LLM-written code (``sandbox:``; see ``docs/sandbox.md``)."""
 
     allowed_imports: list[str] = field(default_factory=lambda: ["math", "numpy", "torch"])  # modules programs may import
-    cpu_s: float = 10.0  # CPU seconds a candidate's worker may use beyond its time share (start-up and probes included)
+    cpu_s: float = 10.0  # CPU seconds a candidate's worker may use beyond the time its calls took (start-up and probes included)
     wall_s: float = 20.0  # wall-clock seconds to start a worker and probe a program
-    memory_mb: int = 4096  # address-space limit of the worker process that runs programs
+    memory_mb: int = 4096  # address space the worker may map beyond what its imports mapped (RLIMIT_AS)
     call_timeout_s: float = 1.0  # wall-clock limit of one call (module body, probe, training step); past it the worker is killed
     max_procs: int = 16  # processes/threads the worker's unprivileged user may have
     max_output_chars: int = 10_000  # what print() in LLM code may write before it is cut off

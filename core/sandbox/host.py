@@ -527,7 +527,6 @@ class ProgramWorker:
         self._last_header: dict[int, Any] = {}  # per handle: the last result's layout, checked
         self._lanes: dict[int, _Lane] = {}  # per handle: views for a call repeated on new values
         self._buf = bytearray(MAX_REPLY)
-        self._ready_at = 0.0
         self._next_cpu_raise = 0.0
         self._ended_at: float | None = None
         self._cpu: tuple[int, bool] | None = None  # where the worker was placed: (this thread's CPU, away from it)
@@ -587,7 +586,6 @@ class ProgramWorker:
             raise SandboxError(self.dead)  # type: ignore[arg-type]
         isolation = ready.get("isolation") if isinstance(ready.get("isolation"), dict) else {}
         proc.isolation = isolation
-        self._ready_at = time.monotonic()
         try:  # whether the host may raise the worker's CPU limit as it trains (needs CAP_SYS_RESOURCE over its user)
             resource.prlimit(proc.server, resource.RLIMIT_CPU)
         except OSError:
@@ -929,10 +927,16 @@ class ProgramWorker:
         return self._cpu_limit - used if used is not None else 0.0
 
     def _raise_cpu_limit(self, now: float) -> None:
-        """The worker's CPU limit grows with its share of the wall time (checked once a second)."""
+        """The worker's CPU limit grows with the time it spent in calls (checked once a second).
+
+        One thread runs a call, so a call's CPU time is at most its round trip; the worker has
+        no business using CPU between calls. Budgeting by the calls' time rather than by a
+        share of the wall time catches CPU burnt between calls at any load: threads left
+        running on a busy machine get little CPU, but the calls' time does not grow with it.
+        """
         self._next_cpu_raise = now + 1.0
         limits = self.limits
-        budget = (self._cpu_base + limits.cpu_s + limits.time_share_grace_s + limits.max_time_share * (now - self._ready_at)
+        budget = (self._cpu_base + limits.cpu_s + limits.time_share_grace_s + self.busy_s
                   + self._spin.granted_s)  # the polling for the next step that the host asked for
         seconds = int(budget) + 1
         with contextlib.suppress(OSError, ValueError):

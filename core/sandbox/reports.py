@@ -73,7 +73,7 @@ class Limits:
     """Limits of the worker process that runs a candidate's programs.
 
     Start-up and probing: ``wall_s`` bounds starting a worker and loading a program;
-    ``cpu_s`` is the CPU time a worker may use beyond its time share. Every call (the
+    ``cpu_s`` is the CPU time a worker may use beyond the time its calls took. Every call (the
     module body, a probe, a training step) has ``call_timeout_s`` of wall clock, enforced
     from outside: past it, the worker is killed. Over a candidate, time spent in programs
     may not exceed ``max_time_share`` of the wall time once it passes

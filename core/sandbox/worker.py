@@ -293,6 +293,19 @@ def _hide_homes(libc: Any) -> list[str]:
     return done
 
 
+def mapped_bytes() -> int:
+    """The address space this process has mapped so far (``VmSize``), in bytes; 0 where unknown."""
+    try:
+        with open("/proc/self/status") as status:
+            lines = status.read().splitlines()
+        for line in lines:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _set_limits(limits: Any, root: bool, backstop: float = 0.0) -> float:
     """Resource limits of the server (inherited by anything it starts); the CPU time used so far.
 
@@ -306,7 +319,8 @@ def _set_limits(limits: Any, root: bool, backstop: float = 0.0) -> float:
     if root and backstop > 0:
         soft_cpu = hard_cpu = soft_cpu + int(backstop)
     resource.setrlimit(resource.RLIMIT_CPU, (soft_cpu, hard_cpu))
-    memory = int(limits.memory_mb) * 1024 * 1024
+    # on top of what the imports mapped: a CUDA build of torch reserves GBs of address space it never touches
+    memory = mapped_bytes() + int(limits.memory_mb) * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     file_size = int(limits.tmp_mb) * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))

@@ -165,7 +165,7 @@ def compute_reward(s, a, n):
 SLOW_CALLS = """
 def compute_reward(s, a, n):
     total = 0.0
-    for i in range(60000):
+    for i in range(300000):
         total += i * 1e-12
     return n["pole_angle"] * 0.0 + total
 """

@@ -81,7 +81,8 @@ def sandbox_procs() -> list[int]:
     return found
 
 
-def wait_no_sandbox_procs(timeout: float = 5.0) -> list[int]:
+def wait_no_sandbox_procs(timeout: float = 15.0) -> list[int]:
+    """This test process's workers still alive after ``timeout`` (exits take seconds on a loaded machine)."""
     deadline = time.monotonic() + timeout
     while sandbox_procs() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -284,9 +285,12 @@ def test_limits_are_set_before_any_program_runs(isolated: bool) -> None:
     limits = replace(FAST, max_procs=7, max_open_files=32, memory_mb=1536)
     with ProgramWorker(limits) as worker:
         seen = proc_limits(worker._proc.server)
+        with open(f"/proc/{worker._proc.server}/status") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
         iso = worker.isolation
     assert seen["Max processes"] == "7" and seen["Max open files"] == "32"
-    assert seen["Max address space"] == str(1536 * 1024 * 1024) and seen["Max core file size"] == "0"
+    # 1536 MB beyond what the imports had mapped when the limit was set (a CUDA torch maps GBs it never uses)
+    assert 0 < int(seen["Max address space"]) - 1536 * 1024 * 1024 <= mapped and seen["Max core file size"] == "0"
     assert seen["Max cpu time"] != "unlimited"
     assert iso["network"] and iso["pid"] and iso["mount"] and iso["root_dropped"]
     assert wait_no_sandbox_procs() == []
@@ -341,6 +345,8 @@ def test_a_slow_program_fails_as_too_slow_with_its_cost() -> None:
     limits = replace(FAST, max_time_share=0.2, time_share_grace_s=0.3)
     fn = prepare_reward(RewardProgram(P.SLOW_CALLS), TASK, limits=limits)
     with pytest.raises(SandboxError) as err:
+        # ~20 ms of Python per call against 10 ms of the trainer's: well over 20 % even when a busy
+        # machine stretches the host's side of each call (at ~4 ms per call it was not, at a load of 4)
         for _ in range(200):
             fn(*_args())
             time.sleep(0.01)  # the trainer's own work between calls
