@@ -101,6 +101,17 @@ def test_no_target_on_an_uncalibrated_task_an_inert_arm_or_a_task_not_planned():
     assert check_target(beats, cells, {"t": _ok()}, ["t"], [], REPS).verdict == "met"
 
 
+def test_a_search_that_failed_every_seed_fails_its_target():
+    """Its user got the random policy from every seed: a failure, not a gap."""
+    beats = TargetSpec(arm="x", relation="beats", other="y", tasks=["t"])
+    cells = {("t", "x"): _cell("t", "x", [], failed=3, search=True, random=-10.0),
+             ("t", "y"): _cell("t", "y", [0.0, 1.0, 2.0])}
+    assert cells[("t", "x")].counted == {0: -10.0, 1: -10.0, 2: -10.0}
+    result = check_target(beats, cells, {"t": _ok()}, ["t"], [], REPS)
+    assert result.verdict == "missed"
+    assert result.tasks[0].text.endswith("3 failed search(es) of x scored as the random policy: fails")
+
+
 def test_a_search_without_a_random_score_for_its_failures_scores_no_target():
     beats = TargetSpec(arm="x", relation="beats", other="y", tasks=["t"])
     cells = {("t", "x"): _cell("t", "x", [10.0, 11.0], failed=1, search=True, random=float("nan")),
