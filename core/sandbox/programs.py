@@ -477,6 +477,19 @@ def component_names(names: Any) -> list[str]:
     return [_component_name(n) if isinstance(n, str) else _component_name(repr(n)) for n in names]
 
 
+#: the largest magnitude a reward or feature may have: training sums rewards over thousands of steps and the
+#: critic squares the sums, so float32 (at most 3.4e38) overflows to inf or NaN losses long before a value does
+MAX_MAGNITUDE = 1e12
+
+
+def _check_magnitude(values: np.ndarray, what: str) -> None:
+    peak = float(np.abs(values).max()) if values.size else 0.0
+    if peak > MAX_MAGNITUDE:
+        raise Invalid("magnitude", f"{what} reaches {peak:.3g} in magnitude; values beyond {MAX_MAGNITUDE:.0e} overflow "
+                                   "float32 training (returns sum thousands of steps and the critic squares them). "
+                                   "Scale it down: keep each term within about +-100.")
+
+
 def checked_result(role: str, named: list[tuple[str, np.ndarray]], names: list[str], batch: int) -> Any:
     """The host's check of what crossed back, on its own copy: the worker is not trusted.
 
@@ -495,6 +508,7 @@ def checked_result(role: str, named: list[tuple[str, np.ndarray]], names: list[s
             row = int(np.flatnonzero(bad)[0])
             what = "the reward" if row == 0 else f"component {names[row - 1]!r}"
             raise Invalid("nonfinite", f"{what} has {int(bad[row])} NaN or infinite value(s); guard divisions, logs and exps.")
+        _check_magnitude(block[0], "the reward")
         rows = torch.from_numpy(block).unbind(0)
         return rows[0], dict(zip(names, rows[1:]))
     if role == "state":
@@ -506,6 +520,7 @@ def checked_result(role: str, named: list[tuple[str, np.ndarray]], names: list[s
         bad = feats.size - int(np.isfinite(feats).sum())
         if bad:
             raise Invalid("nonfinite", f"the features have {bad} NaN or infinite value(s); guard divisions, logs and exps.")
+        _check_magnitude(feats, "the features")
         return torch.from_numpy(feats)
     if len(named) != 1 or named[0][0] != "value":
         raise Invalid("dtype", "the worker returned no value.")

@@ -304,7 +304,9 @@ CORPUS: list[Hostile] = [
                     except TypeError:
                         pass
         threading.Thread(target=spoil, daemon=True).start()
-        """, later=True), "forbidden", "invalid_value|too_slow|timeout", calls=6),  # the thread holds the GIL: a late answer
+        # the thread holds the GIL (a late answer), or its NaN lands and the host's own check refuses it; when the
+        # race leaves every answer untouched the host has checked each one finite: "ok" is contained too
+        """, later=True), "forbidden", "invalid_value|too_slow|timeout|ok", calls=6),
     Hostile("ignore_signals_then_loop", "escape", reward("""
         import signal
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM, signal.SIGHUP):
@@ -433,7 +435,14 @@ def compute_reward(state, action, next_state):
         import json
         json.dumps = lambda *a, **k: '{"seq": 1, "out": [["reward", "float32", [8], 0]]}'
         """, later=True), "forbidden", "crashed"),
-    Hostile("huge_float_reward_is_only_a_number", "corruption", reward("return next_state['pole_angle'] * 0.0 + 1e30"),
+    # a finite float32 that overflows training (returns, the critic's squares): refused by magnitude, not as "inf"
+    Hostile("huge_float_reward_is_refused_by_magnitude", "value", reward("return next_state['pole_angle'] * 0.0 + 1e30"),
+            "invalid_value", "invalid_value"),
+    Hostile("float32_max_reward_is_refused_by_magnitude", "value", reward("return next_state['pole_angle'] * 0.0 + 3e38"),
+            "invalid_value", "invalid_value"),
+    Hostile("huge_feature_is_refused_by_magnitude", "value",
+            state("features = state['pole_angle'][:, None] * 0.0 + 1e20"), "invalid_value", "invalid_value", role="state"),
+    Hostile("a_large_but_trainable_reward_is_only_a_number", "value", reward("return next_state['pole_angle'] * 0.0 + 1e6"),
             "ok", "ok"),
     # -- persistence: nothing carries over to the next candidate -------------------------------------
     Hostile("isfinite_patch_for_the_next_candidate", "persistence", reward("""
@@ -564,7 +573,7 @@ def compute_reward(state, action, next_state):
         """, head="import torch", later=True), "timeout", "timeout"),
     Hostile("slow_python_every_call", "dos", reward("""
         total = 0.0
-        for i in range(300000):
+        for i in range(1000000):  # ~70 ms a call: its share stays past 50 % when a busy machine slows the host too
             total += i * 1e-12
         """, later=True), "too_slow", "too_slow", calls=30, limits={"time_share_grace_s": 0.3}),
     Hostile("sleep_every_call", "dos", reward("time.sleep(0.2)", head="import time", later=True),
