@@ -330,6 +330,33 @@ def _set_limits(limits: Any, root: bool, backstop: float = 0.0) -> float:
     return cpu_used
 
 
+#: the keyctl system call's number per machine (no keyutils library is assumed)
+_KEYCTL_NR = {"x86_64": 250, "aarch64": 219}
+_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_CLEAR = 1, 7
+_KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING = -4, -5
+
+
+def _private_keyrings(own_uid: bool) -> bool:
+    """Leave the host's kernel keyrings behind; whether it worked.
+
+    A process keeps the session keyring it was started in, so without this every worker
+    could read, change and add to the host's keys (a key one candidate added there, the next
+    read back). The worker joins a new, empty session keyring of its own; with a uid of its
+    own (``own_uid``) it also empties that uid's user keyrings, which a fixed ``uid`` would
+    share between workers. With the host's uid they are the host's, and are left alone.
+    """
+    nr = _KEYCTL_NR.get(os.uname().machine)
+    if nr is None:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(ctypes.c_long(nr), ctypes.c_long(_KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
+        return False
+    if own_uid:
+        for ring in (_KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING):
+            libc.syscall(ctypes.c_long(nr), ctypes.c_long(_KEYCTL_CLEAR), ctypes.c_long(ring))
+    return True
+
+
 def _drop_privileges(uid: int, gid: int) -> None:
     """Become an unprivileged user so that RLIMIT_NPROC applies (root ignores it)."""
     os.setgroups([])
@@ -373,6 +400,7 @@ def _serve(request: dict[str, Any], sock_fd: int, in_fd: int, out_fd: int, space
         cpu_used = _set_limits(limits, root, float(request.get("cpu_backstop_s", 0.0)))
         if root:
             _drop_privileges(uid, limits.gid)
+        keyring = _private_keyrings(own_uid=root)
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
         in_map = mmap.mmap(in_fd, 0, prot=mmap.PROT_READ)
@@ -382,7 +410,7 @@ def _serve(request: dict[str, Any], sock_fd: int, in_fd: int, out_fd: int, space
     except BaseException as e:  # noqa: BLE001 - never run a program without its limits
         _send(sock, {"ready": False, "error": f"{type(e).__name__}: {e}"})
         os._exit(3)
-    _send(sock, {"ready": True, "isolation": dict(spaces, uid=os.getuid(), root_dropped=root,
+    _send(sock, {"ready": True, "isolation": dict(spaces, uid=os.getuid(), root_dropped=root, keyring=keyring,
                                                   folder=folder, cpu_base=cpu_used)})
     Server(sock, in_map, out_map, request).run()
 

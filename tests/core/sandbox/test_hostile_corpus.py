@@ -42,6 +42,7 @@ from core.records import MacroAction, Program, RewardProgram, StateProgram
 from core.sandbox import UID_BASE, Limits, ProgramWorker, SandboxError, candidate_scope, prepare_reward, prepare_state
 from core.sandbox.host import Zygote
 from core.train.macros import MacroSet
+import hostile_corpus
 from hostile_corpus import CORPUS, Hostile
 
 REPO = str(Path(__file__).resolve().parents[3])
@@ -91,6 +92,35 @@ class Listeners:
         return n
 
 
+_KEY_CALLS = {"x86_64": (248, 250), "aarch64": (217, 219)}  # add_key, keyctl
+
+
+def plant_host_keys() -> list[int]:
+    """The secret as a key in this process's session, user and user-session keyrings (those the kernel lets it add)."""
+    import ctypes
+
+    calls = _KEY_CALLS.get(os.uname().machine)
+    if calls is None:
+        return []
+    libc = ctypes.CDLL(None, use_errno=True)
+    keys = []
+    for ring in (-3, -4, -5):
+        key = libc.syscall(ctypes.c_long(calls[0]), b"user", hostile_corpus.HOST_KEY.encode(), FAKE_KEY.encode(),
+                           ctypes.c_long(len(FAKE_KEY)), ctypes.c_long(ring))
+        if key > 0:
+            keys.append(key)
+    return keys
+
+
+def revoke_keys(keys: list[int]) -> None:
+    import ctypes
+
+    calls = _KEY_CALLS.get(os.uname().machine)
+    libc = ctypes.CDLL(None, use_errno=True)
+    for key in keys if calls else []:
+        libc.syscall(ctypes.c_long(calls[1]), ctypes.c_long(3), ctypes.c_long(key))  # KEYCTL_REVOKE
+
+
 @pytest.fixture(scope="module")
 def host() -> Any:
     """A secret only root can read, listeners a program could exfiltrate to, API keys in the environment."""
@@ -108,6 +138,7 @@ def host() -> Any:
     unix.bind("\0" + abstract)
     unix.listen(8)
     unix.setblocking(False)
+    keys = plant_host_keys()
     saved = {k: os.environ.get(k) for k in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "HF_TOKEN")}
     os.environ.update(OPENAI_API_KEY=FAKE_KEY, ANTHROPIC_API_KEY=FAKE_KEY, HF_TOKEN=FAKE_KEY)
     try:
@@ -118,6 +149,7 @@ def host() -> Any:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        revoke_keys(keys)
         tcp.close()
         unix.close()
         os.remove(SECRET)
