@@ -141,8 +141,15 @@ def measure(task_name: str, interface: str, args: argparse.Namespace) -> dict[st
         "llm_calls": stats.calls, "cache_hits": stats.cache_hits,
         "llm_s_per_usable": round(stats.latency_s / usable, 1) if usable else None,
         "completion_tokens_per_usable": round(stats.completion_tokens / usable) if usable else None,
-        "wall_s": round(time.time() - start, 1),
+        "wall_s": round(time.time() - start, 1), "commit": commit(), "load": round(os.getloadavg()[0], 2),
     }
+
+
+def commit() -> str:
+    """The checkout's commit (short), so cells measured at different commits say so."""
+    from core.study import commit as full
+
+    return full()[:7] + (" + changes" if "uncommitted" in full() else "")
 
 
 def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
@@ -219,8 +226,9 @@ def main() -> None:
                 out.write_text(json.dumps({"cells": cells, "summary": summary(cells)}, indent=1) + "\n")
     from core.llm.embedded import loaded_info
 
-    result = {"benchmark": "usable_rate", "samples": args.samples, "seed": args.seed, "model": loaded_info(),
-              "cells": cells, "summary": summary(cells)}
+    result = {**{k: v for k, v in done.items() if k not in ("cells", "summary")},  # notes kept beside the figures
+              "benchmark": "usable_rate", "samples": args.samples, "seed": args.seed, "model": loaded_info(),
+              "commits": sorted({str(c.get("commit", "")) for c in cells}), "cells": cells, "summary": summary(cells)}
     if out is not None:
         out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
