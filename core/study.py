@@ -54,7 +54,7 @@ FRESH_SCORE = "final/fresh_mean"
 #: config keys left out of a cell's key: where and how a run is recorded, not what it computes
 BOOKKEEPING = ("hydra", "run_name", "experiment", "cache_dir", "progress", "resume", "results_store", "save_policy",
                "tracking", "executor")
-LLM_BOOKKEEPING = ("cache_path", "show_progress", "n_threads")  # llm.* keys that do not change a reply
+LLM_BOOKKEEPING = ("cache_path", "show_progress", "n_threads", "replay_only")  # llm.* keys that do not change a reply
 RELATIONS = ("beats", "matches")
 
 
@@ -133,7 +133,7 @@ class StudySpec:
             if not task.env or task.frames < 1:
                 problems.append(f"task '{name}' needs an env and frames >= 1")
         for name, task in self.tasks.items():
-            if task.calibration.arm not in self.arms:
+            if task.calibration.threshold is not None and task.calibration.arm not in self.arms:
                 problems.append(f"task '{name}' is calibrated on arm '{task.calibration.arm}', which is not an arm")
         for name, arm in self.arms.items():
             unknown = sorted(set(arm.tasks or []) - set(self.tasks))
@@ -396,6 +396,20 @@ def plan(cells: list[Cell], experiment: str, store: Path) -> list[PlannedCell]:
     return planned
 
 
+def reply_caches(planned: list[PlannedCell]) -> list[Path]:
+    """The LLM reply caches (sqlite files) the cells use: ``<store>/cache`` unless an override moved it."""
+    from core.llm.client import cache_file
+
+    found: list[Path] = []
+    for p in planned:
+        llm = p.config.get("llm") or {}
+        if llm.get("cache", True):
+            path = cache_file(llm.get("cache_path"))
+            if path not in found:
+                found.append(path)
+    return found
+
+
 def finished_cells(uri: str, experiment: str) -> dict[str, str]:
     """Cell key -> run id of the study's finished runs (the latest of each key)."""
     import mlflow
@@ -549,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Hydra overrides added to every cell; plugins.<name>.<key>=... only to the arms running <name>")
     parser.add_argument("--store", help="folder of the study's MLflow store (default: the spec's)")
     parser.add_argument("--out", help="the report file (default: the spec's)")
+    parser.add_argument("--replies", help="a replies file a study wrote (<report folder>/replies.jsonl.gz): run the cells "
+                                          "from it with no LLM (llm.replay_only), in a fresh --store")
     parser.add_argument("--list", action="store_true", help="list the cells, finished or not, and stop")
     parser.add_argument("--report-only", action="store_true", help="run nothing; write the report from the finished cells")
     parser.add_argument("--reps", type=int, default=2000, help="bootstrap replications of the intervals")
@@ -565,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.spec)
         split = lambda text: [s.strip() for s in text.split(",") if s.strip()] if text else None  # noqa: E731
         seeds = [int(s) for s in split(args.seeds)] if args.seeds else None
-        cells = expand(spec, split(args.tasks), split(args.arms), seeds, args.frames_scale, tuple(args.set))
+        extra = tuple(args.set) + (("llm.replay_only=true",) if args.replies else ())
+        cells = expand(spec, split(args.tasks), split(args.arms), seeds, args.frames_scale, extra)
         if not cells:
             raise UserError("The selection leaves no cell: no selected arm applies to a selected task.")
         store = Path(args.store or spec.store)
@@ -583,9 +600,21 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"{len(planned)} cells, {sum(p.key in done for p in planned)} finished; store {store}", highlight=False)
             return 0
         invocation.seconds = time.perf_counter() - began  # planning; the cells add theirs
+        caches = reply_caches(planned)
+        if args.replies:
+            from core.llm.cache import ResponseCache, load_replies
+
+            loaded = sum(load_replies(args.replies, ResponseCache(c)) for c in caches)
+            console.print(f"{loaded} recorded replies from {args.replies}; the cells run with no LLM", highlight=False)
         if not args.report_only:
             console.print(f"{len(planned)} cells; store {store}; {invocation.machine}; commit {invocation.commit}", highlight=False)
             run_cells(planned, spec.name, uri, invocation, console)
+        used = [c for c in caches if c.exists()]
+        if used and not args.replies:
+            from core.llm.cache import dump_replies
+
+            kept = out.parent / out.stem / "replies.jsonl.gz"
+            console.print(f"{dump_replies(used[0], kept)} LLM replies the cells used: {kept}", highlight=False)
         else:
             invocation.load_end = load_average()
         from core.report.results import write_results

@@ -125,3 +125,38 @@ class ResponseCache:
             return int(con.execute("SELECT COUNT(*) FROM replies").fetchone()[0])
         finally:
             con.close()
+
+
+def dump_replies(cache: str | os.PathLike[str], out: str | os.PathLike[str]) -> int:
+    """Write every reply of the sqlite cache ``cache`` to ``out`` (gzipped JSON lines); how many.
+
+    A study commits this file beside its report, so that a re-run with no LLM
+    (:func:`load_replies`, then ``llm.replay_only=true``) gets the very replies it used.
+    """
+    import gzip
+
+    con = sqlite3.connect(Path(cache))
+    try:
+        rows = con.execute("SELECT key, model, value FROM replies ORDER BY key").fetchall()
+    finally:
+        con.close()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(out, "wt", encoding="utf-8") as f:
+        for key, model, value in rows:
+            f.write(json.dumps({"key": key, "model": model, "value": json.loads(value)}, ensure_ascii=False) + "\n")
+    return len(rows)
+
+
+def load_replies(path: str | os.PathLike[str], cache: ResponseCache) -> int:
+    """Put the replies of a :func:`dump_replies` file into ``cache``; how many."""
+    import gzip
+
+    n = 0
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                cache.put(row["key"], row["value"], row.get("model", ""))
+                n += 1
+    return n
+

@@ -161,6 +161,7 @@ class LLMSettings:
     max_n: int = 8
     concurrency: int = 8
     cache: bool = True
+    replay_only: bool = False  # answer only from the cache: a request with no recorded reply is an LLMError
     cache_path: str | None = None
     n_threads: int | str = "auto"
     n_parallel: int = 0
@@ -271,7 +272,7 @@ class LLMClient:
         self.records: list[CallRecord] = []
         self.cache: ResponseCache | None = None
         if self.settings.cache:
-            self.cache = ResponseCache(_cache_file(self.settings.cache_path))
+            self.cache = ResponseCache(cache_file(self.settings.cache_path))
         self._lock = threading.Lock()
         self._n_support: bool | None = None  # whether the provider takes OpenAI's n (asked once)
         self._sleep: Callable[[float], None] = time.sleep  # replaced in tests
@@ -365,6 +366,10 @@ class LLMClient:
                 if hit is not None:
                     replies[i] = Reply(**{**hit, "latency_s": 0.0, "cost": 0.0, "cached": True})
         missing = [i for i, r in enumerate(replies) if r is None]
+        if missing and self.settings.replay_only:
+            raise LLMError(f"llm.replay_only: no recorded reply for {len(missing)} of the {n} sample(s) of the call "
+                           f"'{tag or 'call'}' (a request the recorded run did not make: other code, config or seed). "
+                           "Set llm.replay_only=false to ask the LLM.")
         sent = 0  # samples handed over so far
 
         def landed() -> list[Reply]:  # the samples from ``sent`` up to the first one still missing
@@ -791,7 +796,7 @@ def _check_messages(messages: Any) -> list[dict[str, str]]:
     return checked
 
 
-def _cache_file(cache_path: str | None) -> Path:
+def cache_file(cache_path: str | None) -> Path:
     """``llm.cache_path`` as a file: a folder (existing, or without a suffix) gets
     ``llm_cache.sqlite`` inside it; ``None`` means the user cache dir."""
     if not cache_path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import mlflow
@@ -256,6 +257,31 @@ def test_an_llm_arm_reports_its_llm_cost(tmp_path, monkeypatch):
     text = (tmp_path / "check.md").read_text()
     cost = next(line for line in text.splitlines() if line.startswith("| eureka | 1 |"))
     assert cost.split("|")[3].strip() == f"{eureka['llm/calls']:.0f}"
+
+
+def test_a_rerun_from_the_replies_file_trains_the_same_programs_with_no_llm(tmp_path, monkeypatch):
+    llm = fakes.install_fake_litellm(monkeypatch)
+    eureka = ["plugins.eureka.iterations=1", "plugins.eureka.samples=2", *fakes.FAKE_LLM_OVERRIDES, "llm.cache=true"]
+    spec = _spec(tmp_path, {"eureka": {"plugins": ["eureka"], "overrides": eureka, "search": True}})
+    assert main([str(spec), "--reps", "200"]) == 0
+    replies = tmp_path / "check" / "replies.jsonl.gz"
+    asked = len(llm.calls)
+    assert replies.exists() and asked
+    shutil.rmtree(tmp_path / "cache")  # the replies file is all that is left of the LLM's answers
+    again = ["--store", str(tmp_path / "again"), "--out", str(tmp_path / "again.md"), "--replies", str(replies)]
+    assert main([str(spec), "--reps", "200", *again]) == 0
+    assert len(llm.calls) == asked  # the LLM was not asked again
+    first, second = (_runs(tmp_path / store, "check")[0] for store in ("store", "again"))
+    client = mlflow.MlflowClient(tracking_uri(tmp_path / "store")), mlflow.MlflowClient(tracking_uri(tmp_path / "again"))
+
+    def programs(c, run) -> list[str]:
+        kids = c.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+        return sorted(Path(c.download_artifacts(k.info.run_id, "reward/compute_reward.py", str(tmp_path / "dl"))).read_text()
+                      for k in kids if "sample" in k.data.tags)
+
+    assert programs(client[0], first) == programs(client[1], second) and programs(client[0], first)
+    # one torch thread: the same programs train to the same scores
+    assert second.data.metrics[FRESH_SCORE] == first.data.metrics[FRESH_SCORE]
 
 
 @pytest.mark.slow

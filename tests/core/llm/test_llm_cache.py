@@ -73,3 +73,15 @@ def test_user_cache_dir_precedence(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert user_cache_dir() == tmp_path / "home" / ".cache" / "llm4rl"
     assert default_cache_path().parent == user_cache_dir()
+
+
+def test_replies_dumped_from_a_cache_load_into_another_under_the_same_keys(tmp_path: Path):
+    from core.llm.cache import ResponseCache, dump_replies, load_replies
+
+    source = ResponseCache(tmp_path / "a.sqlite")
+    source.put("k1", {"text": "def compute_reward(): ..."}, model="m")
+    source.put("k2", {"text": "second"}, model="m")
+    assert dump_replies(tmp_path / "a.sqlite", tmp_path / "replies.jsonl.gz") == 2
+    target = ResponseCache(tmp_path / "b.sqlite")
+    assert load_replies(tmp_path / "replies.jsonl.gz", target) == 2
+    assert target.get("k1") == {"text": "def compute_reward(): ..."} and target.get("k2") == {"text": "second"}

@@ -284,6 +284,15 @@ def test_more_samples_later_only_generates_the_new_ones(llm_cfg, fake_backend):
     assert [r.cached for r in four] == [True, True, False, False]
 
 
+def test_replay_only_answers_from_the_cache_and_refuses_a_request_it_has_no_reply_for(llm_cfg, fake_backend):
+    recorded = make_client(llm_cfg).chat(MSG)[0].text
+    replay = make_client({**llm_cfg, "replay_only": True})
+    assert replay.chat(MSG)[0].text == recorded and len(fake_backend.calls) == 1
+    with pytest.raises(LLMError, match="no recorded reply"):
+        replay.chat(MSG, seed=7)
+    assert len(fake_backend.calls) == 1  # nothing was sent
+
+
 def test_cache_off_calls_every_time(llm_cfg, fake_backend):
     client = make_client({**llm_cfg, "cache": False})
     client.chat(MSG)
