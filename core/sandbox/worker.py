@@ -357,6 +357,58 @@ def _private_keyrings(own_uid: bool) -> bool:
     return True
 
 
+# seccomp: the kernel refuses a process the system calls its filter names, whatever runs in it
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+#: per machine: the audit arch, and the numbers of socket() and connect()
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 42), "aarch64": (0xC00000B7, 198, 203)}
+_X32_BIT = 0x40000000  # x86_64's x32 system calls: the same calls under other numbers
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _no_new_sockets() -> bool:
+    """A seccomp filter: ``socket(AF_UNIX, ...)`` and ``connect`` fail with EACCES; whether it is in place.
+
+    The network namespace cuts TCP, UDP and abstract Unix sockets, but not the host's
+    Unix sockets on the filesystem (D-Bus, the journal, a server's control socket): a
+    program could connect to any it may write to. The worker needs neither call once it
+    runs (its one socket to the host is inherited), so both are refused; a datagram socket
+    that would send to a path cannot be made either. Needs ``no_new_privs`` first.
+    """
+    arch = _SECCOMP_ARCH.get(os.uname().machine)
+    if arch is None:
+        return False
+    audit_arch, nr_socket, nr_connect = arch
+    ld_w_abs, jeq_k, jset_k, ret_k = 0x20, 0x15, 0x45, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, ..|BPF_JSET, BPF_RET|BPF_K
+    deny = _SECCOMP_RET_ERRNO | 13  # EACCES
+    program = [
+        (ld_w_abs, 0, 0, 4),                # seccomp_data.arch
+        (jeq_k, 1, 0, audit_arch),          # our architecture: go on
+        (ret_k, 0, 0, deny),                # any other (a 32-bit call): refused
+        (ld_w_abs, 0, 0, 0),                # seccomp_data.nr
+        (jset_k, 0, 1, _X32_BIT),           # an x32 call: refused
+        (ret_k, 0, 0, deny),
+        (jeq_k, 0, 1, nr_connect),          # connect: refused
+        (ret_k, 0, 0, deny),
+        (jeq_k, 0, 3, nr_socket),           # socket: look at its family
+        (ld_w_abs, 0, 0, 16),               # seccomp_data.args[0], low half (the domain)
+        (jeq_k, 0, 1, socket.AF_UNIX),
+        (ret_k, 0, 0, deny),
+        (ret_k, 0, 0, _SECCOMP_RET_ALLOW),
+    ]
+    filters = (_SockFilter * len(program))(*[_SockFilter(*ins) for ins in program])
+    prog = _SockFprog(len(program), filters)
+    libc = _libc()
+    return libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) == 0
+
+
 def _drop_privileges(uid: int, gid: int) -> None:
     """Become an unprivileged user so that RLIMIT_NPROC applies (root ignores it)."""
     os.setgroups([])
@@ -403,6 +455,7 @@ def _serve(request: dict[str, Any], sock_fd: int, in_fd: int, out_fd: int, space
         keyring = _private_keyrings(own_uid=root)
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
+        sockets_refused = _no_new_sockets()
         in_map = mmap.mmap(in_fd, 0, prot=mmap.PROT_READ)
         out_map = mmap.mmap(out_fd, 0)
         os.close(in_fd)
@@ -410,7 +463,7 @@ def _serve(request: dict[str, Any], sock_fd: int, in_fd: int, out_fd: int, space
     except BaseException as e:  # noqa: BLE001 - never run a program without its limits
         _send(sock, {"ready": False, "error": f"{type(e).__name__}: {e}"})
         os._exit(3)
-    _send(sock, {"ready": True, "isolation": dict(spaces, uid=os.getuid(), root_dropped=root, keyring=keyring,
+    _send(sock, {"ready": True, "isolation": dict(spaces, uid=os.getuid(), root_dropped=root, keyring=keyring, seccomp=sockets_refused,
                                                   folder=folder, cpu_base=cpu_used)})
     Server(sock, in_map, out_map, request).run()
 

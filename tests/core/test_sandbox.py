@@ -277,7 +277,8 @@ def test_worker_has_no_network(runtime_reports: dict, isolated: bool) -> None:
     needs_isolation(isolated)
     last = runtime_reports["BYPASS_NETWORK"].message.splitlines()[-1]
     assert runtime_reports["BYPASS_NETWORK"].kind == "exception"
-    assert "OSError" in last or "unreachable" in last.lower(), last
+    # the network namespace has no route; connect() itself is refused by the seccomp filter first
+    assert "OSError" in last or "PermissionError" in last or "unreachable" in last.lower(), last
 
 
 def test_limits_are_set_before_any_program_runs(isolated: bool) -> None:

@@ -150,6 +150,18 @@ CORPUS: list[Hostile] = [
         """), "forbidden", "ok"),
     Hostile("open_etc_shadow", "escape", reward("found = open('/etc/shadow').read()"), "forbidden", "exception"),
     Hostile("open_root_only_secret", "escape", reward(READ_SECRET), "forbidden", "exception"),
+    Hostile("connect_to_a_host_unix_socket_on_disk", "escape", reward("""
+        import socket
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect('{UNIX_PATH}')
+        s.sendall(b'hello from a candidate')
+        raise RuntimeError('reached the host socket')
+        """), "forbidden", "exception"),
+    Hostile("datagram_to_a_host_unix_socket_on_disk", "escape", reward("""
+        import socket
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.sendto(b'hello from a candidate', '{UNIX_PATH}')
+        """), "forbidden", "exception"),
     Hostile("read_the_hosts_keyrings", "escape", reward("""
         for ring in RINGS:
             if read_key(ring, b'HOST_KEY') is not None:
@@ -557,8 +569,8 @@ def compute_reward(state, action, next_state):
         time.sleep(0.2)
         """, head="STARTED = []"), "forbidden", "ok", followup=reward("""
         import socket
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
+        try:  # refused twice over: no socket may be made (seccomp), and the daemon died with its worker
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect('\\0llm4rl-hostile-{TAG}')
         except OSError:
             pass

@@ -78,10 +78,12 @@ class Listeners:
     port: int
     unix: socket.socket
     abstract: str
+    path_socket: socket.socket  # a Unix socket on the filesystem that anyone may connect to (as D-Bus's is)
+    path: str
 
     def connections(self) -> int:
         n = 0
-        for s in (self.tcp, self.unix):
+        for s in (self.tcp, self.unix, self.path_socket):
             while True:
                 try:
                     conn, _ = s.accept()
@@ -138,11 +140,17 @@ def host() -> Any:
     unix.bind("\0" + abstract)
     unix.listen(8)
     unix.setblocking(False)
+    path = f"{SECRET_DIR}/open.sock"  # outside the folders a worker gets private copies of
+    path_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path_socket.bind(path)
+    os.chmod(path, 0o777)
+    path_socket.listen(8)
+    path_socket.setblocking(False)
     keys = plant_host_keys()
     saved = {k: os.environ.get(k) for k in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "HF_TOKEN")}
     os.environ.update(OPENAI_API_KEY=FAKE_KEY, ANTHROPIC_API_KEY=FAKE_KEY, HF_TOKEN=FAKE_KEY)
     try:
-        yield Listeners(tcp, tcp.getsockname()[1], unix, abstract)
+        yield Listeners(tcp, tcp.getsockname()[1], unix, abstract, path_socket, path)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -152,6 +160,8 @@ def host() -> Any:
         revoke_keys(keys)
         tcp.close()
         unix.close()
+        path_socket.close()
+        os.remove(path)
         os.remove(SECRET)
         os.rmdir(SECRET_DIR)
 
@@ -246,6 +256,7 @@ def limits_in_place(worker: ProgramWorker, limits: Limits, *, isolated: bool) ->
 
 def fill(source: str, listeners: Listeners, tag: str) -> str:
     for key, value in (("{PORT}", str(listeners.port)), ("{ABSTRACT}", listeners.abstract), ("{SECRET}", SECRET),
+                       ("{UNIX_PATH}", listeners.path),
                        ("{REPO}", REPO), ("{TAG}", tag)):
         source = source.replace(key, value)
     return source
