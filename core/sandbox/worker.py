@@ -348,7 +348,7 @@ def _private_keyrings(own_uid: bool) -> bool:
     nr = _KEYCTL_NR.get(os.uname().machine)
     if nr is None:
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
     if libc.syscall(ctypes.c_long(nr), ctypes.c_long(_KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
         return False
     if own_uid:
