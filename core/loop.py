@@ -43,6 +43,7 @@ from core.preflight import preflight
 from core.progress import LLMCallView, make_progress
 from core.records import Candidate, IterationResult, Plan, StartPolicy, TrainResult
 from core.registry import call_each
+from core.sandbox import hide_from_programs
 from core.store import ResultStore, job_key, results_path
 from core.tracking import Tracker, format_llm_call, tracking_failure
 
@@ -579,6 +580,21 @@ def _iteration_best(result: IterationResult) -> float:
     return best[1].score if best else float("nan")
 
 
+def run_folders(config: DictConfig, settings: Any) -> list[str]:
+    """The run's own folders and files besides MLflow's: Hydra's output folder, the results store, the LLM cache."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from core.llm.client import cache_file
+
+    found = [str(results_path(settings))]
+    if HydraConfig.initialized():
+        found.append(str(HydraConfig.get().runtime.output_dir))
+    llm = config.get("llm") or {}
+    if llm.get("cache", True):
+        found.append(str(cache_file(llm.get("cache_path"))))
+    return found
+
+
 def run_experiment(config: DictConfig, extra_plugins: tuple[object, ...] = (),
                    tags: dict[str, str] | None = None) -> RunSummary:
     """Run one experiment as the config describes; the programmatic entry point.
@@ -593,6 +609,7 @@ def run_experiment(config: DictConfig, extra_plugins: tuple[object, ...] = (),
     container.pop("hydra", None)  # type: ignore[union-attr]
     runtime = build_runtime(container, extra_plugins, run_key=uuid.uuid4().hex)  # type: ignore[arg-type]  # validates before any work
     tracker = Tracker(config.tracking, config.experiment)
+    hide_from_programs(*tracker.local_paths(), *run_folders(config, runtime.settings))
     plugins = sorted((config.get("plugins") or {}).keys())
     run_tags = {"plugins": ",".join(plugins) or "none", "env": str(config.env.name), "seed": str(config.seed), **(tags or {})}
     name = config.get("run_name") or f"{'+'.join(plugins) or 'baseline'}-{config.env.name}-s{config.seed}"

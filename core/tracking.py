@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import unquote, urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -201,6 +202,19 @@ class Tracker:
         self._renamed: dict[str, dict[str, str]] = {}  # per run: {logged metric name: original}, when they differ
 
     # -- parent run -------------------------------------------------------------------
+    def local_paths(self) -> list[str]:
+        """The store's files on this machine: the sqlite file and the experiment's artifact folder (where local)."""
+        found = []
+        if str(self.uri).startswith("sqlite:///"):
+            found.append(str(Path(str(self.uri)[len("sqlite:///"):]).expanduser()))
+        with contextlib.suppress(Exception):
+            location = str(self.client.get_experiment(self.experiment_id).artifact_location or "")
+            if location.startswith("file://"):
+                found.append(unquote(urlparse(location).path))
+            elif location and "://" not in location:
+                found.append(location)
+        return found
+
     @contextmanager
     def experiment_run(self, config: DictConfig, run_name: str, tags: dict[str, str]) -> Iterator[str]:
         """Start the parent run, log the resolved config; yields its run id."""

@@ -24,7 +24,15 @@ from core.sandbox.functions import (  # noqa: F401
     role_of,
     run_isolated,
 )
-from core.sandbox.host import UID_BASE, ProgramWorker, Zygote, candidate_scope, in_candidate_scope  # noqa: F401
+from core.sandbox.host import (  # noqa: F401
+    UID_BASE,
+    ProgramWorker,
+    Zygote,
+    candidate_scope,
+    hidden_records,
+    hide_from_programs,
+    in_candidate_scope,
+)
 from core.sandbox.programs import (  # noqa: F401
     PER_ROW_RETRY_KINDS,
     REWARD_ARGS,

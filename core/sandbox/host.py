@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Iterator
 import numpy as np
 
 from core.records import Program
-from core.sandbox import wire
+from core.sandbox import memory, wire
 from core.sandbox.programs import Invalid, checked_result, component_names
 from core.sandbox.reports import DEFAULT_IMPORTS, KINDS, MESSAGE_CHARS, Limits, SandboxError, SandboxReport, fail
 from core.sandbox.worker import MAX_SPIN_US, NO_NAMESPACES_ENV, SAME, SAME_REQUEST, SPIN_ENV
@@ -53,6 +53,31 @@ ROUND_TRIP_SHARE = 0.9
 #: start-up budget and the host holds the worker to its growing budget itself (from /proc)
 CPU_BACKSTOP_S = 24 * 3600
 _SCRATCH_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
+#: the run's records (its MLflow store, output folder, LLM cache), hidden from every worker: in the
+#: environment, so that the trainings an executor runs in other processes hide them too
+RECORDS_ENV = "LLM4RL_HIDDEN_RECORDS"
+
+
+def hide_from_programs(*paths: str | os.PathLike[str]) -> None:
+    """Hide these files or folders of the run's records from every worker started from now on.
+
+    In the worker's mount namespace an empty folder or file takes each one's place (a
+    folder the worker imports from is left alone). Sqlite stores bring their journal
+    files along. Without a mount namespace they stay as readable as their permissions
+    make them (``docs/sandbox.md``).
+    """
+    records = hidden_records()
+    for path in paths:
+        real = os.path.realpath(os.fspath(path))
+        for one in (real, real + "-wal", real + "-shm", real + "-journal") if real.endswith((".db", ".sqlite")) else (real,):
+            if one not in records:
+                records.append(one)
+    os.environ[RECORDS_ENV] = os.pathsep.join(records)
+
+
+def hidden_records() -> list[str]:
+    """The paths :func:`hide_from_programs` was given (in this process or the one that started it)."""
+    return [p for p in os.environ.get(RECORDS_ENV, "").split(os.pathsep) if p]
 _SAME_BYTE = bytes((SAME,))
 
 
@@ -181,6 +206,7 @@ class _Process:
         self.pidfd = -1
         self.arenas: list[wire.Arena] = []
         self.isolation: dict[str, Any] = {}
+        self.memory_group: memory.MemoryGroup | None = None
         self.closed = False
 
     def kill(self) -> None:
@@ -248,6 +274,8 @@ class _Process:
         self.arenas = []
         if not self.isolation.get("mount"):
             _remove_scratch(self.isolation)
+        if self.memory_group is not None:
+            self.memory_group.remove()
 
 
 def _kill_uid(uid: int) -> None:
@@ -553,8 +581,10 @@ class ProgramWorker:
         proc.status_fd = status_r
         read_only = proc.arenas[0].read_only_fd()
         backstop = 0.0 if may_raise_cpu_limits() else float(CPU_BACKSTOP_S)
+        proc.memory_group = memory.create(int(limits.memory_mb) * 1024 * 1024)
         request = {"limits": limits, "imports": self.imports, "uid_base": UID_BASE, "cpu_backstop_s": backstop,
-                   "namespaces": os.environ.get(NO_NAMESPACES_ENV, "") in ("", "0")}
+                   "namespaces": os.environ.get(NO_NAMESPACES_ENV, "") in ("", "0"), "records": hidden_records(),
+                   "memory_group": str(proc.memory_group.path) if proc.memory_group else None}
         try:
             for attempt in range(2):
                 try:
@@ -622,7 +652,7 @@ class ProgramWorker:
 
     def close(self) -> None:
         """End the worker and everything it started; later calls fail."""
-        self._end(fail("crashed", "The sandbox worker was closed."))
+        self._end(fail("crashed", "The sandbox worker was closed."), closing=True)
 
     def __enter__(self) -> ProgramWorker:
         return self
@@ -630,9 +660,11 @@ class ProgramWorker:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _end(self, report: SandboxReport) -> SandboxReport:
+    def _end(self, report: SandboxReport, closing: bool = False) -> SandboxReport:
         """The worker is over: kill it, remember why, free what it held."""
         if self.dead is None:
+            if not closing and report.kind in ("timeout", "too_slow", "crashed"):
+                report = self._memory_verdict() or report  # the cause, where memory ran out
             self.dead = report
         if self._ended_at is None:
             self._ended_at = time.monotonic()
@@ -653,6 +685,8 @@ class ProgramWorker:
                 report = fail("too_slow", f"The program used {cpu:.1f} s of CPU time, more than its budget ({limits.cpu_s:g} s "
                                           f"plus {limits.max_time_share:.0%} of the training time), and was stopped. "
                                           "Do less work per call, and none between calls.")
+            elif sig == signal.SIGKILL and self._proc.memory_group is not None and self._proc.memory_group.oom_kills():
+                report = self._over_memory()
             elif sig == signal.SIGKILL:
                 report = fail("crashed", "The program's worker was killed (SIGKILL), most likely out of memory. Allocate less.")
             else:
@@ -660,6 +694,29 @@ class ProgramWorker:
         else:
             report = fail("crashed", f"The program's worker exited with status {os.WEXITSTATUS(status)} without an answer.")
         return self._end(report)
+
+    def _over_memory(self, measured: int = 0) -> SandboxReport:
+        seen = f" ({measured / 2**20:,.0f} MB)" if measured else ""
+        return fail("memory", f"The program's worker used more memory{seen} than its limit of {self.limits.memory_mb:g} MB "
+                              "for all its processes and temporary files together, and was stopped. Allocate less, "
+                              "and start no processes.")
+
+    def _memory_verdict(self) -> SandboxReport | None:
+        """``memory`` when the worker went over its memory: a kill in its memory group (the kernel may
+        have stopped one of its processes only), or, without a group, the host's own measure."""
+        iso, group, proc = self._proc.isolation, self._proc.memory_group, self._proc
+        if self.dead is not None or proc.closed or not proc.server:
+            return None
+        if group is not None and iso.get("memory_group"):
+            return self._over_memory() if group.oom_kills() else None
+        used = memory.resident_bytes(proc.server, iso.get("private_folders") or ())
+        return self._over_memory(used) if used > int(self.limits.memory_mb) * 1024 * 1024 else None
+
+    def _check_memory(self) -> None:
+        """Once a second, as calls come, and before a candidate is called slow (a worker short of memory is)."""
+        verdict = self._memory_verdict()
+        if verdict is not None:
+            raise SandboxError(self._end(verdict))
 
     # -- requests ------------------------------------------------------------------------------
     def _request(self, message: dict[str, Any], timeout: float, fds: list[int] | None = None,
@@ -912,6 +969,7 @@ class ProgramWorker:
             elapsed = max(now - self._clock0, 1e-9)
             share, round_trip = self.program_s / elapsed, self.busy_s / elapsed
             if share > limits.max_time_share or round_trip > max(limits.max_time_share, ROUND_TRIP_SHARE):
+                self._check_memory()  # a worker short of memory is slow too: say which
                 per_call = self.program_s / self.calls * 1000
                 raise SandboxError(self._end(fail("too_slow", (
                     f"Too slow: the program took {self.program_s:.1f} s of the last {elapsed:.1f} s of training "
@@ -935,6 +993,7 @@ class ProgramWorker:
         running on a busy machine get little CPU, but the calls' time does not grow with it.
         """
         self._next_cpu_raise = now + 1.0
+        self._check_memory()
         limits = self.limits
         budget = (self._cpu_base + limits.cpu_s + limits.time_share_grace_s + self.busy_s
                   + self._spin.granted_s)  # the polling for the next step that the host asked for

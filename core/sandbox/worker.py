@@ -41,6 +41,8 @@ import sys
 import time
 from typing import Any
 
+from core.sandbox import memory
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS = 38
 CLONE_NEWNS = 0x00020000
@@ -169,7 +171,10 @@ def _supervise(request: dict[str, Any], fds: list[int]) -> None:
         if fd > 2 and fd not in keep:
             with contextlib.suppress(OSError):
                 os.close(fd)
+    group = request.get("memory_group")
+    joined = bool(group) and memory.join(str(group))  # before anything else: all the worker's processes in it
     spaces = _unshare() if request.get("namespaces", True) else _without_namespaces()
+    spaces["memory_group"] = joined
     me = os.getpid()
     pid = os.fork()
     if pid == 0:
@@ -247,13 +252,19 @@ def _write(path: str, text: str) -> None:
 # -- the server -------------------------------------------------------------------------------------
 
 
-def _mount_private(spaces: dict[str, Any], tmp_mb: int) -> None:
-    """Private /proc and tmpfs folders, never propagated to the host's mounts."""
+def _mount_private(spaces: dict[str, Any], tmp_mb: int, records: list[str] = ()) -> None:  # type: ignore[assignment]
+    """Homes and the run's records hidden, everything read-only, then a private /proc and tmpfs folders.
+
+    Never propagated to the host's mounts. The tmpfs folders come last, so they are the
+    only places a program can write, and they vanish with the worker.
+    """
     libc = _libc()
     if not spaces["mount"] or libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
         spaces["mount"] = False
         return
     spaces["hidden"] = _hide_homes(libc)
+    spaces["records_hidden"] = _hide_records(libc, records)
+    spaces["read_only"] = _read_only_everywhere(libc)
     if spaces["pid"]:
         spaces["proc"] = libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None) == 0
     options = f"size={int(tmp_mb)}m,nr_inodes=4096,mode=1777".encode()
@@ -265,6 +276,67 @@ def _mount_private(spaces: dict[str, Any], tmp_mb: int) -> None:
     spaces["private_folders"] = done
 
 
+def _interpreter_trees() -> set[str]:
+    """The folders the worker imports from (its interpreter, its libraries, the project)."""
+    return {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path)
+            if p and os.path.isabs(p) and os.path.isdir(p)}
+
+
+def _hide_records(libc: Any, records: list[str]) -> list[str]:
+    """An empty folder (tmpfs) or file (``/dev/null``) over each of the run's records.
+
+    The host names them (:func:`core.sandbox.hide_from_programs`): the MLflow store, the
+    run's output folder, the LLM cache. A folder the worker imports from is never hidden.
+    """
+    trees = _interpreter_trees()
+    done = []
+    for path in records:
+        real = os.path.realpath(path)
+        if any(t == real or t.startswith(real.rstrip("/") + "/") for t in trees) or not os.path.lexists(real):
+            continue
+        if os.path.isdir(real):
+            ok = libc.mount(b"tmpfs", real.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=16k,mode=0755") == 0
+        else:
+            ok = libc.mount(b"/dev/null", real.encode(), None, _MS_BIND, None) == 0
+        if ok:
+            done.append(real)
+    return done
+
+
+#: statvfs flags -> the mount flags a bind remount must repeat (the kernel refuses to drop locked ones)
+_KEPT_FLAGS = ((2, _MS_NOSUID), (4, _MS_NODEV), (8, _MS_NOEXEC), (1024, 1024), (2048, 2048), (4096, 1 << 21))
+
+
+def _read_only_everywhere(libc: Any) -> int:
+    """Every mount read-only in the worker's namespace; how many were made so.
+
+    So no folder outside the private tmpfs ones is writable, whatever its permissions say
+    (world-writable folders such as ``/var/crash`` would otherwise carry files from one
+    candidate to the next), and nothing of the host's can be changed.
+    """
+    try:
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split()[4] for line in f if len(line.split()) > 4]
+    except OSError:
+        return 0
+    done = 0
+    for raw in points:
+        point = raw.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+        if point == "/proc" or point.startswith("/proc/"):
+            continue  # replaced by the worker's own
+        try:
+            flags = os.statvfs(point).f_flag
+        except OSError:
+            continue
+        if flags & 1:
+            done += 1
+            continue
+        kept = sum(ms for st, ms in _KEPT_FLAGS if flags & st)
+        if libc.mount(None, point.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | kept, None) == 0:
+            done += 1
+    return done
+
+
 def _hide_homes(libc: Any) -> list[str]:
     """Empty tmpfs over the home folders; the interpreter's folders inside them are bound back read-only.
 
@@ -273,8 +345,7 @@ def _hide_homes(libc: Any) -> list[str]:
     standard library when the interpreter lives in a home folder.
     """
     hidden = [h for h in HIDDEN_FOLDERS if os.path.isdir(h) and not os.path.islink(h)]
-    wanted = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path)
-              if p and os.path.isabs(p) and os.path.isdir(p)}
+    wanted = _interpreter_trees()
     keep = sorted(p for p in wanted if any(p.startswith(h + "/") for h in hidden))
     keep = [p for p in keep if not any(p != q and p.startswith(q + "/") for q in keep)]
     if any(p in hidden for p in wanted):
@@ -438,7 +509,7 @@ def _serve(request: dict[str, Any], sock_fd: int, in_fd: int, out_fd: int, space
     uid = os.getuid()
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # process 1: reap what the program leaves
-        _mount_private(spaces, limits.tmp_mb)
+        _mount_private(spaces, limits.tmp_mb, list(request.get("records", ())))
         if root:
             uid = limits.uid if limits.uid is not None else request["uid_base"] + supervisor
         folder = _private_folder(spaces, uid, limits.gid if root else os.getgid())

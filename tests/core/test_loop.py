@@ -210,3 +210,19 @@ def test_the_names_mended_before_a_program_ran_are_tagged_on_its_candidate():
     program = RewardProgram(source="x", meta={"sample": 2, "fixes": ["field `pole_angel` (line 2) read as `pole_angle`"]})
     tags = _reply_tags(Candidate(id="it0-c0", iteration=0, reward=program))
     assert tags["name_fixes"] == "field `pole_angel` (line 2) read as `pole_angle`" and tags["sample"] == "2"
+
+
+def test_a_run_hides_its_records_from_the_programs_workers(local_plugins, tiny_run, monkeypatch):
+    """Its MLflow store, results store and LLM cache are hidden in every worker's mount namespace."""
+    import os
+
+    from core.sandbox.host import RECORDS_ENV
+
+    monkeypatch.delenv(RECORDS_ENV, raising=False)
+    cfg = _alpha_beta(local_plugins, tiny_run, propose=False, iterations=1)
+    run_experiment(cfg)
+    hidden = os.environ[RECORDS_ENV].split(os.pathsep)
+    db = os.path.realpath(cfg.tracking.uri[len("sqlite:///"):])
+    assert db in hidden and db + "-journal" in hidden
+    assert any(p.endswith("llm4rl-results.sqlite") for p in hidden)
+    assert any(p.endswith("llm_cache.sqlite") for p in hidden)

@@ -316,3 +316,17 @@ def test_a_reward_whose_component_names_mlflow_refuses_trains_and_is_logged(loca
     assert set(names.values()) == originals
     assert all(k in child.data.metrics for k in names)
     assert {"components/angle _rad_", "components/upright", "components/a_b", "components/angle_"} <= set(names)
+
+
+def test_the_store_names_its_local_files_and_a_run_hides_them_from_workers(tracker, tmp_path, monkeypatch):
+    from core.sandbox import hidden_records, hide_from_programs
+    from core.sandbox.host import RECORDS_ENV
+
+    monkeypatch.delenv(RECORDS_ENV, raising=False)
+    paths = tracker.local_paths()
+    assert str(tmp_path / "mlflow.db") in paths and str(tmp_path / "art") in paths
+    hide_from_programs(*paths)
+    hidden = hidden_records()
+    assert str(tmp_path / "mlflow.db-journal") in hidden and str(tmp_path / "art") in hidden
+    hide_from_programs(*paths)
+    assert hidden_records() == hidden  # once each

@@ -179,10 +179,41 @@ CORPUS: list[Hostile] = [
         """, head=KEYS), followup_checked="forbidden"),
     Hostile("list_root_home", "escape", reward("""
         import os
-        found = [f for f in os.listdir('/root') if f != '.pyenv']  # the interpreter's own folder may stay
+        import sys
+        trees = [os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, sys.exec_prefix] + sys.path
+                 if p and os.path.isabs(p)]
+        def on_the_way(path):  # a folder of the interpreter's, or one on the way to it, may show
+            return any(t == path or t.startswith(path + '/') or path.startswith(t + '/') for t in trees)
+        found = []
+        for home in ('/root', '/home'):
+            for top, dirs, files in os.walk(home):
+                found += [os.path.join(top, n) for n in dirs + files if not on_the_way(os.path.join(top, n))]
+                dirs[:] = [d for d in dirs if on_the_way(os.path.join(top, d))
+                           and not any(os.path.join(top, d) == t or os.path.join(top, d).startswith(t + '/') for t in trees)]
         if found:
             raise RuntimeError('sees the home folder: ' + str(found[:5]))
         """), "forbidden", "ok"),
+    Hostile("read_the_runs_records", "escape", reward("""
+        found = open('{RECORDS}').read()
+        if 'llm4rl-run-record' in found:
+            raise RuntimeError('reads the run records: ' + found[:40])
+        """), "forbidden", "ok"),
+    Hostile("leave_a_file_in_a_world_writable_folder", "persistence",
+            reward("open('{SHARED}/llm4rl-hostile-{TAG}', 'w').write('x')"), "forbidden", "exception",
+            followup=reward("""
+        import os
+        if os.listdir('{SHARED}'):
+            raise RuntimeError('PERSISTED: ' + str(os.listdir('{SHARED}')))
+        """), followup_checked="forbidden"),
+    Hostile("memory_across_processes", "dos", reward("""
+        import os
+        import time
+        for _ in range(4):  # each under the per-process limit, together over the worker's
+            if os.fork() == 0:
+                block = b'x' * (700 * 2**20)
+                time.sleep(30)
+                os._exit(0)
+        """, later=True), "forbidden", "memory", calls=400, gap_s=0.01, limits={"max_procs": 64, "call_timeout_s": 5.0, "max_time_share": 0.9, "time_share_grace_s": 20.0}),
     Hostile("write_tmp", "escape", reward("open('/tmp/llm4rl-hostile-{TAG}', 'w').write('x')"), "forbidden", "ok"),
     Hostile("write_var_tmp", "escape", reward("open('/var/tmp/llm4rl-hostile-{TAG}', 'w').write('x')"), "forbidden", "ok"),
     Hostile("write_dev_shm", "escape", reward("open('/dev/shm/llm4rl-hostile-{TAG}', 'w').write('x')"), "forbidden", "ok"),

@@ -27,6 +27,7 @@ import hashlib
 import linecache
 import os
 import random
+import shutil
 import socket
 import time
 from dataclasses import dataclass, replace
@@ -40,7 +41,7 @@ import torch
 from core.envs.classic import CartPole
 from core.records import MacroAction, Program, RewardProgram, StateProgram
 from core.sandbox import UID_BASE, Limits, ProgramWorker, SandboxError, candidate_scope, prepare_reward, prepare_state
-from core.sandbox.host import Zygote
+from core.sandbox.host import RECORDS_ENV, Zygote, hide_from_programs
 from core.train.macros import MacroSet
 import hostile_corpus
 from hostile_corpus import CORPUS, Hostile
@@ -50,12 +51,15 @@ REPO = str(Path(__file__).resolve().parents[3])
 SECRET_DIR = f"/var/lib/llm4rl-hostile-test-{os.getpid()}" if os.access("/var/lib", os.W_OK) else \
     f"/tmp/llm4rl-hostile-test-{os.getpid()}"
 SECRET = f"{SECRET_DIR}/secret"
+SHARED = f"{SECRET_DIR}/shared"  # a world-writable folder outside the worker's private ones
+RECORDS = f"{SECRET_DIR}/records/mlflow.db"  # a run's records, readable by all
+RECORD_TEXT = "llm4rl-run-record"
 FAKE_KEY = "sk-hostile-test-key-do-not-leak"
 #: per_row_fallback off: a program written for one state is a different matter (tests/core/test_sandbox.py)
 LIMITS = Limits(cpu_s=3, wall_s=15, memory_mb=2048, max_procs=8, call_timeout_s=0.5, max_open_files=64, tmp_mb=16,
                 max_time_share=0.5, time_share_grace_s=1.0, per_row_fallback=False)
 TASK = CartPole()
-SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", REPO, "/root", os.getcwd())
+SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", REPO, "/root", os.getcwd(), SHARED)
 SUPERVISORS: set[int] = set()  # the workers this test process started (other runs share the machine)
 ZYGOTES: set[int] = set()  # and the zygotes that forked them
 
@@ -147,7 +151,14 @@ def host() -> Any:
     path_socket.listen(8)
     path_socket.setblocking(False)
     keys = plant_host_keys()
-    saved = {k: os.environ.get(k) for k in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "HF_TOKEN")}
+    os.makedirs(SHARED, exist_ok=True)
+    os.chmod(SHARED, 0o1777)  # world-writable, as /var/crash or /var/mail are on some machines
+    os.makedirs(os.path.dirname(RECORDS), exist_ok=True)
+    with open(RECORDS, "w") as f:
+        f.write(RECORD_TEXT)
+    os.chmod(RECORDS, 0o644)  # readable by every user: only the worker's mount namespace hides it
+    saved = {k: os.environ.get(k) for k in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "HF_TOKEN", RECORDS_ENV)}
+    hide_from_programs(RECORDS)  # as run_experiment does with the run's MLflow store
     os.environ.update(OPENAI_API_KEY=FAKE_KEY, ANTHROPIC_API_KEY=FAKE_KEY, HF_TOKEN=FAKE_KEY)
     try:
         yield Listeners(tcp, tcp.getsockname()[1], unix, abstract, path_socket, path)
@@ -163,6 +174,8 @@ def host() -> Any:
         path_socket.close()
         os.remove(path)
         os.remove(SECRET)
+        shutil.rmtree(SHARED, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(RECORDS), ignore_errors=True)
         os.rmdir(SECRET_DIR)
 
 
@@ -256,7 +269,7 @@ def limits_in_place(worker: ProgramWorker, limits: Limits, *, isolated: bool) ->
 
 def fill(source: str, listeners: Listeners, tag: str) -> str:
     for key, value in (("{PORT}", str(listeners.port)), ("{ABSTRACT}", listeners.abstract), ("{SECRET}", SECRET),
-                       ("{UNIX_PATH}", listeners.path),
+                       ("{UNIX_PATH}", listeners.path), ("{SHARED}", SHARED), ("{RECORDS}", RECORDS),
                        ("{REPO}", REPO), ("{TAG}", tag)):
         source = source.replace(key, value)
     return source
