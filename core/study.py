@@ -97,7 +97,13 @@ class ArmSpec:
 
 @dataclass
 class TargetSpec:
-    """A target checked on the IQMs: ``arm`` beats (>) or matches (>= other - tolerance * |other|) ``other``."""
+    """A target: ``arm`` beats or matches ``other`` (judged by :mod:`core.report.evidence`).
+
+    ``beats`` holds on a task where the lower bound of the 95 % CI of P(arm > other) over
+    seeds is above 0.5; ``matches`` where the arm's IQM is at least ``other - tolerance *
+    |other|`` (both intervals printed). Never from a single run, an inert arm or a task
+    whose calibration arm missed its threshold; an LLM arm must also beat its controls.
+    """
 
     arm: str = ""  # the arm under test
     relation: str = "beats"  # beats | matches
