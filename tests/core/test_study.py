@@ -36,20 +36,24 @@ def _runs(store: Path, experiment: str = "results") -> list:
 def test_the_results_spec_has_the_issue_tasks_the_baselines_and_every_method():
     spec = load_spec("results")
     assert set(spec.tasks) == ISSUE_TASKS
-    assert set(spec.arms) == {"random", "sparse", "human", "shaped", "eureka_1x8", "progress_no_llm"} | METHODS | ROLE_METHODS
+    controls = {"progress_no_llm", "saycan_uniform"}
+    assert set(spec.arms) == {"random", "sparse", "human", "shaped", "eureka_1x8"} | controls | METHODS | ROLE_METHODS
     assert spec.arms["progress_no_llm"].plugins == ["progress_reward"]  # the control runs the method, LLM weight 0
-    assert all(spec.arms[name].tasks == ["crafter"] for name in ROLE_METHODS)
+    assert all(spec.arms[name].tasks == ["crafter"] for name in ROLE_METHODS | {"saycan_uniform"})
     assert spec.arms["sparse"].overrides == ["env.reward=sparse"] and spec.arms["sparse"].tasks is None
     assert spec.arms["human"].overrides == ["env.reward=human"] and spec.arms["human"].tasks is None
     assert spec.arms["envgen"].tasks == ["crafter"]  # the only task with controllable params
     assert len(spec.seeds) >= 5 and spec.final_seeds >= 1
     assert all(arm.search for name, arm in spec.arms.items()
                if name not in {"random", "sparse", "human", "shaped", "progress_reward", "progress_no_llm",
-                               "rlaif_preference"} | ROLE_METHODS)
+                               "rlaif_preference", "saycan_uniform"} | ROLE_METHODS)
     assert spec.arms["random"].trainer == "random" and spec.arms["shaped"].tasks == ["mountaincar"]
     # reflection's ablation: the same number of samples in one round
     assert spec.arms["eureka_1x8"].overrides == ["plugins.eureka.iterations=1", "plugins.eureka.samples=8"]
     assert spec.arms["progress_no_llm"].control_of == "progress_reward"
+    # saycan's control: the LLM's distribution to the power 0, a uniform prior
+    assert spec.arms["saycan_uniform"].control_of == "saycan"
+    assert spec.arms["saycan_uniform"].overrides == ["plugins.saycan.weight=0.0"]
 
 
 def test_every_task_that_scores_targets_is_calibrated_on_an_arm_it_runs():
