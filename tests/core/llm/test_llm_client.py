@@ -132,7 +132,7 @@ class Gate:
 
 @pytest.mark.parametrize("model", ["anthropic/fake-model", "ollama/fake-model"])
 def test_backends_without_n_get_their_samples_as_concurrent_requests(model, llm_cfg, fake_backend, monkeypatch):
-    gate = Gate(fake_backend, parties=4, delay_s=0.2)
+    gate = Gate(fake_backend, parties=4, delay_s=0.5)  # 4 x 0.5 s of latency: overlap shows whatever the load
     monkeypatch.setattr(import_litellm(), "completion", gate)
     client = make_client({**llm_cfg, "model": model, "max_n": 8, "concurrency": 4})
     replies = client.chat(MSG, n=4, seed=5)
