@@ -53,6 +53,7 @@ ROUND_TRIP_SHARE = 0.9
 #: start-up budget and the host holds the worker to its growing budget itself (from /proc)
 CPU_BACKSTOP_S = 24 * 3600
 _SCRATCH_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
+_SAME_BYTE = bytes((SAME,))
 #: the run's records (its MLflow store, output folder, LLM cache), hidden from every worker: in the
 #: environment, so that the trainings an executor runs in other processes hide them too
 RECORDS_ENV = "LLM4RL_HIDDEN_RECORDS"
@@ -78,7 +79,6 @@ def hide_from_programs(*paths: str | os.PathLike[str]) -> None:
 def hidden_records() -> list[str]:
     """The paths :func:`hide_from_programs` was given (in this process or the one that started it)."""
     return [p for p in os.environ.get(RECORDS_ENV, "").split(os.pathsep) if p]
-_SAME_BYTE = bytes((SAME,))
 
 
 def may_raise_cpu_limits() -> bool:
@@ -685,8 +685,6 @@ class ProgramWorker:
                 report = fail("too_slow", f"The program used {cpu:.1f} s of CPU time, more than its budget ({limits.cpu_s:g} s "
                                           f"plus {limits.max_time_share:.0%} of the training time), and was stopped. "
                                           "Do less work per call, and none between calls.")
-            elif sig == signal.SIGKILL and self._proc.memory_group is not None and self._proc.memory_group.oom_kills():
-                report = self._over_memory()
             elif sig == signal.SIGKILL:
                 report = fail("crashed", "The program's worker was killed (SIGKILL), most likely out of memory. Allocate less.")
             else:
@@ -713,7 +711,7 @@ class ProgramWorker:
         return self._over_memory(used) if used > int(self.limits.memory_mb) * 1024 * 1024 else None
 
     def _check_memory(self) -> None:
-        """Once a second, as calls come, and before a candidate is called slow (a worker short of memory is)."""
+        """Once a second, as calls come (a worker that ends slow or killed is asked the same in :meth:`_end`)."""
         verdict = self._memory_verdict()
         if verdict is not None:
             raise SandboxError(self._end(verdict))
@@ -969,7 +967,6 @@ class ProgramWorker:
             elapsed = max(now - self._clock0, 1e-9)
             share, round_trip = self.program_s / elapsed, self.busy_s / elapsed
             if share > limits.max_time_share or round_trip > max(limits.max_time_share, ROUND_TRIP_SHARE):
-                self._check_memory()  # a worker short of memory is slow too: say which
                 per_call = self.program_s / self.calls * 1000
                 raise SandboxError(self._end(fail("too_slow", (
                     f"Too slow: the program took {self.program_s:.1f} s of the last {elapsed:.1f} s of training "

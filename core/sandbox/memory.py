@@ -28,6 +28,7 @@ NO_GROUP_ENV = "LLM4RL_SANDBOX_NO_MEMORY_GROUP"
 _PREFIX = "llm4rl-"
 _counter = itertools.count()
 _stale: list[Path] = []  # groups whose removal failed (a process was still leaving); retried later
+_swept: set[Path] = set()  # parents already cleared of dead hosts' groups by this process
 
 
 @dataclass(frozen=True)
@@ -97,11 +98,14 @@ def _own_groups() -> list[tuple[int, Path]]:
 
 
 def _sweep(parent: Path) -> None:
-    """Groups left by host processes that are gone, and our own that could not be removed at once."""
+    """Our own groups that could not be removed at once, and (once per parent) those of host processes that are gone."""
     for path in list(_stale):
         with contextlib.suppress(OSError):
             os.rmdir(path)
             _stale.remove(path)
+    if parent in _swept:
+        return
+    _swept.add(parent)
     with contextlib.suppress(OSError):
         for entry in parent.iterdir():
             owner = entry.name[len(_PREFIX):].split("-")[0] if entry.name.startswith(_PREFIX) else ""
@@ -127,7 +131,8 @@ def create(limit_bytes: int) -> MemoryGroup | None:
         try:
             if version == 2:
                 (path / "memory.max").write_text(str(limit_bytes))
-                (path / "memory.swap.max").exists() and (path / "memory.swap.max").write_text("0")
+                if (path / "memory.swap.max").exists():
+                    (path / "memory.swap.max").write_text("0")
             else:
                 (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
                 with contextlib.suppress(OSError):  # no swap either, where the kernel accounts it
