@@ -664,6 +664,26 @@ class Crafter(Task):
             ]
         )
 
+    #: what a caption names in view (grass, sand and path are the background)
+    CAPTION_SEEN = ("water", "stone", "tree", "lava", "coal", "iron", "diamond", "table", "furnace", "cow", "zombie",
+                    "skeleton", "plant")
+
+    def caption(self, obs: np.ndarray, radius: int = 2, low_vital: int = 3) -> str:
+        """What is within ``radius`` cells of the player, the items held (no counts) and the
+        vitals at or below ``low_vital``: a few hundred distinct captions over a training."""
+        obs = np.asarray(obs, np.float32)
+        get = {f.name: obs[f.start : f.stop] for f in self.state_fields}
+        cx, cy = VIEW[0] // 2, VIEW[1] // 2
+        view = get["local_view"].reshape(VIEW).astype(int)
+        view = view[max(0, cx - radius): cx + radius + 1, max(0, cy - radius): cy + radius + 1]
+        seen = [k for k in self.CAPTION_SEEN if (view == VIEW_IDS[k]).any()]
+        held = [i.replace("_", " ") for i in ITEMS if get[i][0] > 0]
+        low = [v for v in VITALS if get[v][0] <= low_vital]
+        parts = [f"You see: {', '.join(seen) or 'only grass'}.", f"You have: {', '.join(held) or 'nothing'}."]
+        if low:
+            parts.append(f"Low: {', '.join(low)}.")
+        return " ".join(parts)
+
     # -- fitness --------------------------------------------------------------------------
     def episode_info(self, final_info: dict[str, Any]) -> tuple[bool | None, dict[str, Any]]:
         nested = final_info.get("achievements")

@@ -254,6 +254,21 @@ class Task:
             lines.append(f"{f.name}: {shown}{unit}")
         return "\n".join(lines)
 
+    def caption(self, obs: np.ndarray) -> str:
+        """A coarse text of one (unbatched) state, for LLM calls cached per state text.
+
+        Coarse on purpose, so that the same caption comes back many times in a training
+        and one LLM answer serves every step that has it: only what bears on what to do
+        next, at low resolution. The default is :meth:`render_state` with each value
+        rounded to one decimal; tasks with a richer state (Crafter) override it.
+        """
+        lines = []
+        for f in self.state_fields:
+            value = np.round(np.asarray(obs[f.start : f.stop], dtype=np.float64), 1) + 0.0  # + 0.0: no "-0.0"
+            shown = f"{float(value[0]):.1f}" if f.size == 1 else np.array2string(value, precision=1)
+            lines.append(f"{f.name}: {shown}")
+        return "\n".join(lines)
+
     def describe_segment(self, obs: np.ndarray, ended: bool) -> str:
         """A plain-language account of a piece of one episode, for LLM judges ("" if none).
 

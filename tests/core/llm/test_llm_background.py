@@ -1,0 +1,70 @@
+"""The background LLM worker: jobs run in order off the caller's thread, failures cost one job."""
+
+import threading
+import time
+
+from core.llm.background import BackgroundCalls, warm_up
+
+
+def _wait_idle(calls: BackgroundCalls, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not calls.idle() and time.monotonic() < end:
+        time.sleep(0.01)
+    assert calls.idle()
+
+
+def test_jobs_run_in_a_thread_of_their_own_and_results_are_drained_in_order() -> None:
+    threads = []
+
+    def work(x: int) -> int:
+        threads.append(threading.current_thread().name)
+        return x * x
+
+    calls = BackgroundCalls(work, name="test-worker", queue_size=8)
+    calls.start()
+    for x in (1, 2, 3):
+        assert calls.submit(x)
+    _wait_idle(calls)
+    assert calls.drain() == [(1, 1), (2, 4), (3, 9)]
+    assert calls.drain() == []
+    assert set(threads) == {"test-worker"} and calls.done == 3
+    calls.stop()
+
+
+def test_a_full_queue_refuses_without_waiting_and_a_waiting_job_is_not_queued_twice() -> None:
+    gate = threading.Event()
+    calls = BackgroundCalls(lambda x: gate.wait(5) and x, name="w", queue_size=1)
+    assert calls.submit("a")
+    assert not calls.submit("a")  # already waiting
+    t0 = time.monotonic()
+    assert not calls.submit("b")  # queue of one is full (the worker has not started)
+    assert time.monotonic() - t0 < 0.5 and calls.refused == 1
+    calls.start()
+    gate.set()
+    _wait_idle(calls)
+    assert calls.drain() == [("a", "a")]
+    calls.stop()
+
+
+def test_a_failing_job_is_counted_and_the_worker_goes_on() -> None:
+    def work(x: int) -> int | None:
+        if x == 2:
+            raise ValueError("bad state")
+        return None if x == 3 else x
+
+    calls = BackgroundCalls(work, name="w", results_size=None)
+    calls.start()
+    for x in (1, 2, 3, 4):
+        calls.submit(x)
+    _wait_idle(calls)
+    assert calls.drain() == [(1, 1), (4, 4)]
+    assert calls.failures == 1 and calls.errors == ["ValueError: bad state"]
+    calls.stop()
+
+
+def test_warm_up_leaves_a_remote_client_alone() -> None:
+    class Remote:
+        settings = type("S", (), {"is_embedded": False})()
+        model = "openai/gpt-4o"
+
+    warm_up(Remote())  # nothing to load, nothing raised
