@@ -5,17 +5,26 @@ Open-World Minecraft Tasks"):
 
 1. Skill graph (``plan``): the LLM lists the basic skills the target needs, each with the
    skills it requires first and what it yields, as JSON. Skills are the task's checkable
-   goals (Crafter's achievements); the reply is validated (unknown skills, unknown
-   requirements, a missing target, cycles) and its errors go back to the LLM for a
-   revision, ``repair_rounds`` times.
+   goals (Crafter's achievements). The reply is checked (unknown skills, cycles, a missing
+   target and, with ``check_rules``, requirements that contradict the game's rules) and its
+   errors go back to the LLM for a revision, ``repair_rounds`` times. What the last
+   revision still gets wrong stays: the graph is used as the LLM wrote it (a wrong graph
+   trains a wrong plan, the method's own risk). ``fix_rules`` (a control variant) mends
+   the last revision by the game's rules instead; ``plan_source: rules`` (the no-LLM
+   control) plans from the rules alone.
 2. Search: a depth-first walk from the target through the requirements gives the skills
    in an order where each one's requirements come first (a topological order of the
-   target's part of the graph). It becomes the run's :class:`core.records.Plan`.
+   target's part of the graph). It becomes the run's :class:`SkillPlan`; each step says
+   whether the LLM wrote it (``source``).
 3. Skills learned with RL (``compute_reward``, ``represent_state``): one goal-conditioned
    PPO policy. Each env's active skill is the first one of the sequence not yet achieved
    in its episode (read from the observation's achievement flags, so it advances as the
    agent progresses and resets with the episode); completing it pays ``skill_reward``,
-   and its one-hot is appended to the observation so the policy knows which skill runs.
+   and the active skill's one-hot (over the task's goals) is appended to the observation.
+4. Re-planning (``on_rollout``): when an env spends ``replan_after`` steps on its active
+   skill without completing it (its prerequisites done), the LLM gets the graph and the
+   failure and revises the graph (checked and repaired as in 1), at most ``replans``
+   times per training; the revision runs beside training and replaces the plan when it lands.
 
 Config: ``conf/plugins/plan4mc.yaml`` (schema: :class:`Config`).
 """
@@ -24,17 +33,21 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from core import PluginConfig, hookimpl
 from core.errors import UserError
+from core.llm.background import BackgroundCalls, warm_up
+from core.llm.errors import LLMError
 from core.plan import PlanFollower, check_plan, goal_names, match_goal
 from core.records import Plan, PlanStep, TrainResult
 
 NAME = "plan4mc"
+SOURCES = ("llm", "rules")
 
 
 @dataclass
@@ -43,9 +56,12 @@ class Config(PluginConfig):
 
     iterations: int = 1  # outer rounds (the skill graph is built once per round; the paper plans once)
     target: str = "make_stone_pickaxe"  # the goal the skill sequence leads to (a task goal: a Crafter achievement)
+    plan_source: str = "llm"  # llm: the LLM builds the skill graph; rules: the game's own tech tree, no LLM call (the no-LLM control)
     repair_rounds: int = 2  # times a skill graph with errors goes back to the LLM for a revision
-    check_rules: bool = True  # check the sequence against the game's rules (Crafter); errors go back to the LLM
-    fix_rules: bool = True  # in the last round, mend the graph by the game's rules (requirements, missing skills, the target)
+    check_rules: bool = True  # requirements that contradict the game's rules (Crafter) count as errors sent back to the LLM
+    fix_rules: bool = False  # control variant: mend the last revision by the game's rules instead of using it as written
+    replans: int = 1  # times per training a skill that keeps failing sends the graph back to the LLM (0: never)
+    replan_after: int = 1000  # steps one env spends on its active skill without completing it before a re-plan
     skill_reward: float = 1.0  # reward for completing the active skill, added to the env's reward
     condition_policy: bool = True  # append the active skill's one-hot to the policy's observation
     temperature: float = 0.2  # sampling temperature of the graph builder
@@ -56,8 +72,13 @@ class Config(PluginConfig):
         super().check()
         if not self.target.strip():
             raise ValueError("target must name a goal, e.g. make_stone_pickaxe")
-        if self.repair_rounds < 0:
-            raise ValueError(f"repair_rounds must be >= 0, got {self.repair_rounds}")
+        if self.plan_source not in ("llm", "rules"):
+            raise ValueError(f"plan_source must be 'llm' or 'rules', got {self.plan_source!r}")
+        for key in ("repair_rounds", "replans"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.replan_after < 1:
+            raise ValueError(f"replan_after must be >= 1 step, got {self.replan_after} (replans=0 turns re-planning off)")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -88,6 +109,12 @@ REPAIR = """The skill graph has errors:
 {errors}
 Reply with the corrected JSON list, using only these skill names: {skills}."""
 
+REPLAN = """The agent follows this skill graph in the order {sequence}. It has been on the skill
+{skill} for {steps} steps with the skills before it ({done}) done, and has not completed it
+({completions} completions of {skill} in this training so far). The skill may need something
+the graph does not list first. Reply with the revised JSON list of the whole graph, using only
+these skill names: {skills}."""
+
 
 # -- pure pieces ---------------------------------------------------------------------------
 
@@ -97,6 +124,42 @@ class Skill:
     name: str
     requires: list[str]
     yields: str = ""
+
+
+@dataclass
+class SkillStep(PlanStep):
+    """A plan step with where it came from: ``"llm"`` (the LLM's graph holds this skill with
+    these requirements) or ``"rules"`` (the game's rules added it or rewrote its requirements)."""
+
+    source: str = "llm"
+    requires: list[str] = field(default_factory=list)  # the requirements the search followed
+
+
+@dataclass
+class SkillPlan(Plan):
+    """The searched skill sequence. ``source`` says how it was made: ``"llm"`` (the LLM's
+    graph as written), ``"fixed"`` (mended by the rules, ``fix_rules``), ``"rules"`` (no LLM).
+
+    ``cost`` (LLM calls and wall seconds that built it) is an attribute, not a field: it
+    travels with the plan to the training process, but it is not part of what decides a
+    training (the results store hashes the fields), and seconds differ between runs.
+    """
+
+    source: str = "llm"
+    errors: list[str] = field(default_factory=list)  # what the LLM's graph still got wrong, as written
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.cost = {"calls": 0, "seconds": 0.0}
+
+    @property
+    def llm_steps(self) -> int:
+        return sum(getattr(s, "source", "llm") == "llm" for s in self.steps)
+
+    def graph_json(self) -> str:
+        """The plan's graph as the JSON list the prompt asks for (the LLM's previous answer in a re-plan)."""
+        return json.dumps([{"name": s.name, "requires": getattr(s, "requires", []), "yields": s.goal_text}
+                           for s in self.steps])
 
 
 def parse_graph(reply: str, goals: list[str]) -> tuple[dict[str, Skill], list[str]]:
@@ -133,7 +196,7 @@ def parse_graph(reply: str, goals: list[str]) -> tuple[dict[str, Skill], list[st
                 known.append(got)
         if name in graph:  # a repeated skill: one node with the requirements of every mention
             known = graph[name].requires + [r for r in known if r not in graph[name].requires]
-        graph[name] = Skill(name, known, str(item.get("yields", ""))[:120])
+        graph[name] = Skill(name, list(dict.fromkeys(known)), str(item.get("yields", ""))[:120])
     if not graph and not errors:
         errors.append("the list holds no skills")
     return graph, list(dict.fromkeys(errors))
@@ -156,7 +219,9 @@ def search(graph: dict[str, Skill], target: str) -> tuple[list[str], list[str]]:
     """Skills from the target back through the requirements, requirements first (DFS post-order).
 
     A requirement the graph does not describe is a basic skill with no requirements of
-    its own. Returns (sequence, errors); a cycle or a target missing from the graph is an error.
+    its own. Returns (sequence, errors). A cycle is an error, and the sequence skips the
+    requirement that closes it (the order the graph gives, as written); a target missing
+    from the graph is an error with no sequence.
     """
     if target not in graph:
         return [], [f"the graph has no skill for the target {target!r}"]
@@ -177,7 +242,7 @@ def search(graph: dict[str, Skill], target: str) -> tuple[list[str], list[str]]:
         order.append(name)
 
     visit(target, [])
-    return (order if not errors else []), errors
+    return order, errors
 
 
 #: what produces each item or placed object, as the achievement that first gives it
@@ -226,7 +291,7 @@ def rule_errors(sequence: list[str], rules: dict[str, set[str]]) -> list[str]:
 def complete(graph: dict[str, Skill], rules: dict[str, set[str]], target: str) -> dict[str, Skill]:
     """The graph mended by the game's rules: each skill the rules know requires exactly what they
     say (wrong requirements, and the cycles they make, go), missing prerequisites and the
-    target are added as skills."""
+    target are added as skills. ``complete({}, rules, target)`` is the rules' own graph."""
     out = {name: Skill(s.name, sorted(rules[name]) if name in rules else list(s.requires), s.yields)
            for name, s in graph.items()}
     if target not in out:
@@ -241,35 +306,126 @@ def complete(graph: dict[str, Skill], rules: dict[str, set[str]], target: str) -
     return out
 
 
+def plan_of(graph: dict[str, Skill], sequence: list[str], target: str, source: str = "llm",
+            written: dict[str, Skill] | None = None, errors: list[str] | None = None) -> SkillPlan:
+    """The plan of a searched ``sequence``. A step is the LLM's when ``written`` (the LLM's
+    graph; default ``graph``) holds the skill with the requirements the search followed;
+    otherwise the rules added or rewrote it."""
+    written = graph if written is None else written
+    steps = []
+    for name in sequence:
+        requires = graph[name].requires if name in graph else []
+        # a requirement the LLM named but did not describe is its basic skill (see search)
+        named = name in written or any(name in s.requires for s in written.values())
+        mine = named and sorted(requires) == sorted(written[name].requires if name in written else [])
+        steps.append(SkillStep(name, "skill", graph[name].yields if name in graph else "", done=name,
+                               source="llm" if source != "rules" and mine else "rules", requires=list(requires)))
+    return SkillPlan(steps, origin=NAME, target=target, source=source, errors=list(errors or []))
+
+
 def build_plan(reply: str, goals: list[str], target: str, rules: dict[str, set[str]] | None = None,
-               fix: bool = False) -> tuple[Plan | None, list[str]]:
-    """A plan from a reply: parse and validate the graph, search it from ``target``, check the
-    sequence against the game's ``rules``. With ``fix`` (the last round), a graph is first
-    mended by the rules (:func:`complete`); what the reply got wrong then no longer blocks
-    the plan, as long as it named some skills."""
+               fix: bool = False) -> tuple[SkillPlan | None, list[str]]:
+    """The plan of one reply and the reply's errors (unknown names, cycles, a missing target,
+    requirements that contradict the game's ``rules``).
+
+    The plan is the graph as written, errors and all (None only when there is no sequence:
+    no skill named, or no target); :meth:`Plugin.plan` sends the errors back before it uses
+    one. With ``fix``, the graph is first mended by the rules (:func:`complete`) and the
+    errors are those left after mending (none, as long as the reply named some skill).
+    """
     graph, errors = parse_graph(reply, goals)
-    if graph and fix and rules:
-        graph, errors = complete(graph, rules, target), []
-    sequence, more = search(graph, target) if graph else ([], [])
-    errors += more
-    if not errors and rules:
-        errors += rule_errors(sequence, rules)
-    if errors:
+    if not graph:
         return None, errors
-    steps = [PlanStep(name, "skill", graph[name].yields if name in graph else "", done=name) for name in sequence]
-    return Plan(steps, origin=NAME, target=target), []
+    if fix and rules:
+        mended = complete(graph, rules, target)
+        sequence, errors = search(mended, target)
+        return plan_of(mended, sequence, target, "fixed", written=graph), errors
+    sequence, more = search(graph, target)
+    errors += more
+    if sequence and rules:
+        errors += rule_errors(sequence, rules)
+    return (plan_of(graph, sequence, target, errors=errors) if sequence else None), errors
+
+
+def rules_plan(rules: dict[str, set[str]], target: str) -> SkillPlan:
+    """The no-LLM control: the game's own tech tree for ``target``, searched the same way."""
+    graph = complete({}, rules, target)
+    sequence, _ = search(graph, target)
+    return plan_of(graph, sequence, target, "rules")
+
+
+@dataclass
+class Outcome:
+    """What one conversation with the graph builder gave: the plan (or None), its replies'
+    errors and texts, and the calls and wall seconds it cost."""
+
+    plan: SkillPlan | None = None
+    rounds: int = 0  # replies received
+    errors: list[str] = field(default_factory=list)  # the last reply's errors
+    logs: list[tuple[str, str]] = field(default_factory=list)  # (name, reply + errors) per round
+    calls: int = 0
+    seconds: float = 0.0
+
+
+def converse(llm: Any, messages: list[dict[str, str]], cfg: Config, goals: list[str], target: str,
+             rules: dict[str, set[str]], seed: int, tag: str) -> Outcome:
+    """Ask for a graph, send its errors back ``cfg.repair_rounds`` times, and keep the plan to use.
+
+    A reply with no errors ends it. Otherwise the last usable plan is used as written (with
+    ``fix_rules``: the last graph mended by the rules); a failed call ends the conversation
+    (logged, never raised).
+    """
+    out = Outcome()
+    checked = rules if cfg.check_rules else {}
+    named = ""  # the latest reply that named some skill: what fix_rules mends
+    for rnd in range(1 + cfg.repair_rounds):
+        start = time.perf_counter()
+        out.calls += 1
+        try:
+            (reply,) = llm.chat(messages, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                seed=seed + rnd, tag=f"{tag}-r{rnd}")
+        except LLMError as e:  # one failed call: log it and keep what came before
+            out.logs.append((f"r{rnd}", f"The LLM call failed: {e}"))
+            break
+        finally:
+            out.seconds += time.perf_counter() - start
+        out.rounds += 1
+        plan, errors = build_plan(reply.text, goals, target, checked)
+        out.logs.append((f"r{rnd}", reply.text + ("\n\nErrors:\n" + "\n".join(errors) if errors else "")))
+        out.errors = errors
+        named = reply.text if parse_graph(reply.text, goals)[0] else named
+        if plan is not None:
+            out.plan = plan  # the latest usable graph; a later revision that breaks the graph keeps this one
+        if (plan is not None and not errors) or rnd == cfg.repair_rounds:
+            break
+        messages = messages + [{"role": "assistant", "content": reply.text},
+                               {"role": "user", "content": REPAIR.format(errors="\n".join(f"- {e}" for e in errors[:8]),
+                                                                         skills=", ".join(goals))}]
+    if cfg.fix_rules and rules and named and (out.plan is None or out.plan.errors):
+        out.plan, out.errors = build_plan(named, goals, target, rules, fix=True)
+        out.logs.append(("fixed", f"Mended by the game's rules (fix_rules):\n\n{out.plan.text if out.plan else ''}"))
+    return out
+
+
+def skill_one_hot(follower: PlanFollower, obs: torch.Tensor, n_goals: int) -> torch.Tensor:
+    """``[B, G + 1]``: the active skill's goal as a one-hot (the last column: plan finished).
+
+    Over the task's goals, not the plan's positions, so a re-plan keeps its width and a
+    skill keeps its column."""
+    goal = torch.cat([follower.index, torch.tensor([n_goals])])[follower.active(obs)]
+    return torch.nn.functional.one_hot(goal, n_goals + 1).float()
 
 
 # -- hooks -----------------------------------------------------------------------------------
 
 
 class Plugin:
-    """One Plan4MC run: the skill graph and its sequence; in training, the active skill's reward."""
+    """One Plan4MC run: the skill graph and its sequence; in training, the active skill's reward and re-plans."""
 
     def __init__(self, config: Config) -> None:
         self.cfg = config
-        self.latest: Plan | None = None  # the latest valid plan
-        self.errors: list[str] = []  # the last reply's errors, when no valid plan came of it
+        self.latest: SkillPlan | None = None  # the latest plan
+        self.errors: list[str] = []  # the last reply's errors
 
     @hookimpl
     def on_run_start(self, run) -> None:
@@ -280,6 +436,10 @@ class Plugin:
         if match_goal(self.cfg.target, goals) is None:
             raise UserError(f"plugins.plan4mc.target={self.cfg.target!r} is not a goal of {run.task.name!r}; "
                             f"choose one of: {', '.join(goals)}")
+        needs = [k for k, on in (("plan_source=rules", self.cfg.plan_source == "rules"), ("fix_rules=true", self.cfg.fix_rules)) if on]
+        if needs and not game_requirements(run.task):
+            raise UserError(f"plugins.plan4mc.{needs[0]} needs the game's rules, which are known for Crafter only "
+                            f"(env=minecraft); {run.task.name!r} has none")
 
     @hookimpl
     def plan(self, run, iteration: int) -> Plan | None:
@@ -288,72 +448,179 @@ class Plugin:
             return None
         goals = goal_names(run.task)
         target = match_goal(cfg.target, goals) or cfg.target
-        rules = game_requirements(run.task) if cfg.check_rules else {}
-        msgs = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": TASK.format(goal=run.task.goal, skills=", ".join(goals), target=target)}]
-        for rnd in range(1 + cfg.repair_rounds):
-            (reply,) = run.llm.chat(msgs, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                    seed=run.seed * 1000 + iteration * 10 + rnd, tag=f"{NAME}-graph-it{iteration}-r{rnd}")
-            last = rnd == cfg.repair_rounds
-            plan, errors = build_plan(reply.text, goals, target, rules, fix=last and cfg.fix_rules)
-            if plan is not None:
-                errors = check_plan(plan, run.task)
-            run.log_text(f"{NAME}/it{iteration}-r{rnd}.md", reply.text + ("\n\nErrors:\n" + "\n".join(errors) if errors else ""))
-            if plan is not None and not errors:
-                self.latest, self.errors = plan, []
-                run.log_metrics({f"{NAME}/skills": len(plan.steps), f"{NAME}/repairs": rnd}, step=iteration)
-                return plan
-            self.errors = errors
-            msgs = msgs + [{"role": "assistant", "content": reply.text},
-                           {"role": "user", "content": REPAIR.format(errors="\n".join(f"- {e}" for e in errors[:8]),
-                                                                     skills=", ".join(goals))}]
-        run.log_metrics({f"{NAME}/skills": len(self.latest.steps) if self.latest else 0, f"{NAME}/repairs": cfg.repair_rounds + 1},
-                        step=iteration)
-        return self.latest  # the last valid plan, or None: the run goes on without one
+        rules = game_requirements(run.task)
+        if cfg.plan_source == "rules":
+            plan, out = rules_plan(rules, target), Outcome()
+        else:
+            msgs = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": TASK.format(goal=run.task.goal, skills=", ".join(goals), target=target)}]
+            out = converse(run.llm, msgs, cfg, goals, target, rules, seed=run.seed * 1000 + iteration * 10,
+                           tag=f"{NAME}-graph-it{iteration}")
+            for name, text in out.logs:
+                run.log_text(f"{NAME}/it{iteration}-{name}.md", text)
+            plan = out.plan
+            if plan is not None and check_plan(plan, run.task):  # every skill must be a goal the task checks
+                out.logs.append(("check", "\n".join(check_plan(plan, run.task))))
+                plan = None
+        self.errors = out.errors
+        if plan is not None:
+            plan.cost = {"calls": out.calls, "seconds": out.seconds}
+            self.latest = plan
+        run.log_metrics({f"{NAME}/skills": len(plan.steps) if plan else 0, f"{NAME}/repairs": max(0, out.rounds - 1),
+                         f"{NAME}/llm_steps": plan.llm_steps if plan else 0,
+                         f"{NAME}/errors_left": len(plan.errors) if plan else 0}, step=iteration)
+        return plan  # None: no usable graph; the run goes on without a plan
 
-    # -- training: the active skill's reward and one-hot ---------------------------------
+    # -- training: the active skill's reward and one-hot, re-plans ---------------------------
 
-    def _follower(self, train) -> PlanFollower | None:
+    def _state(self, train) -> dict[str, Any] | None:
         plan = train.plan
         if plan is None or plan.origin != NAME:
             return None
-        got = train.state.get(NAME)
-        if got is None:
-            got = train.state[NAME] = {"follower": PlanFollower(plan, train.task), "completed": 0, "per_skill": {}}
-        return got["follower"]
+        st = train.state.get(NAME)
+        if st is None:
+            st = train.state[NAME] = {"goals": goal_names(train.task), "steps": 0, "llm_steps": 0, "completed": 0,
+                                      "per_skill": {}, "stuck": None, "replans": 0, "calls": None, "pending": 0,
+                                      "llm_calls": 0, "llm_seconds": 0.0}
+            self._adopt(st, plan, train.task)
+            cost = getattr(plan, "cost", {})  # the calls that built the plan count in each training that uses it
+            st["llm_calls"], st["llm_seconds"] = int(cost.get("calls", 0)), float(cost.get("seconds", 0.0))
+        return st
+
+    @staticmethod
+    def _adopt(st: dict[str, Any], plan: Plan, task: Any) -> None:
+        st["plan"], st["follower"] = plan, PlanFollower(plan, task)
+        st["from_llm"] = torch.tensor([getattr(s, "source", "llm") == "llm" for s in st["follower"].steps] + [False])
+        st["stuck"] = None  # steps per env on each skill since it last completed it; sized on the next batch
 
     @hookimpl
     def represent_state(self, train, obs: torch.Tensor) -> torch.Tensor | None:
-        follower = self._follower(train)
-        if follower is None or not self.cfg.condition_policy:
+        st = self._state(train)
+        if st is None or not self.cfg.condition_policy:
             return None
-        return follower.one_hot(obs[..., : train.task.obs_dim])
+        return skill_one_hot(st["follower"], obs[..., : train.task.obs_dim], len(st["goals"]))
 
     @hookimpl
     def compute_reward(self, train, batch) -> torch.Tensor | None:
-        follower = self._follower(train)
-        if follower is None or not len(follower):
+        st = self._state(train)
+        if st is None or not len(st["follower"]):
             return None
+        follower = st["follower"]
+        active = follower.active(batch.obs)
         done = follower.completed(batch.obs, batch.next_obs)
+        st["steps"] += int(active.numel())
+        st["llm_steps"] += int(st["from_llm"][active].sum())
+        # per env and skill: steps on it without completing it (prerequisites done: it is active)
+        if st["stuck"] is None or st["stuck"].shape[0] != active.shape[0]:
+            st["stuck"] = torch.zeros(active.shape[0], len(follower) + 1, dtype=torch.long)
+        rows = torch.arange(active.shape[0])
+        st["stuck"][rows, active] += 1
+        st["stuck"][rows[done], active[done]] = 0
+        st["stuck"][:, -1] = 0  # plan finished: nothing is failing
         if done.any():
-            st = train.state[NAME]
             st["completed"] += int(done.sum())
-            active = follower.active(batch.obs)[done]
-            for i in active.tolist():
+            for i in active[done].tolist():
                 name = follower.steps[i].name
                 st["per_skill"][name] = st["per_skill"].get(name, 0) + 1
         return done.float() * self.cfg.skill_reward
 
     @hookimpl
     def on_rollout(self, train, batch: Any) -> None:
-        st = train.state.get(NAME)
-        if st is not None:
-            train.log_metric(f"{NAME}/skills_completed", st["completed"])
+        st = self._state(train)
+        if st is None:
+            return
+        train.log_metric(f"{NAME}/skills_completed", st["completed"])
+        self._take_replans(train, st)
+        self._maybe_replan(train, st)
+
+    def _maybe_replan(self, train, st: dict[str, Any]) -> None:
+        """Ask for a revised graph when an env has spent ``replan_after`` steps on one skill."""
+        cfg = self.cfg
+        if (cfg.plan_source == "rules" or st["replans"] >= cfg.replans or st["stuck"] is None or st["pending"]
+                or train.llm is None):
+            return
+        worst = st["stuck"].max(dim=0).values
+        if int(worst.max()) < cfg.replan_after:
+            return
+        i = int(worst.argmax())
+        follower, plan = st["follower"], st["plan"]
+        skill = follower.steps[i].name
+        st["replans"] += 1
+        st["stuck"].zero_()
+        if st["calls"] is None:
+            warm_up(train.llm)  # an in-process model loads here once, not in the worker (it holds the GIL)
+            st["calls"] = BackgroundCalls(self._replan_work(train, st), name=f"{NAME}-replan", queue_size=1)
+            st["calls"].start()
+        failure = {"skill": skill, "steps": int(worst.max()), "done": [s.name for s in follower.steps[:i]],
+                   "completions": st["per_skill"].get(skill, 0), "k": st["replans"], "graph": plan.graph_json(),
+                   "sequence": [s.name for s in plan.steps]}
+        st["pending"] += int(st["calls"].submit(json.dumps(failure)))
+        train.log_text(f"{NAME}-replans.md", f"## re-plan {st['replans']} at {train.frames} frames\n\n"
+                                             f"{skill}: {failure['steps']} steps without completing it "
+                                             f"(prerequisites done: {', '.join(failure['done']) or 'none'})\n\n")
+
+    def _replan_work(self, train, st: dict[str, Any]):
+        """The worker's job: one re-plan conversation (reads only what the job and the config hold)."""
+        cfg, goals = self.cfg, list(st["goals"])
+        target = match_goal(cfg.target, goals) or cfg.target
+        rules, llm, seed, goal_text = game_requirements(train.task), train.llm, train.seed, train.task.goal
+
+        def work(job: str) -> Outcome:
+            f = json.loads(job)
+            msgs = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": TASK.format(goal=goal_text, skills=", ".join(goals), target=target)},
+                    {"role": "assistant", "content": "```json\n" + f["graph"] + "\n```"},
+                    {"role": "user", "content": REPLAN.format(sequence=" -> ".join(f["sequence"]), skill=f["skill"],
+                                                              steps=f["steps"], done=", ".join(f["done"]) or "none",
+                                                              completions=f["completions"], skills=", ".join(goals))}]
+            return converse(llm, msgs, cfg, goals, target, rules, seed=seed * 1000 + 500 + 10 * f["k"],
+                            tag=f"{NAME}-replan{f['k']}")
+
+        return work
+
+    def _take_replans(self, train, st: dict[str, Any]) -> None:
+        """Adopt a revised graph that has landed (a revision with no usable graph keeps the plan)."""
+        calls = st["calls"]
+        if calls is None:
+            return
+        for job, out in calls.drain():
+            k = json.loads(job)["k"]
+            st["pending"] -= 1
+            st["llm_calls"] += out.calls
+            st["llm_seconds"] += out.seconds
+            text = "\n\n".join(f"### {name}\n\n{t}" for name, t in out.logs)
+            if out.plan is not None:
+                self._adopt(st, out.plan, train.task)
+                text += f"\n\nAdopted at {train.frames} frames:\n\n{out.plan.text}\n"
+            else:
+                text += "\n\nNo usable graph: the plan stays.\n"
+            train.log_text(f"{NAME}-replans.md", f"## re-plan {k}\n\n{text}\n\n")
+            train.log_metric(f"{NAME}/replans", st["replans"])
+        for error in calls.errors:  # an exception in the worker: the job is gone, the plan stays
+            st["pending"] = max(0, st["pending"] - 1)
+            train.log_text(f"{NAME}-replans.md", f"A re-plan failed: {error}\n\n")
+        calls.errors.clear()
 
     @hookimpl
     def on_train_end(self, train, result: TrainResult) -> None:
         st = train.state.pop(NAME, None)
-        if st is not None:
-            result.metrics[f"{NAME}/skills_completed"] = float(st["completed"])
-            for name, count in st["per_skill"].items():
-                result.metrics[f"{NAME}/completed_{name}"] = float(count)
+        if st is None:  # no plan of ours (none usable): the LLM changed nothing; another plugin's figures stay
+            for key in ("llm/changed_share", "llm/calls", "llm/seconds"):
+                result.metrics.setdefault(key, 0.0)
+            return
+        if st["calls"] is not None:
+            st["calls"].stop(wait_s=1.0)  # a revision still running is dropped: training is over
+            self._take_replans(train, st)
+        plan = st["plan"]
+        result.metrics.update({
+            f"{NAME}/skills": float(len(plan.steps)),
+            f"{NAME}/llm_steps": float(st["from_llm"][:-1].sum()),
+            f"{NAME}/rule_steps": float(len(st["follower"]) - int(st["from_llm"][:-1].sum())),
+            f"{NAME}/replans": float(st["replans"]),
+            f"{NAME}/skills_completed": float(st["completed"]),
+            "llm/changed_share": st["llm_steps"] / max(1, st["steps"]),
+            "llm/calls": float(st["llm_calls"]),
+            "llm/seconds": float(st["llm_seconds"]),
+        })
+        for name, count in st["per_skill"].items():
+            result.metrics[f"{NAME}/completed_{name}"] = float(count)
