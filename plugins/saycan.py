@@ -9,33 +9,39 @@ function says which skill can succeed from the current state.
 Here, for a discrete task whose actions have names (Crafter's 17 actions, CartPole's two
 pushes), every action is a skill:
 
-1. The state is rendered as text (``Task.render_state``), with the details that change
-   every step and do not bear on the choice removed (``forget``), so that states repeat.
-2. The LLM gets the instruction, the skills as a lettered list and the state, and is asked
-   for the letter of the next skill; the log-probabilities of the letters as the reply's
-   first token (``top_logprobs``; the embedded llama.cpp model and OpenAI-style backends
-   return them) are the skill scores, renormalised over the skills. A backend without
-   log-probabilities falls back to the letter it replied (``fallback_prob`` on it).
-3. Scores are cached per (instruction, state text) and computed by a worker thread:
-   the ``action_prior`` hook never waits (unless ``blocking``), it covers the rows whose
-   state is scored and leaves the others to the policy alone.
+1. The state is the task's coarse caption (``Task.caption``: on Crafter what is within two
+   cells, the items held, low vitals), so that a few hundred captions cover a training and
+   one LLM answer serves every step with that caption.
+2. The LLM gets the instruction, the skills as a lettered list and the caption, and is
+   asked for the letter of the next skill; the log-probabilities of the letters as the
+   reply's first token (``top_logprobs``; the embedded llama.cpp model and OpenAI-style
+   backends return them) are the skill scores of every skill from one call, renormalised.
+   A backend without log-probabilities falls back to the letter it replied.
+3. Scores are cached per (instruction, caption) on the plugin object: the run's trainings
+   (its seeds) share them, and across runs the LLM response cache replays the prompts.
+   Before training, the captions of random-policy rollouts (and of the task's reference
+   policy, where it has one) are scored, blocking and in batches, most frequent first, up
+   to a budget of calls and seconds. During training, new captions go to a background
+   worker (:class:`core.llm.background.BackgroundCalls`) and, at a few fixed points
+   (``rescore_at``), the agent's most frequent unscored captions are scored, blocking.
+   The ``action_prior`` hook covers the rows whose caption is scored and masks the rest.
 4. The affordance is the PPO policy itself: the trainer samples from
    ``softmax(logits + weight * log p_LLM)``, i.e. ``pi(a|s) * p_LLM(a)^weight``, and PPO
    trains ``pi`` on the task's reward through that product, so the policy learns what
    can succeed where the LLM's preference is wrong.
 
 Config: ``conf/plugins/saycan.yaml`` (schema: :class:`Config`). Each training's scorer
-(worker thread, queue, counters) lives in ``train.state["saycan"]``; the score cache is
-the plugin object's (shared by the trainings of a run). Scored states are logged as the
-text artifact ``saycan/scores.md``.
+(background worker, counters) lives in ``train.state["saycan"]``; the score cache is the
+plugin object's. Scored captions are logged as the text artifact ``saycan/scores.md``.
 """
 
 from __future__ import annotations
 
 import math
-import queue
 import re
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +51,8 @@ import torch
 from core import PluginConfig, hookimpl
 from core.context import ActionPrior
 from core.errors import UserError
+from core.llm.background import BackgroundCalls, warm_up
+from core.progress import make_progress
 
 if TYPE_CHECKING:  # pragma: no cover
     from core.context import RunContext, TrainContext
@@ -53,23 +61,32 @@ if TYPE_CHECKING:  # pragma: no cover
 
 NAME = "saycan"
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+Key = tuple[str, str]  # (instruction, caption)
 
 
 @dataclass
 class Config(PluginConfig):
-    """``plugins.saycan``: how skills are scored and how strongly the score steers the policy."""
+    """``plugins.saycan``: how skills are scored, which captions are scored when, and how strongly the score steers."""
 
     instruction: str = ""  # the instruction the skills are scored for; "" uses the task's goal
-    weight: float = 1.0  # exponent of the LLM's skill distribution in the product with the policy
+    weight: float = 1.0  # exponent of the LLM's skill distribution in the product with the policy (0: uniform-prior control)
     top_logprobs: int = 20  # first-token alternatives asked for (OpenAI-style backends give at most 20)
     floor: float = -10.0  # log-probability given to a skill missing from the alternatives
     fallback_prob: float = 0.8  # without log-probabilities: the probability put on the replied skill
-    max_queries: int = 400  # LLM scoring calls per training; later unseen states get no prior
-    queue_size: int = 64  # states waiting to be scored; new ones are dropped while it is full
-    blocking: bool = False  # score unseen states before acting (reproducible, slow) instead of in the background
-    # regular expressions removed from the state text before scoring and caching (details that change every step)
-    forget: list[str] = field(default_factory=lambda: [r"Position \([^)]*\), ", r"; daylight [0-9.]+"])
-    finish_s: float = 5.0  # seconds to wait for the scoring in progress when a training ends
+    # regular expressions removed from the caption before scoring and caching (details that do not bear on the choice)
+    forget: list[str] = field(default_factory=list)
+    prescore_episodes: int = 8  # random-policy rollouts (and as many of the task's reference policy) captioned before training
+    prescore_steps: int = 1000  # steps per pre-scoring rollout at most
+    prescore_calls: int = 96  # LLM calls before training at most (most frequent captions first)
+    prescore_s: float = 300.0  # seconds of LLM calls before training at most (0: no limit)
+    batch: int = 4  # captions per batch of concurrent calls (llm.chat_many) in the blocking phases
+    rescore_at: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.6])  # fractions of training at which the agent's most frequent unscored captions are scored, blocking
+    rescore_calls: int = 24  # LLM calls per rescoring point at most
+    rescore_s: float = 60.0  # seconds per rescoring point at most (0: no limit)
+    max_queries: int = 400  # LLM scoring calls per training, all phases; later unscored captions get no prior
+    queue_size: int = 64  # captions waiting for the background worker; new ones are dropped while it is full
+    blocking: bool = False  # score every unscored caption before acting (reproducible, slow) instead of in the background
+    finish_s: float = 5.0  # seconds to wait for the background call in progress when a training ends
 
     def check(self) -> None:
         super().check()
@@ -79,10 +96,20 @@ class Config(PluginConfig):
             raise ValueError(f"top_logprobs must be in 1..20, got {self.top_logprobs}")
         if not 0.0 < self.fallback_prob < 1.0:
             raise ValueError(f"fallback_prob must be in (0, 1), got {self.fallback_prob}")
-        if self.max_queries < 0 or self.queue_size < 1:
-            raise ValueError("max_queries must be >= 0 and queue_size >= 1")
+        for name in ("prescore_episodes", "prescore_steps", "prescore_calls", "rescore_calls", "max_queries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.batch < 1 or self.queue_size < 1:
+            raise ValueError(f"batch and queue_size must be >= 1, got {self.batch} and {self.queue_size}")
+        if self.prescore_s < 0 or self.rescore_s < 0:
+            raise ValueError("prescore_s and rescore_s must be >= 0 (0: no limit)")
+        if any(not 0.0 < p < 1.0 for p in self.rescore_at):
+            raise ValueError(f"rescore_at holds fractions of the training in (0, 1), got {self.rescore_at}")
         for pattern in self.forget:
-            re.compile(pattern)
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"forget pattern {pattern!r} is not a regular expression: {exc}") from exc
 
 
 # -- prompt pieces -----------------------------------------------------------------------
@@ -160,121 +187,209 @@ def skill_scores(reply: Any, n: int, floor: float, fallback_prob: float) -> np.n
     return np.log(probs)
 
 
-def preload(llm: Any) -> None:
-    """Load an in-process model now: loading holds the GIL for seconds, which must not
-    happen in the worker thread while the training loop runs."""
-    settings = getattr(llm, "settings", None)
-    if settings is not None and getattr(settings, "is_embedded", False):
-        from core.llm import embedded
+def is_uniform(scores: np.ndarray) -> bool:
+    """A distribution that changes no action's probability in the product (all skills equal)."""
+    return float(np.ptp(scores)) < 1e-6
 
-        embedded.get_server(llm.model.split("/", 1)[1])
+
+# -- the scorer --------------------------------------------------------------------------
 
 
 class SkillScorer:
-    """One training's scoring: state texts, the cache lookups, the worker thread, counters."""
+    """One training's scoring: captions, cache lookups, the blocking phases, the background worker, counters.
 
-    def __init__(self, train: TrainContext, cfg: Config, cache: dict[tuple[str, str], np.ndarray]) -> None:
+    Thread-safe where it must be: the background worker and the training loop (a
+    rescoring point) may score at the same time; counters and the budget take a lock.
+    """
+
+    def __init__(self, train: TrainContext, cfg: Config, cache: dict[Key, np.ndarray]) -> None:
         self.train, self.cfg, self.cache = train, cfg, cache
         self.task = train.task
         self.skills = skill_names(self.task)
         self.instruction = cfg.instruction or self.task.goal
         self.forget = [re.compile(p) for p in cfg.forget]
-        self.requests: queue.Queue[str] = queue.Queue(cfg.queue_size)
-        self.pending: set[str] = set()
-        self.queries = self.failures = self.rows = self.covered = 0
+        self.lock = threading.Lock()
+        self.failed: set[str] = set()  # captions whose call failed in this training: not asked again
+        self.seen: Counter[str] = Counter()  # the training's captions, per step
+        self.rescore_points = sorted(cfg.rescore_at)
+        self.calls = self.queries = self.failures = 0  # client calls; caption scorings asked; unusable ones
+        self.seconds = 0.0  # wall seconds spent waiting on those calls
+        self.steps = self.covered = self.changed = 0
+        self.prescore: dict[str, float] = {}
         self.log: list[str] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.background = BackgroundCalls(self._work, name=f"{NAME}-scorer", queue_size=cfg.queue_size)
 
-    def state_text(self, obs: np.ndarray) -> str:
-        text = self.task.render_state(obs)
+    # -- captions and the cache ----------------------------------------------------------
+    def caption(self, obs: np.ndarray) -> str:
+        text = self.task.caption(obs)
         for pattern in self.forget:
             text = pattern.sub("", text)
         return text
 
+    def scored(self, text: str) -> np.ndarray | None:
+        return self.cache.get((self.instruction, text))
+
+    def wanted(self, text: str) -> bool:
+        return self.scored(text) is None and text not in self.failed
+
+    def budget_left(self) -> int:
+        return self.cfg.max_queries - self.queries
+
+    # -- scoring -------------------------------------------------------------------------
+    def _take(self, texts: list[str]) -> list[str]:
+        """The part of ``texts`` the per-training budget still pays for (counted as asked)."""
+        with self.lock:
+            texts = texts[: max(0, self.budget_left())]
+            self.queries += len(texts)
+        return texts
+
+    def score(self, texts: list[str]) -> int:
+        """Ask the LLM for the skill distribution of each caption (concurrently where the
+        client has ``chat_many``); cache the usable ones. Returns how many were scored."""
+        texts = self._take([t for t in dict.fromkeys(texts) if self.wanted(t)])
+        if not texts:
+            return 0
+        llm = self.train.llm
+        calls = [dict(messages=build_prompt(self.instruction, self.skills, t), n=1, temperature=0.0, max_tokens=1,
+                      tag=f"{NAME}/score", top_logprobs=self.cfg.top_logprobs) for t in texts]
+        replies: list[Any] = [None] * len(texts)
+        errors: list[str | None] = [None] * len(texts)
+        start = time.perf_counter()
+        many = getattr(llm, "chat_many", None)
+        made = 0
+        if many is not None and len(calls) > 1:
+            try:
+                replies = [r[0] for r in many(calls)]
+                made = len(calls)
+            except Exception:  # noqa: BLE001 - chat_many raises for the batch: ask each alone (paid replies replay from the cache)
+                replies = [None] * len(texts)
+                made = len(calls)
+        for i, call in enumerate(calls):
+            if replies[i] is not None:
+                continue
+            made += 1
+            try:
+                replies[i] = llm.chat(**call)[0]
+            except Exception as exc:  # noqa: BLE001 - an LLM failure costs one caption's prior
+                errors[i] = f"LLM error {type(exc).__name__}: {str(exc)[:200]}"
+        elapsed = time.perf_counter() - start
+        done = 0
+        for text, reply, error in zip(texts, replies, errors):
+            scores = None if reply is None else skill_scores(reply, len(self.skills), self.cfg.floor, self.cfg.fallback_prob)
+            if scores is None:
+                error = error or f"no skill letter in the reply {str(getattr(reply, 'text', ''))[:80]!r}"
+                with self.lock:
+                    self.failures += 1
+                    self.failed.add(text)
+                    if len(self.log) < 200:
+                        self.log.append(f"- {text}\n  -> {error}")
+                continue
+            self.cache[(self.instruction, text)] = scores
+            done += 1
+            if len(self.log) < 200:
+                best = np.argsort(-scores)[:3]
+                top = ", ".join(f"{self.skills[k]} {math.exp(scores[k]):.2f}" for k in best)
+                self.log.append(f"- {' | '.join(text.splitlines())}\n  -> {top}")
+        with self.lock:
+            self.calls += made
+            self.seconds += elapsed
+        return done
+
+    def score_blocking(self, counts: Counter[str], calls: int, seconds: float, what: str) -> dict[str, float]:
+        """Score the unscored captions of ``counts``, most frequent first, in batches, up to
+        ``calls`` and ``seconds`` (0: no limit), with a progress bar. Returns its figures."""
+        todo = [t for t, _ in counts.most_common() if self.wanted(t)][: min(calls, max(0, self.budget_left()))]
+        start, done, asked = time.perf_counter(), 0, 0
+        if todo:
+            with make_progress(self.train.settings.run.progress) as progress:
+                bar = progress.add_task(f"{NAME}: {what}", total=len(todo)) if progress is not None else None
+                # the first caption alone: it computes the shared prefix (instruction, skills) the batch then reuses
+                for chunk in [todo[:1]] + [todo[i:i + self.cfg.batch] for i in range(1, len(todo), self.cfg.batch)]:
+                    if seconds and time.perf_counter() - start >= seconds:
+                        break
+                    done += self.score(chunk)
+                    asked += len(chunk)
+                    if progress is not None:
+                        progress.update(bar, completed=asked, info=f"{done} scored, {self.failures} failed")
+        total = sum(counts.values())
+        hit = sum(n for t, n in counts.items() if self.scored(t) is not None)
+        return {"captions": float(len(counts)), "calls": float(asked), "scored": float(done),
+                "seconds": time.perf_counter() - start, "covered": hit / max(1, total)}
+
+    def prescore_rollouts(self) -> None:
+        """Before training: caption random (and reference) rollouts, score the most frequent captions."""
+        cfg = self.cfg
+        if cfg.prescore_episodes == 0 or cfg.prescore_calls == 0:
+            return
+        start = time.perf_counter()
+        trajectories = self.task.reference_trajectories(cfg.prescore_episodes, self.train.seed, cfg.prescore_steps)
+        counts = Counter(self.caption(o) for t in trajectories for o in t.obs)
+        rollout_s = time.perf_counter() - start
+        self.prescore = {"rollout_s": rollout_s, **self.score_blocking(counts, cfg.prescore_calls, cfg.prescore_s,
+                                                                       "scoring rollout captions")}
+
+    def _work(self, text: str) -> None:
+        if self.wanted(text):
+            self.score([text])
+
+    # -- the training loop's side --------------------------------------------------------
     def prior(self, obs: torch.Tensor) -> ActionPrior | None:
-        """The cached scores of the rows whose state is scored (others masked out); queues the rest."""
+        """The cached scores of the rows whose caption is scored (others masked out); the
+        unscored captions go to the background worker (or are scored now with ``blocking``)."""
         rows = obs.detach().cpu().numpy()
+        texts = [self.caption(row) for row in rows]
+        self.seen.update(texts)
+        self._maybe_rescore()
+        if self.cfg.blocking:
+            self.score([t for t in texts if self.wanted(t)])
         n = len(self.skills)
         log_probs = torch.zeros(rows.shape[0], n)
         mask = torch.zeros(rows.shape[0], dtype=torch.bool)
-        for i, row in enumerate(rows):
-            text = self.state_text(row)
-            scores = self.cache.get((self.instruction, text))
+        for i, text in enumerate(texts):
+            scores = self.scored(text)
             if scores is None:
-                scores = self.score(text) if self.cfg.blocking else self.enqueue(text)
-            if scores is not None:
-                log_probs[i] = torch.as_tensor(scores, dtype=torch.float32)
-                mask[i] = True
-        self.rows += rows.shape[0]
+                if text not in self.failed and self.background.waiting < self.budget_left():
+                    self.background.submit(text)
+                continue
+            log_probs[i] = torch.as_tensor(scores, dtype=torch.float32)
+            mask[i] = True
+            # the prior changes this row's distribution only if it weighs and is not flat
+            self.changed += int(self.cfg.weight > 0 and not is_uniform(scores))
+        self.steps += rows.shape[0]
         self.covered += int(mask.sum())
         if not bool(mask.any()):
             return None
         return ActionPrior(log_probs=log_probs, weight=self.cfg.weight, mask=mask)
 
-    def enqueue(self, text: str) -> None:
-        if text in self.pending or self.queries + len(self.pending) >= self.cfg.max_queries:
-            return None
-        try:
-            self.requests.put_nowait(text)
-        except queue.Full:
-            return None
-        self.pending.add(text)
-        return None
+    def _maybe_rescore(self) -> None:
+        """At each ``rescore_at`` point: the agent's most frequent unscored captions, blocking."""
+        if not self.rescore_points or self.train.progress < self.rescore_points[0]:
+            return
+        point = self.rescore_points.pop(0)
+        while self.rescore_points and self.train.progress >= self.rescore_points[0]:
+            self.rescore_points.pop(0)  # points passed in one batch count once
+        figures = self.score_blocking(self.seen, self.cfg.rescore_calls, self.cfg.rescore_s,
+                                      f"scoring the agent's captions at {point:.0%}")
+        self.train.log_metric(f"{NAME}/rescore_calls", figures["calls"])
+        self.train.log_metric(f"{NAME}/rescore_covered", figures["covered"])
 
-    def score(self, text: str) -> np.ndarray | None:
-        """Ask the LLM for the skill distribution at one state text; cache and return it."""
-        if self.queries >= self.cfg.max_queries:
-            return None
-        self.queries += 1
-        messages = build_prompt(self.instruction, self.skills, text)
-        try:
-            reply = self.train.llm.chat(messages, n=1, temperature=0.0, max_tokens=1, tag=f"{NAME}/score",
-                                        top_logprobs=self.cfg.top_logprobs)[0]
-        except Exception as exc:  # noqa: BLE001 - an LLM failure costs one state's prior
-            self.failures += 1
-            self.log.append(f"- LLM error {type(exc).__name__}: {str(exc)[:200]}")
-            return None
-        scores = skill_scores(reply, len(self.skills), self.cfg.floor, self.cfg.fallback_prob)
-        if scores is None:
-            self.failures += 1
-            self.log.append(f"- no skill letter in the reply {reply.text[:80]!r}")
-            return None
-        self.cache[(self.instruction, text)] = scores
-        if len(self.log) < 100:
-            best = np.argsort(-scores)[:3]
-            top = ", ".join(f"{self.skills[k]} {math.exp(scores[k]):.2f}" for k in best)
-            self.log.append(f"- {' | '.join(text.splitlines())}\n  -> {top}")
-        return scores
-
-    # -- the worker thread ---------------------------------------------------------------
     def start(self) -> None:
-        if not self.cfg.blocking and self._thread is None:
-            # not a daemon: at exit Python waits for the call in progress instead of freeing the model under it
-            self._thread = threading.Thread(target=self._work, name="saycan-scorer", daemon=False)
-            self._thread.start()
+        if not self.cfg.blocking:
+            self.background.start()
 
     def stop(self, wait_s: float) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(wait_s)
-
-    def _work(self) -> None:
-        torch.set_num_threads(1)
-        while not self._stop.is_set():
-            try:
-                text = self.requests.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            try:
-                self.score(text)
-            finally:
-                self.pending.discard(text)
+        self.background.stop(wait_s)
+        for error in self.background.errors:  # _work catches the LLM's errors; this is what it did not
+            self.log.append(f"- worker error {error}")
 
     def metrics(self) -> dict[str, float]:
-        return {f"{NAME}/queries": float(self.queries), f"{NAME}/failures": float(self.failures),
-                f"{NAME}/states_cached": float(len(self.cache)),
-                f"{NAME}/covered": self.covered / max(1, self.rows)}
+        steps = max(1, self.steps)
+        out = {f"{NAME}/covered": self.covered / steps, f"{NAME}/queries": float(self.queries),
+               f"{NAME}/failures": float(self.failures + self.background.failures),
+               f"{NAME}/captions": float(len(self.seen)), f"{NAME}/captions_scored": float(len(self.cache)),
+               "llm/changed_share": self.changed / steps, "llm/calls": float(self.calls), "llm/seconds": self.seconds}
+        out.update({f"{NAME}/prescore_{k}": v for k, v in self.prescore.items()})
+        return out
 
 
 class Plugin:
@@ -283,7 +398,7 @@ class Plugin:
 
     def __init__(self, config: Config) -> None:
         self.cfg = config
-        self.cache: dict[tuple[str, str], np.ndarray] = {}
+        self.cache: dict[Key, np.ndarray] = {}
 
     @hookimpl
     def on_run_start(self, run: RunContext) -> None:
@@ -292,24 +407,26 @@ class Plugin:
 
     @hookimpl
     def on_train_start(self, train: TrainContext) -> None:
-        """Make the training's scorer and start its worker (the model is loaded here, before the loop)."""
-        preload(train.llm)
+        """Make the training's scorer, score the rollout captions (blocking), start the worker."""
         scorer = train.state[NAME] = SkillScorer(train, self.cfg, self.cache)
+        warm_up(train.llm)  # an in-process model loads now, not in the worker thread (loading holds the GIL)
+        scorer.prescore_rollouts()
         scorer.start()
 
     @hookimpl
     def action_prior(self, train: TrainContext, obs: torch.Tensor) -> ActionPrior | None:
-        """The LLM's skill distribution on the rows whose state is scored."""
+        """The LLM's skill distribution on the rows whose caption is scored."""
         scorer = train.state.get(NAME)
         return scorer.prior(obs) if scorer is not None else None
 
     @hookimpl
     def on_train_end(self, train: TrainContext, result: TrainResult) -> None:
-        """Stop the worker; its counters go to the result, the scored states to a text."""
+        """Stop the worker; its counters go to the result, the scored captions to a text."""
         scorer = train.state.pop(NAME, None)
         if scorer is None:
             return
         scorer.stop(self.cfg.finish_s)
         result.metrics.update(scorer.metrics())
-        header = f"# SayCan skill scores ({scorer.queries} LLM queries, instruction: {scorer.instruction})\n\n"
+        header = (f"# SayCan skill scores ({scorer.queries} captions asked, {scorer.calls} LLM calls, "
+                  f"{scorer.seconds:.0f} s; instruction: {scorer.instruction})\n\n")
         train.log_text(f"{NAME}/scores.md", header + "\n".join(scorer.log) + "\n")
