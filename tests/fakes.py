@@ -195,7 +195,7 @@ def answer(messages: list[dict[str, str]]) -> str:
     ``revise_state`` + ``intrinsic_reward``, EnvGen's JSON env configs (copies of the
     prompt's own example item), RL-GPT's JSON plan and ``act``/``done`` skill, a
     progress score (``Score: 7``), a preference (``1`` or ``Answer: 1``), a LaRes
-    behaviour analysis; anything else gets a short sentence.
+    behaviour analysis, Plan4MC's skill graph (:func:`skill_graph`); anything else gets a short sentence.
     """
     text = "\n".join(m["content"] for m in messages)
     last = messages[-1]["content"]
@@ -203,6 +203,8 @@ def answer(messages: list[dict[str, str]]) -> str:
         return ANALYSIS
     if "Answer with one letter" in last:  # SayCan's skill choice
         return "B"
+    if '"requires": ["<skill done before>"' in text:  # Plan4MC's skill graph (and its re-plans)
+        return skill_graph(text)
     if "Score: <integer 1-10>" in text:
         return PROGRESS
     if "Segment 1" in text and "Segment 2" in text:
@@ -220,6 +222,20 @@ def answer(messages: list[dict[str, str]]) -> str:
     if "compute_reward" in text:
         return REWARD.format(entry="compute_reward")
     return "The agent should keep going as it does."
+
+
+#: Plan4MC's graph as the fake writes it: a chain, each skill requiring the one before, up to the target.
+#: It keeps Crafter's rules but is not their tech tree (a sapling first), so a plan from it is told apart
+SKILL_CHAIN = ["collect_sapling", "collect_wood", "place_table", "make_wood_pickaxe", "collect_stone", "make_stone_pickaxe"]
+
+
+def skill_graph(prompt: str) -> str:
+    """Plan4MC's reply: :data:`SKILL_CHAIN` up to the prompt's ``Target:`` (else a sapling, then the target)."""
+    found = re.search(r"Target: (\w+)", prompt)
+    target = found.group(1) if found else SKILL_CHAIN[-1]
+    names = SKILL_CHAIN[: SKILL_CHAIN.index(target) + 1] if target in SKILL_CHAIN else ["collect_sapling", target]
+    items = [{"name": n, "requires": names[i - 1:i], "yields": n.split("_", 1)[-1]} for i, n in enumerate(names)]
+    return "```json\n" + json.dumps(items) + "\n```"
 
 
 def env_configs(prompt: str, n: int = 4) -> str:
