@@ -256,22 +256,23 @@ class SkillScorer:
         errors: list[str | None] = [None] * len(texts)
         start = time.perf_counter()
         many = getattr(llm, "chat_many", None)
-        made = 0
         if many is not None and len(calls) > 1:
+            first = len(getattr(llm, "records", ()))
             try:
                 replies = [r[0] for r in many(calls)]
-                made = len(calls)
-            except Exception:  # noqa: BLE001 - chat_many raises for the batch: ask each alone (paid replies replay from the cache)
-                replies = [None] * len(texts)
-                made = len(calls)
-        for i, call in enumerate(calls):
-            if replies[i] is not None:
-                continue
-            made += 1
-            try:
-                replies[i] = llm.chat(**call)[0]
-            except Exception as exc:  # noqa: BLE001 - an LLM failure costs one caption's prior
-                errors[i] = f"LLM error {type(exc).__name__}: {str(exc)[:200]}"
+            except Exception as exc:  # noqa: BLE001 - chat_many raises one error for the batch
+                # the calls that did land are in the client's records: keep them, so an error costs its own call only
+                landed = {rec.messages[-1]["content"]: rec.replies[0]
+                          for rec in list(getattr(llm, "records", ()))[first:] if rec.replies}
+                replies = [landed.get(call["messages"][-1]["content"]) for call in calls]
+                errors = [None if r is not None else f"LLM error in a batch {type(exc).__name__}: {str(exc)[:200]}"
+                          for r in replies]
+        else:
+            for i, call in enumerate(calls):
+                try:
+                    replies[i] = llm.chat(**call)[0]
+                except Exception as exc:  # noqa: BLE001 - an LLM failure costs one caption's prior
+                    errors[i] = f"LLM error {type(exc).__name__}: {str(exc)[:200]}"
         elapsed = time.perf_counter() - start
         done = 0
         for text, reply, error in zip(texts, replies, errors):
@@ -291,7 +292,7 @@ class SkillScorer:
                 top = ", ".join(f"{self.skills[k]} {math.exp(scores[k]):.2f}" for k in best)
                 self.log.append(f"- {' | '.join(text.splitlines())}\n  -> {top}")
         with self.lock:
-            self.calls += made
+            self.calls += len(calls)
             self.seconds += elapsed
         return done
 
