@@ -194,7 +194,8 @@ def answer(messages: list[dict[str, str]]) -> str:
     Reward code (``compute_reward`` or Text2Reward's ``compute_dense_reward``), LESR's
     ``revise_state`` + ``intrinsic_reward``, EnvGen's JSON env configs (copies of the
     prompt's own example item), RL-GPT's JSON plan and ``act``/``done`` skill, a
-    progress score (``Score: 7``), a preference (``1`` or ``Answer: 1``), a LaRes
+    progress score (``Score: 7``), a preference (``1`` or ``Answer: 1``; between two observations,
+    :func:`preferred_observation`), a LaRes
     behaviour analysis, Plan4MC's skill graph (:func:`skill_graph`); anything else gets a short sentence.
     """
     text = "\n".join(m["content"] for m in messages)
@@ -205,8 +206,12 @@ def answer(messages: list[dict[str, str]]) -> str:
         return "B"
     if '"requires": ["<skill done before>"' in text:  # Plan4MC's skill graph (and its re-plans)
         return skill_graph(text)
+    if "Reply with a single digit from 0 (no progress)" in last:  # progress_reward's expected score
+        return progress_digit(last)
     if "Score: <integer 1-10>" in text:
         return PROGRESS
+    if "Observation 1: " in last and "Observation 2: " in last:  # rlaif_preference's caption pairs
+        return preferred_observation(last) if "single digit" in last else f"Answer: {preferred_observation(last)}"
     if "Segment 1" in text and "Segment 2" in text:
         return "1" if "single digit" in last else PREFERENCE
     if "revise_state" in text and "intrinsic_reward" in text:
@@ -236,6 +241,29 @@ def skill_graph(prompt: str) -> str:
     names = SKILL_CHAIN[: SKILL_CHAIN.index(target) + 1] if target in SKILL_CHAIN else ["collect_sapling", target]
     items = [{"name": n, "requires": names[i - 1:i], "yields": n.split("_", 1)[-1]} for i, n in enumerate(names)]
     return "```json\n" + json.dumps(items) + "\n```"
+
+
+def preferred_observation(prompt: str) -> str:
+    """rlaif_preference's judge: "1" or "2", the observation that names more things (Crafter:
+    more seen and held), then the one with the smaller numbers (CartPole: nearer upright and
+    centred); "1" when they tie (so both orders of a tie cancel)."""
+    found = re.search(r"Observation 1: (.*?)\n\nObservation 2: (.*?)\n\n", prompt, re.S)
+    if not found:
+        return "1"
+
+    def merit(text: str) -> tuple[int, float]:
+        return len(re.findall(r"[,.]\s", text + " ")), -sum(abs(float(x)) for x in re.findall(r"-?\d+\.?\d*", text))
+
+    a, b = merit(found.group(1)), merit(found.group(2))
+    return "2" if b > a else "1"
+
+
+def progress_digit(prompt: str) -> str:
+    """progress_reward's one-digit score (0-9), a function of the state in the prompt, so that
+    different states get different scores (a constant score would z-score to a zero LLM term)."""
+    import zlib
+
+    return str(zlib.crc32(prompt.split("Current state:", 1)[-1].encode()) % 10)
 
 
 def env_configs(prompt: str, n: int = 4) -> str:
