@@ -112,6 +112,13 @@ _OFFSET = {f.name: f.start for f in STATE_FIELDS}
 _INVENTORY = VITALS + ITEMS  # the first fields, in this order
 _ACHIEVED = slice(_OFFSET["achievement_collect_coal"], _OFFSET["achievement_collect_coal"] + len(ACHIEVEMENTS))
 _VIEW_AT = slice(_OFFSET["local_view"], _OFFSET["local_view"] + VIEW[0] * VIEW[1])
+#: the fields a step's events change (items, food, drink, sleeping, achievements): equal before and after, nothing happened
+_EVENT_FIELDS = np.array([_OFFSET[n] for n in (*ITEMS, "food", "drink", "sleeping")]
+                         + list(range(_ACHIEVED.start, _ACHIEVED.stop)))
+_VIEW_NAMES = {i: n for n, i in VIEW_IDS.items()}
+_ITEMS_AT = np.array([_OFFSET[i] for i in ITEMS])
+_ITEM_EVENTS = [f"{'make' if ('pickaxe' in i or 'sword' in i) else 'collect'} {i.replace('_', ' ')}" for i in ITEMS]
+_ACHIEVEMENT_EVENTS = ["drink water" if a == "collect_drink" else a.replace("_", " ") for a in ACHIEVEMENTS]
 
 
 def faced_cell(s: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -683,6 +690,44 @@ class Crafter(Task):
         if low:
             parts.append(f"Low: {', '.join(low)}.")
         return " ".join(parts)
+
+    #: what placing each thing uses up (crafter/data.yaml: a table takes wood, a furnace and stone take stone, a plant a sapling)
+    PLACED_FROM = {"table": "wood", "furnace": "stone", "stone": "stone", "plant": "sapling"}
+
+    def caption_transition(self, obs: np.ndarray, next_obs: np.ndarray) -> str:
+        """The step's events, each every time it happens: "collect <resource>" (an item
+        gained), "make <tool>" (a tool gained), "place <thing>" (the faced cell became it and
+        its material was used up), "eat cow" / "eat plant" (food rose; the faced creature
+        tells which), "drink water", "sleep" (fell asleep), "wake up"; and any achievement
+        the step unlocked, e.g. "defeat zombie" (a defeat is seen only through its
+        achievement: a creature that vanishes from view may have walked away)."""
+        a, b = np.asarray(obs, np.float32), np.asarray(next_obs, np.float32)
+        if np.array_equal(a[_EVENT_FIELDS], b[_EVENT_FIELDS]):
+            return ""  # most steps: only moves, views and the clock changed (a few microseconds)
+        at = _OFFSET
+        events = [_ITEM_EVENTS[k] for k in np.flatnonzero(b[_ITEMS_AT] > a[_ITEMS_AT])]
+        before, after = _VIEW_NAMES.get(self._faced(a)), _VIEW_NAMES.get(self._faced(b))
+        if after in self.PLACED_FROM and before != after and b[at[self.PLACED_FROM[after]]] < a[at[self.PLACED_FROM[after]]] \
+                and a[at["position"]] == b[at["position"]] and a[at["position"] + 1] == b[at["position"] + 1]:
+            events.append(f"place {after}")
+        if b[at["food"]] > a[at["food"]]:
+            events.append({"plant": "eat plant", "cow": "eat cow"}.get(before or "", "eat"))
+        if b[at["drink"]] > a[at["drink"]]:
+            events.append("drink water")
+        if a[at["sleeping"]] < 0.5 <= b[at["sleeping"]]:
+            events.append("sleep")
+        if b[at["sleeping"]] < 0.5 <= a[at["sleeping"]]:
+            events.append("wake up")
+        for k in np.flatnonzero((b[_ACHIEVED] > 0.5) & (a[_ACHIEVED] <= 0.5)):
+            if _ACHIEVEMENT_EVENTS[k] not in events:
+                events.append(_ACHIEVEMENT_EVENTS[k])
+        return ", ".join(events)
+
+    @staticmethod
+    def _faced(obs: np.ndarray) -> int:
+        """The ``local_view`` id of the cell an (unbatched) observation faces."""
+        dx, dy = (max(-1, min(1, int(round(float(v))))) for v in obs[_OFFSET["facing"]: _OFFSET["facing"] + 2])
+        return int(obs[_VIEW_AT.start + (VIEW[0] // 2 + dx) * VIEW[1] + VIEW[1] // 2 + dy])
 
     # -- fitness --------------------------------------------------------------------------
     def episode_info(self, final_info: dict[str, Any]) -> tuple[bool | None, dict[str, Any]]:

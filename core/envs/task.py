@@ -269,6 +269,18 @@ class Task:
             lines.append(f"{f.name}: {shown}")
         return "\n".join(lines)
 
+    def caption_transition(self, obs: np.ndarray, next_obs: np.ndarray) -> str:
+        """What one (unbatched) step did, as short verb phrases joined by ``", "`` ("" when
+        nothing worth saying happened), for methods that match goals against what the agent
+        did (ELLM's transition captioner).
+
+        Phrases name events in the game's own terms ("collect wood", "place table", "eat
+        cow"), never the state the step ended in. ``next_obs`` of a step that ended an
+        episode is that episode's final observation. The default says nothing; tasks with
+        discrete events (Crafter) override it.
+        """
+        return ""
+
     def describe_segment(self, obs: np.ndarray, ended: bool) -> str:
         """A plain-language account of a piece of one episode, for LLM judges ("" if none).
 

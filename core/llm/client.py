@@ -16,6 +16,11 @@ same seed makes no backend call and gets the same replies. A request that starts
 sample ``i`` is sent the seed :func:`sample_seed` ``(s, i)``, so requests differ from
 one another. How the samples were grouped into requests is not part of the key.
 
+Embeddings: :meth:`LLMClient.embed` gives one unit vector per text: the embedded model's
+from a second, embedding-mode server over the same weights, any other backend's from
+``litellm.embedding`` (the chat model, or another embedding model named per call). Each
+text's vector is kept in memory and in the response cache, under (model, text).
+
 Arrival: :meth:`LLMClient.chat_groups` hands a call's samples over in groups as their
 requests land (in sample order, the same replies as :meth:`LLMClient.chat`), so that a
 caller can start on the first samples (the loop trains them) while the rest are sampled.
@@ -23,6 +28,9 @@ caller can start on the first samples (the loop trains them) while the rest are 
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import logging
 import math
 import os
@@ -34,6 +42,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from core.errors import did_you_mean
 from core.llm.cache import ResponseCache, cache_key, default_cache_path
@@ -138,6 +148,23 @@ class LLMStats:
             + (f" ({self.cached_prompt_tokens} prompt tokens reused)" if self.cached_prompt_tokens else "")
             + f", {self.wait_s:.1f} s, ${self.cost:.4f}"
         )
+
+
+@dataclass
+class EmbedStats:
+    """Running totals of one client's :meth:`LLMClient.embed` calls (apart from :class:`LLMStats`,
+    whose figures describe chat calls)."""
+
+    calls: int = 0  # embed() calls
+    texts: int = 0  # texts asked for, over all calls
+    cache_hits: int = 0  # texts served from memory or the response cache
+    requests: int = 0  # backend requests (one per call that had texts to compute)
+    seconds: float = 0.0  # wall time of those requests
+    errors: int = 0  # calls that ended in LLMError
+
+    def as_metrics(self) -> dict[str, float]:
+        """``{"embed/calls": ..., "embed/texts": ..., ...}`` for a metrics logger."""
+        return {f"embed/{f.name}": float(getattr(self, f.name)) for f in fields(self)}
 
 
 # -------------------------------------------------------------------------------------
@@ -269,6 +296,8 @@ class LLMClient:
         self.on_progress = on_progress
         self._stream_ok = True  # set False when a litellm backend fails to stream (then it is asked whole)
         self.stats = LLMStats()
+        self.embed_stats = EmbedStats()
+        self._embeddings: dict[tuple[str, str], np.ndarray] = {}  # (model, text) -> unit vector
         self.records: list[CallRecord] = []
         self.cache: ResponseCache | None = None
         if self.settings.cache:
@@ -437,6 +466,120 @@ class LLMClient:
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
         return self.chat(messages, n=1, **kw)[0].text
+
+    def embed(self, texts: Sequence[str], *, model: str | None = None, tag: str = "") -> np.ndarray:
+        """``[len(texts), D]`` float32: one L2-normalised embedding per text, in order.
+
+        ``model``: the embedding model, default the configured one. The embedded model
+        embeds in-process (:func:`core.llm.embedded.embed`); any other model string goes to
+        ``litellm.embedding`` with the client's ``api_base``, key and timeout, retried on
+        transient errors like a chat request. Texts already embedded by this client, or
+        in the response cache, cost nothing; the rest go in one request. ``tag`` labels
+        the call in errors. Raises :class:`LLMError` when the backend cannot embed (a chat
+        model without embeddings: name an embedding model, e.g.
+        ``openai/text-embedding-3-small``), or, with ``llm.replay_only``, for a text the
+        cache does not hold.
+        """
+        name = model or self.settings.model
+        texts = [str(t) for t in texts]
+        with self._lock:
+            self.embed_stats.calls += 1
+            self.embed_stats.texts += len(texts)
+        out: dict[str, np.ndarray] = {}
+        for text in dict.fromkeys(texts):
+            hit = self._embeddings.get((name, text))
+            if hit is None and self.cache is not None:
+                stored = self.cache.get(_embedding_key(name, text))
+                if stored is not None:
+                    hit = np.frombuffer(base64.b64decode(stored["embedding"]), dtype=np.float32).copy()
+                    self._embeddings[(name, text)] = hit
+            if hit is not None:
+                out[text] = hit
+        missing = [t for t in dict.fromkeys(texts) if t not in out]
+        with self._lock:
+            self.embed_stats.cache_hits += sum(1 for t in texts if t not in missing)
+        if missing and self.settings.replay_only:
+            with self._lock:
+                self.embed_stats.errors += 1
+            raise LLMError(f"llm.replay_only: no recorded embedding for {len(missing)} text(s) of "
+                           f"'{tag or 'embed'}' (e.g. {missing[0][:60]!r}). Set llm.replay_only=false to ask the model.")
+        if missing:
+            start = time.perf_counter()
+            try:
+                vectors = self._embed_request(name, missing)
+            except LLMError:
+                with self._lock:
+                    self.embed_stats.errors += 1
+                raise
+            finally:
+                with self._lock:
+                    self.embed_stats.requests += 1
+                    self.embed_stats.seconds += time.perf_counter() - start
+            for text, vector in zip(missing, vectors):
+                vector = np.asarray(vector, dtype=np.float32).reshape(-1)
+                norm = float(np.linalg.norm(vector))
+                if not np.isfinite(norm) or norm == 0.0:
+                    raise LLMError(f"The model '{name}' returned a zero or non-finite embedding for {text[:60]!r}.")
+                vector = vector / norm
+                self._embeddings[(name, text)] = vector
+                out[text] = vector
+                if self.cache is not None:
+                    self.cache.put(_embedding_key(name, text),
+                                   {"embedding": base64.b64encode(vector.tobytes()).decode("ascii"), "dim": int(vector.size)},
+                                   model=name)
+        if not texts:
+            return np.zeros((0, 0), dtype=np.float32)
+        dims = {out[t].size for t in texts}
+        if len(dims) != 1:
+            raise LLMError(f"The model '{name}' returned embeddings of different sizes {sorted(dims)}; "
+                           "was the cache written by another model under the same name?")
+        return np.stack([out[t] for t in texts])
+
+    def _embed_request(self, name: str, texts: list[str]) -> list[Any]:
+        """The raw embeddings of ``texts`` from ``name``'s backend, in order."""
+        s = self.settings
+        if name.startswith("embedded/"):
+            from core.llm import embedded
+
+            return embedded.embed(name.split("/", 1)[1], texts)
+        litellm = self._litellm
+        kwargs: dict[str, Any] = {"model": name, "input": texts, "timeout": s.timeout_s}
+        if s.api_base:
+            kwargs["api_base"] = s.api_base
+        if s.api_key_env:
+            key = os.environ.get(s.api_key_env)
+            if not key:
+                raise LLMError(f"Embeddings from '{name}' need an API key, but the environment variable "
+                               f"{s.api_key_env} is not set. Set it, or use the offline default `llm=embedded`.")
+            kwargs["api_key"] = key
+        elif s.api_base and name.startswith("openai/"):
+            kwargs["api_key"] = "not-needed"  # a self-hosted server usually wants none; the SDK wants one
+        transient = _transient_errors(litellm)
+        attempt = 0
+        while True:
+            try:
+                response = litellm.embedding(**kwargs)
+                break
+            except transient as exc:
+                if attempt == s.retries:
+                    raise LLMError(self._explain_transient(exc, attempt + 1)) from exc
+                self._sleep(min(60.0, s.backoff_s * 2**attempt) * (1 + 0.25 * random.random()))
+                attempt += 1
+            except Exception as exc:  # not an embedding model, bad request, no key...
+                raise LLMError(f"Embeddings from '{name}' failed: {type(exc).__name__}: {_short(exc)}. A chat model "
+                               "may have no embeddings: name an embedding model (e.g. openai/text-embedding-3-small), "
+                               "or use `llm=embedded`.") from exc
+        data = getattr(response, "data", None)
+        if data is None and isinstance(response, Mapping):
+            data = response.get("data")
+        if not data or len(data) != len(texts):
+            raise LLMError(f"Embeddings from '{name}': {len(data or [])} vector(s) for {len(texts)} text(s).")
+
+        def field_of(item: Any, key: str) -> Any:
+            return item.get(key) if isinstance(item, Mapping) else getattr(item, key, None)
+
+        ordered = sorted(data, key=lambda d: int(field_of(d, "index") or 0))
+        return [field_of(d, "embedding") for d in ordered]
 
     # -- backend -------------------------------------------------------------------
 
@@ -794,6 +937,19 @@ def _check_messages(messages: Any) -> list[dict[str, str]]:
             raise ValueError(f"messages[{i}]['content'] must be a string")
         checked.append({"role": m["role"], "content": m["content"]})
     return checked
+
+
+def _embedding_key(model: str, text: str) -> str:
+    """The response-cache key of ``text``'s embedding by ``model`` (the embedded model's
+    prompt template is part of it: another template gives other vectors)."""
+    template = ""
+    if model.startswith("embedded/"):
+        from core.llm.embedded import EMBED_TEMPLATE
+
+        template = EMBED_TEMPLATE
+    blob = json.dumps({"v": 1, "kind": "embedding", "model": model, "template": template, "text": text},
+                      sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
 def cache_file(cache_path: str | None) -> Path:
