@@ -206,6 +206,8 @@ def answer(messages: list[dict[str, str]]) -> str:
         return "B"
     if '"requires": ["<skill done before>"' in text:  # Plan4MC's skill graph (and its re-plans)
         return skill_graph(text)
+    if "You suggest goals to the player of a game" in text or "one goal name per line" in text:  # ELLM
+        return ellm_goals(text)
     if "Reply with a single digit from 0 (no progress)" in last:  # progress_reward's expected score
         return progress_digit(last)
     if "Score: <integer 1-10>" in text:
@@ -232,6 +234,18 @@ def answer(messages: list[dict[str, str]]) -> str:
 #: Plan4MC's graph as the fake writes it: a chain, each skill requiring the one before, up to the target.
 #: It keeps Crafter's rules but is not their tech tree (a sapling first), so a plan from it is told apart
 SKILL_CHAIN = ["collect_sapling", "collect_wood", "place_table", "make_wood_pickaxe", "collect_stone", "make_stone_pickaxe"]
+
+
+#: ELLM's suggestions as the fake writes them: events a random Crafter policy makes within a few hundred steps
+ELLM_GOALS = ["Sleep", "Collect sapling", "Place plant", "Collect wood"]
+
+
+def ellm_goals(prompt: str) -> str:
+    """ELLM's reply: :data:`ELLM_GOALS` as a numbered free-form list (achievement names for the
+    ``match: names`` prompt that lists them)."""
+    if "one goal name per line" in prompt:
+        return "\n".join(g.lower().replace(" ", "_") for g in ELLM_GOALS)
+    return "Here are the goals:\n" + "\n".join(f"{i}. {g}." for i, g in enumerate(ELLM_GOALS, 1))
 
 
 def skill_graph(prompt: str) -> str:
