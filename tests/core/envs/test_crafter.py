@@ -274,3 +274,30 @@ def test_vector_env_batches_what_the_games_return(task):
                 info_a, info_b = a[4]["final_info"], b[4]["final_info"]
                 assert {k: v[i] for k, v in info_a.items()} == {k: v[i] for k, v in info_b.items()}
     assert finals >= 9
+
+
+def test_caption_names_what_is_near_what_is_held_and_low_vitals_and_repeats(task):
+    env = task.make_env(num_envs=1, seed=0)
+    obs, _ = env.reset(seed=0)
+    rng = np.random.default_rng(0)
+    captions = []
+    for _ in range(300):
+        obs, *_ = env.step(rng.integers(0, len(ACTIONS), size=1))
+        captions.append(task.caption(np.asarray(obs)[0]))
+    first = captions[0]
+    assert first.startswith("You see: ") and "You have: " in first
+    assert len(set(captions)) < len(captions) / 3  # coarse: captions recur
+    state = np.zeros(task.obs_dim, np.float32)
+    fields = {f.name: f for f in task.state_fields}
+    state[fields["wood"].start] = 2
+    state[fields["food"].start] = 1
+    for name in ("health", "drink", "energy"):
+        state[fields[name].start] = 9
+    assert task.caption(state) == "You see: only grass. You have: wood. Low: food."
+
+
+def test_default_caption_rounds_each_field_to_one_decimal():
+    cartpole = make_task({"name": "cartpole"})
+    caption = cartpole.caption(np.array([0.04, -0.26, 0.013, 1.249], np.float32))
+    assert "0.0" in caption and "-0.3" in caption and "1.2" in caption
+    assert cartpole.caption(np.array([0.04, -0.26, 0.013, 1.249])) == cartpole.caption(np.array([0.01, -0.31, 0.0, 1.2]))
