@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -368,17 +370,22 @@ class Outcome:
 
 
 def converse(llm: Any, messages: list[dict[str, str]], cfg: Config, goals: list[str], target: str,
-             rules: dict[str, set[str]], seed: int, tag: str) -> Outcome:
+             rules: dict[str, set[str]], seed: int, tag: str, stop: Callable[[], bool] = lambda: False) -> Outcome:
     """Ask for a graph, send its errors back ``cfg.repair_rounds`` times, and keep the plan to use.
 
-    A reply with no errors ends it. Otherwise the last usable plan is used as written (with
-    ``fix_rules``: the last graph mended by the rules); a failed call ends the conversation
-    (logged, never raised).
+    A reply with no errors ends it. Otherwise, of the replies that give a sequence, the one
+    with the fewest errors (the latest of equals) is used as written (with ``fix_rules``:
+    the latest reply that named a skill, mended by the rules); a failed call ends the
+    conversation (logged, never raised); ``stop()`` true ends it before the next call (a
+    training that is over needs no more revisions).
     """
     out = Outcome()
     checked = rules if cfg.check_rules else {}
     named = ""  # the latest reply that named some skill: what fix_rules mends
     for rnd in range(1 + cfg.repair_rounds):
+        if stop():
+            out.logs.append((f"r{rnd}", "Stopped: the training ended."))
+            break
         start = time.perf_counter()
         out.calls += 1
         try:
@@ -394,8 +401,8 @@ def converse(llm: Any, messages: list[dict[str, str]], cfg: Config, goals: list[
         out.logs.append((f"r{rnd}", reply.text + ("\n\nErrors:\n" + "\n".join(errors) if errors else "")))
         out.errors = errors
         named = reply.text if parse_graph(reply.text, goals)[0] else named
-        if plan is not None:
-            out.plan = plan  # the latest usable graph; a later revision that breaks the graph keeps this one
+        if plan is not None and (out.plan is None or len(errors) <= len(out.plan.errors)):
+            out.plan = plan  # of the LLM's usable graphs, the one with the fewest errors (the latest of equals)
         if (plan is not None and not errors) or rnd == cfg.repair_rounds:
             break
         messages = messages + [{"role": "assistant", "content": reply.text},
@@ -456,12 +463,12 @@ class Plugin:
                     {"role": "user", "content": TASK.format(goal=run.task.goal, skills=", ".join(goals), target=target)}]
             out = converse(run.llm, msgs, cfg, goals, target, rules, seed=run.seed * 1000 + iteration * 10,
                            tag=f"{NAME}-graph-it{iteration}")
-            for name, text in out.logs:
-                run.log_text(f"{NAME}/it{iteration}-{name}.md", text)
             plan = out.plan
             if plan is not None and check_plan(plan, run.task):  # every skill must be a goal the task checks
                 out.logs.append(("check", "\n".join(check_plan(plan, run.task))))
                 plan = None
+            for name, text in out.logs:
+                run.log_text(f"{NAME}/it{iteration}-{name}.md", text)
         self.errors = out.errors
         if plan is not None:
             plan.cost = {"calls": out.calls, "seconds": out.seconds}
@@ -481,6 +488,7 @@ class Plugin:
         if st is None:
             st = train.state[NAME] = {"goals": goal_names(train.task), "steps": 0, "llm_steps": 0, "completed": 0,
                                       "per_skill": {}, "stuck": None, "replans": 0, "calls": None, "pending": 0,
+                                      "ended": threading.Event(),
                                       "llm_calls": 0, "llm_seconds": 0.0}
             self._adopt(st, plan, train.task)
             cost = getattr(plan, "cost", {})  # the calls that built the plan count in each training that uses it
@@ -564,6 +572,7 @@ class Plugin:
         cfg, goals = self.cfg, list(st["goals"])
         target = match_goal(cfg.target, goals) or cfg.target
         rules, llm, seed, goal_text = game_requirements(train.task), train.llm, train.seed, train.task.goal
+        ended = st["ended"]
 
         def work(job: str) -> Outcome:
             f = json.loads(job)
@@ -574,7 +583,7 @@ class Plugin:
                                                               steps=f["steps"], done=", ".join(f["done"]) or "none",
                                                               completions=f["completions"], skills=", ".join(goals))}]
             return converse(llm, msgs, cfg, goals, target, rules, seed=seed * 1000 + 500 + 10 * f["k"],
-                            tag=f"{NAME}-replan{f['k']}")
+                            tag=f"{NAME}-replan{f['k']}", stop=ended.is_set)
 
         return work
 
@@ -609,8 +618,12 @@ class Plugin:
                 result.metrics.setdefault(key, 0.0)
             return
         if st["calls"] is not None:
+            st["ended"].set()
             st["calls"].stop(wait_s=1.0)  # a revision still running is dropped: training is over
             self._take_replans(train, st)
+            if st["pending"]:
+                train.log_text(f"{NAME}-replans.md", f"A re-plan was still running when training ended at "
+                                                     f"{train.frames} frames: dropped, its calls not counted.\n\n")
         plan = st["plan"]
         result.metrics.update({
             f"{NAME}/skills": float(len(plan.steps)),

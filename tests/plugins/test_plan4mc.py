@@ -197,6 +197,27 @@ def test_a_graph_that_stays_wrong_is_used_as_written_and_none_gives_no_plan(task
     assert plugin.plan(run, 0) is None and run.tracker.metrics["plan4mc/skills"] == 0
 
 
+#: the embedded model's three rounds in a measured run (docs/plugins/plan4mc.md): the second
+#: revision fixed one error, the last one made a cycle
+EMBEDDED_ROUNDS = [
+    '[{"name": "collect_stone", "requires": [], "yields": "a stone"},\n'
+    ' {"name": "make_stone_pickaxe", "requires": ["collect_stone"], "yields": "a stone pickaxe"}]',
+    '[{"name": "collect_stone", "requires": ["make_wood_pickaxe"], "yields": "a stone"},\n'
+    ' {"name": "make_stone_pickaxe", "requires": ["collect_wood", "place_table"], "yields": "a stone pickaxe"}]',
+    '[{"name": "collect_stone", "requires": ["make_stone_pickaxe"], "yields": "a stone"},\n'
+    ' {"name": "make_stone_pickaxe", "requires": ["collect_stone"], "yields": "a stone pickaxe"}]',
+]
+
+
+def test_of_the_llms_graphs_the_one_with_fewest_errors_is_used(task):
+    plugin, run = make(task, EMBEDDED_ROUNDS, repair_rounds=2)
+    plan = plugin.plan(run, 0)
+    assert len(run.llm.calls) == 3 and "cycle" in texts_of(run)["plan4mc/it0-r2.md"]
+    # round 1 as written: its target requires wood and a table (not stone); one rule error left
+    assert names(plan) == ["collect_wood", "place_table", "make_stone_pickaxe"] and len(plan.errors) == 1
+    assert run.tracker.metrics["plan4mc/errors_left"] == 1 and run.tracker.metrics["plan4mc/llm_steps"] == 3
+
+
 def test_a_failed_llm_call_costs_that_call_and_no_crash(task):
     def fail(messages, tag):
         raise LLMError("the server is down; start it or set llm.api_base")
@@ -353,6 +374,22 @@ def test_a_revision_with_no_usable_graph_keeps_the_plan(task, goals):
     wait_for(st)
     plugin.on_rollout(train, None)
     assert len(llm.calls) == 2 and st["plan"] is plan and "No usable graph" in train.texts["plan4mc-replans.md"]
+
+
+def test_a_revision_still_running_when_training_ends_makes_no_more_calls(task, goals):
+    plan, _ = plan4mc.build_plan(GRAPH, goals, "make_wood_pickaxe")
+    llm = ScriptedLLM(["I cannot say."], delay_s=0.2)  # each round would send the errors back
+    plugin, train = training(task, plan, llm, target="make_wood_pickaxe", replan_after=1, repair_rounds=2)
+    plugin.compute_reward(train, batch_of(task, [()], [()]))
+    plugin.on_rollout(train, None)
+    time.sleep(0.1)  # the first call is running
+    result = TrainResult("c", True)
+    plugin.on_train_end(train, result)
+    time.sleep(0.5)
+    assert len(llm.calls) == 1 and result.metrics["plan4mc/replans"] == 1
+    # the call in progress landed within the wait and counts; the rounds after it were never asked
+    assert result.metrics["llm/calls"] == 1 and "dropped" not in train.texts["plan4mc-replans.md"]
+    assert "Stopped: the training ended." in train.texts["plan4mc-replans.md"]
 
 
 def test_config_defaults_are_the_yaml_file():
