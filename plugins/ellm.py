@@ -16,8 +16,10 @@ Here:
    them; the LLM client's response cache keeps them across runs).
 2. Before training, the captions of random-policy rollouts are asked, most frequent first,
    blocking and in batches (``chat_many``), within ``presuggest_calls`` / ``presuggest_s``;
-   at ``resuggest_at`` points of the training the agent's most frequent unanswered captions
-   are asked the same way. A step from an unanswered caption earns nothing.
+   at ``resuggest_at`` points of the training the agent's unanswered captions are asked the
+   same way. Either way the captions of states a step with an event started from come
+   first (only there can an answer pay), then the most visited. A step from an unanswered
+   caption earns nothing.
 3. Transition captions are ``Task.caption_transition`` (Crafter: "collect wood", "place
    table", "eat cow", ...); a step with several events is matched event by event.
 4. Embeddings come from ``LLMClient.embed`` (the embedded model's own weights in embedding
@@ -105,13 +107,10 @@ class Config(PluginConfig):
 
 # -- prompt pieces -----------------------------------------------------------------------
 
+#: no list of goals or actions: given the actions, the small embedded model copied them out as its "goals"
 SYSTEM = """You suggest goals to the player of a game. The player's aim: {aim}
-The player's actions: {actions}
-Given what the player sees and has, suggest the {k} most useful goals to do next, in the
-game's own words. Each goal is a short phrase: a verb and what it acts on. One goal per
-line, numbered, nothing else:
-1. <verb> <object>
-2. <verb> <object>"""
+Given what the player sees and has, suggest the {k} most useful goals to do next. Each goal
+is a short phrase: a verb and what it acts on. One goal per line, numbered, nothing else."""
 
 #: ``match: names``: the goals must be the task's achievement names (the variant)
 SYSTEM_NAMES = """You advise a player of a game. Given what the player sees and has, suggest the {k}
@@ -127,6 +126,11 @@ ASK = "{caption}\nWhat should the player do next?"
 def goal_phrase(name: str) -> str:
     """A goal name as words: ``collect_wood`` -> ``collect wood``."""
     return name.replace("_", " ")
+
+
+def plain_aim(goal: str) -> str:
+    """The task's goal without its asides on state fields ("(`health` above 0)"): words for a player, not a program."""
+    return re.sub(r"\s*\([^)]*`[^)]*\)", "", goal).replace("`", "")
 
 
 #: a line's list marker ("1.", "2)", "-", "*", "a.") and the markup around a goal
@@ -241,6 +245,7 @@ class GoalReward:
         self.embeddings = (Embeddings(train.llm, cfg.embed_model, [goal_phrase(n) for n in self.names], cfg.center)
                            if cfg.match == "embedding" else None)
         self.seen: Counter[str] = Counter()  # state captions, one row per step (a sample: captions cost ~0.1 ms)
+        self.starts: Counter[str] = Counter()  # captions of the states steps with an event started from
         self.achieved: list[set[str]] = []  # per env: the goals rewarded in its current episode
         self.points = sorted(cfg.resuggest_at)
         self.failed: set[str] = set()  # captions whose call failed in this training
@@ -266,8 +271,7 @@ class GoalReward:
         if self.cfg.match == "names":
             system = SYSTEM_NAMES.format(k=k, goals=", ".join(self.names))
         else:
-            actions = (self.task.action_description or "").split(". ")[0]
-            system = SYSTEM.format(aim=self.task.goal, actions=actions, k=k)
+            system = SYSTEM.format(aim=plain_aim(self.task.goal), k=k)
         return [{"role": "system", "content": system}, {"role": "user", "content": ASK.format(caption=caption)}]
 
     def ask(self, captions: list[str]) -> int:
@@ -309,10 +313,13 @@ class GoalReward:
             self.embeddings.get(list(dict.fromkeys(new_goals)))  # now, so that steps seldom wait on an embedding
         return done
 
-    def ask_blocking(self, counts: Counter[str], calls: int, seconds: float, what: str) -> dict[str, float]:
-        """Ask the unanswered captions of ``counts``, most frequent first, in batches, up to
-        ``calls`` and ``seconds`` (0: no limit), with a progress bar. Returns its figures."""
-        todo = [c for c, _ in counts.most_common() if self.wanted(c)][:calls]
+    def ask_blocking(self, starts: Counter[str], seen: Counter[str], calls: int, seconds: float, what: str) -> dict[str, float]:
+        """Ask unanswered captions, in batches, up to ``calls`` and ``seconds`` (0: no limit), with
+        a progress bar: first those steps with an event started from (``starts``: where an answer
+        can pay), most frequent first, then the most frequent of ``seen``. Returns its figures;
+        ``covered`` is the share of ``starts``' steps whose caption now has goals."""
+        order = [c for c, _ in starts.most_common()] + [c for c, _ in seen.most_common()]
+        todo = [c for c in dict.fromkeys(order) if self.wanted(c)][:calls]
         start, asked, done = time.perf_counter(), 0, 0
         if todo:
             with make_progress(self.train.settings.run.progress) as progress:
@@ -325,10 +332,10 @@ class GoalReward:
                     asked += len(chunk)
                     if progress is not None:
                         progress.update(bar, completed=asked, info=f"{done} answered")
-        total = sum(counts.values())
-        covered = sum(n for c, n in counts.items() if self.goals_for(c) is not None)
-        return {"captions": float(len(counts)), "calls": float(asked), "answered": float(done),
-                "seconds": time.perf_counter() - start, "covered": covered / max(1, total)}
+        basis = starts or seen
+        covered = sum(n for c, n in basis.items() if self.goals_for(c) is not None) / max(1, sum(basis.values()))
+        return {"captions": float(len(set(starts) | set(seen))), "calls": float(asked), "answered": float(done),
+                "seconds": time.perf_counter() - start, "covered": covered}
 
     def presuggest(self) -> None:
         """Before training: caption random rollouts; ask their most frequent captions; embed
@@ -338,11 +345,17 @@ class GoalReward:
             return
         start = time.perf_counter()
         trajectories = self.task.reference_trajectories(cfg.presuggest_episodes, self.train.seed, cfg.presuggest_steps)
-        counts = Counter(self.task.caption(o) for t in trajectories for o in t.obs)
-        events = {e for t in trajectories for o, n in zip(t.obs, t.next_obs) for e in self.task.caption_transition(o, n).split(", ") if e}
+        seen, starts, events = Counter(), Counter(), set()
+        for t in trajectories:
+            for o, n in zip(t.obs, t.next_obs):
+                caption, did = self.task.caption(o), self.task.caption_transition(o, n)
+                seen[caption] += 1
+                if did:
+                    starts[caption] += 1
+                    events.update(did.split(", "))
         self.figures["rollout_s"] = time.perf_counter() - start
         if self.cfg.goals == "llm" and cfg.presuggest_calls:
-            self.figures.update(self.ask_blocking(counts, cfg.presuggest_calls, cfg.presuggest_s, "suggesting goals"))
+            self.figures.update(self.ask_blocking(starts, seen, cfg.presuggest_calls, cfg.presuggest_s, "suggesting goals"))
         if self.embeddings is not None:
             self.embeddings.get(sorted(events) + (self.fixed if cfg.goals == "fixed" else []))
 
@@ -354,7 +367,7 @@ class GoalReward:
         while self.points and self.train.progress >= self.points[0]:
             self.points.pop(0)  # points passed in one batch count once
         if self.cfg.goals == "llm" and self.cfg.resuggest_calls:
-            figures = self.ask_blocking(self.seen, self.cfg.resuggest_calls, self.cfg.resuggest_s,
+            figures = self.ask_blocking(self.starts, self.seen, self.cfg.resuggest_calls, self.cfg.resuggest_s,
                                         f"suggesting goals at {point:.0%}")
             self.train.log_metric(f"{NAME}/resuggest_covered", figures["covered"])
 
@@ -384,6 +397,7 @@ class GoalReward:
         return term if paid.any() else None
 
     def _pay(self, env: int, caption: str, text: str, unlocked: torch.Tensor | None) -> float:
+        self.starts[caption] += 1
         goals = self.goals_for(caption)
         if goals is None:
             self.unanswered += 1

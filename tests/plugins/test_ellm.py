@@ -139,13 +139,13 @@ def test_the_prompt_asks_for_free_form_goals_and_the_answer_is_cached_per_captio
     plugin, train = make(task, llm)
     goals = train.state[ellm.NAME]
     caption = task.caption(_obs(task, see=["tree"]).numpy())
-    assert goals.ask_blocking(ellm.Counter({caption: 3}), calls=4, seconds=0, what="t")["answered"] == 1
+    assert goals.ask_blocking(ellm.Counter(), ellm.Counter({caption: 3}), calls=4, seconds=0, what="t")["answered"] == 1
     (call,) = llm.calls
     system = call.messages[0]["content"]
     assert caption in call.last and call.tag == "ellm/suggest"
     assert "collect_wood" not in system and "Choose only" not in system  # no fixed list of goals
     assert plugin.suggested == {caption: ["chop a tree", "build a table"]}
-    assert goals.ask_blocking(ellm.Counter({caption: 3}), calls=4, seconds=0, what="t")["calls"] == 0  # cached
+    assert goals.ask_blocking(ellm.Counter(), ellm.Counter({caption: 3}), calls=4, seconds=0, what="t")["calls"] == 0  # cached
     assert len(llm.calls) == 1
     assert ["chop a tree", "build a table"] in llm.embed.calls  # goals embedded when they arrive
 
@@ -155,8 +155,11 @@ def test_presuggest_asks_the_most_frequent_rollout_captions_within_the_budget(ta
     plugin, train = make(task, llm, presuggest_episodes=2, presuggest_steps=100, presuggest_calls=3)
     assert len(llm.calls) == 3 and len(plugin.suggested) == 3
     trajectories = task.reference_trajectories(2, train.seed, 100)
-    counts = ellm.Counter(task.caption(o) for t in trajectories for o in t.obs)
-    assert set(plugin.suggested) == {c for c, _ in counts.most_common(3)}
+    pairs = [(o, n) for t in trajectories for o, n in zip(t.obs, t.next_obs)]
+    starts = ellm.Counter(task.caption(o) for o, n in pairs if task.caption_transition(o, n))
+    seen = ellm.Counter(task.caption(o) for o, _ in pairs)
+    order = list(dict.fromkeys([c for c, _ in starts.most_common()] + [c for c, _ in seen.most_common()]))
+    assert starts and set(plugin.suggested) == set(order[:3])  # where a step did something first, then the most visited
     m = _end(plugin, train)
     assert m["ellm/presuggest_calls"] == 3 and 0 < m["ellm/presuggest_covered"] <= 1 and m["llm/calls"] == 3
 
@@ -255,6 +258,20 @@ def test_the_fixed_goals_control_calls_no_llm_and_changes_no_share(task):
     m = _end(plugin, train)
     assert llm.calls == [] and m["llm/calls"] == 0 and m["llm/changed_share"] == 0 and m["ellm/control"] == 1
     assert m["ellm/bonus_share"] == 1 and m["ellm/goals_achieved_from_suggestions"] == 0
+
+
+def test_resuggest_points_ask_where_steps_did_something_before_the_most_visited(task):
+    llm = with_embedder(ScriptedLLM(answer=lambda m, tag: "1. Chop a tree"), FakeEmbedder(KNOWN))
+    plugin, train = make(task, llm, resuggest_at=[0.5], resuggest_calls=1)
+    cow, tree, wood = _obs(task, see=["cow"]), _obs(task, see=["tree"]), _obs(task, see=["tree"], have=["wood"])
+    for _ in range(3):
+        plugin.compute_reward(train, _batch(task, [cow], [cow]))
+    plugin.compute_reward(train, _batch(task, [tree], [wood]))  # once, but it collected wood
+    train.frames = train.total_frames // 2
+    plugin.on_rollout(train, None)
+    (call,) = llm.calls
+    assert "You see: tree." in call.last
+    assert train.metrics["ellm/resuggest_covered"][-1][1] == 1.0  # every step with an event now has goals
 
 
 def test_resuggest_points_ask_the_agents_most_frequent_unanswered_captions(task):
@@ -390,3 +407,70 @@ def test_smoke_run_with_the_fake_llm_trains_on_the_suggestions(make_config, monk
     assert summary.failed == 0
     (result,) = seen
     assert result.metrics["llm/changed_share"] > 0 and result.metrics["ellm/goal_reward"] > 0, result.metrics
+
+
+#: goal/caption calibration set: each of Crafter's step captions with free-form goals that mean it (the
+#: kind the LLM writes), and goals that match no step; every other (goal, caption) pair is a negative
+CALIBRATION = {
+    "collect wood": ["chop down a tree", "get wood", "gather wood from trees", "cut the tree"],
+    "collect stone": ["mine stone", "get some stone", "dig stone with the pickaxe"],
+    "collect coal": ["mine coal", "gather coal"],
+    "collect iron": ["mine iron ore", "get iron"],
+    "collect diamond": ["mine a diamond", "find diamonds"],
+    "collect sapling": ["pick up a sapling", "gather saplings from the grass"],
+    "drink water": ["drink from the lake", "drink some water", "quench your thirst"],
+    "place table": ["build a crafting table", "place a workbench", "craft a table"],
+    "place furnace": ["build a furnace", "set up a furnace"],
+    "place stone": ["put down a stone block", "build a stone wall"],
+    "place plant": ["plant a sapling", "plant a tree"],
+    "make wood pickaxe": ["craft a wooden pickaxe", "make a pickaxe from wood"],
+    "make stone pickaxe": ["craft a stone pickaxe"],
+    "make iron pickaxe": ["craft an iron pickaxe"],
+    "make wood sword": ["craft a wooden sword"],
+    "make stone sword": ["craft a stone sword"],
+    "make iron sword": ["forge an iron sword"],
+    "eat cow": ["kill a cow and eat it", "hunt a cow for food", "eat beef"],
+    "eat plant": ["eat the ripe plant", "harvest and eat a plant"],
+    "sleep": ["go to sleep", "rest to regain energy"],
+    "wake up": ["wake up after sleeping"],
+    "defeat zombie": ["kill the zombie", "fight the zombie"],
+    "defeat skeleton": ["kill a skeleton", "fight skeletons in the cave"],
+}
+UNMATCHED = ["explore the area", "find water", "look for cows", "avoid zombies", "build a house", "find a cave",
+             "survive the night", "stay healthy"]
+
+
+def calibration_figures(embeddings: ellm.Embeddings, threshold: float) -> dict[str, float]:
+    """Over :data:`CALIBRATION`: the AUC of positive over negative pairs, how often the right caption is a
+    goal's nearest, recall and precision at ``threshold``, and the F1-best threshold."""
+    captions = list(CALIBRATION)
+    goals = [(g, c) for c, gs in CALIBRATION.items() for g in gs] + [(g, None) for g in UNMATCHED]
+    sims = embeddings.get([g for g, _ in goals]) @ embeddings.get(captions).T
+    right = np.array([[c == caption for caption in captions] for _, c in goals])
+    pos, neg = sims[right], sims[~right]
+    top1 = np.mean([captions[int(np.argmax(row))] == c for row, (_, c) in zip(sims, goals) if c is not None])
+
+    def f1(t: float) -> float:
+        tp, fp = (pos >= t).sum(), (neg >= t).sum()
+        return 2 * tp / max(1, 2 * tp + fp + (len(pos) - tp))
+
+    best = max(np.round(np.linspace(0, 1, 101), 2), key=f1)
+    return {"auc": float((pos[:, None] > neg[None, :]).mean()), "top1": float(top1),
+            "recall": float((pos >= threshold).mean()), "precision": float((pos >= threshold).sum() / max(1, (sims >= threshold).sum())),
+            "f1": f1(threshold), "best_threshold": float(best), "best_f1": f1(best),
+            "positives": float(len(pos)), "negatives": float(len(neg)), "false_positives": float((neg >= threshold).sum())}
+
+
+@pytest.mark.slow
+def test_the_threshold_separates_paraphrases_on_the_embedded_model(tmp_path, task):
+    """The figure on the page: the embedded model's centred cosines at the configured threshold."""
+    from core.llm import make_client
+
+    client = make_client({"model": "embedded/qwen2.5-coder-1.5b-instruct", "cache_path": str(tmp_path / "c.sqlite"),
+                          "n_threads": 1, "show_progress": False})
+    cfg = ellm.Config()
+    embeddings = ellm.Embeddings(client, cfg.embed_model, [ellm.goal_phrase(n) for n in ellm.goal_names(task)], cfg.center)
+    figures = calibration_figures(embeddings, cfg.threshold)
+    print(figures)
+    assert figures["auc"] > 0.95 and figures["top1"] > 0.85
+    assert figures["precision"] > 0.75 and figures["recall"] > 0.6
