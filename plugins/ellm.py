@@ -129,8 +129,11 @@ def goal_phrase(name: str) -> str:
 
 
 def plain_aim(goal: str) -> str:
-    """The task's goal without its asides on state fields ("(`health` above 0)"): words for a player, not a program."""
-    return re.sub(r"\s*\([^)]*`[^)]*\)", "", goal).replace("`", "")
+    """The task's goal in words for a player: its first clause, without asides on state fields
+    ("(`health` above 0)"). Not the list after a colon: the small model recited it as its goals
+    ("collect resources; craft tools; place objects; eat; drink") for every state."""
+    text = re.sub(r"\s*\([^)]*`[^)]*\)", "", goal).replace("`", "").split(":")[0].strip()
+    return text if text.endswith(".") else text + "."
 
 
 #: a line's list marker ("1.", "2)", "-", "*", "a.") and the markup around a goal
@@ -153,6 +156,8 @@ def parse_suggestions(reply: str, k: int) -> list[str]:
         for part in line.split(","):
             item = re.split(r":|\s[-\u2013\u2014]\s|\(|\.\s", part)[0].strip(" .!'").lower()
             item = re.sub(r"^(?:to|then|and)\s+", "", item)
+            if len(item.split()) > 6:  # "chop the tree with the wood pickaxe": the goal before its means or purpose
+                item = re.split(r"\s(?:with|using|to|so|for|in order to|because)\s", item)[0]
             if not item or len(item.split()) > 6 or item.startswith(_NOT_GOAL):
                 continue
             if item not in goals:

@@ -121,6 +121,14 @@ def test_free_form_suggestions_are_parsed_from_lists_markup_and_explanations():
                                                  "place table"]
     assert ellm.parse_suggestions(reply, 2) == ["chop down the tree", "craft a wooden pickaxe"]
     assert ellm.parse_suggestions("Goals:\ncollect wood; place table", 5) == ["collect wood", "place table"]
+    # a long line keeps its goal before the means or purpose; "go to sleep" is short enough to stay whole
+    assert ellm.parse_suggestions("1. Chop the tree with the wood pickaxe.\nCut the sapling to make a branch.\n3. go to sleep",
+                                  5) == ["chop the tree", "cut the sapling", "go to sleep"]
+
+
+def test_the_aim_is_the_goals_first_clause_in_plain_words(task):
+    assert ellm.plain_aim(task.goal) == "Survive in the Crafter world and unlock as many of its 22 achievements as possible."
+    assert ellm.plain_aim("Balance the pole") == "Balance the pole."
     assert ellm.parse_suggestions("", 3) == [] and ellm.parse_suggestions(fakes.ellm_goals("x"), 5) == [
         "sleep", "collect sapling", "place plant", "collect wood"]
 
