@@ -1,42 +1,52 @@
-"""progress_reward: the LLM judges the agent's progress; its score is blended into the reward.
+"""progress_reward: the LLM scores the agent's progress; a distilled evaluator blends it into every step's reward.
 
 Method (design note "Progress Reward Model for Reinforcement Learning via Large Language
 Models"):
 
-1. Semantic channel: the task's text rendering of a state, with the recent actions, goes
-   to the LLM with at most three sentences of background, a list of evaluation
-   dimensions and a fixed output format (``Score: 1-10`` and ``Reason: ...``). Replies
-   without a usable score are rejected.
-2. Consistency: each state is scored ``samples`` times; the median is kept when the
-   samples agree (confidence >= ``confidence``), otherwise a rule scores the state
-   (how the episode's env return so far ranks among the returns seen).
-3. Cost: states are judged only every ``eval_every`` steps (the score is reused in
-   between); a KD-tree over judged states serves similar states within ``cache_radius``;
-   once ``distill.min_labels`` states are scored, a small ensemble regresses the score
-   from the state and answers wherever it agrees with itself and the state is not novel.
-4. Asynchrony: a worker thread asks the LLM; the reward transform never waits, it reads
-   the results the worker left in a ring buffer.
+1. Semantic channel: the task's text rendering of a state goes to the LLM with at most
+   three sentences of background and a list of evaluation dimensions; the LLM rates the
+   agent's progress on a 1-10 scale.
+2. Scores as expected values (``score: expected``, the default): the reply is one digit
+   0-9 (1-10 shifted down, so that one token decides: "10" would be two tokens), read
+   from the first answer token's log-probabilities in one call as
+   ``1 + sum_d p(d) * d / sum_d p(d)``. ``score: median`` keeps the note's
+   consistency rule instead: ``samples`` sampled ``Score: N | Reason: ...`` replies, the
+   median kept when they agree (``confidence``), otherwise a rule scores the state.
+3. Where the calls go: a few hundred states are scored before training, blocking and in
+   batches, chosen to cover the range (reference rollouts of the task, random and the
+   task's controller where it has one, spread over their time; near-duplicates
+   skipped), and ``rounds.states`` of the agent's own states at a few fixed points of
+   the budget (``rounds.at``), spread over the evaluator's current scores.
+4. Distillation: after each scoring round a small MLP ensemble regresses the LLM's
+   scores from the state; it scores every env's state at every step, so the LLM's
+   judgement reaches nearly every step's reward (the note's distilled evaluator for
+   deployment).
 5. Mixed reward: ``w_env * r + w_llm * z(progress) + w_exp * bonus`` with stage weights
    (early / middle / late fractions of the budget), a running z-score (EMA 0.99) of the
-   progress score, and a count-based novelty bonus. With ``shaping`` the LLM term is the
-   potential difference ``gamma * z(s') - z(s)``, which keeps the optimal policy.
+   evaluator's score, and a count-based novelty bonus. With ``shaping`` the LLM term is
+   the potential difference ``gamma * z(s') - z(s)``, which keeps the optimal policy.
 6. Sparse-signal guard: when the LLM keeps scoring no progress, its weight moves to the
    exploration bonus until a better score comes (logged).
 
+Before training the LLM's scores are checked against the true progress of the reference
+states (Spearman rank correlation, ``judge/rank_correlation``): achievements unlocked so
+far where the task counts them (Crafter), else the share of the way through the task's
+controller's successful episodes, else the return so far of random episodes.
+
+With every stage's LLM weight 0 (the study's ``progress_no_llm`` control) the plugin
+makes no LLM call and the reward is the same blend without the LLM term.
+
 Config: ``conf/plugins/progress_reward.yaml`` (schema: :class:`Config`). Each training's
-judge lives in ``train.state["progress_reward"]``. The evaluator's reasons are logged as
-the text artifact ``progress_reward/reasons.md``.
+judge lives in ``train.state["progress_reward"]``. Every LLM score (state, probabilities
+or samples, true progress) goes to the text artifact ``progress_reward/reasons.md``.
 """
 
 from __future__ import annotations
 
 import math
-import queue
 import re
 import statistics
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,12 +54,17 @@ import numpy as np
 import torch
 
 from core import PluginConfig, hookimpl
+from core.errors import UserError
+from core.llm.background import warm_up
 
 if TYPE_CHECKING:  # pragma: no cover
     from core.context import StepBatch, TrainContext
+    from core.envs.task import Task, Trajectory
     from core.records import TrainResult
 
 NAME = "progress_reward"
+SCORES = ("expected", "median")
+DEDUPE = ("features", "caption", "none")
 
 
 @dataclass
@@ -72,17 +87,33 @@ class Sparse:
 
 
 @dataclass
-class Distill:
-    """``distill``: a small ensemble serves most evaluations once enough states are scored."""
+class Reference:
+    """``reference``: the states scored before training."""
 
-    enabled: bool = True  # fit and use the distilled evaluator
-    min_labels: int = 24  # LLM-scored states before the first fit
-    refit_every: int = 16  # new LLM scores between refits
-    members: int = 3  # ensemble size; their spread is the uncertainty
+    episodes: int = 16  # reference rollouts of each kind: random, and the task's controller where it has one
+    max_steps: int = 500  # steps per reference rollout at most
+    # rollout seed, the same for every training seed: the same states and prompts, so the LLM cache
+    # answers them for every later seed and run
+    seed: int = 0
+    states: int = 160  # states scored before training (spread over the rollouts' time, near-duplicates skipped)
+
+
+@dataclass
+class Rounds:
+    """``rounds``: the agent's own states scored during training."""
+
+    at: list[float] = field(default_factory=lambda: [0.15, 0.35, 0.6])  # budget fractions at which training stops to score
+    states: int = 32  # agent states scored per round (spread over the evaluator's current scores)
+    buffer: int = 2048  # agent states kept to choose from (a uniform sample of the training's states so far)
+
+
+@dataclass
+class Distill:
+    """``distill``: the small ensemble that scores every step from the LLM's scores."""
+
+    members: int = 3  # ensemble size (each fitted on a bootstrap of the scores; their mean is the score)
     hidden: int = 64  # hidden units of each member
-    epochs: int = 200  # full-batch Adam steps per fit
-    max_std: float = 0.75  # ask the LLM when the members disagree by more than this (score points)
-    novelty_radius: float = 3.0  # ask the LLM when the nearest judged state is farther than this
+    epochs: int = 300  # full-batch Adam steps per fit
 
 
 @dataclass
@@ -93,41 +124,52 @@ class Config(PluginConfig):
     background: str | None = None  # task background for the prompt (<= 3 sentences); None = the goal cut to 3 sentences
     dimensions: list[str] = field(default_factory=lambda: [  # evaluation dimensions listed in the prompt
         "closeness to the goal", "avoiding failure or danger", "useful intermediate steps achieved"])
-    recent_actions: int = 4  # how many of the env's last actions the prompt shows
-    samples: int = 3  # evaluations per state; the median is kept (design: 3)
-    temperature: float = 0.7  # sampling temperature of the evaluations
-    max_tokens: int = 40  # cap on each reply: a score and a short reason
-    agree_tol: float = 1.0  # a sample agrees with the median when within this many points
-    # below this share of agreeing samples, the fallback rule scores the state (design: 0.7; 0.6 = two of three)
+    # expected: one call per state, a digit 0-9 whose first-token probabilities give the expected score;
+    # median: the median of `samples` sampled "Score: N | Reason: ..." replies (the design note's 3 votes)
+    score: str = "expected"
+    top_logprobs: int = 20  # score=expected: first-token alternatives read (OpenAI-style backends give at most 20)
+    min_mass: float = 0.5  # score=expected: a reply whose digits hold less of the first token's probability is rejected
+    samples: int = 3  # score=median: sampled replies per state (design: 3)
+    temperature: float = 0.7  # score=median: sampling temperature
+    max_tokens: int = 40  # score=median: cap on each reply (a score and a short reason)
+    agree_tol: float = 1.0  # score=median: a sample agrees with the median when within this many points
+    # score=median: below this share of agreeing samples the fallback rule scores the state (design: 0.7; 0.6 = two of three)
     confidence: float = 0.6
-    eval_every: int = 4  # judge the envs' states every k steps and reuse the score in between (design: 4)
-    cache_radius: float = 0.5  # a judged state within this distance (per-dimension-scaled features) is reused (KD-tree)
-    scale_states: int = 256  # states used to fix the per-dimension feature scale
+    batch: int = 8  # states asked together (llm.chat_many); the progress bar advances per batch
+    # features: skip a state within dedupe_radius (scaled features) of one already scored; caption: skip a
+    # state whose Task.caption was scored; none: score every chosen state
+    dedupe: str = "features"
+    dedupe_radius: float = 0.5  # dedupe=features: distance below which two states count as one
+    eval_every: int = 1  # the distilled evaluator scores the envs' states every k steps (reused in between)
     novelty_cell: float = 0.5  # grid cell (scaled features) of the count-based exploration bonus 1/sqrt(n)
-    ema: float = 0.99  # decay of the running mean and variance that z-score the LLM score
+    ema: float = 0.99  # decay of the running mean and variance that z-score the evaluator's score
     shaping: bool = False  # true: the LLM term is gamma*z(s') - z(s) (potential-based; keeps the optimal policy)
     gamma: float = 0.99  # discount of the potential-based shaping
-    max_pending: int = 4  # states waiting for the LLM; more are dropped (the training loop never waits)
-    ring_size: int = 256  # finished evaluations the worker can leave for the reward side
-    # after training, wait up to this long for the LLM call in progress (so it is logged); 0 = do not wait
-    finish_s: float = 30.0
-    max_reasons: int = 300  # reasons kept for the artifact progress_reward/reasons.md
+    max_reasons: int = 400  # scored states listed in the artifact progress_reward/reasons.md
     stages: Stages = field(default_factory=Stages)  # weights (env, llm, exploration) per training stage
     sparse: Sparse = field(default_factory=Sparse)  # sparse-signal guard
-    # the distilled evaluator: a small ensemble serves most evaluations once enough states are scored
-    distill: Distill = field(default_factory=Distill)
+    reference: Reference = field(default_factory=Reference)  # the states scored before training
+    rounds: Rounds = field(default_factory=Rounds)  # the agent's states scored during training
+    distill: Distill = field(default_factory=Distill)  # the evaluator that scores every step
 
     def check(self) -> None:
         super().check()
-        for name in ("samples", "max_tokens", "eval_every", "max_pending", "ring_size", "scale_states"):
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
+        if self.dedupe not in DEDUPE:
+            raise ValueError(f"dedupe must be one of {', '.join(DEDUPE)}, got {self.dedupe!r}")
+        for name in ("samples", "max_tokens", "eval_every", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.confidence <= 1.0:
-            raise ValueError(f"confidence must be in [0, 1], got {self.confidence}")
+        if not 1 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in 1..20, got {self.top_logprobs}")
+        if not 0.0 <= self.confidence <= 1.0 or not 0.0 <= self.min_mass <= 1.0:
+            raise ValueError(f"confidence and min_mass must be in [0, 1], got {self.confidence} and {self.min_mass}")
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {self.ema}")
-        if self.cache_radius < 0 or self.novelty_cell <= 0:
-            raise ValueError(f"cache_radius must be >= 0 and novelty_cell > 0, got {self.cache_radius} and {self.novelty_cell}")
+        if self.dedupe_radius < 0 or self.novelty_cell <= 0:
+            raise ValueError(f"dedupe_radius must be >= 0 and novelty_cell > 0, got {self.dedupe_radius} and "
+                             f"{self.novelty_cell}")
         if not self.dimensions:
             raise ValueError("dimensions must list at least one evaluation dimension")
         for stage in ("early", "middle", "late"):
@@ -138,19 +180,40 @@ class Config(PluginConfig):
             raise ValueError(f"stages.boundaries must be increasing, got {self.stages.boundaries}")
         if self.sparse.window < 1:
             raise ValueError(f"sparse.window must be >= 1, got {self.sparse.window}")
-        if self.distill.members < 1 or self.distill.min_labels < 1:
-            raise ValueError(f"distill.members and distill.min_labels must be >= 1, got {self.distill.members}, "
-                             f"{self.distill.min_labels}")
+        ref, rounds = self.reference, self.rounds
+        if ref.episodes < 1 or ref.max_steps < 1 or ref.states < 0:
+            raise ValueError(f"reference.episodes and reference.max_steps must be >= 1 and reference.states >= 0, "
+                             f"got {ref.episodes}, {ref.max_steps}, {ref.states}")
+        if any(not 0.0 < a < 1.0 for a in rounds.at) or list(rounds.at) != sorted(rounds.at):
+            raise ValueError(f"rounds.at must be increasing budget fractions in (0, 1), got {rounds.at}")
+        if rounds.states < 0 or rounds.buffer < 1:
+            raise ValueError(f"rounds.states must be >= 0 and rounds.buffer >= 1, got {rounds.states}, {rounds.buffer}")
+        if self.distill.members < 1 or self.distill.hidden < 1 or self.distill.epochs < 1:
+            raise ValueError("distill.members, distill.hidden and distill.epochs must be >= 1")
+
+    def llm_off(self) -> bool:
+        """Every stage gives the LLM weight 0 (the no-LLM control): no call is worth making."""
+        return all(float(getattr(self.stages, s)[1]) == 0.0 for s in ("early", "middle", "late"))
 
 
 # -- prompt pieces -----------------------------------------------------------------------
 
 SYSTEM = "You are a strict coach who rates how much progress an agent has made towards its goal."
 
-PROMPT = """Task: {background}
+# score=expected: the question after the state (a 1.5B model judged worse with it before), one digit
+# as the whole answer so that the first token's probabilities are the score's distribution
+DIGIT_PROMPT = """Task: {background}
 Judge the agent on:
 {dimensions}
-Recent actions: {actions}
+Current state:
+{state}
+
+How much progress has the agent made towards the goal? Reply with a single digit from 0 (no progress) to 9 (the goal is fully achieved)."""
+
+# score=median: the design note's format, a score and a short reason
+TEXT_PROMPT = """Task: {background}
+Judge the agent on:
+{dimensions}
 Current state:
 {state}
 
@@ -170,23 +233,62 @@ def background_of(goal: str, limit: int = 3) -> str:
     return " ".join(s for s in sentences[:limit] if s)
 
 
-def build_prompt(background: str, dimensions: list[str], state: str, actions: str) -> list[dict[str, str]]:
-    """The chat messages that ask for one progress score."""
+def build_prompt(background: str, dimensions: list[str], state: str, score: str = "expected") -> list[dict[str, str]]:
+    """The chat messages that ask for one progress score (``score``: the config's mode)."""
     dims = "\n".join(f"- {d}" for d in dimensions)
-    user = PROMPT.format(background=background, dimensions=dims, actions=actions or "none", state=state)
+    template = DIGIT_PROMPT if score == "expected" else TEXT_PROMPT
+    user = template.format(background=background, dimensions=dims, state=state)
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
 @dataclass
+class Expected:
+    """One ``score=expected`` reply read: the score in [1, 10] and where it came from."""
+
+    score: float
+    probs: dict[int, float]  # digit -> probability among the digits (empty when read from the text)
+    source: str  # "logprobs", or "text" (no usable log-probabilities: the replied digit)
+
+
+def expected_score(reply: Any, min_mass: float = 0.5) -> Expected | None:
+    """The expected score ``1 + E[digit]`` of a one-digit reply, or None when unusable.
+
+    The digits' probabilities come from the first token's alternatives (tokens that strip
+    to one digit; their probabilities summed). They are used when they hold at least
+    ``min_mass`` of the probability and belong to the reply: a greedy reply is the most
+    likely alternative, so a replied digit that is missing from them or less likely than
+    another means they describe some other decoding. Otherwise the replied digit itself
+    is the score (a backend without log-probabilities). None when neither gives a digit.
+    """
+    text = str(getattr(reply, "text", "") or "").strip()
+    said = int(text[0]) if text[:1].isdigit() else None
+    logprobs = getattr(reply, "logprobs", None) or {}
+    probs: dict[int, float] = {}
+    for token, lp in logprobs.items():
+        key = str(token).strip()
+        if len(key) == 1 and key.isdigit() and lp is not None and math.isfinite(lp):
+            probs[int(key)] = probs.get(int(key), 0.0) + math.exp(float(lp))
+    mass = sum(probs.values())
+    if probs and mass >= min_mass:
+        best = max(probs.values())
+        if said is None or probs.get(said, 0.0) >= best * (1 - 1e-6):
+            share = {d: p / mass for d, p in sorted(probs.items())}
+            return Expected(1.0 + sum(d * p for d, p in share.items()), share, "logprobs")
+    if said is None:
+        return None
+    return Expected(1.0 + said, {}, "text")
+
+
+@dataclass
 class Judgement:
-    """One parsed reply: a score in [1, 10] and the reason (empty when absent)."""
+    """One parsed ``score=median`` reply: a score in [1, 10] and the reason (empty when absent)."""
 
     score: float
     reason: str
 
 
 def parse_reply(text: str) -> Judgement | None:
-    """The score and reason of a reply, or None when it is malformed.
+    """The score and reason of a ``Score: N | Reason: ...`` reply, or None when it is malformed.
 
     Accepts ``Score: 7``, ``**Score:** 7/10``, ``评分：7``; falls back to a lone ``7/10``.
     ``Score: 0`` (the small model's "no progress at all") counts as 1. Rejects replies
@@ -226,6 +328,56 @@ def rule_score(episode_return: float, returns_seen: list[float]) -> float:
     return 1.0 + 9.0 * rank
 
 
+def spearman(x: np.ndarray | list[float], y: np.ndarray | list[float]) -> float:
+    """Spearman's rank correlation (Pearson's on average ranks, so ties count as ties); nan
+    for fewer than 3 pairs or a constant side."""
+    from scipy.stats import rankdata
+
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    if len(x) != len(y):
+        raise ValueError(f"spearman needs pairs, got {len(x)} and {len(y)} values")
+    if len(x) < 3:
+        return float("nan")
+    rx, ry = rankdata(x) - (len(x) + 1) / 2, rankdata(y) - (len(y) + 1) / 2
+    den = math.sqrt(float((rx * rx).sum() * (ry * ry).sum()))
+    return float((rx * ry).sum() / den) if den > 0 else float("nan")
+
+
+def reference_progress(task: Task, trajectories: list[Trajectory]) -> tuple[list[np.ndarray | None], str]:
+    """The true progress of every state a reference trajectory reached (its ``next_obs``),
+    per trajectory (None: not defined there), and the definition in words.
+
+    - A task that counts achievements (a field ``achievements_unlocked``, Crafter): the
+      achievements unlocked so far in the episode, on every trajectory.
+    - Else, a task with a controller: the share of the episode done, ``(t + 1) / T``, on
+      the controller's successful episodes only (a random episode's time is no progress).
+    - Else: the return so far under the task's reward, on the random episodes.
+    """
+    if "achievements_unlocked" in task.field_names():
+        out = [task.split_state(torch.as_tensor(t.next_obs))["achievements_unlocked"].double().numpy() for t in trajectories]
+        return out, "achievements unlocked so far in the episode"
+    if any(t.source == "controller" and t.success for t in trajectories):
+        return ([np.arange(1, t.length + 1) / t.length if t.source == "controller" and t.success else None
+                 for t in trajectories], "share of the way through the controller's successful episodes")
+    return [np.cumsum(t.env_reward.astype(np.float64)) for t in trajectories], "return so far of random episodes"
+
+
+def spread_order(n: int) -> np.ndarray:
+    """The indices ``0..n-1`` in an order whose every prefix spreads over the whole range
+    (bit-reversed quantiles: 0, n/2, n/4, 3n/4, ...), so that taking the first k of a
+    sorted list covers it from low to high."""
+    if n <= 0:
+        return np.zeros(0, np.int64)
+    bits = max(1, math.ceil(math.log2(n)))
+    k = np.arange(1 << bits)
+    rev = np.zeros_like(k)
+    for b in range(bits):
+        rev |= ((k >> b) & 1) << (bits - 1 - b)
+    idx = (rev * n) >> bits
+    _, first = np.unique(idx, return_index=True)
+    return idx[np.sort(first)]
+
+
 def stage_weights(progress: float, boundaries: list[float], stages: list[list[float]]) -> tuple[float, float, float]:
     """(env, llm, exploration) weights of the stage ``progress`` (budget fraction) is in."""
     index = sum(progress >= b for b in boundaries)
@@ -237,7 +389,8 @@ class RunningZ:
     """Running z-score with exponential moving mean and variance (decay 0.99 by default).
 
     ``mean <- d*mean + (1-d)*x``; ``var <- d*var + (1-d)*(x-mean)^2``; the first value
-    sets the mean, the variance starts at ``var0``.
+    sets the mean, the variance starts at ``var0``. :meth:`update_batch` applies the same
+    step to a batch's mean and its mean squared deviation (one step per env step).
     """
 
     def __init__(self, decay: float = 0.99, var0: float = 1.0) -> None:
@@ -251,16 +404,23 @@ class RunningZ:
             self.var = self.decay * self.var + (1 - self.decay) * (x - self.mean) ** 2
         self.count += 1
 
+    def update_batch(self, xs: np.ndarray) -> None:
+        if self.count == 0:
+            self.mean = float(np.mean(xs))
+        else:
+            self.mean = self.decay * self.mean + (1 - self.decay) * float(np.mean(xs))
+            self.var = self.decay * self.var + (1 - self.decay) * float(np.mean((xs - self.mean) ** 2))
+        self.count += 1
+
     def normalize(self, x: np.ndarray) -> np.ndarray:
         return (x - self.mean) / (math.sqrt(self.var) + 1e-8)
 
 
 class StateCache:
-    """Judged states in a KD-tree: a similar state (within ``radius``) reuses the score.
+    """Scored states in a KD-tree: the nearest one's distance and score (near-duplicate check).
 
     New states wait in a small list searched by brute force; the tree is rebuilt only when
-    that list reaches a quarter of the tree (at least ``rebuild_min``), so the reward
-    side never rebuilds it after every finished evaluation.
+    that list reaches a quarter of the tree (at least ``rebuild_min``).
     """
 
     def __init__(self, radius: float, rebuild_min: int = 64) -> None:
@@ -301,11 +461,17 @@ class StateCache:
 
 
 class Distiller:
-    """A small ensemble regressing the LLM score from state features (mean and spread)."""
+    """A small ensemble regressing the LLM score from state features (mean and spread).
+
+    Targets are standardised for the fit (scores sit around 3-7 on a 1-10 scale) and
+    mapped back in :meth:`predict`.
+    """
 
     def __init__(self, dim: int, hidden: int = 64, members: int = 3, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.nets = [self._net(dim, hidden, gen) for _ in range(members)]
+        self.seed = seed
+        self.y_mean, self.y_std = 0.0, 1.0
 
     @staticmethod
     def _net(dim: int, hidden: int, gen: torch.Generator) -> torch.nn.Module:
@@ -315,26 +481,30 @@ class Distiller:
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
         return net
 
-    def fit(self, x: np.ndarray, y: np.ndarray, epochs: int = 200, lr: float = 1e-2) -> float:
-        """Fit every member on a bootstrap of (x, y); returns the final mean squared error."""
-        xt, yt = torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y, dtype=torch.float32)
+    def fit(self, x: np.ndarray, y: np.ndarray, epochs: int = 300, lr: float = 1e-2) -> float:
+        """Fit every member on a bootstrap of (x, y); returns the final mean squared error (score points^2)."""
+        y = np.asarray(y, np.float64)
+        self.y_mean, self.y_std = float(y.mean()), float(y.std()) or 1.0
+        xt = torch.as_tensor(x, dtype=torch.float32)
+        yt = torch.as_tensor((y - self.y_mean) / self.y_std, dtype=torch.float32)
         losses = []
         for k, net in enumerate(self.nets):
-            idx = torch.randint(len(xt), (len(xt),), generator=torch.Generator().manual_seed(k))
+            gen = torch.Generator().manual_seed(self.seed * 1000 + k)
+            idx = torch.randint(len(xt), (len(xt),), generator=gen) if len(self.nets) > 1 else torch.arange(len(xt))
             opt = torch.optim.Adam(net.parameters(), lr=lr)
             for _ in range(epochs):
                 loss = torch.nn.functional.mse_loss(net(xt[idx]).squeeze(-1), yt[idx])
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-            losses.append(float(loss.detach()))
+            losses.append(float(loss.detach()) * self.y_std**2)
         return float(np.mean(losses))
 
     @torch.no_grad()
     def predict(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         xt = torch.as_tensor(x, dtype=torch.float32)
-        out = torch.stack([net(xt).squeeze(-1) for net in self.nets])
-        return out.mean(0).numpy(), out.std(0).numpy()
+        out = torch.stack([net(xt).squeeze(-1) for net in self.nets]).double().numpy() * self.y_std + self.y_mean
+        return out.mean(0), out.std(0)
 
 
 class NoveltyCounter:
@@ -366,88 +536,78 @@ class NoveltyCounter:
         return 1.0 / np.sqrt(self.counts[idx])
 
 
-def preload(llm: Any) -> None:
-    """Load an in-process model now: loading holds the GIL for seconds, so it must not
-    happen in the worker while the training loop runs."""
-    settings = getattr(llm, "settings", None)
-    if settings is not None and getattr(settings, "is_embedded", False):
-        from core.llm import embedded
-
-        embedded.get_server(llm.model.split("/", 1)[1])
-
-
-def render_actions(actions: list[Any]) -> str:
-    return ", ".join(str(a) for a in actions)
+#: kept for callers of the earlier name (benchmarks/llm_judge.py): load an in-process model before the loop
+preload = warm_up
 
 
 # -- the judge -----------------------------------------------------------------------------
 
 
 @dataclass
-class _Request:
-    env: int
-    episode: int
-    obs: np.ndarray
-    feature: np.ndarray
-    actions: str
-    episode_return: float
-    frames: int
+class Label:
+    """One LLM-scored state."""
 
-
-@dataclass
-class _Result:
-    request: _Request
-    score: float
-    confidence: float
-    source: str  # "llm" or "rule"
-    samples: list[float]
-    reason: str
-    latency_s: float
+    obs: np.ndarray  # the flat observation
+    feature: np.ndarray  # its scaled features (the distiller's input)
+    score: float  # in [1, 10]
+    source: str  # "logprobs" / "text" (expected), "llm" / "rule" (median)
+    origin: str  # "reference" or "agent"
+    frames: int  # training frames when it was scored
+    detail: str  # probabilities or samples, for the artifact
+    truth: float = float("nan")  # the state's true progress (reference states where defined)
 
 
 @dataclass
 class _Counters:
     llm_calls: int = 0
     llm_replies_cached: int = 0
-    cache_hits: int = 0
-    distilled: int = 0
+    llm_seconds: float = 0.0
+    blocked_seconds: float = 0.0
     rejected: int = 0
     fallbacks: int = 0
-    dropped: int = 0
+    text_scores: int = 0
     llm_errors: int = 0
-    llm_latency: list[float] = field(default_factory=list)
-    distilled_latency: list[float] = field(default_factory=list)
-    sparse_steps: int = 0
+    duplicates: int = 0
+    distilled: int = 0
     steps: int = 0
+    env_steps: int = 0
+    changed: int = 0
+    sparse_steps: int = 0
+    term_sum: float = 0.0
+    term_sq: float = 0.0
 
 
 class ProgressJudge:
-    """Per-training state: the reward side (main thread) and the LLM worker thread."""
+    """Per-training state: reference scoring, the agent-state rounds, the per-step reward."""
 
     def __init__(self, train: TrainContext, cfg: Config) -> None:
         self.train, self.cfg = train, cfg
         self.task = train.task
+        self.llm_off = cfg.llm_off()
         self.background = cfg.background or background_of(self.task.goal)
         self.z = RunningZ(cfg.ema)
-        self.cache = StateCache(cfg.cache_radius)
-        self.requests: queue.Queue[_Request] = queue.Queue(maxsize=cfg.max_pending)
-        self.ring: deque[_Result] = deque(maxlen=cfg.ring_size)
+        self.seen = StateCache(cfg.dedupe_radius)  # scored states, for the near-duplicate check
+        self.captions: set[str] = set()
         self.counts = _Counters()
-        self.returns_seen: deque[float] = deque(maxlen=512)
-        self.recent_scores: deque[float] = deque(maxlen=cfg.sparse.window)
+        self.labels: list[Label] = []
+        self.returns_seen: list[float] = []
+        self.recent_scores: list[float] = []
         self.sparse = False
         self.reasons: list[str] = []
         self.distiller: Distiller | None = None
-        self.labels: list[tuple[np.ndarray, float]] = []
-        self._fitted_at = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._step = 0
+        self.quality: dict[str, float] = {}
+        self.progress_text = ""
+        self.summary = ""  # the quality check in words, for the artifact
+        self._rounds_left = sorted(cfg.rounds.at)
         self._scale: np.ndarray | None = None
-        self._scale_rows: list[np.ndarray] = []
+        self._step = 0
         self._b = 0
-        self._one_hot: bool | None = None
+        self._rng = np.random.default_rng(int(train.seed))
         self.novelty = NoveltyCounter(cfg.novelty_cell)
+        # the agent's states to choose round states from (a uniform reservoir sample)
+        self._buffer: list[tuple[np.ndarray, float]] = []
+        self._offered = 0
+        self._rollout_terms: list[float] = [0.0, 0.0, 0.0]  # n, sum, sum of squares since the last rollout
         # per-step constants read once: attribute lookups and list building cost every step
         self._eval_every = cfg.eval_every
         self._boundaries = list(cfg.stages.boundaries)
@@ -456,17 +616,220 @@ class ProgressJudge:
 
     # -- features ----------------------------------------------------------------------
     def features(self, obs: np.ndarray) -> np.ndarray:
-        """States scaled per dimension by their spread in the first batches seen."""
-        if self._scale is None:
-            self._scale_rows.append(obs)
-            rows = np.concatenate(self._scale_rows)
-            if len(rows) >= self.cfg.scale_states:
-                std = rows.std(0)
-                self._scale = np.where(std > 1e-6, std, 1.0)
-            else:
-                std = rows.std(0) if len(rows) > 1 else np.ones(obs.shape[-1])
-                return obs / np.where(std > 1e-6, std, 1.0)
+        """States scaled per dimension by their spread over the reference states."""
+        if self._scale is None:  # no reference states (not prepared): the first batch fixes the scale
+            std = obs.std(0) if len(obs) > 1 else np.ones(obs.shape[-1])
+            self._scale = np.where(std > 1e-6, std, 1.0)
         return obs / self._scale
+
+    # -- before training -------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Roll out the reference episodes, score a spread of their states (blocking), check
+        the scores against the states' true progress, and fit the evaluator."""
+        t0 = time.perf_counter()
+        cfg, ref = self.cfg, self.cfg.reference
+        trajectories = self.task.reference_trajectories(ref.episodes, ref.seed, ref.max_steps)
+        obs = np.concatenate([t.next_obs for t in trajectories]).astype(np.float64)
+        std = obs.std(0)
+        self._scale = np.where(std > 1e-6, std, 1.0)
+        self.returns_seen.extend(float(t.ground_truth) for t in trajectories)
+        truths, self.progress_text = reference_progress(self.task, trajectories)
+        truth = np.concatenate([t if t is not None else np.full(tr.length, np.nan) for t, tr in zip(truths, trajectories)])
+        returns = np.concatenate([np.cumsum(t.env_reward.astype(np.float64)) for t in trajectories])
+        if self.llm_off:
+            self.reasons.append("- control: every stage's LLM weight is 0; no LLM call was made")
+            self.counts.blocked_seconds += time.perf_counter() - t0
+            return
+        # spread over each episode's time: sort by the share of the episode done, take bit-reversed quantiles
+        done_share = np.concatenate([(np.arange(t.length) + 1) / t.length for t in trajectories])
+        order = np.argsort(done_share, kind="stable")[spread_order(len(obs))]
+        chosen = self._choose(obs, order, ref.states)
+        labels = self._score([(obs[i], returns[i]) for i in chosen], "reference", "scoring reference states")
+        for label, i in zip(labels, chosen):
+            if label is not None:
+                label.truth = float(truth[i])
+        self._add_labels([lab for lab in labels if lab is not None])
+        self._fit()
+        self._check_quality(obs, truth)
+        self.counts.blocked_seconds += time.perf_counter() - t0
+
+    def _check_quality(self, obs: np.ndarray, truth: np.ndarray) -> None:
+        """Spearman of the LLM's scores (and of the evaluator on every reference state) with true progress."""
+        ref = [lab for lab in self.labels if lab.origin == "reference" and lab.truth == lab.truth]
+        self.quality["judge/rank_correlation"] = spearman([lab.score for lab in ref], [lab.truth for lab in ref])
+        self.quality["judge/reference_states"] = float(len(ref))
+        defined = truth == truth
+        if self.distiller is not None and defined.sum() >= 3:
+            pred, _ = self.distiller.predict(self.features(obs[defined]))
+            self.quality["judge/distilled_rank_correlation"] = spearman(pred, truth[defined])
+        for key, value in self.quality.items():
+            self.train.log_metric(key, value)
+        rc = self.quality["judge/rank_correlation"]
+        self.summary = (f"Rank correlation of the LLM's scores with the true progress ({self.progress_text}) "
+                               f"on {len(ref)} reference states: **{rc:.3f}**; of the distilled evaluator on every "
+                               f"reference state: {self.quality.get('judge/distilled_rank_correlation', float('nan')):.3f}\n")
+
+    # -- during training ---------------------------------------------------------------------
+    def maybe_round(self) -> None:
+        """At each of ``rounds.at`` (budget fractions), score a spread of the agent's states and refit."""
+        if not self._rounds_left or self.train.progress < self._rounds_left[0] or self.llm_off:
+            return
+        while self._rounds_left and self.train.progress >= self._rounds_left[0]:
+            self._rounds_left.pop(0)
+        if not self._buffer or self.cfg.rounds.states < 1:
+            return
+        t0 = time.perf_counter()
+        obs = np.stack([o for o, _ in self._buffer])
+        returns = np.array([r for _, r in self._buffer])
+        pred = self.distiller.predict(self.features(obs))[0] if self.distiller is not None else np.zeros(len(obs))
+        order = np.argsort(pred, kind="stable")[spread_order(len(obs))]  # from the lowest current score to the highest
+        chosen = self._choose(obs, order, self.cfg.rounds.states)
+        labels = self._score([(obs[i], returns[i]) for i in chosen], "agent",
+                             f"scoring agent states at {self.train.progress:.0%} of training")
+        self._add_labels([lab for lab in labels if lab is not None])
+        self._fit()
+        self.counts.blocked_seconds += time.perf_counter() - t0
+
+    def _choose(self, obs: np.ndarray, order: np.ndarray, k: int) -> list[int]:
+        """The first ``k`` of ``order`` that are not near-duplicates of a scored or chosen state."""
+        chosen: list[int] = []
+        mode = self.cfg.dedupe
+        for i in order:
+            if len(chosen) >= k:
+                break
+            if mode == "caption":
+                key = self.task.caption(obs[i])
+                if key in self.captions:
+                    self.counts.duplicates += 1
+                    continue
+                self.captions.add(key)
+            elif mode == "features":
+                f = self.features(obs[i : i + 1])
+                if self.seen.query(f)[0][0] <= self.seen.radius:
+                    self.counts.duplicates += 1
+                    continue
+                self.seen.add(f[0], 0.0)
+            chosen.append(int(i))
+        return chosen
+
+    def _score(self, states: list[tuple[np.ndarray, float]], origin: str, what: str) -> list[Label | None]:
+        """Ask the LLM about every state, ``batch`` at a time, with a progress bar; a failed
+        call costs its state only."""
+        from core.progress import make_progress
+
+        out: list[Label | None] = []
+        show = bool(getattr(getattr(self.train.settings, "run", None), "progress", False))
+        with make_progress(enabled=show) as bar:
+            task = bar.add_task(f"{NAME}: {what}", total=len(states)) if bar is not None else None
+            for start in range(0, len(states), self.cfg.batch):
+                chunk = states[start : start + self.cfg.batch]
+                out += self._score_batch(chunk, origin)
+                if bar is not None:
+                    c = self.counts
+                    bar.update(task, advance=len(chunk), info=f"{c.llm_calls} calls, {c.llm_seconds:.0f} s in the LLM")
+        return out
+
+    def _call(self, state: np.ndarray) -> dict[str, Any]:
+        cfg = self.cfg
+        messages = build_prompt(self.background, list(cfg.dimensions), self.task.render_state(state), cfg.score)
+        if cfg.score == "expected":  # one greedy token and its alternatives
+            options = {"n": 1, "temperature": 0.0, "max_tokens": 1, "top_logprobs": cfg.top_logprobs}
+        else:
+            options = {"n": cfg.samples, "temperature": cfg.temperature, "max_tokens": cfg.max_tokens, "stop": ["\n"]}
+        # the seed of the reference rollouts for every call: a state asked again in a later seed or run is cached
+        return {"messages": messages, **options, "seed": int(cfg.reference.seed), "tag": f"{NAME}/score"}
+
+    def _score_batch(self, chunk: list[tuple[np.ndarray, float]], origin: str) -> list[Label | None]:
+        llm, c = self.train.llm, self.counts
+        calls = [self._call(o) for o, _ in chunk]
+        t0 = time.perf_counter()
+        replies: list[list[Any] | None]
+        try:
+            many = getattr(llm, "chat_many", None)
+            replies = list(many(calls)) if many is not None else [llm.chat(**call) for call in calls]
+        except Exception:  # noqa: BLE001 - one failed call must not cost the batch: ask each again (answered ones are cached)
+            replies = []
+            for call in calls:
+                try:
+                    replies.append(llm.chat(**call))
+                except Exception as exc:  # noqa: BLE001 - an LLM failure costs one state
+                    c.llm_errors += 1
+                    self.reasons.append(f"- frames {self.train.frames}: LLM error {type(exc).__name__}: {str(exc)[:200]}")
+                    replies.append(None)
+        c.llm_seconds += time.perf_counter() - t0
+        c.llm_calls += len(calls)
+        out: list[Label | None] = []
+        for (obs, ret), reply in zip(chunk, replies):
+            if reply is None:
+                out.append(None)
+                continue
+            c.llm_replies_cached += sum(bool(getattr(r, "cached", False)) for r in reply)
+            out.append(self._read(obs, ret, reply, origin))
+        return out
+
+    def _read(self, obs: np.ndarray, ret: float, replies: list[Any], origin: str) -> Label | None:
+        """One state's label from its replies (None when the replies give no score)."""
+        cfg, c = self.cfg, self.counts
+        feature = self.features(obs[None])[0]
+        if cfg.score == "expected":
+            got = expected_score(replies[0], cfg.min_mass)
+            if got is None:
+                c.rejected += 1
+                self._note(f"rejected reply {str(getattr(replies[0], 'text', ''))[:40]!r}", obs, origin)
+                return None
+            c.text_scores += got.source == "text"
+            detail = ", ".join(f"{d}: {p:.2f}" for d, p in got.probs.items()) or f"replied {getattr(replies[0], 'text', '')!r}"
+            return Label(obs, feature, got.score, got.source, origin, int(self.train.frames), detail)
+        parsed = [parse_reply(str(getattr(r, "text", ""))) for r in replies]
+        c.rejected += sum(p is None for p in parsed)
+        valid = [p for p in parsed if p is not None]
+        median, conf = consensus([p.score for p in valid], len(replies), cfg.agree_tol)
+        source, score = "llm", median
+        if conf < cfg.confidence:  # the samples disagree: the design note's rule scores the state
+            source, score = "rule", rule_score(ret, self.returns_seen)
+            c.fallbacks += 1
+        reason = next((p.reason for p in valid if p.reason and abs(p.score - median) <= cfg.agree_tol), "")
+        detail = f"samples {', '.join(f'{p.score:g}' for p in valid) or 'none parsed'}; confidence {conf:.2f}; {reason}"
+        return Label(obs, feature, float(score), source, origin, int(self.train.frames), detail)
+
+    def _note(self, text: str, obs: np.ndarray, origin: str) -> None:
+        if len(self.reasons) < self.cfg.max_reasons:
+            first = (self.task.render_state(obs).splitlines() or [""])[0]
+            self.reasons.append(f"- frames {self.train.frames} ({origin}): {text} | state: {first}")
+
+    def _add_labels(self, labels: list[Label]) -> None:
+        self.labels += labels
+        for lab in labels:
+            if lab.source != "rule":
+                self._sparse_guard(lab.score)
+
+    def _fit(self) -> None:
+        """Refit the evaluator on every label so far; their statistics start the z-score."""
+        usable = self.labels
+        if len(usable) < 2:
+            self.reasons.append(f"- frames {self.train.frames}: {len(usable)} scored state(s): no evaluator, LLM term 0")
+            return
+        d = self.cfg.distill
+        x = np.stack([lab.feature for lab in usable])
+        y = np.array([lab.score for lab in usable])
+        model = Distiller(x.shape[1], d.hidden, d.members, seed=int(self.train.seed))
+        mse = model.fit(x, y, epochs=d.epochs)
+        self.distiller = model
+        if self.z.count == 0:  # start the running z-score at the scores' own statistics
+            self.z.mean, self.z.var, self.z.count = float(y.mean()), max(float(y.var()), 1e-4), 1
+        self.train.log_metric("judge/distill_mse", mse)
+        self.train.log_metric("judge/labels", float(len(usable)))
+
+    def _sparse_guard(self, score: float) -> None:
+        window = self.cfg.sparse.window
+        self.recent_scores = (self.recent_scores + [score])[-window:]
+        now = len(self.recent_scores) == window and max(self.recent_scores) <= self.cfg.sparse.max_score
+        if now != self.sparse:
+            self.sparse = now
+            what = (f"sparse signal: the last {window} LLM scores were all <= {self.cfg.sparse.max_score:g}; using the "
+                    "exploration bonus instead") if now else "sparse signal over: the LLM scored progress again"
+            self.reasons.append(f"- frames {self.train.frames}: **{what}**")
+            self.train.log_metric("judge/sparse", float(now))
 
     # -- main thread: per step ---------------------------------------------------------
     def reward(self, batch: StepBatch) -> torch.Tensor:
@@ -478,13 +841,17 @@ class ProgressJudge:
             self._init_envs(B)
         feats = self.features(obs)
         done = batch.done.detach().cpu().numpy().astype(bool).reshape(B)
-        self.act_hist[:, self._step % self.act_hist.shape[1]] = self.action_codes(batch.action)
-        self.ep_steps += 1
         self.ep_return += batch.env_reward.detach().cpu().numpy()
-        self._drain()
+        if not self.llm_off:
+            self._keep(obs)
         bonus = self.novelty.visit(feats)  # exploration bonus 1/sqrt(visits of the state's cell)
-        if self._step % self._eval_every == 0:
-            self._judge(obs, feats)
+        if self.distiller is not None:
+            due = np.flatnonzero((self._step % self._eval_every == 0) | np.isnan(self.progress))
+            if len(due):
+                score = np.clip(self.distiller.predict(feats[due])[0], 1.0, 10.0)
+                self.progress[due] = score
+                self.z.update_batch(score)
+                c.distilled += len(due)
         self._step += 1
         # mixed reward
         w_env, w_llm, w_exp = stage_weights(self.train.progress, self._boundaries, self._stages)
@@ -499,187 +866,96 @@ class ProgressJudge:
             self.prev_phi = np.where(done, 0.0, z)
         else:
             llm_term = z
+        term = w_llm * llm_term
+        c.env_steps += B
+        c.changed += int(np.count_nonzero(term))
+        s1, s2 = float(term.sum()), float((term * term).sum())
+        c.term_sum += s1
+        c.term_sq += s2
+        r = self._rollout_terms
+        r[0], r[1], r[2] = r[0] + B, r[1] + s1, r[2] + s2
         base = batch.reward.detach().cpu().numpy().astype(np.float64)
-        mixed = w_env * base + w_llm * llm_term + w_exp * bonus
-        if done.any():  # a new episode starts: its progress is unknown again
-            self.returns_seen.extend(self.ep_return[done].tolist())
+        mixed = w_env * base + term + w_exp * bonus
+        if done.any():  # a new episode starts: the next state is scored afresh
+            self.returns_seen = (self.returns_seen + self.ep_return[done].tolist())[-512:]
             self.ep_return[done] = 0.0
-            self.ep_steps[done] = 0
-            self.episode[done] += 1
             self.progress[done] = np.nan
         return torch.from_numpy(mixed - base).float()
 
-    def action_codes(self, action: torch.Tensor) -> np.ndarray:
-        """One number per env for the action history: the index of a one-hot action, else
-        the first component (one-hot or not is decided once, on the first batch)."""
-        a = action.detach().cpu().numpy()
-        if a.ndim == 1:
-            return a
-        if self._one_hot is None:
-            self._one_hot = bool(a.shape[-1] > 1 and np.isin(a, (0, 1)).all())
-        return a.argmax(-1) if self._one_hot else a.reshape(len(a), -1)[:, 0]
-
-    def recent_actions(self, env: int) -> str:
-        """The env's last actions in this episode, oldest first, as text."""
-        K = self.act_hist.shape[1]
-        n = int(min(self.ep_steps[env], K))
-        values = self.act_hist[env, [(self._step - n + k) % K for k in range(n)]]
-        return render_actions([int(v) if float(v).is_integer() else round(float(v), 2) for v in values])
+    def _keep(self, obs: np.ndarray) -> None:
+        """Offer this step's states to the reservoir of agent states (each kept with equal chance)."""
+        cap = self.cfg.rounds.buffer
+        for i in range(len(obs)):
+            self._offered += 1
+            if len(self._buffer) < cap:
+                self._buffer.append((obs[i].copy(), float(self.ep_return[i])))
+            else:
+                j = int(self._rng.integers(self._offered))
+                if j < cap:
+                    self._buffer[j] = (obs[i].copy(), float(self.ep_return[i]))
 
     def _init_envs(self, B: int) -> None:
         self._b = B
         self.progress = np.full(B, np.nan)
         self.prev_phi = np.zeros(B)
         self.ep_return = np.zeros(B)
-        self.ep_steps = np.zeros(B, dtype=np.int64)
-        self.episode = np.zeros(B, dtype=np.int64)
-        self.act_hist = np.zeros((B, max(1, self.cfg.recent_actions)))
 
-    def _judge(self, obs: np.ndarray, feats: np.ndarray) -> None:
-        """Score every env's state from the cache, the distilled model, or queue it for the LLM."""
-        cfg, c = self.cfg, self.counts
-        dist, cached = self.cache.query(feats)
-        hit = dist <= self.cache.radius
-        self.progress[hit] = cached[hit]
-        c.cache_hits += int(hit.sum())
-        need = np.flatnonzero(~hit)
-        distiller = self.distiller
-        if len(need) and distiller is not None:
-            t0 = time.perf_counter()
-            mean, std = distiller.predict(feats[need])
-            c.distilled_latency.append((time.perf_counter() - t0) / len(need))
-            sure = (std <= cfg.distill.max_std) & (dist[need] <= cfg.distill.novelty_radius)
-            self.progress[need[sure]] = np.clip(mean[sure], 1.0, 10.0)
-            c.distilled += int(sure.sum())
-            need = need[~sure]
-        for k, i in enumerate(need):
-            if self.requests.full():  # never wait: the LLM is busy, the envs keep their last score
-                c.dropped += len(need) - k
-                break
-            self.requests.put_nowait(_Request(int(i), int(self.episode[i]), obs[i].astype(np.float32), feats[i].copy(),
-                                              self.recent_actions(int(i)), float(self.ep_return[i]), int(self.train.frames)))
-
-    def _drain(self) -> None:
-        """Take what the worker finished: cache it, update the z-score, set env progress."""
-        while self.ring:
-            res = self.ring.popleft()
-            req = res.request
-            self.cache.add(req.feature, res.score)
-            self.z.update(res.score)
-            if req.episode == self.episode[req.env]:
-                self.progress[req.env] = res.score
-            if res.source == "llm":
-                self._sparse_guard(res.score)
-
-    def _sparse_guard(self, score: float) -> None:
-        self.recent_scores.append(score)
-        window = self.recent_scores.maxlen or 1
-        now = len(self.recent_scores) == window and max(self.recent_scores) <= self.cfg.sparse.max_score
-        if now != self.sparse:
-            self.sparse = now
-            what = (f"sparse signal: the last {window} LLM scores were all <= {self.cfg.sparse.max_score:g}; using the "
-                    "exploration bonus instead") if now else "sparse signal over: the LLM scored progress again"
-            self.reasons.append(f"- frames {self.train.frames}: **{what}**")
-            self.train.log_metric("judge/sparse", float(now))
-
-    # -- worker thread -----------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is None:
-            # not a daemon: at exit Python waits for the LLM call in progress instead of
-            # freeing the model under it (a crash)
-            self._thread = threading.Thread(target=self._work, name="progress-judge", daemon=False)
-            self._thread.start()
-
-    def stop(self, wait_s: float = 2.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(wait_s)
-
-    def _work(self) -> None:
-        torch.set_num_threads(1)
-        llm = self.train.llm
-        while not self._stop.is_set():
-            try:
-                req = self.requests.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            try:
-                self.ring.append(self._evaluate(llm, req))
-            except Exception as exc:  # noqa: BLE001 - an LLM failure costs one evaluation
-                self.counts.llm_errors += 1
-                self.reasons.append(f"- frames {req.frames}: LLM error {type(exc).__name__}: {str(exc)[:200]}")
-            self._maybe_distill()
-
-    def _evaluate(self, llm: Any, req: _Request) -> _Result:
-        cfg, c = self.cfg, self.counts
-        state = self.task.render_state(req.obs)
-        messages = build_prompt(self.background, list(cfg.dimensions), state, req.actions)
-        t0 = time.perf_counter()
-        replies = llm.chat(messages, n=cfg.samples, temperature=cfg.temperature,
-                           max_tokens=cfg.max_tokens, stop=["\n"], seed=int(self.train.seed),
-                           tag=f"{NAME}/evaluate")
-        latency = time.perf_counter() - t0
-        c.llm_calls += 1
-        c.llm_replies_cached += sum(bool(r.cached) for r in replies)
-        if not all(r.cached for r in replies):
-            c.llm_latency.append(latency)
-        parsed = [parse_reply(r.text) for r in replies]
-        c.rejected += sum(p is None for p in parsed)
-        valid = [p for p in parsed if p is not None]
-        median, conf = consensus([p.score for p in valid], len(replies), cfg.agree_tol)
-        source, score = "llm", median
-        if conf < cfg.confidence:
-            source, score = "rule", rule_score(req.episode_return, list(self.returns_seen))
-            c.fallbacks += 1
-        else:
-            self.labels.append((req.feature, median))
-        reason = next((p.reason for p in valid if p.reason and abs(p.score - median) <= cfg.agree_tol), "")
-        if len(self.reasons) < cfg.max_reasons:
-            scores = ", ".join(f"{p.score:g}" for p in valid) or "none parsed"
-            first_line = state.splitlines()[0] if state else ""
-            self.reasons.append(f"- frames {req.frames}, env {req.env}: **{score:.1f}** ({source}; samples {scores}; "
-                                f"confidence {conf:.2f}; {latency:.2f} s) {reason} | state: {first_line}")
-        return _Result(req, float(score), conf, source, [p.score for p in valid], reason, latency)
-
-    def _maybe_distill(self) -> None:
-        d = self.cfg.distill
-        n = len(self.labels)
-        if not d.enabled or n < d.min_labels or n - self._fitted_at < d.refit_every:
-            return
-        x = np.stack([f for f, _ in self.labels])
-        y = np.array([s for _, s in self.labels])
-        model = Distiller(x.shape[1], d.hidden, d.members, seed=int(self.train.seed))
-        mse = model.fit(x, y, epochs=d.epochs)
-        self.distiller, self._fitted_at = model, n  # one assignment: the reward side sees old or new
-        self.train.log_metric("judge/distill_mse", mse)
+    def rollout_spread(self) -> float:
+        """Std of the weighted LLM term over the env steps since the last call (then reset)."""
+        n, s1, s2 = self._rollout_terms
+        self._rollout_terms = [0.0, 0.0, 0.0]
+        return math.sqrt(max(0.0, s2 / n - (s1 / n) ** 2)) if n else 0.0
 
     # -- summary -----------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         c = self.counts
-        evaluations = c.cache_hits + c.distilled + c.llm_calls
-        return {
+        n = max(1, c.env_steps)
+        mean = c.term_sum / n
+        llm_labels = [lab.score for lab in self.labels if lab.source != "rule"]
+        out = {
+            "llm/calls": float(c.llm_calls),
+            "llm/seconds": float(c.llm_seconds),
+            "llm/changed_share": c.changed / n,
             "judge/llm_calls": float(c.llm_calls),
             "judge/llm_replies_cached": float(c.llm_replies_cached),
-            "judge/cache_hits": float(c.cache_hits),
+            "judge/llm_term_std": math.sqrt(max(0.0, c.term_sq / n - mean**2)),
+            "judge/llm_term_mean": mean,
+            "judge/labels": float(len(self.labels)),
+            "judge/agent_labels": float(sum(lab.origin == "agent" for lab in self.labels)),
             "judge/distilled": float(c.distilled),
+            "judge/llm_share": c.llm_calls / max(1, c.llm_calls + c.distilled),
             "judge/rejected_replies": float(c.rejected),
+            "judge/text_scores": float(c.text_scores),
             "judge/fallbacks": float(c.fallbacks),
-            "judge/dropped": float(c.dropped),
+            "judge/duplicates": float(c.duplicates),
             "judge/llm_errors": float(c.llm_errors),
-            "judge/llm_share": c.llm_calls / evaluations if evaluations else 0.0,
-            "judge/latency_llm_s": float(np.mean(c.llm_latency)) if c.llm_latency else float("nan"),
-            "judge/latency_distilled_s": float(np.mean(c.distilled_latency)) if c.distilled_latency else float("nan"),
+            "judge/blocked_s": float(c.blocked_seconds),
             "judge/sparse_fraction": c.sparse_steps / max(1, c.steps),
-            "judge/progress_mean": self.z.mean,
+            "judge/progress_mean": float(np.mean(llm_labels)) if llm_labels else float("nan"),
+            "judge/progress_std": float(np.std(llm_labels)) if llm_labels else float("nan"),
         }
+        out.update(self.quality)
+        return out
+
+    def report(self) -> str:
+        """The artifact text: the quality check, then every scored state."""
+        lines = [f"# Progress judge ({self.counts.llm_calls} LLM calls, {self.counts.llm_seconds:.0f} s)\n"]
+        lines += [self.summary] if self.summary else []
+        lines += self.reasons
+        for lab in self.labels[: self.cfg.max_reasons]:
+            first = self.task.render_state(lab.obs).splitlines()
+            truth = f"; true progress {lab.truth:g}" if lab.truth == lab.truth else ""
+            lines.append(f"- frames {lab.frames} ({lab.origin}): **{lab.score:.2f}** ({lab.source}; {lab.detail}{truth}) "
+                         f"| {' / '.join(first)}")
+        return "\n".join(lines) + "\n"
 
 
 # -- hooks -----------------------------------------------------------------------------------
 
 
 class Plugin:
-    """The progress reward of a run. Each training's :class:`ProgressJudge` (its worker
-    thread, caches and statistics) lives in ``train.state[NAME]``, from ``on_train_start``
+    """The progress reward of a run. Each training's :class:`ProgressJudge` (labels,
+    evaluator and statistics) lives in ``train.state[NAME]``, from ``on_train_start``
     to ``on_train_end``; the plugin object holds only the config."""
 
     def __init__(self, config: Config) -> None:
@@ -687,10 +963,14 @@ class Plugin:
 
     @hookimpl
     def on_train_start(self, train: TrainContext) -> None:
-        """Make the training's judge and start its LLM worker (the model is loaded here, before the loop)."""
-        preload(train.llm)
+        """Make the training's judge and score the reference states before the loop (blocking)."""
+        if not self.cfg.llm_off():
+            if train.llm is None:
+                raise UserError("progress_reward needs an LLM (the run's `llm` settings) unless every stage's LLM "
+                                "weight is 0 (the no-LLM control).")
+            warm_up(train.llm)
         judge = train.state[NAME] = ProgressJudge(train, self.cfg)
-        judge.start()
+        judge.prepare()
 
     @hookimpl
     def compute_reward(self, train: TrainContext, batch: StepBatch) -> torch.Tensor | None:
@@ -700,21 +980,21 @@ class Plugin:
 
     @hookimpl
     def on_rollout(self, train: TrainContext) -> None:
-        """Log the judge's counters once per collected batch."""
+        """Score the agent's states at the round points; log the LLM term's spread per batch."""
         judge = train.state.get(NAME)
-        if judge is not None:
-            c = judge.counts
-            train.log_metric("judge/llm_calls", c.llm_calls)
-            train.log_metric("judge/cache_hits", c.cache_hits)
-            train.log_metric("judge/distilled", c.distilled)
+        if judge is None:
+            return
+        judge.maybe_round()
+        c = judge.counts
+        train.log_metric("judge/llm_calls", c.llm_calls)
+        train.log_metric("judge/llm_term_std", judge.rollout_spread())
+        train.log_metric("judge/changed_share", c.changed / max(1, c.env_steps))
 
     @hookimpl
     def on_train_end(self, train: TrainContext, result: TrainResult) -> None:
-        """Stop the worker; put the judge's metrics on the result and its reasons in a text."""
+        """Put the judge's metrics on the result and its scored states in a text."""
         judge = train.state.pop(NAME, None)
         if judge is None:
             return
-        judge.stop(self.cfg.finish_s)
         result.metrics.update({k: v for k, v in judge.metrics().items() if v == v})
-        header = f"# Progress judge reasons ({judge.counts.llm_calls} LLM evaluations)\n\n"
-        train.log_text(f"{NAME}/reasons.md", header + "\n".join(judge.reasons) + "\n")
+        train.log_text(f"{NAME}/reasons.md", judge.report())
