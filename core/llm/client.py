@@ -17,7 +17,7 @@ sample ``i`` is sent the seed :func:`sample_seed` ``(s, i)``, so requests differ
 one another. How the samples were grouped into requests is not part of the key.
 
 Embeddings: :meth:`LLMClient.embed` gives one unit vector per text: the embedded model's
-from a second, embedding-mode server over the same weights, any other backend's from
+from a second, embedding-mode server over the same GGUF, any other backend's from
 ``litellm.embedding`` (the chat model, or another embedding model named per call). Each
 text's vector is kept in memory and in the response cache, under (model, text).
 
