@@ -14,8 +14,8 @@ Models"):
    median kept when they agree (``confidence``), otherwise a rule scores the state.
 3. Where the calls go: a few hundred states are scored before training, blocking and in
    batches, chosen to cover the range (reference rollouts of the task, random and the
-   task's controller where it has one, spread over their time; near-duplicates
-   skipped), and ``rounds.states`` of the agent's own states at a few fixed points of
+   task's controller where it has one: each level of their true progress in turn, spread
+   over the episodes' time; near-duplicates skipped), and ``rounds.states`` of the agent's own states at a few fixed points of
    the budget (``rounds.at``), spread over the evaluator's current scores.
 4. Distillation: after each scoring round a small MLP ensemble regresses the LLM's
    scores from the state; it scores every env's state at every step, so the LLM's
@@ -95,7 +95,7 @@ class Reference:
     # rollout seed, the same for every training seed: the same states and prompts, so the LLM cache
     # answers them for every later seed and run
     seed: int = 0
-    states: int = 160  # states scored before training (spread over the rollouts' time, near-duplicates skipped)
+    states: int = 160  # states scored before training (each level of true progress in turn, spread over time; near-duplicates skipped)
 
 
 @dataclass
@@ -378,6 +378,45 @@ def spread_order(n: int) -> np.ndarray:
     return idx[np.sort(first)]
 
 
+def levels_of(values: np.ndarray, bins: int = 8) -> np.ndarray:
+    """An integer level per value: the distinct values when there are at most ``bins`` of
+    them, else ``bins`` quantile bins; -1 for nan."""
+    out = np.full(len(values), -1, np.int64)
+    ok = ~np.isnan(values)
+    if not ok.any():
+        return out
+    distinct = np.unique(values[ok])
+    if len(distinct) <= bins:
+        out[ok] = np.searchsorted(distinct, values[ok])
+    else:
+        edges = np.quantile(values[ok], np.linspace(0, 1, bins + 1)[1:-1])
+        out[ok] = np.searchsorted(edges, values[ok], side="right")
+    return out
+
+
+def stratified_order(truth: np.ndarray, time_share: np.ndarray, bins: int = 8) -> np.ndarray:
+    """All indices, taking one state of each progress level in turn (lowest level first).
+
+    Levels are :func:`levels_of` the true progress; states without one (nan) are grouped
+    by their time share instead, as levels of their own. Within a level the states go in
+    :func:`spread_order` of their time share, so any prefix covers every level and, within
+    it, early and late states alike (a few levels then hold as many picks as the common one).
+    """
+    level = levels_of(truth, bins)
+    free = level < 0
+    if free.any():  # states with no true progress: by time, after the progress levels
+        level[free] = level.max(initial=-1) + 1 + levels_of(time_share[free], bins)
+    groups = []
+    for value in np.unique(level):
+        members = np.flatnonzero(level == value)
+        members = members[np.argsort(time_share[members], kind="stable")]
+        groups.append(list(members[spread_order(len(members))]))
+    out: list[int] = []
+    for turn in range(max(len(g) for g in groups)):
+        out += [int(g[turn]) for g in groups if turn < len(g)]
+    return np.asarray(out, np.int64)
+
+
 def stage_weights(progress: float, boundaries: list[float], stages: list[list[float]]) -> tuple[float, float, float]:
     """(env, llm, exploration) weights of the stage ``progress`` (budget fraction) is in."""
     index = sum(progress >= b for b in boundaries)
@@ -491,7 +530,7 @@ class Distiller:
         for k, net in enumerate(self.nets):
             gen = torch.Generator().manual_seed(self.seed * 1000 + k)
             idx = torch.randint(len(xt), (len(xt),), generator=gen) if len(self.nets) > 1 else torch.arange(len(xt))
-            opt = torch.optim.Adam(net.parameters(), lr=lr)
+            opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=1e-3)  # a little: a few hundred noisy scores
             for _ in range(epochs):
                 loss = torch.nn.functional.mse_loss(net(xt[idx]).squeeze(-1), yt[idx])
                 opt.zero_grad()
@@ -640,9 +679,9 @@ class ProgressJudge:
             self.reasons.append("- control: every stage's LLM weight is 0; no LLM call was made")
             self.counts.blocked_seconds += time.perf_counter() - t0
             return
-        # spread over each episode's time: sort by the share of the episode done, take bit-reversed quantiles
+        # cover the range: every level of true progress in turn, each level's states spread over the episodes' time
         done_share = np.concatenate([(np.arange(t.length) + 1) / t.length for t in trajectories])
-        order = np.argsort(done_share, kind="stable")[spread_order(len(obs))]
+        order = stratified_order(truth, done_share)
         chosen = self._choose(obs, order, ref.states)
         labels = self._score([(obs[i], returns[i]) for i in chosen], "reference", "scoring reference states")
         for label, i in zip(labels, chosen):

@@ -171,6 +171,22 @@ def test_spread_order_is_a_permutation_whose_prefixes_cover_the_range():
     assert first == [0, 50, 25, 75]
 
 
+def test_reference_states_are_taken_from_every_level_of_true_progress_in_turn():
+    assert pr.levels_of(np.array([0.0, 2.0, np.nan, 2.0, 5.0])).tolist() == [0, 1, -1, 1, 2]
+    many = pr.levels_of(np.arange(100.0), bins=4)
+    assert sorted(set(many.tolist())) == [0, 1, 2, 3] and np.bincount(many).tolist() == [25, 25, 25, 25]
+    # 90 states at progress 0, 10 at 1: the first picks alternate between the two levels
+    truth = np.r_[np.zeros(90), np.ones(10)]
+    time = np.r_[np.linspace(0, 1, 90), np.linspace(0, 1, 10)]
+    order = pr.stratified_order(truth, time)
+    assert sorted(order.tolist()) == list(range(100))
+    assert truth[order[:20]].tolist() == [0.0, 1.0] * 10
+    assert time[order[0]] == 0.0 and time[order[2]] == pytest.approx(0.5, abs=0.02)  # each level spread over time
+    # no true progress (random episodes of a task with a controller): grouped by time instead, after the levels
+    mixed = pr.stratified_order(np.r_[np.full(4, np.nan), [0.5, 1.0]], np.r_[0.1, 0.4, 0.6, 0.9, 0.5, 1.0])
+    assert sorted(mixed.tolist()) == list(range(6)) and set(mixed[:2].tolist()) == {4, 5}
+
+
 def _traj(task, obs: np.ndarray, source: str, success: bool, rewards: np.ndarray | None = None) -> Trajectory:
     T = len(obs)
     return Trajectory(obs=obs, action=np.zeros(T), next_obs=obs, env_reward=np.ones(T) if rewards is None else rewards,
