@@ -502,23 +502,24 @@ class StateCache:
 class Distiller:
     """A small ensemble regressing the LLM score from state features (mean and spread).
 
-    Targets are standardised for the fit (scores sit around 3-7 on a 1-10 scale) and
-    mapped back in :meth:`predict`.
+    The members are one batched two-layer tanh MLP (weights ``[members, ...]``), each fitted
+    on its own bootstrap of the scores in one full-batch Adam loop; :meth:`predict` runs in
+    numpy (a per-step call on a few envs costs microseconds, not a module call per member).
+    Targets are standardised for the fit (scores sit around 3-7 on a 1-10 scale) and mapped
+    back in :meth:`predict`.
     """
 
     def __init__(self, dim: int, hidden: int = 64, members: int = 3, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.nets = [self._net(dim, hidden, gen) for _ in range(members)]
-        self.seed = seed
+        self.members, self.seed = members, seed
+        self.params = [torch.randn(members, dim, hidden, generator=gen) / math.sqrt(dim), torch.zeros(members, 1, hidden),
+                       torch.randn(members, hidden, 1, generator=gen) / math.sqrt(hidden), torch.zeros(members, 1, 1)]
         self.y_mean, self.y_std = 0.0, 1.0
+        self._numpy = [p.numpy().astype(np.float64) for p in self.params]
 
-    @staticmethod
-    def _net(dim: int, hidden: int, gen: torch.Generator) -> torch.nn.Module:
-        net = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
-        with torch.no_grad():
-            for p in net.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
-        return net
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        w1, b1, w2, b2 = self.params
+        return torch.baddbmm(b2, torch.tanh(torch.baddbmm(b1, x, w1)), w2).squeeze(-1)  # [members, N]
 
     def fit(self, x: np.ndarray, y: np.ndarray, epochs: int = 300, lr: float = 1e-2) -> float:
         """Fit every member on a bootstrap of (x, y); returns the final mean squared error (score points^2)."""
@@ -526,23 +527,27 @@ class Distiller:
         self.y_mean, self.y_std = float(y.mean()), float(y.std()) or 1.0
         xt = torch.as_tensor(x, dtype=torch.float32)
         yt = torch.as_tensor((y - self.y_mean) / self.y_std, dtype=torch.float32)
-        losses = []
-        for k, net in enumerate(self.nets):
-            gen = torch.Generator().manual_seed(self.seed * 1000 + k)
-            idx = torch.randint(len(xt), (len(xt),), generator=gen) if len(self.nets) > 1 else torch.arange(len(xt))
-            opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=1e-3)  # a little: a few hundred noisy scores
-            for _ in range(epochs):
-                loss = torch.nn.functional.mse_loss(net(xt[idx]).squeeze(-1), yt[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            losses.append(float(loss.detach()) * self.y_std**2)
-        return float(np.mean(losses))
+        gen = torch.Generator().manual_seed(self.seed * 1000 + 1)
+        n = len(xt)
+        idx = torch.randint(n, (self.members, n), generator=gen) if self.members > 1 else torch.arange(n)[None]
+        xb, yb = xt[idx], yt[idx]  # [members, N, D], [members, N]
+        for p in self.params:
+            p.requires_grad_(True)
+        opt = torch.optim.Adam(self.params, lr=lr, weight_decay=1e-3)  # a little: a few hundred noisy scores
+        for _ in range(epochs):
+            loss = ((self._forward(xb) - yb) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        for p in self.params:
+            p.requires_grad_(False)
+        self._numpy = [p.detach().numpy().astype(np.float64) for p in self.params]
+        return float(loss.detach()) * self.y_std**2
 
-    @torch.no_grad()
     def predict(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        xt = torch.as_tensor(x, dtype=torch.float32)
-        out = torch.stack([net(xt).squeeze(-1) for net in self.nets]).double().numpy() * self.y_std + self.y_mean
+        w1, b1, w2, b2 = self._numpy
+        h = np.tanh(np.einsum("nd,mdh->mnh", np.asarray(x, np.float64), w1) + b1)
+        out = (np.einsum("mnh,mho->mno", h, w2) + b2)[..., 0] * self.y_std + self.y_mean  # [members, N]
         return out.mean(0), out.std(0)
 
 
