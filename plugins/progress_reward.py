@@ -44,6 +44,7 @@ or samples, true progress) goes to the text artifact ``progress_reward/reasons.m
 from __future__ import annotations
 
 import math
+import multiprocessing
 import re
 import statistics
 import time
@@ -56,6 +57,7 @@ import torch
 from core import PluginConfig, hookimpl
 from core.errors import UserError
 from core.llm.background import warm_up
+from core.progress import make_progress
 
 if TYPE_CHECKING:  # pragma: no cover
     from core.context import StepBatch, TrainContext
@@ -759,10 +761,10 @@ class ProgressJudge:
     def _score(self, states: list[tuple[np.ndarray, float]], origin: str, what: str) -> list[Label | None]:
         """Ask the LLM about every state, ``batch`` at a time, with a progress bar; a failed
         call costs its state only."""
-        from core.progress import make_progress
-
         out: list[Label | None] = []
-        show = bool(getattr(getattr(self.train.settings, "run", None), "progress", False))
+        # a bar of its own in the driver only: a pool worker's trainings draw through the driver's relay
+        show = bool(getattr(getattr(self.train.settings, "run", None), "progress", False)) \
+            and multiprocessing.parent_process() is None
         with make_progress(enabled=show) as bar:
             task = bar.add_task(f"{NAME}: {what}", total=len(states)) if bar is not None else None
             for start in range(0, len(states), self.cfg.batch):

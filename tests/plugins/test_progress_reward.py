@@ -251,6 +251,29 @@ def test_reference_scoring_asks_one_greedy_token_per_state_in_batches_with_a_fix
     assert judge.quality["judge/reference_states"] == len([lab for lab in judge.labels if lab.truth == lab.truth])
 
 
+def test_blocking_scoring_shows_a_progress_bar_per_batch(monkeypatch):
+    from contextlib import contextmanager
+
+    seen: list[tuple] = []
+
+    class Bar:
+        def add_task(self, description, total):
+            seen.append(("add", description, total))
+            return 0
+
+        def update(self, task, advance, info):
+            seen.append(("update", advance, info))
+
+    @contextmanager
+    def fake_progress(enabled=True):
+        yield Bar() if enabled else None
+
+    monkeypatch.setattr(pr, "make_progress", fake_progress)
+    make_judge(angle_llm(), prepare=True, batch=10, **SMALL)
+    assert seen[0] == ("add", "progress_reward: scoring reference states", 24)
+    assert [a for kind, a, _ in seen[1:]] == [10, 10, 4] and seen[-1][2].startswith("24 calls, ")
+
+
 def test_near_duplicate_states_are_scored_once():
     judge = make_judge(angle_llm(), **SMALL)
     judge._scale = np.ones(4)
