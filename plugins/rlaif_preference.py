@@ -33,9 +33,11 @@ preference-based RL of Christiano et al. (2017).
    the Bradley-Terry loss (cross-entropy of ``sigmoid(R_a - R_b)`` against the soft label)
    on all labelled pairs but a held-out share (``heldout``). Reported: agreement with the
    held-out LLM labels and with the ground truth's order of the dataset's items.
-6. Reward: ``r(s')`` standardised by its mean and spread over the dataset's states, zeroed
-   below ``threshold`` (Motif's thresholding), times ``scale``, added to or replacing the
-   env reward. A model that learned nothing (constant ``r``) adds nothing.
+6. Reward: ``r(s')`` less its mean over the dataset's states, in the Bradley-Terry model's
+   own units (log-odds of the LLM's preference; not standardised, so labels near 0.5 give
+   a reward near 0 instead of noise blown up to full scale), zeroed below ``threshold``
+   (Motif's thresholding), times ``scale``, added to or replacing the env reward. A model
+   that learned nothing (``r = 0``, as all-tie labels leave it) adds nothing.
 
 Config: ``conf/plugins/rlaif_preference.yaml`` (schema: :class:`Config`). Each training's
 learner lives in ``train.state["rlaif_preference"]``; the labeller and its label cache
@@ -133,8 +135,9 @@ class Config(PluginConfig):
     epochs: int = 300  # full-batch Adam steps per fit (online: the model is refit after each labelling round)
     lr: float = 0.05  # Adam learning rate of the fit
     l2: float = 0.001  # weight penalty of the fit (keeps words seen in few pairs near 0)
-    scale: float = 0.1  # the standardised reward is multiplied by this
-    threshold: float | None = None  # standardised rewards below this become 0 (Motif's thresholding); null = keep all
+    # the centred reward (r less its mean over the states, in log-odds of the LLM's preference) is multiplied by this
+    scale: float = 0.1
+    threshold: float | None = None  # centred rewards below this become 0 (Motif's thresholding); null = keep all
     mode: str = "add"  # add: env reward + scaled model reward; replace: the scaled model reward alone
     # online: after training, wait up to this long for the LLM call in progress (so it is logged); 0 = do not wait
     finish_s: float = 30.0
@@ -814,12 +817,13 @@ class PreferenceLearner:
         self.labelled: list[Labelled] = []
         self.model: RewardModel | None = None
         self.features: Features | None = None
-        self.norm = (0.0, 0.0)  # mean and spread of r over the states (spread 0: no reward)
+        self.mean = 0.0  # mean of r over the states, subtracted from the reward
         self.figures: dict[str, float] = {}  # what the last fit measured
-        self.rewards: dict[str, float] = {}  # caption -> standardised r, for the current model
+        self.rewards: dict[str, float] = {}  # caption -> centred r, for the current model
         self.calls = 0
         self.seconds = 0.0  # wall seconds spent labelling (LLM calls, and the label cache)
         self.steps = self.changed = 0
+        self.term_sum = self.term_sq = 0.0  # the term over the training's steps (its spread is logged)
         self.requested = 0
         self.next_label_at = cfg.label_every
         self.running: np.ndarray | None = None  # online: each env's episode return so far
@@ -956,7 +960,7 @@ class PreferenceLearner:
         held_acc, held_n = agreement(diffs(held), [p.label for p in held])
         truth_acc, truth_n = truth_agreement(np.array([model.score(feats.of_item(it)) for it in items]),
                                              np.array([it.truth for it in items]))
-        # the reward's scale: r over every state kept (each distinct caption weighted by its states)
+        # the reward's centre: r over every state kept (each distinct caption weighted by its states)
         if cfg.features == "caption":
             counts = Counter(captions)
             r = model.reward(feats.of_captions(list(counts)))
@@ -966,37 +970,36 @@ class PreferenceLearner:
             w = np.ones(len(r))
         mean = float(np.average(r, weights=w))
         spread = float(np.sqrt(np.average((r - mean) ** 2, weights=w)))
-        self.model, self.features, self.norm, self.rewards = model, feats, (mean, spread if spread > 1e-6 else 0.0), {}
+        self.model, self.features, self.mean, self.rewards = model, feats, mean, {}
         self.figures = {"preference/rm_loss": loss, "preference/fit_agreement": fit_acc,
                         "preference/heldout_agreement": held_acc, "preference/heldout_pairs": float(held_n),
                         "preference/truth_agreement": truth_acc, "preference/truth_pairs": float(truth_n),
-                        "preference/items": float(len(items)), "preference/features": float(feats.dim)}
+                        "preference/items": float(len(items)), "preference/features": float(feats.dim),
+                        "preference/r_spread": spread}
         self.train.log_metric("preference/rm_loss", loss)
 
     # -- reward ------------------------------------------------------------------------
     def reward(self, batch: StepBatch) -> torch.Tensor | None:
-        """``scale * z(s')``, ``z`` the model's reward standardised over the states, thresholded."""
-        n = int(batch.next_obs.shape[0])
-        self.steps += n
-        model, feats, (mean, spread) = self.model, self.features, self.norm
+        """``scale * (r(s') - mean)``, thresholded; ``mean`` is r's mean over the states."""
+        self.steps += int(batch.next_obs.shape[0])
+        model, feats, mean = self.model, self.features, self.mean
         if model is None or feats is None:
             return None
-        if spread == 0.0:  # a constant r: the labels taught the model nothing
-            term = np.zeros(n, np.float32)
+        obs = batch.next_obs.detach().cpu().numpy()[:, : self.task.obs_dim]
+        if feats.kind == "caption":
+            captions = [self.task.caption(o) for o in obs]
+            new = [c for c in dict.fromkeys(captions) if c not in self.rewards]
+            if new:
+                self.rewards.update(zip(new, (model.reward(feats.of_captions(new)) - mean).tolist()))
+            z = np.array([self.rewards[c] for c in captions], np.float64)
         else:
-            obs = batch.next_obs.detach().cpu().numpy()[:, : self.task.obs_dim]
-            if feats.kind == "caption":
-                captions = [self.task.caption(o) for o in obs]
-                new = [c for c in dict.fromkeys(captions) if c not in self.rewards]
-                if new:
-                    self.rewards.update(zip(new, ((model.reward(feats.of_captions(new)) - mean) / spread).tolist()))
-                z = np.array([self.rewards[c] for c in captions], np.float64)
-            else:
-                z = (model.reward(obs / feats.spread) - mean) / spread
-            if self.cfg.threshold is not None:
-                z = np.where(z >= self.cfg.threshold, z, 0.0)
-            term = (self.cfg.scale * z).astype(np.float32)
+            z = model.reward(obs / feats.spread) - mean
+        if self.cfg.threshold is not None:
+            z = np.where(z >= self.cfg.threshold, z, 0.0)
+        term = (self.cfg.scale * z).astype(np.float32)
         self.changed += int(np.count_nonzero(term))
+        self.term_sum += float(term.sum())
+        self.term_sq += float((term.astype(np.float64) ** 2).sum())
         if self.cfg.mode == "replace":
             term = term - batch.reward.detach().cpu().numpy()
         return torch.as_tensor(term, dtype=torch.float32)
@@ -1006,6 +1009,8 @@ class PreferenceLearner:
         truths = [preference(p.a.truth, p.b.truth) for p in self.labelled]
         acc, n = label_accuracy(labels, truths)
         lab = self.labeller
+        decided = [abs(x - 0.5) for x in labels if x is not None]
+        steps = max(1, self.steps)
         return {
             "preference/labels": float(len(labels)),
             "preference/pairs_planned": float(self.requested),
@@ -1014,8 +1019,10 @@ class PreferenceLearner:
             "preference/label_decisive": float(n),
             "preference/ties": float(sum(x == 0.5 for x in labels)),
             "preference/unknown": float(sum(x is None for x in labels)),
+            "preference/label_margin": float(np.mean(decided)) if decided else float("nan"),
             **self.figures,
-            "llm/changed_share": self.changed / max(1, self.steps),
+            "preference/term_spread": math.sqrt(max(0.0, self.term_sq / steps - (self.term_sum / steps) ** 2)),
+            "llm/changed_share": self.changed / steps,
             "llm/calls": float(self.calls),
             "llm/seconds": self.seconds,
             "llm/control": float(self.cfg.control is not None),
@@ -1067,7 +1074,7 @@ class Plugin:
 
     @hookimpl
     def compute_reward(self, train: TrainContext, batch: StepBatch) -> torch.Tensor | None:
-        """The reward model's standardised, thresholded, scaled reward (added, or replacing the reward)."""
+        """The reward model's centred, thresholded, scaled reward (added, or replacing the reward)."""
         learner = train.state.get(NAME)
         return learner.reward(batch) if learner is not None else None
 

@@ -406,6 +406,7 @@ def test_the_control_labels_through_the_same_pipeline_without_the_llm(control):
     assert m["llm/calls"] == 0 and m["llm/control"] == 1.0 and m["preference/labels"] == 20
     if control == "ties":  # the model learned nothing: r = 0, no term on any step
         assert m["preference/ties"] == 20 and torch.all(term == 0) and m["llm/changed_share"] == 0.0
+        assert m["preference/term_spread"] == 0.0 and m["preference/label_margin"] == 0.0
         assert "preference/heldout_agreement" not in m  # no decided held-out label to agree with
     else:  # a model fitted to coin flips changes steps, and agrees with nothing
         assert m["preference/ties"] == 0 and m["llm/changed_share"] > 0 and "preference/heldout_agreement" in m
@@ -424,8 +425,13 @@ def test_informative_labels_change_the_reward_of_most_steps():
     assert m["llm/calls"] == 40 and m["llm/control"] == 0.0 and m["llm/seconds"] >= 0
     assert m["preference/labels"] == 20 and m["preference/ties"] < 20
     assert m["llm/changed_share"] == pytest.approx(float((term != 0).float().mean())) and m["llm/changed_share"] > 0.5
-    # the term is the standardised r over the dataset's states, times scale: mean ~0, spread ~scale
-    assert abs(float(term.mean())) < 0.05 and float(term.std()) == pytest.approx(0.1, rel=0.3)
+    # the term is scale * (r - its mean over the dataset's states), r in the model's log-odds units
+    feats = learner.features
+    r = learner.model.reward(feats.of_captions([ctx.task.caption(o) for o in states]))
+    assert torch.allclose(term, torch.as_tensor(0.1 * (r - r.mean()), dtype=torch.float32), atol=1e-5)
+    assert m["preference/term_spread"] == pytest.approx(float(term.std(unbiased=False)), rel=1e-3)
+    assert m["preference/term_spread"] > 0.01
+    assert m["preference/label_margin"] > 0.1 and m["preference/r_spread"] > 0.1
     assert {"preference/rm_loss", "preference/truth_agreement", "preference/fit_agreement"} <= m.keys()
 
 
