@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import multiprocessing
 import random
 import re
 import threading
@@ -858,7 +859,9 @@ class PreferenceLearner:
         cached = [p for p in pairs if cfg.control is None and self.labeller.lookup(self.goal, p[0].text, p[1].text)[0]]
         order = cached + [p for p in pairs if not any(p is c for c in cached)]
         start = time.perf_counter()
-        with make_progress(self.train.settings.run.progress and cfg.control is None) as progress:
+        # a bar of its own in the driver only: a pool worker's trainings draw through the driver's relay
+        show = self.train.settings.run.progress and cfg.control is None and multiprocessing.parent_process() is None
+        with make_progress(show) as progress:
             bar = progress.add_task(f"{NAME}: {what}", total=len(order)) if progress is not None else None
             i = 0
             while i < len(order):

@@ -466,6 +466,33 @@ def test_labelling_stops_at_its_time_budget():
     assert m["llm/seconds"] < 0.3 + 0.05 * 4 + 0.5 and m["llm/calls"] == 2 * m["preference/labels"]
 
 
+def test_blocking_labelling_advances_a_progress_bar_per_batch(monkeypatch):
+    updates: list[int] = []
+
+    class Bar:
+        def add_task(self, description, total):
+            assert "labelling 20 pairs" in description and total == 20
+            return 0
+
+        def update(self, task, completed, info):
+            updates.append(completed)
+
+    class Shown:
+        def __init__(self, enabled):
+            self.enabled = enabled
+
+        def __enter__(self):
+            return Bar() if self.enabled else None
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(rp, "make_progress", Shown)
+    learner = make_learner(ScriptedLLM.plausible(), **{**SMALL, "batch": 8})
+    learner.offline()
+    assert updates == [8, 16, 20]
+
+
 @pytest.mark.parametrize("unit, features", [("segment", "caption"), ("segment", "obs"), ("caption", "obs")])
 def test_the_other_units_and_features_train_a_model(unit, features):
     overrides = {**SMALL, "unit": unit, "features": features, "segment_len": 8}
