@@ -882,7 +882,8 @@ class PreferenceLearner:
         items = make_items(self.task, self.runs, cfg)
         chosen = choose_pairs(items, cfg.label_budget, random.Random(cfg.seed), cfg.candidates)
         self.requested = len(chosen)
-        self.label_blocking([(items[a], items[b]) for a, b in chosen], f"labelling {len(chosen)} pairs of {len(items)} {cfg.unit}s")
+        what = f"labelling {len(chosen)} pairs of {len(items)} {cfg.unit}s"
+        self.label_blocking([(items[a], items[b]) for a, b in chosen], what)
         self.fit(items)
 
     def _caption_runs(self, runs: list[Run]) -> None:
@@ -952,8 +953,8 @@ class PreferenceLearner:
         captions = [c for run in self.runs for c in run.captions]
         feats = Features(cfg.features, captions, np.asarray(states, np.float32))
         model = RewardModel(feats.dim, cfg.members, cfg.hidden, seed=cfg.seed)
-        loss = model.fit([feats.of_item(p.a) for p in fit], [feats.of_item(p.b) for p in fit], [float(p.label) for p in fit],
-                         cfg.epochs, cfg.lr, cfg.l2)
+        loss = model.fit([feats.of_item(p.a) for p in fit], [feats.of_item(p.b) for p in fit],
+                         [float(p.label) for p in fit], cfg.epochs, cfg.lr, cfg.l2)
 
         def diffs(pairs: list[Labelled]) -> np.ndarray:
             return np.array([model.score(feats.of_item(p.a)) - model.score(feats.of_item(p.b)) for p in pairs])
