@@ -180,12 +180,15 @@ def test_the_llms_contribution_per_run():
     failed = contribution(search, [run(FAILED, metrics={"llm_programs_trained": 0.0})] * 2)
     assert not failed.inert and failed.text() == "no run with a policy"  # a failure, scored as one (ITT)
     rlaif = ArmSpec(plugins=["rlaif_preference"])
-    labels = {"preference/labels": 10.0, "preference/ties": 4.0, "preference/unknown": 6.0, "preference/label_accuracy": 0.5}
+    labels = {"preference/labels": 10.0, "preference/heldout_agreement": 0.5, "llm/changed_share": 0.0}
     c = contribution(rlaif, [run(training=labels), run(training=labels)])
-    assert c.values == [0.0, 0.0] and c.inert and c.text().startswith("**inert** (decisive LLM preference labels: 0 per run")
+    assert c.values == [0.0, 0.0] and c.inert
+    assert c.text().startswith("**inert** (share of steps whose reward the learned preference term changed: 0 per run")
     judge = ArmSpec(plugins=["progress_reward"])
-    c = contribution(judge, [run(training={"judge/llm_calls": 7.0, "summary/judge/llm_calls": 9.0})])
-    assert c.values == [9.0]  # the training's final count, not the series' last point
+    c = contribution(judge, [run(training={"llm/changed_share": 0.5, "summary/llm/changed_share": 0.9,
+                                           "judge/rank_correlation": 0.4})])
+    assert c.values == [0.9]  # the training's final figure, not the series' last point
+    assert "rank correlation with reference progress 0.4" in c.text()
     assert contribution(ArmSpec(plugins=["some_plugin"]), [run()]).text() == "not measured"
     assert contribution(ArmSpec(plugins=["eureka"], search=True), [run()]).text() == "not measured"  # an older run
     for arm in (ArmSpec(), ArmSpec(plugins=["progress_reward"], control_of="progress_reward")):

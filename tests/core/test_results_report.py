@@ -135,8 +135,8 @@ def study(tmp_path_factory) -> tuple[_Store, Path]:
     for seed in range(4):
         value = EUREKA.get(seed)
         store.log("cartpole", "eureka", seed, value, search=True, metrics={"llm_programs_trained": 2.0 if value else 0.0})
-        store.log("cartpole", "progress_reward", seed, PROGRESS[seed], training={"judge/llm_calls": 50.0})
-        store.log("cartpole", "progress_no_llm", seed, NO_LLM[seed], training={"judge/llm_calls": 0.0})
+        store.log("cartpole", "progress_reward", seed, PROGRESS[seed], training={"llm/changed_share": 0.8})
+        store.log("cartpole", "progress_no_llm", seed, NO_LLM[seed], training={"llm/changed_share": 0.0})
         store.log("cartpole", "text2reward", seed, INERT[seed], search=True, metrics={"llm_programs_trained": 0.0})
     for seed in range(3):
         store.log("mountaincar", "eureka", seed, 0.0, search=True, metrics={"llm_programs_trained": 1.0})
@@ -210,7 +210,7 @@ def test_the_llms_contribution_is_printed_and_an_inert_arm_is_marked(study):
     text = out.read_text()
     # of the runs with a policy: the failed search is a failure (its ITT score), not an inert LLM
     assert _row(text, "cartpole", "eureka")[6] == "candidates trained with an LLM's program: 2 of 2 per run"
-    assert _row(text, "cartpole", "progress_reward")[6] == "states the LLM scored: 50 per run"
+    assert _row(text, "cartpole", "progress_reward")[6] == "share of steps whose reward the LLM term changed: 0.8 per run"
     assert _row(text, "cartpole", "text2reward")[6].startswith("**inert** (")
     for arm in ("random", "sparse", "human", "progress_no_llm"):  # no LLM, or a control
         assert _row(text, "cartpole", arm)[6] == "-"
