@@ -78,11 +78,11 @@ class Config(PluginConfig):
     prescore_episodes: int = 8  # random-policy rollouts (and as many of the task's reference policy) captioned before training
     prescore_steps: int = 1000  # steps per pre-scoring rollout at most
     prescore_calls: int = 96  # LLM calls before training at most (most frequent captions first)
-    prescore_s: float = 300.0  # seconds of LLM calls before training at most (0: no limit)
+    prescore_s: float = 180.0  # seconds of LLM calls before training at most (0: no limit)
     batch: int = 4  # captions per batch of concurrent calls (llm.chat_many) in the blocking phases
     rescore_at: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.6])  # fractions of training at which the agent's most frequent unscored captions are scored, blocking
     rescore_calls: int = 24  # LLM calls per rescoring point at most
-    rescore_s: float = 60.0  # seconds per rescoring point at most (0: no limit)
+    rescore_s: float = 30.0  # seconds per rescoring point at most (0: no limit)
     max_queries: int = 400  # LLM scoring calls per training, all phases; later unscored captions get no prior
     queue_size: int = 64  # captions waiting for the background worker; new ones are dropped while it is full
     blocking: bool = False  # score every unscored caption before acting (reproducible, slow) instead of in the background
@@ -210,6 +210,7 @@ class SkillScorer:
         self.forget = [re.compile(p) for p in cfg.forget]
         self.lock = threading.Lock()
         self.failed: set[str] = set()  # captions whose call failed in this training: not asked again
+        self.asking: set[str] = set()  # captions in a call now (the worker's and a blocking phase's)
         self.seen: Counter[str] = Counter()  # the training's captions, per step
         self.rescore_points = sorted(cfg.rescore_at)
         self.calls = self.queries = self.failures = 0  # client calls; caption scorings asked; unusable ones
@@ -237,10 +238,11 @@ class SkillScorer:
 
     # -- scoring -------------------------------------------------------------------------
     def _take(self, texts: list[str]) -> list[str]:
-        """The part of ``texts`` the per-training budget still pays for (counted as asked)."""
+        """The part of ``texts`` not in a call now that the per-training budget still pays for (counted as asked)."""
         with self.lock:
-            texts = texts[: max(0, self.budget_left())]
+            texts = [t for t in texts if t not in self.asking][: max(0, self.budget_left())]
             self.queries += len(texts)
+            self.asking.update(texts)
         return texts
 
     def score(self, texts: list[str]) -> int:
@@ -249,6 +251,13 @@ class SkillScorer:
         texts = self._take([t for t in dict.fromkeys(texts) if self.wanted(t)])
         if not texts:
             return 0
+        try:
+            return self._ask(texts)
+        finally:
+            with self.lock:
+                self.asking.difference_update(texts)
+
+    def _ask(self, texts: list[str]) -> int:
         llm = self.train.llm
         calls = [dict(messages=build_prompt(self.instruction, self.skills, t), n=1, temperature=0.0, max_tokens=1,
                       tag=f"{NAME}/score", top_logprobs=self.cfg.top_logprobs) for t in texts]
