@@ -50,8 +50,8 @@ import torch
 from core import PluginConfig, hookimpl
 from core.envs.task import Task
 from core.errors import UserError
+from core.llm.background import ask_in_batches
 from core.plan import goal_names, match_goal, newly_achieved
-from core.progress import make_progress
 
 if TYPE_CHECKING:  # pragma: no cover
     from core.context import RunContext, StepBatch, TrainContext
@@ -325,18 +325,9 @@ class GoalReward:
         ``covered`` is the share of ``starts``' steps whose caption now has goals."""
         order = [c for c, _ in starts.most_common()] + [c for c, _ in seen.most_common()]
         todo = [c for c in dict.fromkeys(order) if self.wanted(c)][:calls]
-        start, asked, done = time.perf_counter(), 0, 0
-        if todo:
-            with make_progress(self.train.settings.run.progress) as progress:
-                bar = progress.add_task(f"{NAME}: {what}", total=len(todo)) if progress is not None else None
-                # the first alone: it computes the shared prompt prefix the batch then reuses
-                for chunk in [todo[:1]] + [todo[i:i + self.cfg.batch] for i in range(1, len(todo), self.cfg.batch)]:
-                    if seconds and time.perf_counter() - start >= seconds:
-                        break
-                    done += self.ask(chunk)
-                    asked += len(chunk)
-                    if progress is not None:
-                        progress.update(bar, completed=asked, info=f"{done} answered")
+        start = time.perf_counter()
+        asked, done = ask_in_batches(todo, self.ask, batch=self.cfg.batch, seconds=seconds, label=f"{NAME}: {what}",
+                                     show=self.train.settings.run.progress)
         basis = starts or seen
         covered = sum(n for c, n in basis.items() if self.goals_for(c) is not None) / max(1, sum(basis.values()))
         return {"captions": float(len(set(starts) | set(seen))), "calls": float(asked), "answered": float(done),

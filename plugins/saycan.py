@@ -51,8 +51,7 @@ import torch
 from core import PluginConfig, hookimpl
 from core.context import ActionPrior
 from core.errors import UserError
-from core.llm.background import BackgroundCalls, warm_up
-from core.progress import make_progress
+from core.llm.background import BackgroundCalls, ask_in_batches, warm_up
 
 if TYPE_CHECKING:  # pragma: no cover
     from core.context import RunContext, TrainContext
@@ -309,18 +308,10 @@ class SkillScorer:
         """Score the unscored captions of ``counts``, most frequent first, in batches, up to
         ``calls`` and ``seconds`` (0: no limit), with a progress bar. Returns its figures."""
         todo = [t for t, _ in counts.most_common() if self.wanted(t)][: min(calls, max(0, self.budget_left()))]
-        start, done, asked = time.perf_counter(), 0, 0
-        if todo:
-            with make_progress(self.train.settings.run.progress) as progress:
-                bar = progress.add_task(f"{NAME}: {what}", total=len(todo)) if progress is not None else None
-                # the first caption alone: it computes the shared prefix (instruction, skills) the batch then reuses
-                for chunk in [todo[:1]] + [todo[i:i + self.cfg.batch] for i in range(1, len(todo), self.cfg.batch)]:
-                    if seconds and time.perf_counter() - start >= seconds:
-                        break
-                    done += self.score(chunk)
-                    asked += len(chunk)
-                    if progress is not None:
-                        progress.update(bar, completed=asked, info=f"{done} scored, {self.failures} failed")
+        start = time.perf_counter()
+        asked, done = ask_in_batches(todo, self.score, batch=self.cfg.batch, seconds=seconds, label=f"{NAME}: {what}",
+                                     show=self.train.settings.run.progress,
+                                     info=lambda done: f"{done} scored, {self.failures} failed")
         total = sum(counts.values())
         hit = sum(n for t, n in counts.items() if self.scored(t) is not None)
         return {"captions": float(len(counts)), "calls": float(asked), "scored": float(done),

@@ -19,6 +19,7 @@ kept in ``errors`` for the plugin's log.
 from __future__ import annotations
 
 import queue
+import time
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -133,3 +134,30 @@ class BackgroundCalls(Generic[Job, Result]):
                 if self.dedupe and isinstance(job, Hashable):
                     with self._lock:
                         self._waiting.discard(job)
+
+
+def ask_in_batches(items: list[Job], ask: Callable[[list[Job]], int], *, batch: int, seconds: float,
+                   label: str, show: bool, info: Callable[[int], str] = lambda done: f"{done} answered",
+                   ) -> tuple[int, int]:
+    """The blocking counterpart: ``ask(chunk)`` for ``items`` in chunks of ``batch``, with a bar.
+
+    ``ask`` makes a chunk's calls (concurrently, e.g. ``llm.chat_many``) and returns how many
+    were answered. The first item goes alone: it computes the prompt prefix the items share,
+    which the server's prefix cache then reuses for the batch. No new chunk starts after
+    ``seconds`` (0: no limit). Returns (items asked, items answered).
+    """
+    from core.progress import make_progress
+
+    start, asked, done = time.perf_counter(), 0, 0
+    if not items:
+        return 0, 0
+    with make_progress(show) as progress:
+        bar = progress.add_task(label, total=len(items)) if progress is not None else None
+        for chunk in [items[:1]] + [items[i:i + batch] for i in range(1, len(items), batch)]:
+            if seconds and time.perf_counter() - start >= seconds:
+                break
+            done += ask(chunk)
+            asked += len(chunk)
+            if progress is not None:
+                progress.update(bar, completed=asked, info=info(done))
+    return asked, done

@@ -68,3 +68,24 @@ def test_warm_up_leaves_a_remote_client_alone() -> None:
         model = "openai/gpt-4o"
 
     warm_up(Remote())  # nothing to load, nothing raised
+
+
+def test_ask_in_batches_sends_the_first_item_alone_then_full_batches_and_stops_after_its_seconds() -> None:
+    from core.llm.background import ask_in_batches
+
+    chunks: list[list[int]] = []
+
+    def ask(chunk: list[int]) -> int:
+        chunks.append(chunk)
+        return len(chunk) - 1  # one of each chunk unanswered
+
+    assert ask_in_batches(list(range(8)), ask, batch=3, seconds=0, label="t", show=False) == (8, 4)
+    assert chunks == [[0], [1, 2, 3], [4, 5, 6], [7]]
+
+    def slow(chunk: list[int]) -> int:
+        time.sleep(0.2)
+        return len(chunk)
+
+    asked, done = ask_in_batches(list(range(8)), slow, batch=3, seconds=0.1, label="t", show=False)
+    assert (asked, done) == (1, 1)  # no chunk starts once the seconds are spent
+    assert ask_in_batches([], ask, batch=3, seconds=0, label="t", show=False) == (0, 0)
