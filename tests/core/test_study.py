@@ -36,17 +36,17 @@ def _runs(store: Path, experiment: str = "results") -> list:
 def test_the_results_spec_has_the_issue_tasks_the_baselines_and_every_method():
     spec = load_spec("results")
     assert set(spec.tasks) == ISSUE_TASKS
-    controls = {"progress_no_llm", "saycan_uniform"}
+    controls = {"progress_no_llm", "saycan_uniform", "rlaif_ties", "ellm_fixed", "plan4mc_rules"}
     assert set(spec.arms) == {"random", "sparse", "human", "shaped", "eureka_1x8"} | controls | METHODS | ROLE_METHODS
     assert spec.arms["progress_no_llm"].plugins == ["progress_reward"]  # the control runs the method, LLM weight 0
-    assert all(spec.arms[name].tasks == ["crafter"] for name in ROLE_METHODS | {"saycan_uniform"})
+    assert all(spec.arms[name].tasks == ["crafter"] for name in ROLE_METHODS | controls - {"progress_no_llm"})
     assert spec.arms["sparse"].overrides == ["env.reward=sparse"] and spec.arms["sparse"].tasks is None
     assert spec.arms["human"].overrides == ["env.reward=human"] and spec.arms["human"].tasks is None
     assert spec.arms["envgen"].tasks == ["crafter"]  # the only task with controllable params
     assert len(spec.seeds) >= 5 and spec.final_seeds >= 1
     assert all(arm.search for name, arm in spec.arms.items()
-               if name not in {"random", "sparse", "human", "shaped", "progress_reward", "progress_no_llm",
-                               "rlaif_preference", "saycan_uniform"} | ROLE_METHODS)
+               if name not in {"random", "sparse", "human", "shaped", "progress_reward", "rlaif_preference"} | controls
+               | ROLE_METHODS)
     assert spec.arms["random"].trainer == "random" and spec.arms["shaped"].tasks == ["mountaincar"]
     # reflection's ablation: the same number of samples in one round
     assert spec.arms["eureka_1x8"].overrides == ["plugins.eureka.iterations=1", "plugins.eureka.samples=8"]
@@ -54,6 +54,22 @@ def test_the_results_spec_has_the_issue_tasks_the_baselines_and_every_method():
     # saycan's control: the LLM's distribution to the power 0, a uniform prior
     assert spec.arms["saycan_uniform"].control_of == "saycan"
     assert spec.arms["saycan_uniform"].overrides == ["plugins.saycan.weight=0.0"]
+
+
+def test_every_in_training_llm_arm_has_a_control_that_removes_only_its_llm():
+    """A control runs the same plugin with the LLM's part switched off by the plugin's own knob."""
+    spec = load_spec("results")
+    knobs = {"progress_no_llm": "plugins.progress_reward.stages.", "saycan_uniform": "plugins.saycan.weight=0.0",
+             "rlaif_ties": "plugins.rlaif_preference.control=ties", "ellm_fixed": "plugins.ellm.goals=fixed",
+             "plan4mc_rules": "plugins.plan4mc.plan_source=rules"}
+    for control, knob in knobs.items():
+        arm = spec.arms[control]
+        method = spec.arms[arm.control_of]
+        assert arm.plugins == method.plugins and arm.tasks == method.tasks or arm.tasks == ["crafter"], control
+        assert any(o.startswith(knob) for o in arm.overrides), control
+        # everything else the method sets, the control sets too
+        assert set(method.overrides) <= set(arm.overrides), control
+    assert {spec.arms[c].control_of for c in knobs} == {"progress_reward", "saycan", "rlaif_preference", "ellm", "plan4mc"}
 
 
 def test_every_task_that_scores_targets_is_calibrated_on_an_arm_it_runs():
