@@ -248,7 +248,14 @@ def main() -> None:
         console.print(f"[bold red]error:[/bold red] {escape(str(err))}")  # keeps "llm4rl[extra]"
         sys.exit(2)
     sys.argv[0] = str(Path(sys.argv[0]).with_name("core"))
-    hydra_main()
+    from core import interrupts
+
+    interrupts.install()
+    try:
+        hydra_main()
+    except KeyboardInterrupt:  # its MLflow runs are ended KILLED on the way out
+        console.print(interrupts.RESUME_HINT, markup=False, highlight=False, soft_wrap=True)
+        interrupts.leave(130)
     if any(a in ("-m", "--multirun") for a in argv):  # a study: what to do with it next
         from core.progress import next_steps
 

@@ -582,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
     from core.quiet import quiet_third_party
 
     quiet_third_party()
+    from core import interrupts
+
+    interrupts.install()
     console = Console(soft_wrap=True)
     try:
         spec = load_spec(args.spec)
@@ -640,4 +643,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 130:  # interrupted: leave without waiting on a generation llama.cpp cannot stop
+        from core import interrupts
+
+        interrupts.leave(status)
+    sys.exit(status)

@@ -61,14 +61,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # Hydra's own messages name the bad override
         print(f"error: bad llm overrides: {exc}", file=sys.stderr)
         return 2
+    from core import interrupts
+
+    interrupts.install()
     try:
         client = make_client(cfg)
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.prompt})
         replies = client.chat(messages, n=args.n, seed=args.seed, tag="cli")
-    except LLMError as exc:
+    except LLMError as exc:  # a user error, as in `python -m core`: the same exit status
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        interrupts.leave(130)
     for i, reply in enumerate(replies):
         if args.n > 1:
             print(f"--- sample {i} ---")

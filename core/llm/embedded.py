@@ -541,6 +541,62 @@ def unload() -> None:
 #: unset, the reply is asked for whole. A context variable: each request thread has its own.
 token_sink: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar("token_sink", default=None)
 
+#: Set by :func:`cancel` (Ctrl-C, SIGTERM): streamed generations stop at their next token and
+#: no new request starts, so an interrupted process ends within a second or two.
+_cancelled = threading.Event()
+
+
+def cancel() -> None:
+    """Stop every generation in progress at its next token; refuse new ones until the main
+    thread asks again (the interrupt was handled and the program went on)."""
+    _cancelled.set()
+
+
+def settle(timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the requests in flight to end; whether none is left.
+
+    A cancelled request stops at its next token, but llama.cpp cannot stop while it reads a
+    prompt (seconds for a long one); :func:`core.interrupts.leave` asks this before exiting.
+    """
+    deadline = time.monotonic() + timeout_s
+    while _inflight > 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _inflight == 0
+
+
+def _interruptibly(call: Callable[[], Any]) -> Any:
+    """``call()``; on the main thread, run in a helper thread so that Ctrl-C reaches Python.
+
+    llama.cpp holds the main thread inside C++ for the whole request, and a KeyboardInterrupt
+    raised in its streaming callback is swallowed there. Waiting on a helper thread instead
+    lets the interrupt arrive at once; the generation is then cancelled and given a moment
+    to stop before the interrupt goes on up.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return call()
+    _cancelled.clear()  # a new request from the main thread: any earlier interrupt was handled
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=target, name="embedded-generate", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.05)
+    except KeyboardInterrupt:
+        cancel()
+        worker.join(0.5)  # it stops at its next token; one still reading its prompt is left to leave()
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 #: Fields of a llama.cpp request that ``llm.extra`` may pass through to the embedded model.
 PASSTHROUGH = ("ignore_eos", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
 
@@ -572,9 +628,11 @@ def generate(
     :data:`PASSTHROUGH` (e.g. ``ignore_eos=True`` for replies of exactly ``max_tokens``).
     With a :data:`token_sink` set (and no ``top_logprobs``) the replies are streamed and
     their tokens reported as they come; the result is the same dict (same sampling: the
-    seed and slots decide the tokens, not how they are delivered).
+    seed and slots decide the tokens, not how they are delivered). A streamed request stops
+    at its next token after :func:`cancel` (Ctrl-C) and raises ``KeyboardInterrupt``; one
+    asked for whole runs to its end, and :func:`core.interrupts.leave` does not wait for it.
+    Either way Ctrl-C on the main thread is not held up by the request.
     """
-    global _inflight
     server, plan = get_server(name), _plan
     request: dict[str, Any] = {
         "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
@@ -594,13 +652,22 @@ def generate(
         request["logprobs"], request["top_logprobs"] = True, int(top_logprobs)
     request.update({k: v for k, v in extra.items() if k in PASSTHROUGH and v is not None})
     sink = token_sink.get() if top_logprobs <= 0 else None
-    with _lock:  # counted as running, so that retune() leaves the server alone
-        _inflight += 1
-    try:
-        result = _streamed(server, request, int(n), sink) if sink is not None else server.handle_chat_completions(request)
-    finally:
-        with _lock:
-            _inflight -= 1
+    if _cancelled.is_set() and threading.current_thread() is not threading.main_thread():
+        raise KeyboardInterrupt  # the run is being interrupted: no new request (an error here would be retried)
+
+    def run() -> Any:
+        global _inflight
+        with _lock:  # counted as running until llama.cpp returns, so that retune() and settle() wait for it
+            _inflight += 1
+        try:
+            if sink is not None:
+                return _streamed(server, request, int(n), sink)
+            return server.handle_chat_completions(request)
+        finally:
+            with _lock:
+                _inflight -= 1
+
+    result = _interruptibly(run)
     if not isinstance(result, dict) or "choices" not in result:
         error = result.get("error", result) if isinstance(result, dict) else result
         raise LLMError(f"The embedded model returned an error: {error}")
@@ -638,9 +705,11 @@ def _streamed(server: Any, request: dict[str, Any], n: int, sink: Callable[[int]
                 sink(pieces)
             except Exception:  # progress must never cut a reply short
                 pass
-        return False  # go on
+        return _cancelled.is_set()  # True stops the generation
 
     server.handle_chat_completions({**request, "stream": True, "stream_options": {"include_usage": True}}, on_chunk)
+    if _cancelled.is_set():
+        raise KeyboardInterrupt  # stopped midway: a partial reply must never pass for a whole one (or be cached)
     if errors and not texts and not finish:
         return {"error": errors[0]}
     choices = [{"index": i, "message": {"role": "assistant", "content": texts.get(i, "")},

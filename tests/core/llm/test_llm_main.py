@@ -44,7 +44,7 @@ def test_cli_prints_reply_and_stats(capsys, tmp_path):
 def test_cli_missing_key_exits_with_the_env_var(capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     rc = main(["hi", "llm=openai", f"llm.cache_path={tmp_path / 'c.sqlite'}"])
-    assert rc == 1 and "OPENAI_API_KEY" in capsys.readouterr().err
+    assert rc == 2 and "OPENAI_API_KEY" in capsys.readouterr().err
 
 
 def test_cli_unknown_backend_lists_the_options(capsys):
