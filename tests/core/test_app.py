@@ -176,3 +176,14 @@ def test_a_baseline_arm_and_a_plugin_arm_sweep_a_knob(tmp_path, llm_server):
     assert by_plugins["none"].data.tags[IGNORED_TAG] == "plugins.eureka.iterations=1 plugins.eureka.samples=1"
     assert "plugins.eureka.iterations" not in by_plugins["none"].data.params
     assert "eureka" in by_plugins and IGNORED_TAG not in by_plugins["eureka"].data.tags
+
+
+def test_help_starts_with_llm4rls_own_usage_then_hydras_groups():
+    proc = subprocess.run([sys.executable, "-m", "core", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("llm4rl:") and "Usage: python -m core" in out
+    assert "+plugins=[eureka] env=mountaincar" in out and "python -m core.registry" in out  # examples, other commands
+    groups = out.index("== Config groups")
+    assert "plugins: ellm, envgen, eureka" in out[groups:] and out.index("Usage:") < groups
+    assert "trainer:\n  frames:" in out  # the composed config, to override any key
