@@ -176,6 +176,13 @@ def _register(pm: pluggy.PluginManager, obj: object, name: str | None) -> None:
         pm.register(obj, name=name)
     except pluggy.PluginValidationError as err:
         raise UserError(_explain_validation(err, name)) from None
+    unmarked = unmarked_hooks(obj)
+    if unmarked:  # pluggy registers only marked methods: these would never be called
+        import warnings
+
+        warnings.warn(f"Plugin '{name or obj}' has {', '.join(unmarked)} named like hook(s) but not marked "
+                      "@hookimpl, so they are never called; mark them with `@hookimpl` (from core.plugin).",
+                      UserWarning, stacklevel=3)
 
 
 def _explain_validation(err: pluggy.PluginValidationError, name: str | None = None) -> str:
@@ -225,53 +232,97 @@ def _is_hookimpl(obj: Any) -> bool:
     return callable(obj) and hasattr(obj, f"{hookspecs.PROJECT}_impl")
 
 
-def print_catalogue(enabled: Iterable[str] = ()) -> None:
-    """Print the catalogue as a table: name, installed, enabled, roles, status, paper."""
+def hook_problem(info: PluginInfo) -> str:
+    """What is wrong with a plugin's hooks ("" when nothing): a name that is no hook, an
+    argument a spec does not pass, or a method named like a hook without ``@hookimpl``."""
+    if not info.installed:
+        return "not installed"
+    try:
+        module = load_module(info)
+        make_plugin_manager(None, {info.name: module})
+    except UserError as err:
+        return str(err)
+    except Exception as err:  # noqa: BLE001 - an import error of a third-party plugin is its problem, shown
+        return f"{type(err).__name__}: {err}"
+    unmarked = unmarked_hooks(plugin_object(module, config_class(module)()))
+    return f"{', '.join(unmarked)} look(s) like hooks but lack @hookimpl" if unmarked else ""
+
+
+def unmarked_hooks(obj: object) -> list[str]:
+    """Methods of a plugin object named like a hook spec but not marked ``@hookimpl`` (pluggy ignores them)."""
+    specs = {n for n in dir(hookspecs) if hasattr(getattr(hookspecs, n), f"{hookspecs.PROJECT}_spec")}
+    return sorted(n for n in specs if callable(getattr(obj, n, None)) and not _is_hookimpl(getattr(obj, n)))
+
+
+def print_catalogue(width: int = 100) -> int:
+    """Print the catalogue as a table (plugin, module, roles, hooks, paper) that fits ``width``
+    columns, the problems of plugins whose hooks fail validation, and the taxonomy; returns
+    the number of such plugins."""
     from rich.console import Console
     from rich.table import Table
 
-    enabled = set(enabled)
-    table = Table(title="llm4rl plugins", show_lines=False)
-    for column in ("plugin", "module", "installed", "enabled", "role(s)", "status", "paper"):
-        table.add_column(column, overflow="fold")
-    for info in catalogue().values():
-        paper = info.paper.get("title", "")
-        if info.paper.get("venue"):
-            paper += f" ({info.paper['venue']})"
-        status = "implemented" if info.implemented else ("planned" if info.status == "planned" else "missing")
-        table.add_row(
-            info.name,
-            info.module,
-            "yes" if info.installed else "no",
-            "yes" if info.name in enabled else "no",
-            ", ".join(info.roles),
-            status if info.source == "builtin" else f"{status} ({info.source})",
-            paper,
-        )
-    console = Console(width=max(120, Console().width))
+    infos = list(catalogue().values())
+    problems = {i.name: hook_problem(i) for i in infos if i.status != "planned"}
+    from rich import box
+
+    table = Table(title="llm4rl plugins (+plugins=[NAME,...] enables them in a run)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("plugin", no_wrap=True, min_width=max(len(i.name) for i in infos))
+    table.add_column("module", no_wrap=True, min_width=max(len(i.module) for i in infos))
+    table.add_column("role(s)", min_width=11, max_width=12)
+    table.add_column("hooks", no_wrap=True, min_width=7)
+    table.add_column("paper", no_wrap=True, overflow="ellipsis", max_width=30)
+    for info in infos:
+        title = info.paper.get("title", "").split(":")[0]
+        acronym = re.search(r"\(([A-Z][A-Za-z0-9-]+)\)", title)
+        title = acronym.group(1) if acronym else title
+        title += f", {info.paper['venue']}" if info.paper.get("venue") else ""
+        if info.status == "planned" or not info.installed:
+            check = "planned" if info.status == "planned" else "not installed"
+        else:
+            check = "ok" if not problems[info.name] else "[red]invalid[/red]"
+        source = "" if info.source == "builtin" else f" ({info.source})"
+        table.add_row(info.name + source, info.module, ", ".join(info.roles), check, title)
+    console = Console(width=width)
     console.print(table)
-    console.print(taxonomy_text(catalogue().values()), highlight=False)
+    bad = {n: p for n, p in problems.items() if p and p != "not installed"}
+    for name, problem in bad.items():
+        console.print(f"[red]{name}[/red]: {problem}", highlight=False)
+    console.print(taxonomy_text(infos, width), highlight=False)
+    console.print("hooks: ok = every hook implementation matches core/hookspecs.py.\n"
+                  "A plugin's page: docs/plugins/NAME.md; its settings: conf/plugins/NAME.yaml.", highlight=False)
+    return len(bad)
 
 
-def taxonomy_text(infos: Iterable[PluginInfo]) -> str:
+def taxonomy_text(infos: Iterable[PluginInfo], width: int = 100) -> str:
     """Per role of the taxonomy: the methods implemented and those still planned."""
+    import textwrap
+
     infos = list(infos)
     roles = sorted({r for i in infos for r in i.roles})
     lines = ["By role (implemented | planned):"]
     for role in roles:
         done = [i.name for i in infos if role in i.roles and i.implemented]
         left = [i.name for i in infos if role in i.roles and not i.implemented]
-        lines.append(f"  {role:<12} {', '.join(done) or '-'} | {', '.join(left) or '-'}")
+        line = f"  {role:<12} {', '.join(done) or '-'} | {', '.join(left) or '-'}"
+        lines += textwrap.wrap(line, width=width, subsequent_indent=" " * 15)
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
+    """``python -m core.registry``: the catalogue; exit status 1 if a plugin's hooks fail validation."""
+    import argparse
+    import shutil
 
-    args = sys.argv[1:] if argv is None else argv
-    enabled = [a for a in args if not a.startswith("-")]
-    print_catalogue(enabled)
-    return 0
+    parser = argparse.ArgumentParser(
+        prog="python -m core.registry",
+        description="List the llm4rl plugins: built-ins (registry.yaml) and installed third-party ones "
+                    "(entry point group llm4rl.plugins), with their roles, papers and whether their hooks "
+                    "match the hook specs.")
+    parser.add_argument("--width", type=int, default=min(100, shutil.get_terminal_size((100, 24)).columns),
+                        help="columns of the table (default: the terminal's, at most 100)")
+    args = parser.parse_args(argv)
+    return 1 if print_catalogue(max(60, args.width)) else 0
 
 
 if __name__ == "__main__":

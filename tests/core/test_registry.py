@@ -85,3 +85,42 @@ def test_plugin_manager_registers_extra_objects_and_checks_hook_names():
 def test_catalogue_contains_builtins_first():
     names = list(catalogue())
     assert names[: len(MISSION)] == [p.name for p in builtin_plugins()][: len(MISSION)]
+
+
+def test_a_method_named_like_a_hook_without_the_marker_is_warned_about():
+    class Forgot:
+        def propose_rewards(self, run, iteration):  # no @hookimpl: pluggy would never call it
+            return []
+
+        @hookimpl
+        def on_run_start(self, run):
+            return None
+
+    with pytest.warns(UserWarning, match="propose_rewards named like hook.*not marked @hookimpl"):
+        make_plugin_manager(extra=[Forgot()])
+
+
+def test_the_catalogue_flags_a_plugin_whose_hooks_fail_validation_and_fits_100_columns(tmp_path, monkeypatch, capsys):
+    from core import registry
+
+    (tmp_path / "misspelt_plugin.py").write_text(
+        '"""A plugin with a misspelt hook."""\nfrom core import hookimpl\n\n\n@hookimpl\ndef propose_reward(run):\n    return []\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    extra = registry.PluginInfo(name="misspelt", module="misspelt_plugin", roles=["reward"], source="tests")
+    real = registry.catalogue
+    monkeypatch.setattr(registry, "catalogue", lambda: {**real(), "misspelt": extra})
+    assert registry.main(["--width", "100"]) == 1  # a plugin fails validation: the exit status says so
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("misspelt"))
+    assert "invalid" in row and "eureka" in out and "plugins.eureka_reward" in out  # module names whole
+    flat = " ".join(out.split())  # the problem is wrapped at the width
+    assert "misspelt: Plugin 'misspelt'" in flat and "Did you mean 'propose_rewards'" in flat
+    assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_registry_help_explains_the_command(capsys):
+    from core.registry import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0 and "List the llm4rl plugins" in capsys.readouterr().out
