@@ -202,6 +202,22 @@ def print_summary(summary, steps: list[str] | None = None) -> None:  # type: ign
         out.print(line, markup=False, highlight=False, soft_wrap=True)  # a command stays one line
 
 
+def check_credentials(cfg: DictConfig) -> None:
+    """Refuse, before any run is opened, a run whose plugins need an LLM whose key is not set.
+
+    A run without plugins calls no LLM; a run that replays recorded replies
+    (``llm.replay_only``) needs no key either.
+    """
+    import os
+
+    from core.llm.errors import missing_key
+
+    llm = cfg.get("llm") or {}
+    env = llm.get("api_key_env")
+    if cfg.get("plugins") and env and not llm.get("replay_only") and not os.environ.get(env):
+        raise missing_key(str(llm.get("model")), str(env))
+
+
 def run_one(cfg: DictConfig) -> float:
     """One run; returns the fitness so that Hydra sweepers (Optuna) can optimise it.
 
@@ -211,6 +227,11 @@ def run_one(cfg: DictConfig) -> float:
     from core.quiet import quiet_third_party
 
     quiet_third_party()
+    try:
+        check_credentials(cfg)  # before the training stack is imported: a missing key is said in a second or two
+    except UserError as err:
+        console.print(f"[bold red]error:[/bold red] {escape(str(err))}")
+        sys.exit(2)
     from core.loop import run_experiment
 
     tags = {}

@@ -47,7 +47,7 @@ import numpy as np
 
 from core.errors import did_you_mean
 from core.llm.cache import ResponseCache, cache_key, default_cache_path
-from core.llm.errors import LLMError
+from core.llm.errors import LLMError, missing_key
 
 log = logging.getLogger(__name__)
 
@@ -760,12 +760,7 @@ class LLMClient:
         if s.api_key_env:
             key = os.environ.get(s.api_key_env)
             if not key:
-                raise LLMError(
-                    f"The model '{s.model}' needs an API key, but the environment variable "
-                    f"{s.api_key_env} is not set. Set it (export {s.api_key_env}=...), point "
-                    "llm.api_key_env at the variable that holds your key, or use the "
-                    "offline default `llm=embedded`, which needs no key."
-                )
+                raise missing_key(s.model, s.api_key_env)
             kwargs["api_key"] = key
         elif s.api_base and s.model.startswith("openai/"):
             # A self-hosted OpenAI-compatible server usually wants no key, but the

@@ -11,3 +11,12 @@ class LLMError(UserError):
     The message is one paragraph that names what to change: the env var to set, the
     ``llm.*`` key to fix, or the package to install.
     """
+
+
+def missing_key(model: str, env: str) -> LLMError:
+    """The error for a model whose API key variable is not set (raised before any run is opened)."""
+    return LLMError(
+        f"The model '{model}' needs an API key, but the environment variable {env} is not set. Set it "
+        f"(export {env}=...), point llm.api_key_env at the variable that holds your key, or use the "
+        "offline default `llm=embedded`, which needs no key."
+    )

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -187,3 +188,12 @@ def test_help_starts_with_llm4rls_own_usage_then_hydras_groups():
     groups = out.index("== Config groups")
     assert "plugins: ellm, envgen, eureka" in out[groups:] and out.index("Usage:") < groups
     assert "trainer:\n  frames:" in out  # the composed config, to override any key
+
+
+def test_a_missing_api_key_is_refused_before_any_run_is_opened(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    proc = subprocess.run([sys.executable, "-m", "core", "+plugins=[eureka]", "llm=openai"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "OPENAI_API_KEY is not set" in " ".join((proc.stdout + proc.stderr).split())
+    assert not (tmp_path / "mlflow.db").exists()  # no MLflow run was opened (none left FAILED)
