@@ -193,10 +193,16 @@ def print_summary(summary, steps: list[str] | None = None) -> None:  # type: ign
         out.print(f"results store: {summary.results_store} ({reused})", markup=False, highlight=False)
     if summary.llm:
         llm = summary.llm
+        hits = int(llm.get("llm/cache_hits", 0))
         out.print(
-            f"LLM: {int(llm.get('llm/calls', 0))} calls, {int(llm.get('llm/cache_hits', 0))} cache hits, "
+            f"LLM: {int(llm.get('llm/calls', 0))} calls, {hits} cache hits, "
             f"{int(llm.get('llm/completion_tokens', 0))} completion tokens"
         )
+        if summary.llm_cache:
+            earlier = (f"{hits} answered from it (replies an earlier run with the same request wrote: no model time); "
+                       if hits else "")
+            out.print(f"LLM replies kept in {summary.llm_cache}: {earlier}llm.cache_path=<file> uses another, "
+                      "llm.cache=false none", markup=False, highlight=False, soft_wrap=True)
     out.print(f"MLflow run: {summary.run_id}   look at it: {summary.ui_hint}", markup=False, highlight=False)
     for line in steps or []:
         out.print(line, markup=False, highlight=False, soft_wrap=True)  # a command stays one line

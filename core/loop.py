@@ -77,6 +77,7 @@ class RunSummary:
     results_store: str = ""  # where finished trainings are kept (and reused from)
     first_error: str = ""  # the first failed candidate's error, shown when nothing succeeded
     rejected: int = 0  # candidates from replies that held no usable program (recorded, not trained; within ``failed``)
+    llm_cache: str = ""  # the LLM reply cache the run read and wrote ("" when it made no LLM call or had none)
 
     @property
     def counts(self) -> str:
@@ -500,7 +501,10 @@ class Loop:
         pairs = [(c, r) for it in self.run.history for c, r in zip(it.candidates, it.results)]
         # what an LLM's code put into training: candidates that trained with a program an LLM wrote
         llm_trained = sum(r.ok and any(getattr(p, "reply", "") for _, p in c.programs) for c, r in pairs)
+        llm_cache = self._llm_cache() if llm else ""
         if self.tracker is not None:
+            if llm_cache:  # where the replies were kept (and where cache hits came from)
+                self.tracker.set_tags({"llm.cache": llm_cache})
             self.tracker.log_metrics({"fitness": fitness, "frames": frames, "seconds": seconds, "candidates": len(results),
                                       "candidates_rejected": rejected, "candidates_trained": sum(r.ok for r in results),
                                       "llm_programs_trained": llm_trained})
@@ -528,7 +532,15 @@ class Loop:
             results_store=str(self.store_path) if self.store is not None else "",
             first_error=next((r.error for r in results if not r.ok), ""),
             rejected=rejected,
+            llm_cache=llm_cache,
         )
+
+    def _llm_cache(self) -> str:
+        """The LLM reply cache file of this run ("" with llm.cache=false)."""
+        from core.llm.client import cache_file
+
+        llm = self.config.get("llm") or {}
+        return str(cache_file(llm.get("cache_path"))) if llm.get("cache", True) else ""
 
 
 def _marked(name: str, group: list[Any]) -> list[Any]:

@@ -75,6 +75,18 @@ def test_the_summary_names_the_results_store(capsys):
     assert "1 training(s) reused" in " ".join(capsys.readouterr().out.split())
 
 
+def test_the_summary_says_where_llm_replies_are_kept_and_how_many_came_from_there(capsys):
+    from core.app import print_summary
+    from core.loop import RunSummary
+
+    summary = RunSummary("return", 1.0, 10, 1.0, 1, 0, "rid", "ui", llm={"llm/calls": 3, "llm/cache_hits": 2},
+                         llm_cache="/home/u/.cache/llm4rl/llm_cache.sqlite")
+    print_summary(summary)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "LLM replies kept in /home/u/.cache/llm4rl/llm_cache.sqlite: 2 answered from it" in out
+    assert "llm.cache_path=<file> uses another" in out
+
+
 def test_the_summary_counts_sampled_usable_and_trained_candidates(capsys):
     from core.app import print_summary
     from core.loop import RunSummary

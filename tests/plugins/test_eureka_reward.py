@@ -361,11 +361,14 @@ def test_the_llms_reward_program_trains_and_its_components_are_logged(make_confi
     import mlflow
 
     llm = fakes.install_fake_litellm(monkeypatch)
-    summary, recorder = _run_eureka(make_config, ["plugins.eureka.samples=2"])
+    summary, recorder = _run_eureka(make_config, ["plugins.eureka.samples=2", "llm.cache=true"])
     assert llm.count("def compute_reward") >= 1
     trained = [(c, r) for c, r in recorder.trained if c.reward is not None and fakes.MARK in c.reward.source]
     assert len(trained) == 2 and summary.failed == 0, recorder.report()
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    # where the replies were kept is said on the run: the run's own cache folder
+    assert client.get_run(summary.run_id).data.tags["llm.cache"] == summary.llm_cache
+    assert summary.llm_cache.startswith(str(tmp_path / "cache"))
     for candidate, result in trained:
         assert candidate.reward.origin == "eureka" and result.ok and result.frames > 0
         # "alive" is the program's constant term: its per-step mean is 1 only if the program ran on every step
