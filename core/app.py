@@ -203,6 +203,10 @@ def print_summary(summary, steps: list[str] | None = None) -> None:  # type: ign
                        if hits else "")
             out.print(f"LLM replies kept in {summary.llm_cache}: {earlier}llm.cache_path=<file> uses another, "
                       "llm.cache=false none", markup=False, highlight=False, soft_wrap=True)
+    for part in summary.contributions:  # what each method's LLM put in; nothing is said in yellow
+        role = f" ({part.role})" if part.role else ""
+        line = f"{part.plugin}{role}: {part.text}"
+        out.print(f"[yellow]warning: {escape(line)}[/yellow]" if part.nothing else escape(line), highlight=False)
     out.print(f"MLflow run: {summary.run_id}   look at it: {summary.ui_hint}", markup=False, highlight=False)
     for line in steps or []:
         out.print(line, markup=False, highlight=False, soft_wrap=True)  # a command stays one line

@@ -38,6 +38,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from core.context import RunContext
+from core.contributions import Contribution, contributions
 from core.executor import Executor, Runtime, TrainJob, build_runtime, make_executor
 from core.preflight import preflight
 from core.progress import LLMCallView, make_progress
@@ -78,6 +79,7 @@ class RunSummary:
     first_error: str = ""  # the first failed candidate's error, shown when nothing succeeded
     rejected: int = 0  # candidates from replies that held no usable program (recorded, not trained; within ``failed``)
     llm_cache: str = ""  # the LLM reply cache the run read and wrote ("" when it made no LLM call or had none)
+    contributions: list[Contribution] = field(default_factory=list)  # per plugin, what its LLM put into the run
 
     @property
     def counts(self) -> str:
@@ -502,6 +504,10 @@ class Loop:
         # what an LLM's code put into training: candidates that trained with a program an LLM wrote
         llm_trained = sum(r.ok and any(getattr(p, "reply", "") for _, p in c.programs) for c, r in pairs)
         llm_cache = self._llm_cache() if llm else ""
+        writers = frozenset(impl.plugin_name for impl in self.run.hook.generate_envs.get_hookimpls())
+        parts = contributions(sorted((self.config.get("plugins") or {}).keys()), pairs, best, writers)
+        if self.tracker is not None and parts:
+            self.tracker.set_tags({f"llm4rl.contribution.{c.plugin}": c.text[:250] for c in parts})
         if self.tracker is not None:
             if llm_cache:  # where the replies were kept (and where cache hits came from)
                 self.tracker.set_tags({"llm.cache": llm_cache})
@@ -533,6 +539,7 @@ class Loop:
             first_error=next((r.error for r in results if not r.ok), ""),
             rejected=rejected,
             llm_cache=llm_cache,
+            contributions=parts,
         )
 
     def _llm_cache(self) -> str:

@@ -365,6 +365,8 @@ def test_the_llms_reward_program_trains_and_its_components_are_logged(make_confi
     assert llm.count("def compute_reward") >= 1
     trained = [(c, r) for c, r in recorder.trained if c.reward is not None and fakes.MARK in c.reward.source]
     assert len(trained) == 2 and summary.failed == 0, recorder.report()
+    (part,) = summary.contributions  # the LLM's programs trained, and the chosen candidate uses one
+    assert not part.nothing and part.text == "2 LLM program(s), 2 usable, 2 trained; the chosen candidate uses one"
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     # where the replies were kept is said on the run: the run's own cache folder
     assert client.get_run(summary.run_id).data.tags["llm.cache"] == summary.llm_cache
@@ -399,7 +401,12 @@ def test_a_run_whose_every_program_fails_records_each_failure(make_config, monke
     assert summary.candidates == summary.failed == 2 and recorder.trained
     assert all(not r.ok and r.frames == 0 and "no_such_field" in r.error for _, r in recorder.trained), recorder.report()
     assert "no_such_field" in summary.first_error
+    # the summary says the method's LLM put nothing in, and the parent run carries it
+    (part,) = summary.contributions
+    assert part.plugin == "eureka" and part.role == "reward" and part.nothing
+    assert part.text.startswith("2 LLM program(s)") and "contributed nothing" in part.text
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert "contributed nothing" in client.get_run(summary.run_id).data.tags["llm4rl.contribution.eureka"]
     for _, result in recorder.trained:
         assert client.get_run(result.run_id).data.tags["ok"] == "False"
         assert "no_such_field" in Path(client.download_artifacts(result.run_id, "error.txt", str(tmp_path))).read_text()
