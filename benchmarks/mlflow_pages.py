@@ -16,59 +16,22 @@ Chromium is the system's (Debian: ``apt-get install -y chromium``); nothing is d
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+from core.ui import serve
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def mlflow_server(uri: str, timeout_s: float = 300.0) -> Iterator[str]:
-    """``mlflow server`` on the store ``uri`` at 127.0.0.1 (a free port); yields its base URL, stops it."""
-    port = free_port()
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", "127.0.0.1",
-                             "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "MLFLOW_ALLOW_FILE_STORE": "true", "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"mlflow server did not start on {base}:\n{log.read().decode()[-3000:]}")
-            time.sleep(0.5)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+#: MLflow's server on a store at 127.0.0.1, as ``python -m core.ui`` starts it (yields its base URL)
+mlflow_server = serve
 
 
 @contextmanager

@@ -278,7 +278,7 @@ def next_steps(tracking_uri: str, experiment: str) -> list[str]:
         else None
     lines = [f"report:    python -m core.report --experiment {experiment} --uri {uri}"]
     if ui:
-        lines.append(f"MLflow UI: {ui}   then open http://127.0.0.1:5000")
+        lines.append(f"MLflow UI: python -m core.ui --uri {uri} --experiment {experiment}   (prints the experiment's page)")
     else:
         lines.append(f"MLflow UI: {uri}")
     return lines

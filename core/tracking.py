@@ -184,6 +184,7 @@ class Tracker:
         quiet_third_party()  # after the import: mlflow sets its own log level when imported
         self.mlflow = mlflow
         self.cfg = cfg
+        self.experiment_name = experiment
         mlflow.set_tracking_uri(cfg["uri"])
         with _first_contact_lock(cfg["uri"]):
             self.client = mlflow.MlflowClient()
@@ -461,7 +462,7 @@ class Tracker:
         uri = self.uri
         page = f"#/experiments/{self.experiment_id}/runs?viewStateShareKey={VIEW_KEY}&{run_page.ML_VIEW}"
         if uri.startswith("sqlite:///"):
-            return f"mlflow ui --backend-store-uri {uri}, then open http://127.0.0.1:5000/{page}"
+            return f"python -m core.ui --uri {uri} --experiment {self.experiment_name}   (opens {page})"
         return f"open {uri.rstrip('/')}/{page}"
 
 

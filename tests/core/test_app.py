@@ -182,7 +182,7 @@ def test_a_baseline_arm_and_a_plugin_arm_sweep_a_knob(tmp_path, llm_server):
     assert "ignored in this run" in output
     # after the study: how to compare its arms and where to look
     assert f"python -m core.report --experiment llm4rl --uri sqlite:///{tmp_path}/mlflow.db" in output.replace("\n", "")
-    assert "mlflow ui --backend-store-uri" in output
+    assert "python -m core.ui --uri" in output
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = [r for r in client.search_runs([client.get_experiment_by_name("llm4rl").experiment_id]) if "plugins" in r.data.tags]
     by_plugins = {r.data.tags["plugins"]: r for r in runs}

@@ -171,7 +171,7 @@ def test_the_pool_relays_its_workers_bars(make_config):
 def test_after_a_run_the_report_and_the_ui_are_named():
     lines = next_steps("sqlite:///mlflow.db", "abl")
     assert lines[0] == "report:    python -m core.report --experiment abl --uri sqlite:///mlflow.db"
-    assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in lines[1] and "http://127.0.0.1:5000" in lines[1]
+    assert lines[1].startswith("MLflow UI: python -m core.ui --uri sqlite:///mlflow.db --experiment abl")
     assert next_steps("http://tracking:5000", "abl")[1] == "MLflow UI: http://tracking:5000"
 
 

@@ -133,7 +133,7 @@ def test_cli_writes_report_and_logs_it(study, tmp_path: Path, capsys) -> None:
     uri, _ = study
     out = tmp_path / "rep"
     assert main(["--experiment", "abl", "--uri", uri, "--out", str(out), "--reps", "500"]) == 0
-    assert f"MLflow UI: mlflow ui --backend-store-uri {uri}" in capsys.readouterr().out
+    assert f"MLflow UI: python -m core.ui --uri {uri} --experiment abl" in capsys.readouterr().out
     md = (out / "report.md").read_text()
     assert "| baseline | 4/5 | 2.5 [" in md
     assert "PARTIAL" in md and "Runs left out of the statistics" in md
