@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,18 @@ class Reply:
     # the most likely first tokens of the reply, token text -> log-probability; set only
     # when the call asked for ``top_logprobs`` and the backend returns them
     logprobs: dict[str, float] | None = None
+    # why the reply ended: "stop" (it was complete), "length" (cut off at max_tokens); "" unknown
+    finish_reason: str = ""
+
+    @property
+    def cut_off(self) -> bool:
+        """Whether the reply ended at the token cap rather than where the model stopped."""
+        return self.finish_reason == "length"
+
+
+#: what :meth:`LLMClient.continue_reply` asks after a reply the token cap cut off
+CONTINUE = ("Your reply was cut off at the length limit. Continue it from exactly where it stopped: "
+            "do not repeat anything already written and do not start over.")
 
 
 @dataclass
@@ -135,6 +147,7 @@ class LLMStats:
     cached_prompt_tokens: int = 0  # prompt tokens the backend reused from earlier requests (prefix cache)
     wait_s: float = 0.0  # wall time callers waited; below latency_s when requests ran concurrently
     overlap_s: float = 0.0  # wall time requests ran while the caller worked on samples already delivered (chat_groups)
+    cut_off: int = 0  # replies the backend ended at max_tokens (finish_reason "length"), not where the model stopped
 
     def as_metrics(self) -> dict[str, float]:
         """``{"llm/calls": ..., "llm/cache_hits": ..., ...}`` for a metrics logger."""
@@ -460,6 +473,30 @@ class LLMClient:
         if errors:
             raise errors[0]
         return [f.result() for f in futures]
+
+    def continue_reply(self, messages: Sequence[Mapping[str, str]], reply: Reply, *, rounds: int = 1,
+                       tag: str = "", **kw: Any) -> Reply:
+        """``reply`` (to ``messages``) continued where the token cap cut it off, for at most
+        ``rounds`` more requests, instead of asking again from scratch.
+
+        Each request sends the conversation with the text so far as the assistant's turn
+        and :data:`CONTINUE` (``kw`` as in :meth:`chat`: max_tokens, temperature, seed);
+        the pieces are joined (a code fence the continuation reopens is dropped). The
+        result's tokens, latency and ``finish_reason`` are the last piece's; a reply that was
+        not cut off comes back as it is.
+        """
+        text = reply.text
+        for k in range(rounds):
+            if not reply.cut_off:
+                break
+            follow = [*({"role": m["role"], "content": m["content"]} for m in messages),
+                      {"role": "assistant", "content": text}, {"role": "user", "content": CONTINUE}]
+            (reply,) = self.chat(follow, n=1, tag=f"{tag or 'call'}-continued{k + 1}", **kw)
+            piece = reply.text
+            if piece.lstrip().startswith("```") and text.count("```") % 2 == 1:  # still inside the open fence
+                piece = piece.lstrip().split("\n", 1)[1] if "\n" in piece.lstrip() else ""
+            text += piece
+        return replace(reply, text=text)
 
     def ask(self, prompt: str, *, system: str | None = None, **kw: Any) -> str:
         """The text of one reply to a single user ``prompt`` (``kw`` as in :meth:`chat`)."""
@@ -879,6 +916,7 @@ class LLMClient:
                 cached=False,
                 model=self.model,
                 logprobs=first_token_logprobs(choice),
+                finish_reason=str(getattr(choice, "finish_reason", "") or ""),
             ))
         with self._lock:
             self.stats.requests += 1
@@ -887,6 +925,7 @@ class LLMClient:
             self.stats.completion_tokens += completion_tokens
             self.stats.cost += cost
             self.stats.latency_s += latency
+            self.stats.cut_off += sum(r.cut_off for r in replies)
         return replies
 
     def _explain_transient(self, exc: BaseException, attempts: int) -> str:

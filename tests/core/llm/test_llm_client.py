@@ -419,3 +419,28 @@ def test_run_config_puts_the_cache_under_cache_dir(make_config, tmp_path, fake_b
     cfg = make_config([])
     client = make_client(cfg.llm)
     assert client.cache.path.parent == tmp_path / "cache"
+
+
+def test_a_reply_cut_off_at_the_cap_is_counted_and_continued_where_it_stopped(llm_cfg, monkeypatch):
+    from litellm.types.utils import Choices, Message, ModelResponse, Usage
+
+    from core.llm.client import CONTINUE, import_litellm
+
+    pieces = iter([("```json\n[{\"name\": \"a\", ", "length"), ("```json\n\"trees\": 0.5}]\n```", "stop")])
+    sent: list[list[dict]] = []
+
+    def completion(**kwargs):
+        sent.append(kwargs["messages"])
+        text, reason = next(pieces)
+        return ModelResponse(choices=[Choices(index=0, finish_reason=reason, message=Message(role="assistant", content=text))],
+                             model=kwargs["model"], usage=Usage(prompt_tokens=10, completion_tokens=5, total_tokens=15))
+
+    monkeypatch.setattr(import_litellm(), "completion", completion)
+    client = make_client({**llm_cfg, "cache": False})
+    ask = [{"role": "user", "content": "two configs as JSON"}]
+    (first,) = client.chat(ask)
+    assert first.cut_off and client.stats.cut_off == 1
+    whole = client.continue_reply(ask, first, tag="envs")
+    assert whole.text == "```json\n[{\"name\": \"a\", \"trees\": 0.5}]\n```" and not whole.cut_off
+    assert sent[1][-2:] == [{"role": "assistant", "content": first.text}, {"role": "user", "content": CONTINUE}]
+    assert client.stats.cut_off == 1 and client.continue_reply(ask, whole) is not None and len(sent) == 2
