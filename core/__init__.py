@@ -1,8 +1,9 @@
 """llm4rl core: hooks, registry, the agent loop, training, tracking, the LLM layer.
 
-What a plugin imports: ``hookimpl`` (the marker for hook implementations),
-``PluginConfig`` (the base of its ``Config`` dataclass) and, for type hints, the
-contexts ``RunContext``, ``TrainContext`` and ``StepBatch``.
+A plugin imports from :mod:`core.plugin`, the plugin API. This package also gives
+``hookimpl`` (the marker for hook implementations) and ``PluginConfig`` (the base of a
+plugin's ``Config`` dataclass) without importing torch; the contexts ``RunContext``,
+``TrainContext`` and ``StepBatch`` load on first access.
 """
 
 from typing import Any

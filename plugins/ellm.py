@@ -42,20 +42,13 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from core import PluginConfig, hookimpl
-from core.envs.task import Task
-from core.errors import UserError
-from core.llm.background import ask_in_batches
-from core.plan import goal_names, match_goal, newly_achieved
-
-if TYPE_CHECKING:  # pragma: no cover
-    from core.context import RunContext, StepBatch, TrainContext
-    from core.records import TrainResult
+from core.plugin import (PluginConfig, RunContext, StepBatch, Task, TrainContext, TrainResult, UserError,
+                         ask_in_batches, goal_names, hookimpl, match_goal, newly_achieved)
 
 NAME = "ellm"
 

@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from core import PluginConfig, hookimpl
-from core.records import Candidate, EnvConfig, IterationResult, StartPolicy, TrainResult
+from core.plugin import (Candidate, EnvConfig, IterationResult, PluginConfig, StartPolicy, TrainResult, UserError,
+                         hookimpl)
 
 NAME = "envgen"
 ORIGINAL = "original"
@@ -400,8 +400,6 @@ class Plugin:
 
     @hookimpl
     def on_run_start(self, run) -> None:
-        from core.errors import UserError
-
         if not run.task.params:
             raise UserError(f"envgen needs a task with controllable params; '{run.task.name}' declares none.")
         trainer = str((run.config.get("trainer") or {}).get("name", "ppo"))

@@ -30,11 +30,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from core import PluginConfig, hookimpl
-from core.codegen import program_from_reply
-from core.prompting import (Shapes, batch_shapes, candidate_line, code_options, fence, interface_of, reply_counts,
-                            reward_interface, sample_evenly, summarize_series)
-from core.records import Candidate, IterationResult, RewardProgram, TrainResult
+from core.plugin import (Candidate, IterationResult, PluginConfig, RewardProgram, Shapes, TrainResult, batch_shapes,
+                         candidate_line, code_options, fence, hookimpl, interface_of, program_from_reply, reply_counts,
+                         reward_interface, sample_evenly, summarize_series)
 
 NAME = "eureka"
 ENTRY = "compute_reward"

@@ -46,13 +46,10 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from core import PluginConfig, hookimpl
-from core.codegen import program_from_reply
-from core.context import StepBatch, TrainContext
-from core.errors import UserError
-from core.prompting import (Shapes, batch_shapes, candidate_line, code_options, fence, interface_of, repair_messages,
-                            reply_counts, reward_interface, sample_evenly, summarize_series)
-from core.records import Candidate, Fitness, IterationResult, RewardProgram, TrainResult
+from core.plugin import (Candidate, Fitness, IterationResult, PluginConfig, RewardProgram, SandboxError, Shapes,
+                         StepBatch, TrainContext, TrainResult, UserError, batch_shapes, candidate_line, code_options,
+                         fence, hookimpl, interface_of, prepare_reward, program_from_reply, repair_messages,
+                         reply_counts, reward_interface, sample_evenly, summarize_series)
 
 NAME = "lares"
 ENTRY = "compute_reward"
@@ -600,8 +597,6 @@ class Evolution:
 
     # -- setup --------------------------------------------------------------------------------
     def _prepare(self, program: RewardProgram) -> tuple[Any, str, str]:
-        from core.sandbox import SandboxError, prepare_reward
-
         sandbox = self.run.sandbox
         try:
             return prepare_reward(program, self.task, limits=sandbox.limits(), allowed_imports=sandbox.imports), "", ""

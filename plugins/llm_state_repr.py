@@ -48,14 +48,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from core import PluginConfig, hookimpl
-from core.codegen import extract_code, extract_function
-from core.config import SandboxConfig
-from core.namecheck import check_names, state_arguments
-from core.prompting import (Shapes, batch_shapes, candidate_line, code_options, fence, fields_text, interface_of,
-                            repair_messages, reply_counts, state_interface)
-from core.records import Candidate, IterationResult, RewardProgram, StateProgram, TrainResult
-from core.sandbox import SandboxReport, normalize_reward, validate_state
+from core.plugin import (SAFE_BUILTIN_NAMES, Candidate, IterationResult, PluginConfig, RewardProgram, SandboxConfig,
+                         SandboxReport, Shapes, StateProgram, TrainResult, batch_shapes, candidate_line, check_names,
+                         code_options, extract_code, extract_function, fence, fields_text, hookimpl, interface_of,
+                         normalize_reward, prepare_reward, probe_batch, repair_messages, reply_counts, run_isolated,
+                         state_arguments, state_interface, validate_state)
 
 NAME = "llm_state_repr"
 STATE_ENTRY, REWARD_ENTRY = "revise_state", "intrinsic_reward"
@@ -256,8 +253,6 @@ def extract_pair_kind(reply: str, fields: list[str] | None = None,
 def check_pair_names(source: str, fields: list[str]) -> Any:
     """:func:`core.namecheck.check_names` over the pair: the state each of ``revise_state``
     and ``intrinsic_reward`` takes (whatever it calls it) may hold only ``fields``."""
-    from core.sandbox.policy import SAFE_BUILTIN_NAMES
-
     states = tuple(dict.fromkeys(state_arguments(source, STATE_ENTRY, ["state"])
                                  + state_arguments(source, REWARD_ENTRY, ["state", "features"])))
     return check_names(source, fields, available=SAFE_BUILTIN_NAMES, state_args=states)
@@ -289,8 +284,6 @@ def check_pair(source: str, states: tuple[Any, ...], cfg: Config, sandbox: Sandb
 
     :param sandbox: the run's sandbox settings (``run.sandbox``): limits and allowed imports.
     """
-    from core.sandbox import run_isolated
-
     limits, imports = sandbox.limits(), sandbox.imports
     state, action, next_state = states
     report = run_isolated(StateProgram(source, STATE_ENTRY), (state,), limits=limits, validate=validate_state, allowed_imports=imports)
@@ -408,8 +401,6 @@ class Plugin:
         if iteration >= cfg.iterations:
             return None
         if self.probe is None:
-            from core.sandbox import probe_batch
-
             obs, action, next_obs = probe_batch(run.task, num_envs=4, steps=8, seed=run.seed)
             self.probe = (run.task.split_state(obs), action, run.task.split_state(next_obs))
         self.shapes = self.shapes or batch_shapes(run.task, run.seed)
@@ -541,8 +532,6 @@ def _training(train: Any) -> Training | None:
     if state is None or state.origin != NAME or "intrinsic" not in state.meta:
         return None
     if NAME not in train.state:
-        from core.sandbox import prepare_reward
-
         weight = float(state.meta["weight"])
         program = RewardProgram(source=state.meta["intrinsic"], entry="compute_reward", origin=NAME, mode="add", weight=weight)
         fn = prepare_reward(program, train.task, limits=train.sandbox.limits(), allowed_imports=train.sandbox.imports)

@@ -41,12 +41,8 @@ from typing import Any
 
 import torch
 
-from core import PluginConfig, hookimpl
-from core.errors import UserError
-from core.llm.background import BackgroundCalls, warm_up
-from core.llm.errors import LLMError
-from core.plan import PlanFollower, check_plan, goal_names, match_goal
-from core.records import Plan, PlanStep, TrainResult
+from core.plugin import (BackgroundCalls, LLMError, Plan, PlanFollower, PlanStep, PluginConfig, TrainResult, UserError,
+                         check_plan, goal_names, hookimpl, match_goal, warm_up)
 
 NAME = "plan4mc"
 SOURCES = ("llm", "rules")

@@ -49,20 +49,13 @@ import re
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from core import PluginConfig, hookimpl
-from core.errors import UserError
-from core.llm.background import warm_up
-from core.progress import make_progress
-
-if TYPE_CHECKING:  # pragma: no cover
-    from core.context import StepBatch, TrainContext
-    from core.envs.task import Task, Trajectory
-    from core.records import TrainResult
+from core.plugin import (PluginConfig, StepBatch, Task, TrainContext, TrainResult, Trajectory, UserError, hookimpl,
+                         make_progress, warm_up)
 
 NAME = "progress_reward"
 SCORES = ("expected", "median")

@@ -41,12 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from core import PluginConfig, hookimpl
-from core.codegen import extract_code, extract_function
-from core.namecheck import check_names, state_arguments
-from core.plan import PlanFollower, goal_names, match_goal
-from core.prompting import Shapes, batch_shapes, code_options, field_bindings, fields_text, interface_of
-from core.records import Candidate, IterationResult, MacroAction, Plan, PlanStep, Program, TrainResult
+from core.plugin import (SAFE_BUILTIN_NAMES, Candidate, IterationResult, MacroAction, MacroSet, Plan, PlanFollower,
+                         PlanStep, PluginConfig, Program, SandboxError, Shapes, TrainResult, batch_shapes, check_names,
+                         code_options, extract_code, extract_function, field_bindings, fields_text, goal_names,
+                         hookimpl, interface_of, match_goal, state_arguments)
 
 NAME = "rl_gpt"
 ACT, DONE = "act", "done"
@@ -286,8 +284,6 @@ def extract_macro_kind(reply: str, name: str, max_steps: int,
 def check_macro_names(source: str, fields: list[str]) -> Any:
     """:func:`core.namecheck.check_names` over both functions of a macro: the state each
     of ``act`` and ``done`` takes (whatever it calls it) may hold only ``fields``."""
-    from core.sandbox.policy import SAFE_BUILTIN_NAMES
-
     states = tuple(dict.fromkeys(state_arguments(source, ACT, ["state"]) + state_arguments(source, DONE, ["state"])))
     return check_names(source, fields, available=SAFE_BUILTIN_NAMES, state_args=states)
 
@@ -318,9 +314,6 @@ def rollout_macros(macros: list[MacroAction], task: Any, *, runs: int, seed: int
     Programs go through the sandbox (check, isolated probe, compile) via
     :class:`core.train.macros.MacroSet`; a macro that fails to prepare fails every run.
     """
-    from core.sandbox import SandboxError
-    from core.train.macros import MacroSet
-
     stats = [Rollout(m.name) for m in macros]
     prepared: list[Any] = []
     for m, st in zip(macros, stats):
@@ -350,8 +343,6 @@ def rollout_macros(macros: list[MacroAction], task: Any, *, runs: int, seed: int
 
 
 def _run_one(env: Any, mset: Any, obs: np.ndarray, n: int, max_steps: int) -> tuple[np.ndarray, str]:
-    from core.sandbox import SandboxError
-
     batch = np.asarray(obs)[None]
     for step in range(max_steps):
         try:

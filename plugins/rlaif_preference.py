@@ -55,18 +55,13 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from core import PluginConfig, hookimpl
-from core.llm.background import BackgroundCalls, warm_up
-from core.progress import make_progress
-
-if TYPE_CHECKING:  # pragma: no cover
-    from core.context import StepBatch, TrainContext
-    from core.records import TrainResult
+from core.plugin import (BackgroundCalls, PluginConfig, StepBatch, TrainContext, TrainResult, hookimpl, make_progress,
+                         warm_up)
 
 NAME = "rlaif_preference"
 JUDGES = ("logprobs", "text")

@@ -36,22 +36,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from core import PluginConfig, hookimpl
-from core.codegen import extract_function
-from core.context import ActionPrior
-from core.errors import UserError
-from core.namecheck import check_names, state_arguments
-from core.prompting import Shapes, batch_shapes, code_options, field_bindings, fields_text, interface_of
-from core.records import StateProgram
-
-if TYPE_CHECKING:  # pragma: no cover
-    from core.context import RunContext, TrainContext
-    from core.envs.task import Task
-    from core.records import IterationResult, TrainResult
+from core.plugin import (SAFE_BUILTIN_NAMES, ActionPrior, IterationResult, PluginConfig, RunContext, SandboxError,
+                         Shapes, StateProgram, Task, TrainContext, TrainResult, UserError, batch_shapes, check_names,
+                         code_options, extract_function, field_bindings, fields_text, hookimpl, interface_of,
+                         prepare_state, state_arguments)
 
 NAME = "rlingua"
 ENTRY = "act"
@@ -176,8 +168,6 @@ def build_messages(task: Task, imports: tuple[str, ...], act_dim: int | None, sh
 
 def check_controller_names(source: str, fields: list[str]) -> Any:
     """:func:`core.namecheck.check_names` on a controller: its ``state`` (whatever ``act`` calls it) may hold only ``fields``."""
-    from core.sandbox.policy import SAFE_BUILTIN_NAMES
-
     return check_names(source, fields, available=SAFE_BUILTIN_NAMES, state_args=state_arguments(source, ENTRY, ["state"]))
 
 
@@ -195,8 +185,6 @@ class Controller:
 
     def write(self) -> None:
         """Ask the LLM for a controller until one passes the sandbox probe (``attempts`` tries)."""
-        from core import sandbox
-
         train, cfg = self.train, self.cfg
         interface = interface_of(train)
         shapes = batch_shapes(train.task, train.seed) if interface == "fields" else None
@@ -217,9 +205,9 @@ class Controller:
             if found.ok and not error:
                 program = StateProgram(source=found.source, entry=ENTRY, origin=NAME, meta={"fixes": fixes} if fixes else {})
                 try:
-                    fn = sandbox.prepare_state(program, train.task, limits=train.sandbox.limits(),
-                                               allowed_imports=train.sandbox.imports)
-                except sandbox.SandboxError as exc:
+                    fn = prepare_state(program, train.task, limits=train.sandbox.limits(),
+                                       allowed_imports=train.sandbox.imports)
+                except SandboxError as exc:
                     error = exc.report.message
                 else:
                     if self.act_dim is not None and fn.extra_dim != self.act_dim:
@@ -237,14 +225,12 @@ class Controller:
 
     def prior(self, obs: torch.Tensor) -> ActionPrior | None:
         """The controller's actions with the annealed probability; None once annealed away or failed."""
-        from core import sandbox
-
         p = self.probability()
         if self.fn is None or p <= 0.0:
             return None
         try:
             mean = self.fn.from_obs(obs)
-        except sandbox.SandboxError as exc:  # a controller that breaks mid-training stops acting
+        except SandboxError as exc:  # a controller that breaks mid-training stops acting
             self.errors.append(f"during training (frames {self.train.frames}): {exc.report.message}")
             self.fn = None
             return None

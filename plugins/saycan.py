@@ -43,20 +43,13 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from core import PluginConfig, hookimpl
-from core.context import ActionPrior
-from core.errors import UserError
-from core.llm.background import BackgroundCalls, ask_in_batches, warm_up
-
-if TYPE_CHECKING:  # pragma: no cover
-    from core.context import RunContext, TrainContext
-    from core.envs.task import Task
-    from core.records import TrainResult
+from core.plugin import (ActionPrior, BackgroundCalls, PluginConfig, RunContext, Task, TrainContext, TrainResult,
+                         UserError, ask_in_batches, hookimpl, warm_up)
 
 NAME = "saycan"
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"

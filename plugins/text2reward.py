@@ -28,12 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from core import PluginConfig, hookimpl
-from core.codegen import program_from_reply, without_prelude
-from core.envs.task import Task
-from core.prompting import (Shapes, action_text, batch_shapes, candidate_line, code_options, fence, interface_of,
-                            program_fields, repair_messages, reply_counts, sign_rule)
-from core.records import Candidate, IterationResult, RewardProgram, TrainResult
+from core.plugin import (Candidate, IterationResult, PluginConfig, RewardProgram, SandboxError, Shapes, Task,
+                         TrainResult, action_text, batch_shapes, candidate_line, code_options, fence, hookimpl,
+                         interface_of, prepare_reward, program_fields, program_from_reply, repair_messages,
+                         reply_counts, sign_rule, without_prelude)
 
 NAME = "text2reward"
 ENTRY = "compute_dense_reward"
@@ -304,8 +302,6 @@ def user_comment(cfg: Config) -> str:
 
 def sandbox_error(run: Any, program: RewardProgram) -> str:
     """'' when the sandbox accepts the program on real states, else the reason."""
-    from core.sandbox import SandboxError, prepare_reward
-
     try:
         prepare_reward(program, run.task, limits=run.sandbox.limits(), allowed_imports=run.sandbox.imports)
     except SandboxError as e:

@@ -11,6 +11,9 @@ A plugin keeps the contract when:
 - its module imports, has a docstring, declares its config as a ``Config`` dataclass
   (or none: the :class:`core.PluginConfig` base) and keeps no mutable state at module
   level (no ``global``, no module-level dict/list/set or instance of its own classes);
+- it imports the framework through :mod:`core.plugin` only (``from core import hookimpl,
+  PluginConfig`` too), a static check of its source (:data:`IMPORT_EXCEPTIONS` is the one
+  known exception);
 - ``+plugins=[name]`` composes with Hydra and the result validates (its defaults are
   its schema's defaults);
 - its hooks register against the specs, and a built-in implements exactly the hooks its
@@ -201,6 +204,49 @@ def module_state(module: Any) -> list[str]:
     return found
 
 
+#: what ``from core import ...`` may name in a plugin (the package's light entry point)
+FROM_CORE = frozenset({"hookimpl", "PluginConfig"})
+
+#: built-in plugin -> the framework modules it may still import beside core.plugin. The one
+#: known exception: LaRes trains its population of SAC agents itself, over the trainer's
+#: internals (``core.train.sac``'s modules and update, the candidate env, evaluation, the
+#: per-step transforms); it goes when the core gives population training a seam (issue 26).
+IMPORT_EXCEPTIONS: dict[str, frozenset[str]] = {
+    "lares": frozenset({"core.train.sac", "core.train.common", "core.train.evaluate", "core.train.transforms"}),
+}
+
+
+def is_core(module: str) -> bool:
+    return module == "core" or module.startswith("core.")
+
+
+def plugin_sources(module: Any) -> dict[str, str]:
+    """The plugin's source: its module, or every ``.py`` file of its package."""
+    if hasattr(module, "__path__"):  # a package: what its submodules import counts too
+        root = Path(module.__file__).parent
+        return {str(f.relative_to(root.parent)): f.read_text() for f in sorted(root.rglob("*.py"))}
+    return {Path(inspect.getsourcefile(module) or module.__name__).name: inspect.getsource(module)}
+
+
+def core_imports(source: str, allowed: frozenset[str] = frozenset()) -> list[str]:
+    """The imports of the framework in ``source`` other than :mod:`core.plugin` (and
+    ``from core import hookimpl, PluginConfig``), as ``line N: <statement>``; ``allowed``
+    names further modules (:data:`IMPORT_EXCEPTIONS`). Nested and ``TYPE_CHECKING``
+    imports count; relative imports are the plugin's own."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and is_core(node.module):
+            ok = (node.module == "core.plugin" or node.module in allowed
+                  or (node.module == "core" and all(a.name in FROM_CORE for a in node.names)))
+        elif isinstance(node, ast.Import):
+            ok = all(not is_core(a.name) or a.name == "core.plugin" or a.name in allowed for a in node.names)
+        else:
+            continue
+        if not ok:
+            found.append((node.lineno, f"line {node.lineno}: {ast.unparse(node)}"))
+    return [text for _, text in sorted(found)]  # ast.walk goes breadth first
+
+
 def config_fields(module: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(config_class(module))]
 
@@ -228,6 +274,13 @@ class PluginContract:
             params = list(inspect.signature(cls).parameters)
             assert params[:1] == ["config"], f"{info.module}.Plugin(config) takes the typed config, got {params}"
         assert not module_state(module), f"{info.module} keeps state at module level:\n" + "\n".join(module_state(module))
+
+    def test_imports_only_the_plugin_api(self, info: PluginInfo) -> None:
+        allowed = IMPORT_EXCEPTIONS.get(info.name, frozenset()) if self.builtin(info) else frozenset()
+        found = [f"{name} {line}" for name, source in plugin_sources(load_module(info)).items()
+                 for line in core_imports(source, allowed)]
+        assert not found, (f"{info.module} imports framework internals; import it from core.plugin "
+                           "(the plugin API, docs/writing-a-plugin.md):\n" + "\n".join(found))
 
     def test_config_composes_and_validates(self, info: PluginInfo, make_config: Any) -> None:
         module = load_module(info)

@@ -69,11 +69,10 @@ def test_the_prompt_binds_every_field_of_the_task_and_no_made_up_one():
 
 
 def test_a_controller_reading_an_unknown_field_is_refused_with_the_fields_before_it_runs(monkeypatch):
-    from core import sandbox
-
     prepared = []
-    real = sandbox.prepare_state
-    monkeypatch.setattr(sandbox, "prepare_state", lambda program, *a, **k: prepared.append(program.source) or real(program, *a, **k))
+    real = rlingua.prepare_state  # the plugin's own name for it (from core.plugin)
+    monkeypatch.setattr(rlingua, "prepare_state",
+                        lambda program, *a, **k: prepared.append(program.source) or real(program, *a, **k))
     llm = ScriptedLLM(replies=[PUMP.replace('state["car_velocity"]', "state.cart_speed"), PUMP])
     plugin, train = controller(llm, attempts=2, temperature=0.3)
     assert len(prepared) == 1 and "cart_speed" not in prepared[0]  # the first reply never reached the sandbox
