@@ -10,13 +10,15 @@ written too. Per plugin it prints, read back from the study's MLflow store:
 
 - ``changed_share``: the share of training steps whose reward (or action, skill) the
   LLM's output changed (``llm/changed_share``, logged by each plugin);
-- ``llm_calls`` and ``llm_seconds``: the LLM calls the training made and their summed time;
+- ``llm_calls``: the run's LLM calls (before and during training); ``llm_seconds``: the
+  wall time the plugin spent on them (its ``llm/seconds``); ``llm_request_seconds``: the
+  requests' summed time (concurrent requests overlap, so it can exceed the wall time);
 - ``quality``: the plugin's own figure (progress_reward: rank correlation of its scores
   with reference progress; rlaif_preference: the reward model's agreement on held-out LLM
   labels; saycan: the share of action rows its prior covered; ellm: goals achieved that
   came from suggestions; plan4mc: plan steps the LLM wrote), with the other figures it logs;
-- ``seconds`` and ``speed``: the training's wall time (LLM time included, process start
-  and MLflow setup excluded) and PPO's seconds over it (1.0: as fast as plain PPO).
+- ``seconds`` and ``speed``: the run's wall time (LLM time before and during training
+  included, process start excluded) and PPO's seconds over it (1.0: as fast as plain PPO).
 
 Prints one JSON object::
 
@@ -70,13 +72,18 @@ def _metric(run: Any, key: str) -> float | None:
     return _num(run.training_metrics.get(key, run.metrics.get(key)))
 
 
+def _run_metric(run: Any, key: str) -> float | None:
+    """A metric of the whole run (the parent run: the loop's LLM calls and those of its training)."""
+    return _num(run.metrics.get(key))
+
+
 def summarize(runs: list[Any], frames: int) -> dict[str, Any]:
     """The JSON object from the study's finished runs (the latest run of each arm)."""
     latest: dict[str, Any] = {}
     for run in sorted(runs, key=lambda r: r.start_time):
         latest[run.tags.get("study.arm", run.arm)] = run
     base = latest.get(BASELINE)
-    base_s = _metric(base, "seconds") if base else None
+    base_s = _run_metric(base, "seconds") if base else None
     out: dict[str, Any] = {"frames": frames, "ppo": {"seconds": base_s, "fitness": _num(base.fitness) if base else None,
                                                       "status": base.status if base else "missing"}}
     plugins: dict[str, Any] = {}
@@ -85,12 +92,13 @@ def summarize(runs: list[Any], frames: int) -> dict[str, Any]:
         if run is None:
             plugins[name] = {"status": "missing"}
             continue
-        seconds = _metric(run, "seconds")
+        seconds = _run_metric(run, "seconds")
         plugins[name] = {
             "status": run.status,
             "changed_share": _metric(run, MEASURES[name].metric),
-            "llm_calls": _metric(run, "llm/calls"),
+            "llm_calls": _run_metric(run, "llm/calls"),
             "llm_seconds": _metric(run, "llm/seconds"),
+            "llm_request_seconds": _run_metric(run, "llm/latency_s"),
             "quality": {key: _metric(run, key) for key in QUALITY[name]},
             "seconds": seconds,
             "speed": _num(base_s / seconds) if base_s and seconds else None,
@@ -147,7 +155,10 @@ def main() -> None:
     cells = expand(spec, frames_scale=scale, extra=tuple(args.set))
     keys = {p.key for p in plan(cells, spec.name, store)}
     runs = [r for r in load_study(tracking_uri(store), spec.name) if r.tags.get("study.cell") in keys]
-    result = {**summarize(runs, cells[0].frames), "seed": spec.seeds[0], "commit": commit(), "machine": machine()}
+    commits = sorted({r.tags.get("study.commit", "") for r in runs} - {""})
+    loads = [float(r.tags["study.load"]) for r in runs if r.tags.get("study.load")]
+    result = {**summarize(runs, cells[0].frames), "seed": spec.seeds[0], "commit": ", ".join(commits) or commit(),
+              "machine": machine(), "load_at_cell_start": [round(x, 2) for x in loads]}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -114,7 +114,10 @@ class BackgroundCalls(Generic[Job, Result]):
         import torch
 
         torch.set_num_threads(1)  # the training loop owns the cores' math threads
-        while not self._stop.is_set():
+        main = threading.main_thread()
+        # the main thread ends before Python joins this one at exit: stop then, after the
+        # call in progress, also when nobody called stop() (else the process never exits)
+        while not self._stop.is_set() and main.is_alive():
             try:
                 job = self._jobs.get(timeout=0.1)
             except queue.Empty:

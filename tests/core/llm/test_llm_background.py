@@ -89,3 +89,16 @@ def test_ask_in_batches_sends_the_first_item_alone_then_full_batches_and_stops_a
     asked, done = ask_in_batches(list(range(8)), slow, batch=3, seconds=0.1, label="t", show=False)
     assert (asked, done) == (1, 1)  # no chunk starts once the seconds are spent
     assert ask_in_batches([], ask, batch=3, seconds=0, label="t", show=False) == (0, 0)
+
+
+def test_a_process_whose_worker_was_never_stopped_still_exits():
+    """The worker is not a daemon (a call in progress finishes before exit); it must still
+    end when the main thread does, or a program that forgot stop() never exits."""
+    import subprocess
+    import sys
+
+    script = ("import time\nfrom core.llm.background import BackgroundCalls\n"
+              "calls = BackgroundCalls(lambda job: time.sleep(0.3) or job, name='w')\n"
+              "calls.start()\ncalls.submit(1)\ntime.sleep(0.1)\nprint('leaving', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "leaving" in proc.stdout, proc.stderr
