@@ -68,6 +68,13 @@ CRAFTER_RULES = (
 )
 
 
+def reply_budget(configs: int, params: int) -> int:
+    """Tokens for a reply of ``configs`` JSON configs of ``params`` values each, with a name and
+    a purpose: about 14 tokens a value, 50 a config, 150 around them (Crafter's 17 values x 4
+    configs: 1,302; the fixed 800 cut every such reply off)."""
+    return 150 + configs * (50 + 14 * params)
+
+
 @dataclass
 class Config(PluginConfig):
     """``plugins.envgen``; ``iterations`` and ``final_seeds`` come from :class:`core.PluginConfig`."""
@@ -80,16 +87,20 @@ class Config(PluginConfig):
     retries: int = 1  # extra LLM calls per cycle when configs are invalid (the errors are fed back)
     history: int = 3  # earlier exchanges kept in the conversation (besides the first prompt)
     temperature: float = 0.7  # sampling temperature
-    max_tokens: int = 800  # cap on each reply (a reply cut off keeps its complete configs)
+    max_tokens: int = 0  # cap on each reply; 0: sized to what is asked (num_envs configs of the task's params, reply_budget)
+    continuations: int = 1  # a reply cut off at the cap is continued where it stopped, this many times, before any retry
     final_seeds: int = 0  # retrain the best candidate on this many more seeds after the loop
     constraints: list[str] = field(default_factory=lambda: list(CRAFTER_CONSTRAINTS))  # extra constraints stated in the prompt (the game's rules)
     rules: list[Rule] = field(default_factory=lambda: [Rule(*r) for r in CRAFTER_RULES])  # repairs: when `when` is set (> 0), `then` is raised to at least `min` (a tool an item requires)
 
     def check(self) -> None:
         super().check()
-        for name in ("num_envs", "history", "max_tokens"):
+        for name in ("num_envs", "history"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_tokens", "continuations"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
         for name in ("original_share", "generated_share"):
@@ -420,8 +431,12 @@ class Plugin:
         configs: list[EnvConfig] = []
         salvaged: list[EnvConfig] = []
         for attempt in range(1 + cfg.retries):
-            (reply,) = run.llm.chat(self.messages, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                    seed=run.seed * 1000 + iteration * 10 + attempt, tag=f"{NAME}-it{iteration}-try{attempt}")
+            ask = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens or reply_budget(n, len(specs)),
+                   "seed": run.seed * 1000 + iteration * 10 + attempt}
+            (reply,) = run.llm.chat(self.messages, n=1, tag=f"{NAME}-it{iteration}-try{attempt}", **ask)
+            if reply.cut_off and cfg.continuations:  # finish it rather than ask again from scratch
+                reply = run.llm.continue_reply(self.messages, reply, rounds=cfg.continuations,
+                                               tag=f"{NAME}-it{iteration}-try{attempt}", **ask)
             self.messages.append({"role": "assistant", "content": reply.text})
             parsed = configs_from_reply(reply.text, specs, rules, n)
             configs += parsed.configs[: n - len(configs)]

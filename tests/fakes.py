@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 from core.config import Settings, config_class, typed
 from core.context import RunContext, TrainContext
-from core.llm.client import LLMStats, Reply
+from core.llm.client import LLMClient, LLMStats, Reply
 from core.records import Candidate
 
 Answer = Callable[[list[dict[str, str]], str], str]
@@ -59,6 +59,10 @@ class Call:
     def last(self) -> str:
         """The last message's text (usually the question)."""
         return self.messages[-1]["content"]
+
+
+#: end a scripted reply with this to have it come back cut off at the token cap (``finish_reason="length"``)
+CUT_OFF = "<<cut off>>"
 
 
 @dataclass
@@ -98,9 +102,14 @@ class ScriptedLLM:
         for _ in range(n):
             text = _cut_at(self._text(messages, tag), stop)
             lp = self.logprobs(messages) if (top_logprobs and self.logprobs is not None) else None
+            cut = text.endswith(CUT_OFF)  # a scripted reply that the token cap cut off
+            text = text.removesuffix(CUT_OFF)
             out.append(Reply(text=text, prompt_tokens=0, completion_tokens=len(text.split()), latency_s=self.delay_s,
-                             cost=0.0, cached=False, model="scripted", logprobs=lp))
+                             cost=0.0, cached=False, model="scripted", logprobs=lp,
+                             finish_reason="length" if cut else "stop"))
         return out
+
+    continue_reply = LLMClient.continue_reply  # the client's own continuation, over the scripted chat
 
     def chat_groups(self, messages: list[dict[str, str]], *, n: int = 1, **kwargs: Any) -> Iterator[list[Reply]]:
         """:meth:`chat`'s replies (one recorded call) in groups of ``group``, ``group_delay_s`` apart."""

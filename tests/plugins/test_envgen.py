@@ -168,11 +168,29 @@ def test_generate_envs_feeds_invalid_output_back():
     (mix,) = plugin.generate_envs(run, 0)
     assert [c.name for c in mix] == ["original", "mine", "hills"]
     assert mix[1].params["start_stone_pickaxe"] == 1  # repaired by a default rule
-    assert len(run.llm.calls) == 2 and run.llm.calls[0].max_tokens == 800 and run.llm.calls[0].temperature == 0.7
+    budget = envgen.reply_budget(2, len(SPECS))  # sized to two configs of the task's params
+    assert len(run.llm.calls) == 2 and run.llm.calls[0].max_tokens == budget and run.llm.calls[0].temperature == 0.7
     retry_prompt = run.llm.calls[1].last
     assert "could not be used" in retry_prompt and "no JSON" in retry_prompt
     assert "envgen/it0-envs.json" in texts_of(run)
     assert run.tracker.metrics["envgen/generated_envs"] == 2 and run.tracker.metrics["envgen/original_share"] == 0.5
+
+
+def test_a_reply_cut_off_at_the_cap_is_continued_not_asked_again():
+    from fakes import CUT_OFF
+
+    head = '```json\n[{"name": "mine", "purpose": "iron", "params": {"start_iron": 1}}, {"name": "hi'
+    tail = 'lls", "params": {"biome": "mountain"}}]\n```'
+    plugin, run = make([head + CUT_OFF, tail], num_envs=2, retries=1, continue_training=False)
+    (mix,) = plugin.generate_envs(run, 0)
+    assert [c.name for c in mix] == ["original", "mine", "hills"]  # the second config came from the continuation
+    assert len(run.llm.calls) == 2 and "cut off at the length limit" in run.llm.calls[1].last
+    assert run.llm.calls[1].messages[-2] == {"role": "assistant", "content": head}  # the text so far, as its turn
+
+
+def test_the_reply_budget_follows_what_is_asked():
+    assert envgen.reply_budget(4, 17) > envgen.reply_budget(2, 17) > envgen.reply_budget(2, 5)
+    assert envgen.reply_budget(4, 17) > 800  # four Crafter configs did not fit in the old fixed cap
 
 
 def test_reflect_sends_rates_and_keeps_history():
