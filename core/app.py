@@ -207,7 +207,8 @@ def print_summary(summary, steps: list[str] | None = None) -> None:  # type: ign
         role = f" ({part.role})" if part.role else ""
         line = f"{part.plugin}{role}: {part.text}"
         out.print(f"[yellow]warning: {escape(line)}[/yellow]" if part.nothing else escape(line), highlight=False)
-    out.print(f"MLflow run: {summary.run_id}   look at it: {summary.ui_hint}", markup=False, highlight=False)
+    out.print(f"MLflow run: {summary.run_id}   look at it: {summary.ui_hint}", markup=False, highlight=False,
+              soft_wrap=True)  # a command stays one line
     for line in steps or []:
         out.print(line, markup=False, highlight=False, soft_wrap=True)  # a command stays one line
 

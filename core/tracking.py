@@ -462,7 +462,7 @@ class Tracker:
         uri = self.uri
         page = f"#/experiments/{self.experiment_id}/runs?viewStateShareKey={VIEW_KEY}&{run_page.ML_VIEW}"
         if uri.startswith("sqlite:///"):
-            return f"python -m core.ui --uri {uri} --experiment {self.experiment_name}   (opens {page})"
+            return f"python -m core.ui --uri {uri} --experiment {self.experiment_name}"
         return f"open {uri.rstrip('/')}/{page}"
 
 

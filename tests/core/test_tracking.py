@@ -147,7 +147,9 @@ def test_the_experiment_opens_as_model_training_with_a_candidates_view(tracker):
     view = json.loads(tags[f"mlflow.sharedViewState.{VIEW_KEY}"])
     state = json.loads(view["state"])
     assert state["orderByKey"] == "metrics.`fitness`" and "metrics.`fitness`" in state["selectedColumns"]
-    assert f"viewStateShareKey={VIEW_KEY}" in tracker.ui_hint()
+    assert tracker.ui_hint().startswith(f"python -m core.ui --uri {tracker.uri} --experiment ")  # it opens the view
+    tracker.uri = "http://tracking.example:5000"
+    assert f"viewStateShareKey={VIEW_KEY}" in tracker.ui_hint()  # a server's own address: the view's page
 
 
 PROPOSER = '''
