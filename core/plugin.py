@@ -3,8 +3,8 @@
 ``from core.plugin import hookimpl, PluginConfig, RewardProgram, ...``. Everything else
 under ``core`` is the framework's machinery and may change without notice; what is here
 is the surface plugins are written against, and ``tests/core/test_plugin_api.py`` fails
-when it changes unannounced. The contract (``tests/contract.py``) refuses any other
-``core`` import in a plugin (``from core import hookimpl, PluginConfig`` still works).
+when it changes unannounced. The contract (:mod:`core.testing.contract`) refuses any
+other ``core`` import in a plugin (``from core import hookimpl, PluginConfig`` still works).
 
 The groups:
 

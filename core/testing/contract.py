@@ -1,10 +1,12 @@
 """The contract every plugin keeps, as one test class (like TorchRL's shared transform tests).
 
 :class:`PluginContract` holds the checks; a test module subclasses it and provides the
-fixture ``info`` (a :class:`core.registry.PluginInfo`, the plugin's catalogue entry).
-``tests/plugins/test_contract.py`` runs it for every registered plugin (built-ins from
-``registry.yaml`` and any installed third-party one); ``tests/core/test_third_party.py``
-runs it for the fixture packages it puts on the path.
+fixture ``info`` (a :class:`core.registry.PluginInfo`, the plugin's catalogue entry:
+:func:`plugin_info`). The repository's ``tests/plugins/test_contract.py`` runs it for
+every registered plugin (built-ins from ``registry.yaml`` and any installed third-party
+one); a third-party package runs it for its own plugins, from its own tests
+(``docs/writing-a-plugin.md``, *Testing your plugin*). The class carries the
+``make_config`` fixture it uses, so a test module needs no conftest or plugin to run it.
 
 A plugin keeps the contract when:
 
@@ -20,7 +22,13 @@ A plugin keeps the contract when:
   ``registry.yaml`` entry lists;
 - a built-in has ``docs/plugins/<name>.md`` naming every config key;
 - a tiny run (one iteration, ~1k frames, in-process, the shared fake LLM of
-  :mod:`fakes`) trains a candidate with what the LLM wrote (:data:`EVIDENCE`).
+  :mod:`core.testing.fakes`) trains a candidate with what the LLM wrote (:data:`EVIDENCE`
+  for the built-ins; a plugin the kit does not know passes when every candidate trained,
+  and its test class may override :meth:`PluginContract.smoke` and
+  :meth:`PluginContract.evidence`).
+
+:data:`SMOKE`, :data:`EVIDENCE` and :data:`IMPORT_EXCEPTIONS` are the built-ins' entries,
+keyed by their names; a third-party plugin is checked without them.
 """
 
 from __future__ import annotations
@@ -34,14 +42,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-import fakes
+
 from core import PluginConfig, hookimpl
 from core.config import config_class, validate
 from core.records import Candidate, IterationResult, TrainResult
-from core.registry import PluginInfo, load_module, make_plugin_manager
+from core.registry import PluginInfo, catalogue, load_module, make_plugin_manager
+from core.testing import fakes
+from core.testing.pytest_plugin import compose_config
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs" / "plugins"
+#: the built-ins' pages, in a source checkout (a wheel ships no docs)
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "plugins"
 
 #: every smoke run: one process, a tiny budget, no policy files, the fake LLM
 SMOKE_BASE = ["executor=inprocess", "trainer.frames=1024", "trainer.eval_every=0", "trainer.eval_episodes=2",
@@ -260,6 +270,12 @@ class PluginContract:
     """Subclass with a fixture ``info`` (the plugin's :class:`PluginInfo`), usually from a
     ``plugin_name`` parametrized by the module's ``pytest_generate_tests`` (:func:`params`)."""
 
+    @pytest.fixture
+    def make_config(self, tmp_path: Path) -> Callable[..., Any]:
+        """:mod:`core.testing.pytest_plugin`'s fixture, carried by the class: a third party's
+        test module that subclasses the contract runs without a conftest."""
+        return lambda overrides=(): compose_config(list(overrides), tmp_path)
+
     def builtin(self, info: PluginInfo) -> bool:
         return info.source == "builtin"
 
@@ -306,6 +322,8 @@ class PluginContract:
     def test_docs_page_names_every_config_key(self, info: PluginInfo) -> None:
         if not self.builtin(info):
             pytest.skip("third-party plugins document themselves (their module docstring is checked)")
+        if not DOCS.is_dir():
+            pytest.skip("the built-ins' pages are in a source checkout, not in an installed package")
         page = DOCS / f"{info.name}.md"
         assert page.exists(), f"{page} is missing"
         text = page.read_text()
@@ -347,3 +365,13 @@ def params(names: list[str], function: Callable[..., Any]) -> list[Any]:
     smoke = function.__name__.startswith("test_smoke")
     return [pytest.param(n, id=n, marks=[pytest.mark.slow] if smoke and SMOKE.get(n, Smoke()).slow else [])
             for n in names]
+
+
+def plugin_info(name: str) -> PluginInfo:
+    """The catalogue's entry for the plugin ``name``: what a contract test's ``info`` fixture
+    returns. A plugin that is not installed fails the test with how to install it."""
+    plugins = catalogue()
+    if name not in plugins:
+        pytest.fail(f"no plugin {name!r} in the catalogue: install its package (pip install -e . in its folder) "
+                    "so that its entry point in the group llm4rl.plugins is seen", pytrace=False)
+    return plugins[name]

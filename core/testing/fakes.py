@@ -1,5 +1,8 @@
 """The one fake LLM of the test suite, and contexts built the way the framework builds them.
 
+The built-ins' tests and a third party's use the same: ``from core.testing import ScriptedLLM,
+make_run`` (or ``from core.testing.fakes import ...`` for the reply texts and helpers below).
+
 - :class:`ScriptedLLM` has :meth:`core.llm.LLMClient.chat`'s signature and returns real
   :class:`core.llm.client.Reply` records, from a script: a list of texts (used in order,
   cycled) or a function ``answer(messages, tag) -> text``. Every call is recorded in

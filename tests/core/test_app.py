@@ -141,7 +141,7 @@ def llm_server():
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from threading import Thread
 
-    from fakes import answer
+    from core.testing.fakes import answer
 
     class Completions(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - the handler's API

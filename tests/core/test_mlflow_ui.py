@@ -15,9 +15,9 @@ from pathlib import Path
 import mlflow
 import pytest
 
-import fakes
 from core import run_page
 from core.loop import run_experiment
+from core.testing import fakes
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["env=cartpole", "trainer.frames=512", "trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=1",

@@ -9,15 +9,15 @@ import time
 import uuid
 from typing import Any
 
-import fakes
 import pytest
-from fakes import ScriptedLLM
 from omegaconf import OmegaConf
 
 from core import hookimpl
 from core.executor import build_runtime
 from core.llm.client import LLMClient, covered
 from core.loop import Loop
+from core.testing import fakes
+from core.testing.fakes import ScriptedLLM
 
 #: the fake LLM's reward with a weight of its own, so that every sample is a different program
 REWARD = fakes.REWARD.format(entry="compute_reward")

@@ -79,7 +79,7 @@ def test_follower_advances_through_the_steps_with_no_state(task):
 
 
 def test_training_reads_the_candidates_plan(task):
-    from fakes import make_train
+    from core.testing.fakes import make_train
 
     plan = Plan([PlanStep("collect_wood", "skill", done="collect_wood")], origin="x")
     assert make_train(task, candidate=Candidate("c", 0, plan=plan)).plan is plan

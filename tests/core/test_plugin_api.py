@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import core.plugin
-from contract import IMPORT_EXCEPTIONS, core_imports
+from core.testing.contract import IMPORT_EXCEPTIONS, core_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "writing-a-plugin.md"

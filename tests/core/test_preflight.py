@@ -7,14 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fakes
 import pytest
-from fakes import ScriptedLLM
 
 from core.envs import make_task
 from core.preflight import preflight
 from core.records import Candidate, IterationResult, RewardProgram
 from core.registry import make_plugin_manager
+from core.testing import fakes
+from core.testing.fakes import ScriptedLLM
 from plugins import eureka_reward as eureka
 
 ALIVE = """```python
@@ -182,8 +182,8 @@ def test_nothing_is_checked_when_vetting_and_repair_are_off():
 def test_in_a_run_the_repaired_program_trains_and_the_verdicts_are_in_mlflow(make_config, monkeypatch):
     import mlflow
 
-    from contract import Recorder
     from core.loop import run_experiment
+    from core.testing.contract import Recorder
 
     def reply(messages):
         return FIXED if "failed its check before training" in messages[-1]["content"] else ALIVE
@@ -206,8 +206,8 @@ def test_in_a_run_the_repaired_program_trains_and_the_verdicts_are_in_mlflow(mak
 def test_in_a_run_a_vetoed_program_does_not_train_and_its_reason_reaches_the_next_prompt(make_config, monkeypatch):
     import mlflow
 
-    from contract import Recorder
     from core.loop import run_experiment
+    from core.testing.contract import Recorder
 
     backend = fakes.install_fake_litellm(monkeypatch, lambda messages: ALIVE)
     cfg = make_config(["+plugins=[eureka]", "plugins.eureka.iterations=2", "plugins.eureka.samples=1", *TINY,

@@ -13,7 +13,7 @@ import core.config
 import core.loop
 from core.errors import UserError
 from core.study import FRESH_SCORE, error_line, expand, load_spec, main, tracking_uri
-import fakes
+from core.testing import fakes
 
 ISSUE_TASKS = {"cartpole", "mountaincar", "acrobot", "pendulum", "lunarlander", "hopper", "reach", "crafter"}
 METHODS = {"eureka", "text2reward", "lares", "llm_state_repr", "progress_reward", "rlaif_preference", "envgen", "rl_gpt"}

@@ -13,9 +13,13 @@ The fixtures:
   written only with the API of ``docs/writing-a-plugin.md``: ``count_bonus`` (a
   count-based exploration bonus on ``compute_reward``, config ``beta: float``) and
   ``fourier_features`` (random Fourier features on ``represent_state``).
-- the smallest plugin of ``docs/writing-a-plugin.md``, extracted from the page.
+- the smallest plugin of ``docs/writing-a-plugin.md``, extracted from the page, with
+  the test file of its section *Testing your plugin*: run by pytest in a subprocess
+  from ``tmp_path``, outside the repository, it keeps the contract through the
+  installed testing kit (:mod:`core.testing`) alone.
 
-Both fixture packages also keep the shared plugin contract (:class:`contract.PluginContract`).
+Both fixture packages also keep the shared plugin contract
+(:class:`core.testing.PluginContract`).
 """
 
 from __future__ import annotations
@@ -32,11 +36,11 @@ from typing import Any, Iterator
 
 import pytest
 
-import fakes
-from contract import PluginContract, Recorder, params
 from core.config import validate
 from core.errors import UserError
 from core.registry import PluginInfo, catalogue, load_module
+from core.testing import fakes
+from core.testing.contract import PluginContract, Recorder, params
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -302,3 +306,51 @@ def test_the_guides_smallest_plugin_runs_as_written(tmp_path):
     with sqlite3.connect(tmp_path / "mlflow.db") as db:
         metrics = {k for (k,) in db.execute("SELECT DISTINCT key FROM metrics")}
     assert "fitness" in metrics
+
+
+# -------------------------------------------------------------------------------------
+# The testing kit from outside the repository: the guide's package and its test file
+# -------------------------------------------------------------------------------------
+
+
+def guide_package(dest: Path) -> Path:
+    """The guide's smallest plugin and the test file of its *Testing your plugin*, in ``dest``."""
+    for path, code in {**guide_files(), **guide_files("## Testing your plugin")}.items():
+        (dest / path).parent.mkdir(parents=True, exist_ok=True)
+        (dest / path).write_text(code)
+    return dest
+
+
+def run_package_tests(project: Path, site: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """pytest on the package's own ``tests/``, from its folder: llm4rl as installed here, the
+    package from ``site``, no trace of this repository's tests (no ``fakes``, no conftest)."""
+    env = {k: v for k, v in env_with(site).items() if not k.startswith("PYTEST_")}  # nothing of this run's pytest
+    return run_cli(["-m", "pytest", "-p", "no:cacheprovider", "-v", *args, "tests"], project, env)
+
+
+def test_the_guide_shows_a_test_file_of_the_contract():
+    files = guide_files("## Testing your plugin")
+    assert list(files) == ["tests/test_my_bonus.py"], sorted(files)
+    assert "from core.testing import PluginContract" in files["tests/test_my_bonus.py"]
+
+
+def test_the_guides_package_keeps_the_contract_from_outside_the_repository(tmp_path):
+    """The checks that train nothing: the smoke run is deselected (the slow test below runs it)."""
+    project = guide_package(tmp_path / "project")
+    site = site_dir(project, tmp_path / "site")
+    out = run_package_tests(project, site, "-k", "not smoke")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for check in ("test_imports", "test_imports_only_the_plugin_api", "test_config_composes_and_validates",
+                  "test_hooks_match_the_specs"):
+        assert f"TestMyBonus::{check} PASSED" in out.stdout, out.stdout
+    assert "4 passed, 1 skipped, 1 deselected" in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+def test_the_guides_package_passes_the_whole_contract_with_its_smoke_run(tmp_path):
+    project = guide_package(tmp_path / "project")
+    site = site_dir(project, tmp_path / "site")
+    out = run_package_tests(project, site)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "TestMyBonus::test_smoke_run_trains_with_the_llm_output PASSED" in out.stdout, out.stdout
+    assert "5 passed, 1 skipped" in out.stdout, out.stdout

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from contract import PluginContract, params
 from core.registry import PluginInfo, catalogue
+from core.testing.contract import PluginContract, params
 
 PLUGINS = [name for name, info in catalogue().items() if info.implemented]
 

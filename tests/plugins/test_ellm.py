@@ -8,8 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import fakes
-from fakes import ScriptedLLM, make_run, make_train, plugin_object
 from omegaconf import OmegaConf
 
 from core import hookimpl
@@ -19,6 +17,8 @@ from core.envs import make_task
 from core.envs.crafter import VIEW_IDS
 from core.errors import UserError
 from core.records import TrainResult
+from core.testing import fakes
+from core.testing.fakes import ScriptedLLM, make_run, make_train, plugin_object
 from plugins import ellm
 
 

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from fakes import FAKE_LLM_OVERRIDES, MARK, ScriptedLLM, answer, install_fake_litellm, make_run, plugin_object, texts_of
 from omegaconf import OmegaConf
 
 from core.config import typed
 from core.envs.task import ParamSpec, StateField
 from core.errors import UserError
 from core.records import Candidate, EnvConfig, Episode, Fitness, IterationResult, TrainResult
+from core.testing.fakes import FAKE_LLM_OVERRIDES, MARK, ScriptedLLM, answer, install_fake_litellm, make_run, plugin_object, texts_of
 from plugins import envgen
 
 SPECS = [
@@ -177,7 +177,7 @@ def test_generate_envs_feeds_invalid_output_back():
 
 
 def test_a_reply_cut_off_at_the_cap_is_continued_not_asked_again():
-    from fakes import CUT_OFF
+    from core.testing.fakes import CUT_OFF
 
     head = '```json\n[{"name": "mine", "purpose": "iron", "params": {"start_iron": 1}}, {"name": "hi'
     tail = 'lls", "params": {"biome": "mountain"}}]\n```'
@@ -447,9 +447,8 @@ def test_end_to_end_eureka_envgen_minecraft(tmp_path, llm_server):
 
 def _run_envgen(make_config, overrides):
     """One in-process EnvGen cycle on Crafter with a tiny PPO; (summary, recorder)."""
-    from contract import PPO_TINY, SMOKE_BASE, Recorder
-
     from core.loop import run_experiment
+    from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
     cfg = make_config(["+plugins=[envgen]", "env=minecraft", "env.max_episode_steps=100", "plugins.envgen.iterations=1",
@@ -465,7 +464,7 @@ LLM_ENV = """```json
 
 def _instead_of_configs(messages, configs: str) -> str:
     """``configs`` where the shared fake would write env configs; its own reply elsewhere."""
-    import fakes
+    from core.testing import fakes
 
     text = fakes.answer(messages)
     return configs if "fake_env_" in text else text
@@ -490,7 +489,7 @@ def test_the_llms_env_config_is_the_env_the_agent_trains_in(make_config, monkeyp
     """Plumbing, not the model: a fake LLM through the real client
     (:func:`fakes.install_fake_litellm`) writes one env config (5 wood at the start);
     the candidate carries it, and the training env is made with its params."""
-    import fakes
+    from core.testing import fakes
 
     fakes.install_fake_litellm(monkeypatch, reply=lambda m: _instead_of_configs(m, LLM_ENV))
     made = _spy_on_crafter_envs(monkeypatch)
@@ -510,9 +509,9 @@ def test_a_run_whose_every_env_reply_is_unusable_trains_in_the_original_env_and_
     """Failure handling (the fake LLM never writes a JSON list of configs): the reason
     goes back to the LLM, no candidate trains in a generated env, the cycle logs zero
     generated envs, and the invalid replies are recorded in ``envgen/repairs.txt``."""
-    import fakes
     import mlflow
 
+    from core.testing import fakes
     from plugins import envgen as eg
 
     llm = fakes.install_fake_litellm(monkeypatch, reply=lambda m: _instead_of_configs(m, NO_CONFIGS))

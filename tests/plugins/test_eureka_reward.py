@@ -9,12 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fakes
 import pytest
-from fakes import ScriptedLLM, plugin_object
 
 from core.envs import make_task
 from core.records import Candidate, CurvePoint, Episode, Fitness, IterationResult, RewardProgram, TrainResult
+from core.testing import fakes
+from core.testing.fakes import ScriptedLLM, plugin_object
 from plugins import eureka_reward as eureka
 
 GOOD = """Here is the reward:
@@ -344,9 +344,8 @@ def _artifact_paths(client, run_id: str, path: str | None = None) -> list[str]:
 
 def _run_eureka(make_config, overrides):
     """One in-process Eureka run on CartPole with a tiny PPO; (summary, recorder)."""
-    from contract import PPO_TINY, SMOKE_BASE, Recorder
-
     from core.loop import run_experiment
+    from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
     cfg = make_config(["+plugins=[eureka]", "env=cartpole", "plugins.eureka.iterations=1", *SMOKE_BASE, *PPO_TINY,

@@ -10,17 +10,17 @@ from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
-import fakes
 import numpy as np
 import pytest
 import torch
-from fakes import ScriptedLLM, plugin_object
 
 from core import hookimpl
 from core.envs import make_task
 from core.errors import UserError
 from core.records import Candidate, EnvConfig, Fitness, IterationResult, MacroAction, Program, RewardProgram, StateProgram, TrainResult
 from core.registry import make_plugin_manager
+from core.testing import fakes
+from core.testing.fakes import ScriptedLLM, plugin_object
 from plugins import lares
 
 UPRIGHT = """```python
@@ -463,9 +463,8 @@ def test_reflect_adds_the_best_final_reward_to_the_case_base(tmp_path):
 @pytest.mark.slow
 def test_a_run_with_lares_and_eureka_trains_lares_candidates_jointly_and_the_others_by_the_executor(make_config, monkeypatch):
     """The loop hands the candidates lares did not propose (None in its answer) to the executor."""
-    from contract import Recorder
-
     from core.loop import run_experiment
+    from core.testing.contract import Recorder
 
     fakes.install_fake_litellm(monkeypatch)
     cfg = make_config(["+plugins=[lares,eureka]", "env=pendulum", "trainer=sac", "trainer.frames=600",
@@ -530,9 +529,8 @@ def test_end_to_end_on_pendulum_with_the_embedded_model(tmp_path: Path):
 
 def _run_lares(make_config, overrides):
     """One in-process LaRes run on Pendulum with a tiny SAC; (summary, recorder)."""
-    from contract import SMOKE_BASE, Recorder
-
     from core.loop import run_experiment
+    from core.testing.contract import SMOKE_BASE, Recorder
 
     recorder = Recorder()
     cfg = make_config(["+plugins=[lares]", "env=pendulum", "trainer=sac", "trainer.frames=600",

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fakes import ScriptedLLM, make_run, make_train, plugin_object, texts_of
 from omegaconf import OmegaConf
 
 from core.config import SandboxConfig, typed
@@ -18,6 +17,7 @@ from core.context import StepBatch
 from core.envs import make_task
 from core.errors import UserError
 from core.records import Candidate, Fitness, IterationResult, StateProgram, TrainResult
+from core.testing.fakes import ScriptedLLM, make_run, make_train, plugin_object, texts_of
 from plugins import llm_state_repr as lesr
 
 GOOD = '''```python
@@ -336,9 +336,8 @@ def test_end_to_end_halfcheetah(tmp_path):
 
 def _run_lesr(make_config, overrides):
     """One in-process LESR run on CartPole with a tiny PPO; (summary, recorder)."""
-    from contract import PPO_TINY, SMOKE_BASE, Recorder
-
     from core.loop import run_experiment
+    from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
     cfg = make_config(["+plugins=[llm_state_repr]", "env=cartpole", "plugins.llm_state_repr.iterations=1",
@@ -352,7 +351,7 @@ def test_the_llms_state_features_and_intrinsic_reward_are_used_in_training(make_
     answers through the real client; the candidate trains with the ``revise_state`` /
     ``intrinsic_reward`` pair extracted from its reply: the intrinsic reward is logged on
     training steps and the Lipschitz constants of both LLM features were measured."""
-    import fakes
+    from core.testing import fakes
 
     llm = fakes.install_fake_litellm(monkeypatch)
     summary, recorder = _run_lesr(make_config, [])
@@ -383,7 +382,7 @@ def test_a_run_whose_every_pair_fails_records_each_failure(make_config, monkeypa
     """Failure handling (the fake LLM keeps writing a pair that reads a field CartPole
     lacks): no state program trains, the sample is recorded as a candidate that did not
     train with the reason, and the retry was sent the error."""
-    import fakes
+    from core.testing import fakes
 
     llm = fakes.install_fake_litellm(monkeypatch, reply=lambda messages: BROKEN_PAIR)
     summary, recorder = _run_lesr(make_config, ["plugins.llm_state_repr.retries=1"])

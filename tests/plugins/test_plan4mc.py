@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import fakes
-from fakes import ScriptedLLM, make_run, make_train, plugin_object, texts_of
 from omegaconf import OmegaConf
 
 from core.config import typed
@@ -23,6 +21,8 @@ from core.errors import UserError
 from core.llm.errors import LLMError
 from core.plan import goal_names
 from core.records import Candidate, Plan, PlanStep, TrainResult
+from core.testing import fakes
+from core.testing.fakes import ScriptedLLM, make_run, make_train, plugin_object, texts_of
 from plugins import plan4mc
 
 GRAPH = """```json
@@ -436,9 +436,8 @@ def test_end_to_end_minecraft_training_follows_the_llms_plan(tmp_path):
 def test_a_run_with_the_fake_llm_trains_on_its_graph_and_the_control_on_none(source, make_config, monkeypatch):
     """The whole loop, in-process, on the shared fake LLM (its graph starts with a sapling, which the
     rules' tech tree has not): the LLM's arm steers its steps by the LLM's skills, the control none."""
-    from contract import PPO_TINY, SMOKE_BASE, Recorder
-
     from core.loop import run_experiment
+    from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     fake = fakes.install_fake_litellm(monkeypatch)
     recorder = Recorder()

@@ -12,11 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fakes
 import numpy as np
 import pytest
 import torch
-from fakes import ScriptedLLM, plugin_object
 from omegaconf import OmegaConf
 
 from core.context import StepBatch, TrainContext
@@ -26,6 +24,8 @@ from core.errors import UserError
 from core.llm.client import Reply
 from core.records import TrainResult
 from core.resources import conf_dir
+from core.testing import fakes
+from core.testing.fakes import ScriptedLLM, plugin_object
 from plugins import progress_reward as pr
 
 torch.set_num_threads(1)  # as in training: small nets with 2 threads stall on a busy machine
@@ -575,9 +575,8 @@ def test_bad_config_values_are_refused_before_any_work(overrides, message):
 
 def _run_progress(make_config, overrides):
     """One in-process run with this plugin on CartPole and a tiny PPO; (summary, recorder)."""
-    from contract import PPO_TINY, SMOKE_BASE, Recorder
-
     from core.loop import run_experiment
+    from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
     cfg = make_config(["+plugins=[progress_reward]", "env=cartpole", "plugins.progress_reward.reference.states=16",

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import ScriptedLLM, make_run, make_train, plugin_object, texts_of
 from omegaconf import OmegaConf
 
 from core.config import typed
@@ -19,6 +18,7 @@ from core.errors import UserError
 from core.plan import goal_names
 from core.records import Candidate, Fitness, IterationResult, MacroAction, Program, TrainResult
 from core.sandbox import Limits
+from core.testing.fakes import ScriptedLLM, make_run, make_train, plugin_object, texts_of
 from plugins import rl_gpt
 
 IMPORTS = ("math", "numpy", "torch")
@@ -306,9 +306,8 @@ def test_end_to_end_minecraft(tmp_path):
 
 def _run_rl_gpt(make_config, overrides):
     """One in-process RL-GPT run on CartPole with a tiny PPO; (summary, recorder)."""
-    from contract import PPO_TINY, SMOKE_BASE, Recorder
-
     from core.loop import run_experiment
+    from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
     cfg = make_config(["+plugins=[rl_gpt]", "env=cartpole", "plugins.rl_gpt.iterations=1", "plugins.rl_gpt.rollouts=1",
@@ -320,7 +319,7 @@ def test_the_llms_skill_is_called_by_the_trained_agent(make_config, monkeypatch)
     """Plumbing, not the model: the shared fake LLM (:func:`fakes.install_fake_litellm`)
     answers through the real client with a plan and an ``act``/``done`` skill; the
     candidate trains with that skill as a macro-action and the agent calls it."""
-    import fakes
+    from core.testing import fakes
 
     llm = fakes.install_fake_litellm(monkeypatch)
     summary, recorder = _run_rl_gpt(make_config, [])
@@ -347,7 +346,7 @@ def test_a_run_whose_every_skill_fails_records_each_failure(make_config, monkeyp
     """Failure handling (the fake LLM plans as usual but writes a skill that reads a field
     CartPole lacks): no macro trains; the skill is recorded as a candidate that did not
     train, with the reason."""
-    import fakes
+    from core.testing import fakes
 
     def reply(messages):
         text = fakes.answer(messages)

@@ -13,11 +13,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import fakes
 import numpy as np
 import pytest
 import torch
-from fakes import ScriptedLLM, plugin_object
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 
@@ -26,6 +24,8 @@ from core.envs import make_task
 from core.errors import UserError
 from core.records import TrainResult
 from core.resources import conf_dir
+from core.testing import fakes
+from core.testing.fakes import ScriptedLLM, plugin_object
 from plugins import rlaif_preference as rp
 
 torch.set_num_threads(1)  # as in training: small nets with 2 threads stall on a busy machine
@@ -609,9 +609,8 @@ def test_yaml_holds_the_schema_defaults():
 
 def _run_preference(make_config, overrides):
     """One in-process run with this plugin on CartPole and a tiny PPO; (summary, recorder)."""
-    from contract import PPO_TINY, SMOKE_BASE, Recorder
-
     from core.loop import run_experiment
+    from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
     cfg = make_config(["+plugins=[rlaif_preference]", "env=cartpole", "plugins.rlaif_preference.label_budget=12",

@@ -17,9 +17,9 @@ from core.envs.classic import MountainCarContinuous
 from core.errors import UserError
 from core.records import Candidate
 from core.registry import make_plugin_manager
+from core.testing.fakes import ScriptedLLM, final_metrics, make_run, make_train, plugin_object
 from core.train import sac
 from core.train.sac import SACConfig
-from fakes import ScriptedLLM, final_metrics, make_run, make_train, plugin_object
 from plugins import rlingua
 
 #: a controller for MountainCarContinuous: push in the direction of the velocity, hard

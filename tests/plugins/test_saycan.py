@@ -24,9 +24,9 @@ from core.errors import UserError
 from core.hookspecs import PROJECT
 from core.records import Candidate
 from core.registry import make_plugin_manager
+from core.testing.fakes import ScriptedLLM, make_run, make_train, plugin_object
 from core.train import ppo
 from core.train.ppo import PPOConfig
-from fakes import ScriptedLLM, make_run, make_train, plugin_object
 from plugins import saycan
 
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from fakes import ScriptedLLM, make_run, plugin_object, texts_of
 from omegaconf import OmegaConf
 
 from core.config import typed
@@ -16,6 +15,7 @@ from core.context import RunContext
 from core.envs import make_task
 from core.errors import UserError
 from core.records import Candidate, Episode, Fitness, IterationResult, RewardProgram, TrainResult
+from core.testing.fakes import ScriptedLLM, make_run, plugin_object, texts_of
 from plugins import text2reward as t2r
 
 GOOD = """```python
@@ -339,9 +339,8 @@ def test_end_to_end_on_a_continuous_task_with_the_embedded_model(tmp_path: Path)
 
 def _run_text2reward(make_config, overrides):
     """One in-process Text2Reward run on CartPole with a tiny PPO; (summary, recorder)."""
-    from contract import PPO_TINY, SMOKE_BASE, Recorder
-
     from core.loop import run_experiment
+    from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
     cfg = make_config(["+plugins=[text2reward]", "env=cartpole", "plugins.text2reward.samples=1",
@@ -353,7 +352,7 @@ def test_the_llms_dense_reward_trains_and_its_components_are_logged(make_config,
     """Plumbing, not the model: the shared fake LLM (:func:`fakes.install_fake_litellm`)
     answers through the real client; the ``compute_dense_reward`` Text2Reward extracts
     from its reply is the reward the candidate trains on, and its components reach MLflow."""
-    import fakes
+    from core.testing import fakes
     import mlflow
 
     llm = fakes.install_fake_litellm(monkeypatch)
@@ -382,7 +381,7 @@ def test_a_run_whose_every_program_fails_records_each_failure(make_config, monke
     """Failure handling (the fake LLM keeps writing a program that reads a field CartPole
     lacks, through every retry): nothing trains, the candidate is recorded failed with the
     sandbox's reason, and every retry (and repair) was sent the error."""
-    import fakes
+    from core.testing import fakes
 
     llm = fakes.install_fake_litellm(monkeypatch, reply=lambda messages: BROKEN_DENSE)
     summary, recorder = _run_text2reward(make_config, ["plugins.text2reward.retries=1"])

@@ -14,10 +14,10 @@ from core.context import ActionPrior
 from core.envs.classic import MountainCarContinuous
 from core.hookspecs import PROJECT
 from core.records import Candidate
+from core.testing.fakes import make_train
 from core.train import ppo, sac
 from core.train.action_prior import PriorSource
 from core.train.sac import SACConfig
-from fakes import make_train
 
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
