@@ -3,9 +3,11 @@
 Both contexts share :class:`Context`: the run's validated :class:`core.config.Settings`
 (``config`` is the composed config, ``plugin_config(name)`` one plugin's typed config,
 ``sandbox`` the typed sandbox limits), the task, the seed, the LLM client (created on
-first use; each call is recorded) and logging. :class:`RunContext` adds what the outer
-loop knows (iteration history, the plan, the plugin manager's hooks);
-:class:`TrainContext` adds the candidate being trained and the frames done.
+first use; each call is recorded), logging, and the plugins: ``hook`` calls a hook on
+every plugin, ``pluginmanager`` is the run's :class:`pluggy.PluginManager` (setting it
+sets ``hook`` too). :class:`RunContext` adds what the outer loop knows
+(iteration history, the plan); :class:`TrainContext` adds the candidate being trained
+and the frames done.
 
 Plugin state does not live here: a plugin that keeps state is a class, instantiated
 once per run (``docs/writing-a-plugin.md``).
@@ -21,6 +23,7 @@ import torch
 from core.config import PluginConfig, SandboxConfig, Settings
 
 if TYPE_CHECKING:  # pragma: no cover
+    import pluggy
     from omegaconf import DictConfig
 
     from core.envs.task import Task
@@ -35,8 +38,15 @@ class Context:
     task: Task
     seed: int
     llm_factory: Callable[[], Any] | None = field(default=None, repr=False)
-    hook: Any = field(default=None, repr=False)  # the plugin manager's hooks, to call other plugins (label_preferences)
+    hook: Any = field(default=None, repr=False)  # the plugin manager's hooks: a call reaches every plugin
+    # the run's plugin manager: the core calls each plugin on its own through it (core.registry.call_each)
+    pluginmanager: pluggy.PluginManager | None = field(default=None, repr=False)
     _llm: Any = field(default=None, repr=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "pluginmanager" and value is not None:  # the hooks are the manager's: set one, both agree
+            super().__setattr__("hook", value.hook)
 
     @property
     def config(self) -> DictConfig:

@@ -32,13 +32,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
 from core.config import Settings
 from core.progress import ProgressRelay
 from core.records import Candidate, TrainResult
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pluggy
 
 Done = Callable[[int, TrainResult], None]
 
@@ -58,7 +61,7 @@ class Runtime:
     """What a process needs to train for one run: built once per run and process."""
 
     task: Any
-    hook: Any
+    pluginmanager: pluggy.PluginManager  # the run's plugin objects: contexts call each plugin through it
     settings: Settings
     fingerprint: dict[str, str] = field(default_factory=dict)  # code hashes: framework and each plugin
     run_key: str = ""
@@ -66,6 +69,11 @@ class Runtime:
     @property
     def config(self) -> Any:
         return self.settings.config
+
+    @property
+    def hook(self) -> Any:
+        """The plugin manager's hooks (``pm.hook``): a call reaches every plugin."""
+        return self.pluginmanager.hook
 
 
 #: a worker process's runtimes (pool and Ray workers), one per run, the most recently used last:
@@ -113,7 +121,7 @@ def build_runtime(config: DictConfig | dict[str, Any], extra_plugins: tuple[obje
     for obj in extra_plugins:
         module = sys.modules.get(getattr(obj, "__module__", "") or "") or obj
         fingerprint[f"extra:{getattr(obj, '__name__', type(obj).__name__)}"] = source_hash(module)
-    return Runtime(task=task, hook=pm.hook, settings=settings, fingerprint=fingerprint, run_key=run_key)
+    return Runtime(task=task, pluginmanager=pm, settings=settings, fingerprint=fingerprint, run_key=run_key)
 
 
 def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None) -> TrainResult:
@@ -144,7 +152,7 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
             seed=job.seed,
             total_frames=cfg.frames,
             llm_factory=(lambda: _make_llm(llm_cfg, log_call)) if llm_cfg else None,
-            hook=runtime.hook,
+            pluginmanager=runtime.pluginmanager,
         )
         result = trainer(runtime.task, job.candidate, cfg, seed=job.seed, hook=runtime.hook, ctx=ctx, progress=progress)
         # what plugins recorded through the context travels back with the result

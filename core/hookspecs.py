@@ -41,9 +41,17 @@ and ``state``, a dict keyed by plugin name for per-training objects); ``batch`` 
 :class:`core.context.StepBatch` (one batched step: ``obs``, ``action``, ``next_obs``,
 ``env_reward``, ``reward``, ``done``, and ``state`` / ``next_state`` by field name).
 
-Broadcast hooks whose results the loop keeps (the proposal hooks, ``reflect``) are
-called through :func:`core.registry.call_each`, so each result is credited to the plugin
-that returned it.
+Broadcast hooks whose results the core keeps (the proposal hooks, ``reflect``,
+``action_prior``) are called through :func:`core.registry.call_each`: through pluggy
+once per plugin, so each result is credited to the plugin that returned it and a
+wrapper (``@hookimpl(wrapper=True)``) wraps each plugin's result.
+
+The specs here are the framework's: hooks the core calls. A hook that one plugin calls
+for itself (e.g. ``label_preferences``, asked by ``rlaif_preference`` for its labels) is
+that plugin's: it declares the spec in a ``HOOKSPECS`` class of ``@hookspec`` functions
+in its module, which the plugin manager adds before registering any plugin (pytest's
+``pytest_addhooks``). Another plugin answers such a hook with
+``@hookimpl(optionalhook=True)``, so it still loads in a run without the owner.
 """
 
 from __future__ import annotations
@@ -247,9 +255,9 @@ def prepare_candidates(run: RunContext, candidates: list[Candidate]) -> None:
     candidate's policy: :meth:`core.records.StartPolicy.of` its candidate and result,
     which exists when that candidate had ``keep_policy``), ``frames`` (a budget of its
     own instead of ``trainer.frames``), ``original_after`` (the share of the frames
-    trained last on the original env) and ``keep_policy``. EnvGen continues one agent
-    across its cycles this way. The loop's ``final_seeds`` retrains a continued
-    candidate's whole chain on each fresh seed.
+    trained last on the original env) and ``keep_policy``. The loop's ``final_seeds``
+    retrains a continued candidate's whole chain on each fresh seed. While any plugin
+    implements this hook, the loop reads every proposal to its end before training.
 
     :param run: the run context (``run.history`` holds the earlier iterations).
     :param candidates: the iteration's candidates, to change in place.
@@ -260,10 +268,10 @@ def prepare_candidates(run: RunContext, candidates: list[Candidate]) -> None:
 def train_candidates(run: RunContext, candidates: list[Candidate], seed: int) -> list[TrainResult | None] | None:
     """Train an iteration's candidates jointly instead of one by one (population methods).
 
-    Called in the main process with the candidates not yet trained. Population-based
-    methods (LaRes: a population of reward functions with one policy each, a shared
-    replay buffer, and LLM updates during training) take over training here and return
-    one :class:`core.records.TrainResult` per candidate, in order.
+    Called in the main process with the candidates not yet trained, before the
+    executor. A method whose candidates learn together (a population sharing experience,
+    updated by the LLM during training) takes over their training here and returns one
+    :class:`core.records.TrainResult` per candidate, in order.
 
     The contract: an implementation trains each candidate as the executor would. It
     honours every part of the candidate (reward program, state program, macro-actions,
@@ -374,8 +382,7 @@ def on_train_end(train: TrainContext, result: TrainResult) -> None:
 
 # -------------------------------------------------------------------------------------
 # Action role, per step: a prior the policy is combined with (SayCan, RLingua). Called
-# inside the training process like the other training hooks; PPO takes discrete priors,
-# SAC continuous ones.
+# inside the training process like the other training hooks.
 # -------------------------------------------------------------------------------------
 
 
@@ -383,34 +390,19 @@ def on_train_end(train: TrainContext, result: TrainResult) -> None:
 def action_prior(train: TrainContext, obs: torch.Tensor) -> ActionPrior | None:
     """Per-step action role: a prior over actions that the trainer combines with its policy.
 
-    Called on every collection step with the observations of all training envs, and by
-    PPO on every evaluation step as well (the combined distribution is the policy PPO
-    trains, so it is also the one evaluated); SAC evaluates its actor alone, since its
-    prior is a behaviour policy meant to be annealed away. Must be fast: never block on
-    an LLM (score in the background, cache, and cover only the rows that are ready with
-    ``mask``).
+    Called on every collection step with the observations of all training envs (PPO also
+    on its evaluation steps). Must be fast: never block on an LLM (score in the
+    background, cache, and cover only the rows that are ready with ``mask``).
 
-    How the trainer combines a :class:`core.context.ActionPrior`:
-
-    - discrete actions (PPO): ``logits + weight * log_probs`` on the rows in ``mask``;
-      several plugins' priors add up. The collected frames keep the prior's term, so the
-      clipped loss is computed on the same combined distribution that acted (on-policy).
-      Metrics: ``action_prior/rows`` (share of steps a prior covered) and
-      ``action_prior/changed`` (share of steps whose most likely action the prior changed).
-    - continuous actions (SAC): per row, with probability ``prob``, the action is drawn
-      from ``N(mean, std)`` clipped to the action bounds instead of from the actor; the
-      first prior (in hook call order) whose draw succeeds acts. Anneal ``prob`` yourself
-      (``train.progress`` goes from 0 to 1). The transitions fill the replay buffer like
-      any other; ``imitation > 0`` adds a behaviour-cloning step of the actor towards the
-      prior's actions on the replayed transitions the prior took. Metric:
-      ``action_prior/share`` (share of steps the prior acted).
-
-    A prior of the wrong kind or shape (``log_probs`` not ``[B, n]`` or not finite,
-    ``mean`` not ``[B, A]``, a continuous prior under PPO) fails the candidate with an
-    :class:`core.train.action_prior.ActionPriorError` naming the plugin and the shapes, which reaches
-    that plugin's :func:`reflect` as the result's ``error``: a plugin that runs LLM-written
-    code (a controller program) should check the program's value itself and turn its
-    failure into feedback (``train.log_text``) rather than return a broken prior.
+    Fill the half of :class:`core.context.ActionPrior` that fits the action space:
+    discrete actions (PPO) ``log_probs [B, n]`` (finite; ``n`` counts macros), added to
+    the policy's logits times ``weight``; continuous ones (SAC) ``mean [B, A]`` and
+    ``std``, acted instead of the actor with probability ``prob`` per row (anneal it with
+    ``train.progress``), and ``imitation`` to pull the actor towards the prior's actions.
+    A prior of the wrong kind or shape fails the candidate with an error naming the
+    plugin, which reaches its :func:`reflect`; a plugin running LLM-written code should
+    check that code's output and log its failure (``train.log_text``) instead.
+    :mod:`core.train.action_prior` says how each trainer combines priors.
 
     :param train: the training context (``train.progress`` for annealing; per-training
         objects in ``train.state[<plugin name>]``).
@@ -418,28 +410,6 @@ def action_prior(train: TrainContext, obs: torch.Tensor) -> ActionPrior | None:
         program appends; ``train.task.split_state(obs)`` names the fields).
     :return: an :class:`core.context.ActionPrior` over these ``B`` rows, or None to abstain
         at this step.
-    """
-
-
-# -------------------------------------------------------------------------------------
-# Preference role
-# -------------------------------------------------------------------------------------
-
-
-@hookspec(firstresult=True)
-def label_preferences(run: Any, goal: str, pairs: list[tuple[str, str]]) -> list[float | None] | None:
-    """Preference role: which of two described trajectory segments better achieves ``goal``.
-
-    Called by a plugin that needs labels (``run.hook.label_preferences``), from a run or
-    a training context.
-
-    :param run: the calling context (a RunContext or a TrainContext).
-    :param goal: the goal the segments are judged against.
-    :param pairs: text renderings ``(a, b)`` of segment pairs.
-    :return: one label per pair: the probability that a is better, 1.0 (a better),
-        0.0 (b better), 0.5 (tie) or anything between (a soft label, e.g. read from the
-        judge's token probabilities), None (cannot tell); or None to abstain. Stops at
-        first non-None result.
     """
 
 

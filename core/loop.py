@@ -133,7 +133,7 @@ class Loop:
             settings=self.settings,
             task=self.runtime.task,
             seed=self.settings.run.seed,
-            hook=self.runtime.hook,
+            pluginmanager=self.runtime.pluginmanager,
             llm_factory=self._make_llm,
             tracker=tracker,
             iterations=self.settings.iterations,
@@ -174,7 +174,7 @@ class Loop:
         run.plan = Plan.of(hook.plan(run=run, iteration=iteration))
         if run.plan is not None and self.tracker is not None:
             self.tracker.log_text(run.plan.text, f"plan/it{iteration}.md")
-        return {role: self._proposals(getattr(hook, name), iteration) for name, role in ROLE_HOOKS.items()}
+        return {role: self._proposals(name, iteration) for name, role in ROLE_HOOKS.items()}
 
     def _combined(self, iteration: int, sources: dict[str, list[Iterable[list[Any]]]]) -> list[Candidate]:
         hook, run = self.run.hook, self.run
@@ -192,11 +192,12 @@ class Loop:
                                         **{role: part}))
         return candidates
 
-    def _proposals(self, caller: Any, iteration: int) -> list[Iterable[list[Any]]]:
-        """Every plugin's alternatives for one role, each part marked with its plugin (``origin``):
-        a list result as one group (``[result]``), an iterator as its groups, marked as they are read."""
+    def _proposals(self, hook: str, iteration: int) -> list[Iterable[list[Any]]]:
+        """Every plugin's alternatives for one role (proposal hook ``hook``), each part marked with its
+        plugin (``origin``): a list result as one group (``[result]``), an iterator as its groups,
+        marked as they are read."""
         out: list[Iterable[list[Any]]] = []
-        for name, result in call_each(caller, run=self.run, iteration=iteration):
+        for name, result in call_each(self.runtime.pluginmanager, hook, run=self.run, iteration=iteration):
             if isinstance(result, list):
                 if result:
                     out.append([_marked(name, result)])
@@ -403,7 +404,7 @@ class Loop:
             results = [rejected[c.id] if c.id in rejected else next(trained) for c in candidates]
         result = IterationResult(iteration, candidates, results)
         run.history.append(result)
-        for plugin, text in call_each(hook.reflect, run=run, result=result):
+        for plugin, text in call_each(self.runtime.pluginmanager, "reflect", run=run, result=result):
             if text:
                 run.log_text(f"reflection/it{iteration}-{plugin}.md", text)
         best = run.best

@@ -33,6 +33,7 @@ from typing import Any
 
 from core.context import RunContext
 from core.records import Candidate, RewardProgram, TrainResult
+from core.registry import call_plugin
 from core.vetting import Verdict, reference_set, vet
 
 
@@ -194,18 +195,14 @@ class _Checker:
 
     def _plugin_repair(self, program: RewardProgram, error: str) -> RewardProgram | None:
         """The proposing plugin's ``repair_program`` (the one ``program.origin`` names), or None."""
-        caller = getattr(self.run.hook, "repair_program", None) if self.run.hook is not None else None
-        if caller is None or not program.origin:
+        pm = self.run.pluginmanager
+        if pm is None or not program.origin:
             return None
-        kwargs = {"run": self.run, "program": program, "error": error}
-        for impl in caller.get_hookimpls():
-            if impl.plugin_name == program.origin:
-                fixed = impl.function(*[kwargs[name] for name in impl.argnames])
-                if isinstance(fixed, RewardProgram):
-                    fixed.origin = fixed.origin or program.origin
-                    return fixed
-                return None
-        return None
+        fixed = call_plugin(pm, "repair_program", program.origin, run=self.run, program=program, error=error)
+        if not isinstance(fixed, RewardProgram):
+            return None
+        fixed.origin = fixed.origin or program.origin
+        return fixed
 
     def _log(self, candidate: Candidate, outcome: Examined, attempt: int) -> None:
         suffix = f"-repair{attempt}" if attempt else ""

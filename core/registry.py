@@ -152,11 +152,17 @@ def make_plugin_manager(
     :param extra: further plugin objects to register (tests, embedding applications).
     :raises UserError: for a hook name that is no spec or an argument a spec lacks,
         with the closest names.
+
+    A plugin that owns a hook (it alone calls it, others may answer it) declares the spec
+    itself: a ``HOOKSPECS`` class of ``@hookspec`` functions in its module, added here
+    before any plugin registers (as pytest's ``pytest_addhooks``).
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     if modules is None:
         modules = load_plugins(settings.plugins if settings is not None else ())
+    for name, source in [*modules.items(), *((None, obj) for obj in extra)]:
+        _add_hooks(pm, source, name)
     for name, module in modules.items():
         config = settings.plugins.get(name) if settings is not None else None
         if config is None:
@@ -167,16 +173,27 @@ def make_plugin_manager(
     try:
         pm.check_pending()  # a misspelt hook name fails here, not silently
     except pluggy.PluginValidationError as err:
-        raise UserError(_explain_validation(err, pm.get_name(err.plugin))) from None
+        raise UserError(_explain_validation(err, pm, pm.get_name(err.plugin))) from None
     return pm
+
+
+def _add_hooks(pm: pluggy.PluginManager, source: object, name: str | None) -> None:
+    """Add the hook specs ``source`` declares in its ``HOOKSPECS`` class, if any."""
+    specs = getattr(source, "HOOKSPECS", None)
+    if specs is None:
+        return
+    try:
+        pm.add_hookspecs(specs)
+    except ValueError as err:  # no marked spec in it, or a hook another plugin declared already
+        raise UserError(f"Plugin '{name or source}': its HOOKSPECS cannot be added: {err}") from None
 
 
 def _register(pm: pluggy.PluginManager, obj: object, name: str | None) -> None:
     try:
         pm.register(obj, name=name)
     except pluggy.PluginValidationError as err:
-        raise UserError(_explain_validation(err, name)) from None
-    unmarked = unmarked_hooks(obj)
+        raise UserError(_explain_validation(err, pm, name)) from None
+    unmarked = unmarked_hooks(obj, pm)
     if unmarked:  # pluggy registers only marked methods: these would never be called
         import warnings
 
@@ -185,9 +202,10 @@ def _register(pm: pluggy.PluginManager, obj: object, name: str | None) -> None:
                       UserWarning, stacklevel=3)
 
 
-def _explain_validation(err: pluggy.PluginValidationError, name: str | None = None) -> str:
+def _explain_validation(err: pluggy.PluginValidationError, pm: pluggy.PluginManager, name: str | None = None) -> str:
     """One paragraph for pluggy's complaint about a plugin's hooks, with the closest names."""
-    specs = sorted(n for n in dir(hookspecs) if hasattr(getattr(hookspecs, n), f"{hookspecs.PROJECT}_spec"))
+    spec_args = _spec_args(pm)
+    specs = sorted(spec_args)
     obj = err.plugin
     where = getattr(obj, "__name__", None) or f"{type(obj).__module__}.{type(obj).__qualname__}"
     plugin = f"'{name}' ({where})" if name and not name.isdigit() else where  # pluggy names unnamed objects by id
@@ -200,32 +218,69 @@ def _explain_validation(err: pluggy.PluginValidationError, name: str | None = No
     text = str(err)
     found = re.search(r"for hook '(\w+)'", text)
     for hook in [found.group(1)] if found else [h for h in _hookimpl_names(obj) if h in text]:
-        spec_args = list(inspect.signature(getattr(hookspecs, hook)).parameters)
-        bad = [a for a in inspect.signature(getattr(obj, hook)).parameters if a not in spec_args and a != "self"]
-        hint = "".join(did_you_mean(a, spec_args) for a in bad)
+        args = spec_args.get(hook, [])
+        bad = [a for a in inspect.signature(getattr(obj, hook)).parameters if a not in args and a != "self"]
+        hint = "".join(did_you_mean(a, args) for a in bad)
         return (
             f"Plugin {plugin}: hook '{hook}' takes argument(s) {', '.join(repr(b) for b in bad)} that the spec "
-            f"does not pass.{hint} '{hook}' passes: {', '.join(spec_args)} (take any subset of them)."
+            f"does not pass.{hint} '{hook}' passes: {', '.join(args)} (take any subset of them)."
         )
     return f"Plugin {plugin} does not match the hook specs: {' '.join(text.split())}"
+
+
+def _spec_args(pm: pluggy.PluginManager | None = None) -> dict[str, list[str]]:
+    """Every hook with a spec, name -> the arguments it passes: the core's, and (given ``pm``)
+    those its plugins added."""
+    if pm is None:
+        return {n: list(inspect.signature(f).parameters) for n, f in vars(hookspecs).items()
+                if hasattr(f, f"{hookspecs.PROJECT}_spec")}
+    # the relay holds a caller per hook name, a spec-less one for each name only implemented
+    return {n: list(c.spec.argnames) for n, c in vars(pm.hook).items() if c.spec is not None}
 
 
 def _hookimpl_names(obj: object) -> list[str]:
     return [n for n in dir(obj) if not n.startswith("__") and _is_hookimpl(getattr(obj, n, None))]
 
 
-def call_each(caller: Any, **kwargs: Any) -> list[tuple[str, Any]]:
-    """Call every implementation of a broadcast hook; ``(plugin name, result)`` for each.
+def call_each(pm: pluggy.PluginManager, name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+    """Call a broadcast hook once per plugin that implements it; ``(plugin name, result)`` for each.
 
-    pluggy's own call drops None results, so a list of results cannot be paired with
-    the plugins that gave them; this keeps the pairing (None results included), in
-    pluggy's call order (last registered first).
+    pluggy's own call drops None results, so its list of results cannot be paired with
+    the plugins that gave them. Here each plugin gets a call of its own, through pluggy
+    (:func:`call_plugin`), so wrappers wrap each plugin's result and tracing sees every
+    call. The pairs keep pluggy's call order (last registered first), None results included.
     """
-    out = []
-    for impl in reversed(caller.get_hookimpls()):
-        args = [kwargs[name] for name in impl.argnames]
-        out.append((impl.plugin_name, impl.function(*args)))
-    return out
+    impls = _implementations(pm, name)
+    plugins = dict.fromkeys(impl.plugin_name for impl in impls)  # in order, once each
+    return [(plugin, _call_one(pm, name, impls, plugin, kwargs)) for plugin in plugins]
+
+
+def call_plugin(pm: pluggy.PluginManager, name: str, plugin: str, **kwargs: Any) -> Any:
+    """One plugin's result of a broadcast hook (None when it has no implementation of it).
+
+    The hook is called through pluggy with every other plugin's implementation left out
+    (:meth:`pluggy.PluginManager.subset_hook_caller`): the wrappers (``@hookimpl(wrapper=True)``,
+    whichever plugin holds them) wrap this plugin's call, never a bare ``impl.function``.
+    """
+    impls = _implementations(pm, name)
+    if not any(impl.plugin_name == plugin for impl in impls):
+        return None
+    return _call_one(pm, name, impls, plugin, kwargs)
+
+
+def _implementations(pm: pluggy.PluginManager, name: str) -> list[pluggy.HookImpl]:
+    """The hook's implementations other than wrappers, in pluggy's call order."""
+    return [impl for impl in reversed(getattr(pm.hook, name).get_hookimpls()) if not (impl.wrapper or impl.hookwrapper)]
+
+
+def _call_one(pm: pluggy.PluginManager, name: str, impls: list[pluggy.HookImpl], plugin: str,
+              kwargs: dict[str, Any]) -> Any:
+    others = {impl.plugin for impl in impls if impl.plugin_name != plugin}
+    results = pm.subset_hook_caller(name, others)(**kwargs)
+    if len(results) > 1:  # only a wrapper can add results to one implementation's call
+        raise UserError(f"Hook '{name}' gave {len(results)} results for plugin '{plugin}' alone: a wrapper of a "
+                        "broadcast hook must return the list it got, with at most one result in it.")
+    return results[0] if results else None
 
 
 def _is_hookimpl(obj: Any) -> bool:
@@ -239,19 +294,19 @@ def hook_problem(info: PluginInfo) -> str:
         return "not installed"
     try:
         module = load_module(info)
-        make_plugin_manager(None, {info.name: module})
+        pm = make_plugin_manager(None, {info.name: module})
     except UserError as err:
         return str(err)
     except Exception as err:  # noqa: BLE001 - an import error of a third-party plugin is its problem, shown
         return f"{type(err).__name__}: {err}"
-    unmarked = unmarked_hooks(plugin_object(module, config_class(module)()))
+    unmarked = unmarked_hooks(plugin_object(module, config_class(module)()), pm)
     return f"{', '.join(unmarked)} look(s) like hooks but lack @hookimpl" if unmarked else ""
 
 
-def unmarked_hooks(obj: object) -> list[str]:
-    """Methods of a plugin object named like a hook spec but not marked ``@hookimpl`` (pluggy ignores them)."""
-    specs = {n for n in dir(hookspecs) if hasattr(getattr(hookspecs, n), f"{hookspecs.PROJECT}_spec")}
-    return sorted(n for n in specs if callable(getattr(obj, n, None)) and not _is_hookimpl(getattr(obj, n)))
+def unmarked_hooks(obj: object, pm: pluggy.PluginManager | None = None) -> list[str]:
+    """Methods of a plugin object named like a hook spec but not marked ``@hookimpl`` (pluggy ignores them);
+    the specs are the core's, and those ``pm``'s plugins added when it is given."""
+    return sorted(n for n in _spec_args(pm) if callable(getattr(obj, n, None)) and not _is_hookimpl(getattr(obj, n)))
 
 
 def print_catalogue(width: int = 100) -> int:

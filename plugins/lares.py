@@ -593,7 +593,8 @@ class Evolution:
     def _context(self, candidate: Candidate) -> TrainContext:
         run = self.run
         return TrainContext(settings=run.settings, task=run.task, seed=self.seed, candidate=candidate,
-                            total_frames=self.frames_budget, llm_factory=lambda: run.llm, hook=run.hook)
+                            total_frames=self.frames_budget, llm_factory=lambda: run.llm, hook=run.hook,
+                            pluginmanager=run.pluginmanager)
 
     # -- setup --------------------------------------------------------------------------------
     def _prepare(self, program: RewardProgram) -> tuple[Any, str, str]:

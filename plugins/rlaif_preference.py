@@ -25,8 +25,8 @@ preference-based RL of Christiano et al. (2017).
    up to ``label_budget`` pairs and ``label_seconds``; labels are cached per (goal, pair)
    on the plugin object, so the run's seeds share them, and the LLM response cache replays
    identical prompts across runs. ``control`` gives uninformative labels (all ties, or
-   coin flips) through the same pipeline without the LLM. The ``label_preferences`` hook
-   makes the labeller replaceable.
+   coin flips) through the same pipeline without the LLM. The ``label_preferences`` hook,
+   which this plugin adds (``HOOKSPECS``), makes the labeller replaceable.
 5. Reward model: an ensemble of ``r(x)`` over the caption's words (one column per word;
    ``features: obs``: the scaled observation), linear by default (``hidden: 0``), all
    starting at ``r = 0``; an item's score is the sum of ``r`` over its states; fitted with
@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pluggy
 import torch
 
 from core.plugin import (BackgroundCalls, PluginConfig, StepBatch, TrainContext, TrainResult, hookimpl, make_progress,
@@ -1034,6 +1035,35 @@ class PreferenceLearner:
 
 
 # -- hooks -----------------------------------------------------------------------------------
+
+#: the framework's spec marker, for the hook this plugin adds (core.plugin gives its hookimpl)
+hookspec = pluggy.HookspecMarker(hookimpl.project_name)
+
+
+class HOOKSPECS:
+    """The hook this plugin adds: it asks it for its labels, so another plugin may give them.
+
+    The plugin manager adds these specs before any plugin registers. A plugin that
+    answers ``label_preferences`` marks its implementation ``@hookimpl(optionalhook=True)``,
+    so that it still loads in a run without this one.
+    """
+
+    @hookspec(firstresult=True)
+    def label_preferences(self, run: Any, goal: str, pairs: list[tuple[str, str]]) -> list[float | None] | None:
+        """Preference labels: which of two described states (or segments) better achieves ``goal``.
+
+        Called in the training process for each batch of pairs this plugin labels (never
+        under ``control``); this plugin's own answer asks the run's LLM (the configured
+        judge) through its label cache.
+
+        :param run: the calling context (a TrainContext).
+        :param goal: the goal the texts are judged against.
+        :param pairs: text renderings ``(a, b)`` of the pairs.
+        :return: one label per pair: the probability that a is better, 1.0 (a better),
+            0.0 (b better), 0.5 (tie) or anything between (a soft label, e.g. read from
+            the judge's token probabilities), None (cannot tell); or None to abstain.
+            Stops at first non-None result.
+        """
 
 
 class Plugin:

@@ -8,16 +8,23 @@
   batch (``action_prior``), and the PPO loss adds it to the actor's logits again, so the
   ratio and the gradient are those of the combined distribution that acted. The term is
   a constant of the actor's parameters, so the written-out gradient keeps its form
-  (``onehot(a) - softmax(logits + prior)``).
+  (``onehot(a) - softmax(logits + prior)``). Evaluation acts with the combined
+  distribution too, since it is the policy PPO trains. Metrics: ``action_prior/rows``
+  (share of steps a prior covered), ``action_prior/changed`` (share of steps whose most
+  likely action a prior changed).
 - continuous (SAC, :class:`PriorBehaviour`): per row, with the prior's ``prob``, the action
   is ``clip(mean + std * noise)`` instead of the actor's (RLingua's behaviour policy,
-  annealed by the plugin). The replay buffer keeps which rows the prior acted and its
-  action, and :func:`imitation_step` pulls the actor towards those actions
-  (``imitation * |actor(s) - a|^2``) when a prior asks for it.
+  annealed by the plugin); of several priors, the first in hook call order whose draw
+  succeeds acts. The replay buffer keeps which rows the prior acted and its action, and
+  :func:`imitation_step` pulls the actor towards those actions
+  (``imitation * |actor(s) - a|^2``) when a prior asks for it. Evaluation acts with the
+  actor alone: the prior is a behaviour policy, meant to be annealed away. Metric:
+  ``action_prior/share`` (share of steps a prior acted).
 
-A prior of the wrong kind or shape raises :class:`ActionPriorError` naming the plugin:
-the trainer's failure handling turns it into a failed candidate whose error text is the
-plugin's feedback.
+A prior of the wrong kind or shape (``log_probs`` not ``[B, n]`` or not finite, ``mean``
+not ``[B, A]``, a continuous prior under PPO) raises :class:`ActionPriorError` naming the
+plugin and the shapes: the trainer's failure handling turns it into a failed candidate
+whose error text is the plugin's feedback.
 """
 
 from __future__ import annotations
@@ -43,24 +50,27 @@ class ActionPriorError(ValueError):
 class PriorSource:
     """The ``action_prior`` hooks of one training, called and checked per batch.
 
+    :param ctx: the training's context; its ``pluginmanager`` calls each plugin's hook.
     :param n_actions: the discrete action count (macros included), or None.
     :param low: / :param high: the continuous action bounds ``[A]``, or None.
     """
 
-    def __init__(self, hook: Any, ctx: TrainContext, task: Task, *, n_actions: int | None = None,
+    def __init__(self, ctx: TrainContext, task: Task, *, n_actions: int | None = None,
                  low: torch.Tensor | None = None, high: torch.Tensor | None = None) -> None:
-        self.hook, self.ctx, self.task = hook, ctx, task
+        if ctx.pluginmanager is None:  # priors are credited per plugin: pm.hook alone cannot do that
+            raise ValueError("action priors need the training context's pluginmanager (TrainContext(pluginmanager=pm))")
+        self.plugins, self.ctx, self.task = ctx.pluginmanager, ctx, task
         self.n_actions, self.low, self.high = n_actions, low, high
         self.steps = self.covered = self.changed = self.taken = 0.0
         self.imitation = 0.0  # the largest imitation weight a prior asked for lately
 
     def priors(self, obs: torch.Tensor) -> list[tuple[str, ActionPrior]]:
-        """``(plugin name, checked prior)`` of every plugin that gave one for ``obs [B, D]``."""
+        """``(plugin name, checked prior)`` of every plugin that gave one for ``obs [B, D]``, in hook call order."""
         from core.registry import call_each
 
         obs = obs[..., : self.task.obs_dim]
         out = []
-        for name, prior in call_each(self.hook.action_prior, train=self.ctx, obs=obs):
+        for name, prior in call_each(self.plugins, "action_prior", train=self.ctx, obs=obs):
             if prior is None:
                 continue
             self._check(name, prior, int(obs.shape[0]))

@@ -302,7 +302,7 @@ class _Run:
         self.prior = None  # the action_prior hooks, combined with the policy in collection, loss and evaluation
         if has_impls(hook, "action_prior") and ctx is not None:
             n = int(self.base.action_spec.n) if nets.discrete else None
-            self.prior = PriorSamplingPolicy(self.model.actor, PriorSource(hook, ctx, self.task, n_actions=n), self.policy)
+            self.prior = PriorSamplingPolicy(self.model.actor, PriorSource(ctx, self.task, n_actions=n), self.policy)
             self.policy = self.prior
         batches = sum(n for _, n in stages)
         # lr and clip anneal over the trainer's budget from the policy's first batch: a chain of

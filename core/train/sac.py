@@ -345,7 +345,7 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
     policy, random_frames, prior = SamplingActor(modules.flat), cfg.init_random_frames, None
     if has_impls(hook, "action_prior") and ctx is not None:  # a behaviour prior acts from the first step
         spec = modules.action_spec.space
-        prior = PriorBehaviour(policy, PriorSource(hook, ctx, task, low=spec.low, high=spec.high), random_frames)
+        prior = PriorBehaviour(policy, PriorSource(ctx, task, low=spec.low, high=spec.high), random_frames)
         policy, random_frames, buffer = prior, 0, FlatReplay(cfg.buffer_size, BUFFER_KEYS + PRIOR_KEYS)
     collector = collect(cenv.env, policy, batches, cfg.rollout_steps, random_frames, cenv.postproc)
     # trainer.normalize_reward: the replay keeps the task's reward; the gradient step sees it

@@ -133,7 +133,85 @@ def test_call_each_pairs_every_result_with_its_plugin(local_plugins):
     pm = make_plugin_manager(modules=load_plugins(["alpha", "beta"]))
     result = IterationResult(3, [], [])
     assert pm.hook.reflect(run=None, result=result) == ["alpha's reflection on iteration 3"]  # pluggy drops the None
-    assert call_each(pm.hook.reflect, run=None, result=result) == [("beta", None), ("alpha", "alpha's reflection on iteration 3")]
+    pairs = call_each(pm, "reflect", run=None, result=result)
+    assert pairs == [("beta", None), ("alpha", "alpha's reflection on iteration 3")]
+
+
+WRAPPER = '''
+    """Wraps the other plugins' hooks: sees each plugin's proposals, signs each reflection."""
+
+    from core import hookimpl
+
+
+    class Plugin:
+        def __init__(self, config) -> None:
+            self.seen: list[list[int]] = []  # per wrapped call: the size of each proposal list in it
+
+        @hookimpl(wrapper=True)
+        def propose_rewards(self, run, iteration):
+            proposals = yield
+            self.seen.append([len(p) for p in proposals])
+            return proposals
+
+        @hookimpl(wrapper=True)
+        def reflect(self, run, result):
+            texts = yield
+            return [f"{text} (seen by wrapper)" for text in texts]
+'''
+
+DELTA = '''
+    """Proposes one constant reward (a module of hook functions)."""
+
+    from core import hookimpl
+    from core.records import RewardProgram
+
+
+    @hookimpl
+    def propose_rewards(run, iteration):
+        return [RewardProgram(source="def compute_reward(state, action, next_state):\\n    return 2.0\\n")]
+'''
+
+
+def test_a_wrapper_wraps_each_plugins_call_and_the_pairs_stay(local_plugins):
+    """call_each goes through pluggy: a wrapper's answer is what each plugin is credited with,
+    and a plugin that only wraps is credited with nothing."""
+    from core.registry import call_plugin
+
+    for name, source in (("alpha", ALPHA), ("beta", BETA), ("wrapper", WRAPPER)):
+        local_plugins(name, source)
+    pm = make_plugin_manager(modules=load_plugins(["alpha", "beta", "wrapper"]))
+    result = IterationResult(3, [], [])
+    wrapped = "alpha's reflection on iteration 3 (seen by wrapper)"
+    assert call_each(pm, "reflect", run=None, result=result) == [("beta", None), ("alpha", wrapped)]
+    assert call_plugin(pm, "reflect", "alpha", run=None, result=result) == wrapped
+    assert call_plugin(pm, "reflect", "beta", run=None, result=result) is None
+    assert call_plugin(pm, "reflect", "wrapper", run=None, result=result) is None  # wrappers alone are not an answer
+
+
+def test_a_wrapper_of_a_proposal_hook_sees_each_plugins_proposals(local_plugins, tiny_run):
+    for name, source in (("alpha", ALPHA), ("delta", DELTA), ("wrapper", WRAPPER)):
+        local_plugins(name, source)
+    cfg = tiny_run("save_policy=false")
+    with open_dict(cfg):
+        cfg.plugins = {"alpha": {}, "delta": {}, "wrapper": {}}
+    loop = Loop(cfg)
+    candidates = loop.propose(0)
+    assert loop.runtime.pluginmanager.get_plugin("wrapper").seen == [[1], [2]]  # delta's call, then alpha's
+    assert sorted(c.reward.origin for c in candidates) == ["alpha", "delta", "mine"]
+
+
+def test_a_wrapped_reflection_is_saved_as_the_wrapper_returns_it(local_plugins, tiny_run):
+    """A ``wrapper=True`` reflect in a real run: the text saved is the wrapped one, never a generator."""
+    local_plugins("wrapper", WRAPPER)
+    cfg = _alpha_beta(local_plugins, tiny_run, propose=False)
+    with open_dict(cfg):
+        cfg.plugins.wrapper = {}
+    summary = run_experiment(cfg)
+    client = mlflow.MlflowClient(cfg.tracking.uri)
+    saved = sorted(a.path for a in client.list_artifacts(summary.run_id, "reflection"))
+    assert saved == ["reflection/it0-alpha.md"]
+    text = client.download_artifacts(summary.run_id, "reflection/it0-alpha.md", str(cfg.cache_dir))
+    assert Path(text).read_text() == "alpha's reflection on iteration 0 (seen by wrapper)"
 
 
 # -- a reply with no usable program is recorded, never trained -----------------------------------

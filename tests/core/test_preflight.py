@@ -118,7 +118,8 @@ def test_with_the_earlier_interface_the_plugin_repairs_in_its_conversation():
     settings = fakes.settings_for("eureka", eureka)
     pm = make_plugin_manager(settings, modules={"eureka": eureka})
     run = fakes.make_run(make_task({"name": "mountaincar"}), llm, plugin="eureka", module=eureka,
-                         config={"vetting": {"episodes": 3}, "code": {"interface": "dict"}}, hook=pm.hook)
+                         config={"vetting": {"episodes": 3}, "code": {"interface": "dict"}})
+    run.pluginmanager = pm  # preflight asks the proposing plugin alone, through pluggy
     c = candidate(ALIVE)
     assert preflight(run, [c]) == {}
     (call,) = llm.calls

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from core import hookimpl
+from core.hookspecs import hookspec
 from core.errors import UserError
 from core.registry import builtin_plugins, catalogue, check_names, make_plugin_manager
 
@@ -80,6 +81,56 @@ def test_plugin_manager_registers_extra_objects_and_checks_hook_names():
 
     with pytest.raises(UserError, match="implements 'propose_reward', which is not a hook. Did you mean 'propose_rewards'"):
         make_plugin_manager(extra=[Misspelt()])
+
+
+class Owner:
+    """A plugin that adds a hook of its own (``HOOKSPECS``) and asks it."""
+
+    class HOOKSPECS:
+        @hookspec(firstresult=True)
+        def pick_colour(self, run, options):
+            """The colour to use, of ``options``; stops at the first non-None."""
+
+    @hookimpl
+    def on_run_start(self, run):
+        run.append(self.hook.pick_colour(run=run, options=["red", "blue"]))
+
+
+class Answers:
+    @hookimpl(optionalhook=True)  # loads without the owner too
+    def pick_colour(self, options):
+        return options[-1]
+
+
+def test_a_plugin_adds_its_own_hook_which_other_plugins_answer():
+    owner = Owner()
+    pm = make_plugin_manager(extra=[owner, Answers()])
+    owner.hook = pm.hook
+    seen: list[str] = []
+    pm.hook.on_run_start(run=seen)
+    assert seen == ["blue"]
+    make_plugin_manager(extra=[Answers()])  # the owner is not in this run: the answer waits unused
+
+    class Misspelt:
+        @hookimpl
+        def pick_colour(self, option):
+            return None
+
+    with pytest.raises(UserError, match="'pick_colour' takes argument.*'option'.*Did you mean 'options'"):
+        make_plugin_manager(extra=[Owner(), Misspelt()])
+    with pytest.raises(UserError, match="implements 'pick_colour', which is not a hook"):
+        make_plugin_manager(extra=[Misspelt()])
+
+
+def test_the_core_specs_hold_only_hooks_the_core_calls():
+    """``label_preferences`` is rlaif_preference's own hook: the plugin adds it, the core spec does not hold it."""
+    from core import hookspecs
+    from plugins import rlaif_preference
+
+    assert not hasattr(hookspecs, "label_preferences")
+    pm = make_plugin_manager(modules={"rlaif_preference": rlaif_preference})
+    assert pm.hook.label_preferences.spec.opts["firstresult"]
+    assert "label_preferences" in {c.name for c in pm.get_hookcallers(pm.get_plugin("rlaif_preference"))}
 
 
 def test_catalogue_contains_builtins_first():

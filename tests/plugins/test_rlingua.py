@@ -149,7 +149,7 @@ def test_the_controller_acts_in_sac_training():
     train = make_train(task, ScriptedLLM(replies=[PUMP]), plugin="rlingua", module=rlingua, overrides=overrides,
                        total_frames=200)  # as the executor sets it: trainer.frames
     pm = make_plugin_manager(train.settings, {"rlingua": rlingua})
-    train.hook = pm.hook
+    train.pluginmanager = pm  # and its hooks: the core calls each plugin's prior through it
     cfg = SACConfig(frames=200, init_random_frames=50, batch_size=32, hidden=[16], eval_every=0, eval_episodes=1)
     result = sac.train(task, Candidate("c", 0), cfg, seed=0, hook=pm.hook, ctx=train)
     assert result.ok, result.error

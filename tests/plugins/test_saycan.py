@@ -312,7 +312,7 @@ def push_share(letter: str, weight: float = 3.0) -> tuple[float, dict[str, float
     actions = Actions()
     train_ctx = make_train(task, llm, plugin="saycan", module=saycan, overrides=overrides, config={"progress": False})
     pm = make_plugin_manager(train_ctx.settings, {"saycan": saycan}, extra=(actions,))
-    train_ctx.hook = pm.hook
+    train_ctx.pluginmanager = pm  # and its hooks: the core calls each plugin's prior through it
     cfg = PPOConfig(frames=256, num_envs=4, rollout_steps=32, epochs=2, minibatch=64, hidden=[16], eval_every=0,
                     eval_episodes=1)
     result = ppo.train(task, Candidate("c", 0), cfg, seed=0, hook=pm.hook, ctx=train_ctx)

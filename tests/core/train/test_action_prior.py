@@ -54,10 +54,16 @@ def manager(*plugins: object) -> pluggy.PluginManager:
     return pm
 
 
+def context(task, pm: pluggy.PluginManager):
+    """A training context whose plugin manager calls each plugin's prior (as the executor's does)."""
+    ctx = make_train(task)
+    ctx.pluginmanager = pm
+    return ctx
+
+
 def train_ppo(task, cfg, plugin):
     pm = manager(plugin)
-    ctx = make_train(task, hook=pm.hook)
-    return ppo.train(task, Candidate("c", 0), cfg, seed=0, hook=pm.hook, ctx=ctx)
+    return ppo.train(task, Candidate("c", 0), cfg, seed=0, hook=pm.hook, ctx=context(task, pm))
 
 
 def test_discrete_prior_changes_the_actions_taken(task, tiny_cfg):
@@ -114,7 +120,7 @@ def test_source_masks_rows(task):
             return ActionPrior(log_probs=torch.zeros(obs.shape[0], 2) - 1.0, mask=torch.tensor([True, False]))
 
     pm = manager(Half())
-    src = PriorSource(pm.hook, make_train(task, hook=pm.hook), task, n_actions=2)
+    src = PriorSource(context(task, pm), task, n_actions=2)
     term = src.log_prior(torch.zeros(2, 4))
     assert term[0].tolist() == [-1.0, -1.0] and term[1].tolist() == [0.0, 0.0]
 
@@ -124,7 +130,7 @@ def test_sac_takes_the_behaviour_prior_and_imitates_it():
     push = Push(mean=0.9, prob=1.0, imitation=1.0)
     cfg = SACConfig(frames=300, init_random_frames=100, batch_size=32, hidden=[16], eval_every=0, eval_episodes=1)
     pm = manager(push)
-    result = sac.train(task, Candidate("c", 0), cfg, seed=0, hook=pm.hook, ctx=make_train(task, hook=pm.hook))
+    result = sac.train(task, Candidate("c", 0), cfg, seed=0, hook=pm.hook, ctx=context(task, pm))
     assert result.ok, result.error
     assert result.metrics["action_prior/share"] == 1.0
     actions = torch.cat(push.taken)
