@@ -322,7 +322,9 @@ def print_catalogue(width: int = 100) -> int:
 
     table = Table(title="llm4rl plugins (+plugins=[NAME,...] enables them in a run)", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("plugin", no_wrap=True, min_width=max(len(i.name) for i in infos))
+    # a third-party plugin's name carries the distribution that provides it
+    labels = {i.name: i.name if i.source == "builtin" else f"{i.name} ({i.source})" for i in infos}
+    table.add_column("plugin", no_wrap=True, min_width=max(len(label) for label in labels.values()))
     table.add_column("module", no_wrap=True, min_width=max(len(i.module) for i in infos))
     table.add_column("role(s)", min_width=11, max_width=12)
     table.add_column("hooks", no_wrap=True, min_width=7)
@@ -336,8 +338,7 @@ def print_catalogue(width: int = 100) -> int:
             check = "planned" if info.status == "planned" else "not installed"
         else:
             check = "ok" if not problems[info.name] else "[red]invalid[/red]"
-        source = "" if info.source == "builtin" else f" ({info.source})"
-        table.add_row(info.name + source, info.module, ", ".join(info.roles), check, title)
+        table.add_row(labels[info.name], info.module, ", ".join(info.roles), check, title)
     console = Console(width=width)
     console.print(table)
     bad = {n: p for n, p in problems.items() if p and p != "not installed"}
