@@ -1,24 +1,39 @@
-"""Typed configs: the schema of a run's keys, each plugin's schema, one validation step.
+"""Typed configs: the schema of every part of a run's config, one validation step.
 
 Hydra composes the YAML files under ``conf/``; :func:`validate` then checks the result
-against dataclasses before any work starts (no MLflow run, no LLM call, no training):
-the run's own keys (:class:`RunSettings`), the sandbox limits (:class:`SandboxConfig`),
-the trainer's settings and every enabled plugin's config (a :class:`PluginConfig`
-subclass the plugin declares as ``Config``). A wrong type, an unknown key or a value a
-plugin's ``check`` refuses becomes one :class:`core.errors.UserError` paragraph naming
-the key, what was expected and what was given.
+against dataclasses before any work starts (no MLflow run, no LLM call, no training),
+once, in the process that starts the run:
 
-The YAML files keep the defaults users read and edit; ``tests/test_configs.py`` checks
-that every YAML key is a schema field with the same default, and that code reads it.
+- the run's own keys (:class:`RunSettings`), with the sandbox's limits
+  (:class:`SandboxConfig`, which is :class:`core.sandbox.Limits`);
+- each config group: ``trainer`` (the trainer's own dataclass, ``core.train.TRAINERS``),
+  ``llm`` (:class:`core.llm.client.LLMSettings`), ``executor`` (:class:`ExecutorConfig`,
+  :class:`RayExecutorConfig`), ``tracking`` (:class:`TrackingConfig`) and ``env``
+  (:class:`EnvConfig`: the task's constructor is its schema);
+- every enabled plugin's config (a :class:`PluginConfig` subclass the plugin declares
+  as ``Config``).
+
+A wrong type, an unknown key or a value a ``check`` refuses becomes one
+:class:`core.errors.UserError` paragraph naming the key, what was expected and what was
+given. The result, :class:`Settings`, is what workers get: a typed record, not a config
+to check again.
+
+The schemas are not attached to the YAML files through Hydra's ``ConfigStore`` and
+defaults lists: Hydra would then refuse a bad value while composing, with its own
+message, before this one-paragraph check could name the key and the fix. The YAML files
+keep the defaults users read and edit; ``tests/test_configs.py`` checks that every YAML
+key is a schema field (with the same default where the group has one file) and that code
+reads it.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import inspect
 import sys
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -26,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from core.errors import UserError, did_you_mean
+from core.sandbox.reports import Limits
 
 
 @dataclass
@@ -50,52 +66,8 @@ class PluginConfig:
             raise ValueError(f"final_seeds must be >= 0, got {self.final_seeds}")
 
 
-@dataclass
-class SandboxConfig:
-    """Limits for LLM-written code (``sandbox:``; see ``docs/sandbox.md``)."""
-
-    allowed_imports: list[str] = field(default_factory=lambda: ["math", "numpy", "torch"])  # modules programs may import
-    cpu_s: float = 10.0  # CPU seconds a candidate's worker may use beyond the time its calls took (start-up and probes included)
-    wall_s: float = 20.0  # wall-clock seconds to start a worker and probe a program
-    memory_mb: int = 4096  # address space the worker may map beyond what its imports mapped (RLIMIT_AS)
-    call_timeout_s: float = 1.0  # wall-clock limit of one call (module body, probe, training step); past it the worker is killed
-    max_procs: int = 16  # processes/threads the worker's unprivileged user may have
-    max_output_chars: int = 10_000  # what print() in LLM code may write before it is cut off
-    per_row_fallback: bool = True  # accept code written for one state, not a batch (runs once per row)
-    max_time_share: float = 0.5  # most of a candidate's training wall time its programs may take (too_slow beyond)
-    time_share_grace_s: float = 5.0  # program seconds per candidate before max_time_share applies
-    static_check: bool = True  # the AST check before anything runs; false only to test the worker's isolation alone
-
-    def check(self) -> None:
-        for name in ("cpu_s", "wall_s", "call_timeout_s", "max_time_share"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.time_share_grace_s < 0:
-            raise ValueError(f"time_share_grace_s must be >= 0, got {self.time_share_grace_s}")
-        for name in ("memory_mb", "max_procs", "max_output_chars"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-
-    def limits(self) -> Any:
-        """The :class:`core.sandbox.Limits` these settings describe."""
-        from core.sandbox import Limits
-
-        return Limits(
-            cpu_s=self.cpu_s,
-            wall_s=self.wall_s,
-            memory_mb=self.memory_mb,
-            max_procs=self.max_procs,
-            call_timeout_s=self.call_timeout_s,
-            max_output_chars=self.max_output_chars,
-            per_row_fallback=self.per_row_fallback,
-            max_time_share=self.max_time_share,
-            time_share_grace_s=self.time_share_grace_s,
-            static_check=self.static_check,
-        )
-
-    @property
-    def imports(self) -> tuple[str, ...]:
-        return tuple(self.allowed_imports)
+#: the run's ``sandbox:`` section: the sandbox's own limits, declared once (``core/sandbox/reports.py``)
+SandboxConfig = Limits
 
 
 @dataclass
@@ -156,21 +128,189 @@ class RunSettings:
     code: CodeConfig = field(default_factory=CodeConfig)
 
     def check(self) -> None:
-        self.vetting.check()
-        self.code.check()
+        for name in ("sandbox", "vetting", "code"):
+            try:
+                getattr(self, name).check()
+            except ValueError as err:
+                raise ValueError(f"{name}.{err}") from None
 
 
-#: top-level keys that are config groups, checked by the code that owns them
+# -------------------------------------------------------------------------------------
+# Config groups: executor, tracking, env (trainer and llm: their owners' dataclasses)
+# -------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExecutorConfig:
+    """Where candidate trainings run (``executor: local`` and ``inprocess``; see ``docs/scaling.md``)."""
+
+    kind: str = "local"  # local: this machine, in-process or a process pool; ray: Ray tasks (RayExecutorConfig)
+    workers: int | str = "auto"  # jobs trained at once: auto sizes each batch to the idle cores; a number; 1: always in-process
+
+    def check(self) -> None:
+        if self.workers != "auto" and not (isinstance(self.workers, int) and self.workers >= 1):
+            raise ValueError(f"workers must be 'auto' or a positive number of workers, got {self.workers!r}")
+
+
+@dataclass
+class RayExecutorConfig(ExecutorConfig):
+    """Candidate trainings as Ray tasks (``executor: ray``; ``conf/executor/ray.yaml``, ``core/ray_executor.py``)."""
+
+    kind: str = "ray"
+    address: str | None = None  # None: start a local Ray on this machine; "auto" or "ray://head:10001": join a cluster
+    num_cpus: int | None = None  # local Ray only: CPUs it may use (None: the cores this process may use)
+    cpus_per_job: float = 1.0  # CPUs reserved per candidate training (trainer.threads should match)
+    worker_niceness: int | None = 0  # local Ray only: nice value of its workers (None keeps Ray's own, 15)
+    warm: bool = True  # start and import the training stack in one worker per CPU before the first jobs
+    max_retries: int = 0  # Ray retries of a job whose worker died (a failed training is a result, not retried)
+    dashboard: bool = False  # start Ray's dashboard with a local instance
+    log_to_driver: bool = False  # forward workers' stdout/stderr to this terminal
+    env_vars: dict[str, str] = field(default_factory=dict)  # extra environment variables for the workers
+
+    def check(self) -> None:
+        super().check()
+        if self.cpus_per_job <= 0:
+            raise ValueError(f"cpus_per_job must be > 0, got {self.cpus_per_job}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"num_cpus must be >= 1 or null, got {self.num_cpus}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+
+
+#: ``executor.kind`` -> its schema
+EXECUTORS: dict[str, type[ExecutorConfig]] = {"local": ExecutorConfig, "ray": RayExecutorConfig}
+
+
+def executor_config(node: Any) -> ExecutorConfig:
+    """The ``executor`` node typed (a typed record is returned as it is).
+
+    :raises UserError: for an unknown kind or a bad value, as one paragraph.
+    """
+    if isinstance(node, ExecutorConfig):
+        return node
+    kind = str((node or {}).get("kind", "local"))
+    if kind not in EXECUTORS:
+        raise UserError(f"Unknown executor kind '{kind}'.{did_you_mean(kind, list(EXECUTORS))} "
+                        "Use executor=local, executor=inprocess or executor=ray.")
+    return typed(EXECUTORS[kind], node, "executor")
+
+
+@dataclass
+class TrackingConfig:
+    """Where results are recorded (``tracking: mlflow``; see ``docs/mlflow.md``)."""
+
+    uri: str = "sqlite:///mlflow.db"  # any MLflow tracking URI (http://host:5000, file:...)
+    artifact_location: str | None = "./mlartifacts"  # where new experiments store artifacts
+    log_plots: bool = True  # learning curves as PNG artifacts
+
+
+@dataclass
+class EnvConfig:
+    """The task a run trains on (``env:``): its name and its options.
+
+    A task's options are the arguments of its class's constructor: that signature is the
+    schema (:func:`env_config` types each option by its annotation), so the two cannot drift.
+    """
+
+    name: str  # task name (core.envs.BUILTIN_TASKS, or one a plugin registers)
+    options: dict[str, Any] = field(default_factory=dict)  # the node's other keys: the task's constructor arguments
+
+    def node(self) -> dict[str, Any]:
+        """The env node as :func:`core.envs.make_task` takes it."""
+        return {"name": self.name, **self.options}
+
+
+def env_config(node: Any, tasks: Mapping[str, type] | None = None) -> EnvConfig:
+    """The ``env`` node typed against its task's constructor.
+
+    ``tasks``: tasks plugins contribute (``register_tasks``). A name that is neither built
+    in nor in ``tasks`` keeps its options as given: a plugin's task, checked when it is made.
+
+    :raises UserError: for a missing name, an unknown option or a value of the wrong type.
+    """
+    if isinstance(node, EnvConfig):
+        return node
+    options = dict(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else (node or {}))
+    name = options.pop("name", None)
+    if not name:
+        raise UserError("The env config has no 'name'. Select a task with env=<name> (conf/env/).")
+    from core.envs import BUILTIN_TASKS, task_class
+
+    if str(name) not in BUILTIN_TASKS and str(name) not in (tasks or {}):
+        return EnvConfig(str(name), options)
+    schema = _options_schema(task_class(str(name), dict(tasks or {})))
+    if schema is None:  # the constructor takes **kwargs: any option
+        return EnvConfig(str(name), options)
+    obj = typed(schema, options, "env")
+    return EnvConfig(str(name), {key: getattr(obj, key) for key in options})
+
+
+def _options_schema(cls: type) -> type | None:
+    """A dataclass of ``cls``'s constructor arguments (None when it takes ``**kwargs``).
+
+    Types OmegaConf cannot check (a callable, a record) become ``Any``.
+    """
+    import typing
+
+    params = [p for name, p in inspect.signature(cls.__init__).parameters.items() if name not in ("self", "name")]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # pragma: no cover - unresolvable annotations
+        hints = {}
+    specs: list[Any] = []
+    for p in params:
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL,):
+            continue
+        hint = _checkable(hints.get(p.name, Any))
+        if p.default is None and hint is not Any:
+            hint = hint | None
+        default = field(default=MISSING) if p.default is inspect.Parameter.empty else (
+            field(default_factory=lambda d=p.default: copy.deepcopy(d)) if isinstance(p.default, (list, dict))
+            else field(default=p.default))
+        specs.append((p.name, hint, default))
+    schema = dataclasses.make_dataclass(f"{cls.__name__}Options", specs)
+    schema.__module__ = __name__
+    return schema
+
+
+def _checkable(hint: Any) -> Any:
+    """``hint`` when it is one OmegaConf checks (a scalar, optionally None), else ``Any``."""
+    import types
+    import typing
+
+    scalars = (int, float, bool, str)
+    if hint in scalars:
+        return hint
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = typing.get_args(hint)
+        if all(a in scalars or a is type(None) for a in args):
+            return hint
+    return Any
+
+
+#: top-level keys that are config groups, each typed by its own schema
 GROUPS = ("env", "trainer", "llm", "executor", "tracking", "plugins", "hydra")
 
 
 @dataclass
 class Settings:
-    """A validated run config: the raw config plus its typed parts."""
+    """A validated run config: the raw config plus its typed parts.
+
+    Validated once, where the run starts (:func:`validate`); a worker that trains the
+    run's candidates gets this record as it is (it pickles), not the config to check again.
+    """
 
     config: DictConfig  # the composed config, read-only
     run: RunSettings
     plugins: dict[str, PluginConfig]  # enabled plugin -> its validated config
+    trainer: Any = None  # the trainer's config (core.train: PPOConfig, SACConfig, RandomConfig); None without a trainer node
+    trainer_name: str = "ppo"  # trainer.name: which trainer reads it
+    llm: Any = None  # core.llm.client.LLMSettings; None without an llm node
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    tracking: TrackingConfig | None = None  # None without a tracking node
+    env: EnvConfig | None = None  # None without an env node
 
     @property
     def sandbox(self) -> SandboxConfig:
@@ -197,7 +337,51 @@ class Settings:
         own = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in GROUPS}
         own.setdefault("save_policy", False)
         run = typed(RunSettings, OmegaConf.create(own), "config")
-        return cls(config=node, run=run, plugins=dict(plugins or {}))
+        return cls(config=node, run=run, plugins=dict(plugins or {}), **groups(node))
+
+
+def groups(config: DictConfig) -> dict[str, Any]:
+    """The typed records of the config groups ``config`` has (:class:`Settings`' fields).
+
+    :raises UserError: on the first bad value, as one paragraph.
+    """
+    out: dict[str, Any] = {}
+    trainer = config.get("trainer")
+    if trainer is not None:
+        out["trainer_name"], out["trainer"] = trainer_config(trainer)
+    if config.get("llm") is not None:
+        from core.llm.client import LLMSettings
+
+        out["llm"] = typed(LLMSettings, config.llm, "llm")
+    if config.get("executor") is not None:
+        out["executor"] = executor_config(config.executor)
+    if config.get("tracking") is not None:
+        out["tracking"] = typed(TrackingConfig, config.tracking, "tracking")
+    if config.get("env") is not None:
+        out["env"] = env_config(config.env)
+    return out
+
+
+def trainer_config(node: Any) -> tuple[str, Any]:
+    """``(trainer name, its typed config)`` from the ``trainer`` node.
+
+    The schema is the trainer's own config dataclass (``core.train.TRAINERS``); after the
+    types, its ``from_config`` applies its adjustments and ``validate`` its checks.
+
+    :raises UserError: for an unknown trainer or a bad value, as one paragraph.
+    """
+    from core.train import get_trainer
+
+    values = dict(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node)
+    name = str(values.pop("name", "ppo"))
+    values.pop("_target_", None)
+    _, cls = get_trainer(name)
+    obj = typed(cls, values, "trainer")
+    try:
+        return name, cls.from_config({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
+    except (ValueError, TypeError) as err:
+        raise UserError(f"Invalid trainer config: {err}. Fix it in conf/trainer/{name}.yaml or on the command line "
+                        f"(trainer.<key>=<value>).") from None
 
 
 def config_class(module: Any) -> type[PluginConfig]:
@@ -325,21 +509,7 @@ def validate(config: DictConfig, plugin_modules: Mapping[str, Any]) -> Settings:
             f"with '{name}' in at least one arm (docs/ablations.md, 'Sweeping a plugin's knob')."
         )
     plugins = {name: typed(config_class(module), plugins_node.get(name), f"plugins.{name}") for name, module in plugin_modules.items()}
-    _check_trainer(config.get("trainer"))
-    return Settings(config=config, run=run, plugins=plugins)
-
-
-def _check_trainer(node: Any) -> None:
-    if node is None:
-        return
-    from core.train import get_trainer
-
-    _, cls = get_trainer(str(node.get("name", "ppo")))
-    try:
-        cfg = cls.from_config({k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != "name"})
-        cfg.validate()
-    except (ValueError, TypeError) as err:
-        raise UserError(f"Invalid trainer config: {err}") from None
+    return Settings(config=config, run=run, plugins=plugins, **groups(config))
 
 
 # -------------------------------------------------------------------------------------
@@ -381,9 +551,7 @@ def framework_hash() -> str:
     modules in :data:`PRESENTATION`, which only show results. A finished training or
     study cell is reused only under the same hash, so a fix to any of them retrains.
     """
-    import core
-
-    root = Path(core.__file__).parent
+    root = Path(__file__).parent  # the core package
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)

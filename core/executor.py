@@ -1,11 +1,14 @@
 """Where candidate trainings run: in this process, or in a local pool of worker processes.
 
-An executor takes :class:`TrainJob` records (picklable: the resolved config, the
-candidate, the seed, the run's key) and returns one :class:`TrainResult` per job, in
-order. A worker builds the task and the plugin manager from the config once per run
-(:func:`worker_runtime`), so any backend that can call :func:`run_job` in another
-process (a process pool, Ray) runs the same code, and jobs of several runs that reach
-one worker in turn each meet their own run's plugin objects.
+An executor takes :class:`TrainJob` records (picklable: the run's validated
+:class:`core.config.Settings`, the candidate, the seed, the run's key) and returns one
+:class:`TrainResult` per job, in order. A worker builds the task and the plugin manager
+from those settings once per run (:func:`worker_runtime`), without validating them
+again, so any backend that can call :func:`run_job` in another process (a process pool,
+Ray) runs the same code, and jobs of several runs that reach one worker in turn each
+meet their own run's plugin objects. A job made from a plain config (tests, benchmarks)
+is validated where it runs; an executor replaces a plain config of its own run's jobs
+with the run's settings before they leave the process (:meth:`Executor.ship`).
 
 Sizing (``executor.workers: auto``): before each batch the executor reads how much CPU
 is free (:func:`read_cpu`: idle time of the cores this process may use over half a
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import contextlib
+import dataclasses
 import itertools
 import math
 import multiprocessing as mp
@@ -36,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from core.config import Settings
+from core.config import ExecutorConfig, Settings, executor_config
 from core.progress import ProgressRelay
 from core.records import Candidate, TrainResult
 
@@ -50,10 +54,17 @@ Done = Callable[[int, TrainResult], None]
 class TrainJob:
     """One training of one candidate under one seed."""
 
-    config: dict[str, Any]  # the resolved run config (plain containers)
+    settings: Settings | dict[str, Any]  # the run's validated settings; a plain resolved config is validated where it runs
     candidate: Candidate
     seed: int
     run_key: str = ""  # the run this job belongs to: a worker keeps one runtime per run
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The run's resolved config as plain containers."""
+        if isinstance(self.settings, Settings):
+            return OmegaConf.to_container(self.settings.config, resolve=True)  # type: ignore[return-value]
+        return self.settings
 
 
 @dataclass
@@ -88,35 +99,45 @@ def worker_runtime(job: TrainJob) -> Runtime:
     A job without a ``run_key`` gets a fresh runtime of its own.
     """
     if not job.run_key:
-        return build_runtime(job.config)
+        return build_runtime(job.settings)
     runtime = _RUNTIMES.get(job.run_key)
     if runtime is None:
-        runtime = _RUNTIMES[job.run_key] = build_runtime(job.config, run_key=job.run_key)
+        runtime = _RUNTIMES[job.run_key] = build_runtime(job.settings, run_key=job.run_key)
         while len(_RUNTIMES) > _RUNTIMES_KEPT:
             _RUNTIMES.popitem(last=False)
     _RUNTIMES.move_to_end(job.run_key)
     return runtime
 
 
-def build_runtime(config: DictConfig | dict[str, Any], extra_plugins: tuple[object, ...] = (), run_key: str = "") -> Runtime:
-    """Validate a run config and build its task and plugin manager (fresh plugin objects).
+def build_runtime(config: Settings | DictConfig | dict[str, Any], extra_plugins: tuple[object, ...] = (),
+                  run_key: str = "") -> Runtime:
+    """Build a run's task and plugin manager (fresh plugin objects).
+
+    ``config``: the run's validated :class:`Settings` (a worker's case: used as they
+    are), or a config, validated here first.
 
     :raises core.errors.UserError: for an unknown plugin, a bad config value or a hook
         that does not match its spec, before any work.
     """
-    from core.config import framework_hash, source_hash, validate
+    from core.config import env_config, framework_hash, source_hash, validate
     from core.envs import make_task
     from core.registry import load_plugins, make_plugin_manager
 
-    if not isinstance(config, DictConfig):
-        config = OmegaConf.create(config)
-    modules = load_plugins((config.get("plugins") or {}).keys())
-    settings = validate(config, modules)
+    if isinstance(config, Settings):
+        settings, checked = config, True
+        modules = load_plugins(settings.plugins.keys())
+    else:
+        if not isinstance(config, DictConfig):
+            config = OmegaConf.create(config)
+        modules = load_plugins((config.get("plugins") or {}).keys())
+        settings, checked = validate(config, modules), False
     pm = make_plugin_manager(settings, modules, extra=extra_plugins)
     extra_tasks: dict[str, Any] = {}
     for contributed in pm.hook.register_tasks():
         extra_tasks.update(contributed or {})
-    task = make_task(OmegaConf.to_container(config["env"], resolve=True), extra=extra_tasks)
+    if not checked and settings.env is not None and settings.env.name in extra_tasks:  # a plugin's task: typed now
+        settings.env = env_config(settings.env.node(), extra_tasks)
+    task = make_task(settings.env.node() if settings.env is not None else {}, extra=extra_tasks)
     fingerprint = {"framework": framework_hash(), **{f"plugin:{n}": source_hash(m) for n, m in modules.items()}}
     for obj in extra_plugins:
         module = sys.modules.get(getattr(obj, "__module__", "") or "") or obj
@@ -136,11 +157,12 @@ def run_job(job: TrainJob, runtime: Runtime | None = None, progress: Any = None)
 
         if runtime is None:
             runtime = worker_runtime(job)
-        trainer_cfg = job.config["trainer"]
-        torch.set_num_threads(int(trainer_cfg.get("threads", 1)))
-        trainer, config_cls = get_trainer(trainer_cfg.get("name", "ppo"))
-        cfg = config_cls.from_config({k: v for k, v in trainer_cfg.items() if k != "name"})
-        llm_cfg = job.config.get("llm")
+        settings = runtime.settings
+        cfg, llm_cfg = settings.trainer, settings.llm
+        if cfg is None:
+            raise ValueError("the run's config has no trainer node")
+        torch.set_num_threads(int(getattr(cfg, "threads", 1)))
+        trainer, _ = get_trainer(settings.trainer_name)
 
         def log_call(record: Any) -> None:  # LLM calls made during training join the candidate's artifacts
             ctx.log_text("llm_calls.md", format_llm_call(record) + "\n\n---\n\n")
@@ -198,17 +220,18 @@ def _warm_worker(prime: TrainJob | None = None, progress_queue: Any = None) -> N
 
 def _pool_job(job: TrainJob, show_progress: bool = False) -> TrainResult:
     """A job in a pool worker; with ``show_progress`` its frame bar goes to the driver."""
-    from core.progress import RemoteProgress
+    from core.progress import RemoteProgress, routed_output
 
     remote = RemoteProgress(_progress_queue) if show_progress and _progress_queue is not None else None
     try:
-        return run_job(job, progress=remote)
+        with routed_output(remote):  # print() in a hook: above the driver's bars, not on them
+            return run_job(job, progress=remote)
     finally:
         if remote is not None:
             remote.close()
 
 
-def _make_llm(llm_cfg: dict[str, Any], on_call: Callable[[Any], None] | None = None) -> Any:
+def _make_llm(llm_cfg: Any, on_call: Callable[[Any], None] | None = None) -> Any:
     from core.llm import make_client
 
     return make_client(llm_cfg, on_call=on_call)
@@ -376,6 +399,16 @@ class Executor:
 
     #: seconds of the last :meth:`stream` during which jobs trained while the next was awaited
     overlap_s: float = 0.0
+    #: the run's runtime (its settings go with the jobs that leave this process)
+    runtime: Runtime | None = None
+
+    def ship(self, job: TrainJob) -> TrainJob:
+        """``job`` as it leaves this process: a job of this executor's run carries the run's
+        validated settings, so the worker does not validate its config again."""
+        runtime = self.runtime
+        if runtime is not None and job.run_key and job.run_key == runtime.run_key and not isinstance(job.settings, Settings):
+            return dataclasses.replace(job, settings=runtime.settings)
+        return job
 
     def run(self, jobs: list[TrainJob], on_done: Done | None = None) -> list[TrainResult]:
         raise NotImplementedError
@@ -452,7 +485,7 @@ class PoolExecutor(Executor):
         self._queue = context.Queue()
         with one_thread_env():
             self._pool = futures.ProcessPoolExecutor(size, mp_context=context, initializer=_warm_worker,
-                                                     initargs=(prime, self._queue))
+                                                     initargs=(self.ship(prime) if prime else None, self._queue))
             futures.wait([self._pool.submit(time.sleep, 0) for _ in range(size)])  # every worker started
         self.size = size
 
@@ -507,7 +540,7 @@ class PoolExecutor(Executor):
                     i, job = queue.pop(0)
                     span = [time.perf_counter(), math.inf]
                     trainings.append(span)
-                    future = self._pool.submit(_pool_job, job, show)
+                    future = self._pool.submit(_pool_job, self.ship(job), show)
                     future.add_done_callback(lambda _, span=span: span.__setitem__(1, time.perf_counter()))
                     pending[future] = i
                 if not exhausted:
@@ -548,7 +581,7 @@ class PoolExecutor(Executor):
         while queue or pending:
             while queue and len(pending) < at_once:
                 i, job = queue.pop(0)
-                pending[self._pool.submit(_pool_job, job, show)] = i
+                pending[self._pool.submit(_pool_job, self.ship(job), show)] = i
             finished, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
             for fut in finished:
                 self._collect(fut, pending.pop(fut), jobs, results, on_done)
@@ -563,24 +596,22 @@ class PoolExecutor(Executor):
             self._queue = None
 
 
-def make_executor(cfg: Any, runtime: Runtime | None, jobs_hint: int, progress: Any = None, read: Reader = read_cpu) -> Executor:
-    """The executor the ``executor`` config names, for about ``jobs_hint`` jobs at a time.
+def make_executor(cfg: ExecutorConfig | Any, runtime: Runtime | None, jobs_hint: int, progress: Any = None,
+                  read: Reader = read_cpu) -> Executor:
+    """The executor ``cfg`` names (the run's typed ``executor`` record; a config node is
+    typed first), for about ``jobs_hint`` jobs at a time.
 
     ``workers: auto`` (local pool, local Ray) sizes each batch to the free cores (see the
     module docstring); a single job, a one-core machine or ``workers: 1`` trains in this
     process.
     """
-    kind = cfg.get("kind", "local")
-    if kind == "local":
-        workers = workers_setting(cfg.get("workers", "auto"))
-        most = usable_cores() if workers == "auto" else int(workers)
-        if most <= 1 or jobs_hint <= 1:
-            return InProcessExecutor(runtime, progress)
-        return PoolExecutor(workers if workers == "auto" else min(int(workers), jobs_hint), runtime, progress, read)
-    if kind == "ray":
+    cfg = executor_config(cfg)
+    if cfg.kind == "ray":
         from core.ray_executor import RayExecutor  # optional extra
 
         return RayExecutor(cfg, runtime, progress, read)
-    from core.errors import UserError
-
-    raise UserError(f"Unknown executor kind '{kind}'. Use executor=local, executor=inprocess or executor=ray.")
+    workers = cfg.workers
+    most = usable_cores() if workers == "auto" else int(workers)
+    if most <= 1 or jobs_hint <= 1:
+        return InProcessExecutor(runtime, progress)
+    return PoolExecutor(workers if workers == "auto" else min(int(workers), jobs_hint), runtime, progress, read)

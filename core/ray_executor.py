@@ -33,8 +33,8 @@ from core.executor import (
     run_job,
     usable_cores,
     worker_runtime,
-    workers_setting,
 )
+from core.config import RayExecutorConfig, executor_config
 from core.progress import ProgressRelay
 from core.records import TrainResult
 
@@ -47,12 +47,13 @@ def _train(job: TrainJob, progress_queue: Any = None) -> TrainResult:
     (a ``ray.util.queue.Queue``) its frame bar goes to the driver."""
     import torch
 
-    from core.progress import RemoteProgress
+    from core.progress import RemoteProgress, routed_output
 
     torch.set_num_threads(1)
     remote = RemoteProgress(progress_queue) if progress_queue is not None else None
     try:
-        return run_job(job, progress=remote)
+        with routed_output(remote):  # print() in a hook: above the driver's bars, not on them
+            return run_job(job, progress=remote)
     finally:
         if remote is not None:
             remote.close()
@@ -86,8 +87,10 @@ def _warm(prime: TrainJob | None = None) -> int:
 _warmed = False
 
 
-def ensure_ray(cfg: Any) -> Any:
-    """Connect to (or start) Ray as the executor config says; returns the ``ray`` module."""
+def ensure_ray(cfg: RayExecutorConfig | Any) -> Any:
+    """Connect to (or start) Ray as the executor config says (the typed record, or a node
+    typed first); returns the ``ray`` module."""
+    cfg = executor_config(cfg)
     try:
         import ray
     except ImportError as exc:  # optional extra
@@ -95,22 +98,19 @@ def ensure_ray(cfg: Any) -> Any:
 
         raise UserError("executor=ray needs Ray: pip install 'ray[default]>=2.9,<3'") from exc
     if not ray.is_initialized():
-        address = cfg.get("address")
         kwargs: dict[str, Any] = {
-            "include_dashboard": bool(cfg.get("dashboard", False)),
-            "log_to_driver": bool(cfg.get("log_to_driver", False)),
-            "runtime_env": {"env_vars": {**WORKER_ENV, **dict(cfg.get("env_vars") or {})}},
+            "include_dashboard": cfg.dashboard,
+            "log_to_driver": cfg.log_to_driver,
+            "runtime_env": {"env_vars": {**WORKER_ENV, **cfg.env_vars}},
         }
-        if address:
-            kwargs["address"] = address
+        if cfg.address:
+            kwargs["address"] = cfg.address
         else:  # a local instance sized for this machine
-            cpus = cfg.get("num_cpus")
-            kwargs["num_cpus"] = int(cpus) if cpus else usable_cores()
+            kwargs["num_cpus"] = cfg.num_cpus or usable_cores()
             # Ray starts workers at nice 15: beside any other work they then get a few
             # percent of a core (a pool of 2 fell to 0.3x serial with one core busy)
-            niceness = cfg.get("worker_niceness", 0)
-            if niceness is not None:
-                kwargs["_system_config"] = {"worker_niceness": int(niceness)}
+            if cfg.worker_niceness is not None:
+                kwargs["_system_config"] = {"worker_niceness": cfg.worker_niceness}
         ray.init(**kwargs)
     return ray
 
@@ -118,18 +118,24 @@ def ensure_ray(cfg: Any) -> Any:
 class RayExecutor(Executor):
     """Run jobs as Ray tasks (``cpus_per_job`` CPUs each); results come back in order.
 
+    :param cfg: the run's typed ``executor`` record (a config node is typed first).
     :param runtime: the run's runtime, for batches a local Ray leaves to this process.
     :param read: how the free cores are read (tests and benchmarks pass a fixed reading).
     """
 
-    def __init__(self, cfg: Any, runtime: Runtime | None = None, progress: Any = None, read: Reader = read_cpu) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: RayExecutorConfig | Any, runtime: Runtime | None = None, progress: Any = None,
+                 read: Reader = read_cpu) -> None:
+        self.cfg = cfg = executor_config(cfg)
+        if not isinstance(cfg, RayExecutorConfig):
+            from core.errors import UserError
+
+            raise UserError(f"RayExecutor needs executor=ray, got executor kind '{cfg.kind}'.")
         self.runtime = runtime
         self.progress = progress
         self.read = read
-        self.local = not cfg.get("address")
-        self.workers = workers_setting(cfg.get("workers", "auto"))
-        self.cpus_per_job = float(cfg.get("cpus_per_job", 1))
+        self.local = not cfg.address
+        self.workers = cfg.workers
+        self.cpus_per_job = cfg.cpus_per_job
         self.last_plan = 0  # jobs in flight chosen for the last batch (0: no bound, on a cluster)
         self.ray: Any = None
         self._remote: Any = None
@@ -142,24 +148,25 @@ class RayExecutor(Executor):
         if self.ray is not None:
             return
         self.ray = ensure_ray(self.cfg)
-        self._remote = self.ray.remote(_train).options(num_cpus=self.cpus_per_job, max_retries=int(self.cfg.get("max_retries", 0)))
+        self._remote = self.ray.remote(_train).options(num_cpus=self.cpus_per_job, max_retries=self.cfg.max_retries)
         self._warm_workers(self.cpus_per_job, prime)
 
     def plan(self, jobs: int) -> int:
         """Jobs in flight for a batch of ``jobs`` on a local Ray (at most its CPU slots); 0 on a cluster."""
         if not self.local:
             return 0
-        cpus = self.cfg.get("num_cpus") or usable_cores()
+        cpus = self.cfg.num_cpus or usable_cores()
         slots = max(1, int(cpus // max(self.cpus_per_job, 1e-9)))
         return min(slots, plan_workers(self.workers, jobs, self.read() if self.workers == "auto" else None))
 
     def _warm_workers(self, cpus_per_job: float, prime: TrainJob | None) -> None:
         """Start one worker per job slot once per process (as the local pool does)."""
         global _warmed
-        if _warmed or not self.cfg.get("warm", True):
+        if _warmed or not self.cfg.warm:
             return
         slots = int(self.ray.cluster_resources().get("CPU", 1) // max(cpus_per_job, 1e-9))
         warm = self.ray.remote(_warm).options(num_cpus=cpus_per_job)
+        prime = self.ship(prime) if prime is not None else None
         self.ray.get([warm.remote(prime) for _ in range(max(1, min(slots, 32)))])
         _warmed = True
 
@@ -196,7 +203,7 @@ class RayExecutor(Executor):
         while queue or index:
             while queue and len(index) < limit:
                 i, job = queue.pop(0)
-                index[self._remote.remote(job, progress_queue)] = i
+                index[self._remote.remote(self.ship(job), progress_queue)] = i
             self._pending = list(index)
             ready: list[Any] = []
             while not ready:  # draw the tasks' frame bars while waiting

@@ -30,7 +30,7 @@ def results_path(settings: Any) -> Path:
     """
     if settings.run.results_store:
         return Path(settings.run.results_store).expanduser()
-    uri = str((settings.config.get("tracking") or {}).get("uri") or "")
+    uri = settings.tracking.uri if settings.tracking is not None else ""
     if uri.startswith("sqlite:///"):
         return Path(uri[len("sqlite:///"):]).expanduser().resolve().parent / "llm4rl-results.sqlite"
     if uri and "://" not in uri:  # a plain folder: MLflow's file store

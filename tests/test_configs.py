@@ -7,6 +7,9 @@
   ``check``, or in ``core/`` for the base fields the core reads).
 - The same for ``sandbox:`` (:class:`core.config.SandboxConfig`, read in ``core/``) and
   the top-level keys of ``conf/config.yaml`` (:class:`core.config.RunSettings`).
+- Every option of every config group holds only fields of its group's schema (the
+  trainer's dataclass, ``LLMSettings``, the executor kind's schema, ``TrackingConfig``,
+  the task's constructor), with the schema's defaults where the group has one file.
 - A value of the wrong type fails validation with one paragraph naming the key, the
   expected type and the value given.
 """
@@ -24,7 +27,17 @@ from typing import Any
 import pytest
 import yaml
 
-from core.config import GROUPS, PluginConfig, RunSettings, SandboxConfig, config_class, validate
+from core.config import (
+    EXECUTORS,
+    GROUPS,
+    PluginConfig,
+    RunSettings,
+    SandboxConfig,
+    TrackingConfig,
+    _options_schema,
+    config_class,
+    validate,
+)
 from core.errors import UserError
 from core.registry import builtin_plugins, load_module
 from core.resources import conf_dir
@@ -127,7 +140,7 @@ def attributes_read(source: str, skip_classes: set[str] = frozenset(), skip_meth
 def core_reads() -> frozenset[str]:
     names: set[str] = set()
     for path in CORE.rglob("*.py"):
-        names |= attributes_read(path.read_text(), {"PluginConfig", "SandboxConfig", "RunSettings"})
+        names |= attributes_read(path.read_text(), {"PluginConfig", "Limits", "RunSettings"})
     return frozenset(names)
 
 
@@ -161,7 +174,68 @@ def test_each_option_composes_and_builds(make_config, group, option):
     built.validate()
     assert built.frames == cfg.trainer.frames > 0
     assert LLMSettings.from_cfg(cfg.llm).model == cfg.llm.model
-    assert validate(cfg, {}).run.seed == cfg.seed
+    settings = validate(cfg, {})
+    assert settings.run.seed == cfg.seed
+    assert settings.trainer == built and settings.llm == LLMSettings.from_cfg(cfg.llm)
+
+
+def _group_schema(group: str, node: dict[str, Any]) -> type:
+    if group == "trainer":
+        return get_trainer(node.get("name", "ppo"))[1]
+    if group == "llm":
+        from core.llm.client import LLMSettings
+
+        return LLMSettings
+    if group == "executor":
+        return EXECUTORS[node.get("kind", "local")]
+    if group == "tracking":
+        return TrackingConfig
+    from core.envs import task_class
+
+    return _options_schema(task_class(node["name"]))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in CONFIG_GROUPS for o in _options(g)])
+def test_each_group_option_holds_only_its_schemas_fields(group, option):
+    node = yaml.safe_load((conf_dir() / group / f"{option}.yaml").read_text()) or {}
+    schema = _group_schema(group, node)
+    own = {"trainer": {"name"}, "env": {"name"}}.get(group, set())
+    unknown = sorted(set(node) - own - {f.name for f in dataclasses.fields(schema)})
+    assert not unknown, f"conf/{group}/{option}.yaml has keys {schema.__name__} does not declare: {unknown}"
+    if len(_options(group)) == 1:  # one file: it is the schema's defaults
+        expected = defaults(schema)
+        assert {k: v for k, v in node.items() if v != expected[k]} == {}, f"conf/{group}/{option}.yaml vs {schema.__name__}"
+
+
+@pytest.mark.parametrize("overrides,key,type_name", [
+    (["trainer.frames=abc"], "trainer.frames", "int"),
+    (["llm.max_tokens=abc"], "llm.max_tokens", "int"),
+    (["executor=ray", "executor.cpus_per_job=abc"], "executor.cpus_per_job", "float"),
+    (["tracking.log_plots=abc"], "tracking.log_plots", "bool"),
+    (["env.max_episode_steps=abc"], "env.max_episode_steps", "int"),
+])
+def test_bad_group_values_are_refused_in_one_paragraph(make_config, overrides, key, type_name):
+    with pytest.raises(UserError) as err:
+        validate(make_config(overrides), {})
+    message = str(err.value)
+    assert key in message and type_name in message and "'abc'" in message, message
+    assert "\n" not in message.strip()
+
+
+@pytest.mark.parametrize("override,key,closest", [
+    ("+executor.worker=2", "executor.worker", "workers"),
+    ("+llm.max_token=3", "llm.max_token", "max_tokens"),
+    ("+trainer.lrr=0.1", "trainer.lrr", "lr"),
+    ("+env.max_episode_step=9", "env.max_episode_step", "max_episode_steps"),
+])
+def test_an_unknown_group_key_names_the_closest_one(make_config, override, key, closest):
+    with pytest.raises(UserError, match=rf"Unknown config key '{key}'\. Did you mean '{closest}'"):
+        validate(make_config([override]), {})
+
+
+def test_a_value_a_groups_check_refuses_is_one_paragraph(make_config):
+    with pytest.raises(UserError, match=r"executor.*workers must be 'auto' or a positive number of workers, got 'lots'"):
+        validate(make_config(["executor.workers=lots"]), {})
 
 
 # -------------------------------------------------------------------------------------

@@ -212,8 +212,15 @@ class LLMSettings:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_cfg(cls, cfg: Mapping[str, Any] | None) -> LLMSettings:
-        """Build from a mapping or DictConfig; unknown keys are an :class:`LLMError`."""
+    def from_cfg(cls, cfg: LLMSettings | Mapping[str, Any] | None) -> LLMSettings:
+        """Build from a mapping or DictConfig (typed records are returned as they are);
+        unknown keys and bad values are an :class:`LLMError`.
+
+        A run's ``llm`` node is typed once by :func:`core.config.validate` (one paragraph
+        per mistake); this is for clients made from a plain mapping.
+        """
+        if isinstance(cfg, LLMSettings):
+            return cfg
         if cfg is None:
             return cls()
         try:
@@ -233,14 +240,21 @@ class LLMSettings:
                 )
             values[key] = value
         settings = cls(**values)
-        if settings.max_n < 1 or settings.concurrency < 1 or settings.retries < 0 or settings.n_parallel < 0:
-            raise LLMError("llm.max_n and llm.concurrency must be >= 1, llm.retries and llm.n_parallel >= 0.")
-        if isinstance(settings.n_threads, str):
-            if settings.n_threads.lstrip("-").isdigit():
-                settings.n_threads = int(settings.n_threads)
-            elif settings.n_threads != "auto":
-                raise LLMError(f"llm.n_threads must be a number or 'auto', got {settings.n_threads!r}.")
+        try:
+            settings.check()
+        except ValueError as err:
+            raise LLMError(f"llm.{err}.") from None
         return settings
+
+    def check(self) -> None:
+        """Refuse values that cannot work (``ValueError``); ``n_threads`` given as a number string becomes an int."""
+        if self.max_n < 1 or self.concurrency < 1 or self.retries < 0 or self.n_parallel < 0:
+            raise ValueError("max_n and llm.concurrency must be >= 1, llm.retries and llm.n_parallel >= 0")
+        if isinstance(self.n_threads, str):
+            if self.n_threads.lstrip("-").isdigit():
+                self.n_threads = int(self.n_threads)
+            elif self.n_threads != "auto":
+                raise ValueError(f"n_threads must be a number or 'auto', got {self.n_threads!r}")
 
     @property
     def is_embedded(self) -> bool:
@@ -302,7 +316,7 @@ class LLMClient:
     #: seconds between two ``on_progress`` reports of one call while tokens arrive
     PROGRESS_EVERY_S = 0.25
 
-    def __init__(self, cfg: Mapping[str, Any] | None, on_call: Callable[[CallRecord], None] | None = None,
+    def __init__(self, cfg: LLMSettings | Mapping[str, Any] | None, on_call: Callable[[CallRecord], None] | None = None,
                  on_progress: Callable[[CallProgress], None] | None = None) -> None:
         self.settings = LLMSettings.from_cfg(cfg)
         self.on_call = on_call
@@ -947,7 +961,7 @@ class LLMClient:
         )
 
 
-def make_client(cfg: Mapping[str, Any] | None, on_call: Callable[[CallRecord], None] | None = None,
+def make_client(cfg: LLMSettings | Mapping[str, Any] | None, on_call: Callable[[CallRecord], None] | None = None,
                 on_progress: Callable[[CallProgress], None] | None = None) -> LLMClient:
     """The client for the Hydra ``llm`` node ``cfg`` (see :class:`LLMClient` for the callbacks)."""
     return LLMClient(cfg, on_call=on_call, on_progress=on_progress)

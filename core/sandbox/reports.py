@@ -70,7 +70,8 @@ def fail(kind: str, message: str, detail: str = "") -> SandboxReport:
 
 @dataclass
 class Limits:
-    """Limits of the worker process that runs a candidate's programs.
+    """Limits of the worker process that runs a candidate's programs: the run's ``sandbox:``
+    config (``conf/config.yaml``; :class:`core.config.SandboxConfig` is this class).
 
     Start-up and probing: ``wall_s`` bounds starting a worker and loading a program;
     ``cpu_s`` is the CPU time a worker may use beyond the time its calls took. Every call (the
@@ -84,41 +85,40 @@ class Limits:
     per worker, :data:`core.sandbox.host.UID_BASE` plus a process id) and ``gid``.
     ``per_row_fallback`` lets the probe accept a program written for one state rather
     than a batch. ``static_check`` turns the AST check off: only for tests that show the
-    isolation holds on its own.
+    isolation holds on its own. ``allowed_imports`` travel beside the limits (the
+    functions that run programs take them as ``allowed_imports``; :attr:`imports`).
     """
 
-    cpu_s: float = 10
-    wall_s: float = 20
-    memory_mb: int = 4096
-    max_procs: int = 16
-    call_timeout_s: float = 1.0
-    max_output_chars: int = 10_000
-    max_open_files: int = 64
-    uid: int | None = None
-    gid: int = 65534
-    per_row_fallback: bool = True
-    max_time_share: float = 0.5
-    time_share_grace_s: float = 5.0
-    tmp_mb: int = 64
-    static_check: bool = True
+    allowed_imports: list[str] = field(default_factory=lambda: list(DEFAULT_IMPORTS))  # modules programs may import
+    cpu_s: float = 10.0  # CPU seconds a candidate's worker may use beyond the time its calls took (start-up and probes included)
+    wall_s: float = 20.0  # wall-clock seconds to start a worker and probe a program
+    memory_mb: int = 4096  # address space the worker may map beyond what its imports mapped (RLIMIT_AS)
+    call_timeout_s: float = 1.0  # wall-clock limit of one call (module body, probe, training step); past it the worker is killed
+    max_procs: int = 16  # processes/threads the worker's unprivileged user may have
+    max_output_chars: int = 10_000  # what print() in LLM code may write before it is cut off
+    per_row_fallback: bool = True  # accept code written for one state, not a batch (runs once per row)
+    max_time_share: float = 0.5  # most of a candidate's training wall time its programs may take (too_slow beyond)
+    time_share_grace_s: float = 5.0  # program seconds per candidate before max_time_share applies
+    static_check: bool = True  # the AST check before anything runs; false only to test the worker's isolation alone
+    max_open_files: int = 64  # file descriptors the worker may hold (RLIMIT_NOFILE)
+    tmp_mb: int = 64  # size of the worker's private temporary folder, and of any file it writes
+    uid: int | None = None  # user the worker runs as when started as root; None: a fresh one per worker
+    gid: int = 65534  # group the worker runs as when started as root (nogroup)
 
+    def check(self) -> None:
+        """Refuse limits that cannot work (``ValueError``); :func:`core.config.validate` calls it."""
+        for name in ("cpu_s", "wall_s", "call_timeout_s", "max_time_share", "memory_mb", "max_procs",
+                     "max_output_chars", "max_open_files", "tmp_mb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.time_share_grace_s < 0:
+            raise ValueError(f"time_share_grace_s must be >= 0, got {self.time_share_grace_s}")
 
-#: keys of a run's ``sandbox:`` config node that are :class:`Limits` fields, with their types
-_LIMIT_KEYS = {"cpu_s": float, "wall_s": float, "memory_mb": int, "call_timeout_s": float, "max_procs": int,
-               "max_output_chars": int, "per_row_fallback": bool, "max_time_share": float,
-               "time_share_grace_s": float, "static_check": bool}
+    @property
+    def imports(self) -> tuple[str, ...]:
+        """The modules programs may import, as the sandbox's functions take them."""
+        return tuple(self.allowed_imports)
 
-
-def settings_from_config(node: Any) -> tuple[Limits, tuple[str, ...]]:
-    """``(Limits, allowed_imports)`` from a run's ``sandbox:`` node (defaults for what it omits).
-
-    Accepts the typed :class:`core.config.SandboxConfig`, a DictConfig or a dict.
-    """
-    if not node:
-        return Limits(), tuple(DEFAULT_IMPORTS)
-    if hasattr(node, "limits") and callable(node.limits):
-        return node.limits(), tuple(node.imports)
-    get = node.get if hasattr(node, "get") else lambda key: getattr(node, key, None)
-    limits = Limits(**{k: kind(get(k)) for k, kind in _LIMIT_KEYS.items() if get(k) is not None})
-    imports = get("allowed_imports")
-    return limits, tuple(str(m) for m in imports) if imports is not None else tuple(DEFAULT_IMPORTS)
+    def limits(self) -> Limits:
+        """These limits (callers written for a config apart from its limits pass ``limits()``)."""
+        return self

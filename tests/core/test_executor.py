@@ -112,7 +112,7 @@ def test_make_executor_follows_the_config():
     if (core.executor.usable_cores()) > 1:
         assert isinstance(sized, PoolExecutor) and sized.plan(4) == 2
         assert sized.plan(1) == 1
-    with pytest.raises(UserError, match="executor.workers"):
+    with pytest.raises(UserError, match=r"executor.*workers must be 'auto'"):
         make_executor(OmegaConf.create({"kind": "local", "workers": "lots"}), None, 4)
 
 
@@ -154,6 +154,29 @@ def test_pool_and_in_process_give_identical_results(make_config):
         assert a.frames == b.frames >= 1024
         assert a.fitness.value == b.fitness.value
         assert [e.ret for e in a.episodes] == [e.ret for e in b.episodes]
+
+
+def test_a_worker_takes_the_runs_settings_as_they_are(make_config, monkeypatch):
+    # validated once where the run starts: a job leaves the process with the typed settings,
+    # and a worker builds its runtime from them without validating the config again
+    import pickle
+
+    import core.config
+
+    (job,) = _jobs(make_config, seeds=(0,))
+    runtime = build_runtime(job.config, run_key="run-1")
+    job.run_key = "run-1"
+    shipped = pickle.loads(pickle.dumps(PoolExecutor(2, runtime).ship(job)))
+    assert isinstance(shipped.settings, core.config.Settings)
+
+    def validate_again(*args, **kwargs):
+        raise AssertionError("the worker validated the config again")
+
+    monkeypatch.setattr(core.config, "validate", validate_again)
+    worker = build_runtime(shipped.settings, run_key="run-1")
+    assert worker.settings.trainer == runtime.settings.trainer and worker.settings.llm == runtime.settings.llm
+    assert worker.task.name == runtime.task.name
+    assert PoolExecutor(2, runtime).ship(TrainJob(job.config, job.candidate, 0, "another-run")).settings == job.config
 
 
 def test_a_crashing_candidate_becomes_a_failed_result(make_config):

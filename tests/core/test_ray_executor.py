@@ -88,7 +88,7 @@ def test_ray_matches_in_process(local_ray, make_config) -> None:
 def test_failed_job_is_a_result(local_ray, make_config) -> None:
     cfg, jobs = _jobs(make_config, 2)
     for job in jobs:
-        job.config = {**job.config, "trainer": {**job.config["trainer"], "name": "no-such-trainer"}}
+        job.settings = {**job.config, "trainer": {**job.config["trainer"], "name": "no-such-trainer"}}
     executor = RayExecutor(OmegaConf.merge(cfg.executor, {"workers": 2}))
     results = executor.run(jobs)
     assert executor.ray is not None and executor.last_plan == 2  # it ran on Ray
