@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override, OverrideType
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.console import Console
@@ -19,18 +21,60 @@ from core.resources import conf_dir
 
 console = Console(stderr=True)
 
-_PLUGIN_OVERRIDE = re.compile(r"^[+~]{0,2}plugins=(.*)$")
-_ENV_OVERRIDE = re.compile(r"^env=(.*)$")
-_PLUGIN_KEY_OVERRIDE = re.compile(r"^\+{0,2}plugins\.([A-Za-z_][\w\-]*)\.([\w.]+)=")  # not ~ (a deletion)
+_SETS = (OverrideType.CHANGE, OverrideType.ADD, OverrideType.FORCE_ADD)  # an override that gives a value
+
+
+def parse_overrides(argv: list[str]) -> list[Override]:
+    """The command line's overrides, read by Hydra's own override parser.
+
+    Flags (``-m``, ``--config-name x``) and arguments Hydra's grammar refuses are left
+    out: Hydra reports the latter itself, in its own words, when it composes.
+    """
+    parser = OverridesParser.create()
+    found = []
+    for arg in argv:
+        if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):
+            continue
+        try:
+            found.append(parser.parse_override(arg))
+        except HydraException:
+            continue
+    return found
+
+
+def _values(override: Override) -> list[object]:
+    """An override's value, or each value of a sweep (``a,b``, ``choice(...)``)."""
+    if override.is_sweep_override():
+        return list(override.sweep_iterator())
+    return [override.value()]
+
+
+def _names(value: object) -> list[str]:
+    """Plugin names in one value: a list of names, or one name."""
+    if value is None:
+        return []
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+
+
+def _plugin_lists(argv: list[str]) -> list[Override]:
+    """The ``plugins=`` overrides that set the plugin list (``+plugins=[a,b]``, sweeps of lists)."""
+    return [o for o in parse_overrides(argv) if o.key_or_group == "plugins" and o.type in _SETS]
+
+
+def _plugin_key(override: Override) -> tuple[str, str] | None:
+    """``(plugin, key)`` of an override that sets ``plugins.<plugin>.<key>`` (not a deletion)."""
+    parts = override.key_or_group.split(".", 2)
+    if override.type in _SETS and len(parts) == 3 and parts[0] == "plugins" and parts[1] and parts[2]:
+        return parts[1], parts[2]
+    return None
 
 
 def requested_plugins(argv: list[str]) -> list[str]:
     """Plugin names in ``+plugins=[a,b]`` / sweep ``+plugins=[a],[b],[]`` overrides."""
     names: list[str] = []
-    for arg in argv:
-        m = _PLUGIN_OVERRIDE.match(arg)
-        if m:
-            names += [n for n in re.findall(r"[A-Za-z_][\w\-]*", m.group(1)) if n not in names]
+    for override in _plugin_lists(argv):
+        for value in _values(override):
+            names += [n for n in _names(value) if n not in names]
     return names
 
 
@@ -41,14 +85,8 @@ def plugin_arms(argv: list[str]) -> list[list[str]] | None:
     a bare ``+plugins=a,b`` (Hydra's sweep of single options) -> ``[["a"], ["b"]]``.
     """
     arms: list[list[str]] | None = None
-    for arg in argv:
-        m = _PLUGIN_OVERRIDE.match(arg)
-        if not m or arg.startswith("~"):
-            continue
-        value = m.group(1).strip()
-        lists = re.findall(r"\[([^\]]*)\]", value)
-        found = [re.findall(r"[A-Za-z_][\w\-]*", x) for x in lists] if lists else [[n] for n in re.findall(r"[A-Za-z_][\w\-]*", value)]
-        arms = (arms or []) + found
+    for override in _plugin_lists(argv):
+        arms = (arms or []) + [_names(value) for value in _values(override)]
     return arms
 
 
@@ -64,23 +102,24 @@ def check_argv(argv: list[str]) -> None:
     known = catalogue()
     requested = requested_plugins(argv)
     check_names(requested, known)
-    for arg in argv:
-        m = _PLUGIN_KEY_OVERRIDE.match(arg)
-        if m:
-            check_plugin_override(m.group(1), m.group(2), requested, known, _other_config(argv))
-            if arg.startswith("+") and not arg.startswith("++"):
-                value = arg.split("=", 1)[1]
+    parsed = parse_overrides(argv)
+    for override in parsed:
+        found = _plugin_key(override)
+        if found:
+            name, key = found
+            check_plugin_override(name, key, requested, known, _other_config(argv))
+            if override.type == OverrideType.ADD:
+                arg, value = override.input_line, override.input_line.split("=", 1)[1]
                 raise UserError(
-                    f"'{arg}': '+' adds a key, but 'plugins.{m.group(1)}.{m.group(2)}' is a field of the plugin's "
-                    f"schema; write 'plugins.{m.group(1)}.{m.group(2)}={value}' without '+'. In a study whose arms "
-                    f"differ in plugins ('+plugins=[{m.group(1)}],[]'), arms without '{m.group(1)}' ignore that knob "
+                    f"'{arg}': '+' adds a key, but 'plugins.{name}.{key}' is a field of the plugin's "
+                    f"schema; write 'plugins.{name}.{key}={value}' without '+'. In a study whose arms "
+                    f"differ in plugins ('+plugins=[{name}],[]'), arms without '{name}' ignore that knob "
                     "and record it (docs/ablations.md, 'Sweeping a plugin's knob')."
                 )
     envs = sorted(p.stem for p in (conf_dir() / "env").glob("*.yaml"))
-    for arg in argv:
-        m = _ENV_OVERRIDE.match(arg)
-        if m:
-            for name in m.group(1).split(","):
+    for override in parsed:
+        if override.key_or_group == "env" and override.type == OverrideType.CHANGE and override.package is None:
+            for name in (str(v) for v in _values(override)):
                 if name not in envs:
                     raise UserError(
                         f"Unknown env '{name}'.{did_you_mean(name, envs)} Available envs: {', '.join(envs)}. "
@@ -97,13 +136,9 @@ def sweep_ready(argv: list[str]) -> list[str]:
     arms = plugin_arms(argv)
     if not arms:
         return list(argv)
-    out = []
-    for arg in argv:
-        m = _PLUGIN_KEY_OVERRIDE.match(arg)
-        if m and not arg.startswith("+") and any(m.group(1) not in arm for arm in arms):
-            arg = "++" + arg
-        out.append(arg)
-    return out
+    lacking = {o.input_line for o in parse_overrides(argv)
+               if o.type == OverrideType.CHANGE and (found := _plugin_key(o)) and any(found[0] not in arm for arm in arms)}
+    return ["++" + arg if arg in lacking else arg for arg in argv]
 
 
 #: The parent-run tag that lists the overrides a run ignored (a knob of a plugin it does not run).
@@ -122,13 +157,13 @@ def ignored_knobs(cfg: DictConfig, overrides: list[str]) -> list[str]:
     if not arms or len(arms) != 1:
         return []
     enabled = set(arms[0])
-    ignored = [o for o in overrides if (m := _PLUGIN_KEY_OVERRIDE.match(o)) and m.group(1) not in enabled]
-    names = {_PLUGIN_KEY_OVERRIDE.match(o).group(1) for o in ignored}  # type: ignore[union-attr]
+    ignored = [(o, found[0]) for o in parse_overrides(list(overrides))
+               if (found := _plugin_key(o)) and found[0] not in enabled]
     with open_dict(cfg):
-        for name in names:
+        for name in {name for _, name in ignored}:
             if cfg.get("plugins") is not None and name in cfg.plugins:
                 del cfg.plugins[name]
-    return [o.lstrip("+") for o in ignored]
+    return [o.input_line.lstrip("+") for o, _ in ignored]
 
 
 def _other_config(argv: list[str]) -> bool:
@@ -298,7 +333,8 @@ def main() -> None:
 
 def study_target(argv: list[str]) -> tuple[str, str]:
     """The tracking URI and experiment a command line's runs went to (its overrides, else the config's)."""
-    values = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith(("-", "+", "~")))
+    values = {o.key_or_group: o.input_line.split("=", 1)[1] if o.is_sweep_override() else str(o.value())
+              for o in parse_overrides(argv) if o.type == OverrideType.CHANGE}
     experiment = values.get("experiment") or str(OmegaConf.load(conf_dir() / "config.yaml").get("experiment", "llm4rl"))
     uri = values.get("tracking.uri")
     if not uri:

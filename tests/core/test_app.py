@@ -8,7 +8,7 @@ import pytest
 
 from omegaconf import OmegaConf
 
-from core.app import IGNORED_TAG, check_argv, ignored_knobs, plugin_arms, requested_plugins, sweep_ready
+from core.app import IGNORED_TAG, check_argv, ignored_knobs, plugin_arms, requested_plugins, study_target, sweep_ready
 from core.errors import UserError
 
 
@@ -105,6 +105,19 @@ def test_plugin_arms_are_read_from_sweeps_and_lists():
     assert plugin_arms(["+plugins=[eureka,envgen]"]) == [["eureka", "envgen"]]
     assert plugin_arms(["+plugins=eureka,text2reward"]) == [["eureka"], ["text2reward"]]
     assert plugin_arms(["seed=1"]) is None
+
+
+def test_overrides_are_read_with_hydras_own_grammar():
+    # what Hydra's parser reads and a pattern over the text would not: choice(), quoted
+    # values, a deletion, flags and a refused argument (left for Hydra to report)
+    argv = ["-m", "--config-name", "config", "+plugins=choice([eureka],[text2reward,envgen])", "seed=range(0,3)",
+            "experiment='a,b'", "~plugins.eureka.samples", "bad=[", "env=choice(cartpole,mountaincar)"]
+    assert plugin_arms(argv) == [["eureka"], ["text2reward", "envgen"]]
+    assert requested_plugins(argv) == ["eureka", "text2reward", "envgen"]
+    check_argv(argv)  # the deletion sets no key; both envs exist
+    with pytest.raises(UserError, match=r"Unknown env 'mountaincr'\. Did you mean 'mountaincar'"):
+        check_argv(["env=choice(cartpole,mountaincr)"])
+    assert study_target(["experiment='a,b'", "tracking.uri=sqlite:///x.db"]) == ("sqlite:///x.db", "a,b")
 
 
 def test_a_knob_reaches_every_arm_of_a_sweep_where_some_arm_lacks_its_plugin():
