@@ -309,8 +309,13 @@ def test_config_refuses_values_that_cannot_work(key, value):
 
 @pytest.mark.slow
 def test_end_to_end_halfcheetah(tmp_path):
+    # Two samples, one retry each: 2-4 calls. On HalfCheetah's 17 fields the 1.5B model often
+    # lists every field until it reaches max_tokens=700 (a cut-off reply, so the cap stays), which
+    # is ~1 min per call on CI's shared core; a third sample added a whole pair's worth of calls to
+    # what is asserted (each sample accounted for, the retry path included) without adding a path.
+    samples = 2
     cmd = [sys.executable, "-m", "core", "+plugins=[llm_state_repr]", "env=halfcheetah", "env.max_episode_steps=100",
-           "plugins.llm_state_repr.iterations=1", "plugins.llm_state_repr.samples=3", "plugins.llm_state_repr.retries=1",
+           "plugins.llm_state_repr.iterations=1", f"plugins.llm_state_repr.samples={samples}", "plugins.llm_state_repr.retries=1",
            "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=64", "trainer.epochs=2", "trainer.eval_episodes=2",
            "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
@@ -327,7 +332,7 @@ def test_end_to_end_halfcheetah(tmp_path):
     # scripted model: test_the_llms_state_features_and_intrinsic_reward_are_used_in_training below.)
     measured = [r for r in children if any(k.startswith("llm_state_repr/lipschitz/") for k in r.data.metrics)]
     rejected = [r for r in children if r.data.tags.get("status") == "rejected" and r.data.tags.get("rejected")]
-    assert len(measured) + len(rejected) >= 3, [(r.info.run_name, r.data.tags.get("status")) for r in children]
+    assert len(measured) + len(rejected) >= samples, [(r.info.run_name, r.data.tags.get("status")) for r in children]
     assert all(r.data.tags.get("ok") == "True" for r in measured)
 
 
