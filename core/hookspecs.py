@@ -31,6 +31,13 @@ Each run goes through these stages::
         on_iteration_end
     on_run_end
 
+A plugin's ``iterations`` (:class:`core.PluginConfig`) are the rounds it takes part in.
+The run has as many as its largest plugin's; from iteration ``iterations`` on, the
+loop no longer calls that plugin's ``plan``, proposal hooks or ``reflect``, so no
+implementation compares ``iteration`` with its own config. Its other hooks (lifecycle,
+``prepare_candidates``, ``train_candidates``, the training hooks) are called in every
+iteration: a later candidate may still hold its parts.
+
 Contexts (:mod:`core.context`, documented field by field in
 ``docs/writing-a-plugin.md``): ``run`` is a :class:`core.context.RunContext` (the
 validated settings, ``plugin_config(name)`` as typed dataclasses, the typed ``sandbox``
@@ -167,7 +174,8 @@ def plan(run: RunContext, iteration: int) -> Plan | str | None:
     that stays wrong is dropped by the planner, never raised.
 
     :param run: the run context.
-    :param iteration: the iteration number, 0-based.
+    :param iteration: the iteration number, 0-based; below the plugin's ``iterations``
+        (it is not asked after them).
     :return: a :class:`core.records.Plan` (plain text is kept as a plan of no steps), or
         None. Stops at first non-None result.
     """
@@ -175,7 +183,8 @@ def plan(run: RunContext, iteration: int) -> Plan | str | None:
 
 # -------------------------------------------------------------------------------------
 # Proposal hooks: one per LLM role. Called once per outer iteration, in the main
-# process. Each returns a list of alternatives (or None to abstain); the loop forms
+# process, while the iteration is below the plugin's ``iterations`` (never after: the
+# loop skips the plugin). Each returns a list of alternatives (or None to abstain); the loop forms
 # candidates as the cartesian product of the roles that proposed something.
 # Each part a plugin returns gets ``origin=<plugin name>`` unless it set one, so the
 # plugin's ``reflect`` can find the candidates holding its parts.
@@ -422,8 +431,8 @@ def action_prior(train: TrainContext, obs: torch.Tensor) -> ActionPrior | None:
 def reflect(run: RunContext, result: IterationResult) -> str | None:
     """Turn an iteration's results into this plugin's context for the next proposals.
 
-    Called once per iteration in the main process after every candidate is scored.
-    A plugin reads the results of the candidates holding its own parts (``origin``),
+    Called once per iteration in the main process after every candidate is scored,
+    up to the plugin's last iteration (``iterations``; it is not asked after). A plugin reads the results of the candidates holding its own parts (``origin``),
     keeps what it needs for its next prompt (on the plugin object), and returns the
     feedback text, which the loop saves as ``reflection/it<k>-<plugin>.md`` under the
     plugin that returned it.

@@ -10,7 +10,8 @@ Outer loop (one iteration per LLM round)::
          -> fitness on the task's ground truth -> reflect -> next iteration
 
 With no plugin enabled there is one iteration with one candidate: plain PPO on the
-env's own reward.
+env's own reward. A plugin whose ``iterations`` are over is no longer asked to plan,
+propose or reflect (:meth:`Loop.retired`).
 
 Arriving proposals: a proposal hook may return an iterator of groups of parts instead
 of a list (Eureka does: each group is the samples of one LLM request, as it lands). When
@@ -43,7 +44,7 @@ from core.executor import Executor, Runtime, TrainJob, build_runtime, make_execu
 from core.preflight import preflight
 from core.progress import LLMCallView, make_progress
 from core.records import Candidate, IterationResult, Plan, StartPolicy, TrainResult
-from core.registry import call_each
+from core.registry import call_each, call_first
 from core.sandbox import hide_from_programs
 from core.store import ResultStore, job_key, results_path
 from core.tracking import Tracker, format_llm_call, tracking_failure
@@ -168,10 +169,15 @@ class Loop:
         return self._combined(iteration, self._ask(iteration) if sources is None else sources)
 
     def _ask(self, iteration: int) -> dict[str, list[Iterable[list[Any]]]]:
+    def retired(self, iteration: int) -> frozenset[str]:
+        """The plugins whose ``iterations`` are over at ``iteration``: the loop no longer asks them to
+        plan, propose or reflect (a plugin never checks its own ``iterations``)."""
+        return frozenset(name for name, cfg in self.settings.plugins.items() if iteration >= cfg.iterations)
+
         """Make the plan and call the proposal hooks: per role, each proposing plugin's groups
         of parts (a list holding its one list, or its iterator of groups, not read yet)."""
-        hook, run = self.run.hook, self.run
-        run.plan = Plan.of(hook.plan(run=run, iteration=iteration))
+        run, pm = self.run, self.runtime.pluginmanager
+        run.plan = Plan.of(call_first(pm, "plan", skip=self.retired(iteration), run=run, iteration=iteration))
         if run.plan is not None and self.tracker is not None:
             self.tracker.log_text(run.plan.text, f"plan/it{iteration}.md")
         return {role: self._proposals(name, iteration) for name, role in ROLE_HOOKS.items()}
@@ -197,7 +203,8 @@ class Loop:
         plugin (``origin``): a list result as one group (``[result]``), an iterator as its groups,
         marked as they are read."""
         out: list[Iterable[list[Any]]] = []
-        for name, result in call_each(self.runtime.pluginmanager, hook, run=self.run, iteration=iteration):
+        for name, result in call_each(self.runtime.pluginmanager, hook, skip=self.retired(iteration), run=self.run,
+                                      iteration=iteration):
             if isinstance(result, list):
                 if result:
                     out.append([_marked(name, result)])
@@ -404,7 +411,8 @@ class Loop:
             results = [rejected[c.id] if c.id in rejected else next(trained) for c in candidates]
         result = IterationResult(iteration, candidates, results)
         run.history.append(result)
-        for plugin, text in call_each(self.runtime.pluginmanager, "reflect", run=run, result=result):
+        for plugin, text in call_each(self.runtime.pluginmanager, "reflect", skip=self.retired(iteration), run=run,
+                                      result=result):
             if text:
                 run.log_text(f"reflection/it{iteration}-{plugin}.md", text)
         best = run.best

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from types import ModuleType
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 import pluggy
 import yaml
@@ -242,17 +242,26 @@ def _hookimpl_names(obj: object) -> list[str]:
     return [n for n in dir(obj) if not n.startswith("__") and _is_hookimpl(getattr(obj, n, None))]
 
 
-def call_each(pm: pluggy.PluginManager, name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+def call_each(pm: pluggy.PluginManager, name: str, skip: Collection[str] = (), **kwargs: Any) -> list[tuple[str, Any]]:
     """Call a broadcast hook once per plugin that implements it; ``(plugin name, result)`` for each.
 
     pluggy's own call drops None results, so its list of results cannot be paired with
     the plugins that gave them. Here each plugin gets a call of its own, through pluggy
     (:func:`call_plugin`), so wrappers wrap each plugin's result and tracing sees every
     call. The pairs keep pluggy's call order (last registered first), None results included.
+    ``skip``: plugins not called at all (e.g. those whose ``iterations`` are over).
     """
     impls = _implementations(pm, name)
-    plugins = dict.fromkeys(impl.plugin_name for impl in impls)  # in order, once each
+    plugins = dict.fromkeys(impl.plugin_name for impl in impls if impl.plugin_name not in skip)  # in order, once each
     return [(plugin, _call_one(pm, name, impls, plugin, kwargs)) for plugin in plugins]
+
+
+def call_first(pm: pluggy.PluginManager, name: str, skip: Collection[str] = (), **kwargs: Any) -> Any:
+    """Call a ``firstresult`` hook through pluggy, leaving out the plugins named in ``skip``."""
+    if not skip:
+        return getattr(pm.hook, name)(**kwargs)
+    left_out = [plugin for plugin in (pm.get_plugin(n) for n in skip) if plugin is not None]
+    return pm.subset_hook_caller(name, left_out)(**kwargs)
 
 
 def call_plugin(pm: pluggy.PluginManager, name: str, plugin: str, **kwargs: Any) -> Any:

@@ -421,8 +421,6 @@ class Plugin:
     @hookimpl
     def generate_envs(self, run, iteration: int) -> list[list[EnvConfig]] | None:
         cfg = self.cfg
-        if iteration >= cfg.iterations:
-            return None
         n = cfg.num_envs
         if not self.messages:
             self.messages = [{"role": "system", "content": SYSTEM},
@@ -496,7 +494,7 @@ class Plugin:
     def reflect(self, run, result: IterationResult) -> str | None:
         cfg = self.cfg
         mine = [(c, r) for c, r in zip(result.candidates, result.results) if self._is_mine(c)]
-        if not mine or result.iteration >= cfg.iterations:
+        if not mine:
             return None
         ok = [(c, r) for c, r in mine if r.ok and r.fitness is not None]
         if not ok:

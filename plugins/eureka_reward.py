@@ -158,12 +158,9 @@ class Plugin:
         self.shapes: Shapes | None = None  # what the code receives, read off a real batch once per run
 
     @hookimpl
-    def propose_rewards(self, run, iteration: int) -> Iterator[list[RewardProgram]] | None:
+    def propose_rewards(self, run, iteration: int) -> Iterator[list[RewardProgram]]:
         """The round's K programs, in groups as the LLM's requests land (the loop trains the
-        first while the rest are sampled); None after the last iteration."""
-        cfg = self.cfg
-        if iteration >= cfg.iterations:
-            return None
+        first while the rest are sampled)."""
         self.shapes = self.shapes or batch_shapes(run.task, run.seed)
         return self._sample(run, messages(run, self.best_reply, self.feedback, self.shapes), iteration)
 

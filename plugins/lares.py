@@ -1002,8 +1002,6 @@ class Plugin:
     def propose_rewards(self, run, iteration: int) -> list[RewardProgram] | None:
         """The initial population (iteration 0); later generations are born inside training."""
         cfg = self.cfg
-        if iteration >= cfg.iterations:
-            return None
         self.shapes = self.shapes or batch_shapes(run.task, run.seed)
         msgs = base_messages(run, self.cases_for(run), self.shapes)
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)

@@ -398,8 +398,6 @@ class Plugin:
     @hookimpl
     def propose_state_reprs(self, run, iteration: int) -> list[StateProgram] | None:
         cfg = self.cfg
-        if iteration >= cfg.iterations:
-            return None
         if self.probe is None:
             obs, action, next_obs = probe_batch(run.task, num_envs=4, steps=8, seed=run.seed)
             self.probe = (run.task.split_state(obs), action, run.task.split_state(next_obs))

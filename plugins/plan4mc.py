@@ -447,8 +447,6 @@ class Plugin:
     @hookimpl
     def plan(self, run, iteration: int) -> Plan | None:
         cfg = self.cfg
-        if iteration >= cfg.iterations:
-            return None
         goals = goal_names(run.task)
         target = match_goal(cfg.target, goals) or cfg.target
         rules = game_requirements(run.task)

@@ -399,8 +399,6 @@ class Plugin:
     @hookimpl
     def plan(self, run, iteration: int) -> str | None:
         cfg = self.cfg
-        if iteration >= cfg.iterations:
-            return None
         hint = f"Suggested decomposition: {cfg.hint}" if cfg.hint else ""
         goals = goal_names(run.task)
         user = SLOW_TASK.format(goal=run.task.goal, hint=hint, actions=_actions(run.task), max_subactions=cfg.max_subactions,
@@ -430,8 +428,6 @@ class Plugin:
     @hookimpl
     def propose_actions(self, run, iteration: int) -> list[list[MacroAction]] | None:
         cfg = self.cfg
-        if iteration >= cfg.iterations:
-            return None
         limits, imports = run.sandbox.limits(), run.sandbox.imports
         macros: list[MacroAction] = []
         rejected: list[MacroAction] = []  # skills with no runnable code after the critic's rounds: recorded, not trained

@@ -333,8 +333,6 @@ class Plugin:
     @hookimpl
     def propose_rewards(self, run, iteration: int) -> list[RewardProgram] | None:
         cfg = self.cfg
-        if iteration >= cfg.iterations:
-            return None
         allowed = list(run.sandbox.imports)
         instruction = instruction_of(cfg, run.task)
         self.shapes = self.shapes or batch_shapes(run.task, run.seed)

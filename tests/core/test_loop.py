@@ -121,6 +121,44 @@ def test_a_reflection_is_saved_under_the_plugin_that_wrote_it(local_plugins, tin
     assert Path(text).read_text() == "alpha's reflection on iteration 1"
 
 
+ONCE = '''
+    """Plans, proposes and reflects in every round it is asked; records each call."""
+
+    from core import PluginConfig, hookimpl
+
+
+    class Plugin:
+        def __init__(self, config: PluginConfig) -> None:
+            self.calls = []
+
+        @hookimpl
+        def plan(self, run, iteration):
+            self.calls.append(("plan", iteration))
+
+        @hookimpl
+        def propose_rewards(self, run, iteration):
+            self.calls.append(("propose_rewards", iteration))
+
+        @hookimpl
+        def reflect(self, run, result):
+            self.calls.append(("reflect", result.iteration))
+'''
+
+
+def test_a_plugin_whose_iterations_are_over_is_no_longer_asked(local_plugins, tiny_run):
+    """once has 1 iteration in a run of 2 (alpha's): the loop skips its plan, proposals and reflection after it."""
+    local_plugins("once", ONCE)
+    cfg = _alpha_beta(local_plugins, tiny_run, propose=False, iterations=2)
+    with open_dict(cfg):
+        cfg.plugins["once"] = {"iterations": 1}
+    loop = Loop(cfg)
+    assert loop.retired(0) == frozenset() and loop.retired(1) == {"beta", "once"}  # beta: the default 1
+    loop.execute()
+    once = loop.runtime.pluginmanager.get_plugin("once")
+    assert once.calls == [("plan", 0), ("propose_rewards", 0), ("reflect", 0)]
+    assert len(loop.run.history) == 2
+
+
 def test_proposals_are_marked_with_their_plugin_unless_they_name_one(local_plugins, tiny_run):
     loop = Loop(_alpha_beta(local_plugins, tiny_run))
     candidates = loop.propose(0)

@@ -123,12 +123,6 @@ def test_no_usable_reply_asks_again_with_the_reason():
     assert "could not be used" in msgs[1]["content"]
 
 
-def test_proposes_nothing_after_its_iterations():
-    p, run = make_run([GOOD], iterations=1)
-    assert proposed(p, run, 1) is None
-    assert run.llm.calls == []
-
-
 # -- reflection text -------------------------------------------------------------------------
 
 

@@ -189,7 +189,6 @@ def test_a_graph_that_stays_wrong_is_used_as_written_and_none_gives_no_plan(task
     plugin, run = make(task, [BAD], repair_rounds=1)
     plan = plugin.plan(run, 0)
     assert len(run.llm.calls) == 2 and names(plan) == ["make_stone_pickaxe"] and plan.errors
-    assert plugin.plan(run, 1) is None and len(run.llm.calls) == 2  # past its iterations
     # a revision that loses the graph keeps the last usable one
     plugin, run = make(task, [SHALLOW, "no idea"], repair_rounds=1, check_rules=True)
     assert names(plugin.plan(run, 0)) == ["collect_stone", "make_stone_pickaxe"]

@@ -176,12 +176,6 @@ def test_the_fast_agent_is_told_the_runs_allowed_imports(task):
     assert "You may import only: math, torch." in run.llm.calls[1].last
 
 
-def test_nothing_after_its_iterations(task):
-    plugin, run = make(task, [PLAN], iterations=1)
-    assert plugin.plan(run, 1) is None and plugin.propose_actions(run, 1) is None
-    assert run.llm.calls == []
-
-
 def test_reflect_reports_macro_calls(task):
     plugin, run = make(task, [])
     cand = Candidate("it0-c0", 0, macros=[_macro(DONE_AT_ONCE, "chop")])

@@ -261,12 +261,6 @@ def test_no_comment_and_no_auto_feedback_means_no_second_round(tmp_path):
     assert "never achieves the goal" in run_auto.llm.calls[0].last
 
 
-def test_proposes_nothing_after_its_iterations(tmp_path):
-    plugin, run = make([GOOD], tmp_path, iterations=1)
-    assert plugin.propose_rewards(run=run, iteration=1) is None
-    assert run.llm.calls == []
-
-
 def test_reflect_selects_the_fittest_and_logs_it_at_the_end(tmp_path):
     plugin, run = make([GOOD], tmp_path)
     failed = TrainResult(candidate_id="f", ok=False, error="boom", error_kind="exception")
