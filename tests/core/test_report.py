@@ -180,3 +180,19 @@ def test_a_seed_run_twice_counts_by_its_latest_run() -> None:
             StudyRun("d", "x-s1", "cartpole", "x", 1, OK, fitness=7.0, start_time=4)]
     arm = _arm_result("x", runs, [0, 1], reps=100, seed=0)
     assert arm.scores == {1: 7.0} and arm.failed == {0: "crashed"} and arm.duplicates == 2
+    assert arm.status() == ("PARTIAL: failed seed 0 (crashed); 2 repeated run(s) set aside "
+                            "(the latest of each seed counts)")
+
+
+def test_repeated_runs_set_aside_leave_an_arm_complete_in_the_console_and_the_report() -> None:
+    """The console said "PARTIAL: 1 repeated run(s) set aside" while report.md said "complete"."""
+    from core.report.render import render_markdown
+    from core.report.study import _arm_result
+
+    runs = [StudyRun("a", "x-s0", "cartpole", "x", 0, OK, fitness=5.0, start_time=1, params={"seed": "0"}),
+            StudyRun("b", "x-s0", "cartpole", "x", 0, OK, fitness=6.0, start_time=2, params={"seed": "0"})]
+    arm = _arm_result("x", runs, [0], reps=100, seed=0)
+    said = "complete; 1 repeated run(s) set aside (the latest of each seed counts)"
+    assert arm.complete and arm.status() == said  # the console's line
+    md = render_markdown(analyze(assign_arms(runs), reps=100), runs, "abl", 100, {})
+    assert f"| {said} |" in md and "PARTIAL" not in md.split("## cartpole", 1)[1]  # report.md says the same
