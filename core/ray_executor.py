@@ -1,7 +1,7 @@
 """Candidate trainings as Ray tasks: on this machine (local Ray) or on a Ray cluster.
 
-Each :class:`core.executor.TrainJob` becomes one Ray task that calls
-:func:`core.executor.run_job`, the same function the local pool runs, so a job gives the
+Each :class:`core.jobs.TrainJob` becomes one Ray task that calls
+:func:`core.jobs.run_job`, the same function the local pool runs, so a job gives the
 same :class:`TrainResult` wherever it runs. The LLM, the proposals and MLflow stay in the
 driver (the ``python -m core`` process); workers only train and return records.
 
@@ -21,20 +21,17 @@ import contextlib
 import os
 from typing import Any
 
-from core.executor import (
+from core.config import RayExecutorConfig, executor_config
+from core.cpu import Reader, plan_workers, read_cpu, usable_cores
+from core.jobs import (
     Done,
     Executor,
     InProcessExecutor,
-    Reader,
     Runtime,
     TrainJob,
-    plan_workers,
-    read_cpu,
     run_job,
-    usable_cores,
     worker_runtime,
 )
-from core.config import RayExecutorConfig, executor_config
 from core.progress import ProgressRelay
 from core.records import TrainResult
 

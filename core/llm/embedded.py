@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.cpu import read_cpu, usable_cores
 from core.llm.cache import user_cache_dir
 from core.llm.errors import LLMError
 
@@ -264,42 +265,18 @@ class ServerPlan:
 
 
 def busy_cores(window_s: float = 0.25, load_average: bool = True) -> float:
-    """Cores other work keeps busy now: the larger of the 1-minute load average and the
-    CPU time the whole machine spent over ``window_s`` (``/proc/stat``; load average
-    alone elsewhere). Conservative on purpose: a core counted busy costs a thread, a busy
-    core counted free stalls every thread (see :func:`plan_server`). Once the model has
-    run, the load average counts its own threads too: ``load_average=False`` leaves it out.
+    """Cores other work keeps busy now, of those this process may use: the larger of the
+    1-minute load average and what :func:`core.cpu.read_cpu` (the framework's one CPU
+    meter, which the executors size their batches by) measures over ``window_s``.
+    Conservative on purpose: a core counted busy costs a thread, a busy core counted free
+    stalls every thread (see :func:`plan_server`). Once the model has run, the load average
+    counts its own threads too: ``load_average=False`` leaves it out.
     """
-    load = 0.0
-    if load_average or not os.path.exists("/proc/stat"):
-        try:
-            load = os.getloadavg()[0]
-        except OSError:  # pragma: no cover - not on Linux/macOS
-            pass
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as fh:
-            values = [int(v) for v in fh.readline().split()[1:]]
-        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-        return sum(values[:8]), idle
-
-    try:
-        total0, idle0 = sample()
-        time.sleep(window_s)
-        total1, idle1 = sample()
-    except (OSError, ValueError, IndexError):
-        return load
-    ticks = total1 - total0
-    busy = (ticks - (idle1 - idle0)) / ticks * (os.cpu_count() or 1) if ticks > 0 else 0.0
-    return max(load, busy)
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS, Windows
-        return os.cpu_count() or 1
+    reading = read_cpu(window_s)
+    busy = reading.cores - reading.free
+    if load_average and reading.load_avg is not None:
+        busy = max(busy, min(float(reading.cores), reading.load_avg))
+    return max(0.0, busy)
 
 
 def plan_server(s: EmbeddedSettings, cores: int, busy: float) -> ServerPlan:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from core.report.data import OK, StudyRun
 
 if TYPE_CHECKING:
-    from core.study import ArmSpec
+    from core.study_records import ArmSpec
 
 
 @dataclass(frozen=True)

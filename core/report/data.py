@@ -11,7 +11,10 @@ with ``--by``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from core.report.stats import Interval
 
 PARENT_TAG = "mlflow.parentRunId"
 REPORT_TAG = "llm4rl.report"  # marks the runs that hold reports (skipped when reading)
@@ -206,3 +209,62 @@ def assign_arms(runs: list[StudyRun], by: list[str] | None = None) -> list[Study
                     parts.append(f"{k}={r.params[k]}")
             r.arm = " ".join(parts) or "all"
     return runs
+
+
+# -- the analysis' records: what core.report.study computes and the renderers read --------
+
+#: per-run LLM/compute metrics summed per arm in the cost table: (metric, column title)
+COST_METRICS = (
+    ("llm/calls", "LLM calls"),
+    ("llm/prompt_tokens", "prompt tokens"),
+    ("llm/completion_tokens", "completion tokens"),
+    ("llm/cache_hits", "cache hits"),
+    ("llm/cost", "cost (USD)"),
+    ("llm/latency_s", "LLM time (s)"),
+    ("seconds", "wall time (s)"),
+    ("frames", "frames"),
+    ("candidates", "candidates"),
+)
+
+@dataclass
+class ArmResult:
+    """One arm on one task."""
+
+    arm: str
+    scores: dict[int, float]  # seed -> final fitness of the finished runs
+    failed: dict[int, str]  # seed -> why (failed or unfinished runs)
+    missing: list[int]  # seeds other arms of the task ran and this arm did not
+    duplicates: int  # extra runs of an (arm, seed) that were set aside (latest kept)
+    iqm: Interval
+    mean: Interval
+    cost: dict[str, float]  # COST_METRICS summed over all this arm's runs (failed ones too)
+    curve: dict[str, list[float]] = field(default_factory=dict)  # frames, iqm, low, high, runs
+    candidates: float = 1.0  # candidates per finished run (median): >1 means its score is a best of N
+
+    @property
+    def complete(self) -> bool:
+        return not self.failed and not self.missing
+
+    def status(self) -> str:
+        parts = []
+        if self.failed:
+            parts.append("failed seed " + ", ".join(f"{s} ({why})" for s, why in sorted(self.failed.items())))
+        if self.missing:
+            parts.append("missing seed " + ", ".join(map(str, self.missing)))
+        if self.duplicates:
+            parts.append(f"{self.duplicates} repeated run(s) set aside")
+        return "complete" if not parts else "PARTIAL: " + "; ".join(parts)
+
+
+@dataclass
+class TaskResult:
+    """Every arm of one task, and the pairwise probabilities of improvement."""
+
+    env: str
+    fitness_name: str
+    seeds: list[int]
+    arms: list[ArmResult]
+    improvement: list[tuple[str, str, Interval]]  # (X, Y, P(X > Y))
+    metric: str = "fitness"  # the parent-run metric compared
+    curve_metric: str = "fitness"  # what the curves show: the evaluations, or TRAIN_RETURN when they are too few
+    eval_points: int = 0  # evaluations per run behind the curves (the fewest over the task's finished runs)

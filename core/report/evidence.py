@@ -32,8 +32,8 @@ from core.report.render import number
 from core.report.stats import Interval, final_score_intervals, improvement, normalised, stratified_iqm
 
 if TYPE_CHECKING:
-    from core.report.study import ArmResult
-    from core.study import StudySpec, TargetSpec, TaskSpec
+    from core.report.data import ArmResult
+    from core.study_records import StudySpec, TargetSpec, TaskSpec
 
 BASELINES = ("sparse", "human")  # the arms every other arm is compared with, P(X > Y)
 HUMAN = "human"  # the designers' reward: 1 of the normalised scores

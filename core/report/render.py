@@ -19,11 +19,10 @@ matplotlib.use("Agg")  # headless
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from core.report.data import FAILED, OK, TRAIN_RETURN, UNFINISHED, StudyRun  # noqa: E402
+from core.report.data import COST_METRICS, FAILED, OK, TRAIN_RETURN, UNFINISHED, StudyRun, TaskResult  # noqa: E402
 
 if TYPE_CHECKING:
     from core.report.stats import Interval
-    from core.report.study import TaskResult
 
 
 def number(v: float) -> str:
@@ -72,8 +71,6 @@ def curve_note(t: TaskResult) -> str:
 
 def render_markdown(tasks: list[TaskResult], runs: list[StudyRun], experiment: str, reps: int, figures: dict[str, list[str]]) -> str:
     """The whole report as Markdown."""
-    from core.report.study import COST_METRICS
-
     count = {s: sum(r.status == s for r in runs) for s in (OK, FAILED, UNFINISHED)}
     lines = [
         f"# Study report: `{experiment}`",
@@ -91,7 +88,7 @@ def render_markdown(tasks: list[TaskResult], runs: list[StudyRun], experiment: s
         rows = []
         for a in t.arms:
             per_seed = ", ".join(f"{s}: {number(v)}" for s, v in a.scores.items()) or "—"
-            status = a.status()  # as the console says it
+            status = a.status() if not a.complete else "complete"
             rows.append([a.arm, f"{len(a.scores)}/{len(t.seeds)}", a.iqm.fmt(), a.mean.fmt(), per_seed,
                          number(a.candidates), status])
         lines += table(["arm", "n", "IQM [95% CI]", "mean [95% CI]", "per seed", "candidates / run", "status"], rows)

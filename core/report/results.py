@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.report.contribution import contribution
-from core.report.data import FAILED, OK, REPORT_TAG, TRAIN_RETURN, StudyRun, candidate_curve, load_study
+from core.report.data import FAILED, OK, REPORT_TAG, TRAIN_RETURN, StudyRun, TaskResult, candidate_curve, load_study
 from core.report.evidence import (
     BASELINES,
     Aggregate,
@@ -45,10 +45,10 @@ from core.report.evidence import (
     score,
 )
 from core.report.render import aggregate_figure, curve_note, estimate, number, render_figures, table
-from core.report.study import TaskResult, analyze
+from core.report.study import analyze
 
 if TYPE_CHECKING:
-    from core.study import Invocation, PlannedCell, StudySpec
+    from core.study_records import Invocation, PlannedCell, StudySpec
 
 #: per-arm totals of the cost table: (run metric, column title)
 COSTS = (
@@ -490,7 +490,7 @@ def _task_section(name: str, t: TaskResult | None, findings: Findings, chosen: d
             number(_mean([r.metrics.get("llm/calls", 0.0) for r in runs])),
             number(_mean([r.metrics.get("llm/latency_s", 0.0) for r in runs])),
             number(_mean([cell_seconds(r) for r in runs])),
-            a.status(),
+            "complete" if a.complete else a.status(),
         ])
     lines += ["", "ITT: a search arm's intent-to-treat IQM, each failed search scored as the random policy (the "
               "count of failed searches in brackets). LLM contribution: for a search arm, its candidates that "

@@ -20,79 +20,30 @@ import argparse
 import csv
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from core.report.data import OK, REPORT_TAG, TRAIN_RETURN, UNFINISHED, StudyRun, assign_arms, load_study
-from core.report.stats import Interval, curve_band, final_score_intervals, improvement
-
-#: per-run LLM/compute metrics summed per arm in the cost table: (metric, column title)
-COST_METRICS = (
-    ("llm/calls", "LLM calls"),
-    ("llm/prompt_tokens", "prompt tokens"),
-    ("llm/completion_tokens", "completion tokens"),
-    ("llm/cache_hits", "cache hits"),
-    ("llm/cost", "cost (USD)"),
-    ("llm/latency_s", "LLM time (s)"),
-    ("seconds", "wall time (s)"),
-    ("frames", "frames"),
-    ("candidates", "candidates"),
+from core.report.data import (  # noqa: F401 - ArmResult, COST_METRICS, TaskResult: read here by callers
+    COST_METRICS,
+    OK,
+    REPORT_TAG,
+    TRAIN_RETURN,
+    UNFINISHED,
+    ArmResult,
+    StudyRun,
+    TaskResult,
+    assign_arms,
+    load_study,
 )
+from core.report.stats import curve_band, final_score_intervals, improvement
 
 #: arms that are the comparison's reference, shown first in this order (a label's first word)
 BASELINE_ARMS = ("baseline", "sparse", "human")
 #: fewer evaluations than this per run and the curves fall back to training returns
 MIN_EVAL_POINTS = 2
-
-
-@dataclass
-class ArmResult:
-    """One arm on one task."""
-
-    arm: str
-    scores: dict[int, float]  # seed -> final fitness of the finished runs
-    failed: dict[int, str]  # seed -> why (failed or unfinished runs)
-    missing: list[int]  # seeds other arms of the task ran and this arm did not
-    duplicates: int  # extra runs of an (arm, seed) that were set aside (latest kept)
-    iqm: Interval
-    mean: Interval
-    cost: dict[str, float]  # COST_METRICS summed over all this arm's runs (failed ones too)
-    curve: dict[str, list[float]] = field(default_factory=dict)  # frames, iqm, low, high, runs
-    candidates: float = 1.0  # candidates per finished run (median): >1 means its score is a best of N
-
-    @property
-    def complete(self) -> bool:
-        return not self.failed and not self.missing
-
-    def status(self) -> str:
-        """``complete`` or ``PARTIAL: <why>`` (as :attr:`complete` decides), then the repeated runs
-        set aside: a seed run twice counts once (its latest run) and leaves the arm complete.
-        The console and ``report.md`` both print this."""
-        parts = []
-        if self.failed:
-            parts.append("failed seed " + ", ".join(f"{s} ({why})" for s, why in sorted(self.failed.items())))
-        if self.missing:
-            parts.append("missing seed " + ", ".join(map(str, self.missing)))
-        head = "complete" if self.complete else "PARTIAL: " + "; ".join(parts)
-        return head + (f"; {self.duplicates} repeated run(s) set aside (the latest of each seed counts)"
-                       if self.duplicates else "")
-
-
-@dataclass
-class TaskResult:
-    """Every arm of one task, and the pairwise probabilities of improvement."""
-
-    env: str
-    fitness_name: str
-    seeds: list[int]
-    arms: list[ArmResult]
-    improvement: list[tuple[str, str, Interval]]  # (X, Y, P(X > Y))
-    metric: str = "fitness"  # the parent-run metric compared
-    curve_metric: str = "fitness"  # what the curves show: the evaluations, or TRAIN_RETURN when they are too few
-    eval_points: int = 0  # evaluations per run behind the curves (the fewest over the task's finished runs)
 
 
 def arm_order(runs: list[StudyRun]) -> list[str]:

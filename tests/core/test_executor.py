@@ -9,6 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import core.executor
+import core.jobs
 from core.errors import UserError
 from core.executor import (
     CpuReading,
@@ -124,7 +125,7 @@ def test_a_busy_machine_trains_in_this_process(monkeypatch):
         ran.append(job.candidate.id)
         return TrainResult(job.candidate.id, ok=True)
 
-    monkeypatch.setattr(core.executor, "run_job", fake_run_job)
+    monkeypatch.setattr(core.jobs, "run_job", fake_run_job)
     jobs = [TrainJob({}, Candidate(id=f"c{i}", iteration=0), seed=i) for i in range(3)]
     pool = PoolExecutor("auto", read=fixed(2, 0.2))
     seen: list[int] = []

@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 from omegaconf import OmegaConf, open_dict
 
-import core.executor
+import core.jobs
 from core.config import validate
 from core.executor import TrainJob, run_job
 from core.loop import Loop
@@ -117,7 +117,7 @@ def test_two_plugin_managers_make_two_plugin_objects(local_plugins):
 def test_a_worker_keeps_one_runtime_per_run_for_interleaved_jobs(local_plugins, tiny_run, monkeypatch):
     """Pool and Ray workers build a run's plugins once and keep them while other runs' jobs come in."""
     local_plugins("probe", PROBE)
-    monkeypatch.setattr(core.executor, "_RUNTIMES", OrderedDict())
+    monkeypatch.setattr(core.jobs, "_RUNTIMES", OrderedDict())
     containers = {}
     for tag in ("a", "b"):
         container = OmegaConf.to_container(_config(tiny_run, tag), resolve=True)
@@ -135,15 +135,15 @@ def test_a_worker_keeps_one_runtime_per_run_for_interleaved_jobs(local_plugins, 
         assert all(r[1:3] == [tag, tag] for r in reports)
         assert [r[3] for r in reports] == [str(k + 1) for k in range(len(reports))]
     assert seen["a"][0][0] != seen["b"][0][0]
-    assert list(core.executor._RUNTIMES) == ["run-b", "run-a"]
+    assert list(core.jobs._RUNTIMES) == ["run-b", "run-a"]
 
 
 def test_a_job_without_a_run_gets_a_runtime_of_its_own(local_plugins, tiny_run, monkeypatch):
     local_plugins("probe", PROBE)
-    monkeypatch.setattr(core.executor, "_RUNTIMES", OrderedDict())
+    monkeypatch.setattr(core.jobs, "_RUNTIMES", OrderedDict())
     container = OmegaConf.to_container(_config(tiny_run, "a"), resolve=True)
     container.pop("hydra", None)
     reports = [run_job(TrainJob(container, Candidate(f"c{i}", 0), seed=0, run_key="")).texts["probe.txt"].split()
                for i in range(2)]
     assert [r[3] for r in reports] == ["1", "1"]
-    assert not core.executor._RUNTIMES
+    assert not core.jobs._RUNTIMES

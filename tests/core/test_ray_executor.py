@@ -7,6 +7,7 @@ import ray
 from omegaconf import OmegaConf
 
 import core.executor
+import core.jobs
 from core.executor import CpuReading, InProcessExecutor, TrainJob, make_executor
 from core.ray_executor import RayExecutor, ensure_ray
 from core.records import Candidate, TrainResult
@@ -54,7 +55,7 @@ def test_local_ray_sizes_to_the_free_cores_and_falls_back_in_process(monkeypatch
         ran.append(job.candidate.id)
         return TrainResult(job.candidate.id, ok=True)
 
-    monkeypatch.setattr(core.executor, "run_job", fake_run_job)
+    monkeypatch.setattr(core.jobs, "run_job", fake_run_job)
     cfg, jobs = _jobs(make_config, 3)
     busy = make_executor(cfg.executor, runtime=None, jobs_hint=3, read=lambda: CpuReading(2, 0.3))
     assert isinstance(busy, RayExecutor) and busy.plan(3) == 1
