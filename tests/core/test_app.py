@@ -1,8 +1,5 @@
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -10,6 +7,7 @@ from omegaconf import OmegaConf
 
 from core.app import IGNORED_TAG, check_argv, ignored_knobs, plugin_arms, requested_plugins, study_target, sweep_ready
 from core.errors import UserError
+from core.testing.cli import run_cli
 
 
 def test_requested_plugins_reads_lists_and_sweeps():
@@ -32,9 +30,9 @@ def test_unknown_env_is_reported_with_choices():
     ],
 )
 def test_bad_input_exits_nonzero_with_a_short_message(args, expected):
-    proc = subprocess.run([sys.executable, "-m", "core", *args], capture_output=True, text=True, timeout=120)
+    proc = run_cli(None, *args, timeout=120)
     assert proc.returncode != 0
-    output = proc.stdout + proc.stderr
+    output = proc.output
     assert expected in output.replace("\n", " ")
     assert "Traceback" not in output
 
@@ -189,8 +187,8 @@ def test_a_baseline_arm_and_a_plugin_arm_sweep_a_knob(tmp_path, llm_server):
             "tracking.log_plots=false", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"cache_dir={tmp_path}/cache",
             "llm=openai", "llm.model=openai/fake-llm", f"llm.api_base={llm_server}", "llm.api_key_env=null", "llm.retries=0",
             f"hydra.sweep.dir={tmp_path}/multirun"]
-    proc = subprocess.run([sys.executable, "-m", "core", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    output = proc.stdout + proc.stderr
+    proc = run_cli(tmp_path, *args, records=False)
+    output = proc.output
     assert proc.returncode == 0, output[-3000:]
     assert "ignored in this run" in output
     # after the study: how to compare its arms and where to look
@@ -205,7 +203,7 @@ def test_a_baseline_arm_and_a_plugin_arm_sweep_a_knob(tmp_path, llm_server):
 
 
 def test_help_starts_with_llm4rls_own_usage_then_hydras_groups():
-    proc = subprocess.run([sys.executable, "-m", "core", "--help"], capture_output=True, text=True, timeout=120)
+    proc = run_cli(None, "--help", timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert out.startswith("llm4rl:") and "Usage: python -m core" in out
@@ -216,9 +214,7 @@ def test_help_starts_with_llm4rls_own_usage_then_hydras_groups():
 
 
 def test_a_missing_api_key_is_refused_before_any_run_is_opened(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
-    proc = subprocess.run([sys.executable, "-m", "core", "+plugins=[eureka]", "llm=openai"], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path, env=env)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "OPENAI_API_KEY is not set" in " ".join((proc.stdout + proc.stderr).split())
+    proc = run_cli(tmp_path, "+plugins=[eureka]", "llm=openai", drop_env=("OPENAI_API_KEY",), timeout=120)
+    assert proc.returncode == 2, proc.output
+    assert "OPENAI_API_KEY is not set" in proc.said
     assert not (tmp_path / "mlflow.db").exists()  # no MLflow run was opened (none left FAILED)

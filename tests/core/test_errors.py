@@ -7,14 +7,13 @@ that ``python -m core`` calls; the command line is checked for the mistakes made
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 from omegaconf import OmegaConf, open_dict
 
 from core.errors import UserError
 from core.loop import run_experiment
+from core.testing.cli import run_cli
 
 MISSPELT_HOOK = '''
     from core import hookimpl
@@ -111,10 +110,8 @@ def test_an_unknown_config_key(tiny_run, tmp_path, where, key, expected):
     ],
 )
 def test_the_command_line_says_it_in_one_paragraph(tmp_path, args, expected):
-    cmd = [sys.executable, "-m", "core", *args, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-           f"tracking.artifact_location={tmp_path}/art", f"cache_dir={tmp_path}/cache", f"hydra.run.dir={tmp_path}/out"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    output = proc.stdout + proc.stderr
+    proc = run_cli(tmp_path, *args)
+    output = proc.output
     assert proc.returncode == 2, output
     assert output.count("error:") == 1 and "Traceback" not in output, output
     assert "not in struct" not in output and "+plugins.eureka" not in output.replace(args[-1], "")
