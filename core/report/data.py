@@ -246,14 +246,17 @@ class ArmResult:
         return not self.failed and not self.missing
 
     def status(self) -> str:
+        """``complete`` or ``PARTIAL: <why>`` (as :attr:`complete` decides), then the repeated runs
+        set aside: a seed run twice counts once (its latest run) and leaves the arm complete.
+        The console and ``report.md`` both print this."""
         parts = []
         if self.failed:
             parts.append("failed seed " + ", ".join(f"{s} ({why})" for s, why in sorted(self.failed.items())))
         if self.missing:
             parts.append("missing seed " + ", ".join(map(str, self.missing)))
-        if self.duplicates:
-            parts.append(f"{self.duplicates} repeated run(s) set aside")
-        return "complete" if not parts else "PARTIAL: " + "; ".join(parts)
+        head = "complete" if self.complete else "PARTIAL: " + "; ".join(parts)
+        return head + (f"; {self.duplicates} repeated run(s) set aside (the latest of each seed counts)"
+                       if self.duplicates else "")
 
 
 @dataclass

@@ -88,7 +88,7 @@ def render_markdown(tasks: list[TaskResult], runs: list[StudyRun], experiment: s
         rows = []
         for a in t.arms:
             per_seed = ", ".join(f"{s}: {number(v)}" for s, v in a.scores.items()) or "—"
-            status = a.status() if not a.complete else "complete"
+            status = a.status()  # as the console says it
             rows.append([a.arm, f"{len(a.scores)}/{len(t.seeds)}", a.iqm.fmt(), a.mean.fmt(), per_seed,
                          number(a.candidates), status])
         lines += table(["arm", "n", "IQM [95% CI]", "mean [95% CI]", "per seed", "candidates / run", "status"], rows)

@@ -490,7 +490,7 @@ def _task_section(name: str, t: TaskResult | None, findings: Findings, chosen: d
             number(_mean([r.metrics.get("llm/calls", 0.0) for r in runs])),
             number(_mean([r.metrics.get("llm/latency_s", 0.0) for r in runs])),
             number(_mean([cell_seconds(r) for r in runs])),
-            "complete" if a.complete else a.status(),
+            a.status(),
         ])
     lines += ["", "ITT: a search arm's intent-to-treat IQM, each failed search scored as the random policy (the "
               "count of failed searches in brackets). LLM contribution: for a search arm, its candidates that "
