@@ -18,7 +18,7 @@ of a list (Eureka does: each group is the samples of one LLM request, as it land
 that role is the only one proposing, and no plugin prepares or trains candidates
 jointly, the loop checks (preflight) and submits each group's candidates as it arrives,
 so a pool's workers train the first samples while the LLM writes the rest
-(:meth:`Loop.train_arriving`; in process, training only starts earlier; Ray takes the
+(:meth:`Loop.train_each`; in process, training only starts earlier; Ray takes the
 whole round first). ``train/overlap_s`` is how long workers trained while the loop waited
 on the LLM, ``llm/overlap_s`` how long LLM requests ran while the loop worked (trained in
 process, checked programs). Otherwise the loop reads the iterators to their end first,
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -50,6 +51,9 @@ from core.store import ResultStore, job_key, results_path
 from core.tracking import Tracker, format_llm_call, tracking_failure
 
 log = logging.getLogger("core.loop")
+
+#: the jobs a run's executor is made for: any number (it sizes each batch itself)
+RUN_JOBS = sys.maxsize
 
 #: proposal hook -> the Candidate field it fills
 ROLE_HOOKS = {
@@ -126,7 +130,9 @@ class Loop:
         self.store_path = results_path(self.settings)
         self.store = ResultStore(self.store_path) if self.settings.run.resume else None
         self.reused = 0
-        self._executor: Executor | None = None
+        self._executor: Executor | None = None  # made on first use (:meth:`executor`), closed at the run's end
+        self.overlap_s = 0.0  # how long the last training's workers trained while the loop waited on the LLM
+        self._llm_calls = 0  # LLM calls of this process logged so far
         self._training_llm: dict[str, float] = {}  # LLM totals of the trainings this run made
         self._llm_view = LLMCallView()  # a live line per LLM call, on the run's progress
         self._outer: Any = None  # the iteration bar while iterating
@@ -149,31 +155,31 @@ class Loop:
     def _log_llm_call(self, record: Any) -> None:
         if self.tracker is None:
             return
-        llm = self.run._llm
-        n = len(getattr(llm, "records", []) or []) if llm is not None else 0
-        self.tracker.log_text(format_llm_call(record), f"llm/{n:04d}-{record.tag or 'call'}.md")
+        self._llm_calls += 1
+        self.tracker.log_text(format_llm_call(record), f"llm/{self._llm_calls:04d}-{record.tag or 'call'}.md")
 
-    def executor(self, jobs: int, progress: Any) -> Executor:
-        """The run's executor, kept across iterations so workers start once per run."""
-        wanted = make_executor(self.config.executor, self.runtime, jobs, progress)
-        if self._executor is None or type(self._executor) is not type(wanted):
-            if self._executor is not None:
-                self._executor.close()
-            self._executor = wanted
+    def executor(self, progress: Any = None) -> Executor:
+        """The run's executor, made on first use and kept for the run (workers start once per run).
+
+        It sizes each batch itself (``workers: auto`` to the free cores; a batch of one
+        trains in this process), so it is made for no particular number of jobs.
+        """
+        if self._executor is None:
+            self._executor = make_executor(self.config.executor, self.runtime, RUN_JOBS, progress)
         return self._executor
 
     # -- one iteration ------------------------------------------------------------------
+    def retired(self, iteration: int) -> frozenset[str]:
+        """The plugins whose ``iterations`` are over at ``iteration``: the loop no longer asks them to
+        plan, propose or reflect (a plugin never checks its own ``iterations``)."""
+        return frozenset(name for name, cfg in self.settings.plugins.items() if iteration >= cfg.iterations)
+
     def propose(self, iteration: int, sources: dict[str, list[Iterable[list[Any]]]] | None = None) -> list[Candidate]:
         """The iteration's candidates, every proposal read to its end (see :func:`combine`);
         ``sources``: the proposal hooks' answers when :meth:`_ask` was called already."""
         return self._combined(iteration, self._ask(iteration) if sources is None else sources)
 
     def _ask(self, iteration: int) -> dict[str, list[Iterable[list[Any]]]]:
-    def retired(self, iteration: int) -> frozenset[str]:
-        """The plugins whose ``iterations`` are over at ``iteration``: the loop no longer asks them to
-        plan, propose or reflect (a plugin never checks its own ``iterations``)."""
-        return frozenset(name for name, cfg in self.settings.plugins.items() if iteration >= cfg.iterations)
-
         """Make the plan and call the proposal hooks: per role, each proposing plugin's groups
         of parts (a list holding its one list, or its iterator of groups, not read yet)."""
         run, pm = self.run, self.runtime.pluginmanager
@@ -245,39 +251,9 @@ class Loop:
         yield from ((c, failed.get(c.id)) for c in last)
 
     def train(self, candidates: list[Candidate], seed: int, progress: Any) -> list[TrainResult]:
-        """Train every candidate (reusing finished trainings), log each as a nested run."""
-        jobs = [TrainJob(self.container, c, seed, self.runtime.run_key) for c in candidates]
-        keys = [job_key(c, self.container, seed, self.runtime.fingerprint) for c in candidates]
-        results: list[TrainResult | None] = [
-            TrainResult(c.id, ok=False, error=c.rejected, error_kind="rejected") if c.rejected
-            else self.store.get(k) if self.store else None for c, k in zip(candidates, keys)]
-        todo = [i for i, r in enumerate(results) if r is None]
-        self.reused += len(jobs) - len(todo) - sum(bool(c.rejected) for c in candidates)
-        bar = progress.add_task("candidates", total=len(jobs), completed=len(jobs) - len(todo)) if progress else None
-        if progress is not None and self._outer is not None and len(todo) < len(jobs):  # moves by the candidates done
-            progress.advance(self._outer, (len(jobs) - len(todo)) / max(1, len(jobs)))
-
-        ended: dict[int, float] = {}  # when each training came back (its MLflow run's end)
-
-        def done(j: int, result: TrainResult) -> None:
-            i = todo[j]
-            results[i], ended[i] = result, self._landed(keys[i], result)
-            if progress is not None:
-                progress.advance(bar)
-                if self._outer is not None:
-                    progress.advance(self._outer, 1 / len(jobs))
-
-        joint = self.run.hook.train_candidates(run=self.run, candidates=[candidates[i] for i in todo], seed=seed) if todo else None
-        # a population method gives None in place of each candidate it leaves to the executor
-        left = list(range(len(todo))) if joint is None else [j for j, r in enumerate(joint) if r is None]
-        for j, result in enumerate(joint or []):
-            if result is not None:
-                done(j, result)
-        if left:
-            self.executor(len(left), progress).run([jobs[todo[j]] for j in left], lambda k, result: done(left[k], result))
-        if progress is not None:
-            progress.remove_task(bar)
-        return self._record(candidates, results, todo, keys, ended, seed)  # type: ignore[arg-type]
+        """Train every candidate (reusing finished trainings), log each as a nested run: :meth:`train_each`
+        for candidates that are all there."""
+        return self.train_each([(c, None) for c in candidates], seed, progress)[1]
 
     def _landed(self, key: str, result: TrainResult) -> float:
         """A training came back: keep a successful one in the results store; when (its MLflow run's end)."""
@@ -344,22 +320,34 @@ class Loop:
             log.warning("candidate %s: the results store could not keep its result (%s: %s)",
                         result.candidate_id, type(exc).__name__, str(exc)[:300])
 
-    def train_arriving(self, arrivals: Iterable[tuple[Candidate, TrainResult | None]], seed: int, progress: Any
-                       ) -> tuple[list[Candidate], list[TrainResult]]:
-        """Train candidates as they arrive (:meth:`_arrivals`): each goes to the executor once
-        it is there, so training runs while the next are still being proposed.
+    def train_each(self, arrivals: Iterable[tuple[Candidate, TrainResult | None]], seed: int, progress: Any,
+                   expected: int = 0) -> tuple[list[Candidate], list[TrainResult]]:
+        """Train candidates as they arrive, each with its preflight failure or None: the loop's one
+        training path. :meth:`_arrivals` yields them while the LLM writes the next; a list is
+        there at once.
 
-        As :meth:`train` does for each (results store, rejected replies, nested runs); a
-        candidate that arrives with a preflight failure keeps it and does not train.
+        Each candidate's result is the results store's when an identical training finished
+        before (``resume``), a ``rejected`` failure for a reply that held no usable program,
+        its preflight failure (recorded by :func:`preflight`, not trained), or else a
+        training: the ``train_candidates`` hook's for a population method, the run's
+        executor's for the rest, each handed over once it is there. Every result that
+        preflight did not record is logged as a nested run.
+
+        :param expected: about how many will arrive when ``arrivals`` is an iterator (0:
+            unknown), for sizing the executor.
         :return: the candidates in arrival order and their results.
         """
+        listed = isinstance(arrivals, list)
+        expected = len(arrivals) if isinstance(arrivals, list) else expected  # a list: exactly
         candidates: list[Candidate] = []
         keys: list[str] = []
         results: list[TrainResult | None] = []
-        todo: list[int] = []  # candidates handed to the executor, in the order it got them
+        todo: list[int] = []  # candidates handed on for training, in the order they were
         checked: set[int] = set()  # candidates that failed preflight (recorded there)
-        ended: dict[int, float] = {}
-        bar = progress.add_task("candidates", total=None) if progress else None
+        ended: dict[int, float] = {}  # when each training came back (its MLflow run's end)
+        # no total while more may come: "1/?", never "1/1" with a second on its way
+        bar = progress.add_task("candidates", total=expected if listed else None) if progress else None
+        share = 1 / expected if listed and expected and progress is not None and self._outer is not None else 0.0
 
         def jobs() -> Iterator[TrainJob]:
             for candidate, failed in arrivals:
@@ -371,27 +359,41 @@ class Loop:
                 results.append(known)
                 if failed is not None:
                     checked.add(i)
-                if progress is not None:
-                    progress.update(bar, total=len(candidates), advance=known is not None)
+                if progress is not None and known is not None:
+                    progress.advance(bar)
                 if known is None:
                     todo.append(i)
                     yield TrainJob(self.container, candidate, seed, self.runtime.run_key)
                 elif not failed and not candidate.rejected:
                     self.reused += 1
+            if progress is not None:  # every candidate is in
+                progress.update(bar, total=len(candidates))
 
-        def done(j: int, result: TrainResult) -> None:
-            i = todo[j]
+        def finish(i: int, result: TrainResult) -> None:  # candidate i's training came back
             results[i], ended[i] = result, self._landed(keys[i], result)
             if progress is not None:
                 progress.advance(bar)
+                if share:  # the iteration bar moves by each candidate's share
+                    progress.advance(self._outer, share)
 
-        # about as many as last iteration (unknown at first: the pool sizes to the free cores)
-        expected = len(self.run.history[-1].candidates) if self.run.history else 0
-        executor = self.executor(max(2, expected), progress)
-        executor.overlap_s = 0.0
-        executor.stream(jobs(), done, expected=expected)
-        if candidates:  # trainings in workers while the loop waited on the LLM for the next samples
-            self.run.log_metrics({"train/overlap_s": executor.overlap_s}, step=candidates[0].iteration)
+        pending: Iterable[TrainJob] = list(jobs()) if listed else jobs()  # a list: no executor for nothing to train
+        if share and len(todo) < len(candidates):  # those settled already (reused, rejected) move it at once
+            progress.advance(self._outer, (len(candidates) - len(todo)) * share)
+        sent = todo  # the candidates of the executor's jobs, in order
+        if isinstance(pending, list) and pending and self.run.hook.train_candidates.get_hookimpls():
+            # a population method takes its candidates first; None in place of each it leaves to the executor
+            joint = self.run.hook.train_candidates(run=self.run, candidates=[candidates[i] for i in todo], seed=seed)
+            left = list(range(len(todo))) if joint is None else [j for j, r in enumerate(joint) if r is None]
+            for i, result in zip(todo, joint or []):
+                if result is not None:
+                    finish(i, result)
+            pending, sent = [pending[j] for j in left], [todo[j] for j in left]
+        self.overlap_s = 0.0
+        if not isinstance(pending, list) or pending:
+            executor = self.executor(progress)
+            executor.overlap_s = 0.0
+            executor.stream(pending, lambda k, result: finish(sent[k], result), expected=expected)
+            self.overlap_s = executor.overlap_s
         if progress is not None:
             progress.remove_task(bar)
         return candidates, self._record(candidates, results, todo, keys, ended, seed, frozenset(checked))  # type: ignore[arg-type]
@@ -402,13 +404,18 @@ class Loop:
         hook.on_iteration_start(run=run, iteration=iteration)
         sources = self._ask(iteration)
         role = self._arriving_role(sources)
+        arrivals: Iterable[tuple[Candidate, TrainResult | None]]
         if role is not None:  # train the first proposals while the rest arrive
-            candidates, results = self.train_arriving(self._arrivals(iteration, role, sources[role]), run.seed, progress)
+            arrivals = self._arrivals(iteration, role, sources[role])
         else:
-            candidates = self.propose(iteration, sources)
-            rejected = preflight(run, candidates)  # reward programs checked, vetted and repaired before any RL
-            trained = iter(self.train([c for c in candidates if c.id not in rejected], run.seed, progress))
-            results = [rejected[c.id] if c.id in rejected else next(trained) for c in candidates]
+            proposed = self.propose(iteration, sources)
+            rejected = preflight(run, proposed)  # reward programs checked, vetted and repaired before any RL
+            arrivals = [(c, rejected.get(c.id)) for c in proposed]
+        # about as many as last iteration when they arrive (unknown at first: the pool sizes to the free cores)
+        candidates, results = self.train_each(arrivals, run.seed, progress,
+                                              expected=len(run.history[-1].candidates) if run.history else 0)
+        # trainings in workers while the loop waited on the LLM for the next samples
+        run.log_metrics({"train/overlap_s": self.overlap_s}, step=iteration)
         result = IterationResult(iteration, candidates, results)
         run.history.append(result)
         for plugin, text in call_each(self.runtime.pluginmanager, "reflect", skip=self.retired(iteration), run=run,
@@ -495,7 +502,7 @@ class Loop:
 
     def _log_llm_stats(self, step: int | None = None) -> dict[str, float]:
         """The run's LLM totals: the loop's own calls and those its trainings made (a judge's, a labeller's)."""
-        metrics = self.run._llm.stats.as_metrics() if self.run._llm is not None else {}
+        metrics = self.run.llm_metrics()
         for key, value in self._training_llm.items():
             metrics[key] = metrics.get(key, 0.0) + value
         if metrics:
