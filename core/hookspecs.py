@@ -284,14 +284,15 @@ def train_candidates(run: RunContext, candidates: list[Candidate], seed: int) ->
 
     The contract: an implementation trains each candidate as the executor would. It
     honours every part of the candidate (reward program, state program, macro-actions,
-    env configs), builds each member's env with the core's machinery
-    (:class:`core.train.common.CandidateEnv`) so that the per-step hooks
-    (``compute_reward``, ``represent_state``) fire with a :class:`TrainContext` per
-    member, and calls ``on_train_start`` / ``on_rollout`` / ``on_evaluation`` /
-    ``on_train_end`` for each. A candidate it cannot honour gets a failed result
-    (``ok=False``, ``error_kind="unsupported"``, an error naming the part), never a
-    silent drop. Failures are results with ``ok=False``, never exceptions.
-    Per-member objects go in each member's ``TrainContext.state``, never on the plugin.
+    env configs), so that the per-step hooks (``compute_reward``, ``represent_state``)
+    fire with a :class:`TrainContext` per member, and calls ``on_train_start`` /
+    ``on_rollout`` / ``on_evaluation`` / ``on_train_end`` for each. A candidate it
+    cannot honour gets a failed result (``ok=False``, ``error_kind="unsupported"``, an
+    error naming the part), never a silent drop. Failures are results with
+    ``ok=False``, never exceptions. Per-member objects go in each member's
+    ``TrainContext.state``, never on the plugin. :class:`core.plugin.Population` keeps
+    this contract for off-policy agents over a shared replay (LaRes): the plugin gives
+    it the method (which member acts, when a member's reward is rewritten) as a body.
 
     :param run: the run context.
     :param candidates: the candidates still to train (finished ones were reused).

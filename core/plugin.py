@@ -26,7 +26,8 @@ The groups:
 - **Plans and goals**: the task's goals, matching text to them, following a plan.
 - **The sandbox**: running an LLM-written program in a worker process and checking
   what it returns.
-- **Training pieces**: macro-actions as extra discrete actions.
+- **Training pieces**: macro-actions as extra discrete actions; population training
+  (candidates trained jointly, one SAC agent each over one shared replay).
 - **Progress**: a progress bar that respects the run's ``progress`` setting.
 
 This module imports eagerly (torch included); ``core`` itself stays light.
@@ -73,6 +74,7 @@ from core.sandbox import (SandboxReport, normalize_reward, prepare_reward, prepa
 
 # --- training pieces -----------------------------------------------------------------
 from core.train.macros import MacroSet
+from core.train.population import Member, Population, population_settings
 
 # --- progress ------------------------------------------------------------------------
 from core.progress import make_progress
@@ -104,7 +106,7 @@ __all__ = [
     "prepare_reward", "prepare_state", "probe_batch", "run_isolated", "validate_state", "normalize_reward",
     "SandboxReport",
     # training pieces
-    "MacroSet",
+    "MacroSet", "Population", "Member", "population_settings",
     # progress
     "make_progress",
 ]

@@ -14,8 +14,7 @@ A plugin keeps the contract when:
   (or none: the :class:`core.PluginConfig` base) and keeps no mutable state at module
   level (no ``global``, no module-level dict/list/set or instance of its own classes);
 - it imports the framework through :mod:`core.plugin` only (``from core import hookimpl,
-  PluginConfig`` too), a static check of its source (:data:`IMPORT_EXCEPTIONS` is the one
-  known exception);
+  PluginConfig`` too), a static check of its source with no exception, built-in or not;
 - ``+plugins=[name]`` composes with Hydra and the result validates (its defaults are
   its schema's defaults);
 - its hooks register against the specs, and a built-in implements exactly the hooks its
@@ -27,7 +26,7 @@ A plugin keeps the contract when:
   and its test class may override :meth:`PluginContract.smoke` and
   :meth:`PluginContract.evidence`).
 
-:data:`SMOKE`, :data:`EVIDENCE` and :data:`IMPORT_EXCEPTIONS` are the built-ins' entries,
+:data:`SMOKE` and :data:`EVIDENCE` are the built-ins' entries,
 keyed by their names; a third-party plugin is checked without them.
 """
 
@@ -217,15 +216,6 @@ def module_state(module: Any) -> list[str]:
 #: what ``from core import ...`` may name in a plugin (the package's light entry point)
 FROM_CORE = frozenset({"hookimpl", "PluginConfig"})
 
-#: built-in plugin -> the framework modules it may still import beside core.plugin. The one
-#: known exception: LaRes trains its population of SAC agents itself, over the trainer's
-#: internals (``core.train.sac``'s modules and update, the candidate env, evaluation, the
-#: per-step transforms); it goes when the core gives population training a seam (issue 26).
-IMPORT_EXCEPTIONS: dict[str, frozenset[str]] = {
-    "lares": frozenset({"core.train.sac", "core.train.common", "core.train.evaluate", "core.train.transforms"}),
-}
-
-
 def is_core(module: str) -> bool:
     return module == "core" or module.startswith("core.")
 
@@ -238,18 +228,16 @@ def plugin_sources(module: Any) -> dict[str, str]:
     return {Path(inspect.getsourcefile(module) or module.__name__).name: inspect.getsource(module)}
 
 
-def core_imports(source: str, allowed: frozenset[str] = frozenset()) -> list[str]:
+def core_imports(source: str) -> list[str]:
     """The imports of the framework in ``source`` other than :mod:`core.plugin` (and
-    ``from core import hookimpl, PluginConfig``), as ``line N: <statement>``; ``allowed``
-    names further modules (:data:`IMPORT_EXCEPTIONS`). Nested and ``TYPE_CHECKING``
-    imports count; relative imports are the plugin's own."""
+    ``from core import hookimpl, PluginConfig``), as ``line N: <statement>``. Nested and
+    ``TYPE_CHECKING`` imports count; relative imports are the plugin's own."""
     found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and is_core(node.module):
-            ok = (node.module == "core.plugin" or node.module in allowed
-                  or (node.module == "core" and all(a.name in FROM_CORE for a in node.names)))
+            ok = node.module == "core.plugin" or (node.module == "core" and all(a.name in FROM_CORE for a in node.names))
         elif isinstance(node, ast.Import):
-            ok = all(not is_core(a.name) or a.name == "core.plugin" or a.name in allowed for a in node.names)
+            ok = all(not is_core(a.name) or a.name == "core.plugin" for a in node.names)
         else:
             continue
         if not ok:
@@ -292,9 +280,8 @@ class PluginContract:
         assert not module_state(module), f"{info.module} keeps state at module level:\n" + "\n".join(module_state(module))
 
     def test_imports_only_the_plugin_api(self, info: PluginInfo) -> None:
-        allowed = IMPORT_EXCEPTIONS.get(info.name, frozenset()) if self.builtin(info) else frozenset()
         found = [f"{name} {line}" for name, source in plugin_sources(load_module(info)).items()
-                 for line in core_imports(source, allowed)]
+                 for line in core_imports(source)]
         assert not found, (f"{info.module} imports framework internals; import it from core.plugin "
                            "(the plugin API, docs/writing-a-plugin.md):\n" + "\n".join(found))
 

@@ -6,13 +6,12 @@ fails here until :data:`SURFACE` (and ``docs/writing-a-plugin.md``) say so.
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import core.plugin
-from core.testing.contract import IMPORT_EXCEPTIONS, core_imports
+from core.testing.contract import core_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "writing-a-plugin.md"
@@ -34,7 +33,7 @@ SURFACE = {
     "plans and goals": ["goal_names", "match_goal", "newly_achieved", "check_plan", "PlanFollower"],
     "the sandbox": ["prepare_reward", "prepare_state", "probe_batch", "run_isolated", "validate_state",
                     "normalize_reward", "SandboxReport"],
-    "training pieces": ["MacroSet"],
+    "training pieces": ["MacroSet", "Population", "Member", "population_settings"],
     "progress": ["make_progress"],
 }
 EXPORTS = [name for group in SURFACE.values() for name in group]
@@ -78,18 +77,9 @@ def test_core_itself_stays_light():
 
 
 def test_the_builtins_import_only_the_plugin_api():
-    """What ``grep "from core\\." plugins/`` would show: core.plugin, and LaRes's known exception."""
-    found = {p.name: core_imports(p.read_text(), IMPORT_EXCEPTIONS.get(p.stem, frozenset()))
-             for p in sorted((ROOT / "plugins").glob("*.py"))}
+    """What ``grep "from core\\." plugins/`` would show: core.plugin only, no exception."""
+    found = {p.name: core_imports(p.read_text()) for p in sorted((ROOT / "plugins").glob("*.py"))}
     assert not any(found.values()), {k: v for k, v in found.items() if v}
-
-
-def test_the_exception_is_still_needed():
-    """Each module the exception allows is still imported, so it shrinks as the seam arrives."""
-    for name, modules in IMPORT_EXCEPTIONS.items():
-        tree = ast.parse((ROOT / "plugins" / f"{name}.py").read_text())
-        used = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert modules <= used, f"{name} no longer imports {sorted(modules - used)}: drop them from IMPORT_EXCEPTIONS"
 
 
 def test_the_static_check_refuses_internals():
@@ -100,4 +90,3 @@ def test_the_static_check_refuses_internals():
     refused = ["line 6: from core.sandbox import prepare_reward", "line 7: from core import sandbox",
                "line 8: import core.train.sac", "line 9: from core.train.sac import SACConfig"]
     assert core_imports(source) == refused
-    assert core_imports(source, frozenset({"core.train.sac"})) == refused[:2]

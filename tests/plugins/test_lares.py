@@ -101,8 +101,10 @@ def test_config_refuses_unknown_choices_before_any_work():
 
 
 def test_a_non_sac_trainer_is_refused_at_run_start(tmp_path):
+    config = {"trainer": {"name": "ppo", "frames": 1000}, "cache_dir": str(tmp_path)}
+    run = fakes.make_run(make_task({"name": "pendulum"}), scripted([UPRIGHT]), plugin="lares", module=lares, config=config)
     with pytest.raises(UserError, match="trainer=sac"):
-        make_run([UPRIGHT], tmp_path, trainer={"name": "ppo"})
+        plugin_object(lares).on_run_start(run=run)
 
 
 # -- selection and sampling -----------------------------------------------------------------------
@@ -163,61 +165,6 @@ def test_diversity_is_zero_for_copies_and_high_for_unrelated_rewards():
     assert lares.diversity(torch.stack([x, 2 * x + 1, -x], 1)) == pytest.approx(0.0, abs=1e-6)
     assert lares.diversity(torch.stack([x, torch.randn(500)], 1)) > 0.8
     assert lares.diversity(torch.stack([x, torch.ones(500)], 1)) == pytest.approx(1.0)
-
-
-def test_shared_buffer_relabels_a_column_with_a_new_function():
-    task = make_task({"name": "pendulum"})
-    buf = lares.SharedBuffer(capacity=8, obs_dim=3, act_dim=1, members=2)
-    obs = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, -0.5], [-1.0, 0.0, 2.0]])
-    buf.add(obs, torch.zeros(3, 1), obs, torch.zeros(3), torch.ones(3), torch.zeros(3, 2), hook=torch.full((3, 2), 0.5))
-    assert buf.size == 3 and float(buf.env_reward.sum()) == 3.0
-
-    def fn(state, action, next_state, env_reward):
-        return next_state["cos_theta"] * 10 + env_reward
-
-    buf.relabel(1, fn, task, chunk=2)
-    assert buf.raw[:3, 1].tolist() == [11.0, 1.0, -9.0]
-    assert buf.raw[:3, 0].tolist() == [0.0, 0.0, 0.0]  # other columns untouched
-    assert buf.hook[:3].eq(0.5).all()  # the hooks' terms stay as collected
-    for _ in range(3):  # ring buffer wraps at capacity
-        buf.add(obs, torch.zeros(3, 1), obs, torch.zeros(3), torch.ones(3), torch.zeros(3, 2))
-    assert buf.size == 8 and buf.ptr == 4
-
-
-def test_buffer_samples_a_sac_batch_rewarded_and_featured_for_one_member():
-    buf = lares.SharedBuffer(capacity=8, obs_dim=2, act_dim=1, members=2, extra_dims=[0, 1])
-    obs = torch.arange(8.0).reshape(4, 2)
-    feats = {1: (torch.full((4, 1), -1.0), torch.full((4, 1), -2.0))}
-    buf.add(obs, torch.ones(4, 1), obs + 1, torch.tensor([0, 0, 0, 1]), torch.zeros(4), torch.tensor([[1.0, 5.0]] * 4),
-            hook=torch.tensor([[0.0, 0.5]] * 4), extra=feats)
-    batch = buf.sample(16, 1, (2.0, -1.0, "affine"))
-    assert batch.batch_size == torch.Size([16])
-    assert set(batch.keys(True, True)) >= {"observation", "action", ("next", "observation"), ("next", "reward"),
-                                           ("next", "done"), ("next", "terminated")}
-    assert batch["next", "reward"].shape == (16, 1) and torch.all(batch["next", "reward"] == 9.5)  # scaled program + hook term
-    assert batch["next", "terminated"].dtype == torch.bool
-    assert batch["observation"].shape == (16, 3) and torch.all(batch["observation"][:, 2] == -1.0)
-    assert torch.equal(batch["next", "observation"][:, :2], batch["observation"][:, :2] + 1)
-    assert buf.sample(4, 0, (1.0, 0.0, "affine"))["observation"].shape == (4, 2)  # member 0 has no features
-
-
-def test_agents_are_core_sac_modules_and_a_newcomer_inherits_the_elites_weights(tmp_path):
-    from torchrl.data import Bounded
-
-    from core.train.sac import act_deterministic, make_sac_modules, sac_update
-
-    _, run = make_run([UPRIGHT], tmp_path, trainer={"hidden": [8], "batch_size": 4})
-    cfg = lares.sac_settings(run, frames=500)
-    assert cfg.frames == 500 and cfg.hidden == [8]
-    spec = Bounded(low=-2.0, high=2.0, shape=(1,), dtype=torch.float32)
-    elite, newcomer = make_sac_modules(3, spec, cfg), make_sac_modules(3, spec, cfg)
-    buf = lares.SharedBuffer(capacity=8, obs_dim=3, act_dim=1, members=1)
-    buf.add(torch.randn(8, 3), torch.rand(8, 1), torch.randn(8, 3), torch.zeros(8), torch.zeros(8), torch.randn(8, 1))
-    sac_update(elite, buf.sample(4, 0, (1.0, 0.0, "affine")))
-    obs = torch.randn(5, 3)
-    assert not torch.allclose(act_deterministic(elite, obs), act_deterministic(newcomer, obs))
-    lares.inherit(newcomer, elite)
-    assert torch.allclose(act_deterministic(elite, obs), act_deterministic(newcomer, obs))
 
 
 # -- behaviour analysis text ------------------------------------------------------------------------------
