@@ -195,7 +195,7 @@ def plan(run: RunContext, iteration: int) -> Plan | str | None:
 # would have returned; the iterator should give at least one alternative in all. When
 # its role is the only one proposing and no plugin implements ``prepare_candidates`` or
 # ``train_candidates``, the loop checks and trains each group's candidates while the
-# next group is made (:meth:`core.loop.Loop.train_arriving`); otherwise it reads the
+# next group is made (:meth:`core.loop.Loop.train_each`); otherwise it reads the
 # iterator to its end first. Either way the candidates, their names and the parts'
 # order are the same. State the plugin sets while producing the groups is in place
 # once the iterator ends, before ``reflect``.

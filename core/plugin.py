@@ -14,7 +14,8 @@ The groups:
   ``action_prior`` returns.
 - **Records**: what a plugin proposes (programs, macros, env configs, plans) and what
   it reads back (candidates, results, fitness).
-- **The task**: the environment as the framework describes it, and its trajectories.
+- **The task**: the environment as the framework describes it, its trajectories, and
+  stepping its vector env with the true last observation of each episode.
 - **Errors**: a mistake the user must fix, an LLM that cannot answer, a program the
   sandbox refused.
 - **LLM code**: code out of a reply, checked before anything runs (the names it reads,
@@ -45,7 +46,7 @@ from core.records import (Candidate, EnvConfig, Fitness, IterationResult, MacroA
                           RewardProgram, StartPolicy, StateProgram, TrainResult)
 
 # --- the task ------------------------------------------------------------------------
-from core.envs.task import Task, Trajectory
+from core.envs.task import Task, Trajectory, VectorStep, task_steps
 
 # --- errors --------------------------------------------------------------------------
 from core.errors import UserError
@@ -88,7 +89,7 @@ __all__ = [
     "Program", "RewardProgram", "StateProgram", "MacroAction", "EnvConfig", "StartPolicy", "Plan", "PlanStep",
     "Candidate", "Fitness", "TrainResult", "IterationResult",
     # the task
-    "Task", "Trajectory",
+    "Task", "Trajectory", "VectorStep", "task_steps",
     # errors
     "UserError", "LLMError", "SandboxError",
     # LLM code

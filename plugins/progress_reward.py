@@ -575,10 +575,6 @@ class NoveltyCounter:
         return 1.0 / np.sqrt(self.counts[idx])
 
 
-#: kept for callers of the earlier name (benchmarks/llm_judge.py): load an in-process model before the loop
-preload = warm_up
-
-
 # -- the judge -----------------------------------------------------------------------------
 
 

@@ -62,7 +62,7 @@ import pluggy
 import torch
 
 from core.plugin import (BackgroundCalls, PluginConfig, StepBatch, TrainContext, TrainResult, hookimpl, make_progress,
-                         warm_up)
+                         task_steps, warm_up)
 
 NAME = "rlaif_preference"
 JUDGES = ("logprobs", "text")
@@ -405,21 +405,10 @@ def returns_so_far(rew: np.ndarray, done: np.ndarray, start: float = 0.0) -> tup
 
 def random_runs(task: Any, envs: int, steps: int, seed: int) -> list[Run]:
     """A random policy's ``steps`` steps in each of ``envs`` envs of the task (Motif's dataset, here random)."""
-    env = task.make_env(envs, seed)
-    try:
-        obs, _ = env.reset(seed=seed)
-        env.action_space.seed(seed)
-        rows: dict[str, list[np.ndarray]] = {k: [] for k in ("obs", "act", "rew", "term", "done")}
-        for _ in range(steps):
-            act = env.action_space.sample()
-            nobs, rew, term, trunc, info = env.step(act)
-            final = np.array(nobs, copy=True)
-            for i in np.flatnonzero(np.logical_or(term, trunc)):
-                final[i] = info["final_obs"][i]
-            for k, v in zip(rows, (final, act, rew, term, np.logical_or(term, trunc))):
-                rows[k].append(np.asarray(v))
-    finally:
-        env.close()
+    rows: dict[str, list[np.ndarray]] = {k: [] for k in ("obs", "act", "rew", "term", "done")}
+    for step in task_steps(task, envs, steps, seed):  # next_obs: an ended episode's true last observation
+        for k, v in zip(rows, (step.next_obs, step.action, step.reward, step.terminated, step.done)):
+            rows[k].append(np.asarray(v))
     arr = {k: np.stack(v, axis=1) for k, v in rows.items()}  # [envs, T, ...]
     out = []
     for e in range(envs):

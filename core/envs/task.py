@@ -10,6 +10,7 @@ and the ground-truth fitness of a set of evaluation episodes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any, Callable, ClassVar
 
 import gymnasium as gym
@@ -378,37 +379,74 @@ def _final_info(info: dict[str, Any], i: int) -> dict[str, Any]:
     return out
 
 
-def rollouts(task: Task, policy: Callable[[np.ndarray], np.ndarray] | None, episodes: int, seed: int,
-             max_steps: int = 1000) -> list[Trajectory]:
-    """One episode in each of ``episodes`` envs of ``task``: random actions, or ``policy``'s."""
-    if episodes <= 0:
-        return []
-    env = task.make_env(episodes, seed)
-    steps = max(1, min(int(max_steps), int(task.max_episode_steps)))
-    record: list[list[tuple[np.ndarray, Any, np.ndarray, float]]] = [[] for _ in range(episodes)]
-    ends: dict[int, tuple[bool, bool, float]] = {}
+@dataclass
+class VectorStep:
+    """One step of every env of a task's vector env (:func:`task_steps`)."""
+
+    obs: np.ndarray  # [B, ...] the observations acted on
+    action: np.ndarray  # [B, ...]
+    next_obs: np.ndarray  # [B, ...] the true next observations: the final one where an episode ended, not the reset's
+    reward: np.ndarray  # [B]
+    terminated: np.ndarray  # [B] bool
+    truncated: np.ndarray  # [B] bool
+    info: dict[str, Any]  # the vector info (``final_info`` for the envs whose episode ended)
+
+    @property
+    def done(self) -> np.ndarray:
+        return np.logical_or(self.terminated, self.truncated)
+
+    def final_info(self, i: int) -> dict[str, Any]:
+        """Env ``i``'s info at the end of its episode (empty when it did not end here)."""
+        return _final_info(self.info, i)
+
+
+def task_steps(task: Task, envs: int, steps: int, seed: int,
+               policy: Callable[[np.ndarray], np.ndarray] | None = None) -> Iterator[VectorStep]:
+    """``steps`` steps of ``envs`` envs of the task from a reset with ``seed``: random actions
+    (the action space seeded with ``seed``) or ``policy``'s (``[B, obs_dim]`` float32 to actions).
+
+    Episodes restart as the vector env resets them; each step's ``next_obs`` is the true
+    one (an ended episode's final observation). The env is closed when the steps end or
+    the caller stops early.
+    """
+    env = task.make_env(envs, seed)
     try:
         obs, _ = env.reset(seed=seed)
         env.action_space.seed(seed)
         for _ in range(steps):
             action = np.asarray(policy(np.asarray(obs, np.float32)) if policy is not None else env.action_space.sample())
             nxt, reward, term, trunc, info = env.step(action)
-            for i in range(episodes):
-                if i in ends:
-                    continue
-                done = bool(term[i] or trunc[i])
-                last = np.asarray(info["final_obs"][i] if done and "final_obs" in info else nxt[i], np.float32)
-                record[i].append((np.asarray(obs[i], np.float32), action[i], last, float(reward[i])))
-                if done:
-                    final = _final_info(info, i)
-                    flag, extra = task.episode_info(final)
-                    ret = float(extra.get("human_return", sum(r for *_, r in record[i])))
-                    ends[i] = (bool(term[i]), task.judge_success(flag, ret), ret)
+            true_next, final = np.array(nxt, copy=True), info.get("final_obs")
+            if final is not None:  # same-step autoreset: the ended episodes' last observations are here
+                for i in np.flatnonzero(np.logical_or(term, trunc)):
+                    true_next[i] = final[i]
+            yield VectorStep(np.asarray(obs), action, true_next, np.asarray(reward), np.asarray(term, bool),
+                             np.asarray(trunc, bool), info)
             obs = nxt
-            if len(ends) == episodes:
-                break
     finally:
         env.close()
+
+
+def rollouts(task: Task, policy: Callable[[np.ndarray], np.ndarray] | None, episodes: int, seed: int,
+             max_steps: int = 1000) -> list[Trajectory]:
+    """One episode in each of ``episodes`` envs of ``task``: random actions, or ``policy``'s."""
+    if episodes <= 0:
+        return []
+    steps = max(1, min(int(max_steps), int(task.max_episode_steps)))
+    record: list[list[tuple[np.ndarray, Any, np.ndarray, float]]] = [[] for _ in range(episodes)]
+    ends: dict[int, tuple[bool, bool, float]] = {}
+    for step in task_steps(task, episodes, steps, seed, policy):
+        for i in range(episodes):
+            if i in ends:
+                continue
+            record[i].append((np.asarray(step.obs[i], np.float32), step.action[i], np.asarray(step.next_obs[i], np.float32),
+                              float(step.reward[i])))
+            if step.done[i]:
+                flag, extra = task.episode_info(step.final_info(i))
+                ret = float(extra.get("human_return", sum(r for *_, r in record[i])))
+                ends[i] = (bool(step.terminated[i]), task.judge_success(flag, ret), ret)
+        if len(ends) == episodes:
+            break
     source = "random" if policy is None else "controller"
     out = []
     for i, steps_i in enumerate(record):

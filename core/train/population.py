@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from core.context import StepBatch, TrainContext
+from core.envs.task import task_steps
 from core.errors import UserError
 from core.records import Candidate, Fitness, RewardProgram, TrainResult
 from core.train.common import CandidateEnv, error_of, save_policy, wants_saved_policy
@@ -542,22 +543,16 @@ class Population:
         """One deterministic episode of ``m``'s agent on the task's own env:
         ``(observations [T + 1], actions [T], success or None)``, the final observation the true one."""
         act = self.act(m)
-        env = self.task.make_env(1, seed)
-        try:
-            obs, _ = env.reset(seed=seed)
-            observations, actions, success = [obs[0]], [], None
-            for _ in range(self.task.max_episode_steps):
-                a = act(torch.as_tensor(np.asarray(obs), dtype=torch.float32))
-                obs, _, term, trunc, info = env.step(a.numpy())
-                actions.append(a.numpy()[0])
-                if term[0] or trunc[0]:
-                    observations.append(info["final_obs"][0])
-                    success, _ = self.task.episode_info(_env_info(info.get("final_info") or {}, 0))
-                    break
-                observations.append(obs[0])
-            return np.asarray(observations), np.asarray(actions), success
-        finally:
-            env.close()
+        observations, actions, success = [], [], None
+        for step in task_steps(self.task, 1, self.task.max_episode_steps, seed,
+                               policy=lambda obs: act(torch.as_tensor(obs)).numpy()):
+            observations += [step.obs[0]] if not observations else []
+            observations.append(step.next_obs[0])
+            actions.append(step.action[0])
+            if step.done[0]:
+                success, _ = self.task.episode_info(_env_info(step.info.get("final_info") or {}, 0))
+                break
+        return np.asarray(observations), np.asarray(actions), success
 
     # -- results ----------------------------------------------------------------------------------------------
     def _finish(self, m: Member, seconds: float, failure: tuple[str, str] | None) -> TrainResult:

@@ -22,7 +22,7 @@ SURFACE = {
     "contexts": ["RunContext", "TrainContext", "StepBatch", "ActionPrior"],
     "records": ["Program", "RewardProgram", "StateProgram", "MacroAction", "EnvConfig", "StartPolicy", "Plan",
                 "PlanStep", "Candidate", "Fitness", "TrainResult", "IterationResult"],
-    "the task": ["Task", "Trajectory"],
+    "the task": ["Task", "Trajectory", "VectorStep", "task_steps"],
     "errors": ["UserError", "LLMError", "SandboxError"],
     "LLM code": ["extract_code", "extract_function", "program_from_reply", "without_prelude", "check_names",
                  "state_arguments", "SAFE_BUILTIN_NAMES"],

@@ -103,3 +103,18 @@ def test_cartpole_describes_a_segment_in_words():
     obs[-1, 0] = 2.5
     assert "cart left the track" in task.describe_segment(obs, ended=True)
     assert make_task({"name": "mountaincar"}).describe_segment(obs[:, :2], ended=False) == ""
+
+
+def test_task_steps_give_the_true_last_observation_of_an_ended_episode():
+    from core.envs.task import task_steps
+
+    steps = list(task_steps(make_task({"name": "cartpole"}), 2, 120, seed=0))  # random CartPole ends within ~30 steps
+    assert len(steps) == 120 and steps[0].obs.shape == (2, 4) and steps[0].next_obs.shape == (2, 4)
+    ends = [(t, i) for t, s in enumerate(steps[:-1]) for i in np.flatnonzero(s.done)]
+    assert ends
+    for t, i in ends:
+        assert np.array_equal(steps[t].next_obs[i], steps[t].info["final_obs"][i])  # not the reset's observation
+        assert not np.array_equal(steps[t].next_obs[i], steps[t + 1].obs[i])  # the next step starts from the reset
+        assert steps[t].final_info(i) is not None
+    again = list(task_steps(make_task({"name": "cartpole"}), 2, 120, seed=0))
+    assert all(np.array_equal(a.action, b.action) for a, b in zip(steps, again))  # random actions seeded
