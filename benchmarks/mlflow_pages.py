@@ -6,8 +6,9 @@
 Without ``--uri`` it runs ``python -m core +plugins=[eureka] env=cartpole`` with a small
 budget into a temporary store. It then serves the store with ``mlflow server`` on
 127.0.0.1 (a free port), opens the parent run, its winning candidate and the runs table
-(the saved candidates view) in headless Chromium, and saves ``mlflow_parent.png``,
-``mlflow_candidate.png`` and ``mlflow_runs.png``. ``tests/core/test_mlflow_ui.py`` uses the
+(the saved candidates view) and the parent runs' view in headless Chromium, in a default
+window, and saves ``mlflow_parent.png``, ``mlflow_candidate.png``, ``mlflow_runs.png`` and
+``mlflow_parents.png``. ``tests/core/test_mlflow_ui.py`` uses the
 same helpers on a run with scripted LLM replies.
 
 Chromium is the system's (Debian: ``apt-get install -y chromium``); nothing is downloaded.
@@ -58,11 +59,12 @@ def run_url(base: str, experiment_id: str, run_id: str) -> str:
     return f"{base}/{run_link(experiment_id, run_id)}"
 
 
-def runs_url(base: str, experiment_id: str) -> str:
+def runs_url(base: str, experiment_id: str, view: str = "") -> str:
+    """The experiment's runs table in a saved view (default: the candidates view)."""
     from core.run_page import ML_VIEW
     from core.tracking import VIEW_KEY
 
-    return f"{base}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}&{ML_VIEW}"
+    return f"{base}/#/experiments/{experiment_id}/runs?viewStateShareKey={view or VIEW_KEY}&{ML_VIEW}"
 
 
 def tidy(page: Any) -> None:
@@ -96,19 +98,21 @@ def newest_run(uri: str) -> tuple[str, str, str]:
 
 
 def screenshots(uri: str, out: Path) -> list[Path]:
-    """The parent run, its winning candidate and the runs table of the newest run in ``uri``, as PNGs."""
+    """The parent run, its winning candidate and the two runs views of the newest run in ``uri``, as PNGs."""
     experiment_id, parent_id, winner_id = newest_run(uri)
     out.mkdir(parents=True, exist_ok=True)
     saved = []
+    from core.tracking import RUNS_VIEW_KEY
+
     with mlflow_server(uri) as base, chromium_page() as page:
-        shots = [("mlflow_parent.png", run_url(base, experiment_id, parent_id), "Candidates")]
+        shots = [("mlflow_parent.png", run_url(base, experiment_id, parent_id), "Description")]
         if winner_id:
-            shots.append(("mlflow_candidate.png", run_url(base, experiment_id, winner_id), "Winner of the run"))
-        shots.append(("mlflow_runs.png", runs_url(base, experiment_id), "fitness"))
-        for name, url, text in shots:
+            shots.append(("mlflow_candidate.png", run_url(base, experiment_id, winner_id), "Description"))
+        shots += [("mlflow_runs.png", runs_url(base, experiment_id), "fitness"),
+                  ("mlflow_parents.png", runs_url(base, experiment_id, RUNS_VIEW_KEY), "fitness")]
+        for name, url, text in shots:  # as a default window shows them: nothing closed or expanded
             open_page(page, url, text)
-            tidy(page)
-            page.screenshot(path=str(out / name), full_page=True)
+            page.screenshot(path=str(out / name))
             saved.append(out / name)
     return saved
 

@@ -80,6 +80,7 @@ class Row:
     status: str  # ``ok``, or the error kind (``timeout``, ``rejected``, ...)
     run_id: str = ""
     winner: bool = False
+    reason: str = ""  # why it failed, one line (:func:`reason`)
 
 
 def status_of(result: Any) -> str:
@@ -93,6 +94,27 @@ def status_of(result: Any) -> str:
         if match:
             return f"{kind}: {match.group(1)}"
     return kind
+
+
+#: the length of a failed candidate's one-line reason (its ``error`` tag, the table's column)
+REASON_CHARS = 200
+
+
+def reason(result: Any) -> str:
+    """Why a candidate failed, in one line of at most :data:`REASON_CHARS` characters ("" when it
+    did not): a traceback's last line (the exception), else the error text's first line."""
+    if result.ok or not result.error:
+        return ""
+    lines = [line.strip() for line in result.error.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if any(line.startswith("Traceback") for line in lines):
+        line = lines[-1]
+    else:  # a heading that introduces what follows ("The code reads names that do not exist:") takes its next line
+        line = lines[0].lstrip("#").strip()
+        if line.endswith(":") and len(lines) > 1:
+            line = f"{line} {lines[1].lstrip('-* ').strip()}"
+    return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3].rstrip() + "..."
 
 
 def sample_of(candidate: Any) -> str:
@@ -114,7 +136,7 @@ def rows(history: Iterable[Any], parent_name: str, winner_id: str = "") -> list[
         for c, r in zip(it.candidates, it.results):
             fitness = r.fitness.value if r.fitness is not None else None
             out.append(Row(c.iteration, sample_of(c), c.id, candidate_run_name(parent_name, c.id), fitness,
-                           status_of(r), r.run_id, c.id == winner_id))
+                           status_of(r), r.run_id, c.id == winner_id, reason(r)))
     return out
 
 
@@ -153,13 +175,14 @@ def code_section(candidate: Any, limit: int | None = None, level: str = "##") ->
 
 def table(table_rows: list[Row], experiment_id: str, fitness_name: str) -> str:
     """The candidate table, one row per candidate, the winner in bold."""
-    head = (f"| iteration | sample | candidate | {cell(fitness_name)} | status | run |\n"
-            "|---:|---:|---|---:|---|---|")
+    head = (f"| iteration | sample | candidate | {cell(fitness_name)} | status | why it failed | run |\n"
+            "|---:|---:|---|---:|---|---|---|")
     lines = [head]
     for r in table_rows:
         name = f"**`{cell(r.name)}`** (winner)" if r.winner else f"`{cell(r.name)}`"
         link = f"[open]({run_link(experiment_id, r.run_id)})" if r.run_id else "-"
-        lines.append(f"| {r.iteration} | {cell(r.sample)} | {name} | {number(r.fitness)} | {cell(r.status)} | {link} |")
+        why = cell(r.reason[:80] + ("..." if len(r.reason) > 80 else "")) if r.reason else ""
+        lines.append(f"| {r.iteration} | {cell(r.sample)} | {name} | {number(r.fitness)} | {cell(r.status)} | {why} | {link} |")
     return "\n".join(lines)
 
 
@@ -182,6 +205,24 @@ def cost_section(llm: dict[str, float], frames: int, seconds: float, candidates:
     return "\n".join(lines)
 
 
+def outcome_line(*, task: str, fitness_name: str, history: list[Any], best: tuple[Any, Any] | None) -> str:
+    """The run's result in one line, for the top of its page, its ``llm4rl.result`` tag and the runs
+    table: the winner and its score, then how many candidates trained and why the others failed."""
+    results = [r for it in history for r in it.results]
+    failed = [r for r in results if not r.ok]
+    kinds: dict[str, int] = {}
+    for r in failed:
+        kinds[status_of(r)] = kinds.get(status_of(r), 0) + 1
+    why = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    counts = f"{len(results)} candidate(s): {len(results) - len(failed)} trained" + (f", {len(failed)} failed ({why})" if failed else "")
+    if best is None:
+        return f"{task}: no winner. {counts}"
+    c, r = best
+    made = [(role, getattr(part, "origin", "")) for role, part in (getattr(c, "parts", None) or {}).items()]
+    parts = ", ".join(f"{role} by {origin}" if origin else role for role, origin in made) or "the baseline"
+    return f"{task}: winner {c.id} ({parts}), {fitness_name} {number(r.score)}. {counts}"
+
+
 def parent_page(*, name: str, task: str, fitness_name: str, experiment_id: str, history: list[Any],
                 best: tuple[Any, Any] | None, llm: dict[str, float], seconds: float,
                 final: list[float] | None = None, limit: int = TAG_LIMIT) -> str:
@@ -197,12 +238,14 @@ def parent_page(*, name: str, task: str, fitness_name: str, experiment_id: str, 
     results = [r for it in history for r in it.results]
     frames = sum(r.frames for r in results)
     failed = sum(not r.ok for r in results)
+    # the first line carries the result: MLflow shows a description collapsed, its first lines only
+    summary = f"**{cell(outcome_line(task=task, fitness_name=fitness_name, history=history, best=best))}**"
     if best is not None:
         c, r = best
         link = run_link(experiment_id, r.run_id) if r.run_id else ""
         run_name = candidate_run_name(name, c.id)
         shown = f"[`{run_name}`]({link})" if link else f"`{run_name}`"
-        head = (f"# {cell(task)}: winner `{c.id}`, {cell(fitness_name)} {number(r.score)}\n\n"
+        head = (f"{summary}\n\n"
                 f"**Winner:** {shown}, iteration {c.iteration}, sample {sample_of(c)}, "
                 f"`{cell(fitness_name)}` = {number(r.score)}.\n\n"
                 f"**Rule:** {winner_rule(fitness_name)}.")
@@ -210,8 +253,9 @@ def parent_page(*, name: str, task: str, fitness_name: str, experiment_id: str, 
             head += (f"\n\n**Final seeds:** the winner scored {', '.join(number(v) for v in final)} "
                      f"(mean {number(sum(final) / len(final))}) on {len(final)} seed(s), the search's own included.")
     else:
-        head = (f"# {cell(task)}: no winner\n\nNo candidate trained without error "
-                f"({len(results)} tried); the table gives each one's error kind.")
+        first = next((reason(r) for r in results if not r.ok and reason(r)), "")
+        head = (f"{summary}\n\nNo candidate trained without error ({len(results)} tried); the table gives each "
+                "one's error kind" + (f", the first error: `{cell(first)}`." if first else "."))
     costs = "## Cost\n\n" + cost_section(llm, frames, seconds, len(results), failed)
 
     def page(code_limit: int | None, shown_rows: list[Row]) -> str:
@@ -241,10 +285,17 @@ def candidate_page(*, candidate: Any, result: Any, parent_name: str, parent_id: 
     :param winner: the rule that made it the run's winner, or "" when it did not win.
     """
     parent = f"[`{parent_name or parent_id}`]({run_link(experiment_id, parent_id)})" if parent_id else "-"
-    score = number(result.fitness.value) if result.fitness is not None else "-"
-    lines = [f"# Candidate `{candidate.id}` of run {parent}",
-             f"Iteration {candidate.iteration}, sample {sample_of(candidate)}: `{cell(fitness_name)}` = {score}, "
-             f"status **{status_of(result)}**, {result.frames} frames in {result.seconds:.1f} s."]
+    where = f"Candidate `{candidate.id}` of run {parent}, iteration {candidate.iteration}, sample {sample_of(candidate)}"
+    if result.ok:  # the first line carries the result (MLflow shows a description collapsed)
+        score = number(result.fitness.value) if result.fitness is not None else "not scored"
+        lines = [f"**`{cell(fitness_name)}` = {score}**" + (" (winner of the run)" if winner else "")
+                 + f", {result.frames} frames in {result.seconds:.1f} s.", f"{where}: status **ok**."]
+    else:  # a failed candidate has no score: say why, not "fitness = -"
+        status, why = status_of(result), reason(result) or "no error text"
+        said = status.split(": ")[-1]  # "exception: NameError" is said by "NameError: name 'x' ..."
+        lines = [f"**Failed: {cell(why)}**" if why.startswith(said) else f"**Failed ({cell(status)}): {cell(why)}**",
+                 f"{where}: not scored" + (f" ({result.frames} frames in {result.seconds:.1f} s)" if result.frames else "")
+                 + "; the whole error is below and in this run's `error.txt`."]
     if winner:
         lines.append(f"**Winner of the run.** Rule: {winner}.")
     if not result.ok and result.error:

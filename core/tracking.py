@@ -40,11 +40,24 @@ log = logging.getLogger("core.tracking")
 #: 3.17's global GenAI / Model training switch still wins over it, so links carry
 #: ``workflowType=machine_learning`` too (:data:`core.run_page.ML_VIEW`)
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+#: the run tag that tells the runs apart: ``parent`` (one per command), ``candidate`` (one per
+#: training); a report's run has none (it carries ``llm4rl.report``), so neither view lists it
+KIND_TAG = "llm4rl.kind"
+#: the parent-run tag holding the run's result in one line (:func:`core.run_page.outcome_line`)
+RESULT_TAG = "llm4rl.result"
 #: a saved runs-table view (experiment tag ``mlflow.sharedViewState.<key>``), opened by the URL
 #: ``#/experiments/<id>?viewStateShareKey=<key>`` and listed in the UI's view menu
 VIEW_KEY = "llm4rl-candidates"
-#: the metrics that view shows as columns, in order (MLflow shows no metric column by default)
-VIEW_METRICS = ("fitness", "eval/return", "charts/episodic_return", "seconds", "frames")
+#: the saved view of the parent runs alone (one row per command, its result in a column)
+RUNS_VIEW_KEY = "llm4rl-runs"
+#: the metrics the candidates view shows as columns, in order (MLflow shows no metric column by default)
+VIEW_METRICS = ("fitness", "charts/episodic_return", "seconds")
+#: the filter of each view (MLflow's search syntax; documented in docs/mlflow.md)
+CANDIDATES_FILTER = f"tags.`{KIND_TAG}` = 'candidate'"
+RUNS_FILTER = f"tags.`{KIND_TAG}` = 'parent'"
+#: how many decimals a metric is logged with, by name (MLflow's table shows every digit it is given)
+DECIMALS = {"seconds": 1, "charts/episodic_return": 2, "summary/charts/episodic_return": 2, "eval/return": 2,
+            "charts/fps": 0}
 #: candidate metrics that are one value per training, never a series: logged once, at step 0
 SUMMARY_ONLY = ("reward/env_correlation",)
 #: why a summary metric can be undefined (NaN), written as the run's ``note.<metric>`` tag
@@ -150,16 +163,41 @@ def _first_contact_lock(uri: str) -> Iterator[None]:
 
 
 def saved_view(created_ms: int = 0) -> str:
-    """The runs-table view this project saves on its experiments (MLflow 3's saved-view envelope).
+    """The candidates view this project saves on its experiments (MLflow 3's saved-view envelope).
 
-    It shows :data:`VIEW_METRICS` and the winner tag as columns and sorts by ``fitness``,
-    best first. MLflow keeps no per-experiment default columns: a view is opened by its URL
-    (:meth:`Tracker.ui_hint`) or chosen from the view menu above the runs table.
+    It lists the candidate runs alone (:data:`CANDIDATES_FILTER`: no parent, no report),
+    shows :data:`VIEW_METRICS`, why a candidate failed (``error_kind``, ``error``) and the
+    winner tag as columns (few enough to fit a 1400-pixel window) and sorts by ``fitness``,
+    best first. MLflow keeps no
+    per-experiment default columns: a view is opened by its URL (:meth:`Tracker.ui_hint`)
+    or chosen from the view menu above the runs table.
     """
-    columns = [f"metrics.`{m}`" for m in VIEW_METRICS] + ["tags.`llm4rl.winner`", "tags.`candidate`"]
-    state = {"orderByKey": "metrics.`fitness`", "orderByAsc": False, "selectedColumns": columns}
+    columns = ([f"metrics.`{m}`" for m in VIEW_METRICS]
+               + ["tags.`error_kind`", "tags.`error`", "tags.`llm4rl.winner`"])
+    state = {"orderByKey": "metrics.`fitness`", "orderByAsc": False, "selectedColumns": columns,
+             "searchFilter": CANDIDATES_FILTER}
     return json.dumps({"name": "llm4rl: candidates by fitness", "createdAt": created_ms, "updatedAt": created_ms,
                        "state": json.dumps(state)})
+
+
+def runs_view(created_ms: int = 0) -> str:
+    """The parent runs' view: one row per command (:data:`RUNS_FILTER`), newest first, with its
+    result in one line (:data:`RESULT_TAG`), its plugins, env, seed and totals."""
+    columns = [f"metrics.`{m}`" for m in ("fitness", "seconds")] + [
+        f"tags.`{t}`" for t in (RESULT_TAG, "plugins", "env", "seed")]
+    state = {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": columns,
+             "searchFilter": RUNS_FILTER}
+    return json.dumps({"name": "llm4rl: runs (one per command)", "createdAt": created_ms, "updatedAt": created_ms,
+                       "state": json.dumps(state)})
+
+
+def rounded(name: str, value: float) -> float:
+    """``value`` with the decimals :data:`DECIMALS` gives ``name`` (as it is), so that tables read
+    ``12.3`` where they read ``12.345678901``."""
+    digits = DECIMALS.get(name)
+    if digits is None or not _finite(value):
+        return value
+    return float(round(float(value), digits))
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -197,6 +235,7 @@ class Tracker:
                 self.experiment_id = existing.experiment_id
             self.client.set_experiment_tag(self.experiment_id, *EXPERIMENT_KIND)
             self.client.set_experiment_tag(self.experiment_id, f"mlflow.sharedViewState.{VIEW_KEY}", saved_view())
+            self.client.set_experiment_tag(self.experiment_id, f"mlflow.sharedViewState.{RUNS_VIEW_KEY}", runs_view())
         self.parent_id = ""
         self.parent_name = ""
         self.uri = cfg["uri"]
@@ -219,7 +258,7 @@ class Tracker:
     @contextmanager
     def experiment_run(self, config: DictConfig, run_name: str, tags: dict[str, str]) -> Iterator[str]:
         """Start the parent run, log the resolved config; yields its run id."""
-        run = self.mlflow.start_run(experiment_id=self.experiment_id, run_name=run_name, tags=tags)
+        run = self.mlflow.start_run(experiment_id=self.experiment_id, run_name=run_name, tags={KIND_TAG: "parent", **tags})
         self.parent_id, self.parent_name = run.info.run_id, run_name
         status = "FAILED"
         try:
@@ -250,7 +289,7 @@ class Tracker:
                    keep_nan: bool = False) -> None:
         """Many ``(key, value, step)`` metric points in few requests; non-finite values are left
         out (NaN kept with ``keep_nan``). Names MLflow refuses are logged under :func:`safe_key`
-        names (:meth:`metric_names`)."""
+        names (:meth:`metric_names`); values are :func:`rounded` by name (``seconds``, returns)."""
         import time
 
         from mlflow.entities import Metric
@@ -259,7 +298,7 @@ class Tracker:
         now = int(time.time() * 1000)
         kept = [(k, v, step) for k, v, step in points if _finite(v) or (keep_nan and isinstance(v, float) and v != v)]
         names = self.metric_names([k for k, _, _ in kept], rid)
-        metrics = [Metric(names[k], float(v), now, int(step)) for k, v, step in kept]
+        metrics = [Metric(names[k], rounded(k, float(v)), now, int(step)) for k, v, step in kept]
         for i in range(0, len(metrics), 1000):  # MLflow's batch limit
             self.client.log_batch(rid, metrics=metrics[i : i + 1000])
 
@@ -359,8 +398,9 @@ class Tracker:
             self.experiment_id,
             start_time=end_ms - int(result.seconds * 1000),
             run_name=run_page.candidate_run_name(self.parent_name, candidate.id),
-            tags={MLFLOW_PARENT_RUN_ID: self.parent_id, "candidate": candidate.id, "ok": str(result.ok),
-                  run_page.WINNER_TAG: "false", run_page.NOTE_TAG: page, **{safe_key(k): v for k, v in tags.items()}},
+            tags={MLFLOW_PARENT_RUN_ID: self.parent_id, KIND_TAG: "candidate", "candidate": candidate.id,
+                  "ok": str(result.ok), run_page.WINNER_TAG: "false", run_page.NOTE_TAG: page,
+                  **failure_tags(result), **{safe_key(k): v for k, v in tags.items()}},
         )
         return run.info.run_id
 
@@ -418,8 +458,8 @@ class Tracker:
                 run_id = self.client.create_run(
                     self.experiment_id, start_time=end_ms - int(max(result.seconds, 0.0) * 1000),
                     run_name=run_page.candidate_run_name(self.parent_name, candidate.id),
-                    tags={MLFLOW_PARENT_RUN_ID: self.parent_id, "candidate": candidate.id, run_page.WINNER_TAG: "false",
-                          **tags}).info.run_id
+                    tags={MLFLOW_PARENT_RUN_ID: self.parent_id, KIND_TAG: "candidate", "candidate": candidate.id,
+                          run_page.WINNER_TAG: "false", **tags}).info.run_id
         if not run_id:
             return ""
         for key, value in tags.items():
@@ -447,7 +487,9 @@ class Tracker:
         text = run_page.parent_page(name=self.parent_name, task=task, fitness_name=fitness_name,
                                     experiment_id=self.experiment_id, history=history, best=best, llm=llm,
                                     seconds=seconds, final=final)
-        self.set_tags({run_page.NOTE_TAG: text})
+        self.set_tags({run_page.NOTE_TAG: text,
+                       RESULT_TAG: run_page.outcome_line(task=task, fitness_name=fitness_name, history=history,
+                                                         best=best)[:5000]})
         if best is not None and best[1].run_id:
             candidate, result = best
             page = run_page.candidate_page(candidate=candidate, result=result, parent_name=self.parent_name,
@@ -503,6 +545,14 @@ def candidate_metrics(result: TrainResult) -> tuple[list[tuple[str, float, int]]
     if result.fitness is not None:
         summary.update({f"fitness/{k}": float(v) for k, v in result.fitness.details.items()})
     return points, summary
+
+
+def failure_tags(result: TrainResult) -> dict[str, str]:
+    """A failed candidate's ``error_kind`` and ``error`` (why, in one line: :func:`core.run_page.reason`),
+    columns of the candidates view; none for a candidate that trained."""
+    if result.ok:
+        return {}
+    return {"error_kind": run_page.status_of(result), "error": run_page.reason(result) or "no error text"}
 
 
 def _finite(v: Any) -> bool:

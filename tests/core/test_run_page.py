@@ -47,8 +47,11 @@ def test_the_parent_page_has_every_candidate_the_winner_and_the_rule():
     page = _page()
     rows = [line for line in page.splitlines() if line.startswith("| ") and "`eureka-s0/" in line]
     assert len(rows) == 3
-    assert "| 0 | 1 | `eureka-s0/it0-c1` | - | timeout | [open](#/experiments/7/runs/r01?workflowType=machine_learning) |" in rows
-    assert "| 1 | 3 | **`eureka-s0/it1-c0`** (winner) | 187.5 | ok | [open](#/experiments/7/runs/r10?workflowType=machine_learning) |" in rows
+    assert "| 0 | 1 | `eureka-s0/it0-c1` | - | timeout | boom | [open](#/experiments/7/runs/r01?workflowType=machine_learning) |" in rows
+    assert "| 1 | 3 | **`eureka-s0/it1-c0`** (winner) | 187.5 | ok |  | [open](#/experiments/7/runs/r10?workflowType=machine_learning) |" in rows
+    # the first line, all a collapsed description shows, carries the result
+    assert page.splitlines()[0] == ("**CartPole-v1: winner it1-c0 (reward by eureka), return 187.5. "
+                                    "3 candidate(s): 2 trained, 1 failed (1 timeout)**")
     assert "**Winner:** [`eureka-s0/it1-c0`](#/experiments/7/runs/r10?workflowType=machine_learning)" in page
     assert "**Rule:** the highest `return`" in page
     assert "| LLM tokens | 900 prompt + 300 completion |" in page and "$0.0012" in page
@@ -70,7 +73,8 @@ def test_a_run_without_winner_says_so():
     for it in history:
         it.results = [TrainResult(r.candidate_id, ok=False, error_kind="sandbox") for r in it.results]
     page = _page(history=history, best=None)
-    assert page.startswith("# CartPole-v1: no winner") and "Winning code" not in page
+    assert page.startswith("**CartPole-v1: no winner. 3 candidate(s): 0 trained, 3 failed (3 sandbox)**")
+    assert "Winning code" not in page
     assert page.count("| sandbox |") == 3
 
 
@@ -91,14 +95,34 @@ def test_a_candidate_page_links_its_parent_and_shows_its_error():
     failed = TrainResult("it0-c1", ok=False, error="Traceback\n  ...\nZeroDivisionError: x", error_kind="ZeroDivisionError")
     page = run_page.candidate_page(candidate=c, result=failed, parent_name="eureka-s0", parent_id="p1",
                                    experiment_id="7")
-    assert page.startswith("# Candidate `it0-c1` of run [`eureka-s0`](#/experiments/7/runs/p1?workflowType=machine_learning)")
-    assert "status **ZeroDivisionError**" in page and "ZeroDivisionError: x" in page
+    first, _, second, *_ = page.splitlines()
+    assert first == "**Failed: ZeroDivisionError: x**"  # why, first: not "return = -"
+    assert second.startswith("Candidate `it0-c1` of run [`eureka-s0`](#/experiments/7/runs/p1?workflowType=machine_learning)")
+    assert "not scored" in second and "= -" not in page and "## Error (ZeroDivisionError)" in page
     failed.error_kind = "exception"
     assert run_page.status_of(failed) == "exception: ZeroDivisionError"
     assert "## reward: `compute_reward` from `eureka`" in page and "Winner" not in page
     won = run_page.candidate_page(candidate=c, result=_ok("it0-c1", 3.0), parent_name="eureka-s0", parent_id="p1",
                                   experiment_id="7", winner=run_page.winner_rule("return"))
     assert "**Winner of the run.** Rule: the highest `return`" in won
+    assert won.startswith("**`fitness` = 3** (winner of the run), 1000 frames in 2.5 s.")
+    rejected = TrainResult("it0-c1", ok=False, error="No code block in the reply.\nWrite the function in a block.",
+                           error_kind="rejected")
+    assert run_page.candidate_page(candidate=c, result=rejected, parent_name="eureka-s0", parent_id="p1",
+                                   experiment_id="7").startswith("**Failed (rejected): No code block in the reply.**")
+
+
+def test_a_failures_reason_is_one_line():
+    def failed(error: str) -> TrainResult:
+        return TrainResult("c", ok=False, error=error, error_kind="exception")
+
+    assert run_page.reason(failed("Traceback (most recent call last):\n  File x\nNameError: name 'y' is not defined\n")) \
+        == "NameError: name 'y' is not defined"
+    assert run_page.reason(failed("\n# vetting: pays more for failing\nthe details\n")) == "vetting: pays more for failing"
+    assert run_page.reason(failed("The code reads names that do not exist:\n- next_state['x'] (no such field)\n")) \
+        == "The code reads names that do not exist: next_state['x'] (no such field)"
+    assert len(run_page.reason(failed("x" * 1000))) == run_page.REASON_CHARS
+    assert run_page.reason(_ok("c", 1.0)) == ""
 
 
 def test_the_baseline_has_no_code_to_show():

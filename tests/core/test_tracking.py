@@ -18,10 +18,14 @@ from core import run_page
 from core.loop import run_experiment
 from core.records import Candidate, CurvePoint, Fitness, IterationResult, RewardProgram, TrainResult
 from core.tracking import (
+    CANDIDATES_FILTER,
     EXPERIMENT_KIND,
     MAX_KEY_CHARS,
     NAMES_ARTIFACT,
     RENAMED_TAG,
+    RESULT_TAG,
+    RUNS_FILTER,
+    RUNS_VIEW_KEY,
     VIEW_KEY,
     Tracker,
     candidate_metrics,
@@ -147,6 +151,9 @@ def test_the_experiment_opens_as_model_training_with_a_candidates_view(tracker):
     view = json.loads(tags[f"mlflow.sharedViewState.{VIEW_KEY}"])
     state = json.loads(view["state"])
     assert state["orderByKey"] == "metrics.`fitness`" and "metrics.`fitness`" in state["selectedColumns"]
+    assert state["searchFilter"] == CANDIDATES_FILTER and "tags.`error`" in state["selectedColumns"]  # candidates alone, why they failed
+    runs = json.loads(json.loads(tags[f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"])["state"])
+    assert runs["searchFilter"] == RUNS_FILTER and f"tags.`{RESULT_TAG}`" in runs["selectedColumns"]
     assert tracker.ui_hint().startswith(f"python -m core.ui --uri {tracker.uri} --experiment ")  # it opens the view
     tracker.uri = "http://tracking.example:5000"
     assert f"viewStateShareKey={VIEW_KEY}" in tracker.ui_hint()  # a server's own address: the view's page
@@ -191,8 +198,23 @@ def test_a_run_explains_itself_on_its_parent_page(local_plugins, tiny_run):
     winner = by_name[f"{name}/it0-c0"]
     assert winner.data.tags[run_page.WINNER_TAG] == "true" and by_name[f"{name}/it0-c1"].data.tags[run_page.WINNER_TAG] == "false"
     seconds = winner.data.metrics["seconds"]
-    assert abs((winner.info.end_time - winner.info.start_time) / 1000 - seconds) < 0.01 and seconds > 0.05
+    # the metric is rounded to 0.1 s (a table reads 3.2, not 3.2165479)
+    assert abs((winner.info.end_time - winner.info.start_time) / 1000 - seconds) <= 0.051 and seconds > 0.05
+    assert seconds == round(seconds, 1)
     assert [m.step for m in client.get_metric_history(winner.info.run_id, "fitness")] == [256, 512]
+    returns = [m.value for m in client.get_metric_history(winner.info.run_id, "charts/episodic_return")]
+    assert returns and all(v == round(v, 2) for v in returns)
+    # the kinds of run are told apart, by the filters the saved views use
+    experiment = [parent.info.experiment_id]
+    assert [r.info.run_id for r in client.search_runs(experiment, RUNS_FILTER)] == [summary.run_id]
+    assert {r.info.run_name for r in client.search_runs(experiment, CANDIDATES_FILTER)} == set(by_name)
+    # a failed candidate says why in its tags (columns of the candidates view), the parent its result
+    bad = by_name[f"{name}/it0-c1"].data.tags
+    assert bad["error_kind"] in ("exception: ZeroDivisionError", "timeout") and bad["error"]
+    assert "ZeroDivisionError" in bad["error"] or bad["error_kind"] == "timeout"
+    assert "error" not in winner.data.tags
+    assert ": winner it0-c0 (reward by proposer)" in parent.data.tags[RESULT_TAG]
+    assert page.splitlines()[0] == f"**{parent.data.tags[RESULT_TAG]}**"
 
 
 # -- names MLflow refuses, and a candidate that cannot be recorded ------------------------------
