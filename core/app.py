@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from core.errors import UserError, did_you_mean
+from core.preset import TAG as PRESET_TAG, apply_preset
 from core.resources import conf_dir
 
 console = Console(stderr=True)
@@ -116,15 +117,20 @@ def check_argv(argv: list[str]) -> None:
                     f"differ in plugins ('+plugins=[{name}],[]'), arms without '{name}' ignore that knob "
                     "and record it (docs/ablations.md, 'Sweeping a plugin's knob')."
                 )
-    envs = sorted(p.stem for p in (conf_dir() / "env").glob("*.yaml"))
+    # an unknown option of any config group (env=, trainer=, llm=, +preset=, ...): one paragraph and
+    # exit status 2, as for an unknown env or plugin (Hydra's own message exited 1)
+    groups = {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in conf_dir().iterdir()
+              if d.is_dir() and d.name not in ("hydra", "plugins", "study")}
     for override in parsed:
-        if override.key_or_group == "env" and override.type == OverrideType.CHANGE and override.package is None:
-            for name in (str(v) for v in _values(override)):
-                if name not in envs:
-                    raise UserError(
-                        f"Unknown env '{name}'.{did_you_mean(name, envs)} Available envs: {', '.join(envs)}. "
-                        "Any gymnasium id works with env=gym env.id=<id>."
-                    )
+        options = groups.get(override.key_or_group)
+        if options is None or override.package is not None or override.type not in (OverrideType.CHANGE, OverrideType.ADD):
+            continue
+        group = override.key_or_group
+        for name in (str(v) for v in _values(override)):
+            if name not in options:
+                hint = " Any gymnasium id works with env=gym env.id=<id>." if group == "env" else ""
+                raise UserError(f"Unknown {group} '{name}'.{did_you_mean(name, options)} Available {group}s: "
+                                f"{', '.join(options)}.{hint}")
 
 
 def sweep_ready(argv: list[str]) -> list[str]:
@@ -273,6 +279,8 @@ def run_one(cfg: DictConfig) -> float:
     from core.quiet import quiet_third_party
 
     quiet_third_party()
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    preset = apply_preset(cfg, overrides)  # +preset=<name>: its plugin knobs to the enabled plugins only
     try:
         check_credentials(cfg)  # before the training stack is imported: a missing key is said in a second or two
     except UserError as err:
@@ -280,8 +288,8 @@ def run_one(cfg: DictConfig) -> float:
         sys.exit(2)
     from core.loop import run_experiment
 
-    tags = {}
-    ignored = ignored_knobs(cfg, list(HydraConfig.get().overrides.task)) if HydraConfig.initialized() else []
+    tags = {PRESET_TAG: preset} if preset else {}
+    ignored = ignored_knobs(cfg, overrides)
     if ignored:
         tags[IGNORED_TAG] = " ".join(ignored)
         console.print(f"ignored in this run, whose plugins do not include theirs: {', '.join(ignored)} (tag {IGNORED_TAG})",

@@ -418,7 +418,7 @@ def typed(schema: type, node: Any, where: str) -> Any:
         try:
             check()
         except ValueError as err:
-            raise UserError(f"Invalid value under '{where}': {err}. Fix it in the YAML file or on the command line.") from None
+            raise UserError(f"Invalid value under '{where}': {err}. Fix it {where_to_set(where)}.") from None
     return obj
 
 
@@ -464,8 +464,23 @@ def _explain(err: OmegaConfBaseException, schema: type, where: str) -> str:
     value = getattr(err, "value", None)
     return (
         f"Invalid value for '{path}': expected {expected}, got {value!r} ({type(value).__name__}). "
-        f"Set it in the YAML file or on the command line, e.g. {path}=<{expected}>."
+        f"Set it {where_to_set(where)}, e.g. {path}=<{expected}>."
     )
+
+
+def where_to_set(where: str) -> str:
+    """Where a user sets a key under ``where``, in words: the YAML file that holds it, or, for a
+    plugin that ships no ``conf/plugins/<name>.yaml`` (a third-party plugin's defaults are its
+    ``Config``'s), the command line."""
+    from core.resources import conf_dir
+
+    parts = where.split(".")
+    if parts[0] == "plugins" and len(parts) > 1:
+        if not (conf_dir() / "plugins" / f"{parts[1]}.yaml").is_file():
+            return (f"on the command line; plugin '{parts[1]}' has no YAML file here (its defaults are its "
+                    "Config class's)")
+        return f"in conf/plugins/{parts[1]}.yaml or on the command line"
+    return "in the YAML file or on the command line"
 
 
 def _field_type(schema: type, dotted: str) -> str:

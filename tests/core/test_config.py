@@ -35,3 +35,29 @@ def test_an_edit_to_the_report_keeps_the_key(core_copy: Path) -> None:
     path = core_copy / "report" / "render.py"
     path.write_text(path.read_text() + "\n# an edit\n")
     assert core.config.framework_hash() == before
+
+
+def test_a_bad_value_says_where_to_set_it_and_a_third_party_plugin_has_no_yaml_file():
+    """A third-party plugin's errors said "Set it in the YAML file", where it ships none."""
+    from dataclasses import dataclass
+
+    from core.config import PluginConfig, typed
+    from core.errors import UserError
+
+    @dataclass
+    class Config(PluginConfig):
+        samples: int = 1
+
+        def check(self) -> None:
+            super().check()
+            if self.samples < 1:
+                raise ValueError("samples must be >= 1")
+
+    for node, where in (({"samples": "many"}, "plugins.llm4rl_hello"), ({"samples": 0}, "plugins.llm4rl_hello")):
+        with pytest.raises(UserError) as err:
+            typed(Config, node, where)
+        assert "YAML file" not in str(err.value).replace("has no YAML file here", "")
+        assert "on the command line; plugin 'llm4rl_hello' has no YAML file here" in str(err.value)
+    with pytest.raises(UserError) as err:
+        typed(Config, {"samples": "many"}, "plugins.eureka")  # a shipped plugin: its file is named
+    assert "Set it in conf/plugins/eureka.yaml or on the command line, e.g. plugins.eureka.samples=<int>." in str(err.value)
