@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -17,9 +18,11 @@ from core.store import job_key
 
 
 def _run(tmp_path, *extra: str) -> subprocess.CompletedProcess[str]:
+    # Eureka on CartPole, one round of two samples (one LLM request, plus the vetting's repairs);
+    # 1,024 frames and 2 evaluation episodes: nothing here depends on what the policy learnt.
     cmd = [
         sys.executable, "-m", "core", "+plugins=[eureka]", "plugins.eureka.iterations=1", "plugins.eureka.samples=2",
-        "plugins.eureka.max_tokens=400", "trainer.frames=4096", "trainer.eval_episodes=3",
+        "plugins.eureka.max_tokens=400", "trainer.frames=1024", "trainer.eval_episodes=2",
         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"tracking.artifact_location={tmp_path}/art",
         f"cache_dir={tmp_path}/cache", f"llm.cache_path={tmp_path}/cache/llm.sqlite", "progress=false",
         f"hydra.run.dir={tmp_path}/out", *extra,
@@ -35,9 +38,15 @@ def _parent_runs(tmp_path):
 
 @pytest.mark.slow
 def test_second_identical_run_makes_no_model_call_and_gives_the_same_result(tmp_path):
+    """Also the embedded model's end-to-end Eureka run (the first run): it logs every
+    candidate's code and its fitness or error, the reflection and the LLM's exchanges.
+    One pipeline for both checks, as the first run is the whole cost of each."""
     first = _run(tmp_path)
-    # exit 1 is allowed: every candidate of the weak embedded model may fail, and that is a result too
-    assert first.returncode in (0, 1), first.stdout + first.stderr
+    # exit 1 is allowed: every candidate of the weak embedded model may fail, and that is a
+    # result too, which the run says; anything else is a crash
+    all_failed = first.returncode == 1 and "every candidate failed" in first.stdout
+    assert first.returncode == 0 or all_failed, first.stdout + first.stderr
+    _check_eureka_records(tmp_path, all_failed)
     second = _run(tmp_path)
     assert second.returncode == first.returncode, second.stdout + second.stderr
     runs = _parent_runs(tmp_path)
@@ -49,6 +58,36 @@ def test_second_identical_run_makes_no_model_call_and_gives_the_same_result(tmp_
     assert two["metrics.candidates"] == one["metrics.candidates"]
     f1, f2 = one.get("metrics.fitness"), two.get("metrics.fitness")
     assert (f1 != f1 and f2 != f2) or f1 == f2  # both NaN (all failed) or equal
+
+
+def _check_eureka_records(tmp_path, all_failed: bool) -> None:
+    """What the (only) Eureka run so far recorded in MLflow: the reflection and the LLM's
+    exchanges on the parent; every candidate's code, and its fitness or its error."""
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "llm4rl"]
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) >= 1
+    parent_files = _artifact_paths(client, parents[0].info.run_id)
+    assert any(p.startswith("reflection/it0-") for p in parent_files), parent_files
+    assert any(p.startswith("llm/") for p in parent_files), parent_files
+    for child in children:  # every candidate: its code and its fitness (or its error)
+        files = _artifact_paths(client, child.info.run_id)
+        assert any(p.endswith(".py") for p in files), files
+        if child.data.tags["ok"] == "True":
+            assert "fitness" in child.data.metrics
+        else:
+            assert "error.txt" in files, files
+    assert all_failed or any(c.data.tags["ok"] == "True" for c in children)
+    assert json.dumps(parents[0].data.metrics)  # summary metrics exist
+
+
+def _artifact_paths(client, run_id: str, path: str | None = None) -> list[str]:
+    out: list[str] = []
+    for item in client.list_artifacts(run_id, path):
+        out += _artifact_paths(client, run_id, item.path) if item.is_dir else [item.path]
+    return out
 
 
 # -- results keyed by code ---------------------------------------------------------------
