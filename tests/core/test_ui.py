@@ -49,3 +49,44 @@ def test_the_ui_starts_on_the_store_and_prints_the_experiments_own_page(tmp_path
     time.sleep(0.5)
     with pytest.raises(OSError):  # the server went with it
         urllib.request.urlopen(f"{base}/health", timeout=2)
+
+
+def test_the_server_is_mlflows_app_under_uvicorn_on_the_store_with_no_job_runner():
+    from core.ui import server_command
+
+    command, env = server_command("sqlite:///x.db", 5000)
+    assert command[1:4] == ["-m", "uvicorn", "--host"] and command[-1] == "mlflow.server.fastapi_app:app"
+    assert env["_MLFLOW_SERVER_FILE_STORE"] == "sqlite:///x.db" and env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+    assert env["LITELLM_LOCAL_MODEL_COST_MAP"] == "True"
+    command, env = server_command("sqlite:///x.db", 5000, direct=False)
+    assert command[1:4] == ["-m", "mlflow", "server"] and "sqlite:///x.db" in command
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+
+
+HEALTH = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"OK")
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_direct_start_that_fails_falls_back_to_mlflow_server(monkeypatch):
+    """Should a future MLflow read other settings, its app dies at start: serve() then uses the CLI."""
+    import core.ui
+
+    used = []
+
+    def command(uri, port, direct=True):
+        used.append(direct)
+        if direct:
+            return [sys.executable, "-c", "raise SystemExit(3)"], {}
+        return [sys.executable, "-c", HEALTH, str(port)], {}
+
+    monkeypatch.setattr(core.ui, "server_command", command)
+    with core.ui.serve("sqlite:///x.db", timeout_s=60) as base:
+        with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+            assert r.status == 200
+    assert used == [True, False]
