@@ -66,3 +66,10 @@ def test_an_unknown_group_option_exits_2_like_an_unknown_env():
         proc = subprocess.run([sys.executable, "-m", "core", arg], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_help_names_the_preset():
+    proc = subprocess.run([sys.executable, "-m", "core", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "+preset=quick" in proc.stdout.split("== Config groups")[0]  # in the usage, with the headline
+    assert "preset: quick" in proc.stdout.split("== Config groups")[1]
