@@ -267,8 +267,11 @@ def test_config_refuses_values_that_cannot_work(key, value):
 
 @pytest.mark.slow
 def test_end_to_end_minecraft(tmp_path):
+    # At most 1 + 1 plan calls and, per coded skill (at most 2), a first reply and one critic
+    # revision: 6 calls at most. One critic round is enough to send a failing macro's rollouts
+    # back (what the critic path asserted here needs); a second cost up to 2 more calls.
     cmd = [sys.executable, "-m", "core", "+plugins=[rl_gpt]", "env=minecraft", "env.max_episode_steps=100",
-           "plugins.rl_gpt.iterations=1", "plugins.rl_gpt.max_subactions=2", "plugins.rl_gpt.critic_rounds=2",
+           "plugins.rl_gpt.iterations=1", "plugins.rl_gpt.max_subactions=2", "plugins.rl_gpt.critic_rounds=1",
            "plugins.rl_gpt.rollouts=1", "plugins.rl_gpt.hint='collect wood, place a table, make a wood pickaxe'",
            "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=64", "trainer.epochs=2", "trainer.eval_episodes=2",
            "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
