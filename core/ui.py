@@ -24,6 +24,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
+import contextlib
 from contextlib import contextmanager
 
 #: the environment MLflow's server runs with: no network fetch of litellm's price table, no job
@@ -101,15 +102,35 @@ def _answers(base: str) -> bool:
 
 def experiment_url(base: str, uri: str, experiment: str) -> str:
     """The experiment's candidate view at ``base`` (the experiments list if it does not exist)."""
-    import mlflow
-
     from core import run_page
     from core.tracking import VIEW_KEY
 
-    found = mlflow.MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment)
+    found = experiment_id(uri, experiment)
     if found is None:
         return f"{base}/#/experiments"
-    return f"{base}/#/experiments/{found.experiment_id}/runs?viewStateShareKey={VIEW_KEY}&{run_page.ML_VIEW}"
+    return f"{base}/#/experiments/{found}/runs?viewStateShareKey={VIEW_KEY}&{run_page.ML_VIEW}"
+
+
+def experiment_id(uri: str, experiment: str) -> str | None:
+    """The id of the experiment named ``experiment`` in the store ``uri``, None if there is none.
+
+    A sqlite store is read directly: importing MLflow for this one lookup took 10 s at a load
+    of 8, after the server was up (the first page waited for it). Other stores ask MLflow.
+    """
+    if uri.startswith("sqlite:///"):
+        import sqlite3
+
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{uri[len('sqlite:///'):]}?mode=ro", uri=True)) as db:
+                row = db.execute("select experiment_id from experiments where name = ? and lifecycle_stage = 'active'",
+                                 (experiment,)).fetchone()
+            return str(row[0]) if row else None
+        except sqlite3.Error:
+            pass  # not MLflow's schema (yet): MLflow knows
+    import mlflow
+
+    found = mlflow.MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment)
+    return None if found is None else str(found.experiment_id)
 
 
 def main(argv: list[str] | None = None) -> int:

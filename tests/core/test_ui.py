@@ -90,3 +90,17 @@ def test_a_direct_start_that_fails_falls_back_to_mlflow_server(monkeypatch):
         with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
             assert r.status == 200
     assert used == [True, False]
+
+
+def test_the_experiments_id_is_read_from_a_sqlite_store_without_importing_mlflow(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    ids = {name: client.create_experiment(name) for name in ("abl", "other")}
+    code = ("import sys; from core.ui import experiment_id; print(experiment_id(sys.argv[1], 'abl'), "
+            "experiment_id(sys.argv[1], 'none'), 'mlflow' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, uri], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == [ids["abl"], "None", "False"], proc.stderr
+    from core.ui import experiment_id
+
+    client.delete_experiment(ids["abl"])
+    assert experiment_id(uri, "abl") is None  # a deleted one is not opened
