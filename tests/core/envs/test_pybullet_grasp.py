@@ -167,9 +167,12 @@ def test_the_original_descent_never_reaches_the_block():
 def test_worked_example_logs_reward_code_fitness_and_failure_modes(tmp_path: Path):
     """``python -m core +plugins=[eureka] env=kuka_grasp`` with a tiny budget; check MLflow."""
     db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # vetting.episodes=2: the random reference episodes the programs are vetted on are ~550
+    # PyBullet steps each (3.6 s each on a busy 2-core machine; the default is 8), and nothing
+    # here depends on how well the vetting judges
     cmd = [
         sys.executable, "-m", "core", "+plugins=[eureka]", "env=kuka_grasp",
-        "plugins.eureka.iterations=1", "plugins.eureka.samples=2", "plugins.eureka.max_tokens=300",
+        "plugins.eureka.iterations=1", "plugins.eureka.samples=2", "plugins.eureka.max_tokens=300", "vetting.episodes=2",
         "trainer.frames=512", "trainer.num_envs=2", "trainer.rollout_steps=64", "trainer.eval_episodes=2",
         "trainer.eval_every=0", "executor=inprocess", "progress=false", "save_policy=false",
         f"cache_dir={tmp_path / 'cache'}", f"tracking.uri={db}", f"tracking.artifact_location={tmp_path / 'art'}",
