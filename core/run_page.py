@@ -98,14 +98,19 @@ def status_of(result: Any) -> str:
 
 #: the length of a failed candidate's one-line reason (its ``error`` tag, the table's column)
 REASON_CHARS = 200
+#: lines an error text holds for the LLM's repair, not as its reason (the sandbox's list of the
+#: state's fields, :func:`core.sandbox.functions.fields_line`)
+PREAMBLES = ("The state has exactly these fields:",)
 
 
 def reason(result: Any) -> str:
     """Why a candidate failed, in one line of at most :data:`REASON_CHARS` characters ("" when it
-    did not): a traceback's last line (the exception), else the error text's first line."""
+    did not): a traceback's last line (the exception), else the error text's first line (after
+    any :data:`PREAMBLES`; a line ending in ``:`` takes the next one along)."""
     if result.ok or not result.error:
         return ""
-    lines = [line.strip() for line in result.error.strip().splitlines() if line.strip()]
+    lines = [line.strip() for line in result.error.strip().splitlines()
+             if line.strip() and not line.strip().startswith(PREAMBLES)]
     if not lines:
         return ""
     if any(line.startswith("Traceback") for line in lines):

@@ -121,6 +121,12 @@ def test_a_failures_reason_is_one_line():
     assert run_page.reason(failed("\n# vetting: pays more for failing\nthe details\n")) == "vetting: pays more for failing"
     assert run_page.reason(failed("The code reads names that do not exist:\n- next_state['x'] (no such field)\n")) \
         == "The code reads names that do not exist: next_state['x'] (no such field)"
+    # the list of the state's fields the sandbox puts first for the LLM's repair is not the reason
+    fields = "The state has exactly these fields: health, food, wood.\n"
+    assert run_page.reason(failed(fields + "the reward must be a torch tensor, got NoneType.")) \
+        == "the reward must be a torch tensor, got NoneType."
+    assert run_page.reason(failed(fields + "Traceback (most recent call last):\n  File x\nRuntimeError: ambiguous")) \
+        == "RuntimeError: ambiguous"
     assert len(run_page.reason(failed("x" * 1000))) == run_page.REASON_CHARS
     assert run_page.reason(_ok("c", 1.0)) == ""
 
