@@ -69,12 +69,22 @@ class Session:
                 f"tracking.artifact_location={self.folder / 'mlartifacts'}", f"cache_dir={self.folder / 'cache'}"]
 
     def run(self, cmd: list[str], timeout_s: float) -> dict[str, Any]:
+        """Run ``cmd``; past ``timeout_s`` it gets Ctrl-C (SIGINT: its MLflow runs end KILLED, as a
+        user's would), then SIGKILL 60 s later. ``rc`` is None for a command that timed out."""
         began, before = time.perf_counter(), load()
+        proc = subprocess.Popen(cmd, cwd=self.folder, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
         try:
-            proc = subprocess.run(cmd, cwd=self.folder, env=self.env, capture_output=True, text=True, timeout=timeout_s)
-            rc, out = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            rc, out = None, f"timed out after {timeout_s} s\n{exc.stdout or ''}{exc.stderr or ''}"
+            out, _ = proc.communicate(timeout=timeout_s)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, _ = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+            rc, out = None, f"timed out after {timeout_s} s (stopped with Ctrl-C)\n{out}"
         shown = " ".join(c for c in cmd if not c.startswith(("tracking.", "cache_dir=")))
         return {"command": shown.replace(self.python, "python"), "rc": rc, "seconds": round(time.perf_counter() - began, 1),
                 "load_before": before, "load_after": load(), "tail": out.strip().splitlines()[-3:]}
@@ -101,21 +111,35 @@ def _parents(uri: str) -> list[Any]:
                                           order_by=["attributes.start_time DESC"])]
 
 
+def _llm_records(uri: str, run_id: str) -> list[str]:
+    """The LLM calls a run recorded so far (its ``llm/`` artifacts), by name."""
+    import mlflow
+
+    try:
+        return sorted(a.path.split("/", 1)[1] for a in mlflow.MlflowClient(uri).list_artifacts(run_id, "llm"))
+    except Exception:  # noqa: BLE001 - a figure, never worth failing the benchmark for
+        return []
+
+
 CONTRIBUTION = re.compile(r"(\d+) LLM program\(s\), (\d+) usable, (none|\d+) trained")
 
 
-def quick(session: Session, seeds: list[int], done: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The quick preset on ``seeds`` (those in ``done`` already measured are kept, not run again)."""
+def quick(session: Session, seeds: list[int], done: list[dict[str, Any]] | None = None,
+          timeout_s: float = 3600) -> dict[str, Any]:
+    """The quick preset on ``seeds`` (those in ``done`` already measured are kept, not run again),
+    each stopped after ``timeout_s``; ``llm_calls_done`` counts the LLM calls a run recorded (how
+    far a run that timed out got)."""
     runs = [r for r in done or [] if r["seed"] in seeds]
     for seed in seeds:
         if any(r["seed"] == seed for r in runs):
             continue
-        step = session.run(session.core(*HEADLINE, f"seed={seed}", "progress=false"), 3600)
+        step = session.run(session.core(*HEADLINE, f"seed={seed}", "progress=false"), timeout_s)
         parents = [p for p in _parents(session.uri) if p.data.tags.get("seed") == str(seed)
                    and p.data.tags.get("plugins") == "envgen,eureka"]
         record: dict[str, Any] = {"seed": seed, **step}
         if parents:
             p = parents[0]
+            record["llm_calls_done"] = _llm_records(session.uri, p.info.run_id)
             wait = float(p.data.metrics.get("llm/wait_s", 0.0))
             m = CONTRIBUTION.search(p.data.tags.get("llm4rl.contribution.eureka", ""))
             sampled, usable, trained = (int(m.group(1)), int(m.group(2)), 0 if m.group(3) == "none" else int(m.group(3))) \
@@ -247,6 +271,7 @@ def main() -> None:
     parser.add_argument("--source", type=Path, help="a copy of the source tree to run (default: the installed one)")
     parser.add_argument("--folder", type=Path, help="the session's folder (default: a new temporary one, kept)")
     parser.add_argument("--out", type=Path, help="write the JSON here too")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds before a quick-preset run is stopped")
     args = parser.parse_args()
     folder = args.folder or Path(tempfile.mkdtemp(prefix="first_run-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -278,7 +303,7 @@ def main() -> None:
         save("ui")
     if "quick" not in args.skip:
         for k in range(1, len(args.seeds) + 1):
-            report["quick"] = quick(session, args.seeds[:k], report.get("quick", {}).get("runs", []))
+            report["quick"] = quick(session, args.seeds[:k], report.get("quick", {}).get("runs", []), args.timeout)
             save(f"quick seeds {args.seeds[:k]}")
     print(save("all"))
 
