@@ -407,6 +407,8 @@ def typed(schema: type, node: Any, where: str) -> Any:
     :raises UserError: one paragraph naming the key, the expected type and the value.
     """
     try:
+        if isinstance(node, DictConfig):  # resolved in place: a merge cuts interpolations to the root (${cache_dir})
+            node = OmegaConf.to_container(node, resolve=True)
         merged = OmegaConf.merge(OmegaConf.structured(schema), node if node is not None else {})
         obj = OmegaConf.to_object(merged)
     except (ValidationError, ConfigKeyError) as err:
@@ -566,7 +568,9 @@ def framework_hash() -> str:
     modules in :data:`PRESENTATION`, which only show results. A finished training or
     study cell is reused only under the same hash, so a fix to any of them retrains.
     """
-    root = Path(__file__).parent  # the core package
+    import core
+
+    root = Path(core.__file__).parent  # the core package (a test points it at a copy)
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)

@@ -140,8 +140,8 @@ def test_from_scratch_candidates_train_as_proposed():
 
 def test_continuing_needs_the_ppo_trainer():
     with pytest.raises(UserError, match="continue_training"):
-        make([], config={"trainer": {"name": "sac"}})
-    make([], config={"trainer": {"name": "sac"}}, continue_training=False)
+        make([], config={"trainer": {"name": "sac", "frames": 1024}})
+    make([], config={"trainer": {"name": "sac", "frames": 1024}}, continue_training=False)
 
 
 def test_repair_rules_chain():

@@ -137,7 +137,7 @@ def test_no_working_controller_leaves_plain_training_and_says_why():
 
 
 def test_an_on_policy_trainer_is_refused():
-    run = make_run(MountainCarContinuous(), plugin="rlingua", module=rlingua, config={"trainer": {"name": "ppo"}})
+    run = make_run(MountainCarContinuous(), plugin="rlingua", module=rlingua, config={"trainer": {"name": "ppo", "frames": 1024}})
     with pytest.raises(UserError, match="trainer=sac"):
         plugin_object(rlingua).on_run_start(run)
 
