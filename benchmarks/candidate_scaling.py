@@ -49,14 +49,29 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from core.executor import CpuReading, InProcessExecutor, PoolExecutor, TrainJob, build_runtime, read_cpu, usable_cores, workers_setting
+from core.executor import (
+    CpuReading,
+    InProcessExecutor,
+    PoolExecutor,
+    TrainJob,
+    build_runtime,
+    read_cpu,
+    usable_cores,
+    workers_setting,
+)
 from core.records import Candidate, TrainResult
 from core.resources import conf_dir
 
 
 def make_jobs(k: int, frames: int, run_key: str) -> list[TrainJob]:
     """K baseline CartPole candidates, seeds 0..K-1, of one run (workers build its runtime once)."""
-    overrides = ["env=cartpole", f"trainer.frames={frames}", f"trainer.eval_every={frames}", "trainer.eval_episodes=5", "save_policy=false"]
+    overrides = [
+        "env=cartpole",
+        f"trainer.frames={frames}",
+        f"trainer.eval_every={frames}",
+        "trainer.eval_episodes=5",
+        "save_policy=false",
+    ]
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
     container: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
@@ -98,7 +113,9 @@ def load_avg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def condition(name: str, jobs: list[TrainJob], rounds: int, pool: PoolExecutor, ray_cfg: dict[str, Any]) -> dict[str, Any]:
+def condition(
+    name: str, jobs: list[TrainJob], rounds: int, pool: PoolExecutor, ray_cfg: dict[str, Any]
+) -> dict[str, Any]:
     """Serial, pool and Ray on ``jobs``, ``rounds`` times alternately, sized to one reading."""
     from core.ray_executor import RayExecutor
 
@@ -128,7 +145,12 @@ def condition(name: str, jobs: list[TrainJob], rounds: int, pool: PoolExecutor, 
     per_min = {arm: round(60 * rounds * len(jobs) / s, 2) for arm, s in totals.items()}
     return {
         "condition": name,
-        "reading": {"cores": reading.cores, "free_cores": round(reading.free, 2), "load_avg_1min": reading.load_avg and round(reading.load_avg, 2), "source": reading.source},
+        "reading": {
+            "cores": reading.cores,
+            "free_cores": round(reading.free, 2),
+            "load_avg_1min": reading.load_avg and round(reading.load_avg, 2),
+            "source": reading.source,
+        },
         "pool_workers": pool_workers,
         "ray_workers": ray_workers,
         "pool_speedup": round(totals["serial"] / totals["pool"], 2),
@@ -150,16 +172,28 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="candidates")
     parser.add_argument("--frames", type=int, default=20000, help="training frames per candidate")
     parser.add_argument("--workers", default="auto", help="executor.workers for the pool and Ray: auto or a number")
-    parser.add_argument("--conditions", default="idle,busy", help="comma-separated: idle (the machine as it is), busy (one core spinning)")
+    parser.add_argument(
+        "--conditions",
+        default="idle,busy",
+        help="comma-separated: idle (the machine as it is), busy (one core spinning)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="alternating serial/pool/Ray rounds per condition")
-    parser.add_argument("--busy-limit", type=float, default=1800.0, help="seconds after which the busy process stops itself")
+    parser.add_argument(
+        "--busy-limit", type=float, default=1800.0, help="seconds after which the busy process stops itself"
+    )
     args = parser.parse_args()
     workers = workers_setting(args.workers if args.workers == "auto" else int(args.workers))
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     jobs = make_jobs(args.k, args.frames, run_key="candidate-scaling")
     pool = PoolExecutor(workers, read=lambda: CpuReading(usable_cores(), 0.0))
     ray_cfg = {"kind": "ray", "workers": workers}
-    out: dict[str, Any] = {"k": args.k, "frames": args.frames, "workers": workers, "cores": usable_cores(), "rounds": args.rounds}
+    out: dict[str, Any] = {
+        "k": args.k,
+        "frames": args.frames,
+        "workers": workers,
+        "cores": usable_cores(),
+        "rounds": args.rounds,
+    }
     try:
         for name in args.conditions.split(","):
             busy = BusyCore(args.busy_limit) if name == "busy" else None
@@ -181,7 +215,10 @@ def main() -> None:
             out[f"pool_speedup{suffix}"] = out[name]["pool_speedup"]
             out[f"ray_speedup{suffix}"] = out[name]["ray_speedup"]
     conditions = [out[n] for n in ("idle", "busy") if n in out]
-    out["same_fitness"] = all(c["same_fitness"] for c in conditions) and len({json.dumps(c["fitness"]["serial"]) for c in conditions}) <= 1
+    out["same_fitness"] = (
+        all(c["same_fitness"] for c in conditions)
+        and len({json.dumps(c["fitness"]["serial"]) for c in conditions}) <= 1
+    )
     out["all_ok"] = all(c["all_ok"] for c in conditions)
     print(json.dumps(out))
 

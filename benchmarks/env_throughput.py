@@ -116,8 +116,15 @@ def stack_sps(name: str, num_envs: int, frames: int) -> tuple[float, float]:
     per_batch = num_envs * 64
     batches = max(1, frames // per_batch)
     policy = RandomPolicy(action_sampler(vec.single_action_space, num_envs))
-    collector = Collector(env, policy, frames_per_batch=per_batch, total_frames=(batches + 1) * per_batch,
-                          trust_policy=True, track_traj_ids=False, auto_register_policy_transforms=False)
+    collector = Collector(
+        env,
+        policy,
+        frames_per_batch=per_batch,
+        total_frames=(batches + 1) * per_batch,
+        trust_policy=True,
+        track_traj_ids=False,
+        auto_register_policy_transforms=False,
+    )
     it = iter(collector)
     next(it)  # warm-up batch (first reset, spec checks)
     with Clock() as clock:
@@ -167,8 +174,10 @@ def measure_crafter(num_envs: int, frames: int, repeats: int) -> dict[str, Any]:
     """Best-of-``repeats`` steps/s of bare Crafter, upstream Crafter, our vector env and our stack."""
     frames = max(frames, num_envs * 128)
     arms: dict[str, Callable[[int, int], tuple[float, float]]] = {
-        "game": crafter_game_sps, "upstream": crafter_upstream_sps,
-        "vector": lambda n, f: bare_sps("minecraft", n, f), "stack": lambda n, f: stack_sps("minecraft", n, f),
+        "game": crafter_game_sps,
+        "upstream": crafter_upstream_sps,
+        "vector": lambda n, f: bare_sps("minecraft", n, f),
+        "stack": lambda n, f: stack_sps("minecraft", n, f),
     }
     wall, cpu = dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0.0)
     load = [round(os.getloadavg()[0], 2)]
@@ -218,8 +227,12 @@ def main() -> None:
             row["target_envs"] = args.target_envs
             row["meets_target"] = row[str(args.target_envs)]["ratio"] >= TARGETS[name]
         results[name] = row
-    out: dict[str, Any] = {"frames": args.frames, "repeats": args.repeats,
-                           "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], "tasks": results}
+    out: dict[str, Any] = {
+        "frames": args.frames,
+        "repeats": args.repeats,
+        "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "tasks": results,
+    }
     if "minecraft" in args.tasks.split(","):
         out["crafter"] = measure_crafter(args.target_envs, args.frames, args.repeats)
         out["crafter_ratio"] = out["crafter"]["crafter_ratio"]

@@ -42,18 +42,34 @@ VARIANTS = {"continue": "plugins.envgen.continue_training=true", "scratch": "plu
 def run_one(variant: str | None, seed: int, args: argparse.Namespace, scratch: Path) -> dict[str, float]:
     """One run; ``variant`` None is plain PPO. Returns its score, frames and LLM figures."""
     overrides = [
-        "env=minecraft", f"env.max_episode_steps={args.episode_steps}", f"seed={seed}",
-        f"trainer.frames={args.frames}", f"trainer.num_envs={args.num_envs}", "trainer.rollout_steps=128",
-        "trainer.epochs=4", "trainer.minibatch=512", "trainer.ent_coef=0.01", "trainer.gamma=0.95",
-        f"trainer.eval_episodes={args.eval_episodes}", "trainer.eval_every=0", "executor=inprocess",
+        "env=minecraft",
+        f"env.max_episode_steps={args.episode_steps}",
+        f"seed={seed}",
+        f"trainer.frames={args.frames}",
+        f"trainer.num_envs={args.num_envs}",
+        "trainer.rollout_steps=128",
+        "trainer.epochs=4",
+        "trainer.minibatch=512",
+        "trainer.ent_coef=0.01",
+        "trainer.gamma=0.95",
+        f"trainer.eval_episodes={args.eval_episodes}",
+        "trainer.eval_every=0",
+        "executor=inprocess",
         # Crafter's protocol samples the policy; greedy short-trained policies collapse to one action
         "trainer.eval_deterministic=false",
-        "progress=false", "save_policy=false", "resume=false",
+        "progress=false",
+        "save_policy=false",
+        "resume=false",
     ]
     if variant is not None:
-        overrides += ["+plugins=[envgen]", VARIANTS[variant], f"plugins.envgen.iterations={args.cycles}",
-                      f"plugins.envgen.num_envs={args.generated}", f"plugins.envgen.max_tokens={args.max_tokens}",
-                      f"plugins.envgen.generated_share={args.generated_share}"]
+        overrides += [
+            "+plugins=[envgen]",
+            VARIANTS[variant],
+            f"plugins.envgen.iterations={args.cycles}",
+            f"plugins.envgen.num_envs={args.generated}",
+            f"plugins.envgen.max_tokens={args.max_tokens}",
+            f"plugins.envgen.generated_share={args.generated_share}",
+        ]
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
     with open_dict(cfg):
@@ -64,15 +80,25 @@ def run_one(variant: str | None, seed: int, args: argparse.Namespace, scratch: P
         cfg.experiment = "envgen-crafter-benchmark"
     start = time.perf_counter()
     summary = run_experiment(cfg)
-    return {"score": float(summary.fitness), "frames": summary.frames, "seconds": round(time.perf_counter() - start, 1),
-            "llm_calls": summary.llm.get("llm/calls", 0.0), "llm_tokens": summary.llm.get("llm/completion_tokens", 0.0),
-            "llm_seconds": round(summary.llm.get("llm/wait_s", 0.0), 1)}
+    return {
+        "score": float(summary.fitness),
+        "frames": summary.frames,
+        "seconds": round(time.perf_counter() - start, 1),
+        "llm_calls": summary.llm.get("llm/calls", 0.0),
+        "llm_tokens": summary.llm.get("llm/completion_tokens", 0.0),
+        "llm_seconds": round(summary.llm.get("llm/wait_s", 0.0), 1),
+    }
 
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -80,12 +106,14 @@ def _commit() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--frames", type=int, default=100_000,
-                        help="training frames of plain PPO and of EnvGen's final agent")
+    parser.add_argument(
+        "--frames", type=int, default=100_000, help="training frames of plain PPO and of EnvGen's final agent"
+    )
     parser.add_argument("--cycles", type=int, default=4, help="EnvGen cycles (paper: 4)")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["continue"])
-    parser.add_argument("--generated-share", type=float, default=0.5,
-                        help="continue: share of each cycle in the generated envs")
+    parser.add_argument(
+        "--generated-share", type=float, default=0.5, help="continue: share of each cycle in the generated envs"
+    )
     parser.add_argument("--num-envs", type=int, default=8)
     parser.add_argument("--generated", type=int, default=4, help="env configs the LLM writes per cycle")
     parser.add_argument("--max-tokens", type=int, default=600, help="cap on the LLM's reply")
@@ -103,10 +131,16 @@ def main() -> None:
                 runs[variant].append(run_one(variant, seed, args, Path(tmp)))
     baseline = [r["score"] for r in runs["baseline"]]
     out: dict[str, object] = {
-        "benchmark": "envgen_crafter", "frames": args.frames, "cycles": args.cycles, "seeds": args.seeds,
-        "generated_envs": args.generated, "generated_share": args.generated_share,
-        "episode_steps": args.episode_steps, "eval_episodes": args.eval_episodes,
-        "baseline_score": baseline, "baseline_mean": statistics.fmean(baseline),
+        "benchmark": "envgen_crafter",
+        "frames": args.frames,
+        "cycles": args.cycles,
+        "seeds": args.seeds,
+        "generated_envs": args.generated,
+        "generated_share": args.generated_share,
+        "episode_steps": args.episode_steps,
+        "eval_episodes": args.eval_episodes,
+        "baseline_score": baseline,
+        "baseline_mean": statistics.fmean(baseline),
     }
     for variant in args.variants:
         scores = [r["score"] for r in runs[variant]]
@@ -120,9 +154,16 @@ def main() -> None:
         out[f"{variant}_seconds"] = [r["seconds"] for r in runs[variant]]
     out["baseline_frames"] = [r["frames"] for r in runs["baseline"]]
     out["baseline_seconds"] = [r["seconds"] for r in runs["baseline"]]
-    out.update({"seconds": round(time.perf_counter() - start, 1), "load_before": [round(x, 2) for x in load_before],
-                "load_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
-                "machine": platform.platform(), "commit": commit})
+    out.update(
+        {
+            "seconds": round(time.perf_counter() - start, 1),
+            "load_before": [round(x, 2) for x in load_before],
+            "load_after": [round(x, 2) for x in os.getloadavg()],
+            "cpus": os.cpu_count(),
+            "machine": platform.platform(),
+            "commit": commit,
+        }
+    )
     print(json.dumps(out))
 
 

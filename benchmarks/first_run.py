@@ -65,15 +65,23 @@ class Session:
 
     def core(self, *args: str) -> list[str]:
         """``python -m core`` with the session's store and reply cache."""
-        return [self.python, "-m", "core", *args, f"tracking.uri={self.uri}",
-                f"tracking.artifact_location={self.folder / 'mlartifacts'}", f"cache_dir={self.folder / 'cache'}"]
+        return [
+            self.python,
+            "-m",
+            "core",
+            *args,
+            f"tracking.uri={self.uri}",
+            f"tracking.artifact_location={self.folder / 'mlartifacts'}",
+            f"cache_dir={self.folder / 'cache'}",
+        ]
 
     def run(self, cmd: list[str], timeout_s: float) -> dict[str, Any]:
         """Run ``cmd``; past ``timeout_s`` it gets Ctrl-C (SIGINT: its MLflow runs end KILLED, as a
         user's would), then SIGKILL 60 s later. ``rc`` is None for a command that timed out."""
         began, before = time.perf_counter(), load()
-        proc = subprocess.Popen(cmd, cwd=self.folder, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=self.folder, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         try:
             out, _ = proc.communicate(timeout=timeout_s)
             rc = proc.returncode
@@ -86,8 +94,14 @@ class Session:
                 out, _ = proc.communicate()
             rc, out = None, f"timed out after {timeout_s} s (stopped with Ctrl-C)\n{out}"
         shown = " ".join(c for c in cmd if not c.startswith(("tracking.", "cache_dir=")))
-        return {"command": shown.replace(self.python, "python"), "rc": rc, "seconds": round(time.perf_counter() - began, 1),
-                "load_before": before, "load_after": load(), "tail": out.strip().splitlines()[-3:]}
+        return {
+            "command": shown.replace(self.python, "python"),
+            "rc": rc,
+            "seconds": round(time.perf_counter() - began, 1),
+            "load_before": before,
+            "load_after": load(),
+            "tail": out.strip().splitlines()[-3:],
+        }
 
 
 def readme(session: Session) -> list[dict[str, Any]]:
@@ -107,8 +121,12 @@ def _parents(uri: str) -> list[Any]:
     experiment = client.get_experiment_by_name("llm4rl")
     if experiment is None:
         return []
-    return [r for r in client.search_runs([experiment.experiment_id], "tags.`llm4rl.kind` = 'parent'",
-                                          order_by=["attributes.start_time DESC"])]
+    return [
+        r
+        for r in client.search_runs(
+            [experiment.experiment_id], "tags.`llm4rl.kind` = 'parent'", order_by=["attributes.start_time DESC"]
+        )
+    ]
 
 
 def _llm_records(uri: str, run_id: str) -> list[str]:
@@ -124,8 +142,9 @@ def _llm_records(uri: str, run_id: str) -> list[str]:
 CONTRIBUTION = re.compile(r"(\d+) LLM program\(s\), (\d+) usable, (none|\d+) trained")
 
 
-def quick(session: Session, seeds: list[int], done: list[dict[str, Any]] | None = None,
-          timeout_s: float = 3600) -> dict[str, Any]:
+def quick(
+    session: Session, seeds: list[int], done: list[dict[str, Any]] | None = None, timeout_s: float = 3600
+) -> dict[str, Any]:
     """The quick preset on ``seeds`` (those in ``done`` already measured are kept, not run again),
     each stopped after ``timeout_s``; ``llm_calls_done`` counts the LLM calls a run recorded (how
     far a run that timed out got)."""
@@ -134,26 +153,38 @@ def quick(session: Session, seeds: list[int], done: list[dict[str, Any]] | None 
         if any(r["seed"] == seed for r in runs):
             continue
         step = session.run(session.core(*HEADLINE, f"seed={seed}", "progress=false"), timeout_s)
-        parents = [p for p in _parents(session.uri) if p.data.tags.get("seed") == str(seed)
-                   and p.data.tags.get("plugins") == "envgen,eureka"]
+        parents = [
+            p
+            for p in _parents(session.uri)
+            if p.data.tags.get("seed") == str(seed) and p.data.tags.get("plugins") == "envgen,eureka"
+        ]
         record: dict[str, Any] = {"seed": seed, **step}
         if parents:
             p = parents[0]
             record["llm_calls_done"] = _llm_records(session.uri, p.info.run_id)
             wait = float(p.data.metrics.get("llm/wait_s", 0.0))
             m = CONTRIBUTION.search(p.data.tags.get("llm4rl.contribution.eureka", ""))
-            sampled, usable, trained = (int(m.group(1)), int(m.group(2)), 0 if m.group(3) == "none" else int(m.group(3))) \
-                if m else (0, 0, 0)
-            record.update({
-                "llm_wait_s": round(wait, 1), "llm_share": round(wait / step["seconds"], 3) if step["seconds"] else None,
-                "llm_calls": int(p.data.metrics.get("llm/calls", 0)),
-                "completion_tokens": int(p.data.metrics.get("llm/completion_tokens", 0)),
-                "rewards_sampled": sampled, "rewards_usable": usable, "rewards_trained": trained,
-                "llm_reward_trained": trained > 0, "fitness": p.data.metrics.get("fitness"),
-                "result": p.data.tags.get("llm4rl.result", ""), "status": p.info.status,
-                "contributions": {k.split(".", 2)[2]: v for k, v in p.data.tags.items()
-                                  if k.startswith("llm4rl.contribution.")},
-            })
+            sampled, usable, trained = (
+                (int(m.group(1)), int(m.group(2)), 0 if m.group(3) == "none" else int(m.group(3))) if m else (0, 0, 0)
+            )
+            record.update(
+                {
+                    "llm_wait_s": round(wait, 1),
+                    "llm_share": round(wait / step["seconds"], 3) if step["seconds"] else None,
+                    "llm_calls": int(p.data.metrics.get("llm/calls", 0)),
+                    "completion_tokens": int(p.data.metrics.get("llm/completion_tokens", 0)),
+                    "rewards_sampled": sampled,
+                    "rewards_usable": usable,
+                    "rewards_trained": trained,
+                    "llm_reward_trained": trained > 0,
+                    "fitness": p.data.metrics.get("fitness"),
+                    "result": p.data.tags.get("llm4rl.result", ""),
+                    "status": p.info.status,
+                    "contributions": {
+                        k.split(".", 2)[2]: v for k, v in p.data.tags.items() if k.startswith("llm4rl.contribution.")
+                    },
+                }
+            )
         runs.append(record)
     walls = [r["seconds"] for r in runs]
     with_reward = sum(bool(r.get("llm_reward_trained")) for r in runs)
@@ -162,8 +193,10 @@ def quick(session: Session, seeds: list[int], done: list[dict[str, Any]] | None 
         "runs": runs,
         "wall_s_max": max(walls) if walls else None,
         "seeds_with_llm_reward": with_reward,
-        "met": {"wall_time": bool(walls) and max(walls) <= TARGETS["quick_wall_s"],
-                "llm_reward": with_reward >= min(TARGETS["quick_seeds_with_llm_reward"], len(runs))},
+        "met": {
+            "wall_time": bool(walls) and max(walls) <= TARGETS["quick_wall_s"],
+            "llm_reward": with_reward >= min(TARGETS["quick_seeds_with_llm_reward"], len(runs)),
+        },
     }
 
 
@@ -172,7 +205,9 @@ def _interrupt(session: Session, cmd: list[str], ready: Any, wait_s: float, time
     SIGINT and time the process's end."""
     out_path = session.folder / f"interrupt-{time.monotonic_ns()}.log"
     with open(out_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=session.folder, env=session.env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=session.folder, env=session.env, stdout=out, stderr=subprocess.STDOUT, text=True
+        )
         deadline = time.monotonic() + timeout_s
         while not ready(out_path.read_text()):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -190,9 +225,14 @@ def _interrupt(session: Session, cmd: list[str], ready: Any, wait_s: float, time
             proc.wait()
         latency = time.perf_counter() - sent
     text = out_path.read_text()
-    return {"latency_s": round(latency, 2), "running_when_sent": running, "rc": proc.returncode,
-            "resume_line": "run the same command again to resume" in text, "traceback": "Traceback" in text,
-            "load": before}
+    return {
+        "latency_s": round(latency, 2),
+        "running_when_sent": running,
+        "rc": proc.returncode,
+        "resume_line": "run the same command again to resume" in text,
+        "traceback": "Traceback" in text,
+        "load": before,
+    }
 
 
 def _mlflow_running(db: Path) -> bool:
@@ -208,23 +248,35 @@ def ctrl_c(session: Session) -> dict[str, Any]:
     fresh = Session(session.folder / "ctrl_c", None, session.python)
     fresh.folder.mkdir(exist_ok=True)
     fresh.env = session.env
-    during_llm = _interrupt(fresh, fresh.core("+plugins=[eureka]", "env=cartpole", "progress=false", "seed=1234"),
-                            lambda text: "embedded model" in text and "loaded" in text, wait_s=5.0)
+    during_llm = _interrupt(
+        fresh,
+        fresh.core("+plugins=[eureka]", "env=cartpole", "progress=false", "seed=1234"),
+        lambda text: "embedded model" in text and "loaded" in text,
+        wait_s=5.0,
+    )
     db = session.folder / "ctrl_c_train.db"
     train = Session(session.folder, None, session.python)
     train.env, train.uri = session.env, f"sqlite:///{db}"
-    during_training = _interrupt(train, train.core("env=cartpole", "trainer.frames=2000000", "progress=false"),
-                                 lambda _: _mlflow_running(db), wait_s=8.0)
+    during_training = _interrupt(
+        train,
+        train.core("env=cartpole", "trainer.frames=2000000", "progress=false"),
+        lambda _: _mlflow_running(db),
+        wait_s=8.0,
+    )
     latencies = [r.get("latency_s") for r in (during_llm, during_training)]
-    return {"embedded_call": during_llm, "training": during_training,
-            "met": all(x is not None and x <= TARGETS["ctrl_c_s"] for x in latencies)}
+    return {
+        "embedded_call": during_llm,
+        "training": during_training,
+        "met": all(x is not None and x <= TARGETS["ctrl_c_s"] for x in latencies),
+    }
 
 
 def ui(session: Session) -> dict[str, Any]:
     cmd = [session.python, "-m", "core.ui", "--uri", session.uri, "--experiment", "llm4rl", "--port", "0"]
     began, before = time.perf_counter(), load()
-    proc = subprocess.Popen(cmd, cwd=session.folder, env=session.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=session.folder, env=session.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     url, printed = "", None
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -244,9 +296,14 @@ def ui(session: Session) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         proc.kill()
     stop = time.perf_counter() - sent
-    return {"url_printed_s": round(printed, 1) if printed else None, "first_page_s": round(page, 1) if page else None,
-            "page_is_mlflow": bool(page) and "mlflow" in html.lower(), "stopped_s": round(stop, 1), "load_before": before,
-            "met": page is not None and page <= TARGETS["first_page_s"]}
+    return {
+        "url_printed_s": round(printed, 1) if printed else None,
+        "first_page_s": round(page, 1) if page else None,
+        "page_is_mlflow": bool(page) and "mlflow" in html.lower(),
+        "stopped_s": round(stop, 1),
+        "load_before": before,
+        "met": page is not None and page <= TARGETS["first_page_s"],
+    }
 
 
 def commit(source: Path | None) -> str:
@@ -257,8 +314,9 @@ def commit(source: Path | None) -> str:
         if marker.exists():
             return marker.read_text().strip()
         try:
-            return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True, text=True,
-                                  check=True).stdout.strip()
+            return subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True, text=True, check=True
+            ).stdout.strip()
         except (subprocess.CalledProcessError, OSError):
             continue
     return "unknown"
@@ -277,10 +335,13 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     session = Session(folder, args.source, sys.executable)
     began = time.perf_counter()
-    report: dict[str, Any] = {"benchmark": "first_run", "commit": commit(args.source), "folder": str(folder),
-                              "machine": {"cores": os.cpu_count(), "platform": platform.platform(),
-                                          "load_before": load()},
-                              "targets": TARGETS}
+    report: dict[str, Any] = {
+        "benchmark": "first_run",
+        "commit": commit(args.source),
+        "folder": str(folder),
+        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "load_before": load()},
+        "targets": TARGETS,
+    }
 
     def save(done: str) -> str:  # after every step, so that a session cut short keeps what it measured
         report["machine"]["load_after"] = load()

@@ -51,8 +51,12 @@ BASELINE = "ppo"
 #: per plugin, the quality figure the issue names (the first) and the others it logs
 QUALITY = {
     "progress_reward": ("judge/rank_correlation", "judge/llm_calls", "judge/llm_term_std"),
-    "rlaif_preference": ("preference/heldout_agreement", "preference/truth_agreement", "preference/labels",
-                         "preference/pairs"),
+    "rlaif_preference": (
+        "preference/heldout_agreement",
+        "preference/truth_agreement",
+        "preference/labels",
+        "preference/pairs",
+    ),
     "ellm": ("ellm/goals_achieved_from_suggestions", "ellm/goal_reward"),
     "saycan": ("saycan/covered", "saycan/queries", "saycan/captions"),
     "plan4mc": ("plan4mc/llm_steps", "plan4mc/rule_steps", "plan4mc/replans"),
@@ -60,7 +64,10 @@ QUALITY = {
 #: the issue's targets: share of steps changed (progress_reward and saycan at least half), speed
 SHARE_AT_LEAST = {"progress_reward": 0.5, "saycan": 0.5}
 SPEED_AT_LEAST = 0.5
-QUALITY_AT_LEAST = {"progress_reward": ("judge/rank_correlation", 0.3), "rlaif_preference": ("preference/heldout_agreement", 0.7)}
+QUALITY_AT_LEAST = {
+    "progress_reward": ("judge/rank_correlation", 0.3),
+    "rlaif_preference": ("preference/heldout_agreement", 0.7),
+}
 
 
 def _num(x: Any) -> float | None:
@@ -84,8 +91,14 @@ def summarize(runs: list[Any], frames: int) -> dict[str, Any]:
         latest[run.tags.get("study.arm", run.arm)] = run
     base = latest.get(BASELINE)
     base_s = _run_metric(base, "seconds") if base else None
-    out: dict[str, Any] = {"frames": frames, "ppo": {"seconds": base_s, "fitness": _num(base.fitness) if base else None,
-                                                      "status": base.status if base else "missing"}}
+    out: dict[str, Any] = {
+        "frames": frames,
+        "ppo": {
+            "seconds": base_s,
+            "fitness": _num(base.fitness) if base else None,
+            "status": base.status if base else "missing",
+        },
+    }
     plugins: dict[str, Any] = {}
     for name in QUALITY:
         run = latest.get(name)
@@ -145,7 +158,9 @@ def main() -> None:
     spec = load_spec(SPEC)
     store = Path(args.store or spec.store)
     argv = [SPEC, "--store", str(store)] + (["--out", args.report] if args.report else [])
-    argv += (["--arms", args.arms] if args.arms else []) + (["--frames-scale", args.frames_scale] if args.frames_scale else [])
+    argv += (["--arms", args.arms] if args.arms else []) + (
+        ["--frames-scale", args.frames_scale] if args.frames_scale else []
+    )
     argv += (["--set", *args.set] if args.set else []) + (["--report-only"] if args.summary_only else [])
     code = study_main(argv)
     if code == 2:
@@ -157,8 +172,13 @@ def main() -> None:
     runs = [r for r in load_study(tracking_uri(store), spec.name) if r.tags.get("study.cell") in keys]
     commits = sorted({r.tags.get("study.commit", "") for r in runs} - {""})
     loads = [float(r.tags["study.load"]) for r in runs if r.tags.get("study.load")]
-    result = {**summarize(runs, cells[0].frames), "seed": spec.seeds[0], "commit": ", ".join(commits) or commit(),
-              "machine": machine(), "load_at_cell_start": [round(x, 2) for x in loads]}
+    result = {
+        **summarize(runs, cells[0].frames),
+        "seed": spec.seeds[0],
+        "commit": ", ".join(commits) or commit(),
+        "machine": machine(),
+        "load_at_cell_start": [round(x, 2) for x in loads],
+    }
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

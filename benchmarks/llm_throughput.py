@@ -65,7 +65,7 @@ ARMS: dict[str, dict[str, Any]] = {
 }
 
 #: The previous round's best reply (an assistant turn of typical length and style).
-BEST_REPLY = '''The car has to build momentum, so the reward should favour mechanical energy and
+BEST_REPLY = """The car has to build momentum, so the reward should favour mechanical energy and
 progress toward the flag rather than only the position.
 
 ```python
@@ -107,7 +107,7 @@ def compute_reward(state, action, next_state):
 ```
 
 The energy term rewards every swing that adds momentum, the progress term pushes toward
-the flag once the car moves right, and the goal bonus marks success.'''
+the flag once the car moves right, and the goal bonus marks success."""
 
 
 def round_messages(round_index: int) -> list[dict[str, str]]:
@@ -159,8 +159,14 @@ def cpu_s() -> float:
 def client_for(arm: str, threads: int, max_tokens: int) -> Any:
     from core.llm import make_client
 
-    cfg = {"cache": False, "show_progress": False, "n_threads": threads, "max_tokens": max_tokens,
-           "extra": {"ignore_eos": True}, **ARMS[arm]}
+    cfg = {
+        "cache": False,
+        "show_progress": False,
+        "n_threads": threads,
+        "max_tokens": max_tokens,
+        "extra": {"ignore_eos": True},
+        **ARMS[arm],
+    }
     return make_client(cfg)
 
 
@@ -179,11 +185,18 @@ def worker_round(args: argparse.Namespace) -> dict[str, Any]:
     wall = time.perf_counter() - start
     stats = LLMStats(**{f.name: getattr(client.stats, f.name) - getattr(warm, f.name) for f in fields(LLMStats)})
     return {
-        "arm": args.worker, "wall_s": round(wall, 2), "cpu_s": round(cpu_s() - cpu_before, 2),
-        "load_avg_before": load_before, "load_avg_after": load_avg(),
-        "samples": len(replies), "requests": stats.requests, "prompt_tokens": stats.prompt_tokens,
-        "prompt_tokens_reused": stats.cached_prompt_tokens, "completion_tokens": stats.completion_tokens,
-        "previous_round_prompt_tokens": warm.prompt_tokens, "plan": plan.reason,
+        "arm": args.worker,
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu_s() - cpu_before, 2),
+        "load_avg_before": load_before,
+        "load_avg_after": load_avg(),
+        "samples": len(replies),
+        "requests": stats.requests,
+        "prompt_tokens": stats.prompt_tokens,
+        "prompt_tokens_reused": stats.cached_prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "previous_round_prompt_tokens": warm.prompt_tokens,
+        "plan": plan.reason,
     }
 
 
@@ -221,9 +234,12 @@ def worker_speeds(args: argparse.Namespace) -> dict[str, Any]:
     together = many["usage"]["completion_tokens"] / many_wall
     ct, wt = cold["timings"], warm["timings"]
     return {
-        "speeds_plan": plan.reason, "speeds_load_avg_before": load_before, "speeds_load_avg_after": load_avg(),
+        "speeds_plan": plan.reason,
+        "speeds_load_avg_before": load_before,
+        "speeds_load_avg_after": load_avg(),
         "single_stream_tokens_per_s": round(single, 2),
-        "concurrent_tokens_per_s": round(together, 2), "concurrent_k": k,
+        "concurrent_tokens_per_s": round(together, 2),
+        "concurrent_k": k,
         "concurrent_speedup": round(together / single, 2),
         "single_stream_tokens_per_cpu_s": round(one["usage"]["completion_tokens"] / max(1e-9, cpu1 - cpu0), 2),
         "concurrent_tokens_per_cpu_s": round(many["usage"]["completion_tokens"] / max(1e-9, cpu2 - cpu1), 2),
@@ -231,7 +247,8 @@ def worker_speeds(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens_per_s_no_reuse": round((ct["prompt_n"] + ct["cache_n"]) / (ct["prompt_ms"] / 1000), 2),
         "prompt_tokens_per_s_prefix_reused": round((wt["prompt_n"] + wt["cache_n"]) / (wt["prompt_ms"] / 1000), 2),
         "prompt_tokens_reused": wt["cache_n"],
-        "prompt_wall_s_no_reuse": round(cold_wall, 2), "prompt_wall_s_prefix_reused": round(warm_wall, 2),
+        "prompt_wall_s_no_reuse": round(cold_wall, 2),
+        "prompt_wall_s_prefix_reused": round(warm_wall, 2),
     }
 
 
@@ -241,9 +258,22 @@ def worker_speeds(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def spawn(kind: str, args: argparse.Namespace) -> dict[str, Any]:
-    command = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--threads", str(args.threads),
-               "--samples", str(args.samples), "--reply-tokens", str(args.reply_tokens), "--seed", str(args.seed),
-               "--round", str(args.round)]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        kind,
+        "--threads",
+        str(args.threads),
+        "--samples",
+        str(args.samples),
+        "--reply-tokens",
+        str(args.reply_tokens),
+        "--seed",
+        str(args.seed),
+        "--round",
+        str(args.round),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"worker {kind} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -262,12 +292,21 @@ def choose_threads() -> tuple[int, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=8, help="samples per round (eureka's K)")
-    parser.add_argument("--reply-tokens", type=int, default=460, help="tokens per reply (every reply exactly this long)")
+    parser.add_argument(
+        "--reply-tokens", type=int, default=460, help="tokens per reply (every reply exactly this long)"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every arm")
     parser.add_argument("--arms", default="before,after,one_slot", help=f"comma-separated, of {', '.join(ARMS)}")
-    parser.add_argument("--threads", type=int, default=0, help="llama.cpp threads for every arm (0: chosen once from the free cores)")
-    parser.add_argument("--round", type=int, default=2, choices=(1, 2),
-                        help="the eureka round whose prompt is timed (2: with the previous best reply and its reflection)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="llama.cpp threads for every arm (0: chosen once from the free cores)"
+    )
+    parser.add_argument(
+        "--round",
+        type=int,
+        default=2,
+        choices=(1, 2),
+        help="the eureka round whose prompt is timed (2: with the previous best reply and its reflection)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-speeds", action="store_true", help="skip the tokens/s measurements")
     parser.add_argument("--quick", action="store_true", help="round 1, 4 samples x 32 tokens, 1 repeat, before/after")
@@ -288,16 +327,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads <= 0:
         args.threads, reason = choose_threads()
     out: dict[str, Any] = {
-        "model": "embedded/qwen2.5-coder-1.5b-instruct", "cores": os.cpu_count(), "threads": args.threads,
-        "threads_chosen": reason, "load_avg_start": load_avg(), "samples": args.samples,
-        "reply_tokens": args.reply_tokens, "round": args.round, "repeats": args.repeats, "arms": arms,
+        "model": "embedded/qwen2.5-coder-1.5b-instruct",
+        "cores": os.cpu_count(),
+        "threads": args.threads,
+        "threads_chosen": reason,
+        "load_avg_start": load_avg(),
+        "samples": args.samples,
+        "reply_tokens": args.reply_tokens,
+        "round": args.round,
+        "repeats": args.repeats,
+        "arms": arms,
     }
     print(f"llm_throughput: {json.dumps(out)}", file=sys.stderr, flush=True)
     if not args.no_speeds:
         out.update(spawn("speeds", args))
     rounds = []
     for rep in range(args.repeats):
-        for arm in (arms if rep % 2 == 0 else arms[::-1]):  # ABC CBA: drift in the load hits both sides
+        for arm in arms if rep % 2 == 0 else arms[::-1]:  # ABC CBA: drift in the load hits both sides
             rounds.append({"repeat": rep, **spawn(arm, args)})
     out["rounds"] = rounds
     means = {arm: statistics.mean(r["wall_s"] for r in rounds if r["arm"] == arm) for arm in arms}
@@ -308,8 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         out["round_time_ratio_per_repeat"] = [
             round(a["wall_s"] / b["wall_s"], 3)
             for rep in range(args.repeats)
-            for a in rounds if a["repeat"] == rep and a["arm"] == "after"
-            for b in rounds if b["repeat"] == rep and b["arm"] == "before"
+            for a in rounds
+            if a["repeat"] == rep and a["arm"] == "after"
+            for b in rounds
+            if b["repeat"] == rep and b["arm"] == "before"
         ]
     if "one_slot" in means and "after" in means:
         out["round_time_ratio_one_slot"] = round(means["after"] / means["one_slot"], 3)

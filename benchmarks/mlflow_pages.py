@@ -27,8 +27,14 @@ from typing import Any, Iterator
 from core.ui import serve
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 #: MLflow's server on a store at 127.0.0.1, as ``python -m core.ui`` starts it (yields its base URL)
@@ -39,8 +45,10 @@ mlflow_server = serve
 def chromium_page(width: int = 1400, height: int = 1000) -> Iterator[Any]:
     """A headless Chromium page (Playwright driving the system's Chromium); RuntimeError if either is missing."""
     if not Path(CHROMIUM).exists():
-        raise RuntimeError(f"no Chromium at {CHROMIUM}: install it with `apt-get install -y chromium` "
-                           "(the browser test needs the system's Chromium; it never downloads one)")
+        raise RuntimeError(
+            f"no Chromium at {CHROMIUM}: install it with `apt-get install -y chromium` "
+            "(the browser test needs the system's Chromium; it never downloads one)"
+        )
     try:
         from playwright.sync_api import sync_playwright
     except ImportError as e:
@@ -89,8 +97,11 @@ def newest_run(uri: str) -> tuple[str, str, str]:
 
     client = mlflow.MlflowClient(uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
-    parents = [r for r in client.search_runs(experiments, order_by=["attributes.start_time DESC"])
-               if "mlflow.parentRunId" not in r.data.tags]
+    parents = [
+        r
+        for r in client.search_runs(experiments, order_by=["attributes.start_time DESC"])
+        if "mlflow.parentRunId" not in r.data.tags
+    ]
     if not parents:
         raise SystemExit(f"no parent run in {uri}")
     parent = parents[0]
@@ -108,8 +119,10 @@ def screenshots(uri: str, out: Path) -> list[Path]:
         shots = [("mlflow_parent.png", run_url(base, experiment_id, parent_id), "Description")]
         if winner_id:
             shots.append(("mlflow_candidate.png", run_url(base, experiment_id, winner_id), "Description"))
-        shots += [("mlflow_runs.png", runs_url(base, experiment_id), "fitness"),
-                  ("mlflow_parents.png", runs_url(base, experiment_id, RUNS_VIEW_KEY), "fitness")]
+        shots += [
+            ("mlflow_runs.png", runs_url(base, experiment_id), "fitness"),
+            ("mlflow_parents.png", runs_url(base, experiment_id, RUNS_VIEW_KEY), "fitness"),
+        ]
         for name, url, text in shots:  # as a default window shows them: nothing closed or expanded
             open_page(page, url, text)
             page.screenshot(path=str(out / name))
@@ -120,10 +133,23 @@ def screenshots(uri: str, out: Path) -> list[Path]:
 def eureka_run(store: Path, frames: int = 4096) -> str:
     """A small Eureka run on CartPole with the embedded LLM into ``store``; returns its URI."""
     uri = f"sqlite:///{store / 'mlflow.db'}"
-    cmd = [sys.executable, "-m", "core", "+plugins=[eureka]", "env=cartpole", "plugins.eureka.iterations=2",
-           "plugins.eureka.samples=2", "plugins.eureka.max_tokens=400", f"trainer.frames={frames}",
-           f"trainer.eval_every={frames // 4}", "executor=inprocess", f"tracking.uri={uri}",
-           f"tracking.artifact_location={store / 'artifacts'}", "experiment=mlflow-pages", "progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "core",
+        "+plugins=[eureka]",
+        "env=cartpole",
+        "plugins.eureka.iterations=2",
+        "plugins.eureka.samples=2",
+        "plugins.eureka.max_tokens=400",
+        f"trainer.frames={frames}",
+        f"trainer.eval_every={frames // 4}",
+        "executor=inprocess",
+        f"tracking.uri={uri}",
+        f"tracking.artifact_location={store / 'artifacts'}",
+        "experiment=mlflow-pages",
+        "progress=false",
+    ]
     subprocess.run(cmd, check=True)
     return uri
 

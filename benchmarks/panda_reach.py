@@ -29,8 +29,17 @@ from core.records import Candidate
 from core.train.ppo import PPOConfig, train
 
 #: trainer overrides for a short dense-reward run (one 50-step episode per env per batch)
-SETTINGS = dict(num_envs=8, rollout_steps=50, epochs=10, minibatch=200, lr=1e-3, gamma=0.95,
-                gae_lambda=0.95, hidden=[64, 64], eval_every=0)
+SETTINGS = dict(
+    num_envs=8,
+    rollout_steps=50,
+    epochs=10,
+    minibatch=200,
+    lr=1e-3,
+    gamma=0.95,
+    gae_lambda=0.95,
+    hidden=[64, 64],
+    eval_every=0,
+)
 
 
 def main() -> None:
@@ -48,13 +57,17 @@ def main() -> None:
     seconds = time.perf_counter() - start
     if not result.ok:
         raise SystemExit(result.error)
-    print(json.dumps({
-        "success_rate": result.fitness.value if result.fitness else None,
-        "frames": result.frames,
-        "seconds": round(seconds, 1),
-        "fps": round(result.metrics.get("charts/fps", 0.0), 1),
-        "settings": SETTINGS,
-    }))
+    print(
+        json.dumps(
+            {
+                "success_rate": result.fitness.value if result.fitness else None,
+                "frames": result.frames,
+                "seconds": round(seconds, 1),
+                "fps": round(result.metrics.get("charts/fps", 0.0), 1),
+                "settings": SETTINGS,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

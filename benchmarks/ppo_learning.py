@@ -88,8 +88,13 @@ def figure(curves: dict[str, dict[int, list]], path: Path) -> None:
         returns = np.array([[r for _, r in points] for points in per_seed.values()])
         for row in returns:
             ax.plot(frames, row, color=colours.get(name), alpha=0.25, linewidth=0.8)
-        ax.plot(frames, returns.mean(0), color=colours.get(name), linewidth=2.2,
-                label=f"{name} (mean of {len(returns)} seeds)")
+        ax.plot(
+            frames,
+            returns.mean(0),
+            color=colours.get(name),
+            linewidth=2.2,
+            label=f"{name} (mean of {len(returns)} seeds)",
+        )
     ax.set_xlabel("frames")
     ax.set_ylabel("greedy evaluation return (10 episodes)")
     ax.set_title("PPO on CartPole-v1, default settings")
@@ -121,24 +126,48 @@ def main() -> None:
     start_load = os.getloadavg()
     for seed in args.seeds:
         for name, module in trainers.items():
-            curves[name][seed], fps[name][seed] = project_curve(module, seed, args.frames, args.eval_every,
-                                                                args.episodes)
-        curves["reference"][seed], fps["reference"][seed] = reference_curve(seed, args.frames, args.eval_every,
-                                                                            args.episodes)
-        print(json.dumps({"seed": seed, **{n: round(c[seed][-1][1], 1) for n, c in curves.items()},
-                          "fps": {n: round(f[seed]) for n, f in fps.items()}}), flush=True)
+            curves[name][seed], fps[name][seed] = project_curve(
+                module, seed, args.frames, args.eval_every, args.episodes
+            )
+        curves["reference"][seed], fps["reference"][seed] = reference_curve(
+            seed, args.frames, args.eval_every, args.episodes
+        )
+        print(
+            json.dumps(
+                {
+                    "seed": seed,
+                    **{n: round(c[seed][-1][1], 1) for n, c in curves.items()},
+                    "fps": {n: round(f[seed]) for n, f in fps.items()},
+                }
+            ),
+            flush=True,
+        )
     summary = {}
     for name, per_seed in curves.items():
         finals = [points[-1][1] for points in per_seed.values()]
         areas = [float(np.mean([r for _, r in points])) for points in per_seed.values()]
-        summary[name] = {"final_mean": round(float(np.mean(finals)), 1), "final_std": round(float(np.std(finals)), 1),
-                         "finals": [round(x, 1) for x in finals], "curve_mean": round(float(np.mean(areas)), 1),
-                         "fps_median": round(float(np.median(list(fps[name].values()))), 1)}
-    out = {"settings": {"env": "CartPole-v1", "frames": args.frames, "seeds": args.seeds, "eval_every": args.eval_every,
-                        "episodes": args.episodes, "before": args.before or None},
-           "load_avg_start": [round(x, 2) for x in start_load], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
-           "summary": summary, "curves": {n: {str(s): c for s, c in per.items()} for n, per in curves.items()},
-           "date": time.strftime("%Y-%m-%d")}
+        summary[name] = {
+            "final_mean": round(float(np.mean(finals)), 1),
+            "final_std": round(float(np.std(finals)), 1),
+            "finals": [round(x, 1) for x in finals],
+            "curve_mean": round(float(np.mean(areas)), 1),
+            "fps_median": round(float(np.median(list(fps[name].values()))), 1),
+        }
+    out = {
+        "settings": {
+            "env": "CartPole-v1",
+            "frames": args.frames,
+            "seeds": args.seeds,
+            "eval_every": args.eval_every,
+            "episodes": args.episodes,
+            "before": args.before or None,
+        },
+        "load_avg_start": [round(x, 2) for x in start_load],
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "summary": summary,
+        "curves": {n: {str(s): c for s, c in per.items()} for n, per in curves.items()},
+        "date": time.strftime("%Y-%m-%d"),
+    }
     print(json.dumps(summary))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

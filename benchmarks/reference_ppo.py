@@ -51,8 +51,9 @@ class Args:
 
 
 def make_env(env_id: str, num_envs: int, seed: int) -> gym.vector.VectorEnv:
-    env = gym.vector.SyncVectorEnv([lambda: gym.make(env_id) for _ in range(num_envs)],
-                                   autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    env = gym.vector.SyncVectorEnv(
+        [lambda: gym.make(env_id) for _ in range(num_envs)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
+    )
     env.reset(seed=seed)
     return env
 
@@ -65,8 +66,9 @@ def _layer(n_in: int, n_out: int, std: float = 2**0.5) -> nn.Linear:
 
 
 def _mlp(n_in: int, hidden: int, n_out: int, out_std: float) -> nn.Sequential:
-    return nn.Sequential(_layer(n_in, hidden), nn.Tanh(), _layer(hidden, hidden), nn.Tanh(),
-                         _layer(hidden, n_out, out_std))
+    return nn.Sequential(
+        _layer(n_in, hidden), nn.Tanh(), _layer(hidden, hidden), nn.Tanh(), _layer(hidden, n_out, out_std)
+    )
 
 
 class Agent(nn.Module):
@@ -103,8 +105,12 @@ class Agent(nn.Module):
         return self.actor(x) if self.continuous else self.actor(x).argmax(-1)
 
 
-def train(args: Args, frames: int, seed: int = 0,
-          on_batch: Callable[[int, Callable[[torch.Tensor], torch.Tensor]], None] | None = None) -> float:
+def train(
+    args: Args,
+    frames: int,
+    seed: int = 0,
+    on_batch: Callable[[int, Callable[[torch.Tensor], torch.Tensor]], None] | None = None,
+) -> float:
     """Train for ``frames`` frames; return frames/s of the training loop (``on_batch`` not counted)."""
     torch.manual_seed(seed)
     envs = make_env(args.env_id, args.num_envs, seed)

@@ -48,9 +48,13 @@ TASKS = {
     "mountaincar": ({"name": "mountaincar"}, 200_000, "ppo", "next_state['car_position'].reshape(-1) * 0.0 - 1.0"),
     # opt-in (--tasks ... pendulum): SAC, 8k frames (tests/core/train/test_sac.py's learning test);
     # Pendulum-v1's cost of the state before the step, from the float32 observation
-    "pendulum": ({"name": "pendulum"}, 8_000, "sac",
-                 "-(torch.atan2(state['sin_theta'], state['cos_theta']).reshape(-1) ** 2 "
-                 "+ 0.1 * state['angular_velocity'].reshape(-1) ** 2 + 0.001 * action.reshape(-1).clamp(-2, 2) ** 2)"),
+    "pendulum": (
+        {"name": "pendulum"},
+        8_000,
+        "sac",
+        "-(torch.atan2(state['sin_theta'], state['cos_theta']).reshape(-1) ** 2 "
+        "+ 0.1 * state['angular_velocity'].reshape(-1) ** 2 + 0.001 * action.reshape(-1).clamp(-2, 2) ** 2)",
+    ),
 }
 DEFAULT_TASKS = ["cartpole", "mountaincar"]
 SCALE = 1e4
@@ -58,8 +62,9 @@ SCALE = 1e4
 
 def scaled_program(expression: str) -> RewardProgram:
     """The env's own reward times :data:`SCALE`, as a reward program."""
-    source = (f"import torch\n\n\ndef compute_reward(state, action, next_state):\n"
-              f"    return {SCALE!r} * ({expression})\n")
+    source = (
+        f"import torch\n\n\ndef compute_reward(state, action, next_state):\n    return {SCALE!r} * ({expression})\n"
+    )
     return RewardProgram(source=source, entry="compute_reward", mode="replace")
 
 
@@ -81,28 +86,36 @@ def iqm(values: list[float]) -> float:
     """Interquartile mean: the mean of the middle half (all of them below 4 values)."""
     x = np.sort(np.asarray(values, dtype=float))
     cut = len(x) // 4
-    return float(x[cut:len(x) - cut].mean())
+    return float(x[cut : len(x) - cut].mean())
 
 
 def run_one(task_name: str, reward: str, normalize: bool, seed: int, frames: int, episodes: int) -> dict:
     env, default_frames, trainer, expression = TASKS[task_name]
     task = make_task(env)
     train, config = get_trainer(trainer)
-    cfg = config.from_config({"frames": frames or default_frames, "eval_every": 0, "eval_episodes": episodes,
-                              "normalize_reward": normalize})
+    cfg = config.from_config(
+        {"frames": frames or default_frames, "eval_every": 0, "eval_episodes": episodes, "normalize_reward": normalize}
+    )
     program = scaled_program(expression) if reward == "human_x1e4" else None
     name = f"{task_name}-{reward}-{'on' if normalize else 'off'}-s{seed}"
     candidate = Candidate(id=name, iteration=0, reward=program)
     result = train(task, candidate, cfg, seed=seed)
     if not result.ok:
         raise RuntimeError(result.error)
-    return {"task": task_name, "trainer": trainer, "reward": reward, "normalize_reward": normalize, "seed": seed,
-            "frames": result.frames,
-            "fitness": round(result.fitness.value, 3), "fitness_name": result.fitness.name,
-            "train_return": round(result.metrics.get("charts/episodic_return", float("nan")), 2),
-            "reward_scale": result.metrics.get("train/reward_scale"),
-            "critic_loss": result.metrics.get("losses/value_loss", result.metrics.get("losses/qvalue_loss")),
-            "seconds": round(result.seconds, 1)}
+    return {
+        "task": task_name,
+        "trainer": trainer,
+        "reward": reward,
+        "normalize_reward": normalize,
+        "seed": seed,
+        "frames": result.frames,
+        "fitness": round(result.fitness.value, 3),
+        "fitness_name": result.fitness.name,
+        "train_return": round(result.metrics.get("charts/episodic_return", float("nan")), 2),
+        "reward_scale": result.metrics.get("train/reward_scale"),
+        "critic_loss": result.metrics.get("losses/value_loss", result.metrics.get("losses/qvalue_loss")),
+        "seconds": round(result.seconds, 1),
+    }
 
 
 def main() -> None:
@@ -127,24 +140,41 @@ def main() -> None:
     for task_name in args.tasks:
         for reward in ("human", "human_x1e4"):
             for normalize in (False, True):
-                cell = [r for r in runs if r["task"] == task_name and r["reward"] == reward
-                        and r["normalize_reward"] == normalize]
+                cell = [
+                    r
+                    for r in runs
+                    if r["task"] == task_name and r["reward"] == reward and r["normalize_reward"] == normalize
+                ]
                 fitness = [r["fitness"] for r in cell]
                 scales = [r["reward_scale"] for r in cell if r["reward_scale"] is not None]
                 summary.setdefault(task_name, {}).setdefault(reward, {})["on" if normalize else "off"] = {
-                    "fitness_name": cell[0]["fitness_name"], "seeds": [r["seed"] for r in cell],
-                    "fitness": fitness, "mean": round(float(np.mean(fitness)), 3), "iqm": round(iqm(fitness), 3),
+                    "fitness_name": cell[0]["fitness_name"],
+                    "seeds": [r["seed"] for r in cell],
+                    "fitness": fitness,
+                    "mean": round(float(np.mean(fitness)), 3),
+                    "iqm": round(iqm(fitness), 3),
                     "train_return_mean": round(float(np.mean([r["train_return"] for r in cell])), 2),
                     "reward_scale_mean": float(np.mean(scales)) if scales else None,
-                    "critic_loss_mean": float(np.mean([r["critic_loss"] for r in cell]))}
-    out = {"settings": {"trainers": {t: f"conf/trainer/{TASKS[t][2]}.yaml defaults" for t in args.tasks},
-                        "tasks": {t: TASKS[t][0] for t in args.tasks},
-                        "frames": {t: args.frames or TASKS[t][1] for t in args.tasks}, "seeds": args.seeds,
-                        "episodes": args.episodes, "scale": SCALE, "torch_threads": 1},
-           "program_relative_error": errors,
-           "load_avg_start": [round(x, 2) for x in start_load], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
-           "seconds": round(time.perf_counter() - start, 1), "summary": summary, "runs": runs,
-           "date": time.strftime("%Y-%m-%d")}
+                    "critic_loss_mean": float(np.mean([r["critic_loss"] for r in cell])),
+                }
+    out = {
+        "settings": {
+            "trainers": {t: f"conf/trainer/{TASKS[t][2]}.yaml defaults" for t in args.tasks},
+            "tasks": {t: TASKS[t][0] for t in args.tasks},
+            "frames": {t: args.frames or TASKS[t][1] for t in args.tasks},
+            "seeds": args.seeds,
+            "episodes": args.episodes,
+            "scale": SCALE,
+            "torch_threads": 1,
+        },
+        "program_relative_error": errors,
+        "load_avg_start": [round(x, 2) for x in start_load],
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "seconds": round(time.perf_counter() - start, 1),
+        "summary": summary,
+        "runs": runs,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     print(json.dumps(summary))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -120,9 +120,12 @@ def call_overhead_us(calls: int = 3000) -> dict[str, Any]:
         plain.append(timed(lambda: direct(task.split_state(obs), action, task.split_state(obs))))
     isolation = fn.worker.isolation
     fn.close()
-    return {"call_overhead_us": round(statistics.median(sandboxed) - statistics.median(plain), 1),
-            "sandboxed_call_us": round(statistics.median(sandboxed), 1), "direct_call_us": round(statistics.median(plain), 1),
-            "isolation": {k: isolation.get(k) for k in ("network", "pid", "mount", "ipc", "root_dropped")}}
+    return {
+        "call_overhead_us": round(statistics.median(sandboxed) - statistics.median(plain), 1),
+        "sandboxed_call_us": round(statistics.median(sandboxed), 1),
+        "direct_call_us": round(statistics.median(plain), 1),
+        "isolation": {k: isolation.get(k) for k in ("network", "pid", "mount", "ipc", "root_dropped")},
+    }
 
 
 def main() -> None:
@@ -134,11 +137,20 @@ def main() -> None:
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     plain = Candidate(id="env-reward", iteration=0)
-    coded = Candidate(id="program-reward", iteration=0,
-                      reward=RewardProgram(source=PROGRAM, entry="compute_reward", origin="benchmark"))
+    coded = Candidate(
+        id="program-reward",
+        iteration=0,
+        reward=RewardProgram(source=PROGRAM, entry="compute_reward", origin="benchmark"),
+    )
     best: dict[str, float] = {"env": 0.0, "program": 0.0, "env_step": 0.0, "program_step": 0.0}
-    pairs: dict[str, list[float]] = {"batched": [], "per_step": [], "batched_cpu": [], "per_step_cpu": [],
-                                     "batched_extra_cpu": [], "per_step_extra_cpu": []}
+    pairs: dict[str, list[float]] = {
+        "batched": [],
+        "per_step": [],
+        "batched_cpu": [],
+        "per_step_cpu": [],
+        "batched_extra_cpu": [],
+        "per_step_extra_cpu": [],
+    }
     metrics: dict[str, Any] = {}
     step_metrics: dict[str, Any] = {}
     fps(coded, 2048, args.seed)  # start the sandbox's zygote (once per process) outside the timing
@@ -150,12 +162,16 @@ def main() -> None:
         # each pair back to back, in alternating order, so that load from elsewhere hurts both alike
         if i % 2 == 0:
             (env, env_metrics), (program, metrics) = fps(plain, args.frames, args.seed), coded_run(None)
-            (env_step, env_step_metrics), (program_step, step_metrics) = (fps(plain, args.frames, args.seed, _hook()),
-                                                                          coded_run(_hook()))
+            (env_step, env_step_metrics), (program_step, step_metrics) = (
+                fps(plain, args.frames, args.seed, _hook()),
+                coded_run(_hook()),
+            )
         else:
             (program, metrics), (env, env_metrics) = coded_run(None), fps(plain, args.frames, args.seed)
-            (program_step, step_metrics), (env_step, env_step_metrics) = (coded_run(_hook()),
-                                                                          fps(plain, args.frames, args.seed, _hook()))
+            (program_step, step_metrics), (env_step, env_step_metrics) = (
+                coded_run(_hook()),
+                fps(plain, args.frames, args.seed, _hook()),
+            )
         pairs["batched_cpu"].append(env_metrics["cpu_s"] / metrics["cpu_s"])
         pairs["per_step_cpu"].append(env_step_metrics["cpu_s"] / step_metrics["cpu_s"])
         pairs["batched_extra_cpu"].append(metrics["cpu_s"] - env_metrics["cpu_s"])
@@ -165,35 +181,51 @@ def main() -> None:
         pairs["batched"].append(program / env)
         pairs["per_step"].append(program_step / env_step)
     overhead = call_overhead_us()
-    print(json.dumps({
-        "ratio": round(statistics.median(pairs["batched"]), 3),
-        "per_step_ratio": round(statistics.median(pairs["per_step"]), 3),
-        "call_overhead_us": overhead["call_overhead_us"],
-        "best_ratio": round(best["program"] / best["env"], 3),
-        "per_step_best_ratio": round(best["program_step"] / best["env_step"], 3),
-        "cpu_ratio": round(statistics.median(pairs["batched_cpu"]), 3),
-        "per_step_cpu_ratio": round(statistics.median(pairs["per_step_cpu"]), 3),
-        "pair_ratios": [round(r, 3) for r in pairs["batched"]],
-        "per_step_pair_ratios": [round(r, 3) for r in pairs["per_step"]],
-        "env_reward_fps": round(best["env"], 1), "program_reward_fps": round(best["program"], 1),
-        "per_step_env_reward_fps": round(best["env_step"], 1), "per_step_program_reward_fps": round(best["program_step"], 1),
-        "sandboxed_call_us": overhead["sandboxed_call_us"], "direct_call_us": overhead["direct_call_us"],
-        "per_step_call_us": round(1e6 * step_metrics["sandbox/call_seconds"] / max(1.0, step_metrics["sandbox/program_calls"]), 1),
-        "per_step_call_share": step_metrics.get("sandbox/call_share"),
-        "per_step_program_share": step_metrics.get("sandbox/program_share"),
-        "per_step_calls": step_metrics.get("sandbox/program_calls"),
-        # the share of the last per-step run's calls made with the worker spinning on a spare CPU (core.sandbox.host._Spin)
-        "per_step_spun_share": step_metrics.get("sandbox/spun_share"),
-        # CPU seconds the program costs a run (trainer and worker), and the worker's share per call
-        "batched_extra_cpu_s": round(statistics.median(pairs["batched_extra_cpu"]), 3),
-        "per_step_extra_cpu_s": round(statistics.median(pairs["per_step_extra_cpu"]), 3),
-        "per_step_worker_cpu_us": round(1e6 * step_metrics.get("sandbox/worker_cpu_seconds", 0.0)
-                                        / max(1.0, step_metrics["sandbox/program_calls"]), 1),
-        "isolation": overhead["isolation"], "frames": args.frames, "repeats": args.repeats,
-        "reward/env_correlation": metrics.get("reward/env_correlation"),
-        "load_avg_before": [round(x, 2) for x in load_before], "load_avg_after": [round(x, 2) for x in os.getloadavg()],
-        "cores": os.cpu_count(),
-    }))
+    print(
+        json.dumps(
+            {
+                "ratio": round(statistics.median(pairs["batched"]), 3),
+                "per_step_ratio": round(statistics.median(pairs["per_step"]), 3),
+                "call_overhead_us": overhead["call_overhead_us"],
+                "best_ratio": round(best["program"] / best["env"], 3),
+                "per_step_best_ratio": round(best["program_step"] / best["env_step"], 3),
+                "cpu_ratio": round(statistics.median(pairs["batched_cpu"]), 3),
+                "per_step_cpu_ratio": round(statistics.median(pairs["per_step_cpu"]), 3),
+                "pair_ratios": [round(r, 3) for r in pairs["batched"]],
+                "per_step_pair_ratios": [round(r, 3) for r in pairs["per_step"]],
+                "env_reward_fps": round(best["env"], 1),
+                "program_reward_fps": round(best["program"], 1),
+                "per_step_env_reward_fps": round(best["env_step"], 1),
+                "per_step_program_reward_fps": round(best["program_step"], 1),
+                "sandboxed_call_us": overhead["sandboxed_call_us"],
+                "direct_call_us": overhead["direct_call_us"],
+                "per_step_call_us": round(
+                    1e6 * step_metrics["sandbox/call_seconds"] / max(1.0, step_metrics["sandbox/program_calls"]), 1
+                ),
+                "per_step_call_share": step_metrics.get("sandbox/call_share"),
+                "per_step_program_share": step_metrics.get("sandbox/program_share"),
+                "per_step_calls": step_metrics.get("sandbox/program_calls"),
+                # the share of the last per-step run's calls made with the worker spinning on a spare CPU (core.sandbox.host._Spin)
+                "per_step_spun_share": step_metrics.get("sandbox/spun_share"),
+                # CPU seconds the program costs a run (trainer and worker), and the worker's share per call
+                "batched_extra_cpu_s": round(statistics.median(pairs["batched_extra_cpu"]), 3),
+                "per_step_extra_cpu_s": round(statistics.median(pairs["per_step_extra_cpu"]), 3),
+                "per_step_worker_cpu_us": round(
+                    1e6
+                    * step_metrics.get("sandbox/worker_cpu_seconds", 0.0)
+                    / max(1.0, step_metrics["sandbox/program_calls"]),
+                    1,
+                ),
+                "isolation": overhead["isolation"],
+                "frames": args.frames,
+                "repeats": args.repeats,
+                "reward/env_correlation": metrics.get("reward/env_correlation"),
+                "load_avg_before": [round(x, 2) for x in load_before],
+                "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+                "cores": os.cpu_count(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

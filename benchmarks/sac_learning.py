@@ -57,9 +57,13 @@ def run(module: ModuleType, seed: int, frames: int, every: int, episodes: int) -
     result = module.train(Pendulum(), Candidate(id=f"seed{seed}", iteration=0), cfg, seed=seed)
     if not result.ok:
         raise RuntimeError(result.error)
-    return {"seed": seed, "final_return": round(result.curve[-1].episode_return, 1),
-            "curve": [[p.frames, round(p.episode_return, 1)] for p in result.curve],
-            "fps": round(result.metrics["charts/fps"], 1), "wall_s": round(time.perf_counter() - start, 1)}
+    return {
+        "seed": seed,
+        "final_return": round(result.curve[-1].episode_return, 1),
+        "curve": [[p.frames, round(p.episode_return, 1)] for p in result.curve],
+        "fps": round(result.metrics["charts/fps"], 1),
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
 
 
 def main() -> None:
@@ -81,16 +85,18 @@ def main() -> None:
     if args.before and "before" in args.only.split(","):
         sides["before"] = trainer_at(args.before)
     out: dict[str, Any] = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else {}
-    out.update({"env": "Pendulum-v1", "frames": args.frames, "eval_every": args.eval_every,
-                "episodes": args.episodes})
+    out.update({"env": "Pendulum-v1", "frames": args.frames, "eval_every": args.eval_every, "episodes": args.episodes})
     for name, module in sides.items():
         load = [round(x, 2) for x in os.getloadavg()]
         runs = [run(module, seed, args.frames, args.eval_every, args.episodes) for seed in args.seeds]
         finals = [r["final_return"] for r in runs]
-        out[name] = {"commit": args.before if name == "before" else "working tree", "load_avg_start": load,
-                     "final_mean": round(statistics.mean(finals), 1),
-                     "final_std": round(statistics.stdev(finals), 1) if len(finals) > 1 else 0.0,
-                     "runs": runs}
+        out[name] = {
+            "commit": args.before if name == "before" else "working tree",
+            "load_avg_start": load,
+            "final_mean": round(statistics.mean(finals), 1),
+            "final_std": round(statistics.stdev(finals), 1) if len(finals) > 1 else 0.0,
+            "runs": runs,
+        }
     if "ours" in out and "before" in out:
         out["final_mean_difference"] = round(out["ours"]["final_mean"] - out["before"]["final_mean"], 1)
     text = json.dumps(out)

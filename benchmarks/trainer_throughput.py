@@ -130,6 +130,7 @@ def interleaved(ours: Callable[[], dict], reference: Callable[[], float], repeat
     is measured around it (setup included, so slightly against both): ``cpu_ratio``
     compares frames per CPU-second, which other load on the machine changes little.
     """
+
     def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
         start = time.process_time()
         value = fn()
@@ -143,10 +144,17 @@ def interleaved(ours: Callable[[], dict], reference: Callable[[], float], repeat
         else:
             metrics, ours_cpu = timed(ours)
             ref, ref_cpu = timed(reference)
-        runs.append({"ours_fps": round(metrics["charts/fps"], 1), "reference_fps": round(ref, 1),
-                     "ratio": round(metrics["charts/fps"] / ref, 3), "ours_cpu_fps": round(frames / ours_cpu, 1),
-                     "reference_cpu_fps": round(frames / ref_cpu, 1), "cpu_ratio": round(ref_cpu / ours_cpu, 3),
-                     "metrics": metrics})
+        runs.append(
+            {
+                "ours_fps": round(metrics["charts/fps"], 1),
+                "reference_fps": round(ref, 1),
+                "ratio": round(metrics["charts/fps"] / ref, 3),
+                "ours_cpu_fps": round(frames / ours_cpu, 1),
+                "reference_cpu_fps": round(frames / ref_cpu, 1),
+                "cpu_ratio": round(ref_cpu / ours_cpu, 3),
+                "metrics": metrics,
+            }
+        )
     ratios = [run["ratio"] for run in runs]
     median_run = sorted(runs, key=lambda run: run["ratio"])[len(runs) // 2]
     return {
@@ -166,8 +174,14 @@ def profile(metrics: dict, frames_per_batch: int, phases: tuple[str, ...] = PHAS
     seconds = {p: metrics.get(f"time/{p}_s", 0.0) for p in phases}
     total = sum(seconds.values())
     batches = max(1.0, metrics["charts/fps"] * total / frames_per_batch)
-    return {p: {"s": round(s, 3), "share": round(s / total, 3) if total else 0.0,
-                "ms_per_batch": round(1000 * s / batches, 2)} for p, s in seconds.items()}
+    return {
+        p: {
+            "s": round(s, 3),
+            "share": round(s / total, 3) if total else 0.0,
+            "ms_per_batch": round(1000 * s / batches, 2),
+        }
+        for p, s in seconds.items()
+    }
 
 
 def main() -> None:
@@ -183,6 +197,7 @@ def main() -> None:
     only = set(args.only.split(","))
     import core.train.ppo  # noqa: F401 - imports before any clock starts
     import core.train.sac  # noqa: F401
+
     if "mujoco" in only:
         import mujoco  # noqa: F401
 
@@ -192,39 +207,69 @@ def main() -> None:
 
     if "cartpole" in only:
         task = cartpole_task()
-        pair = interleaved(lambda: ours_ppo(task, args.frames, args.seed),
-                           lambda: reference_ppo.train(reference_ppo.Args(), args.frames, args.seed), args.repeats,
-                           args.frames)
+        pair = interleaved(
+            lambda: ours_ppo(task, args.frames, args.seed),
+            lambda: reference_ppo.train(reference_ppo.Args(), args.frames, args.seed),
+            args.repeats,
+            args.frames,
+        )
         metrics = pair.pop("median_metrics")
         out.update(pair, frames=args.frames, profile=profile(metrics, 256))
         try:  # a candidate with an LLM-style reward program (through the sandbox)
-            coded = Candidate(id="program", iteration=0,
-                              reward=RewardProgram(source=REWARD_PROGRAM, entry="compute_reward", origin="benchmark"))
+            coded = Candidate(
+                id="program",
+                iteration=0,
+                reward=RewardProgram(source=REWARD_PROGRAM, entry="compute_reward", origin="benchmark"),
+            )
             coded_metrics = ours_ppo(task, args.frames, args.seed, candidate=coded)
-            out["profile_reward_program"] = {"fps": round(coded_metrics["charts/fps"], 1),
-                                             **profile(coded_metrics, 256)}
+            out["profile_reward_program"] = {
+                "fps": round(coded_metrics["charts/fps"], 1),
+                **profile(coded_metrics, 256),
+            }
         except Exception as exc:  # noqa: BLE001 - the sandbox may be unavailable; the rest still counts
             out["profile_reward_program"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
     if "mujoco" in only:
         from core.envs.mujoco import HalfCheetah
 
-        ref_args = reference_ppo.Args(env_id="HalfCheetah-v5", num_envs=8, num_steps=256, update_epochs=10,
-                                      minibatch_size=64, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95)
-        pair = interleaved(lambda: ours_ppo(HalfCheetah(), args.mujoco_frames, args.seed, **MUJOCO),
-                           lambda: reference_ppo.train(ref_args, args.mujoco_frames, args.seed),
-                           max(2, args.repeats - 1), args.mujoco_frames)
+        ref_args = reference_ppo.Args(
+            env_id="HalfCheetah-v5",
+            num_envs=8,
+            num_steps=256,
+            update_epochs=10,
+            minibatch_size=64,
+            learning_rate=3e-4,
+            gamma=0.99,
+            gae_lambda=0.95,
+        )
+        pair = interleaved(
+            lambda: ours_ppo(HalfCheetah(), args.mujoco_frames, args.seed, **MUJOCO),
+            lambda: reference_ppo.train(ref_args, args.mujoco_frames, args.seed),
+            max(2, args.repeats - 1),
+            args.mujoco_frames,
+        )
         metrics = pair.pop("median_metrics")
-        out["mujoco"] = {"env": "HalfCheetah-v5", "frames": args.mujoco_frames, **pair,
-                         "profile": profile(metrics, MUJOCO["num_envs"] * MUJOCO["rollout_steps"])}
+        out["mujoco"] = {
+            "env": "HalfCheetah-v5",
+            "frames": args.mujoco_frames,
+            **pair,
+            "profile": profile(metrics, MUJOCO["num_envs"] * MUJOCO["rollout_steps"]),
+        }
 
     if "sac" in only:
-        pair = interleaved(lambda: ours_sac(args.sac_frames, args.seed),
-                           lambda: reference_sac.train(reference_sac.Args(), args.sac_frames, args.seed),
-                           max(2, args.repeats - 1), args.sac_frames)
+        pair = interleaved(
+            lambda: ours_sac(args.sac_frames, args.seed),
+            lambda: reference_sac.train(reference_sac.Args(), args.sac_frames, args.seed),
+            max(2, args.repeats - 1),
+            args.sac_frames,
+        )
         metrics = pair.pop("median_metrics")
-        out["sac"] = {"env": "Pendulum-v1", "frames": args.sac_frames, **pair,
-                      "profile": profile(metrics, 1, SAC_PHASES)}
+        out["sac"] = {
+            "env": "Pendulum-v1",
+            "frames": args.sac_frames,
+            **pair,
+            "profile": profile(metrics, 1, SAC_PHASES),
+        }
 
     out["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out))

@@ -41,8 +41,17 @@ from typing import Any
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 #: the tasks the targets name, and one they do not (the interface must follow from any task's definition)
-TASKS = ["cartpole", "mountaincar", "acrobot", "pendulum", "lunarlander", "hopper", "reach", "kuka_grasp",
-         "mountaincar_continuous"]
+TASKS = [
+    "cartpole",
+    "mountaincar",
+    "acrobot",
+    "pendulum",
+    "lunarlander",
+    "hopper",
+    "reach",
+    "kuka_grasp",
+    "mountaincar_continuous",
+]
 INTERFACES = ["dict", "fields"]
 #: a failure at run time that an unknown field or name caused
 NAME_ERROR = re.compile(r"\b(KeyError|NameError|AttributeError)\b.*(field|not defined|has no attribute|is not)", re.S)
@@ -93,15 +102,26 @@ def measure(task_name: str, interface: str, args: argparse.Namespace) -> dict[st
     from core.registry import make_plugin_manager
     from plugins import eureka_reward as eureka
 
-    config = compose([f"env={task_name}", "+plugins=[eureka]", "plugins.eureka.iterations=1",
-                      f"plugins.eureka.samples={args.samples}", f"code.interface={interface}", f"seed={args.seed}",
-                      f"llm.cache_path={args.cache}", f"cache_dir={args.cache}", *args.override])
+    config = compose(
+        [
+            f"env={task_name}",
+            "+plugins=[eureka]",
+            "plugins.eureka.iterations=1",
+            f"plugins.eureka.samples={args.samples}",
+            f"code.interface={interface}",
+            f"seed={args.seed}",
+            f"llm.cache_path={args.cache}",
+            f"cache_dir={args.cache}",
+            *args.override,
+        ]
+    )
     settings = validate(config, {"eureka": eureka})
     task = make_task(config.env)
     llm = make_client(config.llm)
     pm = make_plugin_manager(settings, modules={"eureka": eureka})
-    run = RunContext(settings=settings, task=task, seed=args.seed, llm_factory=lambda: llm, hook=pm.hook,
-                     tracker=Records())
+    run = RunContext(
+        settings=settings, task=task, seed=args.seed, llm_factory=lambda: llm, hook=pm.hook, tracker=Records()
+    )
     plugin = pm.get_plugin("eureka")
     start = time.time()
     candidates: list[Candidate] = []
@@ -131,17 +151,29 @@ def measure(task_name: str, interface: str, args: argparse.Namespace) -> dict[st
     n = len(candidates)
     stats = llm.stats
     return {
-        "task": task_name, "interface": interface, "samples": n, "usable": usable,
-        "usable_share": round(usable / n, 3) if n else 0.0, "usable_ci95": wilson(usable, n),
-        "unusable_replies_before_repair": rejected_first, "programs_repaired": repaired, "programs_with_name_fixes": fixes,
-        "failure_kinds": dict(sorted(kinds.items())), "runtime_name_errors": len(name_errors),
+        "task": task_name,
+        "interface": interface,
+        "samples": n,
+        "usable": usable,
+        "usable_share": round(usable / n, 3) if n else 0.0,
+        "usable_ci95": wilson(usable, n),
+        "unusable_replies_before_repair": rejected_first,
+        "programs_repaired": repaired,
+        "programs_with_name_fixes": fixes,
+        "failure_kinds": dict(sorted(kinds.items())),
+        "runtime_name_errors": len(name_errors),
         "runtime_name_error_examples": name_errors[:3],
-        "completion_tokens": stats.completion_tokens, "completion_tokens_sampling": sampled["completion_tokens"],
-        "llm_s": round(stats.latency_s, 1), "llm_s_sampling": round(sampled["llm_s"], 1),
-        "llm_calls": stats.calls, "cache_hits": stats.cache_hits,
+        "completion_tokens": stats.completion_tokens,
+        "completion_tokens_sampling": sampled["completion_tokens"],
+        "llm_s": round(stats.latency_s, 1),
+        "llm_s_sampling": round(sampled["llm_s"], 1),
+        "llm_calls": stats.calls,
+        "cache_hits": stats.cache_hits,
         "llm_s_per_usable": round(stats.latency_s / usable, 1) if usable else None,
         "completion_tokens_per_usable": round(stats.completion_tokens / usable) if usable else None,
-        "wall_s": round(time.time() - start, 1), "commit": commit(), "load": round(os.getloadavg()[0], 2),
+        "wall_s": round(time.time() - start, 1),
+        "commit": commit(),
+        "load": round(os.getloadavg()[0], 2),
     }
 
 
@@ -159,10 +191,19 @@ def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
         mine = [c for c in cells if c["interface"] == interface]
         n, usable = sum(c["samples"] for c in mine), sum(c["usable"] for c in mine)
         llm_s = sum(c["llm_s"] for c in mine)
-        out[interface] = {"tasks": len(mine), "samples": n, "usable": usable, "usable_share": round(usable / n, 3) if n else 0.0,
-                          "usable_ci95": wilson(usable, n), "runtime_name_errors": sum(c["runtime_name_errors"] for c in mine),
-                          "llm_s": round(llm_s, 1), "llm_s_per_usable": round(llm_s / usable, 1) if usable else None}
-    both = {c["task"] for c in cells if c["interface"] == "fields"} & {c["task"] for c in cells if c["interface"] == "dict"}
+        out[interface] = {
+            "tasks": len(mine),
+            "samples": n,
+            "usable": usable,
+            "usable_share": round(usable / n, 3) if n else 0.0,
+            "usable_ci95": wilson(usable, n),
+            "runtime_name_errors": sum(c["runtime_name_errors"] for c in mine),
+            "llm_s": round(llm_s, 1),
+            "llm_s_per_usable": round(llm_s / usable, 1) if usable else None,
+        }
+    both = {c["task"] for c in cells if c["interface"] == "fields"} & {
+        c["task"] for c in cells if c["interface"] == "dict"
+    }
     ratios = {}
     for task in sorted(both):
         d, f = (next(c for c in cells if c["task"] == task and c["interface"] == i) for i in ("dict", "fields"))
@@ -174,21 +215,26 @@ def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
     dict_u = sum(c["usable"] for c in paired if c["interface"] == "dict")
     fields_s = sum(c["llm_s"] for c in paired if c["interface"] == "fields")
     fields_u = sum(c["usable"] for c in paired if c["interface"] == "fields")
-    out["llm_s_per_usable_ratio_overall"] = (round((fields_s / fields_u) / (dict_s / dict_u), 3)
-                                             if dict_u and fields_u and dict_s else None)
+    out["llm_s_per_usable_ratio_overall"] = (
+        round((fields_s / fields_u) / (dict_s / dict_u), 3) if dict_u and fields_u and dict_s else None
+    )
     return out
 
 
 def table(result: dict[str, Any]) -> str:
     """The result as a markdown table: a row per task, the two interfaces side by side."""
-    rows = ["| task | interface | usable (95 % CI) | failures | run-time name errors | completion tokens / usable | LLM s / usable |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| task | interface | usable (95 % CI) | failures | run-time name errors | completion tokens / usable | LLM s / usable |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for c in result["cells"]:
         lo, hi = c["usable_ci95"]
         kinds = ", ".join(f"{k} {v}" for k, v in c["failure_kinds"].items()) or "none"
-        rows.append(f"| {c['task']} | {c['interface']} | {c['usable']}/{c['samples']} = {c['usable_share']:.2f} "
-                    f"[{lo:.2f}, {hi:.2f}] | {kinds} | {c['runtime_name_errors']} | "
-                    f"{c['completion_tokens_per_usable'] or '-'} | {c['llm_s_per_usable'] or '-'} |")
+        rows.append(
+            f"| {c['task']} | {c['interface']} | {c['usable']}/{c['samples']} = {c['usable_share']:.2f} "
+            f"[{lo:.2f}, {hi:.2f}] | {kinds} | {c['runtime_name_errors']} | "
+            f"{c['completion_tokens_per_usable'] or '-'} | {c['llm_s_per_usable'] or '-'} |"
+        )
     return "\n".join(rows)
 
 
@@ -198,10 +244,15 @@ def main() -> None:
     parser.add_argument("--interfaces", nargs="+", default=INTERFACES, choices=INTERFACES)
     parser.add_argument("--samples", type=int, default=16, help="reward functions sampled per task and interface")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cache", default=str(Path.home() / ".cache" / "llm4rl" / "usable_rate"),
-                        help="LLM reply cache and reference episodes (fresh for timing figures)")
+    parser.add_argument(
+        "--cache",
+        default=str(Path.home() / ".cache" / "llm4rl" / "usable_rate"),
+        help="LLM reply cache and reference episodes (fresh for timing figures)",
+    )
     parser.add_argument("--out", default="", help="JSON file of the result; cells already in it are skipped")
-    parser.add_argument("--table", action="store_true", help="print the --out file's result as a markdown table and stop")
+    parser.add_argument(
+        "--table", action="store_true", help="print the --out file's result as a markdown table and stop"
+    )
     parser.add_argument("override", nargs="*", help="further Hydra overrides (llm=..., vetting.repair=...)")
     args = parser.parse_args()
     if args.table:
@@ -226,9 +277,16 @@ def main() -> None:
                 out.write_text(json.dumps({"cells": cells, "summary": summary(cells)}, indent=1) + "\n")
     from core.llm.embedded import loaded_info
 
-    result = {**{k: v for k, v in done.items() if k not in ("cells", "summary")},  # notes kept beside the figures
-              "benchmark": "usable_rate", "samples": args.samples, "seed": args.seed, "model": loaded_info(),
-              "commits": sorted({str(c.get("commit", "")) for c in cells}), "cells": cells, "summary": summary(cells)}
+    result = {
+        **{k: v for k, v in done.items() if k not in ("cells", "summary")},  # notes kept beside the figures
+        "benchmark": "usable_rate",
+        "samples": args.samples,
+        "seed": args.seed,
+        "model": loaded_info(),
+        "commits": sorted({str(c.get("commit", "")) for c in cells}),
+        "cells": cells,
+        "summary": summary(cells),
+    }
     if out is not None:
         out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

@@ -119,18 +119,27 @@ def check_argv(argv: list[str]) -> None:
                 )
     # an unknown option of any config group (env=, trainer=, llm=, +preset=, ...): one paragraph and
     # exit status 2, as for an unknown env or plugin (Hydra's own message exited 1)
-    groups = {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in conf_dir().iterdir()
-              if d.is_dir() and d.name not in ("hydra", "plugins", "study")}
+    groups = {
+        d.name: sorted(p.stem for p in d.glob("*.yaml"))
+        for d in conf_dir().iterdir()
+        if d.is_dir() and d.name not in ("hydra", "plugins", "study")
+    }
     for override in parsed:
         options = groups.get(override.key_or_group)
-        if options is None or override.package is not None or override.type not in (OverrideType.CHANGE, OverrideType.ADD):
+        if (
+            options is None
+            or override.package is not None
+            or override.type not in (OverrideType.CHANGE, OverrideType.ADD)
+        ):
             continue
         group = override.key_or_group
         for name in (str(v) for v in _values(override)):
             if name not in options:
                 hint = " Any gymnasium id works with env=gym env.id=<id>." if group == "env" else ""
-                raise UserError(f"Unknown {group} '{name}'.{did_you_mean(name, options)} Available {group}s: "
-                                f"{', '.join(options)}.{hint}")
+                raise UserError(
+                    f"Unknown {group} '{name}'.{did_you_mean(name, options)} Available {group}s: "
+                    f"{', '.join(options)}.{hint}"
+                )
 
 
 def sweep_ready(argv: list[str]) -> list[str]:
@@ -142,8 +151,11 @@ def sweep_ready(argv: list[str]) -> list[str]:
     arms = plugin_arms(argv)
     if not arms:
         return list(argv)
-    lacking = {o.input_line for o in parse_overrides(argv)
-               if o.type == OverrideType.CHANGE and (found := _plugin_key(o)) and any(found[0] not in arm for arm in arms)}
+    lacking = {
+        o.input_line
+        for o in parse_overrides(argv)
+        if o.type == OverrideType.CHANGE and (found := _plugin_key(o)) and any(found[0] not in arm for arm in arms)
+    }
     return ["++" + arg if arg in lacking else arg for arg in argv]
 
 
@@ -163,8 +175,9 @@ def ignored_knobs(cfg: DictConfig, overrides: list[str]) -> list[str]:
     if not arms or len(arms) != 1:
         return []
     enabled = set(arms[0])
-    ignored = [(o, found[0]) for o in parse_overrides(list(overrides))
-               if (found := _plugin_key(o)) and found[0] not in enabled]
+    ignored = [
+        (o, found[0]) for o in parse_overrides(list(overrides)) if (found := _plugin_key(o)) and found[0] not in enabled
+    ]
     with open_dict(cfg):
         for name in {name for _, name in ignored}:
             if cfg.get("plugins") is not None and name in cfg.plugins:
@@ -216,7 +229,9 @@ def print_summary(summary, steps: list[str] | None = None) -> None:  # type: ign
     out = Console()
     out.rule("[bold]llm4rl run")
     counts = summary.counts if summary.failed else str(summary.candidates)  # "8 sampled, 6 usable, 5 trained"
-    out.print(f"fitness ({summary.fitness_name}): [bold]{summary.fitness:.4g}[/bold]  best candidate: {summary.best_id}")
+    out.print(
+        f"fitness ({summary.fitness_name}): [bold]{summary.fitness:.4g}[/bold]  best candidate: {summary.best_id}"
+    )
     if summary.final_fitness:
         vals = ", ".join(f"{v:.4g}" for v in summary.final_fitness)
         out.print(f"best candidate over {len(summary.final_fitness)} seeds: {vals}")
@@ -240,16 +255,25 @@ def print_summary(summary, steps: list[str] | None = None) -> None:  # type: ign
             f"{int(llm.get('llm/completion_tokens', 0))} completion tokens"
         )
         if summary.llm_cache:
-            earlier = (f"{hits} answered from it (replies an earlier run with the same request wrote: no model time); "
-                       if hits else "")
-            out.print(f"LLM replies kept in {summary.llm_cache}: {earlier}llm.cache_path=<file> uses another, "
-                      "llm.cache=false none", markup=False, highlight=False, soft_wrap=True)
+            earlier = (
+                f"{hits} answered from it (replies an earlier run with the same request wrote: no model time); "
+                if hits
+                else ""
+            )
+            out.print(
+                f"LLM replies kept in {summary.llm_cache}: {earlier}llm.cache_path=<file> uses another, "
+                "llm.cache=false none",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
     for part in summary.contributions:  # what each method's LLM put in; nothing is said in yellow
         role = f" ({part.role})" if part.role else ""
         line = f"{part.plugin}{role}: {part.text}"
         out.print(f"[yellow]warning: {escape(line)}[/yellow]" if part.nothing else escape(line), highlight=False)
-    out.print(f"MLflow run: {summary.run_id}   look at it: {summary.ui_hint}", markup=False, highlight=False,
-              soft_wrap=True)  # a command stays one line
+    out.print(
+        f"MLflow run: {summary.run_id}   look at it: {summary.ui_hint}", markup=False, highlight=False, soft_wrap=True
+    )  # a command stays one line
     for line in steps or []:
         out.print(line, markup=False, highlight=False, soft_wrap=True)  # a command stays one line
 
@@ -292,8 +316,11 @@ def run_one(cfg: DictConfig) -> float:
     ignored = ignored_knobs(cfg, overrides)
     if ignored:
         tags[IGNORED_TAG] = " ".join(ignored)
-        console.print(f"ignored in this run, whose plugins do not include theirs: {', '.join(ignored)} (tag {IGNORED_TAG})",
-                      markup=False, highlight=False)
+        console.print(
+            f"ignored in this run, whose plugins do not include theirs: {', '.join(ignored)} (tag {IGNORED_TAG})",
+            markup=False,
+            highlight=False,
+        )
     try:
         summary = run_experiment(cfg, tags=tags)
     except UserError as err:
@@ -341,8 +368,11 @@ def main() -> None:
 
 def study_target(argv: list[str]) -> tuple[str, str]:
     """The tracking URI and experiment a command line's runs went to (its overrides, else the config's)."""
-    values = {o.key_or_group: o.input_line.split("=", 1)[1] if o.is_sweep_override() else str(o.value())
-              for o in parse_overrides(argv) if o.type == OverrideType.CHANGE}
+    values = {
+        o.key_or_group: o.input_line.split("=", 1)[1] if o.is_sweep_override() else str(o.value())
+        for o in parse_overrides(argv)
+        if o.type == OverrideType.CHANGE
+    }
     experiment = values.get("experiment") or str(OmegaConf.load(conf_dir() / "config.yaml").get("experiment", "llm4rl"))
     uri = values.get("tracking.uri")
     if not uri:

@@ -87,7 +87,12 @@ def _fenced_blocks(text: str) -> list[_Block]:
         while i < len(lines):
             close = _FENCE.match(lines[i])
             # A closing fence: same character, at least as long, no info string.
-            if close and close.group("fence")[0] == fence[0] and len(close.group("fence")) >= len(fence) and not close.group("info").strip():
+            if (
+                close
+                and close.group("fence")[0] == fence[0]
+                and len(close.group("fence")) >= len(fence)
+                and not close.group("info").strip()
+            ):
                 break
             body.append(lines[i])
             i += 1
@@ -185,7 +190,9 @@ def _strip_script_parts(code: str, tree: ast.Module) -> tuple[str, list[str]]:
     return "\n".join(kept).rstrip() + "\n", notes
 
 
-def extract_function(reply: str, entry: str, arg_names: list[str] | None = None, *, rename: bool = False) -> ExtractResult:
+def extract_function(
+    reply: str, entry: str, arg_names: list[str] | None = None, *, rename: bool = False
+) -> ExtractResult:
     """Find the code block defining ``entry`` and return it with its helpers and imports.
 
     :param reply: the raw LLM reply.
@@ -196,7 +203,9 @@ def extract_function(reply: str, entry: str, arg_names: list[str] | None = None,
     :return: ``ok`` with ``source``, or ``error`` text (and ``kind``) saying what was wrong.
     """
     if not (reply or "").strip():
-        return ExtractResult(False, error="The reply is empty: write the function in a ```python code block.", kind="empty")
+        return ExtractResult(
+            False, error="The reply is empty: write the function in a ```python code block.", kind="empty"
+        )
     blocks = _blocks(reply)
     if not blocks:
         return ExtractResult(
@@ -214,7 +223,8 @@ def extract_function(reply: str, entry: str, arg_names: list[str] | None = None,
             if re.search(rf"\bdef\s+{re.escape(entry)}\s*\(", block.code):
                 line = (e.text or "").rstrip()
                 syntax_errors.append(
-                    f"SyntaxError in code block {block.index}, line {e.lineno}: {e.msg}" + (f"\n    {line.strip()}" if line else "")
+                    f"SyntaxError in code block {block.index}, line {e.lineno}: {e.msg}"
+                    + (f"\n    {line.strip()}" if line else "")
                 )
             continue
         if _defs(tree, entry):
@@ -226,12 +236,24 @@ def extract_function(reply: str, entry: str, arg_names: list[str] | None = None,
             renamed = _renamed(candidates, entry, list(arg_names))
             if renamed is not None:
                 return renamed
-        defined = sorted({n.name for b in candidates for n in _safe_body(b.code) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))})
+        defined = sorted(
+            {
+                n.name
+                for b in candidates
+                for n in _safe_body(b.code)
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            }
+        )
         if not defined and any(_parse_error(b.code) for b in candidates):
-            return ExtractResult(False, error=_parse_error(candidates[-1].code) or _first_parse_error(candidates), kind="syntax")
+            return ExtractResult(
+                False, error=_parse_error(candidates[-1].code) or _first_parse_error(candidates), kind="syntax"
+            )
         also = f" (found: {', '.join(f'`{d}`' for d in defined)})" if defined else ""
-        return ExtractResult(False, error=f"No function named `{entry}` is defined at the top level of the code{also}.",
-                             kind="no_function")
+        return ExtractResult(
+            False,
+            error=f"No function named `{entry}` is defined at the top level of the code{also}.",
+            kind="no_function",
+        )
     n_defs = sum(len(_defs(tree, entry)) for _, tree in found)
     distinct = {ast.dump(_defs(tree, entry)[0]) for _, tree in found}
     if any(len(_defs(tree, entry)) > 1 for _, tree in found) or len(distinct) > 1:
@@ -262,8 +284,11 @@ def _renamed(blocks: list[_Block], entry: str, arg_names: list[str]) -> ExtractR
             tree = ast.parse(block.code)
         except SyntaxError:
             continue
-        fits += [(block, tree, n) for n in tree.body
-                 if isinstance(n, ast.FunctionDef) and not signature_error(n, n.name, arg_names)]
+        fits += [
+            (block, tree, n)
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef) and not signature_error(n, n.name, arg_names)
+        ]
     if len({n.name for _, _, n in fits}) > 1:
         fits = [f for f in fits if entry in f[2].name]
     names = {n.name for _, _, n in fits}
@@ -293,8 +318,16 @@ def _first_parse_error(blocks: list[_Block]) -> str:
     return next((_parse_error(b.code) for b in blocks if _parse_error(b.code)), "")
 
 
-def program_from_reply(cls: type[P], reply: str, entry: str, arg_names: list[str], *,
-                       state_fields: list[str] | None = None, prelude: str = "", **fields: Any) -> P:
+def program_from_reply(
+    cls: type[P],
+    reply: str,
+    entry: str,
+    arg_names: list[str],
+    *,
+    state_fields: list[str] | None = None,
+    prelude: str = "",
+    **fields: Any,
+) -> P:
     """The program a reply holds, or the same record rejected with the reason.
 
     A usable reply gives ``cls(source=..., entry=entry, reply=reply, **fields)``; an
@@ -329,8 +362,12 @@ def program_from_reply(cls: type[P], reply: str, entry: str, arg_names: list[str
         meta["prelude"] = prelude
     if found.ok and state_fields is not None:
         provided = tuple(defined_names(prelude))
-        names = check_names(found.source, list(state_fields), available=SAFE_BUILTIN_NAMES + provided,
-                            state_args=state_arguments(found.source, entry, arg_names))
+        names = check_names(
+            found.source,
+            list(state_fields),
+            available=SAFE_BUILTIN_NAMES + provided,
+            state_args=state_arguments(found.source, entry, arg_names),
+        )
         if names.fixes:
             meta["fixes"] = list(names.fixes)
         found.source = names.source
@@ -362,7 +399,7 @@ def without_prelude(program: Any, prelude: str | None = None) -> str:
     prelude = str(program.meta.get("prelude", "") or "") if prelude is None else prelude
     source = program.source
     if prelude and source.startswith(prelude.rstrip()):
-        return source[len(prelude.rstrip()):].lstrip("\n")
+        return source[len(prelude.rstrip()) :].lstrip("\n")
     return source
 
 

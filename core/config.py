@@ -93,10 +93,14 @@ class CodeConfig:
     """How LLM code is asked for and repaired (``code:``; see ``docs/llm.md``)."""
 
     interface: str = "fields"  # fields: a skeleton from the task's fields, names checked before anything runs; dict: the earlier prompt, for comparison
-    repair_temperature: float = 0.2  # sampling temperature of a repair request (a short one: the function, the error, the rule)
+    repair_temperature: float = (
+        0.2  # sampling temperature of a repair request (a short one: the function, the error, the rule)
+    )
     retry_temperature: float = 0.8  # temperature of a repair round after a reply that returned the function unchanged
     repair_max_tokens: int = 768  # cap on a repair reply
-    stop_at_code_end: bool = True  # end every code reply at the close of its first code block (the prose after it is never used)
+    stop_at_code_end: bool = (
+        True  # end every code reply at the close of its first code block (the prose after it is never used)
+    )
 
     def check(self) -> None:
         from core.prompting import INTERFACES
@@ -104,8 +108,10 @@ class CodeConfig:
         if self.interface not in INTERFACES:
             raise ValueError(f"interface must be one of {', '.join(INTERFACES)}, got {self.interface!r}")
         if self.repair_temperature < 0 or self.retry_temperature < 0:
-            raise ValueError(f"repair_temperature and retry_temperature must be >= 0, got {self.repair_temperature} "
-                             f"and {self.retry_temperature}")
+            raise ValueError(
+                f"repair_temperature and retry_temperature must be >= 0, got {self.repair_temperature} "
+                f"and {self.retry_temperature}"
+            )
         if self.repair_max_tokens < 1:
             raise ValueError(f"repair_max_tokens must be >= 1, got {self.repair_max_tokens}")
 
@@ -145,7 +151,9 @@ class ExecutorConfig:
     """Where candidate trainings run (``executor: local`` and ``inprocess``; see ``docs/scaling.md``)."""
 
     kind: str = "local"  # local: this machine, in-process or a process pool; ray: Ray tasks (RayExecutorConfig)
-    workers: int | str = "auto"  # jobs trained at once: auto sizes each batch to the idle cores; a number; 1: always in-process
+    workers: int | str = (
+        "auto"  # jobs trained at once: auto sizes each batch to the idle cores; a number; 1: always in-process
+    )
 
     def check(self) -> None:
         if self.workers != "auto" and not (isinstance(self.workers, int) and self.workers >= 1):
@@ -190,8 +198,10 @@ def executor_config(node: Any) -> ExecutorConfig:
         return node
     kind = str((node or {}).get("kind", "local"))
     if kind not in EXECUTORS:
-        raise UserError(f"Unknown executor kind '{kind}'.{did_you_mean(kind, list(EXECUTORS))} "
-                        "Use executor=local, executor=inprocess or executor=ray.")
+        raise UserError(
+            f"Unknown executor kind '{kind}'.{did_you_mean(kind, list(EXECUTORS))} "
+            "Use executor=local, executor=inprocess or executor=ray."
+        )
     return typed(EXECUTORS[kind], node, "executor")
 
 
@@ -266,9 +276,15 @@ def _options_schema(cls: type) -> type | None:
         hint = _checkable(hints.get(p.name, Any))
         if p.default is None and hint is not Any:
             hint = hint | None
-        default = field(default=MISSING) if p.default is inspect.Parameter.empty else (
-            field(default_factory=lambda d=p.default: copy.deepcopy(d)) if isinstance(p.default, (list, dict))
-            else field(default=p.default))
+        default = (
+            field(default=MISSING)
+            if p.default is inspect.Parameter.empty
+            else (
+                field(default_factory=lambda d=p.default: copy.deepcopy(d))
+                if isinstance(p.default, (list, dict))
+                else field(default=p.default)
+            )
+        )
         specs.append((p.name, hint, default))
     schema = dataclasses.make_dataclass(f"{cls.__name__}Options", specs)
     schema.__module__ = __name__
@@ -305,7 +321,9 @@ class Settings:
     config: DictConfig  # the composed config, read-only
     run: RunSettings
     plugins: dict[str, PluginConfig]  # enabled plugin -> its validated config
-    trainer: Any = None  # the trainer's config (core.train: PPOConfig, SACConfig, RandomConfig); None without a trainer node
+    trainer: Any = (
+        None  # the trainer's config (core.train: PPOConfig, SACConfig, RandomConfig); None without a trainer node
+    )
     trainer_name: str = "ppo"  # trainer.name: which trainer reads it
     llm: Any = None  # core.llm.client.LLMSettings; None without an llm node
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
@@ -326,7 +344,9 @@ class Settings:
         return max([self.run.final_seeds, *(p.final_seeds for p in self.plugins.values())])
 
     @classmethod
-    def of(cls, config: Mapping[str, Any] | DictConfig | None = None, plugins: Mapping[str, PluginConfig] | None = None) -> Settings:
+    def of(
+        cls, config: Mapping[str, Any] | DictConfig | None = None, plugins: Mapping[str, PluginConfig] | None = None
+    ) -> Settings:
         """Settings from a partial config (defaults for what it omits) and ready plugin configs.
 
         For code that trains outside a composed run: tests, benchmarks, notebooks. One
@@ -380,8 +400,10 @@ def trainer_config(node: Any) -> tuple[str, Any]:
     try:
         return name, cls.from_config({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
     except (ValueError, TypeError) as err:
-        raise UserError(f"Invalid trainer config: {err}. Fix it in conf/trainer/{name}.yaml or on the command line "
-                        f"(trainer.<key>=<value>).") from None
+        raise UserError(
+            f"Invalid trainer config: {err}. Fix it in conf/trainer/{name}.yaml or on the command line "
+            f"(trainer.<key>=<value>)."
+        ) from None
 
 
 def config_class(module: Any) -> type[PluginConfig]:
@@ -458,10 +480,7 @@ def _explain(err: OmegaConfBaseException, schema: type, where: str) -> str:
                 break
             section, cls = f"{section}.{part}", inner
         fields_ = [f.name for f in dataclasses.fields(cls)]
-        return (
-            f"Unknown config key '{path}'.{did_you_mean(name, fields_)} "
-            f"'{section}' accepts: {', '.join(fields_)}."
-        )
+        return f"Unknown config key '{path}'.{did_you_mean(name, fields_)} '{section}' accepts: {', '.join(fields_)}."
     expected = _field_type(schema, str(key))
     value = getattr(err, "value", None)
     return (
@@ -479,8 +498,9 @@ def where_to_set(where: str) -> str:
     parts = where.split(".")
     if parts[0] == "plugins" and len(parts) > 1:
         if not (conf_dir() / "plugins" / f"{parts[1]}.yaml").is_file():
-            return (f"on the command line; plugin '{parts[1]}' has no YAML file here (its defaults are its "
-                    "Config class's)")
+            return (
+                f"on the command line; plugin '{parts[1]}' has no YAML file here (its defaults are its Config class's)"
+            )
         return f"in conf/plugins/{parts[1]}.yaml or on the command line"
     return "in the YAML file or on the command line"
 
@@ -525,7 +545,10 @@ def validate(config: DictConfig, plugin_modules: Mapping[str, Any]) -> Settings:
             f"+plugins=[{name}]; in a study whose arms differ in plugins, set it as plugins.{name}.<key>=... "
             f"with '{name}' in at least one arm (docs/ablations.md, 'Sweeping a plugin's knob')."
         )
-    plugins = {name: typed(config_class(module), plugins_node.get(name), f"plugins.{name}") for name, module in plugin_modules.items()}
+    plugins = {
+        name: typed(config_class(module), plugins_node.get(name), f"plugins.{name}")
+        for name, module in plugin_modules.items()
+    }
     return Settings(config=config, run=run, plugins=plugins, **groups(config))
 
 

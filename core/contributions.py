@@ -24,8 +24,9 @@ class Contribution:
     nothing: bool  # its LLM put nothing into any trained candidate
 
 
-def contributions(plugins: list[str], pairs: list[tuple[Any, Any]], best: Any | None,
-                  env_writers: frozenset[str] = frozenset()) -> list[Contribution]:
+def contributions(
+    plugins: list[str], pairs: list[tuple[Any, Any]], best: Any | None, env_writers: frozenset[str] = frozenset()
+) -> list[Contribution]:
     """Per enabled plugin: what its LLM-written parts did in the run's candidates ``pairs``
     (candidate, result), or what it changed inside the best training (``llm/changed_share``).
     ``best`` is the (candidate, result) the run chose, or None; ``env_writers`` the plugins
@@ -42,26 +43,42 @@ def contributions(plugins: list[str], pairs: list[tuple[Any, Any]], best: Any | 
             trained = sum(r.ok for _, r in usable)
             in_best = best is not None and any(p.origin == plugin and p.reply for _, p in best[0].programs)
             if trained == 0:
-                fallback = (f"the chosen candidate trained on the task's own {role}" if best is not None
-                            else "no candidate trained")
-                text = (f"{len(found)} LLM program(s), {len(usable)} usable, none trained: the LLM contributed "
-                        f"nothing; {fallback}")
+                fallback = (
+                    f"the chosen candidate trained on the task's own {role}"
+                    if best is not None
+                    else "no candidate trained"
+                )
+                text = (
+                    f"{len(found)} LLM program(s), {len(usable)} usable, none trained: the LLM contributed "
+                    f"nothing; {fallback}"
+                )
             else:
-                text = (f"{len(found)} LLM program(s), {len(usable)} usable, {trained} trained; the chosen candidate "
-                        + ("uses one" if in_best else "does not (the task's own, or another plugin's)"))
+                text = (
+                    f"{len(found)} LLM program(s), {len(usable)} usable, {trained} trained; the chosen candidate "
+                    + ("uses one" if in_best else "does not (the task's own, or another plugin's)")
+                )
             out.append(Contribution(plugin, role, text, trained == 0))
         if programs:
             continue
         if plugin in env_writers:
             generated = [r for c, r in pairs if c.envs]
             trained = sum(r.ok for r in generated)
-            out.append(Contribution(plugin, "environment", f"{len(generated)} candidate(s) with LLM-written worlds, "
-                                    f"{trained} trained", trained == 0))
+            out.append(
+                Contribution(
+                    plugin,
+                    "environment",
+                    f"{len(generated)} candidate(s) with LLM-written worlds, {trained} trained",
+                    trained == 0,
+                )
+            )
             continue
         share = best[1].metrics.get(CHANGED_SHARE) if best is not None else None
         if share is not None:
-            out.append(Contribution(plugin, "in training", f"LLM output changed {share:.1%} of the chosen "
-                                    "training's steps", share == 0))
+            out.append(
+                Contribution(
+                    plugin, "in training", f"LLM output changed {share:.1%} of the chosen training's steps", share == 0
+                )
+            )
         else:
             out.append(Contribution(plugin, "", "logged no measure of its LLM's part", False))
     return out

@@ -59,9 +59,25 @@ from core.progress import ProgressRelay
 from core.records import TrainResult
 
 __all__ = [  # the executor API, wherever each piece lives
-    "CpuReading", "Done", "Executor", "InProcessExecutor", "PoolExecutor", "Reader", "Runtime", "THREAD_VARS",
-    "TrainJob", "build_runtime", "cpu_times", "make_executor", "one_thread_env", "plan_workers", "read_cpu",
-    "run_job", "usable_cores", "worker_runtime", "workers_setting",
+    "CpuReading",
+    "Done",
+    "Executor",
+    "InProcessExecutor",
+    "PoolExecutor",
+    "Reader",
+    "Runtime",
+    "THREAD_VARS",
+    "TrainJob",
+    "build_runtime",
+    "cpu_times",
+    "make_executor",
+    "one_thread_env",
+    "plan_workers",
+    "read_cpu",
+    "run_job",
+    "usable_cores",
+    "worker_runtime",
+    "workers_setting",
 ]
 
 #: environment variables that set BLAS/OpenMP thread pools: one thread per worker
@@ -133,7 +149,9 @@ class PoolExecutor(Executor):
     fewer jobs in flight.
     """
 
-    def __init__(self, workers: int | str, runtime: Runtime | None = None, progress: Any = None, read: Reader = read_cpu) -> None:
+    def __init__(
+        self, workers: int | str, runtime: Runtime | None = None, progress: Any = None, read: Reader = read_cpu
+    ) -> None:
         self.workers = workers_setting(workers)
         self.runtime = runtime
         self.progress = progress
@@ -157,8 +175,12 @@ class PoolExecutor(Executor):
         context = mp.get_context("spawn")
         self._queue = context.Queue()
         with one_thread_env():
-            self._pool = futures.ProcessPoolExecutor(size, mp_context=context, initializer=_warm_worker,
-                                                     initargs=(self.ship(prime) if prime else None, self._queue))
+            self._pool = futures.ProcessPoolExecutor(
+                size,
+                mp_context=context,
+                initializer=_warm_worker,
+                initargs=(self.ship(prime) if prime else None, self._queue),
+            )
             futures.wait([self._pool.submit(time.sleep, 0) for _ in range(size)])  # every worker started
         self.size = size
 
@@ -239,17 +261,32 @@ class PoolExecutor(Executor):
         return [r for r in results if r is not None]
 
     @staticmethod
-    def _collect(fut: futures.Future[TrainResult], i: int, jobs: list[TrainJob], results: list[TrainResult | None],
-                 on_done: Done | None) -> None:
+    def _collect(
+        fut: futures.Future[TrainResult],
+        i: int,
+        jobs: list[TrainJob],
+        results: list[TrainResult | None],
+        on_done: Done | None,
+    ) -> None:
         try:
             results[i] = fut.result()
         except Exception as exc:  # a worker died (e.g. killed for memory)
-            results[i] = TrainResult(jobs[i].candidate.id, ok=False, error=f"worker failed: {exc!r}", error_kind="crash")
+            results[i] = TrainResult(
+                jobs[i].candidate.id, ok=False, error=f"worker failed: {exc!r}", error_kind="crash"
+            )
         if on_done:
             on_done(i, results[i])  # type: ignore[arg-type]
 
-    def _train_all(self, jobs: list[TrainJob], queue: list[tuple[int, TrainJob]], pending: dict[Any, int],
-                   results: list[TrainResult | None], at_once: int, show: bool, on_done: Done | None) -> None:
+    def _train_all(
+        self,
+        jobs: list[TrainJob],
+        queue: list[tuple[int, TrainJob]],
+        pending: dict[Any, int],
+        results: list[TrainResult | None],
+        at_once: int,
+        show: bool,
+        on_done: Done | None,
+    ) -> None:
         assert self._pool is not None
         while queue or pending:
             while queue and len(pending) < at_once:
@@ -269,8 +306,9 @@ class PoolExecutor(Executor):
             self._queue = None
 
 
-def make_executor(cfg: ExecutorConfig | Any, runtime: Runtime | None, jobs_hint: int, progress: Any = None,
-                  read: Reader = read_cpu) -> Executor:
+def make_executor(
+    cfg: ExecutorConfig | Any, runtime: Runtime | None, jobs_hint: int, progress: Any = None, read: Reader = read_cpu
+) -> Executor:
     """The executor ``cfg`` names (the run's typed ``executor`` record; a config node is
     typed first), for about ``jobs_hint`` jobs at a time.
 

@@ -17,8 +17,10 @@ from types import FrameType
 from typing import NoReturn
 
 #: what an interrupted run prints: finished trainings and LLM replies are kept
-RESUME_HINT = ("interrupted: finished trainings and LLM replies are kept; run the same command again to resume "
-               "(nothing already paid for is recomputed)")
+RESUME_HINT = (
+    "interrupted: finished trainings and LLM replies are kept; run the same command again to resume "
+    "(nothing already paid for is recomputed)"
+)
 
 
 def stop_generation() -> None:

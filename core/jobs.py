@@ -35,7 +35,9 @@ Done = Callable[[int, TrainResult], None]
 class TrainJob:
     """One training of one candidate under one seed."""
 
-    settings: Settings | dict[str, Any]  # the run's validated settings; a plain resolved config is validated where it runs
+    settings: (
+        Settings | dict[str, Any]
+    )  # the run's validated settings; a plain resolved config is validated where it runs
     candidate: Candidate
     seed: int
     run_key: str = ""  # the run this job belongs to: a worker keeps one runtime per run
@@ -90,8 +92,9 @@ def worker_runtime(job: TrainJob) -> Runtime:
     return runtime
 
 
-def build_runtime(config: Settings | DictConfig | dict[str, Any], extra_plugins: tuple[object, ...] = (),
-                  run_key: str = "") -> Runtime:
+def build_runtime(
+    config: Settings | DictConfig | dict[str, Any], extra_plugins: tuple[object, ...] = (), run_key: str = ""
+) -> Runtime:
     """Build a run's task and plugin manager (fresh plugin objects).
 
     ``config``: the run's validated :class:`Settings` (a worker's case: used as they
@@ -198,7 +201,12 @@ class Executor:
         """``job`` as it leaves this process: a job of this executor's run carries the run's
         validated settings, so the worker does not validate its config again."""
         runtime = self.runtime
-        if runtime is not None and job.run_key and job.run_key == runtime.run_key and not isinstance(job.settings, Settings):
+        if (
+            runtime is not None
+            and job.run_key
+            and job.run_key == runtime.run_key
+            and not isinstance(job.settings, Settings)
+        ):
             return dataclasses.replace(job, settings=runtime.settings)
         return job
 

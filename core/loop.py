@@ -149,8 +149,11 @@ class Loop:
     def _make_llm(self) -> Any:
         from core.llm import make_client
 
-        return make_client(self.config.llm, on_call=self._log_llm_call,
-                           on_progress=self._llm_view if self.settings.run.progress else None)
+        return make_client(
+            self.config.llm,
+            on_call=self._log_llm_call,
+            on_progress=self._llm_view if self.settings.run.progress else None,
+        )
 
     def _log_llm_call(self, record: Any) -> None:
         if self.tracker is None:
@@ -190,7 +193,9 @@ class Loop:
 
     def _combined(self, iteration: int, sources: dict[str, list[Iterable[list[Any]]]]) -> list[Candidate]:
         hook, run = self.run.hook, self.run
-        proposals = {role: [p for source in groups for group in source for p in group] for role, groups in sources.items()}
+        proposals = {
+            role: [p for source in groups for group in source for p in group] for role, groups in sources.items()
+        }
         previous = run.best[0] if run.best else None
         rejected = {role: [p for p in options if _rejected(p)] for role, options in proposals.items()}
         proposals = {role: [p for p in options if not _rejected(p)] for role, options in proposals.items()}
@@ -200,8 +205,9 @@ class Loop:
         hook.prepare_candidates(run=run, candidates=candidates)
         # a reply with no usable program: a candidate of its own that is recorded, never trained
         for role, part in ((role, part) for role, parts in rejected.items() for part in parts):
-            candidates.append(Candidate(id=f"it{iteration}-c{len(candidates)}", iteration=iteration, plan=run.plan,
-                                        **{role: part}))
+            candidates.append(
+                Candidate(id=f"it{iteration}-c{len(candidates)}", iteration=iteration, plan=run.plan, **{role: part})
+            )
         return candidates
 
     def _proposals(self, hook: str, iteration: int) -> list[Iterable[list[Any]]]:
@@ -209,8 +215,9 @@ class Loop:
         plugin (``origin``): a list result as one group (``[result]``), an iterator as its groups,
         marked as they are read."""
         out: list[Iterable[list[Any]]] = []
-        for name, result in call_each(self.runtime.pluginmanager, hook, skip=self.retired(iteration), run=self.run,
-                                      iteration=iteration):
+        for name, result in call_each(
+            self.runtime.pluginmanager, hook, skip=self.retired(iteration), run=self.run, iteration=iteration
+        ):
             if isinstance(result, list):
                 if result:
                     out.append([_marked(name, result)])
@@ -227,8 +234,9 @@ class Loop:
         role = proposing[0]
         return role if any(not isinstance(groups, list) for groups in sources[role]) else None
 
-    def _arrivals(self, iteration: int, role: str, sources: list[Iterable[list[Any]]]
-                  ) -> Iterator[tuple[Candidate, TrainResult | None]]:
+    def _arrivals(
+        self, iteration: int, role: str, sources: list[Iterable[list[Any]]]
+    ) -> Iterator[tuple[Candidate, TrainResult | None]]:
         """The candidates of one role's groups as they arrive, checked (:func:`preflight`) group by
         group, each with its preflight failure or None; named as :meth:`propose` names them (the
         usable parts in order, then the rejected replies, which come last)."""
@@ -240,13 +248,17 @@ class Loop:
         for group in (g for source in sources for g in source):
             usable = [p for p in group if not _rejected(p)]
             held += [p for p in group if _rejected(p)]
-            fresh = [replace(c, id=f"it{iteration}-c{count + j}", plan=run.plan)
-                     for j, c in enumerate(combine(iteration, {role: usable}, previous) if usable else [])]
+            fresh = [
+                replace(c, id=f"it{iteration}-c{count + j}", plan=run.plan)
+                for j, c in enumerate(combine(iteration, {role: usable}, previous) if usable else [])
+            ]
             count += len(fresh)
             failed = preflight(run, fresh, totals) if fresh else {}
             yield from ((c, failed.get(c.id)) for c in fresh)
-        last = [Candidate(id=f"it{iteration}-c{count + j}", iteration=iteration, plan=run.plan, **{role: part})
-                for j, part in enumerate(held)]
+        last = [
+            Candidate(id=f"it{iteration}-c{count + j}", iteration=iteration, plan=run.plan, **{role: part})
+            for j, part in enumerate(held)
+        ]
         failed = preflight(run, last, totals) if last else {}  # a repaired reply trains like any other
         yield from ((c, failed.get(c.id)) for c in last)
 
@@ -261,8 +273,16 @@ class Loop:
             self._store_put(key, result)
         return time.time()
 
-    def _record(self, candidates: list[Candidate], results: list[TrainResult], todo: list[int], keys: list[str],
-                ended: dict[int, float], seed: int, skip: frozenset[int] = frozenset()) -> list[TrainResult]:
+    def _record(
+        self,
+        candidates: list[Candidate],
+        results: list[TrainResult],
+        todo: list[int],
+        keys: list[str],
+        ended: dict[int, float],
+        seed: int,
+        skip: frozenset[int] = frozenset(),
+    ) -> list[TrainResult]:
         """Each training's result under its candidate's id, logged as a nested run; policies cleaned up.
         ``skip``: candidates whose result is final already (recorded by :func:`preflight`)."""
         final: list[TrainResult] = []
@@ -285,12 +305,16 @@ class Loop:
                     self._store_put(keys[i], result)  # again, now with its MLflow run id
             if i in todo:
                 self._count_training_llm(result)
-            if i in todo and result.policy_path:  # uploaded by the tracker or wanted by nobody: never left in the temp folder
+            if (
+                i in todo and result.policy_path
+            ):  # uploaded by the tracker or wanted by nobody: never left in the temp folder
                 Path(result.policy_path).unlink(missing_ok=True)
             final.append(result)
         return final
 
-    def _log_candidate(self, candidate: Candidate, result: TrainResult, tags: dict[str, str], ended: float | None) -> None:
+    def _log_candidate(
+        self, candidate: Candidate, result: TrainResult, tags: dict[str, str], ended: float | None
+    ) -> None:
         """Record a candidate's nested run; a failure to record it is the candidate's own.
 
         :meth:`core.tracking.Tracker.log_candidate` does not raise; should a tracker raise all
@@ -302,8 +326,12 @@ class Loop:
         try:
             self.tracker.log_candidate(candidate, result, tags, ended=ended)
         except Exception as exc:  # noqa: BLE001 - one candidate's recording never ends the run
-            log.warning("candidate %s could not be recorded (%s: %s); the run goes on",
-                        candidate.id, type(exc).__name__, str(exc)[:300])
+            log.warning(
+                "candidate %s could not be recorded (%s: %s); the run goes on",
+                candidate.id,
+                type(exc).__name__,
+                str(exc)[:300],
+            )
             tracking_failure(result, exc)
             made = result.run_id if result.run_id != before else ""
             try:
@@ -317,11 +345,16 @@ class Loop:
         try:
             self.store.put(key, result)
         except Exception as exc:  # noqa: BLE001 - the store is for resuming: losing an entry costs a retraining
-            log.warning("candidate %s: the results store could not keep its result (%s: %s)",
-                        result.candidate_id, type(exc).__name__, str(exc)[:300])
+            log.warning(
+                "candidate %s: the results store could not keep its result (%s: %s)",
+                result.candidate_id,
+                type(exc).__name__,
+                str(exc)[:300],
+            )
 
-    def train_each(self, arrivals: Iterable[tuple[Candidate, TrainResult | None]], seed: int, progress: Any,
-                   expected: int = 0) -> tuple[list[Candidate], list[TrainResult]]:
+    def train_each(
+        self, arrivals: Iterable[tuple[Candidate, TrainResult | None]], seed: int, progress: Any, expected: int = 0
+    ) -> tuple[list[Candidate], list[TrainResult]]:
         """Train candidates as they arrive, each with its preflight failure or None: the loop's one
         training path. :meth:`_arrivals` yields them while the LLM writes the next; a list is
         there at once.
@@ -354,8 +387,13 @@ class Loop:
                 i = len(candidates)
                 candidates.append(candidate)
                 keys.append(job_key(candidate, self.container, seed, self.runtime.fingerprint))
-                known = failed or (TrainResult(candidate.id, ok=False, error=candidate.rejected, error_kind="rejected")
-                                   if candidate.rejected else self.store.get(keys[i]) if self.store else None)
+                known = failed or (
+                    TrainResult(candidate.id, ok=False, error=candidate.rejected, error_kind="rejected")
+                    if candidate.rejected
+                    else self.store.get(keys[i])
+                    if self.store
+                    else None
+                )
                 results.append(known)
                 if failed is not None:
                     checked.add(i)
@@ -412,14 +450,16 @@ class Loop:
             rejected = preflight(run, proposed)  # reward programs checked, vetted and repaired before any RL
             arrivals = [(c, rejected.get(c.id)) for c in proposed]
         # about as many as last iteration when they arrive (unknown at first: the pool sizes to the free cores)
-        candidates, results = self.train_each(arrivals, run.seed, progress,
-                                              expected=len(run.history[-1].candidates) if run.history else 0)
+        candidates, results = self.train_each(
+            arrivals, run.seed, progress, expected=len(run.history[-1].candidates) if run.history else 0
+        )
         # trainings in workers while the loop waited on the LLM for the next samples
         run.log_metrics({"train/overlap_s": self.overlap_s}, step=iteration)
         result = IterationResult(iteration, candidates, results)
         run.history.append(result)
-        for plugin, text in call_each(self.runtime.pluginmanager, "reflect", skip=self.retired(iteration), run=run,
-                                      result=result):
+        for plugin, text in call_each(
+            self.runtime.pluginmanager, "reflect", skip=self.retired(iteration), run=run, result=result
+        ):
             if text:
                 run.log_text(f"reflection/it{iteration}-{plugin}.md", text)
         best = run.best
@@ -470,8 +510,12 @@ class Loop:
         for k in range(1, n + 1):
             seed, policy = self.run.seed + k, None
             for j, member in enumerate(chain):  # a continued candidate: its whole chain, on the fresh seed
-                candidate = replace(member, id=f"{member.id}-seed{seed}", start=policy,
-                                    keep_policy=member.keep_policy or j < len(chain) - 1)
+                candidate = replace(
+                    member,
+                    id=f"{member.id}-seed{seed}",
+                    start=policy,
+                    keep_policy=member.keep_policy or j < len(chain) - 1,
+                )
                 (result,) = self.train([candidate], seed, progress)
                 frames += result.frames
                 if not result.ok:
@@ -479,11 +523,15 @@ class Loop:
                 policy = StartPolicy.of(candidate, result) if j < len(chain) - 1 else None
             fresh.append(result.score)
         values = [best[1].score, *fresh]
-        self.run.log_metrics({
-            "final/fitness_mean": sum(values) / len(values), "final/seeds": len(values),
-            "final/fresh_mean": sum(fresh) / len(fresh), "final/frames": frames,
-            "final/seconds": time.perf_counter() - start,
-        })
+        self.run.log_metrics(
+            {
+                "final/fitness_mean": sum(values) / len(values),
+                "final/seeds": len(values),
+                "final/fresh_mean": sum(fresh) / len(fresh),
+                "final/frames": frames,
+                "final/seconds": time.perf_counter() - start,
+            }
+        )
         return values
 
     def lineage(self, candidate: Candidate) -> list[Candidate]:
@@ -527,17 +575,34 @@ class Loop:
         if self.tracker is not None:
             if llm_cache:  # where the replies were kept (and where cache hits came from)
                 self.tracker.set_tags({"llm.cache": llm_cache})
-            self.tracker.log_metrics({"fitness": fitness, "frames": frames, "seconds": seconds, "candidates": len(results),
-                                      "candidates_rejected": rejected, "candidates_trained": sum(r.ok for r in results),
-                                      "llm_programs_trained": llm_trained})
+            self.tracker.log_metrics(
+                {
+                    "fitness": fitness,
+                    "frames": frames,
+                    "seconds": seconds,
+                    "candidates": len(results),
+                    "candidates_rejected": rejected,
+                    "candidates_trained": sum(r.ok for r in results),
+                    "llm_programs_trained": llm_trained,
+                }
+            )
             self.tracker.set_tags({"best_candidate": best[0].id if best else "none", "fitness_name": name})
-            self.tracker.describe_run(task=self.run.task.name, fitness_name=name, history=self.run.history, best=best,
-                                      llm=llm, seconds=seconds, final=final)
+            self.tracker.describe_run(
+                task=self.run.task.name,
+                fitness_name=name,
+                history=self.run.history,
+                best=best,
+                llm=llm,
+                seconds=seconds,
+                final=final,
+            )
             curves = {f"{c.id}": r.curve for it in self.run.history for c, r in zip(it.candidates, it.results) if r.ok}
             if curves and self.config.tracking.get("log_plots", True):
                 from core.plots import learning_curve
 
-                self.tracker.log_figure(learning_curve(curves, title=f"{self.run.task.name}: {name}"), "learning_curves.png")
+                self.tracker.log_figure(
+                    learning_curve(curves, title=f"{self.run.task.name}: {name}"), "learning_curves.png"
+                )
         return RunSummary(
             fitness_name=name,
             fitness=fitness,
@@ -630,8 +695,9 @@ def run_folders(config: DictConfig, settings: Any) -> list[str]:
     return found
 
 
-def run_experiment(config: DictConfig, extra_plugins: tuple[object, ...] = (),
-                   tags: dict[str, str] | None = None) -> RunSummary:
+def run_experiment(
+    config: DictConfig, extra_plugins: tuple[object, ...] = (), tags: dict[str, str] | None = None
+) -> RunSummary:
     """Run one experiment as the config describes; the programmatic entry point.
 
     ``tags`` are added to the MLflow parent run's own (``plugins``, ``env``, ``seed``), e.g.
@@ -646,7 +712,12 @@ def run_experiment(config: DictConfig, extra_plugins: tuple[object, ...] = (),
     tracker = Tracker(config.tracking, config.experiment)
     hide_from_programs(*tracker.local_paths(), *run_folders(config, runtime.settings))
     plugins = sorted((config.get("plugins") or {}).keys())
-    run_tags = {"plugins": ",".join(plugins) or "none", "env": str(config.env.name), "seed": str(config.seed), **(tags or {})}
+    run_tags = {
+        "plugins": ",".join(plugins) or "none",
+        "env": str(config.env.name),
+        "seed": str(config.seed),
+        **(tags or {}),
+    }
     name = config.get("run_name") or f"{'+'.join(plugins) or 'baseline'}-{config.env.name}-s{config.seed}"
     with tracker.experiment_run(config, name, run_tags):
         return Loop(config, runtime, tracker).execute()

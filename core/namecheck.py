@@ -31,11 +31,43 @@ STATE_ARGS = ("state", "next_state")
 #: a state is a dict: these attribute reads are its methods, not fields
 DICT_METHODS = frozenset({"get", "keys", "values", "items"})
 #: torch functions of one tensor that refuse a Python number as it
-UNARY = frozenset({
-    "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tan", "tanh", "sinh", "cosh", "sigmoid", "abs", "atan", "asin",
-    "acos", "log1p", "expm1", "sign", "square", "floor", "ceil", "round", "erf", "exp2", "log2", "log10", "relu",
-    "neg", "isnan", "isfinite", "isinf", "deg2rad", "rad2deg",
-})
+UNARY = frozenset(
+    {
+        "exp",
+        "log",
+        "sqrt",
+        "rsqrt",
+        "sin",
+        "cos",
+        "tan",
+        "tanh",
+        "sinh",
+        "cosh",
+        "sigmoid",
+        "abs",
+        "atan",
+        "asin",
+        "acos",
+        "log1p",
+        "expm1",
+        "sign",
+        "square",
+        "floor",
+        "ceil",
+        "round",
+        "erf",
+        "exp2",
+        "log2",
+        "log10",
+        "relu",
+        "neg",
+        "isnan",
+        "isfinite",
+        "isinf",
+        "deg2rad",
+        "rad2deg",
+    }
+)
 #: torch functions of two tensors that refuse a Python number as either
 BINARY = frozenset({"maximum", "minimum", "fmax", "fmin", "atan2", "hypot", "logaddexp"})
 #: how close a misspelt field must be to one field to be renamed to it (difflib's ratio)
@@ -56,12 +88,21 @@ class NameCheck:
 
     def message(self, fields: list[str]) -> str:
         """The refusal as feedback text: every problem, then the fields the state has."""
-        return ("The code reads names that do not exist:\n" + "\n".join(f"- {e}" for e in self.errors)
-                + f"\nThe state has exactly these fields: {', '.join(fields)}.")
+        return (
+            "The code reads names that do not exist:\n"
+            + "\n".join(f"- {e}" for e in self.errors)
+            + f"\nThe state has exactly these fields: {', '.join(fields)}."
+        )
 
 
-def check_names(source: str, fields: list[str], *, state_args: tuple[str, ...] = STATE_ARGS,
-                available: tuple[str, ...] | None = None, fix: bool = True) -> NameCheck:
+def check_names(
+    source: str,
+    fields: list[str],
+    *,
+    state_args: tuple[str, ...] = STATE_ARGS,
+    available: tuple[str, ...] | None = None,
+    fix: bool = True,
+) -> NameCheck:
     """Check (and, with ``fix``, mend) the field reads and free names of ``source``.
 
     :param fields: the names the task's states have (:meth:`core.envs.task.Task.field_names`).
@@ -108,8 +149,10 @@ def check_names(source: str, fields: list[str], *, state_args: tuple[str, ...] =
             for arg in _numbers_given_to_torch(call, numbers):
                 seg = ast.get_source_segment(source, arg) or ast.unparse(arg)
                 edits.append((arg.lineno, arg.col_offset, arg.end_col_offset or arg.col_offset, f"torch.tensor({seg})"))
-                out.fixes.append(f"line {arg.lineno}: `{seg}` given to `{ast.unparse(call.func)}` wrapped in "
-                                 "`torch.tensor(...)` (torch functions take tensors, not Python numbers)")
+                out.fixes.append(
+                    f"line {arg.lineno}: `{seg}` given to `{ast.unparse(call.func)}` wrapped in "
+                    "`torch.tensor(...)` (torch functions take tensors, not Python numbers)"
+                )
     if edits:
         out.source = _apply(lines, edits)
     return out
@@ -149,9 +192,16 @@ def _field_reads(tree: ast.Module, state_args: tuple[str, ...]) -> list[tuple[as
             key = node.slice
             if isinstance(key, ast.Constant) and isinstance(key.value, str) and key.end_lineno == key.lineno:
                 found.append((node, key.value, (key.lineno, key.col_offset, key.end_col_offset or key.col_offset)))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-              and isinstance(node.func.value, ast.Name) and node.func.value.id in state_args and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in state_args
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             key = node.args[0]
             found.append((node, key.value, (key.lineno, key.col_offset, key.end_col_offset or key.col_offset)))
     return found
@@ -228,8 +278,12 @@ def _number_names(tree: ast.Module) -> set[str]:
 
 def _numbers_given_to_torch(node: ast.AST, numbers: set[str]) -> list[ast.expr]:
     """The arguments of a ``torch.f(...)`` call that must be tensors but are Python numbers."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"):
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "torch"
+    ):
         return []
     name = node.func.attr
     if name in UNARY and node.args and _is_number(node.args[0], numbers):

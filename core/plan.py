@@ -35,7 +35,7 @@ PREFIX = "achievement_"
 
 def goal_names(task: Task) -> list[str]:
     """The goals ``task`` can check (its ``achievement_<goal>`` fields), in field order."""
-    return [f.name[len(PREFIX):] for f in task.state_fields if f.name.startswith(PREFIX)]
+    return [f.name[len(PREFIX) :] for f in task.state_fields if f.name.startswith(PREFIX)]
 
 
 def _slice(task: Task) -> tuple[int, list[int]]:
@@ -86,8 +86,10 @@ def check_plan(plan: Plan, task: Task, skills: Iterable[str] = ()) -> list[str]:
     for i, step in enumerate(plan.steps, 1):
         if step.done and step.done not in goals:
             close = difflib.get_close_matches(step.done, goals, n=3, cutoff=0.5)
-            errors.append(f"step {i} ({step.name}): the task cannot check the goal {step.done!r}"
-                          + (f"; did you mean {', '.join(close[:3])}?" if close else ""))
+            errors.append(
+                f"step {i} ({step.name}): the task cannot check the goal {step.done!r}"
+                + (f"; did you mean {', '.join(close[:3])}?" if close else "")
+            )
         if step.kind == "skill" and known and step.name not in known and step.name not in goals:
             errors.append(f"step {i} ({step.name}): unknown skill; known skills: {', '.join(sorted(known))}")
     return errors

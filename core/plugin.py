@@ -42,8 +42,20 @@ from core.config import SandboxConfig
 from core.context import ActionPrior, RunContext, StepBatch, TrainContext
 
 # --- records -------------------------------------------------------------------------
-from core.records import (Candidate, EnvConfig, Fitness, IterationResult, MacroAction, Plan, PlanStep, Program,
-                          RewardProgram, StartPolicy, StateProgram, TrainResult)
+from core.records import (
+    Candidate,
+    EnvConfig,
+    Fitness,
+    IterationResult,
+    MacroAction,
+    Plan,
+    PlanStep,
+    Program,
+    RewardProgram,
+    StartPolicy,
+    StateProgram,
+    TrainResult,
+)
 
 # --- the task ------------------------------------------------------------------------
 from core.envs.task import Task, Trajectory, VectorStep, task_steps
@@ -59,9 +71,25 @@ from core.namecheck import check_names, state_arguments
 from core.sandbox.policy import SAFE_BUILTIN_NAMES
 
 # --- prompting -----------------------------------------------------------------------
-from core.prompting import (Shapes, action_text, batch_shapes, candidate_line, code_options, fence, field_bindings,
-                            fields_text, interface_of, program_fields, repair_messages, reply_counts, reward_interface,
-                            sample_evenly, sign_rule, state_interface, summarize_series)
+from core.prompting import (
+    Shapes,
+    action_text,
+    batch_shapes,
+    candidate_line,
+    code_options,
+    fence,
+    field_bindings,
+    fields_text,
+    interface_of,
+    program_fields,
+    repair_messages,
+    reply_counts,
+    reward_interface,
+    sample_evenly,
+    sign_rule,
+    state_interface,
+    summarize_series,
+)
 
 # --- the LLM in the background -------------------------------------------------------
 from core.llm.background import BackgroundCalls, ask_in_batches, warm_up
@@ -70,8 +98,15 @@ from core.llm.background import BackgroundCalls, ask_in_batches, warm_up
 from core.plan import PlanFollower, check_plan, goal_names, match_goal, newly_achieved
 
 # --- the sandbox ---------------------------------------------------------------------
-from core.sandbox import (SandboxReport, normalize_reward, prepare_reward, prepare_state, probe_batch, run_isolated,
-                          validate_state)
+from core.sandbox import (
+    SandboxReport,
+    normalize_reward,
+    prepare_reward,
+    prepare_state,
+    probe_batch,
+    run_isolated,
+    validate_state,
+)
 
 # --- training pieces -----------------------------------------------------------------
 from core.train.macros import MacroSet
@@ -82,32 +117,85 @@ from core.progress import make_progress
 
 __all__ = [
     # hooks and config
-    "hookimpl", "PluginConfig", "SandboxConfig",
+    "hookimpl",
+    "PluginConfig",
+    "SandboxConfig",
     # contexts
-    "RunContext", "TrainContext", "StepBatch", "ActionPrior",
+    "RunContext",
+    "TrainContext",
+    "StepBatch",
+    "ActionPrior",
     # records
-    "Program", "RewardProgram", "StateProgram", "MacroAction", "EnvConfig", "StartPolicy", "Plan", "PlanStep",
-    "Candidate", "Fitness", "TrainResult", "IterationResult",
+    "Program",
+    "RewardProgram",
+    "StateProgram",
+    "MacroAction",
+    "EnvConfig",
+    "StartPolicy",
+    "Plan",
+    "PlanStep",
+    "Candidate",
+    "Fitness",
+    "TrainResult",
+    "IterationResult",
     # the task
-    "Task", "Trajectory", "VectorStep", "task_steps",
+    "Task",
+    "Trajectory",
+    "VectorStep",
+    "task_steps",
     # errors
-    "UserError", "LLMError", "SandboxError",
+    "UserError",
+    "LLMError",
+    "SandboxError",
     # LLM code
-    "extract_code", "extract_function", "program_from_reply", "without_prelude", "check_names", "state_arguments",
+    "extract_code",
+    "extract_function",
+    "program_from_reply",
+    "without_prelude",
+    "check_names",
+    "state_arguments",
     "SAFE_BUILTIN_NAMES",
     # prompting
-    "Shapes", "batch_shapes", "action_text", "fields_text", "field_bindings", "program_fields", "sign_rule",
-    "reward_interface", "state_interface", "interface_of", "code_options", "repair_messages", "fence",
-    "reply_counts", "candidate_line", "summarize_series", "sample_evenly",
+    "Shapes",
+    "batch_shapes",
+    "action_text",
+    "fields_text",
+    "field_bindings",
+    "program_fields",
+    "sign_rule",
+    "reward_interface",
+    "state_interface",
+    "interface_of",
+    "code_options",
+    "repair_messages",
+    "fence",
+    "reply_counts",
+    "candidate_line",
+    "summarize_series",
+    "sample_evenly",
     # the LLM in the background
-    "warm_up", "BackgroundCalls", "ask_in_batches",
+    "warm_up",
+    "BackgroundCalls",
+    "ask_in_batches",
     # plans and goals
-    "goal_names", "match_goal", "newly_achieved", "check_plan", "PlanFollower",
+    "goal_names",
+    "match_goal",
+    "newly_achieved",
+    "check_plan",
+    "PlanFollower",
     # the sandbox
-    "prepare_reward", "prepare_state", "probe_batch", "run_isolated", "validate_state", "normalize_reward",
+    "prepare_reward",
+    "prepare_state",
+    "probe_batch",
+    "run_isolated",
+    "validate_state",
+    "normalize_reward",
     "SandboxReport",
     # training pieces
-    "MacroSet", "Population", "Member", "population_settings",
+    "MacroSet",
+    "Population",
+    "Member",
+    "population_settings",
     # progress
     "make_progress",
 ]

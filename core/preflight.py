@@ -48,7 +48,9 @@ class Examined:
     repairs: int = 0
 
 
-def preflight(run: RunContext, candidates: list[Candidate], totals: dict[str, int] | None = None) -> dict[str, TrainResult]:
+def preflight(
+    run: RunContext, candidates: list[Candidate], totals: dict[str, int] | None = None
+) -> dict[str, TrainResult]:
     """Check, vet and repair the candidates' new reward programs; the failed result of each rejected one.
 
     Candidates whose program was repaired hold the repaired program afterwards. Programs
@@ -155,15 +157,20 @@ class _Checker:
         """The task's reference trajectories for the run's seed (built once, cached on disk)."""
         if self._references is None:
             try:
-                self._references = reference_set(self.run.task, self.cfg.episodes, self.run.seed,
-                                                 max_steps=self.cfg.max_steps,
-                                                 cache_dir=self.run.settings.run.cache_dir or None)
+                self._references = reference_set(
+                    self.run.task,
+                    self.cfg.episodes,
+                    self.run.seed,
+                    max_steps=self.cfg.max_steps,
+                    cache_dir=self.run.settings.run.cache_dir or None,
+                )
             except Exception as exc:  # noqa: BLE001 - a task that cannot roll out is not vetted, never a crash
                 self._references, self._reference_error = [], f"the reference episodes could not be made ({exc!r})"
         return self._references
 
-    def repair(self, program: RewardProgram, error: str, kind: str = "", attempt: int = 1,
-               unchanged: bool = False) -> RewardProgram | None:
+    def repair(
+        self, program: RewardProgram, error: str, kind: str = "", attempt: int = 1, unchanged: bool = False
+    ) -> RewardProgram | None:
         """The repaired program (possibly rejected again, with its new reason), or None when none came.
 
         ``unchanged``: the previous reply returned the function as it was; this request says
@@ -179,19 +186,39 @@ class _Checker:
 
         code, task = self.run.settings.run.code, self.run.task
         self._shapes = self._shapes or batch_shapes(task, self.run.seed)
-        msgs = repair_messages(task, without_prelude(program) or program.reply, error, kind, entry=program.entry,
-                               shapes=self._shapes, unchanged=unchanged)
+        msgs = repair_messages(
+            task,
+            without_prelude(program) or program.reply,
+            error,
+            kind,
+            entry=program.entry,
+            shapes=self._shapes,
+            unchanged=unchanged,
+        )
         tag = f"{program.origin or 'program'}-repair"
         temperature = code.retry_temperature if unchanged else code.repair_temperature
-        reply = self.run.llm.chat(msgs, n=1, temperature=temperature, max_tokens=code.repair_max_tokens,
-                                  stop=CODE_STOP if code.stop_at_code_end else None,
-                                  seed=self.run.seed * 1000 + 500 + attempt, tag=tag)[0]
-        found = program_from_reply(RewardProgram, reply.text, program.entry, list(REWARD_ARGS),
-                                   state_fields=task.field_names(), prelude=str(program.meta.get("prelude", "")),
-                                   meta={**program.meta, "repairs": attempt})
+        reply = self.run.llm.chat(
+            msgs,
+            n=1,
+            temperature=temperature,
+            max_tokens=code.repair_max_tokens,
+            stop=CODE_STOP if code.stop_at_code_end else None,
+            seed=self.run.seed * 1000 + 500 + attempt,
+            tag=tag,
+        )[0]
+        found = program_from_reply(
+            RewardProgram,
+            reply.text,
+            program.entry,
+            list(REWARD_ARGS),
+            state_fields=task.field_names(),
+            prelude=str(program.meta.get("prelude", "")),
+            meta={**program.meta, "repairs": attempt},
+        )
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
-        return replace(program, source=found.source, reply=reply.text, prompt=prompt, meta=found.meta,
-                       rejected=found.rejected)
+        return replace(
+            program, source=found.source, reply=reply.text, prompt=prompt, meta=found.meta, rejected=found.rejected
+        )
 
     def _plugin_repair(self, program: RewardProgram, error: str) -> RewardProgram | None:
         """The proposing plugin's ``repair_program`` (the one ``program.origin`` names), or None."""
@@ -210,7 +237,9 @@ class _Checker:
         if verdict is not None:
             text = verdict.text()
         else:
-            text = "# Reward check: " + (f"failed ({outcome.kind})\n\n{outcome.error}\n" if outcome.error else "passed (not vetted)\n")
+            text = "# Reward check: " + (
+                f"failed ({outcome.kind})\n\n{outcome.error}\n" if outcome.error else "passed (not vetted)\n"
+            )
         self.run.log_text(f"vetting/it{candidate.iteration}-{candidate.id}{suffix}.md", text)
         figures = dict(verdict.figures) if verdict is not None else {"vetting/passed": 0.0 if outcome.error else 1.0}
         self.run.log_metrics(figures, step=candidate.iteration * 1000 + self._step)
@@ -222,10 +251,19 @@ def _failed(candidate: Candidate, outcome: Examined) -> TrainResult:
     verdict = outcome.verdict
     repairs = f" (after {outcome.repairs} repair{'s' if outcome.repairs != 1 else ''})" if outcome.repairs else ""
     return TrainResult(
-        candidate_id=candidate.id, ok=False, error=outcome.error, error_kind=outcome.kind or "vetting",
+        candidate_id=candidate.id,
+        ok=False,
+        error=outcome.error,
+        error_kind=outcome.kind or "vetting",
         metrics={**(verdict.figures if verdict is not None else {}), "vetting/repairs": float(outcome.repairs)},
-        texts={"vetting.md": (verdict.text() if verdict is not None else f"# Reward check: failed ({outcome.kind})\n\n"
-                              f"{outcome.error}\n") + (f"\nRejected{repairs}.\n" if repairs else "")},
+        texts={
+            "vetting.md": (
+                verdict.text()
+                if verdict is not None
+                else f"# Reward check: failed ({outcome.kind})\n\n{outcome.error}\n"
+            )
+            + (f"\nRejected{repairs}.\n" if repairs else "")
+        },
     )
 
 

@@ -321,6 +321,7 @@ class ProgressRelay:
 
     def pump(self, queue: Any) -> None:
         """Apply ``queue``'s messages in a daemon thread until :meth:`stop`."""
+
         def loop() -> None:
             while not self._stop.is_set():
                 try:
@@ -350,11 +351,16 @@ class ProgressRelay:
 def next_steps(tracking_uri: str, experiment: str) -> list[str]:
     """What to run after a run or study: the report command and the MLflow UI."""
     uri = tracking_uri or "sqlite:///mlflow.db"
-    ui = f"mlflow ui --backend-store-uri {uri}" if uri.startswith(("sqlite:", "file:", "postgresql:", "mysql:")) or "://" not in uri \
+    ui = (
+        f"mlflow ui --backend-store-uri {uri}"
+        if uri.startswith(("sqlite:", "file:", "postgresql:", "mysql:")) or "://" not in uri
         else None
+    )
     lines = [f"report:    python -m core.report --experiment {experiment} --uri {uri}"]
     if ui:
-        lines.append(f"MLflow UI: python -m core.ui --uri {uri} --experiment {experiment}   (prints the experiment's page)")
+        lines.append(
+            f"MLflow UI: python -m core.ui --uri {uri} --experiment {experiment}   (prints the experiment's page)"
+        )
     else:
         lines.append(f"MLflow UI: {uri}")
     return lines

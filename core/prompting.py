@@ -94,13 +94,17 @@ def action_text(task: Task, shapes: Shapes | None = None) -> str:
     described = f" {task.action_description}" if task.action_description else ""
     shape = Shapes.text(shapes.action)
     if shapes.actions:
-        return (f"`action` is an {shapes.action_dtype} tensor of shape {shape} (one action index per env, "
-                f"0..{shapes.actions - 1}; no trailing dimension).{described}")
+        return (
+            f"`action` is an {shapes.action_dtype} tensor of shape {shape} (one action index per env, "
+            f"0..{shapes.actions - 1}; no trailing dimension).{described}"
+        )
     bounds = ""
     if shapes.low and len(set(shapes.low)) == 1 and len(set(shapes.high)) == 1:
         bounds = f" within [{shapes.low[0]:g}, {shapes.high[0]:g}]"
-    return (f"`action` is a {shapes.action_dtype} tensor of shape {shape}: the policy's sample, which may lie "
-            f"outside the bounds{bounds} (the env clips it before stepping).{described}")
+    return (
+        f"`action` is a {shapes.action_dtype} tensor of shape {shape}: the policy's sample, which may lie "
+        f"outside the bounds{bounds} (the env clips it before stepping).{described}"
+    )
 
 
 def fields_text(task: Task, shapes: Shapes | None = None) -> str:
@@ -109,7 +113,9 @@ def fields_text(task: Task, shapes: Shapes | None = None) -> str:
     lines = []
     for f in program_fields(task):
         unit = f", unit {f.unit}" if f.unit else ""
-        lines.append(f"- {f.name} ({Shapes.text(shapes.fields.get(f.name, getattr(f, 'shape', ())))}{unit}): {f.description}")
+        lines.append(
+            f"- {f.name} ({Shapes.text(shapes.fields.get(f.name, getattr(f, 'shape', ())))}{unit}): {f.description}"
+        )
     return "\n".join(lines)
 
 
@@ -132,8 +138,10 @@ def code_options(run: Any, samples: int, temperature: float | None) -> dict[str,
     """The chat options every request for code shares: the temperature (by ``samples`` when
     None, :func:`sampling_temperature`) and the stop at the code block's end (``code.stop_at_code_end``)."""
     code = run.settings.run.code
-    return {"temperature": sampling_temperature(samples) if temperature is None else float(temperature),
-            "stop": list(CODE_STOP) if code.stop_at_code_end else None}
+    return {
+        "temperature": sampling_temperature(samples) if temperature is None else float(temperature),
+        "stop": list(CODE_STOP) if code.stop_at_code_end else None,
+    }
 
 
 def interface_of(run: Any) -> str:
@@ -144,19 +152,27 @@ def interface_of(run: Any) -> str:
 def sign_rule(task: Task) -> str:
     """One line on the sign a per-step reward needs, from how the task's episodes end."""
     if task.ends_on_success and task.ends_on_failure:
-        return ("Sign rule: both reaching the goal and failing end this task's episode, so reaching the goal must pay "
-                "the most, failing the least, and no per-step term may make ending the episode early by failing pay "
-                "more than carrying on towards the goal.")
+        return (
+            "Sign rule: both reaching the goal and failing end this task's episode, so reaching the goal must pay "
+            "the most, failing the least, and no per-step term may make ending the episode early by failing pay "
+            "more than carrying on towards the goal."
+        )
     if task.ends_on_success:
-        return ("Sign rule: reaching the goal ends this task's episode, so the reward per step must be negative or zero "
-                "on average until the goal is reached (for example a small step cost plus progress terms), and "
-                "reaching the goal must pay the most; a positive reward on every step teaches the agent never to finish.")
+        return (
+            "Sign rule: reaching the goal ends this task's episode, so the reward per step must be negative or zero "
+            "on average until the goal is reached (for example a small step cost plus progress terms), and "
+            "reaching the goal must pay the most; a positive reward on every step teaches the agent never to finish."
+        )
     if task.ends_on_failure:
-        return ("Sign rule: in this task a long episode is the success (failing ends it early), so the reward per step "
-                "must be positive on average while the agent has not failed; a negative reward on every step teaches "
-                "the agent to fail as early as it can.")
-    return ("Sign rule: this task's episodes always run to their time limit, so only differences between states matter: "
-            "pay more for states closer to the goal (a constant added to every step changes nothing).")
+        return (
+            "Sign rule: in this task a long episode is the success (failing ends it early), so the reward per step "
+            "must be positive on average while the agent has not failed; a negative reward on every step teaches "
+            "the agent to fail as early as it can."
+        )
+    return (
+        "Sign rule: this task's episodes always run to their time limit, so only differences between states matter: "
+        "pay more for states closer to the goal (a constant added to every step changes nothing)."
+    )
 
 
 def field_bindings(task: Task, shapes: Shapes | None = None, source: str = "next_state", indent: str = "    ") -> str:
@@ -166,14 +182,21 @@ def field_bindings(task: Task, shapes: Shapes | None = None, source: str = "next
     into its reply, and long comments there would be paid for again in every sample.
     """
     shapes = shapes or batch_shapes(task)
-    rows = [(f"{indent}{f.name} = {source}.{f.name}", f"# {Shapes.text(shapes.fields.get(f.name, f.shape))}")
-            for f in program_fields(task)]
+    rows = [
+        (f"{indent}{f.name} = {source}.{f.name}", f"# {Shapes.text(shapes.fields.get(f.name, f.shape))}")
+        for f in program_fields(task)
+    ]
     width = max((len(code) for code, _ in rows), default=0)
     return "\n".join(f"{code.ljust(width)}  {comment}" for code, comment in rows)
 
 
-def reward_interface(task: Task, allowed_imports: list[str] | tuple[str, ...] = ("math", "numpy", "torch"),
-                     shapes: Shapes | None = None, interface: str = "fields", entry: str = "compute_reward") -> str:
+def reward_interface(
+    task: Task,
+    allowed_imports: list[str] | tuple[str, ...] = ("math", "numpy", "torch"),
+    shapes: Shapes | None = None,
+    interface: str = "fields",
+    entry: str = "compute_reward",
+) -> str:
     """The reward function's signature, inputs and outputs, for prompts.
 
     :param shapes: the task's :func:`batch_shapes` (computed here when not given).
@@ -252,8 +275,12 @@ def {entry}(state, action, next_state):
 ```"""
 
 
-def state_interface(task: Task, allowed_imports: list[str] | tuple[str, ...] = ("math", "numpy", "torch"),
-                    shapes: Shapes | None = None, interface: str = "fields") -> str:
+def state_interface(
+    task: Task,
+    allowed_imports: list[str] | tuple[str, ...] = ("math", "numpy", "torch"),
+    shapes: Shapes | None = None,
+    interface: str = "fields",
+) -> str:
     """The state-representation function's signature, for prompts.
 
     :param shapes: the task's :func:`batch_shapes` (computed here when not given).
@@ -300,20 +327,28 @@ Python numbers. You may import only: {", ".join(allowed_imports)}."""
 #: the rule a failure of each kind broke, said again in the repair request
 RULES = {
     "names": "Read only the task's fields listed above, as state.<name> or next_state.<name>, and assign every "
-             "variable before you use it.",
+    "variable before you use it.",
     "signature": "Keep the function's name and arguments exactly as given.",
     "syntax": "Write valid Python 3.",
     "forbidden": "Use only the allowed imports and plain Python: no files, processes, dunder names or globals.",
     "exception": "Every field is a [B] (or [B, n]) tensor: use torch operations on whole batches, and give torch "
-                 "functions tensors, not Python numbers.",
+    "functions tensors, not Python numbers.",
     "invalid_value": "Return a finite float tensor with one value per environment (shape [B]).",
     "timeout": "Keep it to a few vectorised torch operations: no loops.",
     "too_slow": "Keep it to a few vectorised torch operations: no loops.",
 }
 
 
-def repair_messages(task: Task, source: str, error: str, kind: str, entry: str = "compute_reward",
-                    shapes: Shapes | None = None, role: str = "reward", unchanged: bool = False) -> list[dict[str, str]]:
+def repair_messages(
+    task: Task,
+    source: str,
+    error: str,
+    kind: str,
+    entry: str = "compute_reward",
+    shapes: Shapes | None = None,
+    role: str = "reward",
+    unchanged: bool = False,
+) -> list[dict[str, str]]:
     """A short request to fix one program: the fields, the failing function, the error, the rule it broke.
 
     Not the whole conversation again: a small model fixes a named error in a short prompt
@@ -324,10 +359,13 @@ def repair_messages(task: Task, source: str, error: str, kind: str, entry: str =
     """
     shapes = shapes or batch_shapes(task)
     rule = sign_rule(task) if kind == "vetting" else RULES.get(kind, RULES["exception"])
-    fields = "\n".join(f"- {f.name} ({Shapes.text(shapes.fields.get(f.name, f.shape))})"
-                       for f in program_fields(task))
-    again = ("\nYour previous reply returned this function unchanged, so it fails the same way. Rewrite the lines that "
-             "cause the error.\n" if unchanged else "")
+    fields = "\n".join(f"- {f.name} ({Shapes.text(shapes.fields.get(f.name, f.shape))})" for f in program_fields(task))
+    again = (
+        "\nYour previous reply returned this function unchanged, so it fails the same way. Rewrite the lines that "
+        "cause the error.\n"
+        if unchanged
+        else ""
+    )
     user = f"""A {role} function `{entry}` for this task failed its check before training.
 
 Task goal: {task.goal}
@@ -343,8 +381,13 @@ What went wrong:
 {rule}
 The function fails as written: reply with the corrected complete function, changed where the error points, in one \
 ```python block and nothing after it."""
-    return [{"role": "system", "content": "You fix Python functions: find the lines that cause the error and rewrite them."},
-            {"role": "user", "content": user}]
+    return [
+        {
+            "role": "system",
+            "content": "You fix Python functions: find the lines that cause the error and rewrite them.",
+        },
+        {"role": "user", "content": user},
+    ]
 
 
 # -- reflections as markdown (logged under reflection/, rendered by MLflow) ---------------------
@@ -366,7 +409,7 @@ def reply_counts(pairs: list[tuple[Any, Any]]) -> str:
 
 def candidate_line(candidate: Any, result: Any, program: Any = None) -> str:
     """One markdown list item: the candidate, the reply it came from, and how it fared."""
-    sample = (program.meta.get("sample") if program is not None else None)
+    sample = program.meta.get("sample") if program is not None else None
     where = f" (reply {sample})" if sample is not None else ""
     if candidate.rejected:
         kind = program.meta.get("rejected_kind", "") if program is not None else ""

@@ -120,8 +120,13 @@ class RayExecutor(Executor):
     :param read: how the free cores are read (tests and benchmarks pass a fixed reading).
     """
 
-    def __init__(self, cfg: RayExecutorConfig | Any, runtime: Runtime | None = None, progress: Any = None,
-                 read: Reader = read_cpu) -> None:
+    def __init__(
+        self,
+        cfg: RayExecutorConfig | Any,
+        runtime: Runtime | None = None,
+        progress: Any = None,
+        read: Reader = read_cpu,
+    ) -> None:
         self.cfg = cfg = executor_config(cfg)
         if not isinstance(cfg, RayExecutorConfig):
             from core.errors import UserError
@@ -193,9 +198,17 @@ class RayExecutor(Executor):
         self._pending = []
         return [r for r in results if r is not None]
 
-    def _run_all(self, jobs: list[TrainJob], queue: list[tuple[int, TrainJob]], index: dict[Any, int],
-                 results: list[TrainResult | None], limit: int, progress_queue: Any, relay: ProgressRelay,
-                 on_done: Done | None) -> None:
+    def _run_all(
+        self,
+        jobs: list[TrainJob],
+        queue: list[tuple[int, TrainJob]],
+        index: dict[Any, int],
+        results: list[TrainResult | None],
+        limit: int,
+        progress_queue: Any,
+        relay: ProgressRelay,
+        on_done: Done | None,
+    ) -> None:
         ray = self.ray
         while queue or index:
             while queue and len(index) < limit:
@@ -212,7 +225,9 @@ class RayExecutor(Executor):
                 try:
                     results[i] = ray.get(ref)
                 except Exception as exc:  # the worker died (killed for memory, node lost)
-                    results[i] = TrainResult(jobs[i].candidate.id, ok=False, error=f"Ray task failed: {exc!r}", error_kind="crash")
+                    results[i] = TrainResult(
+                        jobs[i].candidate.id, ok=False, error=f"Ray task failed: {exc!r}", error_kind="crash"
+                    )
                 if on_done:
                     on_done(i, results[i])  # type: ignore[arg-type]
 

@@ -118,9 +118,12 @@ class Plan:
             if step.kind not in PLAN_KINDS:
                 raise ValueError(f"plan step {step.name!r}: kind must be one of {PLAN_KINDS}, not {step.kind!r}")
         if not self.text and self.steps:
-            self.text = "\n".join(f"{i + 1}. {s.name} [{s.kind}]" + (f": {s.goal_text}" if s.goal_text else "")
-                                   + (f" (done when {s.done})" if s.done and s.done != s.name else "")
-                                   for i, s in enumerate(self.steps))
+            self.text = "\n".join(
+                f"{i + 1}. {s.name} [{s.kind}]"
+                + (f": {s.goal_text}" if s.goal_text else "")
+                + (f" (done when {s.done})" if s.done and s.done != s.name else "")
+                for i, s in enumerate(self.steps)
+            )
 
     def __str__(self) -> str:
         return self.text
@@ -165,11 +168,14 @@ class StartPolicy:
     def of(cls, candidate: Candidate, result: TrainResult) -> StartPolicy:
         """The policy ``result`` ended with, to continue from; ``ValueError`` when it kept none."""
         if not (result.ok and result.final_policy):
-            raise ValueError(f"candidate {candidate.id} has no final policy to continue from "
-                             f"({'it kept none: set keep_policy' if result.ok else 'its training failed'})")
+            raise ValueError(
+                f"candidate {candidate.id} has no final policy to continue from "
+                f"({'it kept none: set keep_policy' if result.ok else 'its training failed'})"
+            )
         before = candidate.start.frames if candidate.start is not None else 0
-        return cls(candidate.id, result.final_policy, hashlib.sha256(result.final_policy).hexdigest(),
-                   before + result.frames)
+        return cls(
+            candidate.id, result.final_policy, hashlib.sha256(result.final_policy).hexdigest(), before + result.frames
+        )
 
 
 @dataclass
@@ -280,7 +286,9 @@ class TrainResult:
     error_kind: str = ""  # sandbox category or exception class
     run_id: str = ""  # MLflow run of this candidate
     policy_path: str = ""  # saved policy weights, if any
-    final_policy: bytes = field(default=b"", repr=False)  # the trained state when the candidate kept it (StartPolicy.of)
+    final_policy: bytes = field(
+        default=b"", repr=False
+    )  # the trained state when the candidate kept it (StartPolicy.of)
 
     @property
     def score(self) -> float:

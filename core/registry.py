@@ -197,9 +197,12 @@ def _register(pm: pluggy.PluginManager, obj: object, name: str | None) -> None:
     if unmarked:  # pluggy registers only marked methods: these would never be called
         import warnings
 
-        warnings.warn(f"Plugin '{name or obj}' has {', '.join(unmarked)} named like hook(s) but not marked "
-                      "@hookimpl, so they are never called; mark them with `@hookimpl` (from core.plugin).",
-                      UserWarning, stacklevel=3)
+        warnings.warn(
+            f"Plugin '{name or obj}' has {', '.join(unmarked)} named like hook(s) but not marked "
+            "@hookimpl, so they are never called; mark them with `@hookimpl` (from core.plugin).",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _explain_validation(err: pluggy.PluginValidationError, pm: pluggy.PluginManager, name: str | None = None) -> str:
@@ -232,8 +235,11 @@ def _spec_args(pm: pluggy.PluginManager | None = None) -> dict[str, list[str]]:
     """Every hook with a spec, name -> the arguments it passes: the core's, and (given ``pm``)
     those its plugins added."""
     if pm is None:
-        return {n: list(inspect.signature(f).parameters) for n, f in vars(hookspecs).items()
-                if hasattr(f, f"{hookspecs.PROJECT}_spec")}
+        return {
+            n: list(inspect.signature(f).parameters)
+            for n, f in vars(hookspecs).items()
+            if hasattr(f, f"{hookspecs.PROJECT}_spec")
+        }
     # the relay holds a caller per hook name, a spec-less one for each name only implemented
     return {n: list(c.spec.argnames) for n, c in vars(pm.hook).items() if c.spec is not None}
 
@@ -282,13 +288,16 @@ def _implementations(pm: pluggy.PluginManager, name: str) -> list[pluggy.HookImp
     return [impl for impl in reversed(getattr(pm.hook, name).get_hookimpls()) if not (impl.wrapper or impl.hookwrapper)]
 
 
-def _call_one(pm: pluggy.PluginManager, name: str, impls: list[pluggy.HookImpl], plugin: str,
-              kwargs: dict[str, Any]) -> Any:
+def _call_one(
+    pm: pluggy.PluginManager, name: str, impls: list[pluggy.HookImpl], plugin: str, kwargs: dict[str, Any]
+) -> Any:
     others = {impl.plugin for impl in impls if impl.plugin_name != plugin}
     results = pm.subset_hook_caller(name, others)(**kwargs)
     if len(results) > 1:  # only a wrapper can add results to one implementation's call
-        raise UserError(f"Hook '{name}' gave {len(results)} results for plugin '{plugin}' alone: a wrapper of a "
-                        "broadcast hook must return the list it got, with at most one result in it.")
+        raise UserError(
+            f"Hook '{name}' gave {len(results)} results for plugin '{plugin}' alone: a wrapper of a "
+            "broadcast hook must return the list it got, with at most one result in it."
+        )
     return results[0] if results else None
 
 
@@ -329,8 +338,12 @@ def print_catalogue(width: int = 100) -> int:
     problems = {i.name: hook_problem(i) for i in infos if i.status != "planned"}
     from rich import box
 
-    table = Table(title="llm4rl plugins (+plugins=[NAME,...] enables them in a run)", title_justify="left",
-                  box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(
+        title="llm4rl plugins (+plugins=[NAME,...] enables them in a run)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
     # a third-party plugin's name carries the distribution that provides it
     labels = {i.name: i.name if i.source == "builtin" else f"{i.name} ({i.source})" for i in infos}
     table.add_column("plugin", no_wrap=True, min_width=max(len(label) for label in labels.values()))
@@ -354,8 +367,11 @@ def print_catalogue(width: int = 100) -> int:
     for name, problem in bad.items():
         console.print(f"[red]{name}[/red]: {problem}", highlight=False)
     console.print(taxonomy_text(infos, width), highlight=False)
-    console.print("hooks: ok = every hook implementation matches core/hookspecs.py.\n"
-                  "A plugin's page: docs/plugins/NAME.md; its settings: conf/plugins/NAME.yaml.", highlight=False)
+    console.print(
+        "hooks: ok = every hook implementation matches core/hookspecs.py.\n"
+        "A plugin's page: docs/plugins/NAME.md; its settings: conf/plugins/NAME.yaml.",
+        highlight=False,
+    )
     return len(bad)
 
 
@@ -382,10 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m core.registry",
         description="List the llm4rl plugins: built-ins (registry.yaml) and installed third-party ones "
-                    "(entry point group llm4rl.plugins), with their roles, papers and whether their hooks "
-                    "match the hook specs.")
-    parser.add_argument("--width", type=int, default=min(100, shutil.get_terminal_size((100, 24)).columns),
-                        help="columns of the table (default: the terminal's, at most 100)")
+        "(entry point group llm4rl.plugins), with their roles, papers and whether their hooks "
+        "match the hook specs.",
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=min(100, shutil.get_terminal_size((100, 24)).columns),
+        help="columns of the table (default: the terminal's, at most 100)",
+    )
     args = parser.parse_args(argv)
     return 1 if print_catalogue(max(60, args.width)) else 0
 

@@ -64,8 +64,10 @@ def run_link(experiment_id: str, run_id: str) -> str:
 
 def winner_rule(fitness_name: str) -> str:
     """The rule :attr:`core.context.RunContext.best` applies, in words."""
-    return (f"the highest `{fitness_name}` in the final evaluation among the candidates that trained "
-            "without error; a candidate whose policy a later candidate continued counts through that successor")
+    return (
+        f"the highest `{fitness_name}` in the final evaluation among the candidates that trained "
+        "without error; a candidate whose policy a later candidate continued counts through that successor"
+    )
 
 
 @dataclass
@@ -90,7 +92,9 @@ def status_of(result: Any) -> str:
         return "ok"
     kind = result.error_kind or "failed"
     if kind in ("exception", "failed") and result.error:
-        match = re.match(r"([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))\b", result.error.strip().splitlines()[-1])
+        match = re.match(
+            r"([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))\b", result.error.strip().splitlines()[-1]
+        )
         if match:
             return f"{kind}: {match.group(1)}"
     return kind
@@ -109,8 +113,11 @@ def reason(result: Any) -> str:
     any :data:`PREAMBLES`; a line ending in ``:`` takes the next one along)."""
     if result.ok or not result.error:
         return ""
-    lines = [line.strip() for line in result.error.strip().splitlines()
-             if line.strip() and not line.strip().startswith(PREAMBLES)]
+    lines = [
+        line.strip()
+        for line in result.error.strip().splitlines()
+        if line.strip() and not line.strip().startswith(PREAMBLES)
+    ]
     if not lines:
         return ""
     if any(line.startswith("Traceback") for line in lines):
@@ -140,8 +147,19 @@ def rows(history: Iterable[Any], parent_name: str, winner_id: str = "") -> list[
     for it in history:
         for c, r in zip(it.candidates, it.results):
             fitness = r.fitness.value if r.fitness is not None else None
-            out.append(Row(c.iteration, sample_of(c), c.id, candidate_run_name(parent_name, c.id), fitness,
-                           status_of(r), r.run_id, c.id == winner_id, reason(r)))
+            out.append(
+                Row(
+                    c.iteration,
+                    sample_of(c),
+                    c.id,
+                    candidate_run_name(parent_name, c.id),
+                    fitness,
+                    status_of(r),
+                    r.run_id,
+                    c.id == winner_id,
+                    reason(r),
+                )
+            )
     return out
 
 
@@ -180,14 +198,18 @@ def code_section(candidate: Any, limit: int | None = None, level: str = "##") ->
 
 def table(table_rows: list[Row], experiment_id: str, fitness_name: str) -> str:
     """The candidate table, one row per candidate, the winner in bold."""
-    head = (f"| iteration | sample | candidate | {cell(fitness_name)} | status | why it failed | run |\n"
-            "|---:|---:|---|---:|---|---|---|")
+    head = (
+        f"| iteration | sample | candidate | {cell(fitness_name)} | status | why it failed | run |\n"
+        "|---:|---:|---|---:|---|---|---|"
+    )
     lines = [head]
     for r in table_rows:
         name = f"**`{cell(r.name)}`** (winner)" if r.winner else f"`{cell(r.name)}`"
         link = f"[open]({run_link(experiment_id, r.run_id)})" if r.run_id else "-"
         why = cell(r.reason[:80] + ("..." if len(r.reason) > 80 else "")) if r.reason else ""
-        lines.append(f"| {r.iteration} | {cell(r.sample)} | {name} | {number(r.fitness)} | {cell(r.status)} | {why} | {link} |")
+        lines.append(
+            f"| {r.iteration} | {cell(r.sample)} | {name} | {number(r.fitness)} | {cell(r.status)} | {why} | {link} |"
+        )
     return "\n".join(lines)
 
 
@@ -205,8 +227,11 @@ def cost_section(llm: dict[str, float], frames: int, seconds: float, candidates:
         ]
     else:
         lines.append("| LLM calls | none |")
-    lines += [f"| candidates | {candidates} ({failed} failed) |", f"| training frames | {frames} |",
-              f"| wall time | {seconds:.1f} s |"]
+    lines += [
+        f"| candidates | {candidates} ({failed} failed) |",
+        f"| training frames | {frames} |",
+        f"| wall time | {seconds:.1f} s |",
+    ]
     return "\n".join(lines)
 
 
@@ -219,7 +244,9 @@ def outcome_line(*, task: str, fitness_name: str, history: list[Any], best: tupl
     for r in failed:
         kinds[status_of(r)] = kinds.get(status_of(r), 0) + 1
     why = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
-    counts = f"{len(results)} candidate(s): {len(results) - len(failed)} trained" + (f", {len(failed)} failed ({why})" if failed else "")
+    counts = f"{len(results)} candidate(s): {len(results) - len(failed)} trained" + (
+        f", {len(failed)} failed ({why})" if failed else ""
+    )
     if best is None:
         return f"{task}: no winner. {counts}"
     c, r = best
@@ -228,9 +255,19 @@ def outcome_line(*, task: str, fitness_name: str, history: list[Any], best: tupl
     return f"{task}: winner {c.id} ({parts}), {fitness_name} {number(r.score)}. {counts}"
 
 
-def parent_page(*, name: str, task: str, fitness_name: str, experiment_id: str, history: list[Any],
-                best: tuple[Any, Any] | None, llm: dict[str, float], seconds: float,
-                final: list[float] | None = None, limit: int = TAG_LIMIT) -> str:
+def parent_page(
+    *,
+    name: str,
+    task: str,
+    fitness_name: str,
+    experiment_id: str,
+    history: list[Any],
+    best: tuple[Any, Any] | None,
+    llm: dict[str, float],
+    seconds: float,
+    final: list[float] | None = None,
+    limit: int = TAG_LIMIT,
+) -> str:
     """The parent run's description (Markdown, at most ``limit`` characters).
 
     :param history: the run's ``IterationResult`` records (candidates with their results,
@@ -250,25 +287,35 @@ def parent_page(*, name: str, task: str, fitness_name: str, experiment_id: str, 
         link = run_link(experiment_id, r.run_id) if r.run_id else ""
         run_name = candidate_run_name(name, c.id)
         shown = f"[`{run_name}`]({link})" if link else f"`{run_name}`"
-        head = (f"{summary}\n\n"
-                f"**Winner:** {shown}, iteration {c.iteration}, sample {sample_of(c)}, "
-                f"`{cell(fitness_name)}` = {number(r.score)}.\n\n"
-                f"**Rule:** {winner_rule(fitness_name)}.")
+        head = (
+            f"{summary}\n\n"
+            f"**Winner:** {shown}, iteration {c.iteration}, sample {sample_of(c)}, "
+            f"`{cell(fitness_name)}` = {number(r.score)}.\n\n"
+            f"**Rule:** {winner_rule(fitness_name)}."
+        )
         if final:
-            head += (f"\n\n**Final seeds:** the winner scored {', '.join(number(v) for v in final)} "
-                     f"(mean {number(sum(final) / len(final))}) on {len(final)} seed(s), the search's own included.")
+            head += (
+                f"\n\n**Final seeds:** the winner scored {', '.join(number(v) for v in final)} "
+                f"(mean {number(sum(final) / len(final))}) on {len(final)} seed(s), the search's own included."
+            )
     else:
         first = next((reason(r) for r in results if not r.ok and reason(r)), "")
-        head = (f"{summary}\n\nNo candidate trained without error ({len(results)} tried); the table gives each "
-                "one's error kind" + (f", the first error: `{cell(first)}`." if first else "."))
+        head = (
+            f"{summary}\n\nNo candidate trained without error ({len(results)} tried); the table gives each "
+            "one's error kind" + (f", the first error: `{cell(first)}`." if first else ".")
+        )
     costs = "## Cost\n\n" + cost_section(llm, frames, seconds, len(results), failed)
 
     def page(code_limit: int | None, shown_rows: list[Row]) -> str:
         hidden = len(table_rows) - len(shown_rows)
         more = f"\n\n{hidden} more candidate(s) are in the runs table below this run." if hidden else ""
         code = ("## Winning code\n\n" + code_section(best[0], code_limit, "###")) if best else ""
-        sections = [head, f"## Candidates ({len(table_rows)})\n\n" + table(shown_rows, experiment_id, fitness_name)
-                    + more, code, costs]
+        sections = [
+            head,
+            f"## Candidates ({len(table_rows)})\n\n" + table(shown_rows, experiment_id, fitness_name) + more,
+            code,
+            costs,
+        ]
         return "\n\n".join(s for s in sections if s) + "\n"
 
     text = page(None, table_rows)
@@ -283,24 +330,42 @@ def parent_page(*, name: str, task: str, fitness_name: str, experiment_id: str, 
     return text[:limit]
 
 
-def candidate_page(*, candidate: Any, result: Any, parent_name: str, parent_id: str, experiment_id: str,
-                   fitness_name: str = "fitness", winner: str = "", limit: int = TAG_LIMIT) -> str:
+def candidate_page(
+    *,
+    candidate: Any,
+    result: Any,
+    parent_name: str,
+    parent_id: str,
+    experiment_id: str,
+    fitness_name: str = "fitness",
+    winner: str = "",
+    limit: int = TAG_LIMIT,
+) -> str:
     """A candidate run's description: its place in the run, its score or error, its code.
 
     :param winner: the rule that made it the run's winner, or "" when it did not win.
     """
     parent = f"[`{parent_name or parent_id}`]({run_link(experiment_id, parent_id)})" if parent_id else "-"
-    where = f"Candidate `{candidate.id}` of run {parent}, iteration {candidate.iteration}, sample {sample_of(candidate)}"
+    where = (
+        f"Candidate `{candidate.id}` of run {parent}, iteration {candidate.iteration}, sample {sample_of(candidate)}"
+    )
     if result.ok:  # the first line carries the result (MLflow shows a description collapsed)
         score = number(result.fitness.value) if result.fitness is not None else "not scored"
-        lines = [f"**`{cell(fitness_name)}` = {score}**" + (" (winner of the run)" if winner else "")
-                 + f", {result.frames} frames in {result.seconds:.1f} s.", f"{where}: status **ok**."]
+        lines = [
+            f"**`{cell(fitness_name)}` = {score}**"
+            + (" (winner of the run)" if winner else "")
+            + f", {result.frames} frames in {result.seconds:.1f} s.",
+            f"{where}: status **ok**.",
+        ]
     else:  # a failed candidate has no score: say why, not "fitness = -"
         status, why = status_of(result), reason(result) or "no error text"
         said = status.split(": ")[-1]  # "exception: NameError" is said by "NameError: name 'x' ..."
-        lines = [f"**Failed: {cell(why)}**" if why.startswith(said) else f"**Failed ({cell(status)}): {cell(why)}**",
-                 f"{where}: not scored" + (f" ({result.frames} frames in {result.seconds:.1f} s)" if result.frames else "")
-                 + "; the whole error is below and in this run's `error.txt`."]
+        lines = [
+            f"**Failed: {cell(why)}**" if why.startswith(said) else f"**Failed ({cell(status)}): {cell(why)}**",
+            f"{where}: not scored"
+            + (f" ({result.frames} frames in {result.seconds:.1f} s)" if result.frames else "")
+            + "; the whole error is below and in this run's `error.txt`.",
+        ]
     if winner:
         lines.append(f"**Winner of the run.** Rule: {winner}.")
     if not result.ok and result.error:

@@ -32,7 +32,7 @@ def results_path(settings: Any) -> Path:
         return Path(settings.run.results_store).expanduser()
     uri = settings.tracking.uri if settings.tracking is not None else ""
     if uri.startswith("sqlite:///"):
-        return Path(uri[len("sqlite:///"):]).expanduser().resolve().parent / "llm4rl-results.sqlite"
+        return Path(uri[len("sqlite:///") :]).expanduser().resolve().parent / "llm4rl-results.sqlite"
     if uri and "://" not in uri:  # a plain folder: MLflow's file store
         return Path(uri).expanduser().resolve() / "llm4rl-results.sqlite"
     return Path(settings.run.cache_dir or ".").expanduser() / "results.sqlite"

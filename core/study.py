@@ -62,8 +62,18 @@ from core.study_records import (  # noqa: F401 - the study's records, read here 
 )
 
 #: config keys left out of a cell's key: where and how a run is recorded, not what it computes
-BOOKKEEPING = ("hydra", "run_name", "experiment", "cache_dir", "progress", "resume", "results_store", "save_policy",
-               "tracking", "executor")
+BOOKKEEPING = (
+    "hydra",
+    "run_name",
+    "experiment",
+    "cache_dir",
+    "progress",
+    "resume",
+    "results_store",
+    "save_policy",
+    "tracking",
+    "executor",
+)
 LLM_BOOKKEEPING = ("cache_path", "show_progress", "n_threads", "replay_only")  # llm.* keys that do not change a reply
 
 
@@ -84,8 +94,10 @@ def load_spec(name: str) -> StudySpec:
         path = conf_dir() / "study" / f"{name}.yaml"
     if not path.is_file():
         names = spec_names()
-        raise UserError(f"No study spec '{name}'.{did_you_mean(name, names)} Specs in conf/study/: {', '.join(names) or 'none'}; "
-                        "or give the path of a YAML file.")
+        raise UserError(
+            f"No study spec '{name}'.{did_you_mean(name, names)} Specs in conf/study/: {', '.join(names) or 'none'}; "
+            "or give the path of a YAML file."
+        )
     try:
         spec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(StudySpec), OmegaConf.load(path)))
     except OmegaConfBaseException as err:
@@ -107,12 +119,20 @@ def _select(kind: str, wanted: list[str] | None, known: list[str]) -> list[str]:
         return known
     for name in wanted:
         if name not in known:
-            raise UserError(f"Unknown {kind} '{name}'.{did_you_mean(name, known)} The study's {kind}s: {', '.join(known)}.")
+            raise UserError(
+                f"Unknown {kind} '{name}'.{did_you_mean(name, known)} The study's {kind}s: {', '.join(known)}."
+            )
     return [name for name in known if name in wanted]  # the spec's order
 
 
-def expand(spec: StudySpec, tasks: list[str] | None = None, arms: list[str] | None = None,
-           seeds: list[int] | None = None, frames_scale: float | None = None, extra: tuple[str, ...] = ()) -> list[Cell]:
+def expand(
+    spec: StudySpec,
+    tasks: list[str] | None = None,
+    arms: list[str] | None = None,
+    seeds: list[int] | None = None,
+    frames_scale: float | None = None,
+    extra: tuple[str, ...] = (),
+) -> list[Cell]:
     """The study's cells: every arm on every task it applies to, for every seed.
 
     Seeds vary slowest, so an interrupted study has whole seeds of every arm; a task with
@@ -139,7 +159,10 @@ def expand(spec: StudySpec, tasks: list[str] | None = None, arms: list[str] | No
             if seeds is None and seed not in (task.seeds or spec.seeds):
                 continue
             frames = scaled(task.frames, scale)
-            budget = [f"trainer.frames={frames}", f"trainer.eval_every={frames // spec.evaluations if spec.evaluations else 0}"]
+            budget = [
+                f"trainer.frames={frames}",
+                f"trainer.eval_every={frames // spec.evaluations if spec.evaluations else 0}",
+            ]
             budget += [f"{key}={scaled(value, scale)}" for key, value in task.scaled.items()]
             for a in arm_names:
                 arm = spec.arms[a]
@@ -152,11 +175,23 @@ def expand(spec: StudySpec, tasks: list[str] | None = None, arms: list[str] | No
                 if arm.trainer:  # its own trainer: none of the task's trainer settings apply
                     task_overrides = [o for o in task_overrides if not _sets_trainer(o)] + [f"trainer={arm.trainer}"]
                     task_budget = [o for o in budget if not o.startswith(tuple(task.scaled))]
-                overrides = (f"env={task.env}", *spec.overrides, *task_overrides, *plugins, *arm.overrides, *task_budget,
-                             f"seed={seed}", f"final_seeds={final}", *mine)
+                overrides = (
+                    f"env={task.env}",
+                    *spec.overrides,
+                    *task_overrides,
+                    *plugins,
+                    *arm.overrides,
+                    *task_budget,
+                    f"seed={seed}",
+                    f"final_seeds={final}",
+                    *mine,
+                )
                 ignored = tuple(o for o in extra if o not in mine)
-                cells.append(Cell(a, t, int(seed), tuple(arm.plugins), overrides, arm.search, final, frames, tuple(mine),
-                                  ignored))
+                cells.append(
+                    Cell(
+                        a, t, int(seed), tuple(arm.plugins), overrides, arm.search, final, frames, tuple(mine), ignored
+                    )
+                )
     return cells
 
 
@@ -172,12 +207,16 @@ def _check_knobs(extra: tuple[str, ...], running: set[str]) -> None:
         if name is None:
             continue
         if o.startswith("+"):
-            raise UserError(f"--set '{o}': a plugin's knob is set without '+' ('{o.lstrip('+')}'); it reaches the "
-                            "arms that run the plugin and is recorded as ignored by the others "
-                            "(docs/ablations.md, 'Sweeping a plugin's knob').")
+            raise UserError(
+                f"--set '{o}': a plugin's knob is set without '+' ('{o.lstrip('+')}'); it reaches the "
+                "arms that run the plugin and is recorded as ignored by the others "
+                "(docs/ablations.md, 'Sweeping a plugin's knob')."
+            )
         if name not in running:
-            raise UserError(f"--set '{o}' sets a knob of plugin '{name}', which no selected arm runs "
-                            f"(they run: {', '.join(sorted(running)) or 'no plugin'}).")
+            raise UserError(
+                f"--set '{o}' sets a knob of plugin '{name}', which no selected arm runs "
+                f"(they run: {', '.join(sorted(running)) or 'no plugin'})."
+            )
 
 
 def _plugin_of(override: str) -> str | None:
@@ -298,8 +337,9 @@ def finished_cells(uri: str, experiment: str) -> dict[str, str]:
     done: dict[str, tuple[int, str]] = {}
     token = None
     while True:
-        page = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
-                                  max_results=1000, page_token=token)
+        page = client.search_runs(
+            [exp.experiment_id], filter_string="attributes.status = 'FINISHED'", max_results=1000, page_token=token
+        )
         for run in page:
             key = run.data.tags.get("study.cell")
             if key and (key not in done or run.info.start_time > done[key][0]):
@@ -317,9 +357,17 @@ def commit() -> str:
     tracked files differ from it; 'unknown' outside a git checkout."""
     root = Path(__file__).resolve().parents[1]
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                               text=True, timeout=10, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + (" + uncommitted changes" if dirty else "")
@@ -338,7 +386,11 @@ def machine() -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     memory = ""
     try:
-        kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
+        kib = next(
+            int(line.split()[1])
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemTotal")
+        )
         memory = f", {kib / 2**20:.0f} GiB RAM"
     except (OSError, StopIteration, ValueError):
         pass
@@ -370,13 +422,23 @@ def run_cells(planned: list[PlannedCell], study: str, uri: str, invocation: Invo
                 raise
             except Exception:  # noqa: BLE001 - one crashed cell does not end the study; its run is FAILED
                 invocation.crashed.append(p.cell.name)
-                console.print(f"{where}: [red]crashed[/red] (run again to retry)\n{traceback.format_exc(limit=3)}", highlight=False)
+                console.print(
+                    f"{where}: [red]crashed[/red] (run again to retry)\n{traceback.format_exc(limit=3)}",
+                    highlight=False,
+                )
                 continue
             invocation.ran += 1
             _record_cell(uri, summary, time.perf_counter() - began)
-            final = f", fresh seeds {', '.join(f'{v:.4g}' for v in summary.final_fitness[1:])}" if summary.final_fitness else ""
-            console.print(f"{where}: {summary.fitness_name} {summary.fitness:.4g}{final}; {summary.candidates} candidate(s), "
-                          f"{time.perf_counter() - began:.0f} s", highlight=False)
+            final = (
+                f", fresh seeds {', '.join(f'{v:.4g}' for v in summary.final_fitness[1:])}"
+                if summary.final_fitness
+                else ""
+            )
+            console.print(
+                f"{where}: {summary.fitness_name} {summary.fitness:.4g}{final}; {summary.candidates} candidate(s), "
+                f"{time.perf_counter() - began:.0f} s",
+                highlight=False,
+            )
     finally:
         invocation.seconds += time.perf_counter() - start
         invocation.load_end = load_average()
@@ -410,15 +472,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", help="comma-separated tasks of the spec (default: all)")
     parser.add_argument("--arms", help="comma-separated arms of the spec (default: all)")
     parser.add_argument("--seeds", help="comma-separated seeds (default: the spec's)")
-    parser.add_argument("--frames-scale", type=float, default=None, help="multiply every task's frames (default: the spec's)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="Hydra overrides added to every cell; plugins.<name>.<key>=... only to the arms running <name>")
+    parser.add_argument(
+        "--frames-scale", type=float, default=None, help="multiply every task's frames (default: the spec's)"
+    )
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Hydra overrides added to every cell; plugins.<name>.<key>=... only to the arms running <name>",
+    )
     parser.add_argument("--store", help="folder of the study's MLflow store (default: the spec's)")
     parser.add_argument("--out", help="the report file (default: the spec's)")
-    parser.add_argument("--replies", help="a replies file a study wrote (<report folder>/replies.jsonl.gz): run the cells "
-                                          "from it with no LLM (llm.replay_only), in a fresh --store")
+    parser.add_argument(
+        "--replies",
+        help="a replies file a study wrote (<report folder>/replies.jsonl.gz): run the cells "
+        "from it with no LLM (llm.replay_only), in a fresh --store",
+    )
     parser.add_argument("--list", action="store_true", help="list the cells, finished or not, and stop")
-    parser.add_argument("--report-only", action="store_true", help="run nothing; write the report from the finished cells")
+    parser.add_argument(
+        "--report-only", action="store_true", help="run nothing; write the report from the finished cells"
+    )
     parser.add_argument("--reps", type=int, default=2000, help="bootstrap replications of the intervals")
     args = parser.parse_args(argv)
     began = time.perf_counter()
@@ -444,15 +518,23 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out or spec.out)
         uri = tracking_uri(store)
         shown = [a for a in argv if a not in ("--report-only", "--list")]  # the command that runs the cells
-        invocation = Invocation("python -m core.study " + " ".join(shlex.quote(a) for a in shown), commit(), machine(),
-                                load_average(), overrides=tuple(args.set), report_only=args.report_only)
+        invocation = Invocation(
+            "python -m core.study " + " ".join(shlex.quote(a) for a in shown),
+            commit(),
+            machine(),
+            load_average(),
+            overrides=tuple(args.set),
+            report_only=args.report_only,
+        )
         planned = plan(cells, spec.name, store)
         if args.list:
             done = finished_cells(uri, spec.name)
             for p in planned:
                 state = f"finished (run {done[p.key]})" if p.key in done else "to run"
                 console.print(f"{p.cell.name:40} frames {p.cell.frames:>9,}  {state}", highlight=False)
-            console.print(f"{len(planned)} cells, {sum(p.key in done for p in planned)} finished; store {store}", highlight=False)
+            console.print(
+                f"{len(planned)} cells, {sum(p.key in done for p in planned)} finished; store {store}", highlight=False
+            )
             return 0
         invocation.seconds = time.perf_counter() - began  # planning; the cells add theirs
         caches = reply_caches(planned)
@@ -462,7 +544,10 @@ def main(argv: list[str] | None = None) -> int:
             loaded = sum(load_replies(args.replies, ResponseCache(c)) for c in caches)
             console.print(f"{loaded} recorded replies from {args.replies}; the cells run with no LLM", highlight=False)
         if not args.report_only:
-            console.print(f"{len(planned)} cells; store {store}; {invocation.machine}; commit {invocation.commit}", highlight=False)
+            console.print(
+                f"{len(planned)} cells; store {store}; {invocation.machine}; commit {invocation.commit}",
+                highlight=False,
+            )
             run_cells(planned, spec.name, uri, invocation, console)
         used = [c for c in caches if c.exists()]
         if used and not args.replies:

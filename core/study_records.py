@@ -38,7 +38,9 @@ class TaskSpec:
     env: str = ""  # the env config (conf/env/<env>.yaml)
     frames: int = 0  # trainer.frames of every training of the task: each search candidate and each final policy
     overrides: list[str] = field(default_factory=list)  # Hydra overrides of every cell of the task (trainer=sac, ...)
-    scaled: dict[str, int] = field(default_factory=dict)  # other budgets scaled with the frames, key -> value at scale 1
+    scaled: dict[str, int] = field(
+        default_factory=dict
+    )  # other budgets scaled with the frames, key -> value at scale 1
     seeds: list[int] | None = None  # the task's seeds; null: the study's
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
 
@@ -94,8 +96,11 @@ class StudySpec:
     def check(self, where: str) -> None:
         problems = [f"'{key}' is empty" for key in ("name", "store", "out") if not getattr(self, key)]
         problems += [] if self.seeds else ["no seeds"]
-        problems += [] if self.final_seeds >= 0 and self.evaluations >= 0 and self.frames_scale > 0 else [
-            "final_seeds and evaluations must be >= 0 and frames_scale > 0"]
+        problems += (
+            []
+            if self.final_seeds >= 0 and self.evaluations >= 0 and self.frames_scale > 0
+            else ["final_seeds and evaluations must be >= 0 and frames_scale > 0"]
+        )
         for name, task in self.tasks.items():
             if not task.env or task.frames < 1:
                 problems.append(f"task '{name}' needs an env and frames >= 1")
@@ -110,7 +115,9 @@ class StudySpec:
                 problems.append(f"arm '{name}' is the control of '{arm.control_of}', which is not an arm")
         for target in self.targets:
             if target.arm not in self.arms or target.other not in self.arms or target.relation not in RELATIONS:
-                problems.append(f"target {target.arm} {target.relation} {target.other}: arms must exist, relation one of {', '.join(RELATIONS)}")
+                problems.append(
+                    f"target {target.arm} {target.relation} {target.other}: arms must exist, relation one of {', '.join(RELATIONS)}"
+                )
         if problems:
             raise UserError(f"The study spec {where} is not valid: {'; '.join(problems)}.")
 
@@ -157,10 +164,19 @@ class PlannedCell:
         from core.app import IGNORED_TAG
 
         c = self.cell
-        return {"study": study, "study.arm": c.arm, "study.task": c.task, "study.config": self.config_key,
-                "study.cell": self.key, "study.score": c.score_metric, "study.search": str(c.search),
-                "study.commit": commit, "study.machine": machine, "study.load": f"{load_average():.2f}",
-                **({IGNORED_TAG: " ".join(c.ignored)} if c.ignored else {})}
+        return {
+            "study": study,
+            "study.arm": c.arm,
+            "study.task": c.task,
+            "study.config": self.config_key,
+            "study.cell": self.key,
+            "study.score": c.score_metric,
+            "study.search": str(c.search),
+            "study.commit": commit,
+            "study.machine": machine,
+            "study.load": f"{load_average():.2f}",
+            **({IGNORED_TAG: " ".join(c.ignored)} if c.ignored else {}),
+        }
 
 
 @dataclass

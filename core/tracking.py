@@ -56,13 +56,20 @@ VIEW_METRICS = ("fitness", "charts/episodic_return", "seconds")
 CANDIDATES_FILTER = f"tags.`{KIND_TAG}` = 'candidate'"
 RUNS_FILTER = f"tags.`{KIND_TAG}` = 'parent'"
 #: how many decimals a metric is logged with, by name (MLflow's table shows every digit it is given)
-DECIMALS = {"seconds": 1, "charts/episodic_return": 2, "summary/charts/episodic_return": 2, "eval/return": 2,
-            "charts/fps": 0}
+DECIMALS = {
+    "seconds": 1,
+    "charts/episodic_return": 2,
+    "summary/charts/episodic_return": 2,
+    "eval/return": 2,
+    "charts/fps": 0,
+}
 #: candidate metrics that are one value per training, never a series: logged once, at step 0
 SUMMARY_ONLY = ("reward/env_correlation",)
 #: why a summary metric can be undefined (NaN), written as the run's ``note.<metric>`` tag
-UNDEFINED = {"reward/env_correlation": "undefined: the env reward or the candidate's reward was constant "
-                                       "over training (e.g. CartPole's 1 per step), so no correlation exists"}
+UNDEFINED = {
+    "reward/env_correlation": "undefined: the env reward or the candidate's reward was constant "
+    "over training (e.g. CartPole's 1 per step), so no correlation exists"
+}
 
 #: the characters MLflow allows in metric, param and tag names (its
 #: ``mlflow.utils.validation.validate_param_and_metric_name`` outside Windows), matched to the
@@ -156,7 +163,7 @@ def _first_contact_lock(uri: str) -> Iterator[None]:
         return
     from filelock import FileLock
 
-    path = Path(uri[len("sqlite:///"):]).resolve()
+    path = Path(uri[len("sqlite:///") :]).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock", timeout=300):
         yield
@@ -172,23 +179,43 @@ def saved_view(created_ms: int = 0) -> str:
     per-experiment default columns: a view is opened by its URL (:meth:`Tracker.ui_hint`)
     or chosen from the view menu above the runs table.
     """
-    columns = ([f"metrics.`{m}`" for m in VIEW_METRICS]
-               + ["tags.`error_kind`", "tags.`error`", "tags.`llm4rl.winner`"])
-    state = {"orderByKey": "metrics.`fitness`", "orderByAsc": False, "selectedColumns": columns,
-             "searchFilter": CANDIDATES_FILTER}
-    return json.dumps({"name": "llm4rl: candidates by fitness", "createdAt": created_ms, "updatedAt": created_ms,
-                       "state": json.dumps(state)})
+    columns = [f"metrics.`{m}`" for m in VIEW_METRICS] + ["tags.`error_kind`", "tags.`error`", "tags.`llm4rl.winner`"]
+    state = {
+        "orderByKey": "metrics.`fitness`",
+        "orderByAsc": False,
+        "selectedColumns": columns,
+        "searchFilter": CANDIDATES_FILTER,
+    }
+    return json.dumps(
+        {
+            "name": "llm4rl: candidates by fitness",
+            "createdAt": created_ms,
+            "updatedAt": created_ms,
+            "state": json.dumps(state),
+        }
+    )
 
 
 def runs_view(created_ms: int = 0) -> str:
     """The parent runs' view: one row per command (:data:`RUNS_FILTER`), newest first, with its
     result in one line (:data:`RESULT_TAG`), its plugins, env, seed and totals."""
     columns = [f"metrics.`{m}`" for m in ("fitness", "seconds")] + [
-        f"tags.`{t}`" for t in (RESULT_TAG, "plugins", "env", "seed")]
-    state = {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": columns,
-             "searchFilter": RUNS_FILTER}
-    return json.dumps({"name": "llm4rl: runs (one per command)", "createdAt": created_ms, "updatedAt": created_ms,
-                       "state": json.dumps(state)})
+        f"tags.`{t}`" for t in (RESULT_TAG, "plugins", "env", "seed")
+    ]
+    state = {
+        "orderByKey": "attributes.start_time",
+        "orderByAsc": False,
+        "selectedColumns": columns,
+        "searchFilter": RUNS_FILTER,
+    }
+    return json.dumps(
+        {
+            "name": "llm4rl: runs (one per command)",
+            "createdAt": created_ms,
+            "updatedAt": created_ms,
+            "state": json.dumps(state),
+        }
+    )
 
 
 def rounded(name: str, value: float) -> float:
@@ -246,7 +273,7 @@ class Tracker:
         """The store's files on this machine: the sqlite file and the experiment's artifact folder (where local)."""
         found = []
         if str(self.uri).startswith("sqlite:///"):
-            found.append(str(Path(str(self.uri)[len("sqlite:///"):]).expanduser()))
+            found.append(str(Path(str(self.uri)[len("sqlite:///") :]).expanduser()))
         with contextlib.suppress(Exception):
             location = str(self.client.get_experiment(self.experiment_id).artifact_location or "")
             if location.startswith("file://"):
@@ -258,7 +285,9 @@ class Tracker:
     @contextmanager
     def experiment_run(self, config: DictConfig, run_name: str, tags: dict[str, str]) -> Iterator[str]:
         """Start the parent run, log the resolved config; yields its run id."""
-        run = self.mlflow.start_run(experiment_id=self.experiment_id, run_name=run_name, tags={KIND_TAG: "parent", **tags})
+        run = self.mlflow.start_run(
+            experiment_id=self.experiment_id, run_name=run_name, tags={KIND_TAG: "parent", **tags}
+        )
         self.parent_id, self.parent_name = run.info.run_id, run_name
         status = "FAILED"
         try:
@@ -285,8 +314,9 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int | None = None, run_id: str | None = None) -> None:
         self.log_points([(k, v, step or 0) for k, v in metrics.items()], run_id)
 
-    def log_points(self, points: list[tuple[str, float, int]], run_id: str | None = None,
-                   keep_nan: bool = False) -> None:
+    def log_points(
+        self, points: list[tuple[str, float, int]], run_id: str | None = None, keep_nan: bool = False
+    ) -> None:
         """Many ``(key, value, step)`` metric points in few requests; non-finite values are left
         out (NaN kept with ``keep_nan``). Names MLflow refuses are logged under :func:`safe_key`
         names (:meth:`metric_names`); values are :func:`rounded` by name (``seconds``, returns)."""
@@ -322,7 +352,7 @@ class Tracker:
             else:
                 logged = safe_key(key)
                 if logged in taken:  # another name is logged under it already: this one gets its digest
-                    logged = safe_key(f"{logged[:MAX_KEY_CHARS - 11]}-{_digest(str(key))}")
+                    logged = safe_key(f"{logged[: MAX_KEY_CHARS - 11]}-{_digest(str(key))}")
                 renamed[logged], back[key], out[key] = str(key), logged, logged
                 taken.add(logged)
                 new = True
@@ -348,8 +378,9 @@ class Tracker:
             self.client.set_tag(run_id or self.parent_id, safe_key(k), str(v))
 
     # -- candidates -------------------------------------------------------------------
-    def log_candidate(self, candidate: Candidate, result: TrainResult, tags: dict[str, str],
-                      ended: float | None = None) -> str:
+    def log_candidate(
+        self, candidate: Candidate, result: TrainResult, tags: dict[str, str], ended: float | None = None
+    ) -> str:
         """A nested run with the candidate's parts, curve, metrics, fitness and description.
 
         The run is named after its parent (``eureka-s0/it1-c0``) and spans the training's own
@@ -379,28 +410,47 @@ class Tracker:
             self._fill_candidate_run(rid, candidate, result, end_ms)
             self.client.set_terminated(rid, status="FINISHED" if result.ok else "FAILED", end_time=end_ms)
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot be recorded fails alone
-            log.warning("candidate %s could not be recorded in MLflow (%s: %s); the run goes on",
-                        candidate.id, type(exc).__name__, str(exc)[:300])
+            log.warning(
+                "candidate %s could not be recorded in MLflow (%s: %s); the run goes on",
+                candidate.id,
+                type(exc).__name__,
+                str(exc)[:300],
+            )
             tracking_failure(result, exc)
-            rid = self.fail_candidate(candidate, result, run_id=rid, end_ms=end_ms,
-                                      detail="".join(traceback.format_exception(exc))[-4000:])
+            rid = self.fail_candidate(
+                candidate, result, run_id=rid, end_ms=end_ms, detail="".join(traceback.format_exception(exc))[-4000:]
+            )
             result.run_id = rid
         return rid
 
-    def _create_candidate_run(self, candidate: Candidate, result: TrainResult, tags: dict[str, str], end_ms: int) -> str:
+    def _create_candidate_run(
+        self, candidate: Candidate, result: TrainResult, tags: dict[str, str], end_ms: int
+    ) -> str:
         from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
         fitness_name = result.fitness.name if result.fitness is not None else "fitness"
-        page = run_page.candidate_page(candidate=candidate, result=result, parent_name=self.parent_name,
-                                       parent_id=self.parent_id, experiment_id=self.experiment_id,
-                                       fitness_name=fitness_name)
+        page = run_page.candidate_page(
+            candidate=candidate,
+            result=result,
+            parent_name=self.parent_name,
+            parent_id=self.parent_id,
+            experiment_id=self.experiment_id,
+            fitness_name=fitness_name,
+        )
         run = self.client.create_run(
             self.experiment_id,
             start_time=end_ms - int(result.seconds * 1000),
             run_name=run_page.candidate_run_name(self.parent_name, candidate.id),
-            tags={MLFLOW_PARENT_RUN_ID: self.parent_id, KIND_TAG: "candidate", "candidate": candidate.id,
-                  "ok": str(result.ok), run_page.WINNER_TAG: "false", run_page.NOTE_TAG: page,
-                  **failure_tags(result), **{safe_key(k): v for k, v in tags.items()}},
+            tags={
+                MLFLOW_PARENT_RUN_ID: self.parent_id,
+                KIND_TAG: "candidate",
+                "candidate": candidate.id,
+                "ok": str(result.ok),
+                run_page.WINNER_TAG: "false",
+                run_page.NOTE_TAG: page,
+                **failure_tags(result),
+                **{safe_key(k): v for k, v in tags.items()},
+            },
         )
         return run.info.run_id
 
@@ -437,8 +487,9 @@ class Tracker:
             fig = learning_curve({candidate.id: result.curve}, title=f"{candidate.id}: {fitness_name}")
             self.log_figure(fig, "learning_curve.png", rid)
 
-    def fail_candidate(self, candidate: Candidate, result: TrainResult, run_id: str = "", end_ms: int | None = None,
-                       detail: str = "") -> str:
+    def fail_candidate(
+        self, candidate: Candidate, result: TrainResult, run_id: str = "", end_ms: int | None = None, detail: str = ""
+    ) -> str:
         """Record a candidate whose recording failed (``result`` says why: :func:`tracking_failure`)
         and end its run FAILED; its run id ("" when MLflow takes nothing). Best effort, never raises.
 
@@ -456,19 +507,31 @@ class Tracker:
         if not run_id:
             with contextlib.suppress(Exception):
                 run_id = self.client.create_run(
-                    self.experiment_id, start_time=end_ms - int(max(result.seconds, 0.0) * 1000),
+                    self.experiment_id,
+                    start_time=end_ms - int(max(result.seconds, 0.0) * 1000),
                     run_name=run_page.candidate_run_name(self.parent_name, candidate.id),
-                    tags={MLFLOW_PARENT_RUN_ID: self.parent_id, KIND_TAG: "candidate", "candidate": candidate.id,
-                          run_page.WINNER_TAG: "false", **tags}).info.run_id
+                    tags={
+                        MLFLOW_PARENT_RUN_ID: self.parent_id,
+                        KIND_TAG: "candidate",
+                        "candidate": candidate.id,
+                        run_page.WINNER_TAG: "false",
+                        **tags,
+                    },
+                ).info.run_id
         if not run_id:
             return ""
         for key, value in tags.items():
             with contextlib.suppress(Exception):
                 self.client.set_tag(run_id, key, value)
         with contextlib.suppress(Exception):  # the description says it failed, and why
-            page = run_page.candidate_page(candidate=candidate, result=result, parent_name=self.parent_name,
-                                           parent_id=self.parent_id, experiment_id=self.experiment_id,
-                                           fitness_name=result.fitness.name if result.fitness is not None else "fitness")
+            page = run_page.candidate_page(
+                candidate=candidate,
+                result=result,
+                parent_name=self.parent_name,
+                parent_id=self.parent_id,
+                experiment_id=self.experiment_id,
+                fitness_name=result.fitness.name if result.fitness is not None else "fitness",
+            )
             self.client.set_tag(run_id, run_page.NOTE_TAG, page)
         with contextlib.suppress(Exception):
             self.log_text(result.error + (f"\n\n{detail}" if detail else ""), "error.txt", run_id)
@@ -476,25 +539,53 @@ class Tracker:
             self.client.set_terminated(run_id, status="FAILED", end_time=end_ms)
         return run_id
 
-    def describe_run(self, *, task: str, fitness_name: str, history: list[Any], best: tuple[Candidate, TrainResult] | None,
-                     llm: dict[str, float], seconds: float, final: list[float] | None = None) -> str:
+    def describe_run(
+        self,
+        *,
+        task: str,
+        fitness_name: str,
+        history: list[Any],
+        best: tuple[Candidate, TrainResult] | None,
+        llm: dict[str, float],
+        seconds: float,
+        final: list[float] | None = None,
+    ) -> str:
         """Write the parent run's description (:func:`core.run_page.parent_page`) and mark the winner.
 
         The winning candidate's run gets the tag ``llm4rl.winner=true`` and a description
         that says it won and by which rule; the parent gets ``llm4rl.winner_run``. Returns
         the parent's description.
         """
-        text = run_page.parent_page(name=self.parent_name, task=task, fitness_name=fitness_name,
-                                    experiment_id=self.experiment_id, history=history, best=best, llm=llm,
-                                    seconds=seconds, final=final)
-        self.set_tags({run_page.NOTE_TAG: text,
-                       RESULT_TAG: run_page.outcome_line(task=task, fitness_name=fitness_name, history=history,
-                                                         best=best)[:5000]})
+        text = run_page.parent_page(
+            name=self.parent_name,
+            task=task,
+            fitness_name=fitness_name,
+            experiment_id=self.experiment_id,
+            history=history,
+            best=best,
+            llm=llm,
+            seconds=seconds,
+            final=final,
+        )
+        self.set_tags(
+            {
+                run_page.NOTE_TAG: text,
+                RESULT_TAG: run_page.outcome_line(task=task, fitness_name=fitness_name, history=history, best=best)[
+                    :5000
+                ],
+            }
+        )
         if best is not None and best[1].run_id:
             candidate, result = best
-            page = run_page.candidate_page(candidate=candidate, result=result, parent_name=self.parent_name,
-                                           parent_id=self.parent_id, experiment_id=self.experiment_id,
-                                           fitness_name=fitness_name, winner=run_page.winner_rule(fitness_name))
+            page = run_page.candidate_page(
+                candidate=candidate,
+                result=result,
+                parent_name=self.parent_name,
+                parent_id=self.parent_id,
+                experiment_id=self.experiment_id,
+                fitness_name=fitness_name,
+                winner=run_page.winner_rule(fitness_name),
+            )
             self.set_tags({run_page.WINNER_TAG: "true", run_page.NOTE_TAG: page}, result.run_id)
             self.set_tags({"llm4rl.winner_run": result.run_id})
         return text
@@ -530,8 +621,9 @@ def candidate_metrics(result: TrainResult) -> tuple[list[tuple[str, float, int]]
     for point in result.curve:
         points += [("fitness", point.fitness, point.frames), ("eval/return", point.episode_return, point.frames)]
     last_eval = result.curve[-1] if result.curve else None
-    if result.fitness is not None and not (last_eval and last_eval.frames == result.frames
-                                           and last_eval.fitness == result.fitness.value):
+    if result.fitness is not None and not (
+        last_eval and last_eval.frames == result.frames and last_eval.fitness == result.fitness.value
+    ):
         points.append(("fitness", result.fitness.value, result.frames))  # a final score no evaluation logged
     series = {k: v for k, v in result.series.items() if k not in SUMMARY_ONLY}
     for prefix, table in (("components/", result.components), ("", series)):
@@ -573,4 +665,3 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (str, int, float, bool)) or obj is None:
         return obj
     return str(obj)
-

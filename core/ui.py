@@ -29,15 +29,22 @@ from contextlib import contextmanager
 
 #: the environment MLflow's server runs with: no network fetch of litellm's price table, no job
 #: runner (GenAI evaluation jobs; its extra process took 18 of 43 s to the first page at a load of 5)
-SERVER_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "MLFLOW_ALLOW_FILE_STORE": "true",
-              "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+SERVER_ENV = {
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    "MLFLOW_ALLOW_FILE_STORE": "true",
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+}
 
 #: how ``mlflow server`` hands its options to the app it starts under uvicorn (``mlflow.server``'s
 #: constants, MLflow 3.x): starting that app directly skips the CLI's own process, which imports
 #: MLflow a second time (26 s -> 15 s to the first page at a load of 5). Should a future MLflow
 #: read other names, the app fails to start and :func:`serve` falls back to ``mlflow server``.
-APP_ENV = {"_MLFLOW_SERVER_SERVE_ARTIFACTS": "true", "_MLFLOW_SERVER_ARTIFACT_ROOT": "mlflow-artifacts:/",
-           "_MLFLOW_SERVER_ARTIFACT_DESTINATION": "./mlartifacts", "_MLFLOW_SGI_NAME": "uvicorn"}
+APP_ENV = {
+    "_MLFLOW_SERVER_SERVE_ARTIFACTS": "true",
+    "_MLFLOW_SERVER_ARTIFACT_ROOT": "mlflow-artifacts:/",
+    "_MLFLOW_SERVER_ARTIFACT_DESTINATION": "./mlartifacts",
+    "_MLFLOW_SGI_NAME": "uvicorn",
+}
 
 
 def server_command(uri: str, port: int, direct: bool = True) -> tuple[list[str], dict[str, str]]:
@@ -45,10 +52,32 @@ def server_command(uri: str, port: int, direct: bool = True) -> tuple[list[str],
     MLflow's app under uvicorn directly, or (``direct=False``) through ``mlflow server``."""
     if direct:
         env = {**SERVER_ENV, **APP_ENV, "_MLFLOW_SERVER_FILE_STORE": uri, "_MLFLOW_SERVER_BOOT_ID": uuid.uuid4().hex}
-        return [sys.executable, "-m", "uvicorn", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                "mlflow.server.fastapi_app:app"], env
-    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", "127.0.0.1",
-            "--port", str(port), "--workers", "1"], dict(SERVER_ENV)
+        return [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "mlflow.server.fastapi_app:app",
+        ], env
+    return [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        uri,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ], dict(SERVER_ENV)
 
 
 def free_port() -> int:
@@ -121,9 +150,10 @@ def experiment_id(uri: str, experiment: str) -> str | None:
         import sqlite3
 
         try:
-            with contextlib.closing(sqlite3.connect(f"file:{uri[len('sqlite:///'):]}?mode=ro", uri=True)) as db:
-                row = db.execute("select experiment_id from experiments where name = ? and lifecycle_stage = 'active'",
-                                 (experiment,)).fetchone()
+            with contextlib.closing(sqlite3.connect(f"file:{uri[len('sqlite:///') :]}?mode=ro", uri=True)) as db:
+                row = db.execute(
+                    "select experiment_id from experiments where name = ? and lifecycle_stage = 'active'", (experiment,)
+                ).fetchone()
             return str(row[0]) if row else None
         except sqlite3.Error:
             pass  # not MLflow's schema (yet): MLflow knows
@@ -135,12 +165,16 @@ def experiment_id(uri: str, experiment: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m core.ui", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--uri", default="sqlite:///mlflow.db", help="the tracking store (default: sqlite:///mlflow.db)")
+    parser.add_argument(
+        "--uri", default="sqlite:///mlflow.db", help="the tracking store (default: sqlite:///mlflow.db)"
+    )
     parser.add_argument("--experiment", default="llm4rl", help="the experiment to open (default: llm4rl)")
     parser.add_argument("--port", type=int, default=5000, help="the port on 127.0.0.1 (default: 5000; 0: a free one)")
     args = parser.parse_args(argv)
-    if args.uri.startswith("sqlite:///") and not os.path.exists(args.uri[len("sqlite:///"):]):
-        print(f"error: no MLflow store at {args.uri}; run something first (python -m core) or pass --uri", file=sys.stderr)
+    if args.uri.startswith("sqlite:///") and not os.path.exists(args.uri[len("sqlite:///") :]):
+        print(
+            f"error: no MLflow store at {args.uri}; run something first (python -m core) or pass --uri", file=sys.stderr
+        )
         return 2
     from core import interrupts
 
@@ -148,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     try:
         with serve(args.uri, args.port) as base:
-            print(f"MLflow UI ready in {time.perf_counter() - began:.0f} s: {experiment_url(base, args.uri, args.experiment)}",
-                  flush=True)
+            print(
+                f"MLflow UI ready in {time.perf_counter() - began:.0f} s: {experiment_url(base, args.uri, args.experiment)}",
+                flush=True,
+            )
             print("Ctrl-C stops it.", flush=True)
             while True:
                 time.sleep(3600)

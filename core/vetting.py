@@ -82,8 +82,9 @@ def task_key(task: Task) -> str:
     return f"{task.name}-{digest}"
 
 
-def reference_set(task: Task, episodes: int, seed: int, *, max_steps: int = 1000,
-                  cache_dir: str | Path | None = None) -> list[Trajectory]:
+def reference_set(
+    task: Task, episodes: int, seed: int, *, max_steps: int = 1000, cache_dir: str | Path | None = None
+) -> list[Trajectory]:
     """The task's reference trajectories (:meth:`Task.reference_trajectories`), cached on disk.
 
     The cache file is ``<cache_dir>/reference/<task key>-s<seed>-e<episodes>-m<max_steps>.pkl``
@@ -124,14 +125,19 @@ def step_rewards(reward_fn: Any, program: Any, trajectories: list[Trajectory]) -
     """
     obs = np.concatenate([t.obs for t in trajectories]).astype(np.float32)
     nxt = np.concatenate([t.next_obs for t in trajectories]).astype(np.float32)
-    act = np.concatenate([np.asarray(t.action).reshape(t.length, -1) if np.asarray(t.action).ndim > 1
-                          else np.asarray(t.action) for t in trajectories])
+    act = np.concatenate(
+        [
+            np.asarray(t.action).reshape(t.length, -1) if np.asarray(t.action).ndim > 1 else np.asarray(t.action)
+            for t in trajectories
+        ]
+    )
     paid = np.concatenate([t.env_reward for t in trajectories]).astype(np.float32)
     parts = []
     for start in range(0, len(obs), CHUNK):
         end = start + CHUNK
-        out = reward_fn.from_obs(torch.as_tensor(obs[start:end]), torch.as_tensor(act[start:end]),
-                                 torch.as_tensor(nxt[start:end]))
+        out = reward_fn.from_obs(
+            torch.as_tensor(obs[start:end]), torch.as_tensor(act[start:end]), torch.as_tensor(nxt[start:end])
+        )
         reward = out[0] if isinstance(out, tuple) else out
         parts.append(torch.as_tensor(reward, dtype=torch.float32).reshape(-1).numpy())
     values = np.concatenate(parts) if parts else np.zeros(0, np.float32)
@@ -152,10 +158,15 @@ def vet(reward_fn: Any, program: Any, task: Task, trajectories: list[Trajectory]
         rewards = step_rewards(reward_fn, program, trajectories)
     except SandboxError as e:
         reason = f"Running the reward function on reference episodes failed ({e.report.kind}): {e.report.message}"
-        return Verdict(False, reason, {"vetting/passed": 0.0}, [f"the program failed on the reference episodes ({e.report.kind})"])
+        return Verdict(
+            False, reason, {"vetting/passed": 0.0}, [f"the program failed on the reference episodes ({e.report.kind})"]
+        )
     returns = np.array([float(r.sum()) for r in rewards])
     success = np.array([t.success for t in trajectories], bool)
-    figures: dict[str, float] = {"vetting/trajectories": float(len(trajectories)), "vetting/successes": float(success.sum())}
+    figures: dict[str, float] = {
+        "vetting/trajectories": float(len(trajectories)),
+        "vetting/successes": float(success.sum()),
+    }
     checks: list[str] = []
     problems: list[str] = []
     names: list[str] = []  # the problems in a few words, for the reason's first line
@@ -166,11 +177,18 @@ def vet(reward_fn: Any, program: Any, task: Task, trajectories: list[Trajectory]
         wins = (good[:, None] > bad[None, :]).mean() + 0.5 * (good[:, None] == bad[None, :]).mean()
         good_len = np.mean([t.length for t, s in zip(trajectories, success) if s])
         bad_len = np.mean([t.length for t, s in zip(trajectories, success) if not s])
-        figures.update({"vetting/pair_accuracy": float(wins), "vetting/success_return": float(good.mean()),
-                        "vetting/failure_return": float(bad.mean())})
-        checks.append(f"preference: successes {good.mean():.4g} (mean return over {len(good)} episodes, "
-                      f"{good_len:.0f} steps each on average) vs failures {bad.mean():.4g} ({len(bad)} episodes, "
-                      f"{bad_len:.0f} steps); pair accuracy {wins:.2f}")
+        figures.update(
+            {
+                "vetting/pair_accuracy": float(wins),
+                "vetting/success_return": float(good.mean()),
+                "vetting/failure_return": float(bad.mean()),
+            }
+        )
+        checks.append(
+            f"preference: successes {good.mean():.4g} (mean return over {len(good)} episodes, "
+            f"{good_len:.0f} steps each on average) vs failures {bad.mean():.4g} ({len(bad)} episodes, "
+            f"{bad_len:.0f} steps); pair accuracy {wins:.2f}"
+        )
         if good.mean() <= bad.mean():
             names.append("it ranks failure above success")
             problems.append(
@@ -190,8 +208,10 @@ def vet(reward_fn: Any, program: Any, task: Task, trajectories: list[Trajectory]
         if flat.size:
             mean, scale = float(flat.mean()), float(np.abs(flat).mean())
             figures["vetting/step_reward"] = mean
-            checks.append(f"prolonging: mean reward per continuing step of random episodes {mean:.4g} "
-                          f"(mean magnitude {scale:.4g})")
+            checks.append(
+                f"prolonging: mean reward per continuing step of random episodes {mean:.4g} "
+                f"(mean magnitude {scale:.4g})"
+            )
             drifts = mean > DRIFT_TOLERANCE * scale and mean > 0
             # what stalling pays: the per-step reward of random episodes, or of successful ones short of
             # their last step (near the goal), kept for the whole time limit without finishing
@@ -201,12 +221,19 @@ def vet(reward_fn: Any, program: Any, task: Task, trajectories: list[Trajectory]
             finish = float(returns[success].mean()) if success.any() else float("-inf")
             if drifts:
                 figures["vetting/stall_return"] = stall
-                checks.append(f"prolonging: stalling for the {task.max_episode_steps}-step limit would earn {stall:.4g}, "
-                              f"finishing {finish:.4g}" if success.any() else "prolonging: no successful episode to compare")
+                checks.append(
+                    f"prolonging: stalling for the {task.max_episode_steps}-step limit would earn {stall:.4g}, "
+                    f"finishing {finish:.4g}"
+                    if success.any()
+                    else "prolonging: no successful episode to compare"
+                )
             if drifts and stall >= finish:
                 names.append("it pays for prolonging the episode")
-                than = (f", more than the {finish:.4g} that the successful episodes earn by reaching it"
-                        if success.any() else "")
+                than = (
+                    f", more than the {finish:.4g} that the successful episodes earn by reaching it"
+                    if success.any()
+                    else ""
+                )
                 problems.append(
                     f"It pays for prolonging the episode: reaching the goal ends the episode in this task, yet on "
                     f"episodes that have not reached it your reward is positive on average ({mean:.4g} per step on "
@@ -222,6 +249,7 @@ def vet(reward_fn: Any, program: Any, task: Task, trajectories: list[Trajectory]
     figures["vetting/passed"] = 0.0 if problems else 1.0
     reason = ""
     if problems:
-        reason = (f"The reward function was rejected before training: {'; '.join(names)}.\n\n"
-                  + "\n\n".join(f"- {p}" for p in problems))
+        reason = f"The reward function was rejected before training: {'; '.join(names)}.\n\n" + "\n\n".join(
+            f"- {p}" for p in problems
+        )
     return Verdict(not problems, reason, figures, checks)

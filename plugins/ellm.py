@@ -47,8 +47,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.plugin import (PluginConfig, RunContext, StepBatch, Task, TrainContext, TrainResult, UserError,
-                         ask_in_batches, goal_names, hookimpl, match_goal, newly_achieved)
+from core.plugin import (
+    PluginConfig,
+    RunContext,
+    StepBatch,
+    Task,
+    TrainContext,
+    TrainResult,
+    UserError,
+    ask_in_batches,
+    goal_names,
+    hookimpl,
+    match_goal,
+    newly_achieved,
+)
 
 NAME = "ellm"
 
@@ -60,17 +72,25 @@ class Config(PluginConfig):
     iterations: int = 1  # outer rounds (ELLM has no outer loop: one training)
     goals: str = "llm"  # llm: the LLM suggests goals per state caption; fixed: the task's goal phrases for every state, no LLM call (control)
     match: str = "embedding"  # embedding: cosine of goal and step caption >= threshold (ELLM); names: a suggested achievement unlocks (variant)
-    pretrain: bool = True  # train on the intrinsic reward alone (the env's reward is replaced); false: add it to the env's reward
-    threshold: float = 0.64  # cosine (after centring) at which a step achieves a goal; calibrated in docs/plugins/ellm.md
+    pretrain: bool = (
+        True  # train on the intrinsic reward alone (the env's reward is replaced); false: add it to the env's reward
+    )
+    threshold: float = (
+        0.64  # cosine (after centring) at which a step achieves a goal; calibrated in docs/plugins/ellm.md
+    )
     bonus: float = 1.0  # scale of the reward: a matching step pays bonus * cosine (names: bonus)
     center: bool = True  # subtract the mean embedding of the task's goal phrases before the cosine
-    embed_model: str = ""  # "": the LLM's own model (embedded: its weights in embedding mode); else a litellm embedding model
+    embed_model: str = (
+        ""  # "": the LLM's own model (embedded: its weights in embedding mode); else a litellm embedding model
+    )
     goals_per_state: int = 5  # most goals kept from one suggestion
     presuggest_episodes: int = 8  # random-policy rollouts captioned before training
     presuggest_steps: int = 500  # steps per rollout at most
     presuggest_calls: int = 32  # LLM calls before training at most (most frequent captions first)
     presuggest_s: float = 240.0  # seconds of LLM calls before training at most (0: no limit)
-    resuggest_at: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75])  # fractions of training at which the agent's most frequent unanswered captions are asked, blocking
+    resuggest_at: list[float] = field(
+        default_factory=lambda: [0.25, 0.5, 0.75]
+    )  # fractions of training at which the agent's most frequent unanswered captions are asked, blocking
     resuggest_calls: int = 8  # LLM calls per point at most
     resuggest_s: float = 60.0  # seconds per point at most (0: no limit)
     batch: int = 4  # captions per batch of concurrent calls (llm.chat_many)
@@ -240,8 +260,11 @@ class GoalReward:
         self.train, self.cfg, self.task, self.suggested = train, cfg, train.task, suggested
         self.names = goal_names(self.task)
         self.fixed = list(self.names) if cfg.match == "names" else [goal_phrase(n) for n in self.names]
-        self.embeddings = (Embeddings(train.llm, cfg.embed_model, [goal_phrase(n) for n in self.names], cfg.center)
-                           if cfg.match == "embedding" else None)
+        self.embeddings = (
+            Embeddings(train.llm, cfg.embed_model, [goal_phrase(n) for n in self.names], cfg.center)
+            if cfg.match == "embedding"
+            else None
+        )
         self.seen: Counter[str] = Counter()  # state captions, one row per step (a sample: captions cost ~0.1 ms)
         self.starts: Counter[str] = Counter()  # captions of the states steps with an event started from
         self.achieved: list[set[str]] = []  # per env: the goals rewarded in its current episode
@@ -275,19 +298,36 @@ class GoalReward:
     def ask(self, captions: list[str]) -> int:
         """Suggestions for ``captions`` in one batch of calls; cached (also when empty). How many landed."""
         llm = self.train.llm
-        calls = [dict(messages=self.prompt(c), n=1, temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens,
-                      seed=0, tag=f"{NAME}/suggest") for c in captions]
+        calls = [
+            dict(
+                messages=self.prompt(c),
+                n=1,
+                temperature=self.cfg.temperature,
+                max_tokens=self.cfg.max_tokens,
+                seed=0,
+                tag=f"{NAME}/suggest",
+            )
+            for c in captions
+        ]
         start = time.perf_counter()
         first = len(getattr(llm, "records", ()))
         replies: list[Any] = [None] * len(calls)
         error = ""
         try:
             many = getattr(llm, "chat_many", None)
-            replies = [r[0] for r in many(calls)] if many is not None and len(calls) > 1 else [llm.chat(**c)[0] for c in calls]
+            replies = (
+                [r[0] for r in many(calls)]
+                if many is not None and len(calls) > 1
+                else [llm.chat(**c)[0] for c in calls]
+            )
         except Exception as exc:  # noqa: BLE001 - an LLM failure costs its captions, never the training
             error = f"{type(exc).__name__}: {str(exc)[:200]}"
             # calls of the batch that did land are in the client's records: keep them
-            landed = {rec.messages[-1]["content"]: rec.replies[0] for rec in list(getattr(llm, "records", ()))[first:] if rec.replies}
+            landed = {
+                rec.messages[-1]["content"]: rec.replies[0]
+                for rec in list(getattr(llm, "records", ()))[first:]
+                if rec.replies
+            }
             replies = [landed.get(c["messages"][-1]["content"]) for c in calls]
         self.seconds += time.perf_counter() - start
         self.calls += len(calls)
@@ -306,12 +346,16 @@ class GoalReward:
             self.suggested[caption] = goals
             new_goals += goals
             done += 1
-            self.log.append(f"- {caption}\n  -> {'; '.join(goals) or '(no goal in the reply ' + repr(reply.text[:80]) + ')'}")
+            self.log.append(
+                f"- {caption}\n  -> {'; '.join(goals) or '(no goal in the reply ' + repr(reply.text[:80]) + ')'}"
+            )
         if self.embeddings is not None and new_goals:
             self.embeddings.get(list(dict.fromkeys(new_goals)))  # now, so that steps seldom wait on an embedding
         return done
 
-    def ask_blocking(self, starts: Counter[str], seen: Counter[str], calls: int, seconds: float, what: str) -> dict[str, float]:
+    def ask_blocking(
+        self, starts: Counter[str], seen: Counter[str], calls: int, seconds: float, what: str
+    ) -> dict[str, float]:
         """Ask unanswered captions, in batches, up to ``calls`` and ``seconds`` (0: no limit), with
         a progress bar: first those steps with an event started from (``starts``: where an answer
         can pay), most frequent first, then the most frequent of ``seen``. Returns its figures;
@@ -319,12 +363,23 @@ class GoalReward:
         order = [c for c, _ in starts.most_common()] + [c for c, _ in seen.most_common()]
         todo = [c for c in dict.fromkeys(order) if self.wanted(c)][:calls]
         start = time.perf_counter()
-        asked, done = ask_in_batches(todo, self.ask, batch=self.cfg.batch, seconds=seconds, label=f"{NAME}: {what}",
-                                     show=self.train.settings.run.progress)
+        asked, done = ask_in_batches(
+            todo,
+            self.ask,
+            batch=self.cfg.batch,
+            seconds=seconds,
+            label=f"{NAME}: {what}",
+            show=self.train.settings.run.progress,
+        )
         basis = starts or seen
         covered = sum(n for c, n in basis.items() if self.goals_for(c) is not None) / max(1, sum(basis.values()))
-        return {"captions": float(len(set(starts) | set(seen))), "calls": float(asked), "answered": float(done),
-                "seconds": time.perf_counter() - start, "covered": covered}
+        return {
+            "captions": float(len(set(starts) | set(seen))),
+            "calls": float(asked),
+            "answered": float(done),
+            "seconds": time.perf_counter() - start,
+            "covered": covered,
+        }
 
     def presuggest(self) -> None:
         """Before training: caption random rollouts; ask their most frequent captions; embed
@@ -344,7 +399,9 @@ class GoalReward:
                     events.update(did.split(", "))
         self.figures["rollout_s"] = time.perf_counter() - start
         if self.cfg.goals == "llm" and cfg.presuggest_calls:
-            self.figures.update(self.ask_blocking(starts, seen, cfg.presuggest_calls, cfg.presuggest_s, "suggesting goals"))
+            self.figures.update(
+                self.ask_blocking(starts, seen, cfg.presuggest_calls, cfg.presuggest_s, "suggesting goals")
+            )
         if self.embeddings is not None:
             self.embeddings.get(sorted(events) + (self.fixed if cfg.goals == "fixed" else []))
 
@@ -356,8 +413,13 @@ class GoalReward:
         while self.points and self.train.progress >= self.points[0]:
             self.points.pop(0)  # points passed in one batch count once
         if self.cfg.goals == "llm" and self.cfg.resuggest_calls:
-            figures = self.ask_blocking(self.starts, self.seen, self.cfg.resuggest_calls, self.cfg.resuggest_s,
-                                        f"suggesting goals at {point:.0%}")
+            figures = self.ask_blocking(
+                self.starts,
+                self.seen,
+                self.cfg.resuggest_calls,
+                self.cfg.resuggest_s,
+                f"suggesting goals at {point:.0%}",
+            )
             self.train.log_metric(f"{NAME}/resuggest_covered", figures["covered"])
 
     # -- rewards -------------------------------------------------------------------------------
@@ -425,7 +487,7 @@ class GoalReward:
             f"{NAME}/goal_reward": self.reward,
             f"{NAME}/hits": float(self.hits),
             f"{NAME}/goals_achieved_from_suggestions": float(self.from_suggestions),
-            f"{NAME}/distinct_goals_achieved": float(len({k.split(' <- ')[0] for k in self.per_goal})),
+            f"{NAME}/distinct_goals_achieved": float(len({k.split(" <- ")[0] for k in self.per_goal})),
             f"{NAME}/bonus_share": self.hits / steps,
             f"{NAME}/events": float(self.events),
             f"{NAME}/unanswered_share": self.unanswered / max(1, self.events),
@@ -448,9 +510,12 @@ class GoalReward:
     def report(self) -> str:
         achieved = "\n".join(f"- {k}: {v}" for k, v in self.per_goal.most_common(60)) or "- (none)"
         errors = "\n".join(self.embeddings.log) if self.embeddings else ""
-        return (f"# ELLM goals ({self.queries} captions asked, {self.calls} LLM calls, {self.seconds:.0f} s)\n\n"
-                + "\n".join(self.log[:300]) + f"\n\n## Achieved (goal <- step caption: times)\n\n{achieved}\n"
-                + (f"\n## Embedding errors\n\n{errors}\n" if errors else ""))
+        return (
+            f"# ELLM goals ({self.queries} captions asked, {self.calls} LLM calls, {self.seconds:.0f} s)\n\n"
+            + "\n".join(self.log[:300])
+            + f"\n\n## Achieved (goal <- step caption: times)\n\n{achieved}\n"
+            + (f"\n## Embedding errors\n\n{errors}\n" if errors else "")
+        )
 
 
 # -- hooks -----------------------------------------------------------------------------------
@@ -468,8 +533,10 @@ class Plugin:
     def on_run_start(self, run: RunContext) -> None:
         """Refuse, before any training, a task whose steps cannot be captioned or whose goals are unknown."""
         if not goal_names(run.task) or type(run.task).caption_transition is Task.caption_transition:
-            raise UserError(f"ellm needs a task that captions its steps (Task.caption_transition) and names its goals "
-                            f"(achievement_ fields), e.g. env=minecraft; {run.task.name!r} does not")
+            raise UserError(
+                f"ellm needs a task that captions its steps (Task.caption_transition) and names its goals "
+                f"(achievement_ fields), e.g. env=minecraft; {run.task.name!r} does not"
+            )
 
     @hookimpl
     def on_train_start(self, train: TrainContext) -> None:

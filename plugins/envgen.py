@@ -38,8 +38,16 @@ from typing import Any
 
 import numpy as np
 
-from core.plugin import (Candidate, EnvConfig, IterationResult, PluginConfig, StartPolicy, TrainResult, UserError,
-                         hookimpl)
+from core.plugin import (
+    Candidate,
+    EnvConfig,
+    IterationResult,
+    PluginConfig,
+    StartPolicy,
+    TrainResult,
+    UserError,
+    hookimpl,
+)
 
 NAME = "envgen"
 ORIGINAL = "original"
@@ -81,17 +89,27 @@ class Config(PluginConfig):
 
     iterations: int = 4  # training cycles: generate envs, train, evaluate on the original env, feed back (paper: 4)
     num_envs: int = 4  # environment configs the LLM writes per cycle (paper: 4)
-    continue_training: bool = True  # one agent across cycles, trainer.frames split over them (paper); false: a fresh agent per cycle
+    continue_training: bool = (
+        True  # one agent across cycles, trainer.frames split over them (paper); false: a fresh agent per cycle
+    )
     generated_share: float = 0.5  # continue_training: share of each cycle's frames in the generated envs, the rest in the original env after them (paper: 0.96M of 1.96M steps)
     original_share: float = 0.5  # from scratch: share of the training envs that run the original env (the rest split among the generated ones)
     retries: int = 1  # extra LLM calls per cycle when configs are invalid (the errors are fed back)
     history: int = 3  # earlier exchanges kept in the conversation (besides the first prompt)
     temperature: float = 0.7  # sampling temperature
-    max_tokens: int = 0  # cap on each reply; 0: sized to what is asked (num_envs configs of the task's params, reply_budget)
-    continuations: int = 1  # a reply cut off at the cap is continued where it stopped, this many times, before any retry
+    max_tokens: int = (
+        0  # cap on each reply; 0: sized to what is asked (num_envs configs of the task's params, reply_budget)
+    )
+    continuations: int = (
+        1  # a reply cut off at the cap is continued where it stopped, this many times, before any retry
+    )
     final_seeds: int = 0  # retrain the best candidate on this many more seeds after the loop
-    constraints: list[str] = field(default_factory=lambda: list(CRAFTER_CONSTRAINTS))  # extra constraints stated in the prompt (the game's rules)
-    rules: list[Rule] = field(default_factory=lambda: [Rule(*r) for r in CRAFTER_RULES])  # repairs: when `when` is set (> 0), `then` is raised to at least `min` (a tool an item requires)
+    constraints: list[str] = field(
+        default_factory=lambda: list(CRAFTER_CONSTRAINTS)
+    )  # extra constraints stated in the prompt (the game's rules)
+    rules: list[Rule] = field(
+        default_factory=lambda: [Rule(*r) for r in CRAFTER_RULES]
+    )  # repairs: when `when` is set (> 0), `then` is raised to at least `min` (a tool an item requires)
 
     def check(self) -> None:
         super().check()
@@ -146,8 +164,10 @@ Write {n} updated environment configs (same JSON format) that help the agent imp
 achievements it rarely or never unlocks, while keeping the skills it has."""
 
 #: how a cycle trained, for FEEDBACK (continue_training true / false)
-HOW = {True: "in your environments, then in the original game (the same agent as before, trained further)",
-       False: "from scratch on your environments mixed with the original one"}
+HOW = {
+    True: "in your environments, then in the original game (the same agent as before, trained further)",
+    False: "from scratch on your environments mixed with the original one",
+}
 
 INVALID = """Your configs could not be used:
 {errors}
@@ -182,7 +202,9 @@ def describe_params(specs: list[Any]) -> str:
         if p.choices is not None:
             allowed = "one of " + ", ".join(json.dumps(c) for c in p.choices)
         else:
-            allowed = f"a number from {p.low:g} to {p.high:g}" if p.low is not None and p.high is not None else "a number"
+            allowed = (
+                f"a number from {p.low:g} to {p.high:g}" if p.low is not None and p.high is not None else "a number"
+            )
         lines.append(f"- {p.name}: {p.description}; {allowed} (default {json.dumps(p.default)})")
     return "\n".join(lines)
 
@@ -351,18 +373,29 @@ def achievement_rates(result: TrainResult) -> dict[str, tuple[float, float]]:
     per_episode = [e.info.get("achievements") for e in result.episodes if isinstance(e.info.get("achievements"), dict)]
     if per_episode:
         names = sorted(per_episode[0])
-        return {a: (100 * float(np.mean([bool(ep.get(a)) for ep in per_episode])), 100 * float(np.std([bool(ep.get(a)) for ep in per_episode]))) for a in names}
+        return {
+            a: (
+                100 * float(np.mean([bool(ep.get(a)) for ep in per_episode])),
+                100 * float(np.std([bool(ep.get(a)) for ep in per_episode])),
+            )
+            for a in names
+        }
     details = result.fitness.details if result.fitness else {}
-    return {k[len("success_"):]: (float(v), float("nan")) for k, v in sorted(details.items()) if k.startswith("success_")}
+    return {
+        k[len("success_") :]: (float(v), float("nan")) for k, v in sorted(details.items()) if k.startswith("success_")
+    }
 
 
 def format_rates(rates: dict[str, tuple[float, float]]) -> str:
-    return "\n".join(f"- {a}: {m:.1f} +- {s:.1f}" if s == s else f"- {a}: {m:.1f}" for a, (m, s) in rates.items()) or "- (none recorded)"
+    return (
+        "\n".join(f"- {a}: {m:.1f} +- {s:.1f}" if s == s else f"- {a}: {m:.1f}" for a, (m, s) in rates.items())
+        or "- (none recorded)"
+    )
 
 
 def task_achievements(task: Any) -> list[str]:
     """The task's achievements: fields named ``achievement_*`` of its state, else its goal."""
-    names = [f.name[len("achievement_"):] for f in task.state_fields if f.name.startswith("achievement_")]
+    names = [f.name[len("achievement_") :] for f in task.state_fields if f.name.startswith("achievement_")]
     return names or [task.goal]
 
 
@@ -371,8 +404,10 @@ def task_achievements(task: Any) -> list[str]:
 
 def rules_of(cfg: Config, task: Any) -> list[Rule]:
     """Repair rules from the config and the task's optional ``param_rules`` (Rules or mappings)."""
-    task_rules = [r if isinstance(r, Rule) else Rule(str(r["when"]), str(r["then"]), float(r.get("min", 1)))
-                  for r in getattr(task, "param_rules", None) or []]
+    task_rules = [
+        r if isinstance(r, Rule) else Rule(str(r["when"]), str(r["then"]), float(r.get("min", 1)))
+        for r in getattr(task, "param_rules", None) or []
+    ]
     names = {p.name for p in task.params}
     return [r for r in list(cfg.rules) + task_rules if r.when in names and r.then in names]
 
@@ -415,31 +450,41 @@ class Plugin:
             raise UserError(f"envgen needs a task with controllable params; '{run.task.name}' declares none.")
         trainer = str((run.config.get("trainer") or {}).get("name", "ppo"))
         if self.cfg.continue_training and trainer != "ppo":
-            raise UserError(f"plugins.envgen.continue_training continues one PPO agent across cycles; trainer={trainer} "
-                            "cannot. Use trainer=ppo, or plugins.envgen.continue_training=false (a fresh agent per cycle).")
+            raise UserError(
+                f"plugins.envgen.continue_training continues one PPO agent across cycles; trainer={trainer} "
+                "cannot. Use trainer=ppo, or plugins.envgen.continue_training=false (a fresh agent per cycle)."
+            )
 
     @hookimpl
     def generate_envs(self, run, iteration: int) -> list[list[EnvConfig]] | None:
         cfg = self.cfg
         n = cfg.num_envs
         if not self.messages:
-            self.messages = [{"role": "system", "content": SYSTEM},
-                             {"role": "user", "content": first_prompt(cfg, run.task, n, _example(run.task.params))}]
+            self.messages = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": first_prompt(cfg, run.task, n, _example(run.task.params))},
+            ]
         specs, rules = run.task.params, rules_of(cfg, run.task)
         configs: list[EnvConfig] = []
         salvaged: list[EnvConfig] = []
         for attempt in range(1 + cfg.retries):
-            ask = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens or reply_budget(n, len(specs)),
-                   "seed": run.seed * 1000 + iteration * 10 + attempt}
+            ask = {
+                "temperature": cfg.temperature,
+                "max_tokens": cfg.max_tokens or reply_budget(n, len(specs)),
+                "seed": run.seed * 1000 + iteration * 10 + attempt,
+            }
             (reply,) = run.llm.chat(self.messages, n=1, tag=f"{NAME}-it{iteration}-try{attempt}", **ask)
             if reply.cut_off and cfg.continuations:  # finish it rather than ask again from scratch
-                reply = run.llm.continue_reply(self.messages, reply, rounds=cfg.continuations,
-                                               tag=f"{NAME}-it{iteration}-try{attempt}", **ask)
+                reply = run.llm.continue_reply(
+                    self.messages, reply, rounds=cfg.continuations, tag=f"{NAME}-it{iteration}-try{attempt}", **ask
+                )
             self.messages.append({"role": "assistant", "content": reply.text})
             parsed = configs_from_reply(reply.text, specs, rules, n)
             configs += parsed.configs[: n - len(configs)]
             salvaged += parsed.salvaged
-            self.log += [f"it{iteration}: repaired {r}" for r in parsed.repairs] + [f"it{iteration}: invalid {e}" for e in parsed.errors]
+            self.log += [f"it{iteration}: repaired {r}" for r in parsed.repairs] + [
+                f"it{iteration}: invalid {e}" for e in parsed.errors
+            ]
             if len(configs) >= n or attempt == cfg.retries:
                 break
             errors = "\n".join(f"- {e}" for e in parsed.errors) or "- too few configs"
@@ -454,8 +499,13 @@ class Plugin:
         mix = training_mix(configs, 0.0 if cfg.continue_training else cfg.original_share)
         self.mixes.append(mix)
         run.log_text(f"{NAME}/it{iteration}-envs.json", json.dumps([c.__dict__ for c in mix], indent=2))
-        original = (1.0 - cfg.generated_share if cfg.continue_training  # of the cycle's frames, after the generated envs
-                    else mix[0].weight if mix and mix[0].name == ORIGINAL else 0.0)  # of the vector envs
+        original = (
+            1.0 - cfg.generated_share
+            if cfg.continue_training  # of the cycle's frames, after the generated envs
+            else mix[0].weight
+            if mix and mix[0].name == ORIGINAL
+            else 0.0
+        )  # of the vector envs
         run.log_metrics({f"{NAME}/generated_envs": len(configs), f"{NAME}/original_share": original}, step=iteration)
         return [mix]
 
@@ -484,7 +534,9 @@ class Plugin:
     @hookimpl
     def on_iteration_end(self, run, result: IterationResult) -> None:
         """continue_training: the best of this cycle's trained agents is the one the next cycle continues."""
-        kept = [(c, r) for c, r in zip(result.candidates, result.results) if self._is_mine(c) and r.ok and r.final_policy]
+        kept = [
+            (c, r) for c, r in zip(result.candidates, result.results) if self._is_mine(c) and r.ok and r.final_policy
+        ]
         if not self.cfg.continue_training or not kept:
             return  # (a cycle that failed leaves the agent as it was: its frames are lost)
         self.agent = StartPolicy.of(*max(kept, key=lambda cr: cr[1].score))
@@ -498,17 +550,26 @@ class Plugin:
             return None
         ok = [(c, r) for c, r in mine if r.ok and r.fitness is not None]
         if not ok:
-            text = "Training failed: " + (mine[0][1].error.strip()[-500:] or "unknown error") + f"\nWrite {cfg.num_envs} configs again."
+            text = (
+                "Training failed: "
+                + (mine[0][1].error.strip()[-500:] or "unknown error")
+                + f"\nWrite {cfg.num_envs} configs again."
+            )
         else:
             _, best = max(ok, key=lambda cr: cr[1].score)
             rates = achievement_rates(best)
             run.log_metrics({f"{NAME}/success_{a}": m for a, (m, _) in rates.items()}, step=result.iteration)
-            text = FEEDBACK.format(how=HOW[cfg.continue_training], rates=format_rates(rates),
-                                   fitness_name=best.fitness.name, fitness=best.score, n=cfg.num_envs)  # type: ignore[union-attr]
+            text = FEEDBACK.format(
+                how=HOW[cfg.continue_training],
+                rates=format_rates(rates),
+                fitness_name=best.fitness.name,
+                fitness=best.score,
+                n=cfg.num_envs,
+            )  # type: ignore[union-attr]
         self.messages.append({"role": "user", "content": text})
         keep = 2 + 2 * cfg.history  # system + first prompt + the last `history` exchanges
         if len(self.messages) > keep:
-            self.messages = self.messages[:2] + self.messages[-(keep - 2):]
+            self.messages = self.messages[:2] + self.messages[-(keep - 2) :]
         return text + ("\n\nRepairs and rejections so far:\n" + "\n".join(self.log) if self.log else "")
 
     @hookimpl

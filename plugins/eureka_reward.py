@@ -30,9 +30,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from core.plugin import (Candidate, IterationResult, PluginConfig, RewardProgram, Shapes, TrainResult, batch_shapes,
-                         candidate_line, code_options, fence, hookimpl, interface_of, program_from_reply, reply_counts,
-                         reward_interface, sample_evenly, summarize_series)
+from core.plugin import (
+    Candidate,
+    IterationResult,
+    PluginConfig,
+    RewardProgram,
+    Shapes,
+    TrainResult,
+    batch_shapes,
+    candidate_line,
+    code_options,
+    fence,
+    hookimpl,
+    interface_of,
+    program_from_reply,
+    reply_counts,
+    reward_interface,
+    sample_evenly,
+    summarize_series,
+)
 
 NAME = "eureka"
 ENTRY = "compute_reward"
@@ -45,7 +61,9 @@ class Config(PluginConfig):
 
     iterations: int = 5  # outer rounds of sampling + training + reflection (paper: 5)
     samples: int = 16  # reward functions sampled per round, each trained (paper: 16)
-    temperature: float | None = None  # sampling temperature; None: by the number of samples (1.0 at 16, the paper's; less for fewer)
+    temperature: float | None = (
+        None  # sampling temperature; None: by the number of samples (1.0 at 16, the paper's; less for fewer)
+    )
     max_tokens: int = 1024  # cap on each reply
 
     def check(self) -> None:
@@ -170,12 +188,28 @@ class Plugin:
         tag = f"{NAME}-it{iteration}"
         programs: list[RewardProgram] = []
         fields = run.task.field_names()
-        for replies in run.llm.chat_groups(msgs, n=cfg.samples, max_tokens=cfg.max_tokens, seed=run.seed * 1000 + iteration,
-                                           tag=tag, **code_options(run, cfg.samples, cfg.temperature)):
+        for replies in run.llm.chat_groups(
+            msgs,
+            n=cfg.samples,
+            max_tokens=cfg.max_tokens,
+            seed=run.seed * 1000 + iteration,
+            tag=tag,
+            **code_options(run, cfg.samples, cfg.temperature),
+        ):
             # every reply becomes a program: usable, or rejected with its reason (recorded, not trained)
-            group = [program_from_reply(RewardProgram, reply.text, ENTRY, ARGS, state_fields=fields, origin=NAME,
-                                        prompt=prompt, meta={"sample": len(programs) + j, "call": tag})
-                     for j, reply in enumerate(replies)]
+            group = [
+                program_from_reply(
+                    RewardProgram,
+                    reply.text,
+                    ENTRY,
+                    ARGS,
+                    state_fields=fields,
+                    origin=NAME,
+                    prompt=prompt,
+                    meta={"sample": len(programs) + j, "call": tag},
+                )
+                for j, reply in enumerate(replies)
+            ]
             programs += group
             if len(programs) == cfg.samples and all(p.rejected for p in programs):
                 # no usable code at all: the next iteration says why (Eureka resamples)
@@ -221,20 +255,35 @@ class Plugin:
         Used with ``code.interface=dict`` only (the earlier interface, for comparison): the
         core repairs every other run's programs with a short request of its own."""
         msgs = messages(run, self.best_reply, self.feedback, self.shapes)  # the context the program was sampled in
-        msgs += [{"role": "assistant", "content": program.reply or f"```python\n{program.source}\n```"},
-                 {"role": "user", "content": FAILURE.format(kind="checked before training", error=error.strip()[-1500:])}]
+        msgs += [
+            {"role": "assistant", "content": program.reply or f"```python\n{program.source}\n```"},
+            {"role": "user", "content": FAILURE.format(kind="checked before training", error=error.strip()[-1500:])},
+        ]
         attempt = int(program.meta.get("repairs", 0)) + 1
-        reply = run.llm.chat(msgs, n=1, temperature=1.0 if self.cfg.temperature is None else self.cfg.temperature,
-                             max_tokens=self.cfg.max_tokens,
-                             seed=run.seed * 1000 + 500 + attempt, tag=f"{NAME}-repair")[0]
+        reply = run.llm.chat(
+            msgs,
+            n=1,
+            temperature=1.0 if self.cfg.temperature is None else self.cfg.temperature,
+            max_tokens=self.cfg.max_tokens,
+            seed=run.seed * 1000 + 500 + attempt,
+            tag=f"{NAME}-repair",
+        )[0]
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
-        repaired = program_from_reply(RewardProgram, reply.text, ENTRY, ARGS, origin=NAME, prompt=prompt,
-                                      meta={**program.meta, "repairs": attempt})
+        repaired = program_from_reply(
+            RewardProgram,
+            reply.text,
+            ENTRY,
+            ARGS,
+            origin=NAME,
+            prompt=prompt,
+            meta={**program.meta, "repairs": attempt},
+        )
         return None if repaired.rejected else repaired
 
 
-def reflection_markdown(iteration: int, mine: list[tuple[Candidate, TrainResult]], about: Candidate | None,
-                        feedback: str) -> str:
+def reflection_markdown(
+    iteration: int, mine: list[tuple[Candidate, TrainResult]], about: Candidate | None, feedback: str
+) -> str:
     """The iteration's record as markdown: the counts, one line per candidate, then the
     candidate the feedback is about, its reward code, and the feedback itself."""
     lines = [f"### Iteration {iteration}: {reply_counts(mine)}", ""]

@@ -46,10 +46,31 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.plugin import (Candidate, IterationResult, PluginConfig, Population, RewardProgram, SandboxError, Shapes,
-                         TrainResult, UserError, batch_shapes, candidate_line, code_options, fence, hookimpl,
-                         interface_of, population_settings, prepare_reward, program_from_reply, repair_messages,
-                         reply_counts, reward_interface, sample_evenly, summarize_series)
+from core.plugin import (
+    Candidate,
+    IterationResult,
+    PluginConfig,
+    Population,
+    RewardProgram,
+    SandboxError,
+    Shapes,
+    TrainResult,
+    UserError,
+    batch_shapes,
+    candidate_line,
+    code_options,
+    fence,
+    hookimpl,
+    interface_of,
+    population_settings,
+    prepare_reward,
+    program_from_reply,
+    repair_messages,
+    reply_counts,
+    reward_interface,
+    sample_evenly,
+    summarize_series,
+)
 
 NAME = "lares"
 ENTRY = "compute_reward"
@@ -72,7 +93,9 @@ class Config(PluginConfig):
     tournament_size: int = 2  # entrants per tournament when selection=tournament
     llm_freq: int = 5000  # env steps (all members together) between LLM updates
     frames: int | None = None  # env steps for the whole population (all agents together); null = trainer.frames
-    init_temperature: float | None = None  # sampling temperature of the initial population; None: by its size (core.prompting.sampling_temperature)
+    init_temperature: float | None = (
+        None  # sampling temperature of the initial population; None: by its size (core.prompting.sampling_temperature)
+    )
     temperature: float = 0.4  # temperature of the analysis and regeneration calls (paper: 0.3-0.5)
     max_tokens: int = 768  # cap on each reward-function reply
     retries: int = 2  # re-asks with the error when an initial or repaired function fails the sandbox
@@ -81,7 +104,9 @@ class Config(PluginConfig):
     complexity_penalty: float = 0.0005  # selection penalty per AST node of a reward function
     retrieval: bool = False  # show the most similar reward functions of the case base as examples
     retrieve_k: int = 2  # how many to show
-    case_base: str | None = None  # JSON file of earlier successful reward functions; null = <cache_dir>/lares_cases.json
+    case_base: str | None = (
+        None  # JSON file of earlier successful reward functions; null = <cache_dir>/lares_cases.json
+    )
     case_min_fitness: float = 0.5  # a run's best reward joins the case base when its fitness reaches this
     final_seeds: int = 0  # retrain the best reward on this many more seeds after the loop (a population of one)
 
@@ -173,7 +198,9 @@ def selection_scores(fitness: list[float], sizes: list[int], penalty: float) -> 
     return [f - penalty * n for f, n in zip(fitness, sizes)]
 
 
-def select_elites(scores: list[float], k: int, method: str = "top", tournament: int = 2, rng: random.Random | None = None) -> list[int]:
+def select_elites(
+    scores: list[float], k: int, method: str = "top", tournament: int = 2, rng: random.Random | None = None
+) -> list[int]:
     """Indices of the ``k`` elites: the best scores (``top``) or by repeated tournaments."""
     k = max(0, min(k, len(scores)))
     order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
@@ -197,7 +224,9 @@ def thompson_pick(outcomes: list[deque[float]], rng: np.random.Generator) -> int
     return int(np.argmax(draws))
 
 
-def rescale(values: torch.Tensor, target_mean: float, target_std: float, mode: str = "affine") -> tuple[float, float, str]:
+def rescale(
+    values: torch.Tensor, target_mean: float, target_std: float, mode: str = "affine"
+) -> tuple[float, float, str]:
     """``(a, b, mode)`` so that ``a * r + b`` has the target mean/std (``sigmoid``: squashed).
 
     With ``sigmoid``, the reward is ``sigmoid(a * r + b)`` where ``a * r + b`` is the
@@ -237,17 +266,23 @@ def diversity(columns: torch.Tensor) -> float:
     return float(min(1.0, max(0.0, 1.0 - float(corr.abs()[mask].mean()))))
 
 
-def describe_behaviour(task: Any, observations: np.ndarray, actions: np.ndarray, success: bool | None, points: int = 6) -> str:
+def describe_behaviour(
+    task: Any, observations: np.ndarray, actions: np.ndarray, success: bool | None, points: int = 6
+) -> str:
     """A bounded natural-language account of one episode: states over time and motion stats."""
     steps = len(actions)
-    lines = [f"Episode of {steps} steps; {'reached the goal' if success else 'did not reach the goal' if success is not None else 'no success signal'}."]
+    lines = [
+        f"Episode of {steps} steps; {'reached the goal' if success else 'did not reach the goal' if success is not None else 'no success signal'}."
+    ]
     for t in sample_evenly(list(range(len(observations))), points):
         state = task.render_state(observations[t]).replace("\n", ", ")
         lines.append(f"t={t}: {state}")
     if steps > 1:
         a = actions.reshape(steps, -1)
         jitter = float(np.abs(np.diff(a, axis=0)).mean())
-        lines.append(f"actions: mean {float(a.mean()):.2f}, std {float(a.std()):.2f}, mean |change| per step {jitter:.2f} (high = jitter)")
+        lines.append(
+            f"actions: mean {float(a.mean()):.2f}, std {float(a.std()):.2f}, mean |change| per step {jitter:.2f} (high = jitter)"
+        )
         delta = np.abs(np.diff(observations.reshape(len(observations), -1), axis=0)).sum(-1)
         if len(delta) > 1:
             stops = int(((delta[1:] < 0.2 * delta[:-1]) & (delta[:-1] > np.median(delta) + 1e-6)).sum())
@@ -306,20 +341,35 @@ def base_messages(run: Any, cases: list[dict[str, Any]], shapes: Shapes | None =
 
 
 def evolve_messages(base: list[dict[str, str]], code: str, feedback: str, analysis: str) -> list[dict[str, str]]:
-    return base + [{"role": "user", "content": EVOLVE.format(code=code.strip(), feedback=feedback, analysis=analysis.strip())}]
+    return base + [
+        {"role": "user", "content": EVOLVE.format(code=code.strip(), feedback=feedback, analysis=analysis.strip())}
+    ]
 
 
-def every_program(replies: list[Any], prompt: str, generation: int, call: str = "",
-                  fields: list[str] | None = None) -> list[RewardProgram]:
+def every_program(
+    replies: list[Any], prompt: str, generation: int, call: str = "", fields: list[str] | None = None
+) -> list[RewardProgram]:
     """A program per reply: usable, or rejected with the reason (:func:`core.codegen.program_from_reply`);
     with ``fields`` (the task's field names) the names each reads are checked and mended first."""
     extra = {"call": call} if call else {}
-    return [program_from_reply(RewardProgram, reply.text, ENTRY, ARGS, state_fields=fields, origin=NAME, prompt=prompt,
-                               meta={"sample": i, "generation": generation, **extra}) for i, reply in enumerate(replies)]
+    return [
+        program_from_reply(
+            RewardProgram,
+            reply.text,
+            ENTRY,
+            ARGS,
+            state_fields=fields,
+            origin=NAME,
+            prompt=prompt,
+            meta={"sample": i, "generation": generation, **extra},
+        )
+        for i, reply in enumerate(replies)
+    ]
 
 
-def programs_from(replies: list[Any], prompt: str, generation: int,
-                  fields: list[str] | None = None) -> tuple[list[RewardProgram], list[str]]:
+def programs_from(
+    replies: list[Any], prompt: str, generation: int, fields: list[str] | None = None
+) -> tuple[list[RewardProgram], list[str]]:
     """The usable programs of ``replies`` and the rejected replies' reasons."""
     programs = every_program(replies, prompt, generation, fields=fields)
     return [p for p in programs if not p.rejected], [p.rejected for p in programs if p.rejected]
@@ -398,20 +448,39 @@ class Evolution:
             seed = run.seed * 1000 + 300 + 10 * int(m.program.meta.get("sample", 0)) + attempt
             if interface_of(run) == "fields":  # the core's short repair request: fields, function, error, rule
                 code = run.settings.run.code
-                msgs = repair_messages(self.task, m.program.source or m.program.reply, m.error, m.error_kind, entry=ENTRY,
-                                       shapes=self.plugin.shapes)
-                replies = run.llm.chat(msgs, n=1, temperature=code.repair_temperature, max_tokens=code.repair_max_tokens,
-                                       seed=seed, tag=f"{NAME}-repair", stop=code_options(run, 1, None)["stop"])
+                msgs = repair_messages(
+                    self.task,
+                    m.program.source or m.program.reply,
+                    m.error,
+                    m.error_kind,
+                    entry=ENTRY,
+                    shapes=self.plugin.shapes,
+                )
+                replies = run.llm.chat(
+                    msgs,
+                    n=1,
+                    temperature=code.repair_temperature,
+                    max_tokens=code.repair_max_tokens,
+                    seed=seed,
+                    tag=f"{NAME}-repair",
+                    stop=code_options(run, 1, None)["stop"],
+                )
             else:
                 msgs = base_messages(run, [], self.plugin.shapes) + [
                     {"role": "assistant", "content": m.program.reply or f"```python\n{m.program.source}\n```"},
-                    {"role": "user", "content": FAILURE.format(kind=m.error_kind, error=m.error.strip()[-1500:],
-                                                               fields=_fields(self.task))},
+                    {
+                        "role": "user",
+                        "content": FAILURE.format(
+                            kind=m.error_kind, error=m.error.strip()[-1500:], fields=_fields(self.task)
+                        ),
+                    },
                 ]
-                replies = run.llm.chat(msgs, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=seed,
-                                       tag=f"{NAME}-repair")
-            programs, errors = programs_from(replies, "\n\n".join(x["content"] for x in msgs), m.generation,
-                                             self.task.field_names())
+                replies = run.llm.chat(
+                    msgs, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=seed, tag=f"{NAME}-repair"
+                )
+            programs, errors = programs_from(
+                replies, "\n\n".join(x["content"] for x in msgs), m.generation, self.task.field_names()
+            )
             if not programs:
                 m.error = errors[0] if errors else m.error
                 continue
@@ -429,7 +498,9 @@ class Evolution:
         sizes = [complexity(m.program.source) if m.program else 0 for m in members]
         scores = selection_scores(fitness, sizes, cfg.complexity_penalty)
         alive = [i for i, m in enumerate(members) if m.fn is not None]
-        picked = select_elites([scores[i] for i in alive], cfg.elites, cfg.selection, cfg.tournament_size, random.Random(self.seed + g))
+        picked = select_elites(
+            [scores[i] for i in alive], cfg.elites, cfg.selection, cfg.tournament_size, random.Random(self.seed + g)
+        )
         elites = [alive[i] for i in picked]  # a failed function is never an elite
         best = max(alive or range(len(scores)), key=lambda i: scores[i])
         bm = members[best]
@@ -438,37 +509,82 @@ class Evolution:
         msgs: list[dict[str, str]] = []
         if losers and alive:
             behaviour = describe_behaviour(self.task, *pop.rollout(bm, seed=self.seed + 20_000 + g))
-            analysis = run.llm.chat([{"role": "user", "content": ANALYSE.format(goal=self.task.goal, behaviour=behaviour)}],
-                                    n=1, temperature=cfg.temperature, max_tokens=cfg.analysis_tokens,
-                                    seed=run.seed * 1000 + 500 + g, tag=f"{NAME}-analysis-g{g}")[0].text
-            feedback = member_feedback([p.fitness for p in bm.result.curve], {k: [v for _, v in s] for k, s in bm.result.components.items()},
-                                       self.task.fitness_name)
-            msgs = evolve_messages(base_messages(run, self.plugin.cases_for(run), self.plugin.shapes), bm.program.source if bm.program else "", feedback, analysis)
+            analysis = run.llm.chat(
+                [{"role": "user", "content": ANALYSE.format(goal=self.task.goal, behaviour=behaviour)}],
+                n=1,
+                temperature=cfg.temperature,
+                max_tokens=cfg.analysis_tokens,
+                seed=run.seed * 1000 + 500 + g,
+                tag=f"{NAME}-analysis-g{g}",
+            )[0].text
+            feedback = member_feedback(
+                [p.fitness for p in bm.result.curve],
+                {k: [v for _, v in s] for k, s in bm.result.components.items()},
+                self.task.fitness_name,
+            )
+            msgs = evolve_messages(
+                base_messages(run, self.plugin.cases_for(run), self.plugin.shapes),
+                bm.program.source if bm.program else "",
+                feedback,
+                analysis,
+            )
         elif losers:  # nothing runs: the error is the feedback (as in Eureka)
             analysis = "(no working reward function: no behaviour analysis)"
             msgs = base_messages(run, self.plugin.cases_for(run), self.plugin.shapes) + [
                 {"role": "assistant", "content": bm.program.reply if bm.program else ""},
-                {"role": "user", "content": FAILURE.format(kind=bm.error_kind, error=bm.error.strip()[-1500:], fields=_fields(self.task))},
+                {
+                    "role": "user",
+                    "content": FAILURE.format(
+                        kind=bm.error_kind, error=bm.error.strip()[-1500:], fields=_fields(self.task)
+                    ),
+                },
             ]
-        replies = run.llm.chat(msgs, n=len(losers), max_tokens=cfg.max_tokens, seed=run.seed * 1000 + 600 + g,
-                               tag=f"{NAME}-evolve-g{g}", **code_options(run, len(losers), cfg.temperature)) if losers else []
+        replies = (
+            run.llm.chat(
+                msgs,
+                n=len(losers),
+                max_tokens=cfg.max_tokens,
+                seed=run.seed * 1000 + 600 + g,
+                tag=f"{NAME}-evolve-g{g}",
+                **code_options(run, len(losers), cfg.temperature),
+            )
+            if losers
+            else []
+        )
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs) if losers else ""
         programs, errors = programs_from(replies, prompt, g, self.task.field_names())
         target = pop.rewards(bm) if alive else pop.env_rewards()
-        replaced = [j for j in losers if self._replace(j, programs, errors, g, target, scores[j], best if alive else None)]
+        replaced = [
+            j for j in losers if self._replace(j, programs, errors, g, target, scores[j], best if alive else None)
+        ]
         columns = [pop.rewards(m) for m in members if m.fn is not None]
         div = diversity(torch.stack(columns, 1)) if columns else 0.0
         self.diversity.append((pop.frames, div))
-        run.log_metrics({"lares/diversity": div, "lares/best_fitness": fitness[best], "lares/replaced": len(replaced)}, step=pop.frames)
+        run.log_metrics(
+            {"lares/diversity": div, "lares/best_fitness": fitness[best], "lares/replaced": len(replaced)},
+            step=pop.frames,
+        )
         self.plugin.log.append(
             f"## generation {g} at {pop.frames} frames\n\n- fitness: {[round(f, 3) for f in fitness]}; complexity: {sizes}; "
             f"elites: {elites}; best: {best}; replaced: {replaced}; diversity: {div:.3f}"
             + (f"\n- errors: {errors[:3]}" if errors else "")
-            + (f"\n\n### behaviour of the best agent\n{behaviour}\n\n### analysis\n{analysis.strip()}\n" if losers else "\n")
+            + (
+                f"\n\n### behaviour of the best agent\n{behaviour}\n\n### analysis\n{analysis.strip()}\n"
+                if losers
+                else "\n"
+            )
         )
 
-    def _replace(self, j: int, programs: list[RewardProgram], errors: list[str], g: int, target: torch.Tensor,
-                 old_score: float, elite: int | None) -> bool:
+    def _replace(
+        self,
+        j: int,
+        programs: list[RewardProgram],
+        errors: list[str],
+        g: int,
+        target: torch.Tensor,
+        old_score: float,
+        elite: int | None,
+    ) -> bool:
         """Give agent ``j`` the first of ``programs`` that passes the sandbox and relabels the replay;
         rescaled to ``target``, starting from agent ``elite``'s weights."""
         pop = self.pop
@@ -532,13 +648,21 @@ class Plugin:
         msgs = base_messages(run, self.cases_for(run), self.shapes)
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
         tag = f"{NAME}-init-it{iteration}"
-        replies = run.llm.chat(msgs, n=cfg.population, max_tokens=cfg.max_tokens, seed=run.seed * 1000 + iteration, tag=tag,
-                               **code_options(run, cfg.population, cfg.init_temperature))
+        replies = run.llm.chat(
+            msgs,
+            n=cfg.population,
+            max_tokens=cfg.max_tokens,
+            seed=run.seed * 1000 + iteration,
+            tag=tag,
+            **code_options(run, cfg.population, cfg.init_temperature),
+        )
         # every reply is proposed: a rejected one is recorded by the loop, never joins the population
         programs = every_program(replies, prompt, 0, tag, run.task.field_names())
         errors = [p.rejected for p in programs if p.rejected]
-        self.log.append(f"initial population: {len(programs) - len(errors)}/{len(replies)} replies held a reward function"
-                        + (f"; first error: {' '.join(errors[0].split())}" if errors else ""))
+        self.log.append(
+            f"initial population: {len(programs) - len(errors)}/{len(replies)} replies held a reward function"
+            + (f"; first error: {' '.join(errors[0].split())}" if errors else "")
+        )
         return programs
 
     @hookimpl
@@ -577,13 +701,20 @@ class Plugin:
                 self.best_score, self.best_source = best_r.score, source
             if cfg.retrieval and best_r.score >= cfg.case_min_fitness and self.case_path is not None:
                 self.cases = [c for c in self.cases if not (c["task"] == run.task.name and c["code"] == source)]
-                self.cases.append({"task": run.task.name, "goal": run.task.goal, "code": source, "fitness": best_r.score})
+                self.cases.append(
+                    {"task": run.task.name, "goal": run.task.goal, "code": source, "fitness": best_r.score}
+                )
                 self.case_path.parent.mkdir(parents=True, exist_ok=True)
                 self.case_path.write_text(json.dumps(self.cases, indent=1))
                 lines.append(f"- added the best reward to the case base ({len(self.cases)} cases)")
-            lines += ["", f"### `{best_c.id}`, the best of this iteration", "",
-                      "Its reward function at the end of training (after the population's evolution):", "",
-                      fence(source, "python")]
+            lines += [
+                "",
+                f"### `{best_c.id}`, the best of this iteration",
+                "",
+                "Its reward function at the end of training (after the population's evolution):",
+                "",
+                fence(source, "python"),
+            ]
         return "\n".join(lines + ["", *self.log])
 
     @hookimpl

@@ -48,11 +48,37 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.plugin import (SAFE_BUILTIN_NAMES, Candidate, IterationResult, PluginConfig, RewardProgram, SandboxConfig,
-                         SandboxReport, Shapes, StateProgram, TrainResult, batch_shapes, candidate_line, check_names,
-                         code_options, extract_code, extract_function, fence, fields_text, hookimpl, interface_of,
-                         normalize_reward, prepare_reward, probe_batch, repair_messages, reply_counts, run_isolated,
-                         state_arguments, state_interface, validate_state)
+from core.plugin import (
+    SAFE_BUILTIN_NAMES,
+    Candidate,
+    IterationResult,
+    PluginConfig,
+    RewardProgram,
+    SandboxConfig,
+    SandboxReport,
+    Shapes,
+    StateProgram,
+    TrainResult,
+    batch_shapes,
+    candidate_line,
+    check_names,
+    code_options,
+    extract_code,
+    extract_function,
+    fence,
+    fields_text,
+    hookimpl,
+    interface_of,
+    normalize_reward,
+    prepare_reward,
+    probe_batch,
+    repair_messages,
+    reply_counts,
+    run_isolated,
+    state_arguments,
+    state_interface,
+    validate_state,
+)
 
 NAME = "llm_state_repr"
 STATE_ENTRY, REWARD_ENTRY = "revise_state", "intrinsic_reward"
@@ -69,7 +95,9 @@ class Config(PluginConfig):
     reward_bound: float = 100.0  # a sample whose |intrinsic reward| exceeds this on the probe states is rejected
     history: int = 3  # earlier attempts (code, score, feedback) shown in the next prompt
     lipschitz_samples: int = 20000  # collected states per candidate used to estimate the Lipschitz constants
-    temperature: float | None = None  # sampling temperature; None: by the number of samples (core.prompting.sampling_temperature; the paper fixes none, its code defaults to 1.0)
+    temperature: float | None = (
+        None  # sampling temperature; None: by the number of samples (core.prompting.sampling_temperature; the paper fixes none, its code defaults to 1.0)
+    )
     max_tokens: int = 700  # cap on each reply (a pair takes ~150-600 tokens; small models list every field)
     final_seeds: int = 0  # retrain the best pair on this many more seeds after the loop
 
@@ -87,6 +115,7 @@ class Config(PluginConfig):
             raise ValueError(f"weight must be a finite number, got {self.weight}")
         if not self.reward_bound > 0:
             raise ValueError(f"reward_bound must be > 0, got {self.reward_bound}")
+
 
 # -- prompt pieces -----------------------------------------------------------------------
 
@@ -172,7 +201,10 @@ INVALID = """The code above failed a check on real states ({kind}):
 
 #: error text -> a hint sent with it (the mistakes small models make most)
 HINTS = (
-    ("stack expects each tensor to be equal size", "Every feature passed to torch.stack must have shape [B]: no constants, Python numbers or [B, 1] tensors."),
+    (
+        "stack expects each tensor to be equal size",
+        "Every feature passed to torch.stack must have shape [B]: no constants, Python numbers or [B, 1] tensors.",
+    ),
     ("KeyError", "Use only these field names: {fields}."),
     ("was never closed", "The reply was cut off at its length limit: write shorter functions (2 to 4 features)."),
     ("Boolean value of Tensor", "Do not use `if` on tensors: use torch.where(condition, a, b)."),
@@ -187,6 +219,7 @@ def hint_for(error: str, fields: list[str]) -> str:
         if needle.lower() in error.lower():
             return text.format(fields=", ".join(fields)) + "\n"
     return ""
+
 
 WRAPPER = f"""
 
@@ -216,8 +249,9 @@ def extract_pair(reply: str) -> tuple[str, str]:
     return source, error
 
 
-def extract_pair_kind(reply: str, fields: list[str] | None = None,
-                      fixes: list[str] | None = None) -> tuple[str, str, str]:
+def extract_pair_kind(
+    reply: str, fields: list[str] | None = None, fixes: list[str] | None = None
+) -> tuple[str, str, str]:
     """``(source, error, kind)``: :func:`extract_pair` with the failure's kind
     (:data:`core.codegen.KINDS`, or ``compute_reward`` when the reply defines its own).
 
@@ -239,7 +273,11 @@ def extract_pair_kind(reply: str, fields: list[str] | None = None,
             return "", other.error, other.kind
         source = source.rstrip() + "\n\n" + other.source
     if "compute_reward" in defined_functions(source):
-        return "", "Do not define `compute_reward`; write only `revise_state` and `intrinsic_reward` (and helpers).", "compute_reward"
+        return (
+            "",
+            "Do not define `compute_reward`; write only `revise_state` and `intrinsic_reward` (and helpers).",
+            "compute_reward",
+        )
     if fields is not None:
         names = check_pair_names(source, fields)
         if fixes is not None:
@@ -253,8 +291,12 @@ def extract_pair_kind(reply: str, fields: list[str] | None = None,
 def check_pair_names(source: str, fields: list[str]) -> Any:
     """:func:`core.namecheck.check_names` over the pair: the state each of ``revise_state``
     and ``intrinsic_reward`` takes (whatever it calls it) may hold only ``fields``."""
-    states = tuple(dict.fromkeys(state_arguments(source, STATE_ENTRY, ["state"])
-                                 + state_arguments(source, REWARD_ENTRY, ["state", "features"])))
+    states = tuple(
+        dict.fromkeys(
+            state_arguments(source, STATE_ENTRY, ["state"])
+            + state_arguments(source, REWARD_ENTRY, ["state", "features"])
+        )
+    )
     return check_names(source, fields, available=SAFE_BUILTIN_NAMES, state_args=states)
 
 
@@ -262,7 +304,9 @@ def intrinsic_program(source: str, weight: float) -> RewardProgram:
     """The paired intrinsic reward as a reward program on the task's original state fields:
     ``compute_reward(s, a, s') = intrinsic_reward(s', revise_state(s'))`` with the
     features as components (the Lipschitz feedback reads them)."""
-    return RewardProgram(source=source.rstrip() + "\n" + WRAPPER, entry="compute_reward", origin=NAME, mode="add", weight=weight)
+    return RewardProgram(
+        source=source.rstrip() + "\n" + WRAPPER, entry="compute_reward", origin=NAME, mode="add", weight=weight
+    )
 
 
 def validate_bounded(result: Any, args: tuple[Any, ...], bound: float) -> SandboxReport:
@@ -273,7 +317,9 @@ def validate_bounded(result: Any, args: tuple[Any, ...], bound: float) -> Sandbo
         return SandboxReport(False, getattr(e, "kind", "output"), str(e))
     peak = float(reward.abs().max()) if reward.numel() else 0.0
     if peak > bound:
-        return SandboxReport(False, "output", f"the intrinsic reward reaches {peak:.3g}; keep it within +-{bound:g} (scale or clamp it).")
+        return SandboxReport(
+            False, "output", f"the intrinsic reward reaches {peak:.3g}; keep it within +-{bound:g} (scale or clamp it)."
+        )
     return SandboxReport(True, "ok", "")
 
 
@@ -286,7 +332,9 @@ def check_pair(source: str, states: tuple[Any, ...], cfg: Config, sandbox: Sandb
     """
     limits, imports = sandbox.limits(), sandbox.imports
     state, action, next_state = states
-    report = run_isolated(StateProgram(source, STATE_ENTRY), (state,), limits=limits, validate=validate_state, allowed_imports=imports)
+    report = run_isolated(
+        StateProgram(source, STATE_ENTRY), (state,), limits=limits, validate=validate_state, allowed_imports=imports
+    )
     if not report.ok:
         report.data["entry"] = STATE_ENTRY  # which function failed
         return report
@@ -373,7 +421,7 @@ def messages(run: Any, cfg: Config, attempts: list[Attempt], shapes: Shapes | No
         user = TASK_DICT.format(goal=run.task.goal, schema=fields_text(run.task, shapes), imports=", ".join(imports))
     else:
         user = TASK.format(goal=run.task.goal, interface=state_interface(run.task, imports, shapes, interface="fields"))
-    shown = sorted(attempts, key=lambda a: a.score)[-cfg.history:] if cfg.history else []
+    shown = sorted(attempts, key=lambda a: a.score)[-cfg.history :] if cfg.history else []
     if shown:
         text = "\n\n".join(f"```python\n{a.source.strip()}\n```\nScore: {a.score:.4g}\n{a.feedback}" for a in shown)
         user += "\n\n" + HISTORY.format(fitness_name=run.task.fitness_name, attempts=text) + "\n" + SUGGESTIONS
@@ -411,7 +459,9 @@ class Plugin:
         code = run.settings.run.code
         options = code_options(run, cfg.samples, cfg.temperature)
         # (sample, request, earlier errors, whether the request is a repair)
-        pending: list[tuple[int, list[dict[str, str]], list[str], bool]] = [(j, list(msgs), [], False) for j in range(cfg.samples)]
+        pending: list[tuple[int, list[dict[str, str]], list[str], bool]] = [
+            (j, list(msgs), [], False) for j in range(cfg.samples)
+        ]
         for attempt in range(1 + cfg.retries):
             if not pending:
                 break
@@ -420,8 +470,15 @@ class Plugin:
             for k, (_, conv, _, repair) in enumerate(pending):
                 seed = run.seed * 10_000 + iteration * 100 + attempt * 10 + k
                 if repair:  # the core's short repair request
-                    replies += run.llm.chat(conv, n=1, temperature=code.repair_temperature, max_tokens=code.repair_max_tokens,
-                                            stop=options["stop"], seed=seed, tag=f"{tag}-repair")
+                    replies += run.llm.chat(
+                        conv,
+                        n=1,
+                        temperature=code.repair_temperature,
+                        max_tokens=code.repair_max_tokens,
+                        stop=options["stop"],
+                        seed=seed,
+                        tag=f"{tag}-repair",
+                    )
                 else:
                     replies += run.llm.chat(conv, n=1, max_tokens=cfg.max_tokens, seed=seed, tag=tag, **options)
             retry = []
@@ -438,18 +495,41 @@ class Plugin:
                 if fixes:
                     meta["fixes"] = fixes
                 if not error:
-                    meta |= {"pair": len(programs), "intrinsic": intrinsic_program(source, cfg.weight).source, "weight": cfg.weight}
-                    programs.append(StateProgram(source=source, entry=STATE_ENTRY, origin=NAME, prompt=prompt, reply=reply.text, meta=meta))
+                    meta |= {
+                        "pair": len(programs),
+                        "intrinsic": intrinsic_program(source, cfg.weight).source,
+                        "weight": cfg.weight,
+                    }
+                    programs.append(
+                        StateProgram(
+                            source=source, entry=STATE_ENTRY, origin=NAME, prompt=prompt, reply=reply.text, meta=meta
+                        )
+                    )
                 elif attempt == cfg.retries:
                     meta |= {"rejected_kind": kind, "errors": errors}
-                    rejected.append(StateProgram(source=source or extract_code(reply.text), entry=STATE_ENTRY, origin=NAME,
-                                                 prompt=prompt, reply=reply.text, meta=meta, rejected=error))
+                    rejected.append(
+                        StateProgram(
+                            source=source or extract_code(reply.text),
+                            entry=STATE_ENTRY,
+                            origin=NAME,
+                            prompt=prompt,
+                            reply=reply.text,
+                            meta=meta,
+                            rejected=error,
+                        )
+                    )
                 elif not repairable:  # cut off or incomplete: shown its own reply, the model repeats it; sample afresh
                     retry.append((j, list(msgs), errors + [error], False))
                 elif checked:
                     retry.append((j, self.repair_request(run, source, error, kind, fields), errors + [error], True))
                 else:
-                    follow = conv + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": INVALID.format(kind=kind, error=error, hint=hint_for(error, fields))}]
+                    follow = conv + [
+                        {"role": "assistant", "content": reply.text},
+                        {
+                            "role": "user",
+                            "content": INVALID.format(kind=kind, error=error, hint=hint_for(error, fields)),
+                        },
+                    ]
                     retry.append((j, follow, errors + [error], False))
             pending = retry
         if not programs:
@@ -459,14 +539,23 @@ class Plugin:
     def repair_request(self, run: Any, source: str, error: str, kind: str, fields: list[str]) -> list[dict[str, str]]:
         """The core's short repair request for a pair (:func:`core.prompting.repair_messages`),
         with the hint for a known mistake and the reminder that both functions come back."""
-        msgs = repair_messages(run.task, source, error + "\n" + hint_for(error, fields), kind, entry=STATE_ENTRY,
-                               shapes=self.shapes, role="state")
+        msgs = repair_messages(
+            run.task,
+            source,
+            error + "\n" + hint_for(error, fields),
+            kind,
+            entry=STATE_ENTRY,
+            shapes=self.shapes,
+            role="state",
+        )
         msgs[-1]["content"] += "\n" + REPAIR_BOTH
         return msgs
 
     @hookimpl
     def reflect(self, run, result: IterationResult) -> str | None:
-        mine = [(c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c) and c.iteration == result.iteration]
+        mine = [
+            (c, r) for c, r in zip(result.candidates, result.results) if _is_mine(c) and c.iteration == result.iteration
+        ]
         if not mine:
             return None
         lines = [f"### Iteration {result.iteration}: {reply_counts(mine)}", ""]
@@ -488,8 +577,14 @@ class Plugin:
         if ok:
             best_c, _ = max(ok, key=lambda cr: cr[1].score)
             sample = best_c.state.meta.get("sample")  # type: ignore[union-attr]
-            lines += ["", f"### `{best_c.id}`{f' (reply {sample})' if sample is not None else ''}, the best of this iteration", "",
-                      "Its state features and intrinsic reward:", "", fence(best_c.state.source, "python")]  # type: ignore[union-attr]
+            lines += [
+                "",
+                f"### `{best_c.id}`{f' (reply {sample})' if sample is not None else ''}, the best of this iteration",
+                "",
+                "Its state features and intrinsic reward:",
+                "",
+                fence(best_c.state.source, "python"),
+            ]  # type: ignore[union-attr]
         return "\n".join(lines) + "\n\n" + SUGGESTIONS
 
     # training (the process that trains a candidate)
@@ -505,7 +600,11 @@ class Plugin:
             return None
         r_int, feats = session.fn(batch.state, batch.action, batch.next_state)
         if session.kept < self.cfg.lipschitz_samples:
-            features = torch.stack([feats[k] for k in sorted(feats, key=lambda k: int(k.split("_")[-1]))], -1) if feats else batch.next_obs[:, :0]
+            features = (
+                torch.stack([feats[k] for k in sorted(feats, key=lambda k: int(k.split("_")[-1]))], -1)
+                if feats
+                else batch.next_obs[:, :0]
+            )
             session.rows.append(torch.cat([batch.next_obs, features], -1).numpy().copy())
             session.rewards.append(batch.env_reward.numpy().copy())
             session.kept += int(batch.env_reward.shape[0])
@@ -531,7 +630,9 @@ def _training(train: Any) -> Training | None:
         return None
     if NAME not in train.state:
         weight = float(state.meta["weight"])
-        program = RewardProgram(source=state.meta["intrinsic"], entry="compute_reward", origin=NAME, mode="add", weight=weight)
+        program = RewardProgram(
+            source=state.meta["intrinsic"], entry="compute_reward", origin=NAME, mode="add", weight=weight
+        )
         fn = prepare_reward(program, train.task, limits=train.sandbox.limits(), allowed_imports=train.sandbox.imports)
         train.state[NAME] = Training(fn=fn, weight=program.weight)
     return train.state[NAME]

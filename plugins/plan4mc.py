@@ -41,8 +41,21 @@ from typing import Any
 
 import torch
 
-from core.plugin import (BackgroundCalls, LLMError, Plan, PlanFollower, PlanStep, PluginConfig, TrainResult, UserError,
-                         check_plan, goal_names, hookimpl, match_goal, warm_up)
+from core.plugin import (
+    BackgroundCalls,
+    LLMError,
+    Plan,
+    PlanFollower,
+    PlanStep,
+    PluginConfig,
+    TrainResult,
+    UserError,
+    check_plan,
+    goal_names,
+    hookimpl,
+    match_goal,
+    warm_up,
+)
 
 NAME = "plan4mc"
 SOURCES = ("llm", "rules")
@@ -54,10 +67,16 @@ class Config(PluginConfig):
 
     iterations: int = 1  # outer rounds (the skill graph is built once per round; the paper plans once)
     target: str = "make_stone_pickaxe"  # the goal the skill sequence leads to (a task goal: a Crafter achievement)
-    plan_source: str = "llm"  # llm: the LLM builds the skill graph; rules: the game's own tech tree, no LLM call (the no-LLM control)
+    plan_source: str = (
+        "llm"  # llm: the LLM builds the skill graph; rules: the game's own tech tree, no LLM call (the no-LLM control)
+    )
     repair_rounds: int = 2  # times a skill graph with errors goes back to the LLM for a revision
-    check_rules: bool = True  # requirements that contradict the game's rules (Crafter) count as errors sent back to the LLM
-    fix_rules: bool = False  # control variant: mend the last revision by the game's rules instead of using it as written
+    check_rules: bool = (
+        True  # requirements that contradict the game's rules (Crafter) count as errors sent back to the LLM
+    )
+    fix_rules: bool = (
+        False  # control variant: mend the last revision by the game's rules instead of using it as written
+    )
     replans: int = 1  # times per training a skill that keeps failing sends the graph back to the LLM (0: never)
     replan_after: int = 1000  # steps one env spends on its active skill without completing it before a re-plan
     skill_reward: float = 1.0  # reward for completing the active skill, added to the env's reward
@@ -76,7 +95,9 @@ class Config(PluginConfig):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.replan_after < 1:
-            raise ValueError(f"replan_after must be >= 1 step, got {self.replan_after} (replans=0 turns re-planning off)")
+            raise ValueError(
+                f"replan_after must be >= 1 step, got {self.replan_after} (replans=0 turns re-planning off)"
+            )
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -156,8 +177,9 @@ class SkillPlan(Plan):
 
     def graph_json(self) -> str:
         """The plan's graph as the JSON list the prompt asks for (the LLM's previous answer in a re-plan)."""
-        return json.dumps([{"name": s.name, "requires": getattr(s, "requires", []), "yields": s.goal_text}
-                           for s in self.steps])
+        return json.dumps(
+            [{"name": s.name, "requires": getattr(s, "requires", []), "yields": s.goal_text} for s in self.steps]
+        )
 
 
 def parse_graph(reply: str, goals: list[str]) -> tuple[dict[str, Skill], list[str]]:
@@ -244,9 +266,17 @@ def search(graph: dict[str, Skill], target: str) -> tuple[list[str], list[str]]:
 
 
 #: what produces each item or placed object, as the achievement that first gives it
-PRODUCER = {"wood": "collect_wood", "stone": "collect_stone", "coal": "collect_coal", "iron": "collect_iron",
-            "diamond": "collect_diamond", "sapling": "collect_sapling", "drink": "collect_drink",
-            "table": "place_table", "furnace": "place_furnace"}
+PRODUCER = {
+    "wood": "collect_wood",
+    "stone": "collect_stone",
+    "coal": "collect_coal",
+    "iron": "collect_iron",
+    "diamond": "collect_diamond",
+    "sapling": "collect_sapling",
+    "drink": "collect_drink",
+    "table": "place_table",
+    "furnace": "place_furnace",
+}
 
 
 def game_requirements(task: Any) -> dict[str, set[str]]:
@@ -281,8 +311,10 @@ def rule_errors(sequence: list[str], rules: dict[str, set[str]]) -> list[str]:
     for i, name in enumerate(sequence):
         missing = sorted(rules.get(name, set()) - set(sequence[:i]))
         if missing:
-            errors.append(f"skill {name}: the game needs {', '.join(missing)} before it; add "
-                          f"{'it' if len(missing) == 1 else 'them'} to its requires")
+            errors.append(
+                f"skill {name}: the game needs {', '.join(missing)} before it; add "
+                f"{'it' if len(missing) == 1 else 'them'} to its requires"
+            )
     return errors
 
 
@@ -290,8 +322,10 @@ def complete(graph: dict[str, Skill], rules: dict[str, set[str]], target: str) -
     """The graph mended by the game's rules: each skill the rules know requires exactly what they
     say (wrong requirements, and the cycles they make, go), missing prerequisites and the
     target are added as skills. ``complete({}, rules, target)`` is the rules' own graph."""
-    out = {name: Skill(s.name, sorted(rules[name]) if name in rules else list(s.requires), s.yields)
-           for name, s in graph.items()}
+    out = {
+        name: Skill(s.name, sorted(rules[name]) if name in rules else list(s.requires), s.yields)
+        for name, s in graph.items()
+    }
     if target not in out:
         out[target] = Skill(target, sorted(rules.get(target, set())), "")
     todo = list(out)
@@ -304,8 +338,14 @@ def complete(graph: dict[str, Skill], rules: dict[str, set[str]], target: str) -
     return out
 
 
-def plan_of(graph: dict[str, Skill], sequence: list[str], target: str, source: str = "llm",
-            written: dict[str, Skill] | None = None, errors: list[str] | None = None) -> SkillPlan:
+def plan_of(
+    graph: dict[str, Skill],
+    sequence: list[str],
+    target: str,
+    source: str = "llm",
+    written: dict[str, Skill] | None = None,
+    errors: list[str] | None = None,
+) -> SkillPlan:
     """The plan of a searched ``sequence``. A step is the LLM's when ``written`` (the LLM's
     graph; default ``graph``) holds the skill with the requirements the search followed;
     otherwise the rules added or rewrote it."""
@@ -316,13 +356,22 @@ def plan_of(graph: dict[str, Skill], sequence: list[str], target: str, source: s
         # a requirement the LLM named but did not describe is its basic skill (see search)
         named = name in written or any(name in s.requires for s in written.values())
         mine = named and sorted(requires) == sorted(written[name].requires if name in written else [])
-        steps.append(SkillStep(name, "skill", graph[name].yields if name in graph else "", done=name,
-                               source="llm" if source != "rules" and mine else "rules", requires=list(requires)))
+        steps.append(
+            SkillStep(
+                name,
+                "skill",
+                graph[name].yields if name in graph else "",
+                done=name,
+                source="llm" if source != "rules" and mine else "rules",
+                requires=list(requires),
+            )
+        )
     return SkillPlan(steps, origin=NAME, target=target, source=source, errors=list(errors or []))
 
 
-def build_plan(reply: str, goals: list[str], target: str, rules: dict[str, set[str]] | None = None,
-               fix: bool = False) -> tuple[SkillPlan | None, list[str]]:
+def build_plan(
+    reply: str, goals: list[str], target: str, rules: dict[str, set[str]] | None = None, fix: bool = False
+) -> tuple[SkillPlan | None, list[str]]:
     """The plan of one reply and the reply's errors (unknown names, cycles, a missing target,
     requirements that contradict the game's ``rules``).
 
@@ -365,8 +414,17 @@ class Outcome:
     seconds: float = 0.0
 
 
-def converse(llm: Any, messages: list[dict[str, str]], cfg: Config, goals: list[str], target: str,
-             rules: dict[str, set[str]], seed: int, tag: str, stop: Callable[[], bool] = lambda: False) -> Outcome:
+def converse(
+    llm: Any,
+    messages: list[dict[str, str]],
+    cfg: Config,
+    goals: list[str],
+    target: str,
+    rules: dict[str, set[str]],
+    seed: int,
+    tag: str,
+    stop: Callable[[], bool] = lambda: False,
+) -> Outcome:
     """Ask for a graph, send its errors back ``cfg.repair_rounds`` times, and keep the plan to use.
 
     A reply with no errors ends it. Otherwise, of the replies that give a sequence, the one
@@ -385,8 +443,14 @@ def converse(llm: Any, messages: list[dict[str, str]], cfg: Config, goals: list[
         start = time.perf_counter()
         out.calls += 1
         try:
-            (reply,) = llm.chat(messages, n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                seed=seed + rnd, tag=f"{tag}-r{rnd}")
+            (reply,) = llm.chat(
+                messages,
+                n=1,
+                temperature=cfg.temperature,
+                max_tokens=cfg.max_tokens,
+                seed=seed + rnd,
+                tag=f"{tag}-r{rnd}",
+            )
         except LLMError as e:  # one failed call: log it and keep what came before
             out.logs.append((f"r{rnd}", f"The LLM call failed: {e}"))
             break
@@ -401,9 +465,13 @@ def converse(llm: Any, messages: list[dict[str, str]], cfg: Config, goals: list[
             out.plan = plan  # of the LLM's usable graphs, the one with the fewest errors (the latest of equals)
         if (plan is not None and not errors) or rnd == cfg.repair_rounds:
             break
-        messages = messages + [{"role": "assistant", "content": reply.text},
-                               {"role": "user", "content": REPAIR.format(errors="\n".join(f"- {e}" for e in errors[:8]),
-                                                                         skills=", ".join(goals))}]
+        messages = messages + [
+            {"role": "assistant", "content": reply.text},
+            {
+                "role": "user",
+                "content": REPAIR.format(errors="\n".join(f"- {e}" for e in errors[:8]), skills=", ".join(goals)),
+            },
+        ]
     if cfg.fix_rules and rules and named and (out.plan is None or out.plan.errors):
         out.plan, out.errors = build_plan(named, goals, target, rules, fix=True)
         out.logs.append(("fixed", f"Mended by the game's rules (fix_rules):\n\n{out.plan.text if out.plan else ''}"))
@@ -434,15 +502,28 @@ class Plugin:
     def on_run_start(self, run) -> None:
         goals = goal_names(run.task)
         if not goals:
-            raise UserError(f"plan4mc needs a task with goals it can check (achievement fields, e.g. env=minecraft); "
-                            f"{run.task.name!r} has none")
+            raise UserError(
+                f"plan4mc needs a task with goals it can check (achievement fields, e.g. env=minecraft); "
+                f"{run.task.name!r} has none"
+            )
         if match_goal(self.cfg.target, goals) is None:
-            raise UserError(f"plugins.plan4mc.target={self.cfg.target!r} is not a goal of {run.task.name!r}; "
-                            f"choose one of: {', '.join(goals)}")
-        needs = [k for k, on in (("plan_source=rules", self.cfg.plan_source == "rules"), ("fix_rules=true", self.cfg.fix_rules)) if on]
+            raise UserError(
+                f"plugins.plan4mc.target={self.cfg.target!r} is not a goal of {run.task.name!r}; "
+                f"choose one of: {', '.join(goals)}"
+            )
+        needs = [
+            k
+            for k, on in (
+                ("plan_source=rules", self.cfg.plan_source == "rules"),
+                ("fix_rules=true", self.cfg.fix_rules),
+            )
+            if on
+        ]
         if needs and not game_requirements(run.task):
-            raise UserError(f"plugins.plan4mc.{needs[0]} needs the game's rules, which are known for Crafter only "
-                            f"(env=minecraft); {run.task.name!r} has none")
+            raise UserError(
+                f"plugins.plan4mc.{needs[0]} needs the game's rules, which are known for Crafter only "
+                f"(env=minecraft); {run.task.name!r} has none"
+            )
 
     @hookimpl
     def plan(self, run, iteration: int) -> Plan | None:
@@ -453,10 +534,20 @@ class Plugin:
         if cfg.plan_source == "rules":
             plan, out = rules_plan(rules, target), Outcome()
         else:
-            msgs = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": TASK.format(goal=run.task.goal, skills=", ".join(goals), target=target)}]
-            out = converse(run.llm, msgs, cfg, goals, target, rules, seed=run.seed * 1000 + iteration * 10,
-                           tag=f"{NAME}-graph-it{iteration}")
+            msgs = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": TASK.format(goal=run.task.goal, skills=", ".join(goals), target=target)},
+            ]
+            out = converse(
+                run.llm,
+                msgs,
+                cfg,
+                goals,
+                target,
+                rules,
+                seed=run.seed * 1000 + iteration * 10,
+                tag=f"{NAME}-graph-it{iteration}",
+            )
             plan = out.plan
             if plan is not None and check_plan(plan, run.task):  # every skill must be a goal the task checks
                 out.logs.append(("check", "\n".join(check_plan(plan, run.task))))
@@ -467,9 +558,15 @@ class Plugin:
         if plan is not None:
             plan.cost = {"calls": out.calls, "seconds": out.seconds}
             self.latest = plan
-        run.log_metrics({f"{NAME}/skills": len(plan.steps) if plan else 0, f"{NAME}/repairs": max(0, out.rounds - 1),
-                         f"{NAME}/llm_steps": plan.llm_steps if plan else 0,
-                         f"{NAME}/errors_left": len(plan.errors) if plan else 0}, step=iteration)
+        run.log_metrics(
+            {
+                f"{NAME}/skills": len(plan.steps) if plan else 0,
+                f"{NAME}/repairs": max(0, out.rounds - 1),
+                f"{NAME}/llm_steps": plan.llm_steps if plan else 0,
+                f"{NAME}/errors_left": len(plan.errors) if plan else 0,
+            },
+            step=iteration,
+        )
         return plan  # None: no usable graph; the run goes on without a plan
 
     # -- training: the active skill's reward and one-hot, re-plans ---------------------------
@@ -480,10 +577,20 @@ class Plugin:
             return None
         st = train.state.get(NAME)
         if st is None:
-            st = train.state[NAME] = {"goals": goal_names(train.task), "steps": 0, "llm_steps": 0, "completed": 0,
-                                      "per_skill": {}, "stuck": None, "replans": 0, "calls": None, "pending": 0,
-                                      "ended": threading.Event(),
-                                      "llm_calls": 0, "llm_seconds": 0.0}
+            st = train.state[NAME] = {
+                "goals": goal_names(train.task),
+                "steps": 0,
+                "llm_steps": 0,
+                "completed": 0,
+                "per_skill": {},
+                "stuck": None,
+                "replans": 0,
+                "calls": None,
+                "pending": 0,
+                "ended": threading.Event(),
+                "llm_calls": 0,
+                "llm_seconds": 0.0,
+            }
             self._adopt(st, plan, train.task)
             cost = getattr(plan, "cost", {})  # the calls that built the plan count in each training that uses it
             st["llm_calls"], st["llm_seconds"] = int(cost.get("calls", 0)), float(cost.get("seconds", 0.0))
@@ -538,8 +645,13 @@ class Plugin:
     def _maybe_replan(self, train, st: dict[str, Any]) -> None:
         """Ask for a revised graph when an env has spent ``replan_after`` steps on one skill."""
         cfg = self.cfg
-        if (cfg.plan_source == "rules" or st["replans"] >= cfg.replans or st["stuck"] is None or st["pending"]
-                or train.llm is None):
+        if (
+            cfg.plan_source == "rules"
+            or st["replans"] >= cfg.replans
+            or st["stuck"] is None
+            or st["pending"]
+            or train.llm is None
+        ):
             return
         worst = st["stuck"].max(dim=0).values
         if int(worst.max()) < cfg.replan_after:
@@ -553,13 +665,22 @@ class Plugin:
             warm_up(train.llm)  # an in-process model loads here once, not in the worker (it holds the GIL)
             st["calls"] = BackgroundCalls(self._replan_work(train, st), name=f"{NAME}-replan", queue_size=1)
             st["calls"].start()
-        failure = {"skill": skill, "steps": int(worst.max()), "done": [s.name for s in follower.steps[:i]],
-                   "completions": st["per_skill"].get(skill, 0), "k": st["replans"], "graph": plan.graph_json(),
-                   "sequence": [s.name for s in plan.steps]}
+        failure = {
+            "skill": skill,
+            "steps": int(worst.max()),
+            "done": [s.name for s in follower.steps[:i]],
+            "completions": st["per_skill"].get(skill, 0),
+            "k": st["replans"],
+            "graph": plan.graph_json(),
+            "sequence": [s.name for s in plan.steps],
+        }
         st["pending"] += int(st["calls"].submit(json.dumps(failure)))
-        train.log_text(f"{NAME}-replans.md", f"## re-plan {st['replans']} at {train.frames} frames\n\n"
-                                             f"{skill}: {failure['steps']} steps without completing it "
-                                             f"(prerequisites done: {', '.join(failure['done']) or 'none'})\n\n")
+        train.log_text(
+            f"{NAME}-replans.md",
+            f"## re-plan {st['replans']} at {train.frames} frames\n\n"
+            f"{skill}: {failure['steps']} steps without completing it "
+            f"(prerequisites done: {', '.join(failure['done']) or 'none'})\n\n",
+        )
 
     def _replan_work(self, train, st: dict[str, Any]):
         """The worker's job: one re-plan conversation (reads only what the job and the config hold)."""
@@ -570,14 +691,33 @@ class Plugin:
 
         def work(job: str) -> Outcome:
             f = json.loads(job)
-            msgs = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": TASK.format(goal=goal_text, skills=", ".join(goals), target=target)},
-                    {"role": "assistant", "content": "```json\n" + f["graph"] + "\n```"},
-                    {"role": "user", "content": REPLAN.format(sequence=" -> ".join(f["sequence"]), skill=f["skill"],
-                                                              steps=f["steps"], done=", ".join(f["done"]) or "none",
-                                                              completions=f["completions"], skills=", ".join(goals))}]
-            return converse(llm, msgs, cfg, goals, target, rules, seed=seed * 1000 + 500 + 10 * f["k"],
-                            tag=f"{NAME}-replan{f['k']}", stop=ended.is_set)
+            msgs = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": TASK.format(goal=goal_text, skills=", ".join(goals), target=target)},
+                {"role": "assistant", "content": "```json\n" + f["graph"] + "\n```"},
+                {
+                    "role": "user",
+                    "content": REPLAN.format(
+                        sequence=" -> ".join(f["sequence"]),
+                        skill=f["skill"],
+                        steps=f["steps"],
+                        done=", ".join(f["done"]) or "none",
+                        completions=f["completions"],
+                        skills=", ".join(goals),
+                    ),
+                },
+            ]
+            return converse(
+                llm,
+                msgs,
+                cfg,
+                goals,
+                target,
+                rules,
+                seed=seed * 1000 + 500 + 10 * f["k"],
+                tag=f"{NAME}-replan{f['k']}",
+                stop=ended.is_set,
+            )
 
         return work
 
@@ -616,18 +756,23 @@ class Plugin:
             st["calls"].stop(wait_s=1.0)  # a revision still running is dropped: training is over
             self._take_replans(train, st)
             if st["pending"]:
-                train.log_text(f"{NAME}-replans.md", f"A re-plan was still running when training ended at "
-                                                     f"{train.frames} frames: dropped, its calls not counted.\n\n")
+                train.log_text(
+                    f"{NAME}-replans.md",
+                    f"A re-plan was still running when training ended at "
+                    f"{train.frames} frames: dropped, its calls not counted.\n\n",
+                )
         plan = st["plan"]
-        result.metrics.update({
-            f"{NAME}/skills": float(len(plan.steps)),
-            f"{NAME}/llm_steps": float(st["from_llm"][:-1].sum()),
-            f"{NAME}/rule_steps": float(len(st["follower"]) - int(st["from_llm"][:-1].sum())),
-            f"{NAME}/replans": float(st["replans"]),
-            f"{NAME}/skills_completed": float(st["completed"]),
-            "llm/changed_share": st["llm_steps"] / max(1, st["steps"]),
-            "llm/calls": float(st["llm_calls"]),
-            "llm/seconds": float(st["llm_seconds"]),
-        })
+        result.metrics.update(
+            {
+                f"{NAME}/skills": float(len(plan.steps)),
+                f"{NAME}/llm_steps": float(st["from_llm"][:-1].sum()),
+                f"{NAME}/rule_steps": float(len(st["follower"]) - int(st["from_llm"][:-1].sum())),
+                f"{NAME}/replans": float(st["replans"]),
+                f"{NAME}/skills_completed": float(st["completed"]),
+                "llm/changed_share": st["llm_steps"] / max(1, st["steps"]),
+                "llm/calls": float(st["llm_calls"]),
+                "llm/seconds": float(st["llm_seconds"]),
+            }
+        )
         for name, count in st["per_skill"].items():
             result.metrics[f"{NAME}/completed_{name}"] = float(count)

@@ -54,8 +54,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.plugin import (PluginConfig, StepBatch, Task, TrainContext, TrainResult, Trajectory, UserError, hookimpl,
-                         make_progress, warm_up)
+from core.plugin import (
+    PluginConfig,
+    StepBatch,
+    Task,
+    TrainContext,
+    TrainResult,
+    Trajectory,
+    UserError,
+    hookimpl,
+    make_progress,
+    warm_up,
+)
 
 NAME = "progress_reward"
 SCORES = ("expected", "median")
@@ -97,7 +107,9 @@ class Reference:
 class Rounds:
     """``rounds``: the agent's own states scored during training."""
 
-    at: list[float] = field(default_factory=lambda: [0.15, 0.35, 0.6])  # budget fractions at which training stops to score
+    at: list[float] = field(
+        default_factory=lambda: [0.15, 0.35, 0.6]
+    )  # budget fractions at which training stops to score
     states: int = 32  # agent states scored per round (spread over the evaluator's current scores)
     buffer: int = 2048  # agent states kept to choose from (a uniform sample of the training's states so far)
 
@@ -117,8 +129,13 @@ class Config(PluginConfig):
     (this plugin proposes nothing: the defaults leave the run's loop as it is)."""
 
     background: str | None = None  # task background for the prompt (<= 3 sentences); None = the goal cut to 3 sentences
-    dimensions: list[str] = field(default_factory=lambda: [  # evaluation dimensions listed in the prompt
-        "closeness to the goal", "avoiding failure or danger", "useful intermediate steps achieved"])
+    dimensions: list[str] = field(
+        default_factory=lambda: [  # evaluation dimensions listed in the prompt
+            "closeness to the goal",
+            "avoiding failure or danger",
+            "useful intermediate steps achieved",
+        ]
+    )
     # expected: one call per state, a digit 0-9 whose first-token probabilities give the expected score;
     # median: the median of `samples` sampled "Score: N | Reason: ..." replies (the design note's 3 votes)
     score: str = "expected"
@@ -163,22 +180,26 @@ class Config(PluginConfig):
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {self.ema}")
         if self.dedupe_radius < 0 or self.novelty_cell <= 0:
-            raise ValueError(f"dedupe_radius must be >= 0 and novelty_cell > 0, got {self.dedupe_radius} and "
-                             f"{self.novelty_cell}")
+            raise ValueError(
+                f"dedupe_radius must be >= 0 and novelty_cell > 0, got {self.dedupe_radius} and {self.novelty_cell}"
+            )
         if not self.dimensions:
             raise ValueError("dimensions must list at least one evaluation dimension")
         for stage in ("early", "middle", "late"):
             if len(getattr(self.stages, stage)) != 3:
-                raise ValueError(f"stages.{stage} must be three weights (env, llm, exploration), "
-                                 f"got {getattr(self.stages, stage)}")
+                raise ValueError(
+                    f"stages.{stage} must be three weights (env, llm, exploration), got {getattr(self.stages, stage)}"
+                )
         if list(self.stages.boundaries) != sorted(self.stages.boundaries):
             raise ValueError(f"stages.boundaries must be increasing, got {self.stages.boundaries}")
         if self.sparse.window < 1:
             raise ValueError(f"sparse.window must be >= 1, got {self.sparse.window}")
         ref, rounds = self.reference, self.rounds
         if ref.episodes < 1 or ref.max_steps < 1 or ref.states < 0:
-            raise ValueError(f"reference.episodes and reference.max_steps must be >= 1 and reference.states >= 0, "
-                             f"got {ref.episodes}, {ref.max_steps}, {ref.states}")
+            raise ValueError(
+                f"reference.episodes and reference.max_steps must be >= 1 and reference.states >= 0, "
+                f"got {ref.episodes}, {ref.max_steps}, {ref.states}"
+            )
         if any(not 0.0 < a < 1.0 for a in rounds.at) or list(rounds.at) != sorted(rounds.at):
             raise ValueError(f"rounds.at must be increasing budget fractions in (0, 1), got {rounds.at}")
         if rounds.states < 0 or rounds.buffer < 1:
@@ -221,6 +242,7 @@ _REASON = re.compile(r"(?:reason|理由)\W{0,3}?\s*[:：=]\s*\**\s*(.+)", re.I)
 
 
 # -- pure pieces ---------------------------------------------------------------------------
+
 
 def background_of(goal: str, limit: int = 3) -> str:
     """The task background: the goal cut to at most ``limit`` sentences."""
@@ -349,11 +371,19 @@ def reference_progress(task: Task, trajectories: list[Trajectory]) -> tuple[list
     - Else: the return so far under the task's reward, on the random episodes.
     """
     if "achievements_unlocked" in task.field_names():
-        out = [task.split_state(torch.as_tensor(t.next_obs))["achievements_unlocked"].double().numpy() for t in trajectories]
+        out = [
+            task.split_state(torch.as_tensor(t.next_obs))["achievements_unlocked"].double().numpy()
+            for t in trajectories
+        ]
         return out, "achievements unlocked so far in the episode"
     if any(t.source == "controller" and t.success for t in trajectories):
-        return ([np.arange(1, t.length + 1) / t.length if t.source == "controller" and t.success else None
-                 for t in trajectories], "share of the way through the controller's successful episodes")
+        return (
+            [
+                np.arange(1, t.length + 1) / t.length if t.source == "controller" and t.success else None
+                for t in trajectories
+            ],
+            "share of the way through the controller's successful episodes",
+        )
     return [np.cumsum(t.env_reward.astype(np.float64)) for t in trajectories], "return so far of random episodes"
 
 
@@ -484,7 +514,7 @@ class StateCache:
             dist, idx = self._tree.query(xs, k=1)
             value = values[idx]
         if n > self._indexed:  # recent points, not in the tree yet
-            recent = np.stack(self.points[self._indexed:n])
+            recent = np.stack(self.points[self._indexed : n])
             d = np.sqrt(((xs[:, None, :] - recent[None]) ** 2).sum(-1))
             j = d.argmin(1)
             near = d[np.arange(len(xs)), j]
@@ -507,8 +537,12 @@ class Distiller:
     def __init__(self, dim: int, hidden: int = 64, members: int = 3, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.members, self.seed = members, seed
-        self.params = [torch.randn(members, dim, hidden, generator=gen) / math.sqrt(dim), torch.zeros(members, 1, hidden),
-                       torch.randn(members, hidden, 1, generator=gen) / math.sqrt(hidden), torch.zeros(members, 1, 1)]
+        self.params = [
+            torch.randn(members, dim, hidden, generator=gen) / math.sqrt(dim),
+            torch.zeros(members, 1, hidden),
+            torch.randn(members, hidden, 1, generator=gen) / math.sqrt(hidden),
+            torch.zeros(members, 1, 1),
+        ]
         self.y_mean, self.y_std = 0.0, 1.0
         self._numpy = [p.numpy().astype(np.float64) for p in self.params]
 
@@ -669,7 +703,9 @@ class ProgressJudge:
         self._scale = np.where(std > 1e-6, std, 1.0)
         self.returns_seen.extend(float(t.ground_truth) for t in trajectories)
         truths, self.progress_text = reference_progress(self.task, trajectories)
-        truth = np.concatenate([t if t is not None else np.full(tr.length, np.nan) for t, tr in zip(truths, trajectories)])
+        truth = np.concatenate(
+            [t if t is not None else np.full(tr.length, np.nan) for t, tr in zip(truths, trajectories)]
+        )
         returns = np.concatenate([np.cumsum(t.env_reward.astype(np.float64)) for t in trajectories])
         if self.llm_off:
             self.reasons.append("- control: every stage's LLM weight is 0; no LLM call was made")
@@ -700,9 +736,11 @@ class ProgressJudge:
         for key, value in self.quality.items():
             self.train.log_metric(key, value)
         rc = self.quality["judge/rank_correlation"]
-        self.summary = (f"Rank correlation of the LLM's scores with the true progress ({self.progress_text}) "
-                               f"on {len(ref)} reference states: **{rc:.3f}**; of the distilled evaluator on every "
-                               f"reference state: {self.quality.get('judge/distilled_rank_correlation', float('nan')):.3f}\n")
+        self.summary = (
+            f"Rank correlation of the LLM's scores with the true progress ({self.progress_text}) "
+            f"on {len(ref)} reference states: **{rc:.3f}**; of the distilled evaluator on every "
+            f"reference state: {self.quality.get('judge/distilled_rank_correlation', float('nan')):.3f}\n"
+        )
 
     # -- during training ---------------------------------------------------------------------
     def maybe_round(self) -> None:
@@ -719,8 +757,11 @@ class ProgressJudge:
         pred = self.distiller.predict(self.features(obs))[0] if self.distiller is not None else np.zeros(len(obs))
         order = np.argsort(pred, kind="stable")[spread_order(len(obs))]  # from the lowest current score to the highest
         chosen = self._choose(obs, order, self.cfg.rounds.states)
-        labels = self._score([(obs[i], returns[i]) for i in chosen], "agent",
-                             f"scoring agent states at {self.train.progress:.0%} of training")
+        labels = self._score(
+            [(obs[i], returns[i]) for i in chosen],
+            "agent",
+            f"scoring agent states at {self.train.progress:.0%} of training",
+        )
         self._add_labels([lab for lab in labels if lab is not None])
         self._fit()
         self.counts.blocked_seconds += time.perf_counter() - t0
@@ -752,8 +793,10 @@ class ProgressJudge:
         call costs its state only."""
         out: list[Label | None] = []
         # a bar of its own in the driver only: a pool worker's trainings draw through the driver's relay
-        show = bool(getattr(getattr(self.train.settings, "run", None), "progress", False)) \
+        show = (
+            bool(getattr(getattr(self.train.settings, "run", None), "progress", False))
             and multiprocessing.parent_process() is None
+        )
         with make_progress(enabled=show) as bar:
             task = bar.add_task(f"{NAME}: {what}", total=len(states)) if bar is not None else None
             for start in range(0, len(states), self.cfg.batch):
@@ -789,7 +832,9 @@ class ProgressJudge:
                     replies.append(llm.chat(**call))
                 except Exception as exc:  # noqa: BLE001 - an LLM failure costs one state
                     c.llm_errors += 1
-                    self.reasons.append(f"- frames {self.train.frames}: LLM error {type(exc).__name__}: {str(exc)[:200]}")
+                    self.reasons.append(
+                        f"- frames {self.train.frames}: LLM error {type(exc).__name__}: {str(exc)[:200]}"
+                    )
                     replies.append(None)
         c.llm_seconds += time.perf_counter() - t0
         c.llm_calls += len(calls)
@@ -813,7 +858,10 @@ class ProgressJudge:
                 self._note(f"rejected reply {str(getattr(replies[0], 'text', ''))[:40]!r}", obs, origin)
                 return None
             c.text_scores += got.source == "text"
-            detail = ", ".join(f"{d}: {p:.2f}" for d, p in got.probs.items()) or f"replied {getattr(replies[0], 'text', '')!r}"
+            detail = (
+                ", ".join(f"{d}: {p:.2f}" for d, p in got.probs.items())
+                or f"replied {getattr(replies[0], 'text', '')!r}"
+            )
             return Label(obs, feature, got.score, got.source, origin, int(self.train.frames), detail)
         parsed = [parse_reply(str(getattr(r, "text", ""))) for r in replies]
         c.rejected += sum(p is None for p in parsed)
@@ -842,7 +890,9 @@ class ProgressJudge:
         """Refit the evaluator on every label so far; their statistics start the z-score."""
         usable = self.labels
         if len(usable) < 2:
-            self.reasons.append(f"- frames {self.train.frames}: {len(usable)} scored state(s): no evaluator, LLM term 0")
+            self.reasons.append(
+                f"- frames {self.train.frames}: {len(usable)} scored state(s): no evaluator, LLM term 0"
+            )
             return
         d = self.cfg.distill
         x = np.stack([lab.feature for lab in usable])
@@ -861,8 +911,14 @@ class ProgressJudge:
         now = len(self.recent_scores) == window and max(self.recent_scores) <= self.cfg.sparse.max_score
         if now != self.sparse:
             self.sparse = now
-            what = (f"sparse signal: the last {window} LLM scores were all <= {self.cfg.sparse.max_score:g}; using the "
-                    "exploration bonus instead") if now else "sparse signal over: the LLM scored progress again"
+            what = (
+                (
+                    f"sparse signal: the last {window} LLM scores were all <= {self.cfg.sparse.max_score:g}; using the "
+                    "exploration bonus instead"
+                )
+                if now
+                else "sparse signal over: the LLM scored progress again"
+            )
             self.reasons.append(f"- frames {self.train.frames}: **{what}**")
             self.train.log_metric("judge/sparse", float(now))
 
@@ -980,8 +1036,10 @@ class ProgressJudge:
         for lab in self.labels[: self.cfg.max_reasons]:
             first = self.task.render_state(lab.obs).splitlines()
             truth = f"; true progress {lab.truth:g}" if lab.truth == lab.truth else ""
-            lines.append(f"- frames {lab.frames} ({lab.origin}): **{lab.score:.2f}** ({lab.source}; {lab.detail}{truth}) "
-                         f"| {' / '.join(first)}")
+            lines.append(
+                f"- frames {lab.frames} ({lab.origin}): **{lab.score:.2f}** ({lab.source}; {lab.detail}{truth}) "
+                f"| {' / '.join(first)}"
+            )
         return "\n".join(lines) + "\n"
 
 
@@ -1001,8 +1059,10 @@ class Plugin:
         """Make the training's judge and score the reference states before the loop (blocking)."""
         if not self.cfg.llm_off():
             if train.llm is None:
-                raise UserError("progress_reward needs an LLM (the run's `llm` settings) unless every stage's LLM "
-                                "weight is 0 (the no-LLM control).")
+                raise UserError(
+                    "progress_reward needs an LLM (the run's `llm` settings) unless every stage's LLM "
+                    "weight is 0 (the no-LLM control)."
+                )
             warm_up(train.llm)
         judge = train.state[NAME] = ProgressJudge(train, self.cfg)
         judge.prepare()

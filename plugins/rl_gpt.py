@@ -41,10 +41,33 @@ from typing import Any
 
 import numpy as np
 
-from core.plugin import (SAFE_BUILTIN_NAMES, Candidate, IterationResult, MacroAction, MacroSet, Plan, PlanFollower,
-                         PlanStep, PluginConfig, Program, SandboxError, Shapes, TrainResult, batch_shapes, check_names,
-                         code_options, extract_code, extract_function, field_bindings, fields_text, goal_names,
-                         hookimpl, interface_of, match_goal, state_arguments)
+from core.plugin import (
+    SAFE_BUILTIN_NAMES,
+    Candidate,
+    IterationResult,
+    MacroAction,
+    MacroSet,
+    Plan,
+    PlanFollower,
+    PlanStep,
+    PluginConfig,
+    Program,
+    SandboxError,
+    Shapes,
+    TrainResult,
+    batch_shapes,
+    check_names,
+    code_options,
+    extract_code,
+    extract_function,
+    field_bindings,
+    fields_text,
+    goal_names,
+    hookimpl,
+    interface_of,
+    match_goal,
+    state_arguments,
+)
 
 NAME = "rl_gpt"
 ACT, DONE = "act", "done"
@@ -61,8 +84,12 @@ class Config(PluginConfig):
     rollouts: int = 2  # critic rollouts of the macros per check (each on a fresh episode)
     temperature: float = 0.3  # sampling temperature of both agents
     max_tokens: int = 500  # cap on each reply
-    hint: str = ""  # optional decomposition hint for the slow agent, e.g. "collect wood, place a table, make a wood pickaxe"
-    repair_rounds: int = 1  # times a plan whose rl sub-actions name goals the task cannot check goes back to the slow agent
+    hint: str = (
+        ""  # optional decomposition hint for the slow agent, e.g. "collect wood, place a table, make a wood pickaxe"
+    )
+    repair_rounds: int = (
+        1  # times a plan whose rl sub-actions name goals the task cannot check goes back to the slow agent
+    )
     rl_reward: float = 1.0  # reward for completing the active rl sub-action (its goal), added to the env's reward
     tune_steps: bool = True  # tune each macro's step budget from the critic's rollouts (twice the longest finished run)
     final_seeds: int = 0  # retrain the best candidate on this many more seeds after the loop
@@ -78,6 +105,7 @@ class Config(PluginConfig):
             raise ValueError(f"repair_rounds must be >= 0, got {self.repair_rounds}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
 
 # -- prompt pieces -----------------------------------------------------------------------
 
@@ -203,8 +231,14 @@ def parse_plan(reply: str, max_items: int) -> list[SubAction]:
     for item in items if isinstance(items, list) else []:
         if isinstance(item, dict) and item.get("name"):
             how = "code" if str(item.get("how", "")).strip().lower().startswith("code") else "rl"
-            out.append(SubAction(_snake(str(item["name"])), how, str(item.get("what", item["name"]))[:200],
-                                 str(item.get("done") or "")[:60]))
+            out.append(
+                SubAction(
+                    _snake(str(item["name"])),
+                    how,
+                    str(item.get("what", item["name"]))[:200],
+                    str(item.get("done") or "")[:60],
+                )
+            )
     if not out:
         for line in text.splitlines():
             m = re.match(r"\s*[-*\d.]*\s*([A-Za-z_ ]+?)\s*[:|-]\s*(code|rl)\b\s*[:|-]?\s*(.*)", line, re.IGNORECASE)
@@ -235,8 +269,10 @@ def to_plan(subs: list[SubAction], goals: list[str]) -> tuple[Plan, list[str]]:
     for sub in subs:
         done = match_goal(sub.done, goals) or match_goal(sub.name, goals) or ""
         if sub.how == "rl" and goals and not done:
-            errors.append(f"rl sub-action {sub.name}: the game cannot check the goal {sub.done or sub.name!r}; "
-                          f"set \"done\" to one of: {', '.join(goals)}")
+            errors.append(
+                f"rl sub-action {sub.name}: the game cannot check the goal {sub.done or sub.name!r}; "
+                f'set "done" to one of: {", ".join(goals)}'
+            )
         steps.append(PlanStep(sub.name, "rl" if sub.how == "rl" else "skill", sub.what, done))
     return Plan(steps, text=plan_text(subs), origin=NAME), errors
 
@@ -246,7 +282,9 @@ def tuned_steps(rollout: Rollout, max_steps: int) -> int:
     return min(max_steps, max(2, 2 * max(rollout.steps))) if rollout.steps else max_steps
 
 
-def extract_macro(reply: str, name: str, max_steps: int, fields: list[str] | None = None) -> tuple[MacroAction | None, str]:
+def extract_macro(
+    reply: str, name: str, max_steps: int, fields: list[str] | None = None
+) -> tuple[MacroAction | None, str]:
     """A macro from a fast-agent reply (``act`` and ``done`` in one source), or an error text.
 
     With ``fields`` (the task's :meth:`~core.envs.task.Task.field_names`) the names both
@@ -256,8 +294,9 @@ def extract_macro(reply: str, name: str, max_steps: int, fields: list[str] | Non
     return macro, error
 
 
-def extract_macro_kind(reply: str, name: str, max_steps: int,
-                       fields: list[str] | None = None) -> tuple[MacroAction | None, str, str]:
+def extract_macro_kind(
+    reply: str, name: str, max_steps: int, fields: list[str] | None = None
+) -> tuple[MacroAction | None, str, str]:
     """:func:`extract_macro` with the failure's kind (:data:`core.codegen.KINDS`; ``names``
     when a function reads a field the task lacks or a name never assigned)."""
     found = extract_function(reply, ACT, ["state"])
@@ -308,7 +347,9 @@ class Rollout:
         return self.runs > 0 and self.finished == self.runs
 
 
-def rollout_macros(macros: list[MacroAction], task: Any, *, runs: int, seed: int, limits: Any, imports: tuple[str, ...]) -> list[Rollout]:
+def rollout_macros(
+    macros: list[MacroAction], task: Any, *, runs: int, seed: int, limits: Any, imports: tuple[str, ...]
+) -> list[Rollout]:
     """Run the macros in order, each from where the previous one stopped, ``runs`` times.
 
     Programs go through the sandbox (check, isolated probe, compile) via
@@ -321,7 +362,10 @@ def rollout_macros(macros: list[MacroAction], task: Any, *, runs: int, seed: int
             prepared.append(MacroSet.prepare([m], task, limits=limits, allowed_imports=imports))
         except (SandboxError, ValueError) as e:
             prepared.append(None)
-            st.runs, st.failures = runs, [f"the code does not run: {getattr(e, 'report', None).message if hasattr(e, 'report') else e}"]
+            st.runs, st.failures = (
+                runs,
+                [f"the code does not run: {getattr(e, 'report', None).message if hasattr(e, 'report') else e}"],
+            )
     env = task.make_env(1, seed, None)
     n = int(env.single_action_space.n)
     try:
@@ -389,22 +433,45 @@ class Plugin:
         """The fast agent's request for one skill, in the run's ``code.interface``."""
         cfg, task, imports = self.cfg, run.task, ", ".join(run.sandbox.imports)
         if interface_of(run) == "dict":
-            return FAST_TASK_DICT.format(schema=task.schema_text(), actions=_actions(task), name=sub.name, what=sub.what,
-                                         max_steps=cfg.max_steps, imports=imports)
+            return FAST_TASK_DICT.format(
+                schema=task.schema_text(),
+                actions=_actions(task),
+                name=sub.name,
+                what=sub.what,
+                max_steps=cfg.max_steps,
+                imports=imports,
+            )
         self.shapes = self.shapes or batch_shapes(task, run.seed)
-        return FAST_TASK.format(fields=batch_of_one(fields_text(task, self.shapes)), actions=_actions(task), name=sub.name,
-                                what=sub.what, bindings=batch_of_one(field_bindings(task, self.shapes, source="state")),
-                                first=task.field_names()[0], max_steps=cfg.max_steps, imports=imports)
+        return FAST_TASK.format(
+            fields=batch_of_one(fields_text(task, self.shapes)),
+            actions=_actions(task),
+            name=sub.name,
+            what=sub.what,
+            bindings=batch_of_one(field_bindings(task, self.shapes, source="state")),
+            first=task.field_names()[0],
+            max_steps=cfg.max_steps,
+            imports=imports,
+        )
 
     @hookimpl
     def plan(self, run, iteration: int) -> str | None:
         cfg = self.cfg
         hint = f"Suggested decomposition: {cfg.hint}" if cfg.hint else ""
         goals = goal_names(run.task)
-        user = SLOW_TASK.format(goal=run.task.goal, hint=hint, actions=_actions(run.task), max_subactions=cfg.max_subactions,
-                                done=DONE_FIELD if goals else "", goals=GOALS.format(goals=", ".join(goals)) if goals else "")
+        user = SLOW_TASK.format(
+            goal=run.task.goal,
+            hint=hint,
+            actions=_actions(run.task),
+            max_subactions=cfg.max_subactions,
+            done=DONE_FIELD if goals else "",
+            goals=GOALS.format(goals=", ".join(goals)) if goals else "",
+        )
         if self.feedback:
-            user += "\n\nLast round:\n" + self.feedback + "\nRevise the plan (you may move sub-actions between code and rl)."
+            user += (
+                "\n\nLast round:\n"
+                + self.feedback
+                + "\nRevise the plan (you may move sub-actions between code and rl)."
+            )
         msgs = [{"role": "system", "content": SLOW_SYSTEM}, {"role": "user", "content": user}]
         subs: list[SubAction] = []
         for rnd in range(1 + cfg.repair_rounds):
@@ -416,8 +483,10 @@ class Plugin:
                 break
             errors = errors or ["no sub-actions found: reply with a JSON list of the items described above"]
             run.log_text(f"{NAME}/it{iteration}-plan-errors-r{rnd}.md", "\n".join(errors))
-            msgs = msgs + [{"role": "assistant", "content": reply},
-                           {"role": "user", "content": REPAIR.format(errors="\n".join(f"- {e}" for e in errors))}]
+            msgs = msgs + [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": REPAIR.format(errors="\n".join(f"- {e}" for e in errors))},
+            ]
         if not subs and self.subactions:
             subs = self.subactions  # keep the last usable plan
         # rl sub-actions the game still cannot check stay in the plan as text, unfollowed (done "")
@@ -430,20 +499,31 @@ class Plugin:
         cfg = self.cfg
         limits, imports = run.sandbox.limits(), run.sandbox.imports
         macros: list[MacroAction] = []
-        rejected: list[MacroAction] = []  # skills with no runnable code after the critic's rounds: recorded, not trained
-        fields = run.task.field_names() if interface_of(run) == "fields" else None  # None: the earlier interface, unchecked
+        rejected: list[
+            MacroAction
+        ] = []  # skills with no runnable code after the critic's rounds: recorded, not trained
+        fields = (
+            run.task.field_names() if interface_of(run) == "fields" else None
+        )  # None: the earlier interface, unchecked
         listed = ", ".join(fields if fields is not None else [f.name for f in run.task.state_fields])
         for k, sub in enumerate(s for s in self.subactions if s.how == "code"):
             msgs = [{"role": "system", "content": FAST_SYSTEM}, {"role": "user", "content": self.fast_prompt(run, sub)}]
             best: MacroAction | None = None
             kind = ""
             for rnd in range(1 + cfg.critic_rounds):
-                reply = self._chat(run, msgs, run.seed * 100_000 + iteration * 1000 + k * 10 + rnd, f"{NAME}-fast-{sub.name}-r{rnd}",
-                                   code=True)
+                reply = self._chat(
+                    run,
+                    msgs,
+                    run.seed * 100_000 + iteration * 1000 + k * 10 + rnd,
+                    f"{NAME}-fast-{sub.name}-r{rnd}",
+                    code=True,
+                )
                 macro, error, kind = extract_macro_kind(reply, sub.name, cfg.max_steps, fields)
                 if macro is not None:
                     # the critic rolls the new macro out after the ones already accepted
-                    (st,) = rollout_macros(macros + [macro], run.task, runs=cfg.rollouts, seed=run.seed, limits=limits, imports=imports)[-1:]
+                    (st,) = rollout_macros(
+                        macros + [macro], run.task, runs=cfg.rollouts, seed=run.seed, limits=limits, imports=imports
+                    )[-1:]
                     self.rollouts[sub.name] = st
                     runnable = not any(f.startswith(("the code does not run", "error")) for f in st.failures)
                     if runnable:
@@ -452,20 +532,42 @@ class Plugin:
                             best.max_steps = tuned_steps(st, cfg.max_steps)
                     if st.ok:
                         break
-                    error = CRITIC.format(name=sub.name, runs=st.runs, failures="\n".join(f"- {f}" for f in st.failures[:4]),
-                                          fields=listed)
-                msgs = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": error if macro is not None else f"{error}\nReply with `act` and `done` in one ```python block."}]
+                    error = CRITIC.format(
+                        name=sub.name,
+                        runs=st.runs,
+                        failures="\n".join(f"- {f}" for f in st.failures[:4]),
+                        fields=listed,
+                    )
+                msgs = msgs + [
+                    {"role": "assistant", "content": reply},
+                    {
+                        "role": "user",
+                        "content": error
+                        if macro is not None
+                        else f"{error}\nReply with `act` and `done` in one ```python block.",
+                    },
+                ]
             if best is not None:
                 macros.append(best)
             else:
-                program = Program(source=macro.program.source if macro is not None else extract_code(reply), entry=ACT, origin=NAME,
-                                  reply=reply, rejected=error,
-                                  meta={"skill": sub.name, "rounds": rnd + 1,
-                                        "rejected_kind": "critic" if macro is not None else "names" if kind == "names" else "extract"})
+                program = Program(
+                    source=macro.program.source if macro is not None else extract_code(reply),
+                    entry=ACT,
+                    origin=NAME,
+                    reply=reply,
+                    rejected=error,
+                    meta={
+                        "skill": sub.name,
+                        "rounds": rnd + 1,
+                        "rejected_kind": "critic" if macro is not None else "names" if kind == "names" else "extract",
+                    },
+                )
                 rejected.append(MacroAction(name=sub.name, program=program, max_steps=cfg.max_steps, done_entry=DONE))
         self.macros = macros
-        report = {name: {"runs": r.runs, "finished": r.finished, "failures": r.failures, "steps": r.steps}
-                  for name, r in self.rollouts.items()}
+        report = {
+            name: {"runs": r.runs, "finished": r.finished, "failures": r.failures, "steps": r.steps}
+            for name, r in self.rollouts.items()
+        }
         report["max_steps"] = {m.name: m.max_steps for m in macros}  # the tuned step budgets
         run.log_text(f"{NAME}/it{iteration}-critic.json", json.dumps(report, indent=2))
         run.log_metrics({f"{NAME}/macros": len(macros)}, step=iteration)
@@ -505,13 +607,19 @@ class Plugin:
 
     @hookimpl
     def reflect(self, run, result: IterationResult) -> str | None:
-        mine = [(c, r) for c, r in zip(result.candidates, result.results) if c.macros and any(m.program.origin == NAME for m in c.macros)]
+        mine = [
+            (c, r)
+            for c, r in zip(result.candidates, result.results)
+            if c.macros and any(m.program.origin == NAME for m in c.macros)
+        ]
         if not mine:
             return None
         c, r = max(mine, key=lambda cr: cr[1].score)
         if r.ok and r.fitness is not None:
             calls = ", ".join(f"{m.name} {int(r.metrics.get(f'macros/{m.name}_calls', 0))} times" for m in c.macros)
-            self.feedback = FEEDBACK.format(skills=", ".join(m.name for m in c.macros), fitness_name=r.fitness.name, fitness=r.score, calls=calls)
+            self.feedback = FEEDBACK.format(
+                skills=", ".join(m.name for m in c.macros), fitness_name=r.fitness.name, fitness=r.score, calls=calls
+            )
         else:
             self.feedback = f"Training with the skills failed ({r.error_kind}): {r.error.strip()[-400:]}"
         rollouts = "\n".join(f"- {n}: finished {s.finished}/{s.runs} critic rollouts" for n, s in self.rollouts.items())

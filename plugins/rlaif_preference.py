@@ -61,8 +61,17 @@ import numpy as np
 import pluggy
 import torch
 
-from core.plugin import (BackgroundCalls, PluginConfig, StepBatch, TrainContext, TrainResult, hookimpl, make_progress,
-                         task_steps, warm_up)
+from core.plugin import (
+    BackgroundCalls,
+    PluginConfig,
+    StepBatch,
+    TrainContext,
+    TrainResult,
+    hookimpl,
+    make_progress,
+    task_steps,
+    warm_up,
+)
 
 NAME = "rlaif_preference"
 JUDGES = ("logprobs", "text")
@@ -143,15 +152,34 @@ class Config(PluginConfig):
 
     def check(self) -> None:
         super().check()
-        for name, allowed in (("labelling", LABELLING), ("unit", UNITS), ("features", FEATURES), ("judge", JUDGES),
-                              ("mode", MODES)):
+        for name, allowed in (
+            ("labelling", LABELLING),
+            ("unit", UNITS),
+            ("features", FEATURES),
+            ("judge", JUDGES),
+            ("mode", MODES),
+        ):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
         if self.control is not None and self.control not in CONTROLS:
-            raise ValueError(f"control must be null or one of {', '.join(repr(a) for a in CONTROLS)}, got {self.control!r}")
-        for name in ("batch", "candidates", "segment_len", "min_segment_len", "label_every", "pairs_per_query",
-                     "top_logprobs", "samples", "max_tokens", "min_pairs", "members", "epochs"):
+            raise ValueError(
+                f"control must be null or one of {', '.join(repr(a) for a in CONTROLS)}, got {self.control!r}"
+            )
+        for name in (
+            "batch",
+            "candidates",
+            "segment_len",
+            "min_segment_len",
+            "label_every",
+            "pairs_per_query",
+            "top_logprobs",
+            "samples",
+            "max_tokens",
+            "min_pairs",
+            "members",
+            "epochs",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("label_budget", "label_seconds", "hidden", "l2"):
@@ -162,7 +190,9 @@ class Config(PluginConfig):
         if not 0.0 <= self.heldout < 1.0:
             raise ValueError(f"heldout must be in [0, 1), got {self.heldout}")
         if self.offline.envs < 1 or self.offline.steps < 1:
-            raise ValueError(f"offline.envs and offline.steps must be >= 1, got {self.offline.envs} and {self.offline.steps}")
+            raise ValueError(
+                f"offline.envs and offline.steps must be >= 1, got {self.offline.envs} and {self.offline.steps}"
+            )
 
 
 # -- prompt pieces -----------------------------------------------------------------------
@@ -180,8 +210,9 @@ PROMPT = """Goal: {goal}
 {instruction}"""
 
 # judge=logprobs: one token, read as P("1") against P("2")
-DIGIT = ("Which {kind} is better for the goal? Reply with a single digit: 1 if {Kind} 1 is better, "
-         "2 if {Kind} 2 is better.")
+DIGIT = (
+    "Which {kind} is better for the goal? Reply with a single digit: 1 if {Kind} 1 is better, 2 if {Kind} 2 is better."
+)
 
 # Motif's shape: describe each, compare, then a fixed-format answer
 DESCRIBE = """First describe in one short sentence what each {kind} shows. Then compare them:
@@ -202,18 +233,22 @@ Answer: unknown"""
 #: what the prompt calls an item of each unit
 KINDS = {"caption": "Observation", "segment": "Segment"}
 
-_ANSWER = re.compile(r"answer(?:\s+is)?\W{0,3}\s*[:=]?\s*\**\s*\(?(segment\s*1|segment\s*2|1|2|tie|unknown|none|cannot tell)\b",
-                     re.I)
+_ANSWER = re.compile(
+    r"answer(?:\s+is)?\W{0,3}\s*[:=]?\s*\**\s*\(?(segment\s*1|segment\s*2|1|2|tie|unknown|none|cannot tell)\b", re.I
+)
 # small models often skip the answer line and end with a sentence instead
-_VERDICT = re.compile(r"segment\s*(1|2)\b[^.\n]{0,40}?\b(?:makes|made|is|shows|has|achieves|does)\b[^.\n]{0,30}?"
-                      r"\b(?:more|better|most|greater)\b|(neither|both) segments?\b[^.\n]{0,40}?\b(?:more|better|equal|same)",
-                      re.I)
+_VERDICT = re.compile(
+    r"segment\s*(1|2)\b[^.\n]{0,40}?\b(?:makes|made|is|shows|has|achieves|does)\b[^.\n]{0,30}?"
+    r"\b(?:more|better|most|greater)\b|(neither|both) segments?\b[^.\n]{0,40}?\b(?:more|better|equal|same)",
+    re.I,
+)
 _VALUES = {"1": 1.0, "2": 0.0, "tie": 0.5}
 _PARROT = re.compile(r"answer\W{0,3}\s*[:=]?\s*(?:1|2|tie)\s*(?:,|/|\bor\b)\s*(?:1|2|tie|unknown)\b", re.I)
 
 
-def build_prompt(goal: str, a: str, b: str, judge: str = "logprobs", describe: bool = False,
-                 unit: str = "segment") -> list[dict[str, str]]:
+def build_prompt(
+    goal: str, a: str, b: str, judge: str = "logprobs", describe: bool = False, unit: str = "segment"
+) -> list[dict[str, str]]:
     """The chat messages that ask which of two texts (captions or segments) is better.
 
     ``judge="logprobs"``: a one-digit answer; ``"text"``: a written answer, with Motif's
@@ -221,7 +256,8 @@ def build_prompt(goal: str, a: str, b: str, judge: str = "logprobs", describe: b
     """
     kind = KINDS[unit]
     instruction = (DIGIT if judge == "logprobs" else DESCRIBE if describe else ANSWER_FIRST).format(
-        kind=kind.lower(), Kind=kind)
+        kind=kind.lower(), Kind=kind
+    )
     user = PROMPT.format(goal=goal, kind=kind, a=a, b=b, instruction=instruction)
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
@@ -413,8 +449,16 @@ def random_runs(task: Any, envs: int, steps: int, seed: int) -> list[Run]:
     out = []
     for e in range(envs):
         ret, _ = returns_so_far(arr["rew"][e], arr["done"][e])
-        out.append(Run(arr["obs"][e][:, : task.obs_dim].astype(np.float32), arr["act"][e], arr["rew"][e],
-                       arr["term"][e].astype(bool), arr["done"][e].astype(bool), ret))
+        out.append(
+            Run(
+                arr["obs"][e][:, : task.obs_dim].astype(np.float32),
+                arr["act"][e],
+                arr["rew"][e],
+                arr["term"][e].astype(bool),
+                arr["done"][e].astype(bool),
+                ret,
+            )
+        )
     return out
 
 
@@ -438,7 +482,9 @@ def summarize_fields(task: Any, obs: np.ndarray, limit: int = 6) -> str:
             continue
         unit = f" {f.unit}" if f.unit else ""
         weight = abs(v[-1] - v[0]) / (max(abs(lo), abs(hi)) + 1e-9)
-        rows.append((weight, f"{f.name} {_number(v[0])} -> {_number(v[-1])}{unit} (range {_number(lo)} to {_number(hi)})"))
+        rows.append(
+            (weight, f"{f.name} {_number(v[0])} -> {_number(v[-1])}{unit} (range {_number(lo)} to {_number(hi)})")
+        )
     rows.sort(key=lambda r: -r[0])
     return "; ".join(text for _, text in rows[:limit]) or "nothing changed"
 
@@ -454,14 +500,26 @@ def render_segment(task: Any, seg: Segment, fields: int = 6) -> str:
     for a in seg.actions:
         counts[str(a)] = counts.get(str(a), 0) + 1
     acts = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
-    end = ("the episode ENDED (terminated) at its last step: a failure or a success, judge which from the goal"
-           if seg.ended else "the episode was still running at its end")
-    return (f"{len(seg.obs)} steps; {end}.\nEnd state:\n{task.render_state(seg.obs[-1])}\n"
-            f"Changes: {summarize_fields(task, seg.obs, fields)}\nActions: {acts}")
+    end = (
+        "the episode ENDED (terminated) at its last step: a failure or a success, judge which from the goal"
+        if seg.ended
+        else "the episode was still running at its end"
+    )
+    return (
+        f"{len(seg.obs)} steps; {end}.\nEnd state:\n{task.render_state(seg.obs[-1])}\n"
+        f"Changes: {summarize_fields(task, seg.obs, fields)}\nActions: {acts}"
+    )
 
 
-def split_segments(obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminated: np.ndarray,
-                   done: np.ndarray, length: int, min_len: int) -> list[Segment]:
+def split_segments(
+    obs: np.ndarray,
+    actions: np.ndarray,
+    rewards: np.ndarray,
+    terminated: np.ndarray,
+    done: np.ndarray,
+    length: int,
+    min_len: int,
+) -> list[Segment]:
     """Cut one env's rollout ``[T, ...]`` into segments of ``length`` steps within episodes.
 
     A segment shorter than ``min_len`` is kept only when the episode terminated in it (a
@@ -490,8 +548,10 @@ def make_items(task: Any, runs: list[Run], cfg: Config) -> list[Item]:
         for run in runs:
             for o, c, r in zip(run.obs, run.captions, run.ret):
                 groups.setdefault(c, []).append((o, float(r)))
-        return [Item(c, np.mean([o for o, _ in g], axis=0, keepdims=True), [c], float(np.mean([r for _, r in g])), len(g))
-                for c, g in groups.items()]
+        return [
+            Item(c, np.mean([o for o, _ in g], axis=0, keepdims=True), [c], float(np.mean([r for _, r in g])), len(g))
+            for c, g in groups.items()
+        ]
     out = []
     for run in runs:
         for seg in split_segments(run.obs, run.act, run.rew, run.term, run.done, cfg.segment_len, cfg.min_segment_len):
@@ -516,8 +576,9 @@ def caption_words(text: str) -> list[str]:
     return out
 
 
-def choose_pairs(items: list[Item], n: int, rng: random.Random, candidates: int = 16,
-                 taken: set[tuple[str, str]] | None = None) -> list[tuple[int, int]]:
+def choose_pairs(
+    items: list[Item], n: int, rng: random.Random, candidates: int = 16, taken: set[tuple[str, str]] | None = None
+) -> list[tuple[int, int]]:
     """Up to ``n`` pairs of distinct items (indices), none in ``taken`` (text pairs, either order).
 
     Coverage first: every item is in one pair before any is in two, frequent items
@@ -529,7 +590,7 @@ def choose_pairs(items: list[Item], n: int, rng: random.Random, candidates: int 
     if len(items) < 2 or n <= 0:
         return []
     words = [set(caption_words(it.text)) for it in items]
-    order = sorted(range(len(items)), key=lambda i: -rng.random() ** (1 / math.sqrt(max(1, items[i].count))))
+    order = sorted(range(len(items)), key=lambda i: -(rng.random() ** (1 / math.sqrt(max(1, items[i].count)))))
     uses = [0] * len(items)
     out: list[tuple[int, int]] = []
 
@@ -585,7 +646,9 @@ class Features:
 
     def of_item(self, item: Item) -> np.ndarray:
         """``[L, dim]``: the item's rows."""
-        return self.of_captions(item.captions) if self.kind == "caption" else item.obs[:, : len(self.spread)] / self.spread
+        return (
+            self.of_captions(item.captions) if self.kind == "caption" else item.obs[:, : len(self.spread)] / self.spread
+        )
 
 
 def bt_loss(score_a: torch.Tensor, score_b: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
@@ -609,7 +672,9 @@ class RewardModel:
             last = torch.nn.Linear(hidden or dim, 1)
             torch.nn.init.zeros_(last.weight)
             torch.nn.init.zeros_(last.bias)
-            self.nets.append(torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.Tanh(), last) if hidden else last)
+            self.nets.append(
+                torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.Tanh(), last) if hidden else last
+            )
 
     @staticmethod
     def _pad(rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -620,8 +685,15 @@ class RewardModel:
             x[i, : len(r)], mask[i, : len(r)] = r, 1.0
         return torch.from_numpy(x), torch.from_numpy(mask)
 
-    def fit(self, a: list[np.ndarray], b: list[np.ndarray], y: list[float], epochs: int = 300, lr: float = 0.05,
-            l2: float = 1e-3) -> float:
+    def fit(
+        self,
+        a: list[np.ndarray],
+        b: list[np.ndarray],
+        y: list[float],
+        epochs: int = 300,
+        lr: float = 0.05,
+        l2: float = 1e-3,
+    ) -> float:
         """Fit every member on a bootstrap of the labelled pairs (``[L, dim]`` rows each);
         returns the members' mean final loss on all pairs."""
         xa, ma = self._pad(a)
@@ -733,8 +805,9 @@ class Labeller:
                 with self.lock:
                     self.rejected += x is None
                 votes[i].append(None if x is None else (1.0 - x if flipped else x))
-                texts[i].append(f"{r.text.strip()} (P(1st better) {x:.3f})" if cfg.judge == "logprobs" and x is not None
-                                else r.text)
+                texts[i].append(
+                    f"{r.text.strip()} (P(1st better) {x:.3f})" if cfg.judge == "logprobs" and x is not None else r.text
+                )
         with self.lock:
             self.calls += len(flat)
             if flat and not all(not isinstance(r, Exception) and all(x.cached for x in r) for r in results):
@@ -815,7 +888,8 @@ class PreferenceLearner:
         self.running: np.ndarray | None = None  # online: each env's episode return so far
         self.pending: dict[tuple[tuple[str, str], ...], list[tuple[Item, Item]]] = {}
         self.background: BackgroundCalls[tuple[tuple[str, str], ...], list[float | None]] = BackgroundCalls(
-            self.ask, name="preference-labeller", queue_size=2)
+            self.ask, name="preference-labeller", queue_size=2
+        )
 
     # -- labels ------------------------------------------------------------------------
     def ask(self, texts: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> list[float | None]:
@@ -913,8 +987,13 @@ class PreferenceLearner:
         self.next_label_at += cfg.label_every
         items = make_items(self.task, self.runs, cfg)
         taken = {(p.a.text, p.b.text) for p in self.labelled} | {t for job in self.pending for t in job}
-        chosen = choose_pairs(items, min(cfg.pairs_per_query, cfg.label_budget - self.requested),
-                              random.Random(cfg.seed + self.requested), cfg.candidates, taken)
+        chosen = choose_pairs(
+            items,
+            min(cfg.pairs_per_query, cfg.label_budget - self.requested),
+            random.Random(cfg.seed + self.requested),
+            cfg.candidates,
+            taken,
+        )
         pairs = [(items[a], items[b]) for a, b in chosen]
         if not pairs:
             return
@@ -938,8 +1017,14 @@ class PreferenceLearner:
         captions = [c for run in self.runs for c in run.captions]
         feats = Features(cfg.features, captions, np.asarray(states, np.float32))
         model = RewardModel(feats.dim, cfg.members, cfg.hidden, seed=cfg.seed)
-        loss = model.fit([feats.of_item(p.a) for p in fit], [feats.of_item(p.b) for p in fit],
-                         [float(p.label) for p in fit], cfg.epochs, cfg.lr, cfg.l2)
+        loss = model.fit(
+            [feats.of_item(p.a) for p in fit],
+            [feats.of_item(p.b) for p in fit],
+            [float(p.label) for p in fit],
+            cfg.epochs,
+            cfg.lr,
+            cfg.l2,
+        )
 
         def diffs(pairs: list[Labelled]) -> np.ndarray:
             return np.array([model.score(feats.of_item(p.a)) - model.score(feats.of_item(p.b)) for p in pairs])
@@ -947,8 +1032,9 @@ class PreferenceLearner:
         held = [p for p in self.labelled if p.heldout]
         fit_acc, _ = agreement(diffs(fit), [p.label for p in fit])
         held_acc, held_n = agreement(diffs(held), [p.label for p in held])
-        truth_acc, truth_n = truth_agreement(np.array([model.score(feats.of_item(it)) for it in items]),
-                                             np.array([it.truth for it in items]))
+        truth_acc, truth_n = truth_agreement(
+            np.array([model.score(feats.of_item(it)) for it in items]), np.array([it.truth for it in items])
+        )
         # the reward's centre: r over every state kept (each distinct caption weighted by its states)
         if cfg.features == "caption":
             counts = Counter(captions)
@@ -960,11 +1046,17 @@ class PreferenceLearner:
         mean = float(np.average(r, weights=w))
         spread = float(np.sqrt(np.average((r - mean) ** 2, weights=w)))
         self.model, self.features, self.mean, self.rewards = model, feats, mean, {}
-        self.figures = {"preference/rm_loss": loss, "preference/fit_agreement": fit_acc,
-                        "preference/heldout_agreement": held_acc, "preference/heldout_pairs": float(held_n),
-                        "preference/truth_agreement": truth_acc, "preference/truth_pairs": float(truth_n),
-                        "preference/items": float(len(items)), "preference/features": float(feats.dim),
-                        "preference/r_spread": spread}
+        self.figures = {
+            "preference/rm_loss": loss,
+            "preference/fit_agreement": fit_acc,
+            "preference/heldout_agreement": held_acc,
+            "preference/heldout_pairs": float(held_n),
+            "preference/truth_agreement": truth_acc,
+            "preference/truth_pairs": float(truth_n),
+            "preference/items": float(len(items)),
+            "preference/features": float(feats.dim),
+            "preference/r_spread": spread,
+        }
         self.train.log_metric("preference/rm_loss", loss)
 
     # -- reward ------------------------------------------------------------------------
@@ -1108,5 +1200,5 @@ class Plugin:
         for error in learner.background.errors:
             self.labeller.replies.append(f"labelling failed: {error}")
         result.metrics.update({k: v for k, v in learner.metrics().items() if v == v})
-        text = "\n".join(f"- {r}" for r in self.labeller.replies[-self.cfg.max_reasons:])
+        text = "\n".join(f"- {r}" for r in self.labeller.replies[-self.cfg.max_reasons :])
         train.log_text(f"{NAME}/labels.md", f"# Preference labels ({len(learner.labelled)})\n\n{text}\n")

@@ -40,10 +40,30 @@ from typing import Any
 
 import torch
 
-from core.plugin import (SAFE_BUILTIN_NAMES, ActionPrior, IterationResult, PluginConfig, RunContext, SandboxError,
-                         Shapes, StateProgram, Task, TrainContext, TrainResult, UserError, batch_shapes, check_names,
-                         code_options, extract_function, field_bindings, fields_text, hookimpl, interface_of,
-                         prepare_state, state_arguments)
+from core.plugin import (
+    SAFE_BUILTIN_NAMES,
+    ActionPrior,
+    IterationResult,
+    PluginConfig,
+    RunContext,
+    SandboxError,
+    Shapes,
+    StateProgram,
+    Task,
+    TrainContext,
+    TrainResult,
+    UserError,
+    batch_shapes,
+    check_names,
+    code_options,
+    extract_function,
+    field_bindings,
+    fields_text,
+    hookimpl,
+    interface_of,
+    prepare_state,
+    state_arguments,
+)
 
 NAME = "rlingua"
 ENTRY = "act"
@@ -150,25 +170,40 @@ def action_dim(task: Task) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def build_messages(task: Task, imports: tuple[str, ...], act_dim: int | None, shapes: Shapes | None = None,
-                   interface: str = "fields") -> list[dict[str, str]]:
+def build_messages(
+    task: Task, imports: tuple[str, ...], act_dim: int | None, shapes: Shapes | None = None, interface: str = "fields"
+) -> list[dict[str, str]]:
     """System + the controller request, in the run's ``code.interface`` (``fields``: the
     task's fields with the shapes of a real batch, :func:`core.prompting.batch_shapes`,
     made when ``shapes`` is None, and a skeleton binding each; ``dict``: the earlier prompt)."""
     if interface == "dict":
-        text = TASK_DICT.format(description=task.description, schema=task.schema_text(), actions=task.action_description,
-                                goal=task.goal, act_dim=act_dim or "A", imports=", ".join(imports))
+        text = TASK_DICT.format(
+            description=task.description,
+            schema=task.schema_text(),
+            actions=task.action_description,
+            goal=task.goal,
+            act_dim=act_dim or "A",
+            imports=", ".join(imports),
+        )
     else:
         shapes = shapes or batch_shapes(task)
-        text = TASK.format(description=task.description, fields=fields_text(task, shapes), actions=task.action_description,
-                           goal=task.goal, bindings=field_bindings(task, shapes, source="state"), act_dim=act_dim or "A",
-                           imports=", ".join(imports))
+        text = TASK.format(
+            description=task.description,
+            fields=fields_text(task, shapes),
+            actions=task.action_description,
+            goal=task.goal,
+            bindings=field_bindings(task, shapes, source="state"),
+            act_dim=act_dim or "A",
+            imports=", ".join(imports),
+        )
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
 
 
 def check_controller_names(source: str, fields: list[str]) -> Any:
     """:func:`core.namecheck.check_names` on a controller: its ``state`` (whatever ``act`` calls it) may hold only ``fields``."""
-    return check_names(source, fields, available=SAFE_BUILTIN_NAMES, state_args=state_arguments(source, ENTRY, ["state"]))
+    return check_names(
+        source, fields, available=SAFE_BUILTIN_NAMES, state_args=state_arguments(source, ENTRY, ["state"])
+    )
 
 
 class Controller:
@@ -192,8 +227,14 @@ class Controller:
         messages = build_messages(train.task, train.sandbox.imports, self.act_dim, shapes, interface)
         options = code_options(train, 1, cfg.temperature)
         for attempt in range(cfg.attempts):
-            reply = train.llm.chat(messages, n=1, max_tokens=cfg.max_tokens, seed=train.seed * 1000 + attempt,
-                                   tag=f"{NAME}/controller", **options)[0].text
+            reply = train.llm.chat(
+                messages,
+                n=1,
+                max_tokens=cfg.max_tokens,
+                seed=train.seed * 1000 + attempt,
+                tag=f"{NAME}/controller",
+                **options,
+            )[0].text
             found = extract_function(reply, ENTRY, ["state"], rename=True)
             error = found.error if not found.ok else ""
             fixes: list[str] = []
@@ -203,10 +244,13 @@ class Controller:
                 if not names.ok:
                     error = names.message(fields)
             if found.ok and not error:
-                program = StateProgram(source=found.source, entry=ENTRY, origin=NAME, meta={"fixes": fixes} if fixes else {})
+                program = StateProgram(
+                    source=found.source, entry=ENTRY, origin=NAME, meta={"fixes": fixes} if fixes else {}
+                )
                 try:
-                    fn = prepare_state(program, train.task, limits=train.sandbox.limits(),
-                                       allowed_imports=train.sandbox.imports)
+                    fn = prepare_state(
+                        program, train.task, limits=train.sandbox.limits(), allowed_imports=train.sandbox.imports
+                    )
                 except SandboxError as exc:
                     error = exc.report.message
                 else:
@@ -217,8 +261,10 @@ class Controller:
                         self.fn, self.source, self.fixes = fn, found.source, fixes
                         return
             self.errors.append(f"attempt {attempt + 1}: {error}")
-            messages = messages + [{"role": "assistant", "content": reply},
-                                   {"role": "user", "content": RETRY.format(error=error[:1500])}]
+            messages = messages + [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": RETRY.format(error=error[:1500])},
+            ]
 
     def probability(self) -> float:
         return self.cfg.p0 * max(0.0, 1.0 - self.train.progress / self.cfg.anneal)
@@ -249,8 +295,11 @@ class Controller:
         return "\n".join(lines) + "\n"
 
     def metrics(self) -> dict[str, float]:
-        return {f"{NAME}/controller_ok": float(bool(self.source)), f"{NAME}/failed_attempts": float(len(self.errors)),
-                f"{NAME}/calls": float(self.calls)}
+        return {
+            f"{NAME}/controller_ok": float(bool(self.source)),
+            f"{NAME}/failed_attempts": float(len(self.errors)),
+            f"{NAME}/calls": float(self.calls),
+        }
 
 
 class Plugin:
@@ -267,9 +316,11 @@ class Plugin:
 
         trainer = str(OmegaConf.select(run.config, "trainer.name", default="ppo"))
         if trainer != "sac":
-            raise UserError(f"rlingua fills an off-policy replay buffer with the controller's transitions; "
-                            f"trainer={trainer} is on-policy. Add trainer=sac (e.g. python -m core "
-                            f"+plugins=[rlingua] env=kuka_grasp trainer=sac).")
+            raise UserError(
+                f"rlingua fills an off-policy replay buffer with the controller's transitions; "
+                f"trainer={trainer} is on-policy. Add trainer=sac (e.g. python -m core "
+                f"+plugins=[rlingua] env=kuka_grasp trainer=sac)."
+            )
 
     @hookimpl
     def on_train_start(self, train: TrainContext) -> None:
@@ -303,6 +354,8 @@ class Plugin:
                 continue
             share = res.metrics.get("action_prior/share", 0.0)
             score = f"{res.fitness.name} {res.fitness.value:.3f}" if res.fitness is not None else "no fitness"
-            lines.append(f"- {candidate.id}: controller {'passed' if ok else 'failed'}, acted on {share:.1%} of "
-                         f"the steps, {score}" + ("" if res.ok else f"; training failed: {res.error[:300]}"))
+            lines.append(
+                f"- {candidate.id}: controller {'passed' if ok else 'failed'}, acted on {share:.1%} of "
+                f"the steps, {score}" + ("" if res.ok else f"; training failed: {res.error[:300]}")
+            )
         return "\n".join(lines) or None

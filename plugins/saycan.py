@@ -48,8 +48,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.plugin import (ActionPrior, BackgroundCalls, PluginConfig, RunContext, Task, TrainContext, TrainResult,
-                         UserError, ask_in_batches, hookimpl, warm_up)
+from core.plugin import (
+    ActionPrior,
+    BackgroundCalls,
+    PluginConfig,
+    RunContext,
+    Task,
+    TrainContext,
+    TrainResult,
+    UserError,
+    ask_in_batches,
+    hookimpl,
+    warm_up,
+)
 
 NAME = "saycan"
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -61,23 +72,31 @@ class Config(PluginConfig):
     """``plugins.saycan``: how skills are scored, which captions are scored when, and how strongly the score steers."""
 
     instruction: str = ""  # the instruction the skills are scored for; "" uses the task's goal
-    weight: float = 1.0  # exponent of the LLM's skill distribution in the product with the policy (0: uniform-prior control)
+    weight: float = (
+        1.0  # exponent of the LLM's skill distribution in the product with the policy (0: uniform-prior control)
+    )
     top_logprobs: int = 20  # first-token alternatives asked for (OpenAI-style backends give at most 20)
     floor: float = -10.0  # log-probability given to a skill missing from the alternatives
     fallback_prob: float = 0.8  # without log-probabilities: the probability put on the replied skill
     # regular expressions removed from the caption before scoring and caching (details that do not bear on the choice)
     forget: list[str] = field(default_factory=list)
-    prescore_episodes: int = 8  # random-policy rollouts (and as many of the task's reference policy) captioned before training
+    prescore_episodes: int = (
+        8  # random-policy rollouts (and as many of the task's reference policy) captioned before training
+    )
     prescore_steps: int = 1000  # steps per pre-scoring rollout at most
     prescore_calls: int = 96  # LLM calls before training at most (most frequent captions first)
     prescore_s: float = 180.0  # seconds of LLM calls before training at most (0: no limit)
     batch: int = 4  # captions per batch of concurrent calls (llm.chat_many) in the blocking phases
-    rescore_at: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.6])  # fractions of training at which the agent's most frequent unscored captions are scored, blocking
+    rescore_at: list[float] = field(
+        default_factory=lambda: [0.1, 0.3, 0.6]
+    )  # fractions of training at which the agent's most frequent unscored captions are scored, blocking
     rescore_calls: int = 24  # LLM calls per rescoring point at most
     rescore_s: float = 30.0  # seconds per rescoring point at most (0: no limit)
     max_queries: int = 400  # LLM scoring calls per training, all phases; later unscored captions get no prior
     queue_size: int = 64  # captions waiting for the background worker; new ones are dropped while it is full
-    blocking: bool = False  # score every unscored caption before acting (reproducible, slow) instead of in the background
+    blocking: bool = (
+        False  # score every unscored caption before acting (reproducible, slow) instead of in the background
+    )
     finish_s: float = 5.0  # seconds to wait for the background call in progress when a training ends
 
     def check(self) -> None:
@@ -133,8 +152,10 @@ def skill_names(task: Task) -> list[str]:
     text = task.action_description or ""
     found = re.match(r"\s*Discrete\((\d+)\)\s*:?\s*(.*)", text, re.S)
     if not found:
-        raise UserError(f"saycan scores named discrete actions; the task '{task.name}' has {text or 'no action description'}. "
-                        "Use a discrete task (cartpole, mountaincar, minecraft), or rlingua for continuous actions.")
+        raise UserError(
+            f"saycan scores named discrete actions; the task '{task.name}' has {text or 'no action description'}. "
+            "Use a discrete task (cartpole, mountaincar, minecraft), or rlingua for continuous actions."
+        )
     n, rest = int(found.group(1)), found.group(2)
     if n > len(LETTERS):
         raise UserError(f"saycan labels skills with letters: at most {len(LETTERS)} actions, the task has {n}.")
@@ -148,8 +169,10 @@ def skill_names(task: Task) -> list[str]:
 def build_prompt(instruction: str, skills: list[str], state: str) -> list[dict[str, str]]:
     """The scoring messages: the instruction and the skills first (a prefix shared by every state)."""
     listed = "\n".join(f"{LETTERS[i]}. {name}" for i, name in enumerate(skills))
-    return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": PROMPT.format(instruction=instruction, skills=listed, state=state)}]
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": PROMPT.format(instruction=instruction, skills=listed, state=state)},
+    ]
 
 
 def skill_scores(reply: Any, n: int, floor: float, fallback_prob: float) -> np.ndarray | None:
@@ -251,8 +274,17 @@ class SkillScorer:
 
     def _ask(self, texts: list[str]) -> int:
         llm = self.train.llm
-        calls = [dict(messages=build_prompt(self.instruction, self.skills, t), n=1, temperature=0.0, max_tokens=1,
-                      tag=f"{NAME}/score", top_logprobs=self.cfg.top_logprobs) for t in texts]
+        calls = [
+            dict(
+                messages=build_prompt(self.instruction, self.skills, t),
+                n=1,
+                temperature=0.0,
+                max_tokens=1,
+                tag=f"{NAME}/score",
+                top_logprobs=self.cfg.top_logprobs,
+            )
+            for t in texts
+        ]
         replies: list[Any] = [None] * len(texts)
         errors: list[str | None] = [None] * len(texts)
         start = time.perf_counter()
@@ -263,11 +295,16 @@ class SkillScorer:
                 replies = [r[0] for r in many(calls)]
             except Exception as exc:  # noqa: BLE001 - chat_many raises one error for the batch
                 # the calls that did land are in the client's records: keep them, so an error costs its own call only
-                landed = {rec.messages[-1]["content"]: rec.replies[0]
-                          for rec in list(getattr(llm, "records", ()))[first:] if rec.replies}
+                landed = {
+                    rec.messages[-1]["content"]: rec.replies[0]
+                    for rec in list(getattr(llm, "records", ()))[first:]
+                    if rec.replies
+                }
                 replies = [landed.get(call["messages"][-1]["content"]) for call in calls]
-                errors = [None if r is not None else f"LLM error in a batch {type(exc).__name__}: {str(exc)[:200]}"
-                          for r in replies]
+                errors = [
+                    None if r is not None else f"LLM error in a batch {type(exc).__name__}: {str(exc)[:200]}"
+                    for r in replies
+                ]
         else:
             for i, call in enumerate(calls):
                 try:
@@ -277,7 +314,9 @@ class SkillScorer:
         elapsed = time.perf_counter() - start
         done = 0
         for text, reply, error in zip(texts, replies, errors):
-            scores = None if reply is None else skill_scores(reply, len(self.skills), self.cfg.floor, self.cfg.fallback_prob)
+            scores = (
+                None if reply is None else skill_scores(reply, len(self.skills), self.cfg.floor, self.cfg.fallback_prob)
+            )
             if scores is None:
                 error = error or f"no skill letter in the reply {str(getattr(reply, 'text', ''))[:80]!r}"
                 with self.lock:
@@ -302,13 +341,24 @@ class SkillScorer:
         ``calls`` and ``seconds`` (0: no limit), with a progress bar. Returns its figures."""
         todo = [t for t, _ in counts.most_common() if self.wanted(t)][: min(calls, max(0, self.budget_left()))]
         start = time.perf_counter()
-        asked, done = ask_in_batches(todo, self.score, batch=self.cfg.batch, seconds=seconds, label=f"{NAME}: {what}",
-                                     show=self.train.settings.run.progress,
-                                     info=lambda done: f"{done} scored, {self.failures} failed")
+        asked, done = ask_in_batches(
+            todo,
+            self.score,
+            batch=self.cfg.batch,
+            seconds=seconds,
+            label=f"{NAME}: {what}",
+            show=self.train.settings.run.progress,
+            info=lambda done: f"{done} scored, {self.failures} failed",
+        )
         total = sum(counts.values())
         hit = sum(n for t, n in counts.items() if self.scored(t) is not None)
-        return {"captions": float(len(counts)), "calls": float(asked), "scored": float(done),
-                "seconds": time.perf_counter() - start, "covered": hit / max(1, total)}
+        return {
+            "captions": float(len(counts)),
+            "calls": float(asked),
+            "scored": float(done),
+            "seconds": time.perf_counter() - start,
+            "covered": hit / max(1, total),
+        }
 
     def prescore_rollouts(self) -> None:
         """Before training: caption random (and reference) rollouts, score the most frequent captions."""
@@ -319,8 +369,10 @@ class SkillScorer:
         trajectories = self.task.reference_trajectories(cfg.prescore_episodes, self.train.seed, cfg.prescore_steps)
         counts = Counter(self.caption(o) for t in trajectories for o in t.obs)
         rollout_s = time.perf_counter() - start
-        self.prescore = {"rollout_s": rollout_s, **self.score_blocking(counts, cfg.prescore_calls, cfg.prescore_s,
-                                                                       "scoring rollout captions")}
+        self.prescore = {
+            "rollout_s": rollout_s,
+            **self.score_blocking(counts, cfg.prescore_calls, cfg.prescore_s, "scoring rollout captions"),
+        }
 
     def _work(self, text: str) -> None:
         if self.wanted(text):
@@ -362,8 +414,9 @@ class SkillScorer:
         point = self.rescore_points.pop(0)
         while self.rescore_points and self.train.progress >= self.rescore_points[0]:
             self.rescore_points.pop(0)  # points passed in one batch count once
-        figures = self.score_blocking(self.seen, self.cfg.rescore_calls, self.cfg.rescore_s,
-                                      f"scoring the agent's captions at {point:.0%}")
+        figures = self.score_blocking(
+            self.seen, self.cfg.rescore_calls, self.cfg.rescore_s, f"scoring the agent's captions at {point:.0%}"
+        )
         self.train.log_metric(f"{NAME}/rescore_calls", figures["calls"])
         self.train.log_metric(f"{NAME}/rescore_covered", figures["covered"])
 
@@ -378,10 +431,16 @@ class SkillScorer:
 
     def metrics(self) -> dict[str, float]:
         steps = max(1, self.steps)
-        out = {f"{NAME}/covered": self.covered / steps, f"{NAME}/queries": float(self.queries),
-               f"{NAME}/failures": float(self.failures + self.background.failures),
-               f"{NAME}/captions": float(len(self.seen)), f"{NAME}/captions_scored": float(len(self.cache)),
-               "llm/changed_share": self.changed / steps, "llm/calls": float(self.calls), "llm/seconds": self.seconds}
+        out = {
+            f"{NAME}/covered": self.covered / steps,
+            f"{NAME}/queries": float(self.queries),
+            f"{NAME}/failures": float(self.failures + self.background.failures),
+            f"{NAME}/captions": float(len(self.seen)),
+            f"{NAME}/captions_scored": float(len(self.cache)),
+            "llm/changed_share": self.changed / steps,
+            "llm/calls": float(self.calls),
+            "llm/seconds": self.seconds,
+        }
         out.update({f"{NAME}/prescore_{k}": v for k, v in self.prescore.items()})
         return out
 
@@ -421,6 +480,8 @@ class Plugin:
             return
         scorer.stop(self.cfg.finish_s)
         result.metrics.update(scorer.metrics())
-        header = (f"# SayCan skill scores ({scorer.queries} captions asked, {scorer.calls} LLM calls, "
-                  f"{scorer.seconds:.0f} s; instruction: {scorer.instruction})\n\n")
+        header = (
+            f"# SayCan skill scores ({scorer.queries} captions asked, {scorer.calls} LLM calls, "
+            f"{scorer.seconds:.0f} s; instruction: {scorer.instruction})\n\n"
+        )
         train.log_text(f"{NAME}/scores.md", header + "\n".join(scorer.log) + "\n")

@@ -28,10 +28,30 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from core.plugin import (Candidate, IterationResult, PluginConfig, RewardProgram, SandboxError, Shapes, Task,
-                         TrainResult, action_text, batch_shapes, candidate_line, code_options, fence, hookimpl,
-                         interface_of, prepare_reward, program_fields, program_from_reply, repair_messages,
-                         reply_counts, sign_rule, without_prelude)
+from core.plugin import (
+    Candidate,
+    IterationResult,
+    PluginConfig,
+    RewardProgram,
+    SandboxError,
+    Shapes,
+    Task,
+    TrainResult,
+    action_text,
+    batch_shapes,
+    candidate_line,
+    code_options,
+    fence,
+    hookimpl,
+    interface_of,
+    prepare_reward,
+    program_fields,
+    program_from_reply,
+    repair_messages,
+    reply_counts,
+    sign_rule,
+    without_prelude,
+)
 
 NAME = "text2reward"
 ENTRY = "compute_dense_reward"
@@ -44,7 +64,9 @@ class Config(PluginConfig):
 
     iterations: int = 1  # 1 = zero-/few-shot only; more = feedback rounds (user comment, or auto_feedback)
     samples: int = 4  # reward functions sampled per round, each trained
-    temperature: float | None = None  # sampling temperature; None: by the number of samples (core.prompting.sampling_temperature)
+    temperature: float | None = (
+        None  # sampling temperature; None: by the number of samples (core.prompting.sampling_temperature)
+    )
     max_tokens: int = 768  # cap on each reply
     retries: int = 2  # re-asks per sample, with the error, until the code parses and validates
     validate: bool = True  # probe each program in the sandbox before accepting it (else only parse)
@@ -52,10 +74,14 @@ class Config(PluginConfig):
     few_shot: bool = True  # show retrieved examples from the library (zero-shot while it is empty)
     shots: int = 1  # examples retrieved per prompt (most similar instructions)
     include_same_task: bool = True  # may retrieve examples written for this very task (false: other tasks only)
-    library_path: str | None = None  # JSON library of (instruction, code) pairs; null = <cache_dir>/text2reward_library.json
+    library_path: str | None = (
+        None  # JSON library of (instruction, code) pairs; null = <cache_dir>/text2reward_library.json
+    )
     library_min_fitness: float = 0.5  # a run's best reward joins the library when its fitness reaches this
     feedback: str | None = None  # a user's comment on the trained behaviour, used in the next round
-    feedback_file: str | None = None  # or a text file holding it (read at each round, so it can be edited between rounds)
+    feedback_file: str | None = (
+        None  # or a text file holding it (read at each round, so it can be edited between rounds)
+    )
     auto_feedback: bool = False  # with no user comment, write a factual one from the results (else no feedback round)
     final_seeds: int = 0  # retrain the best reward on this many more seeds after the loop
 
@@ -232,17 +258,29 @@ def abstraction(task: Task, shapes: Shapes | None = None, interface: str = "fiel
     return text if interface == "fields" else text.replace("state.name", 'state["name"]')
 
 
-def task_prompt(task: Task, instruction: str, allowed: list[str], shapes: Shapes | None = None,
-                interface: str = "fields") -> str:
+def task_prompt(
+    task: Task, instruction: str, allowed: list[str], shapes: Shapes | None = None, interface: str = "fields"
+) -> str:
     description = task.description.split("\n\n")[0]  # the prose, not the schema repeated
     fields = interface == "fields"
-    return TASK.format(abstraction=abstraction(task, shapes, interface), description=description,
-                       instruction=instruction, imports=", ".join(allowed), sign_rule=sign_rule(task) + "\n" if fields else "",
-                       ending="Reply with the complete function in one ```python block and nothing after it." if fields else "")
+    return TASK.format(
+        abstraction=abstraction(task, shapes, interface),
+        description=description,
+        instruction=instruction,
+        imports=", ".join(allowed),
+        sign_rule=sign_rule(task) + "\n" if fields else "",
+        ending="Reply with the complete function in one ```python block and nothing after it." if fields else "",
+    )
 
 
-def messages(task: Task, instruction: str, allowed: list[str], examples: list[Example],
-             shapes: Shapes | None = None, interface: str = "fields") -> list[dict[str, str]]:
+def messages(
+    task: Task,
+    instruction: str,
+    allowed: list[str],
+    examples: list[Example],
+    shapes: Shapes | None = None,
+    interface: str = "fields",
+) -> list[dict[str, str]]:
     """System + (retrieved examples) + the task prompt."""
     user = task_prompt(task, instruction, allowed, shapes, interface)
     if examples:
@@ -269,7 +307,9 @@ def auto_comment(result: TrainResult, fitness_name: str) -> str:
     """Stands in for a user's comment when none is given: says what went wrong."""
     value = result.fitness.value if result.fitness else 0.0
     if value <= 0.0:
-        return "The agent never achieves the goal. The reward must guide it more directly toward the instruction's goal."
+        return (
+            "The agent never achieves the goal. The reward must guide it more directly toward the instruction's goal."
+        )
     return f"The agent sometimes achieves the goal ({fitness_name} {value:.2f}) but not reliably. Make the final stage more rewarding."
 
 
@@ -278,8 +318,9 @@ def program_of(reply: str, prompt: str, sample: int, call: str = "", fields: lis
     rejected with the reason (:func:`core.codegen.program_from_reply`); with ``fields``
     (the task's field names) the names it reads are checked and mended first."""
     meta: dict[str, Any] = {"sample": sample, **({"call": call} if call else {})}
-    return program_from_reply(RewardProgram, reply, ENTRY, ARGS, state_fields=fields, prelude=HELPERS, origin=NAME,
-                              prompt=prompt, meta=meta)
+    return program_from_reply(
+        RewardProgram, reply, ENTRY, ARGS, state_fields=fields, prelude=HELPERS, origin=NAME, prompt=prompt, meta=meta
+    )
 
 
 # -- helpers reading the config ----------------------------------------------------------------
@@ -337,18 +378,27 @@ class Plugin:
         instruction = instruction_of(cfg, run.task)
         self.shapes = self.shapes or batch_shapes(run.task, run.seed)
         if iteration > 0 and self.best is not None:
-            comment = user_comment(cfg) or (auto_comment(self.best[1], run.task.fitness_name) if cfg.auto_feedback else "")
+            comment = user_comment(cfg) or (
+                auto_comment(self.best[1], run.task.fitness_name) if cfg.auto_feedback else ""
+            )
             if not comment:
                 return None  # no feedback round: keep the zero-/few-shot reward
             msgs = messages(run.task, instruction, allowed, [], self.shapes, interface_of(run))
             msgs += [
                 {"role": "assistant", "content": self.best[0].reply},
-                {"role": "user", "content": FEEDBACK.format(summary=behaviour_summary(self.best[1], run.task.fitness_name), comment=comment)},
+                {
+                    "role": "user",
+                    "content": FEEDBACK.format(
+                        summary=behaviour_summary(self.best[1], run.task.fitness_name), comment=comment
+                    ),
+                },
             ]
         else:
             shots = cfg.shots if cfg.few_shot else 0
             pool = [e for e in self.library if cfg.include_same_task or e.task != run.task.name]
-            msgs = messages(run.task, instruction, allowed, retrieve(pool, instruction, shots), self.shapes, interface_of(run))
+            msgs = messages(
+                run.task, instruction, allowed, retrieve(pool, instruction, shots), self.shapes, interface_of(run)
+            )
         return self.generate(run, msgs, iteration)
 
     def generate(self, run: Any, msgs: list[dict[str, str]], iteration: int) -> list[RewardProgram]:
@@ -364,15 +414,18 @@ class Plugin:
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
         tag = f"{NAME}-it{iteration}"
         options = code_options(run, cfg.samples, cfg.temperature)
-        replies = run.llm.chat(msgs, n=cfg.samples, max_tokens=cfg.max_tokens, seed=run.seed * 1000 + iteration, tag=tag,
-                               **options)
+        replies = run.llm.chat(
+            msgs, n=cfg.samples, max_tokens=cfg.max_tokens, seed=run.seed * 1000 + iteration, tag=tag, **options
+        )
         fields = interface_of(run) == "fields"
         names = run.task.field_names() if fields else None
         programs: list[RewardProgram] = []
         for i, reply in enumerate(replies):
             text, convo, errors = reply.text, list(msgs), []
             for attempt in range(cfg.retries + 1):
-                program = program_of(text, prompt, i, tag, names)  # the sample index of the first request, whichever attempt
+                program = program_of(
+                    text, prompt, i, tag, names
+                )  # the sample index of the first request, whichever attempt
                 if not program.rejected and cfg.validate:
                     error = sandbox_error(run, program)
                     if error:  # parses, but fails on real states: rejected with the sandbox's reason
@@ -388,16 +441,37 @@ class Plugin:
                     code = run.settings.run.code
                     kind = str(program.meta.get("rejected_kind", ""))
                     kind = program.rejected.split(":")[0] if kind == "sandbox" else kind  # the sandbox's own kind
-                    request = repair_messages(run.task, without_prelude(program) or text, program.rejected, kind,
-                                              entry=ENTRY, shapes=self.shapes)
-                    text = run.llm.chat(request, n=1, temperature=code.repair_temperature, max_tokens=code.repair_max_tokens,
-                                        stop=options["stop"], seed=seed, tag=f"{tag}-retry")[0].text
+                    request = repair_messages(
+                        run.task,
+                        without_prelude(program) or text,
+                        program.rejected,
+                        kind,
+                        entry=ENTRY,
+                        shapes=self.shapes,
+                    )
+                    text = run.llm.chat(
+                        request,
+                        n=1,
+                        temperature=code.repair_temperature,
+                        max_tokens=code.repair_max_tokens,
+                        stop=options["stop"],
+                        seed=seed,
+                        tag=f"{tag}-retry",
+                    )[0].text
                     continue
                 listed = ", ".join(f'"{f.name}"' for f in run.task.state_fields)
-                convo = convo + [{"role": "assistant", "content": text},
-                                 {"role": "user", "content": RETRY.format(error=program.rejected[-1200:], fields=listed)}]
-                text = run.llm.chat(convo, n=1, temperature=options["temperature"], max_tokens=cfg.max_tokens,
-                                    seed=seed, tag=f"{tag}-retry")[0].text
+                convo = convo + [
+                    {"role": "assistant", "content": text},
+                    {"role": "user", "content": RETRY.format(error=program.rejected[-1200:], fields=listed)},
+                ]
+                text = run.llm.chat(
+                    convo,
+                    n=1,
+                    temperature=options["temperature"],
+                    max_tokens=cfg.max_tokens,
+                    seed=seed,
+                    tag=f"{tag}-retry",
+                )[0].text
         return programs
 
     @hookimpl
@@ -417,11 +491,20 @@ class Plugin:
             self.best_score, self.best_source = best_r.score, best_c.reward.source
         code = without_prelude(best_c.reward, HELPERS).strip()
         sample = best_c.reward.meta.get("sample")
-        lines += ["", f"### `{best_c.id}`{f' (reply {sample})' if sample is not None else ''}, the best of this iteration", "",
-                  "Its reward function (the helpers omitted):", "", fence(code, "python"), "",
-                  "- behaviour: " + behaviour_summary(best_r, run.task.fitness_name)]
+        lines += [
+            "",
+            f"### `{best_c.id}`{f' (reply {sample})' if sample is not None else ''}, the best of this iteration",
+            "",
+            "Its reward function (the helpers omitted):",
+            "",
+            fence(code, "python"),
+            "",
+            "- behaviour: " + behaviour_summary(best_r, run.task.fitness_name),
+        ]
         if best_r.score >= self.cfg.library_min_fitness:
-            self.library = add_example(self.library, Example(run.task.name, instruction_of(self.cfg, run.task), code, best_r.score))
+            self.library = add_example(
+                self.library, Example(run.task.name, instruction_of(self.cfg, run.task), code, best_r.score)
+            )
             self.save_library()
             lines.append(f"- added `{best_c.id}` to the few-shot library ({len(self.library)} examples)")
         return "\n".join(lines)
@@ -445,11 +528,19 @@ class Plugin:
         cfg = self.cfg
         msgs = messages(run.task, instruction_of(cfg, run.task), list(run.sandbox.imports), [], self.shapes, "dict")
         fields = ", ".join(f'"{f.name}"' for f in run.task.state_fields)
-        msgs += [{"role": "assistant", "content": program.reply or f"```python\n{program.source}\n```"},
-                 {"role": "user", "content": RETRY.format(error=error.strip()[-1200:], fields=fields)}]
+        msgs += [
+            {"role": "assistant", "content": program.reply or f"```python\n{program.source}\n```"},
+            {"role": "user", "content": RETRY.format(error=error.strip()[-1200:], fields=fields)},
+        ]
         attempt = int(program.meta.get("repairs", 0)) + 1
-        reply = run.llm.chat(msgs, n=1, temperature=0.7 if cfg.temperature is None else cfg.temperature,
-                             max_tokens=cfg.max_tokens, seed=run.seed * 1000 + 900 + attempt, tag=f"{NAME}-repair")[0]
+        reply = run.llm.chat(
+            msgs,
+            n=1,
+            temperature=0.7 if cfg.temperature is None else cfg.temperature,
+            max_tokens=cfg.max_tokens,
+            seed=run.seed * 1000 + 900 + attempt,
+            tag=f"{NAME}-repair",
+        )[0]
         prompt = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in msgs)
         repaired = program_of(reply.text, prompt, int(program.meta.get("sample", 0)), str(program.meta.get("call", "")))
         if repaired.rejected:

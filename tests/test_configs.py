@@ -123,7 +123,9 @@ def config_yaml() -> dict[str, Any]:
     return yaml.safe_load((conf_dir() / "config.yaml").read_text())
 
 
-def attributes_read(source: str, skip_classes: set[str] = frozenset(), skip_methods: tuple[str, ...] = ("check",)) -> set[str]:
+def attributes_read(
+    source: str, skip_classes: set[str] = frozenset(), skip_methods: tuple[str, ...] = ("check",)
+) -> set[str]:
     """Names read as attributes (``x.name``) in ``source``, outside the ``check`` methods of
     the classes ``skip_classes`` (validating a value is not using it)."""
     tree = ast.parse(source)
@@ -204,16 +206,21 @@ def test_each_group_option_holds_only_its_schemas_fields(group, option):
     assert not unknown, f"conf/{group}/{option}.yaml has keys {schema.__name__} does not declare: {unknown}"
     if len(_options(group)) == 1:  # one file: it is the schema's defaults
         expected = defaults(schema)
-        assert {k: v for k, v in node.items() if v != expected[k]} == {}, f"conf/{group}/{option}.yaml vs {schema.__name__}"
+        assert {k: v for k, v in node.items() if v != expected[k]} == {}, (
+            f"conf/{group}/{option}.yaml vs {schema.__name__}"
+        )
 
 
-@pytest.mark.parametrize("overrides,key,type_name", [
-    (["trainer.frames=abc"], "trainer.frames", "int"),
-    (["llm.max_tokens=abc"], "llm.max_tokens", "int"),
-    (["executor=ray", "executor.cpus_per_job=abc"], "executor.cpus_per_job", "float"),
-    (["tracking.log_plots=abc"], "tracking.log_plots", "bool"),
-    (["env.max_episode_steps=abc"], "env.max_episode_steps", "int"),
-])
+@pytest.mark.parametrize(
+    "overrides,key,type_name",
+    [
+        (["trainer.frames=abc"], "trainer.frames", "int"),
+        (["llm.max_tokens=abc"], "llm.max_tokens", "int"),
+        (["executor=ray", "executor.cpus_per_job=abc"], "executor.cpus_per_job", "float"),
+        (["tracking.log_plots=abc"], "tracking.log_plots", "bool"),
+        (["env.max_episode_steps=abc"], "env.max_episode_steps", "int"),
+    ],
+)
 def test_bad_group_values_are_refused_in_one_paragraph(make_config, overrides, key, type_name):
     with pytest.raises(UserError) as err:
         validate(make_config(overrides), {})
@@ -222,19 +229,24 @@ def test_bad_group_values_are_refused_in_one_paragraph(make_config, overrides, k
     assert "\n" not in message.strip()
 
 
-@pytest.mark.parametrize("override,key,closest", [
-    ("+executor.worker=2", "executor.worker", "workers"),
-    ("+llm.max_token=3", "llm.max_token", "max_tokens"),
-    ("+trainer.lrr=0.1", "trainer.lrr", "lr"),
-    ("+env.max_episode_step=9", "env.max_episode_step", "max_episode_steps"),
-])
+@pytest.mark.parametrize(
+    "override,key,closest",
+    [
+        ("+executor.worker=2", "executor.worker", "workers"),
+        ("+llm.max_token=3", "llm.max_token", "max_tokens"),
+        ("+trainer.lrr=0.1", "trainer.lrr", "lr"),
+        ("+env.max_episode_step=9", "env.max_episode_step", "max_episode_steps"),
+    ],
+)
 def test_an_unknown_group_key_names_the_closest_one(make_config, override, key, closest):
     with pytest.raises(UserError, match=rf"Unknown config key '{key}'\. Did you mean '{closest}'"):
         validate(make_config([override]), {})
 
 
 def test_a_value_a_groups_check_refuses_is_one_paragraph(make_config):
-    with pytest.raises(UserError, match=r"executor.*workers must be 'auto' or a positive number of workers, got 'lots'"):
+    with pytest.raises(
+        UserError, match=r"executor.*workers must be 'auto' or a positive number of workers, got 'lots'"
+    ):
         validate(make_config(["executor.workers=lots"]), {})
 
 
@@ -275,8 +287,11 @@ def test_every_plugin_config_field_is_read_by_code(plugin):
     classes = schema_classes(schema)
     reads = attributes_read(inspect.getsource(module), {c.__name__ for c in classes})
     base = {f.name for f in dataclasses.fields(PluginConfig)}
-    unread = [path for path, name in field_paths(schema).items()
-              if name not in reads and not (name in base and name in core_reads())]
+    unread = [
+        path
+        for path, name in field_paths(schema).items()
+        if name not in reads and not (name in base and name in core_reads())
+    ]
     assert not unread, f"{plugin}: no code reads {unread} (an attribute of that name, outside Config.check)"
 
 
@@ -320,8 +335,11 @@ def test_top_level_yaml_keys_are_the_run_settings_with_their_defaults():
     node = {k: v for k, v in config_yaml().items() if k != "defaults" and k not in GROUPS}
     assert sorted(node) == sorted(f.name for f in dataclasses.fields(RunSettings))
     expected = defaults(RunSettings)
-    different = {k: (v, expected[k]) for k, v in node.items()
-                 if k != "sandbox" and not (isinstance(v, str) and v.startswith("${")) and v != expected[k]}
+    different = {
+        k: (v, expected[k])
+        for k, v in node.items()
+        if k != "sandbox" and not (isinstance(v, str) and v.startswith("${")) and v != expected[k]
+    }
     assert not different, f"conf/config.yaml vs RunSettings defaults: {different}"
 
 
@@ -330,11 +348,14 @@ def test_every_run_setting_is_read_in_core():
     assert not unread, f"top-level keys no code in core/ reads: {unread}"
 
 
-@pytest.mark.parametrize("override,key,type_name", [
-    ("seed=abc", "config.seed", "int"),
-    ("sandbox.cpu_s=abc", "sandbox.cpu_s", "float"),
-    ("sandbox.per_row_fallback=abc", "sandbox.per_row_fallback", "bool"),
-])
+@pytest.mark.parametrize(
+    "override,key,type_name",
+    [
+        ("seed=abc", "config.seed", "int"),
+        ("sandbox.cpu_s=abc", "sandbox.cpu_s", "float"),
+        ("sandbox.per_row_fallback=abc", "sandbox.per_row_fallback", "bool"),
+    ],
+)
 def test_bad_core_values_are_refused_in_one_paragraph(make_config, override, key, type_name):
     with pytest.raises(UserError) as err:
         validate(make_config([override]), {})

@@ -32,7 +32,9 @@ class FloatObservation(gym.ObservationWrapper):
 
     def __init__(self, env: gym.Env) -> None:
         super().__init__(env)
-        self._flatten = not (isinstance(env.observation_space, gym.spaces.Box) and len(env.observation_space.shape) == 1)
+        self._flatten = not (
+            isinstance(env.observation_space, gym.spaces.Box) and len(env.observation_space.shape) == 1
+        )
         space = gym.spaces.flatten_space(env.observation_space) if self._flatten else env.observation_space
         self.observation_space = gym.spaces.Box(
             low=space.low.astype(np.float32), high=space.high.astype(np.float32), dtype=np.float32
@@ -158,7 +160,9 @@ def vector_env(make_one: Callable[[int], gym.Env], num_envs: int, seed: int) -> 
 def require(module: str, extra: str, what: str) -> None:
     """Raise a :class:`UserError` naming the extra to install when ``module`` is missing."""
     if importlib.util.find_spec(module) is None:
-        raise UserError(f"{what} needs the Python package '{module}', which is not installed. Install it with: pip install \"llm4rl[{extra}]\"")
+        raise UserError(
+            f"{what} needs the Python package '{module}', which is not installed. Install it with: pip install \"llm4rl[{extra}]\""
+        )
 
 
 def without_reward_section(doc: str) -> str:
@@ -230,7 +234,9 @@ class GymTask(Task):
             limit = probe.spec.max_episode_steps if probe.spec else None
             action_description = action_description or f"Action space: {probe.action_space}."
             probe.close()
-            state_fields = [StateField(f"obs_{i}", i, i + 1, f"observation component {i} of {self.env_id}") for i in range(size)]
+            state_fields = [
+                StateField(f"obs_{i}", i, i + 1, f"observation component {i} of {self.env_id}") for i in range(size)
+            ]
             names = ", ".join(f.name for f in state_fields)
             description = description or (
                 f"Gymnasium environment {self.env_id}. Observation (float32, {size} values, the env's observation "
@@ -258,15 +264,21 @@ class GymTask(Task):
         if any(f.name not in self.description for f in self.state_fields):
             # the LLM writes code against these names: list every one of them
             computed = ", ".join(d.name for d in self.derived_fields)
-            self.description += ("\n\nObservation fields, in order" + (f" (then the fields computed from them: {computed})"
-                                                                        if computed else "") + ":\n" + self.schema_text())
+            self.description += (
+                "\n\nObservation fields, in order"
+                + (f" (then the fields computed from them: {computed})" if computed else "")
+                + ":\n"
+                + self.schema_text()
+            )
 
     # -- construction ---------------------------------------------------------------
     def check_available(self) -> None:
         if self.requires is not None:
             require(self.requires[0], self.requires[1], f"The task '{self.name}'")
         if self.env_id and self.env_id not in gym.registry:
-            raise UserError(f"'{self.env_id}' is not a registered gymnasium id. Examples: CartPole-v1, Acrobot-v1, LunarLander-v3.")
+            raise UserError(
+                f"'{self.env_id}' is not a registered gymnasium id. Examples: CartPole-v1, Acrobot-v1, LunarLander-v3."
+            )
 
     def wrap(self, env: gym.Env) -> gym.Env:
         """Task-specific wrappers around one env (success flags, extra info)."""
@@ -280,7 +292,9 @@ class GymTask(Task):
         env = gym.make(self.env_id, max_episode_steps=self.max_episode_steps, **self.make_kwargs)
         return FloatObservation(self.wrap(self.reward_wrap(env)))
 
-    def make_env(self, num_envs: int, seed: int, params: dict[str, Any] | list[dict[str, Any]] | None = None) -> gym.vector.VectorEnv:
+    def make_env(
+        self, num_envs: int, seed: int, params: dict[str, Any] | list[dict[str, Any]] | None = None
+    ) -> gym.vector.VectorEnv:
         if params:
             raise UserError(f"The task '{self.name}' has no controllable params; got {params}.")
         self.check_available()
@@ -290,6 +304,7 @@ class GymTask(Task):
 # -------------------------------------------------------------------------------------
 # Classic control
 # -------------------------------------------------------------------------------------
+
 
 class CartPole(GymTask):
     """CartPole-v1: keep a pole upright on a cart; fitness = mean return (max 500)."""
@@ -307,12 +322,26 @@ class CartPole(GymTask):
         super().__init__(
             name="cartpole",
             max_episode_steps=max_episode_steps,
-            goal=("Balance the pole upright (`pole_angle` near 0) on the moving cart for as long as possible while keeping "
-                  "the cart near the centre of the track (`cart_position` near 0)."),
+            goal=(
+                "Balance the pole upright (`pole_angle` near 0) on the moving cart for as long as possible while keeping "
+                "the cart near the centre of the track (`cart_position` near 0)."
+            ),
             state_fields=[
-                StateField("cart_position", 0, 1, "cart position along the track, 0 is the centre; the episode ends beyond +-2.4", "m"),
+                StateField(
+                    "cart_position",
+                    0,
+                    1,
+                    "cart position along the track, 0 is the centre; the episode ends beyond +-2.4",
+                    "m",
+                ),
                 StateField("cart_velocity", 1, 2, "cart velocity, positive to the right", "m/s"),
-                StateField("pole_angle", 2, 3, "pole angle from upright, positive leaning right; the episode ends beyond +-0.2095 (12 degrees)", "rad"),
+                StateField(
+                    "pole_angle",
+                    2,
+                    3,
+                    "pole angle from upright, positive leaning right; the episode ends beyond +-0.2095 (12 degrees)",
+                    "rad",
+                ),
                 StateField("pole_angular_velocity", 3, 4, "angular velocity of the pole", "rad/s"),
             ],
             description=(
@@ -328,8 +357,9 @@ class CartPole(GymTask):
             reward=reward,
         )
 
-    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
-                      episode: dict[str, Any]) -> float:
+    def sparse_reward(
+        self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any], episode: dict[str, Any]
+    ) -> float:
         return 1.0 if truncated and not terminated else 0.0
 
     def describe_segment(self, obs: np.ndarray, ended: bool) -> str:
@@ -337,9 +367,11 @@ class CartPole(GymTask):
         if ended:
             why = "the cart left the track" if abs(x) > 2.4 else "the pole fell past 12 degrees"
             return f"The agent kept the pole up for {steps} steps, then {why} and the episode ended in failure."
-        return (f"The agent kept the pole up for all {steps} steps; at the end the pole leans "
-                f"{abs(np.degrees(angle)):.0f} degrees to the {'right' if angle > 0 else 'left'} and the cart is "
-                f"{abs(x):.1f} m {'right' if x > 0 else 'left'} of the centre.")
+        return (
+            f"The agent kept the pole up for all {steps} steps; at the end the pole leans "
+            f"{abs(np.degrees(angle)):.0f} degrees to the {'right' if angle > 0 else 'left'} and the cart is "
+            f"{abs(x):.1f} m {'right' if x > 0 else 'left'} of the centre."
+        )
 
     def reference_policy(self) -> Callable[[np.ndarray], np.ndarray]:
         """A PD controller on the pole angle (with a little cart centring): keeps it up for 500 steps."""
@@ -380,21 +412,35 @@ class MountainCar(GymTask):
     ends_on_success = True
     sparse_text = "+1 on the step the car reaches the flag, 0 on every other step (success only)."
     derived = (
-        DerivedField("car_height", "track height at the car, 0.45 * sin(3 * car_position) + 0.55: 0.1 at the valley "
-                     "bottom, 1.0 at the flag", _mountaincar_height),
-        DerivedField("mechanical_energy", "the car's energy under the dynamics, scaled: 0 at rest at the valley bottom, "
-                     "1 at rest at the flag", _mountaincar_energy),
+        DerivedField(
+            "car_height",
+            "track height at the car, 0.45 * sin(3 * car_position) + 0.55: 0.1 at the valley bottom, 1.0 at the flag",
+            _mountaincar_height,
+        ),
+        DerivedField(
+            "mechanical_energy",
+            "the car's energy under the dynamics, scaled: 0 at rest at the valley bottom, 1 at rest at the flag",
+            _mountaincar_energy,
+        ),
     )
 
-    def __init__(self, max_episode_steps: int = 200, show_source: bool = False, shaped: bool = False,
-                 shaping_gamma: float = 0.98, reward: str = "human") -> None:
+    def __init__(
+        self,
+        max_episode_steps: int = 200,
+        show_source: bool = False,
+        shaped: bool = False,
+        shaping_gamma: float = 0.98,
+        reward: str = "human",
+    ) -> None:
         self.shaped, self.shaping_gamma = bool(shaped), float(shaping_gamma)
         super().__init__(
             name="mountaincar",
             max_episode_steps=max_episode_steps,
             fitness_name="success_rate",
-            goal=("Drive the under-powered car up the right hill to reach the flag at `car_position` 0.5; it must build "
-                  "momentum by rocking back and forth, which raises its `mechanical_energy`."),
+            goal=(
+                "Drive the under-powered car up the right hill to reach the flag at `car_position` 0.5; it must build "
+                "momentum by rocking back and forth, which raises its `mechanical_energy`."
+            ),
             state_fields=_mountaincar_fields(),
             description=(
                 "MountainCar-v0 (gymnasium classic control). A car sits in a valley between two hills and its "
@@ -412,8 +458,9 @@ class MountainCar(GymTask):
             reward=reward,
         )
 
-    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
-                      episode: dict[str, Any]) -> float:
+    def sparse_reward(
+        self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any], episode: dict[str, Any]
+    ) -> float:
         return 1.0 if terminated else 0.0  # terminates only at the flag
 
     def reference_policy(self) -> Callable[[np.ndarray], np.ndarray]:
@@ -442,9 +489,11 @@ class MountainCarContinuous(MountainCar):
             name="mountaincar_continuous",
             max_episode_steps=max_episode_steps,
             fitness_name="success_rate",
-            goal=("Drive the under-powered car up the right hill to reach the flag at `car_position` 0.45 using as little "
-                  "engine force as possible; it must build momentum by rocking back and forth, which raises its "
-                  "`mechanical_energy`."),
+            goal=(
+                "Drive the under-powered car up the right hill to reach the flag at `car_position` 0.45 using as little "
+                "engine force as possible; it must build momentum by rocking back and forth, which raises its "
+                "`mechanical_energy`."
+            ),
             state_fields=_mountaincar_fields(),
             description=(
                 "MountainCarContinuous-v0 (gymnasium classic control). A car sits in a valley between two hills "
@@ -462,10 +511,16 @@ class MountainCarContinuous(MountainCar):
         )
 
     derived = (
-        DerivedField("car_height", "track height at the car, 0.45 * sin(3 * car_position) + 0.55: 0.1 at the valley "
-                     "bottom, 0.99 at the flag", _mountaincar_height),
-        DerivedField("mechanical_energy", "the car's energy under the dynamics, scaled: 0 at rest at the valley bottom, "
-                     "1 at rest at the flag", _mountaincar_continuous_energy),
+        DerivedField(
+            "car_height",
+            "track height at the car, 0.45 * sin(3 * car_position) + 0.55: 0.1 at the valley bottom, 0.99 at the flag",
+            _mountaincar_height,
+        ),
+        DerivedField(
+            "mechanical_energy",
+            "the car's energy under the dynamics, scaled: 0 at rest at the valley bottom, 1 at rest at the flag",
+            _mountaincar_continuous_energy,
+        ),
     )
 
     def reference_policy(self) -> Callable[[np.ndarray], np.ndarray]:
@@ -475,7 +530,13 @@ class MountainCarContinuous(MountainCar):
 
 def _mountaincar_fields() -> list[StateField]:
     return [
-        StateField("car_position", 0, 1, "horizontal position of the car; valley bottom near -0.52, flag at 0.5 (0.45 continuous)", "m"),
+        StateField(
+            "car_position",
+            0,
+            1,
+            "horizontal position of the car; valley bottom near -0.52, flag at 0.5 (0.45 continuous)",
+            "m",
+        ),
         StateField("car_velocity", 1, 2, "horizontal velocity of the car, positive to the right", "m/step"),
     ]
 
@@ -495,20 +556,41 @@ class Pendulum(GymTask):
         "(no torque or velocity terms)."
     )
     derived = (
-        DerivedField("angle", "angle theta from upright, atan2(sin_theta, cos_theta): 0 upright, +-pi hanging down; "
-                     "positive torque raises it", _pendulum_angle, "rad"),
+        DerivedField(
+            "angle",
+            "angle theta from upright, atan2(sin_theta, cos_theta): 0 upright, +-pi hanging down; "
+            "positive torque raises it",
+            _pendulum_angle,
+            "rad",
+        ),
     )
 
     def __init__(self, max_episode_steps: int = 200, show_source: bool = False, reward: str = "human") -> None:
         super().__init__(
             name="pendulum",
             max_episode_steps=max_episode_steps,
-            goal=("Swing the pendulum up and keep it balanced upright (`angle` 0) and still (`angular_velocity` 0) with "
-                  "as little torque as possible."),
+            goal=(
+                "Swing the pendulum up and keep it balanced upright (`angle` 0) and still (`angular_velocity` 0) with "
+                "as little torque as possible."
+            ),
             state_fields=[
-                StateField("cos_theta", 0, 1, "cosine of the pendulum's angle from upright; 1 when upright, -1 hanging down", ""),
-                StateField("sin_theta", 1, 2, "sine of the pendulum's angle from upright; 0 when upright or hanging down", ""),
-                StateField("angular_velocity", 2, 3, "angular velocity of the pendulum (rate of change of angle), in [-8, 8]", "rad/s"),
+                StateField(
+                    "cos_theta",
+                    0,
+                    1,
+                    "cosine of the pendulum's angle from upright; 1 when upright, -1 hanging down",
+                    "",
+                ),
+                StateField(
+                    "sin_theta", 1, 2, "sine of the pendulum's angle from upright; 0 when upright or hanging down", ""
+                ),
+                StateField(
+                    "angular_velocity",
+                    2,
+                    3,
+                    "angular velocity of the pendulum (rate of change of angle), in [-8, 8]",
+                    "rad/s",
+                ),
             ],
             description=(
                 "Pendulum-v1 (gymnasium classic control). A pendulum is attached at one end to a fixed point; "
@@ -523,8 +605,9 @@ class Pendulum(GymTask):
             reward=reward,
         )
 
-    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
-                      episode: dict[str, Any]) -> float:
+    def sparse_reward(
+        self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any], episode: dict[str, Any]
+    ) -> float:
         angle = float(np.arctan2(obs[1], obs[0]))  # 0 upright
         return 1.0 if abs(angle) <= self.upright_rad else 0.0
 
@@ -534,7 +617,7 @@ class Pendulum(GymTask):
 
         def act(obs: np.ndarray) -> np.ndarray:
             angle, spin = np.arctan2(obs[:, 1], obs[:, 0]), obs[:, 2]
-            energy = 0.5 * spin ** 2 / 15.0 + (obs[:, 0] - 1.0)  # 0 at rest upright (g = 10, l = 1: 3g/2l = 15)
+            energy = 0.5 * spin**2 / 15.0 + (obs[:, 0] - 1.0)  # 0 at rest upright (g = 10, l = 1: 3g/2l = 15)
             pump = np.where(energy < 0, 2.0, -2.0) * np.where(spin >= 0, 1.0, -1.0)
             hold = np.clip(-(10.0 * angle + 2.0 * spin), -2.0, 2.0)
             return np.where(obs[:, 0] > 0.85, hold, pump)[:, None].astype(np.float32)
@@ -566,20 +649,35 @@ class Acrobot(GymTask):
         "The env's own -1 per step is already sparse; this is its success-only form."
     )
     derived = (
-        DerivedField("theta1", "angle of the first link from pointing straight down, atan2(sin_theta1, cos_theta1), "
-                     "in [-pi, pi]", _acrobot_theta1, "rad"),
-        DerivedField("theta2", "angle of the second link relative to the first, atan2(sin_theta2, cos_theta2), in "
-                     "[-pi, pi]; 0 when the chain is straight", _acrobot_theta2, "rad"),
-        DerivedField("tip_height", "height of the free end above the pivot, -cos(theta1) - cos(theta1 + theta2), in "
-                     "[-2, 2]; success above 1", _acrobot_tip_height, "m"),
+        DerivedField(
+            "theta1",
+            "angle of the first link from pointing straight down, atan2(sin_theta1, cos_theta1), in [-pi, pi]",
+            _acrobot_theta1,
+            "rad",
+        ),
+        DerivedField(
+            "theta2",
+            "angle of the second link relative to the first, atan2(sin_theta2, cos_theta2), in "
+            "[-pi, pi]; 0 when the chain is straight",
+            _acrobot_theta2,
+            "rad",
+        ),
+        DerivedField(
+            "tip_height",
+            "height of the free end above the pivot, -cos(theta1) - cos(theta1 + theta2), in [-2, 2]; success above 1",
+            _acrobot_tip_height,
+            "m",
+        ),
     )
 
     def __init__(self, max_episode_steps: int = 500, show_source: bool = False, reward: str = "human") -> None:
         super().__init__(
             name="acrobot",
             max_episode_steps=max_episode_steps,
-            goal=("Swing the free end of the two-link chain up so that the tip's height `tip_height` rises above the bar "
-                  "(`tip_height` > 1, one link length above the pivot) as fast as possible."),
+            goal=(
+                "Swing the free end of the two-link chain up so that the tip's height `tip_height` rises above the bar "
+                "(`tip_height` > 1, one link length above the pivot) as fast as possible."
+            ),
             state_fields=[
                 StateField("cos_theta1", 0, 1, "cosine of theta1, the first link's angle (0: pointing down)", ""),
                 StateField("sin_theta1", 1, 2, "sine of theta1, the first link's angle", ""),
@@ -601,8 +699,9 @@ class Acrobot(GymTask):
             reward=reward,
         )
 
-    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
-                      episode: dict[str, Any]) -> float:
+    def sparse_reward(
+        self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any], episode: dict[str, Any]
+    ) -> float:
         return 1.0 if terminated else 0.0  # terminates only at the goal
 
     def reference_policy(self) -> Callable[[np.ndarray], np.ndarray]:
@@ -635,14 +734,21 @@ class LunarLander(GymTask):
         "step it crashes or flies off screen, 0 on every other step (no distance, speed, tilt, leg or fuel terms)."
     )
     derived = (
-        DerivedField("distance_to_pad", "distance from the pad centre, sqrt(x**2 + y**2), in the scaled units of x and "
-                     "y; 0 on the pad", _lunar_distance_to_pad),
-        DerivedField("speed", "speed of the lander, sqrt(x_velocity**2 + y_velocity**2), scaled as those; near 0 for a "
-                     "soft landing", _lunar_speed),
+        DerivedField(
+            "distance_to_pad",
+            "distance from the pad centre, sqrt(x**2 + y**2), in the scaled units of x and y; 0 on the pad",
+            _lunar_distance_to_pad,
+        ),
+        DerivedField(
+            "speed",
+            "speed of the lander, sqrt(x_velocity**2 + y_velocity**2), scaled as those; near 0 for a soft landing",
+            _lunar_speed,
+        ),
     )
 
-    def __init__(self, max_episode_steps: int = 1000, continuous: bool = False, show_source: bool = False,
-                 reward: str = "human") -> None:
+    def __init__(
+        self, max_episode_steps: int = 1000, continuous: bool = False, show_source: bool = False, reward: str = "human"
+    ) -> None:
         actions = (
             "Box(2,) in [-1, 1]: main engine throttle (off below 0, 50-100% from 0 to 1) and lateral engine (left below -0.5, right above 0.5)."
             if continuous
@@ -652,12 +758,20 @@ class LunarLander(GymTask):
             name="lunarlander",
             max_episode_steps=max_episode_steps,
             make_kwargs={"continuous": continuous},
-            goal=("Land the lander gently (`speed` near 0) on the landing pad between the two flags (`distance_to_pad` "
-                  "0, at x = 0, y = 0), upright (`angle` near 0) and on both legs (`left_leg_contact` and "
-                  "`right_leg_contact` 1), firing the engines as little as possible (each firing spends fuel, "
-                  "which is not observed)."),
+            goal=(
+                "Land the lander gently (`speed` near 0) on the landing pad between the two flags (`distance_to_pad` "
+                "0, at x = 0, y = 0), upright (`angle` near 0) and on both legs (`left_leg_contact` and "
+                "`right_leg_contact` 1), firing the engines as little as possible (each firing spends fuel, "
+                "which is not observed)."
+            ),
             state_fields=[
-                StateField("x", 0, 1, "horizontal position relative to the pad centre, scaled so the screen edges are about +-1", ""),
+                StateField(
+                    "x",
+                    0,
+                    1,
+                    "horizontal position relative to the pad centre, scaled so the screen edges are about +-1",
+                    "",
+                ),
                 StateField("y", 1, 2, "height above the pad, scaled (about 1.4 at the start)", ""),
                 StateField("x_velocity", 2, 3, "horizontal velocity, scaled", ""),
                 StateField("y_velocity", 3, 4, "vertical velocity, scaled, negative when falling", ""),
@@ -682,8 +796,9 @@ class LunarLander(GymTask):
             reward=reward,
         )
 
-    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
-                      episode: dict[str, Any]) -> float:
+    def sparse_reward(
+        self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any], episode: dict[str, Any]
+    ) -> float:
         return reward if terminated else 0.0  # the env sets a terminal step's reward to exactly +100 or -100
 
     def reference_policy(self) -> Callable[[np.ndarray], np.ndarray] | None:

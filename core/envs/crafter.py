@@ -38,27 +38,69 @@ from core.records import Episode, Fitness
 
 # The game's vocabulary (crafter/data.yaml of crafter 1.8.3; a test checks they agree).
 ACTIONS = (
-    "noop", "move_left", "move_right", "move_up", "move_down", "do", "sleep",
-    "place_stone", "place_table", "place_furnace", "place_plant",
-    "make_wood_pickaxe", "make_stone_pickaxe", "make_iron_pickaxe",
-    "make_wood_sword", "make_stone_sword", "make_iron_sword",
+    "noop",
+    "move_left",
+    "move_right",
+    "move_up",
+    "move_down",
+    "do",
+    "sleep",
+    "place_stone",
+    "place_table",
+    "place_furnace",
+    "place_plant",
+    "make_wood_pickaxe",
+    "make_stone_pickaxe",
+    "make_iron_pickaxe",
+    "make_wood_sword",
+    "make_stone_sword",
+    "make_iron_sword",
 )
 ACHIEVEMENTS = (
-    "collect_coal", "collect_diamond", "collect_drink", "collect_iron", "collect_sapling",
-    "collect_stone", "collect_wood", "defeat_skeleton", "defeat_zombie", "eat_cow",
-    "eat_plant", "make_iron_pickaxe", "make_iron_sword", "make_stone_pickaxe",
-    "make_stone_sword", "make_wood_pickaxe", "make_wood_sword", "place_furnace",
-    "place_plant", "place_stone", "place_table", "wake_up",
+    "collect_coal",
+    "collect_diamond",
+    "collect_drink",
+    "collect_iron",
+    "collect_sapling",
+    "collect_stone",
+    "collect_wood",
+    "defeat_skeleton",
+    "defeat_zombie",
+    "eat_cow",
+    "eat_plant",
+    "make_iron_pickaxe",
+    "make_iron_sword",
+    "make_stone_pickaxe",
+    "make_stone_sword",
+    "make_wood_pickaxe",
+    "make_wood_sword",
+    "place_furnace",
+    "place_plant",
+    "place_stone",
+    "place_table",
+    "wake_up",
 )
 VITALS = ("health", "food", "drink", "energy")
 ITEMS = (
-    "sapling", "wood", "stone", "coal", "iron", "diamond",
-    "wood_pickaxe", "stone_pickaxe", "iron_pickaxe", "wood_sword", "stone_sword", "iron_sword",
+    "sapling",
+    "wood",
+    "stone",
+    "coal",
+    "iron",
+    "diamond",
+    "wood_pickaxe",
+    "stone_pickaxe",
+    "iron_pickaxe",
+    "wood_sword",
+    "stone_sword",
+    "iron_sword",
 )
 MATERIALS = ("water", "grass", "stone", "path", "sand", "tree", "lava", "coal", "iron", "diamond", "table", "furnace")
 OBJECTS = ("player", "cow", "zombie", "skeleton", "arrow", "plant")
 #: id in the local view: 0 = outside the world, then materials, then objects (drawn on top)
-VIEW_IDS = {name: i + 1 for i, name in enumerate(MATERIALS)} | {name: len(MATERIALS) + 1 + i for i, name in enumerate(OBJECTS)}
+VIEW_IDS = {name: i + 1 for i, name in enumerate(MATERIALS)} | {
+    name: len(MATERIALS) + 1 + i for i, name in enumerate(OBJECTS)
+}
 VIEW = (9, 7)  # cells in x, y around the player (the pixel view's world area)
 AREA = (64, 64)
 
@@ -88,10 +130,20 @@ def _layout() -> list[StateField]:
         kind = "tool" if ("pickaxe" in item or "sword" in item) else "resource"
         add(item, 1, f"number of {item.replace('_', ' ')} in the inventory ({kind}, 0 to 9)", "count")
     for name in ACHIEVEMENTS:
-        add(f"achievement_{name}", 1, f"1 once the achievement '{name.replace('_', ' ')}' has been unlocked in this episode, else 0")
+        add(
+            f"achievement_{name}",
+            1,
+            f"1 once the achievement '{name.replace('_', ' ')}' has been unlocked in this episode, else 0",
+        )
     add("position", 2, "player cell (x, y) in the 64x64 world; x grows to the right, y grows downwards", "cells", (2,))
-    add("facing", 2, "direction the player faces as (dx, dy): (-1,0) left, (1,0) right, (0,-1) up, (0,1) down", "", (2,))
-    add("daylight", 1, "daylight level, 1 at noon, near 0 at night (zombies spawn more in the dark); a day lasts 300 steps")
+    add(
+        "facing", 2, "direction the player faces as (dx, dy): (-1,0) left, (1,0) right, (0,-1) up, (0,1) down", "", (2,)
+    )
+    add(
+        "daylight",
+        1,
+        "daylight level, 1 at noon, near 0 at night (zombies spawn more in the dark); a day lasts 300 steps",
+    )
     add("sleeping", 1, "1 while the player sleeps, else 0")
     add(
         "local_view",
@@ -113,8 +165,9 @@ _INVENTORY = VITALS + ITEMS  # the first fields, in this order
 _ACHIEVED = slice(_OFFSET["achievement_collect_coal"], _OFFSET["achievement_collect_coal"] + len(ACHIEVEMENTS))
 _VIEW_AT = slice(_OFFSET["local_view"], _OFFSET["local_view"] + VIEW[0] * VIEW[1])
 #: the fields a step's events change (items, food, drink, sleeping, achievements): equal before and after, nothing happened
-_EVENT_FIELDS = np.array([_OFFSET[n] for n in (*ITEMS, "food", "drink", "sleeping")]
-                         + list(range(_ACHIEVED.start, _ACHIEVED.stop)))
+_EVENT_FIELDS = np.array(
+    [_OFFSET[n] for n in (*ITEMS, "food", "drink", "sleeping")] + list(range(_ACHIEVED.start, _ACHIEVED.stop))
+)
 _VIEW_NAMES = {i: n for n, i in VIEW_IDS.items()}
 _ITEMS_AT = np.array([_OFFSET[i] for i in ITEMS])
 _ITEM_EVENTS = [f"{'make' if ('pickaxe' in i or 'sword' in i) else 'collect'} {i.replace('_', ' ')}" for i in ITEMS]
@@ -136,10 +189,18 @@ def achievements_unlocked(s: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 DERIVED_FIELDS = [
-    DerivedField("faced_cell", "local_view id of the cell the player faces, local_view[4 + dx, 3 + dy] for facing (dx, "
-                 "dy): what 'do' acts on", faced_cell, "id"),
-    DerivedField("achievements_unlocked", "how many of the 22 achievements this episode has unlocked (the sum of the "
-                 "achievement_ fields), 0 to 22", achievements_unlocked, "count"),
+    DerivedField(
+        "faced_cell",
+        "local_view id of the cell the player faces, local_view[4 + dx, 3 + dy] for facing (dx, dy): what 'do' acts on",
+        faced_cell,
+        "id",
+    ),
+    DerivedField(
+        "achievements_unlocked",
+        "how many of the 22 achievements this episode has unlocked (the sum of the achievement_ fields), 0 to 22",
+        achievements_unlocked,
+        "count",
+    ),
 ]
 
 
@@ -168,14 +229,19 @@ class WorldParams:
             if count:
                 inventory[item] = int(np.clip(int(count), 0, 9))
         kwargs = {}
-        for key, allowed in (("biome", BIOMES), *((f"{r}_rarity", RARITY) for r in ("tree", "coal", "iron", "diamond"))):
+        for key, allowed in (
+            ("biome", BIOMES),
+            *((f"{r}_rarity", RARITY) for r in ("tree", "coal", "iron", "diamond")),
+        ):
             if key in params:
                 value = str(params.pop(key))
                 if value not in allowed:
                     raise UserError(f"Crafter param {key}={value!r} is not one of {', '.join(allowed)}.")
                 kwargs[key] = value
         if params:
-            raise UserError(f"Unknown Crafter params: {', '.join(sorted(params))}. Known: {', '.join(p.name for p in crafter_params())}.")
+            raise UserError(
+                f"Unknown Crafter params: {', '.join(sorted(params))}. Known: {', '.join(p.name for p in crafter_params())}."
+            )
         return cls(inventory=tuple(sorted(inventory.items())), **kwargs)
 
 
@@ -199,7 +265,9 @@ class TerrainNoise:
         self._xs = np.arange(area[0], dtype=np.float64)
         self._ys = np.arange(area[1], dtype=np.float64)
 
-    def __call__(self, z: float, sizes: dict[float, float], sx: float = 1.0, sy: float = 1.0, normalize: bool = True) -> np.ndarray:
+    def __call__(
+        self, z: float, sizes: dict[float, float], sx: float = 1.0, sy: float = 1.0, normalize: bool = True
+    ) -> np.ndarray:
         total = np.zeros((len(self._xs), len(self._ys)))
         for size, weight in sizes.items():
             grid = self._simplex.noise3array(self._xs * sx / size, self._ys * sy / size, np.array([float(z)]))[0]
@@ -207,7 +275,9 @@ class TerrainNoise:
         return total / sum(sizes.values()) if normalize else total
 
 
-def generate_terrain(rng: np.random.RandomState, center: tuple[int, int], params: WorldParams, area: tuple[int, int] = AREA) -> tuple[np.ndarray, np.ndarray]:
+def generate_terrain(
+    rng: np.random.RandomState, center: tuple[int, int], params: WorldParams, area: tuple[int, int] = AREA
+) -> tuple[np.ndarray, np.ndarray]:
     """Material names index map ``[W, H]`` (0-based into MATERIALS) and the tunnel mask.
 
     Follows the structure of Crafter's terrain rules (a grass start area around the
@@ -293,8 +363,14 @@ class CrafterEnv(gym.Env):
 
     metadata = {"render_modes": ["rgb_array"]}
 
-    def __init__(self, params: WorldParams | None = None, max_episode_steps: int = 10000, pixels: bool = False, seed: int | None = None,
-                 reward: str = "human") -> None:
+    def __init__(
+        self,
+        params: WorldParams | None = None,
+        max_episode_steps: int = 10000,
+        pixels: bool = False,
+        seed: int | None = None,
+        reward: str = "human",
+    ) -> None:
         from core.quiet import import_gym_quietly
 
         import_gym_quietly()  # before crafter, which imports gym when it is installed
@@ -316,7 +392,9 @@ class CrafterEnv(gym.Env):
         self.action_space = gym.spaces.Discrete(len(ACTIONS))
 
     # -- gymnasium API ----------------------------------------------------------------
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
         super().reset(seed=seed)
         if seed is not None:
             self._rng = np.random.RandomState(seed)
@@ -463,10 +541,18 @@ class CrafterVectorEnv(gym.vector.VectorEnv):
     ``_final_info`` masks) hold the last observation and the episode's achievements.
     """
 
-    def __init__(self, params: list[WorldParams], max_episode_steps: int = 10000, pixels: bool = False, seed: int = 0,
-                 reward: str = "human") -> None:
+    def __init__(
+        self,
+        params: list[WorldParams],
+        max_episode_steps: int = 10000,
+        pixels: bool = False,
+        seed: int = 0,
+        reward: str = "human",
+    ) -> None:
         self.num_envs = len(params)
-        self.envs = [CrafterEnv(p, max_episode_steps, pixels, seed=seed + i, reward=reward) for i, p in enumerate(params)]
+        self.envs = [
+            CrafterEnv(p, max_episode_steps, pixels, seed=seed + i, reward=reward) for i, p in enumerate(params)
+        ]
         self.single_observation_space = self.envs[0].observation_space
         self.single_action_space = self.envs[0].action_space
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
@@ -478,7 +564,9 @@ class CrafterVectorEnv(gym.vector.VectorEnv):
         self._terminated = np.zeros(self.num_envs, np.bool_)
         self._truncated = np.zeros(self.num_envs, np.bool_)
 
-    def reset(self, *, seed: int | list[int] | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    def reset(
+        self, *, seed: int | list[int] | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
         seeds = seed if isinstance(seed, list) else [None if seed is None else seed + i for i in range(self.num_envs)]
         if seed is not None:
             self._np_random, _ = gym.utils.seeding.np_random(seeds[0])
@@ -519,12 +607,26 @@ class CrafterVectorEnv(gym.vector.VectorEnv):
 def crafter_params() -> list[ParamSpec]:
     """EnvGen's controllable world parameters."""
     params = [
-        ParamSpec("biome", "terrain bias around the start: more grassland, more mountains (stone, ores, caves, lava), or more water and sand", "natural", tuple(BIOMES)),
+        ParamSpec(
+            "biome",
+            "terrain bias around the start: more grassland, more mountains (stone, ores, caves, lava), or more water and sand",
+            "natural",
+            tuple(BIOMES),
+        ),
     ]
     for resource in ("tree", "coal", "iron", "diamond"):
-        params.append(ParamSpec(f"{resource}_rarity", f"how often {resource} appears where the terrain allows it (rare: 1/3 as often, common: 3 times as often)", "natural", tuple(RARITY)))
+        params.append(
+            ParamSpec(
+                f"{resource}_rarity",
+                f"how often {resource} appears where the terrain allows it (rare: 1/3 as often, common: 3 times as often)",
+                "natural",
+                tuple(RARITY),
+            )
+        )
     for item in ITEMS:
-        params.append(ParamSpec(f"start_{item}", f"number of {item.replace('_', ' ')} in the starting inventory", 0, None, 0, 9))
+        params.append(
+            ParamSpec(f"start_{item}", f"number of {item.replace('_', ' ')} in the starting inventory", 0, None, 0, 9)
+        )
     return params
 
 
@@ -579,13 +681,26 @@ def _rules_text() -> str:
 class Crafter(Task):
     """Crafter as ``env=minecraft``: symbolic observation, Crafter-score fitness, EnvGen params."""
 
-    sparse_text = "+1 each time an achievement is unlocked for the first time in the episode, nothing else (no health term)."
+    sparse_text = (
+        "+1 each time an achievement is unlocked for the first time in the episode, nothing else (no health term)."
+    )
     ends_on_failure = True  # the player's death ends the episode
 
-    def __init__(self, max_episode_steps: int = 10000, pixels: bool = False, name: str = "minecraft", reward: str = "human") -> None:
+    def __init__(
+        self, max_episode_steps: int = 10000, pixels: bool = False, name: str = "minecraft", reward: str = "human"
+    ) -> None:
         fields = list(STATE_FIELDS)
         if pixels:
-            fields.append(StateField("pixels", OBS_DIM, OBS_DIM + 64 * 64 * 3, "the 64x64 RGB image the player sees, values in [0, 1]", "", (64, 64, 3)))
+            fields.append(
+                StateField(
+                    "pixels",
+                    OBS_DIM,
+                    OBS_DIM + 64 * 64 * 3,
+                    "the 64x64 RGB image the player sees, values in [0, 1]",
+                    "",
+                    (64, 64, 3),
+                )
+            )
         self.pixels = pixels
         super().__init__(
             name=name,
@@ -599,7 +714,8 @@ class Crafter(Task):
             fitness_name="crafter_score",
             params=crafter_params(),
             max_episode_steps=max_episode_steps,
-            action_description="Discrete(17): " + ", ".join(f"{i} {a}" for i, a in enumerate(ACTIONS))
+            action_description="Discrete(17): "
+            + ", ".join(f"{i} {a}" for i, a in enumerate(ACTIONS))
             + ". Moving into a blocked cell only turns the player; 'do' interacts with the faced cell.",
             reward=reward,
             derived_fields=list(DERIVED_FIELDS),
@@ -623,11 +739,15 @@ class Crafter(Task):
 
     def check_available(self) -> None:
         if importlib.util.find_spec("crafter") is None:
-            raise UserError('The task \'minecraft\' runs on Crafter, which is not installed. Install it with: pip install "llm4rl[minecraft]" (crafter and numba).')
+            raise UserError(
+                "The task 'minecraft' runs on Crafter, which is not installed. Install it with: pip install \"llm4rl[minecraft]\" (crafter and numba)."
+            )
         if importlib.util.find_spec("opensimplex") is None:
             raise UserError("Crafter's dependency 'opensimplex' is missing: pip install \"llm4rl[minecraft]\".")
 
-    def make_env(self, num_envs: int, seed: int, params: dict[str, Any] | list[dict[str, Any]] | None = None) -> CrafterVectorEnv:
+    def make_env(
+        self, num_envs: int, seed: int, params: dict[str, Any] | list[dict[str, Any]] | None = None
+    ) -> CrafterVectorEnv:
         self.check_available()
         if isinstance(params, list):
             if len(params) != num_envs:
@@ -672,8 +792,21 @@ class Crafter(Task):
         )
 
     #: what a caption names in view (grass, sand and path are the background)
-    CAPTION_SEEN = ("water", "stone", "tree", "lava", "coal", "iron", "diamond", "table", "furnace", "cow", "zombie",
-                    "skeleton", "plant")
+    CAPTION_SEEN = (
+        "water",
+        "stone",
+        "tree",
+        "lava",
+        "coal",
+        "iron",
+        "diamond",
+        "table",
+        "furnace",
+        "cow",
+        "zombie",
+        "skeleton",
+        "plant",
+    )
 
     def caption(self, obs: np.ndarray, radius: int = 2, low_vital: int = 3) -> str:
         """What is within ``radius`` cells of the player, the items held (no counts) and the
@@ -682,7 +815,7 @@ class Crafter(Task):
         get = {f.name: obs[f.start : f.stop] for f in self.state_fields}
         cx, cy = VIEW[0] // 2, VIEW[1] // 2
         view = get["local_view"].reshape(VIEW).astype(int)
-        view = view[max(0, cx - radius): cx + radius + 1, max(0, cy - radius): cy + radius + 1]
+        view = view[max(0, cx - radius) : cx + radius + 1, max(0, cy - radius) : cy + radius + 1]
         seen = [k for k in self.CAPTION_SEEN if (view == VIEW_IDS[k]).any()]
         held = [i.replace("_", " ") for i in ITEMS if get[i][0] > 0]
         low = [v for v in VITALS if get[v][0] <= low_vital]
@@ -707,8 +840,13 @@ class Crafter(Task):
         at = _OFFSET
         events = [_ITEM_EVENTS[k] for k in np.flatnonzero(b[_ITEMS_AT] > a[_ITEMS_AT])]
         before, after = _VIEW_NAMES.get(self._faced(a)), _VIEW_NAMES.get(self._faced(b))
-        if after in self.PLACED_FROM and before != after and b[at[self.PLACED_FROM[after]]] < a[at[self.PLACED_FROM[after]]] \
-                and a[at["position"]] == b[at["position"]] and a[at["position"] + 1] == b[at["position"] + 1]:
+        if (
+            after in self.PLACED_FROM
+            and before != after
+            and b[at[self.PLACED_FROM[after]]] < a[at[self.PLACED_FROM[after]]]
+            and a[at["position"]] == b[at["position"]]
+            and a[at["position"] + 1] == b[at["position"] + 1]
+        ):
             events.append(f"place {after}")
         if b[at["food"]] > a[at["food"]]:
             events.append({"plant": "eat plant", "cow": "eat cow"}.get(before or "", "eat"))
@@ -726,7 +864,7 @@ class Crafter(Task):
     @staticmethod
     def _faced(obs: np.ndarray) -> int:
         """The ``local_view`` id of the cell an (unbatched) observation faces."""
-        dx, dy = (max(-1, min(1, int(round(float(v))))) for v in obs[_OFFSET["facing"]: _OFFSET["facing"] + 2])
+        dx, dy = (max(-1, min(1, int(round(float(v))))) for v in obs[_OFFSET["facing"] : _OFFSET["facing"] + 2])
         return int(obs[_VIEW_AT.start + (VIEW[0] // 2 + dx) * VIEW[1] + VIEW[1] // 2 + dy])
 
     # -- fitness --------------------------------------------------------------------------
@@ -742,7 +880,10 @@ class Crafter(Task):
         if not episodes:
             return Fitness(self.fitness_name, float("nan"))
         rates = np.array(
-            [100.0 * np.mean([bool(e.info.get("achievements", {}).get(a, False)) for e in episodes]) for a in ACHIEVEMENTS]
+            [
+                100.0 * np.mean([bool(e.info.get("achievements", {}).get(a, False)) for e in episodes])
+                for a in ACHIEVEMENTS
+            ]
         )
         details = {f"success_{a}": float(r) for a, r in zip(ACHIEVEMENTS, rates)}
         details["mean_return"] = float(np.mean([e.ret for e in episodes]))

@@ -23,7 +23,12 @@ from core.records import Episode, Fitness
 def metaworld_fields(obj: str, obj2: str) -> list[StateField]:
     """The 39 observation values: current frame (18), previous frame (18), goal (3)."""
     current = [
-        ("hand_pos", 3, "position x, y, z of the end effector (the hand body; the fingertips are about 4.5 cm lower)", "m"),
+        (
+            "hand_pos",
+            3,
+            "position x, y, z of the end effector (the hand body; the fingertips are about 4.5 cm lower)",
+            "m",
+        ),
         ("gripper_distance", 1, "normalised opening between the two gripper fingers: 1 open, 0 closed", ""),
         ("obj_pos", 3, f"position of the {obj}", "m"),
         ("obj_quat", 4, f"orientation quaternion (w, x, y, z) of the {obj}", ""),
@@ -69,13 +74,21 @@ def obj_goal_y_distance(s: dict[str, torch.Tensor]) -> torch.Tensor:
     return (s["obj_pos"][..., 1] - s["goal_pos"][..., 1]).abs()
 
 
-FINGERTIPS = DerivedField("fingertips_pos", "x, y, z of the centre between the fingertips: hand_pos 4.5 cm lower "
-                          "(approximate, to about 6 mm)", fingertips_pos, "m", (3,))
-TO_OBJ = DerivedField("fingertips_obj_distance", "distance from fingertips_pos to obj_pos", fingertips_obj_distance, "m")
+FINGERTIPS = DerivedField(
+    "fingertips_pos",
+    "x, y, z of the centre between the fingertips: hand_pos 4.5 cm lower (approximate, to about 6 mm)",
+    fingertips_pos,
+    "m",
+    (3,),
+)
+TO_OBJ = DerivedField(
+    "fingertips_obj_distance", "distance from fingertips_pos to obj_pos", fingertips_obj_distance, "m"
+)
 
 
-def _success_distance(name: str, what: str, compute: Callable[[dict[str, torch.Tensor]], torch.Tensor],
-                      threshold: float) -> DerivedField:
+def _success_distance(
+    name: str, what: str, compute: Callable[[dict[str, torch.Tensor]], torch.Tensor], threshold: float
+) -> DerivedField:
     return DerivedField(name, f"{what}; the task succeeds when it is at most {threshold:g}", compute, "m")
 
 
@@ -86,10 +99,17 @@ class MetaWorldTask(GymTask):
     metaworld_name = ""
     obj, obj2 = "object", "second object"
     task_goal = ""
-    sparse_text = "1 on every step at which the task's own success test holds (info['success']), 0 otherwise (success only)."
+    sparse_text = (
+        "1 on every step at which the task's own success test holds (info['success']), 0 otherwise (success only)."
+    )
 
-    def __init__(self, max_episode_steps: int = 500, terminate_on_success: bool = False, show_source: bool = False,
-                 reward: str = "human") -> None:
+    def __init__(
+        self,
+        max_episode_steps: int = 500,
+        terminate_on_success: bool = False,
+        show_source: bool = False,
+        reward: str = "human",
+    ) -> None:
         self.terminate_on_success = terminate_on_success
         super().__init__(
             name=self.metaworld_name.removesuffix("-v3"),
@@ -103,7 +123,8 @@ class MetaWorldTask(GymTask):
                 "Observation (39 values, float32): hand_pos (3), gripper_distance (1), obj_pos (3), obj_quat (4), "
                 "obj2_pos (3), obj2_quat (4); then the same 18 values at the previous step (named with the prefix "
                 "prev_, e.g. prev_hand_pos); then goal_pos (3). "
-                + ", ".join(d.name for d in self.derived) + " are computed from them. "
+                + ", ".join(d.name for d in self.derived)
+                + " are computed from them. "
                 "Positions are in metres in the world frame (x right, y forward away from the "
                 "robot base, z up; the table top is near z = 0). "
                 f"An episode counts as a success if info['success'] is set at any step; episodes last "
@@ -117,8 +138,9 @@ class MetaWorldTask(GymTask):
             reward=reward,
         )
 
-    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
-                      episode: dict[str, Any]) -> float:
+    def sparse_reward(
+        self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any], episode: dict[str, Any]
+    ) -> float:
         return float(bool(info.get("success", 0.0)))
 
     def check_available(self) -> None:
@@ -140,7 +162,9 @@ class MetaWorldTask(GymTask):
             terminate_on_success=self.terminate_on_success,
             disable_env_checker=True,
         )
-        env = FloatObservation(SuccessInfo(self.reward_wrap(env), lambda terminated, info: bool(info.get("success", 0.0))))
+        env = FloatObservation(
+            SuccessInfo(self.reward_wrap(env), lambda terminated, info: bool(info.get("success", 0.0)))
+        )
         # MetaWorld declares bounds its own observations leave (e.g. the goal slots)
         env.observation_space = gym.spaces.Box(-np.inf, np.inf, env.observation_space.shape, np.float32)
         return env
@@ -168,7 +192,9 @@ class MetaWorldTask(GymTask):
         scripted = cls()
 
         def act(obs: np.ndarray) -> np.ndarray:
-            return np.stack([np.clip(scripted.get_action(row.astype(np.float64)), -1.0, 1.0) for row in obs]).astype(np.float32)
+            return np.stack([np.clip(scripted.get_action(row.astype(np.float64)), -1.0, 1.0) for row in obs]).astype(
+                np.float32
+            )
 
         return act
 
@@ -176,52 +202,83 @@ class MetaWorldTask(GymTask):
 class Reach(MetaWorldTask):
     metaworld_name = "reach-v3"
     obj, obj2 = "puck (unused in this task)", "second object"
-    task_goal = ("Move the gripper's fingertips (`fingertips_pos`, 4.5 cm below `hand_pos`) to the goal position "
-                 "`goal_pos`; success when `fingertips_goal_distance` <= 0.05 m.")
-    derived = (FINGERTIPS, _success_distance("fingertips_goal_distance", "distance from fingertips_pos to goal_pos",
-                                             fingertips_goal_distance, 0.05))
+    task_goal = (
+        "Move the gripper's fingertips (`fingertips_pos`, 4.5 cm below `hand_pos`) to the goal position "
+        "`goal_pos`; success when `fingertips_goal_distance` <= 0.05 m."
+    )
+    derived = (
+        FINGERTIPS,
+        _success_distance(
+            "fingertips_goal_distance", "distance from fingertips_pos to goal_pos", fingertips_goal_distance, 0.05
+        ),
+    )
 
 
 class Push(MetaWorldTask):
     metaworld_name = "push-v3"
     obj = "puck"
-    task_goal = ("Push the puck (`obj_pos`) across the table to the goal position `goal_pos`; success when "
-                 "`obj_goal_distance` <= 0.05 m.")
-    derived = (FINGERTIPS, TO_OBJ, _success_distance("obj_goal_distance", "distance from obj_pos to goal_pos",
-                                                     obj_goal_distance, 0.05))
+    task_goal = (
+        "Push the puck (`obj_pos`) across the table to the goal position `goal_pos`; success when "
+        "`obj_goal_distance` <= 0.05 m."
+    )
+    derived = (
+        FINGERTIPS,
+        TO_OBJ,
+        _success_distance("obj_goal_distance", "distance from obj_pos to goal_pos", obj_goal_distance, 0.05),
+    )
 
 
 class PickPlace(MetaWorldTask):
     metaworld_name = "pick-place-v3"
     obj = "puck"
-    task_goal = ("Grasp the puck (`obj_pos`), lift it and place it at the goal position `goal_pos`, which may be in the "
-                 "air; success when `obj_goal_distance` <= 0.07 m.")
-    derived = (FINGERTIPS, TO_OBJ, _success_distance("obj_goal_distance", "distance from obj_pos to goal_pos",
-                                                     obj_goal_distance, 0.07))
+    task_goal = (
+        "Grasp the puck (`obj_pos`), lift it and place it at the goal position `goal_pos`, which may be in the "
+        "air; success when `obj_goal_distance` <= 0.07 m."
+    )
+    derived = (
+        FINGERTIPS,
+        TO_OBJ,
+        _success_distance("obj_goal_distance", "distance from obj_pos to goal_pos", obj_goal_distance, 0.07),
+    )
 
 
 class DoorOpen(MetaWorldTask):
     metaworld_name = "door-open-v3"
     obj = "door handle"
-    task_goal = ("Open the door by pulling its handle (`obj_pos`) around the hinge until the handle's x coordinate is "
-                 "within 8 cm of the goal's: success when `obj_goal_x_distance` <= 0.08 m.")
-    derived = (FINGERTIPS, TO_OBJ, _success_distance("obj_goal_x_distance", "|x of obj_pos - x of goal_pos|",
-                                                     obj_goal_x_distance, 0.08))
+    task_goal = (
+        "Open the door by pulling its handle (`obj_pos`) around the hinge until the handle's x coordinate is "
+        "within 8 cm of the goal's: success when `obj_goal_x_distance` <= 0.08 m."
+    )
+    derived = (
+        FINGERTIPS,
+        TO_OBJ,
+        _success_distance("obj_goal_x_distance", "|x of obj_pos - x of goal_pos|", obj_goal_x_distance, 0.08),
+    )
 
 
 class DrawerOpen(MetaWorldTask):
     metaworld_name = "drawer-open-v3"
     obj = "drawer handle"
-    task_goal = ("Pull the drawer open by its handle (`obj_pos`) until the handle reaches `goal_pos`; success when "
-                 "`obj_goal_distance` <= 0.03 m.")
-    derived = (FINGERTIPS, TO_OBJ, _success_distance("obj_goal_distance", "distance from obj_pos to goal_pos",
-                                                     obj_goal_distance, 0.03))
+    task_goal = (
+        "Pull the drawer open by its handle (`obj_pos`) until the handle reaches `goal_pos`; success when "
+        "`obj_goal_distance` <= 0.03 m."
+    )
+    derived = (
+        FINGERTIPS,
+        TO_OBJ,
+        _success_distance("obj_goal_distance", "distance from obj_pos to goal_pos", obj_goal_distance, 0.03),
+    )
 
 
 class ButtonPress(MetaWorldTask):
     metaworld_name = "button-press-v3"
     obj = "button"
-    task_goal = ("Press the button (`obj_pos`) in along its axis (y) with the gripper until its y coordinate reaches "
-                 "the goal's: success when `obj_goal_y_distance` <= 0.02 m.")
-    derived = (FINGERTIPS, TO_OBJ, _success_distance("obj_goal_y_distance", "|y of obj_pos - y of goal_pos|",
-                                                     obj_goal_y_distance, 0.02))
+    task_goal = (
+        "Press the button (`obj_pos`) in along its axis (y) with the gripper until its y coordinate reaches "
+        "the goal's: success when `obj_goal_y_distance` <= 0.02 m."
+    )
+    derived = (
+        FINGERTIPS,
+        TO_OBJ,
+        _success_distance("obj_goal_y_distance", "|y of obj_pos - y of goal_pos|", obj_goal_y_distance, 0.02),
+    )

@@ -25,7 +25,7 @@ from core.errors import UserError
 INSTALL_RECIPE = (
     "MineDojo needs: (1) a JDK 8 on PATH (e.g. apt-get install openjdk-8-jdk; 'java -version' must report 1.8); "
     "(2) the package, built against the old gym: pip install setuptools==65.5.0 wheel==0.38.4 && "
-    "pip install --no-build-isolation gym==0.21.0 && pip install \"numpy<2\" \"llm4rl[minedojo]\"; "
+    'pip install --no-build-isolation gym==0.21.0 && pip install "numpy<2" "llm4rl[minedojo]"; '
     "(3) network access on first launch, when MineDojo's Gradle build downloads Minecraft. "
     "Use env=minecraft (Crafter) for a Minecraft-like task that runs offline."
 )
@@ -73,14 +73,25 @@ def minedojo_fields() -> list[StateField]:
     fields.append(StateField("yaw", at, at + 1, "horizontal view angle", "deg"))
     fields.append(StateField("pitch", at + 1, at + 2, "vertical view angle", "deg"))
     at += 2
-    fields.append(StateField("inventory_quantity", at, at + INVENTORY_SLOTS, "item count in each of the 36 inventory slots", "count", (INVENTORY_SLOTS,)))
+    fields.append(
+        StateField(
+            "inventory_quantity",
+            at,
+            at + INVENTORY_SLOTS,
+            "item count in each of the 36 inventory slots",
+            "count",
+            (INVENTORY_SLOTS,),
+        )
+    )
     return fields
 
 
 class MineDojoEnv(gym.Env):
     """One MineDojo task through the gymnasium API with the symbolic observation."""
 
-    def __init__(self, task_id: str, image_size: tuple[int, int], max_episode_steps: int, seed: int | None = None) -> None:
+    def __init__(
+        self, task_id: str, image_size: tuple[int, int], max_episode_steps: int, seed: int | None = None
+    ) -> None:
         import minedojo
 
         self._env = minedojo.make(task_id=task_id, image_size=tuple(image_size), seed=seed)
@@ -103,7 +114,9 @@ class MineDojoEnv(gym.Env):
         parts.append(quantity)
         return np.concatenate(parts).astype(np.float32)
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
         super().reset(seed=seed)
         self._steps = 0
         return self.flatten(self._env.reset()), {}
@@ -122,7 +135,12 @@ class MineDojoEnv(gym.Env):
 class MineDojo(Task):
     """A MineDojo task (``task_id``, e.g. ``harvest_wool_with_shears_and_sheep``); fitness = success rate."""
 
-    def __init__(self, task_id: str = "harvest_milk", image_size: tuple[int, int] | list[int] = (160, 256), max_episode_steps: int = 1000) -> None:
+    def __init__(
+        self,
+        task_id: str = "harvest_milk",
+        image_size: tuple[int, int] | list[int] = (160, 256),
+        max_episode_steps: int = 1000,
+    ) -> None:
         self.task_id = task_id
         self.image_size = tuple(image_size)
         fields = minedojo_fields()
@@ -137,23 +155,33 @@ class MineDojo(Task):
             ),
             fitness_name="success_rate",
             max_episode_steps=max_episode_steps,
-            action_description=f"Discrete({len(ACTIONS)}): " + ", ".join(f"{i} {name.replace('_', ' ')}" for i, (name, _) in enumerate(ACTIONS)),
+            action_description=f"Discrete({len(ACTIONS)}): "
+            + ", ".join(f"{i} {name.replace('_', ' ')}" for i, (name, _) in enumerate(ACTIONS)),
         )
 
     def check_available(self) -> None:
         if importlib.util.find_spec("minedojo") is None:
-            raise UserError("The task 'minedojo' needs the 'minedojo' package, which is not installed. " + INSTALL_RECIPE)
+            raise UserError(
+                "The task 'minedojo' needs the 'minedojo' package, which is not installed. " + INSTALL_RECIPE
+            )
         version = java_version()
         if version is None:
-            raise UserError("The task 'minedojo' needs a Java runtime (JDK 8), but 'java' was not found on PATH. " + INSTALL_RECIPE)
+            raise UserError(
+                "The task 'minedojo' needs a Java runtime (JDK 8), but 'java' was not found on PATH. " + INSTALL_RECIPE
+            )
         if not (version.startswith("1.8") or version == "8" or version.startswith("8.")):
-            raise UserError(f"The task 'minedojo' needs JDK 8, but 'java -version' reports {version or 'an unknown version'}. " + INSTALL_RECIPE)
+            raise UserError(
+                f"The task 'minedojo' needs JDK 8, but 'java -version' reports {version or 'an unknown version'}. "
+                + INSTALL_RECIPE
+            )
 
     def make_env(self, num_envs: int, seed: int, params: Any = None) -> gym.vector.VectorEnv:
         self.check_available()
         if params:
             raise UserError(f"The task 'minedojo' has no controllable params; got {params}.")
-        return vector_env(lambda i: MineDojoEnv(self.task_id, self.image_size, self.max_episode_steps, seed + i), num_envs, seed)
+        return vector_env(
+            lambda i: MineDojoEnv(self.task_id, self.image_size, self.max_episode_steps, seed + i), num_envs, seed
+        )
 
     def fitness(self, episodes: list[Any]) -> Any:
         from core.envs.classic import success_fitness

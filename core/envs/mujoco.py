@@ -35,15 +35,25 @@ def joint_fields(joints: list[tuple[str, str]], skip_positions: int) -> list[Sta
         if kind == "free":
             for axis in _FREE_POS:
                 unit = "m" if axis in "xyz" else ""
-                positions.append((f"{name}_{axis}", unit, f"{name} body {'position ' + axis if axis in 'xyz' else 'orientation quaternion ' + axis[1]} in the world frame"))
+                positions.append(
+                    (
+                        f"{name}_{axis}",
+                        unit,
+                        f"{name} body {'position ' + axis if axis in 'xyz' else 'orientation quaternion ' + axis[1]} in the world frame",
+                    )
+                )
             for axis in _FREE_VEL:
                 unit = "m/s" if axis.startswith("v") else "rad/s"
                 kind_text = "linear velocity" if axis.startswith("v") else "angular velocity"
                 velocities.append((f"{name}_{axis}", unit, f"{name} body {kind_text} along {axis[1]}"))
         else:
             unit_pos, unit_vel = ("m", "m/s") if kind == "slide" else ("rad", "rad/s")
-            words = re.sub(r"(?<=[a-z])(?=\d)", " ", name.replace("_", " "))  # the joint's name in words (right shoulder 1)
-            positions.append((f"{name}_pos", unit_pos, f"{'position' if kind == 'slide' else 'angle'} of the {kind} joint {words}"))
+            words = re.sub(
+                r"(?<=[a-z])(?=\d)", " ", name.replace("_", " ")
+            )  # the joint's name in words (right shoulder 1)
+            positions.append(
+                (f"{name}_pos", unit_pos, f"{'position' if kind == 'slide' else 'angle'} of the {kind} joint {words}")
+            )
             velocities.append((f"{name}_vel", unit_vel, f"velocity of the {kind} joint {words}"))
     fields = []
     for i, (name, unit, text) in enumerate(positions[skip_positions:] + velocities):
@@ -63,8 +73,10 @@ def torso_upright(s: dict[str, torch.Tensor]) -> torch.Tensor:
 
 #: the torso's tilt, for the free-joint robots (Ant, Humanoid)
 TORSO_UPRIGHT = DerivedField(
-    "torso_upright", "cosine of the torso's tilt from vertical, from root_qw..root_qz: 1 upright, 0 on its side, "
-    "-1 upside down", torso_upright)
+    "torso_upright",
+    "cosine of the torso's tilt from vertical, from root_qw..root_qz: 1 upright, 0 on its side, -1 upside down",
+    torso_upright,
+)
 
 
 def block(name: str, start: int, shape: tuple[int, ...], description: str, unit: str = "") -> StateField:
@@ -101,8 +113,9 @@ class MujocoTask(GymTask):
         "control terms)."
     )
 
-    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
-                      episode: dict[str, Any]) -> float:
+    def sparse_reward(
+        self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any], episode: dict[str, Any]
+    ) -> float:
         metres = int(np.floor(float(info.get("x_position", 0.0))))
         gained = max(0, metres - episode.get("metres", 0))
         episode["metres"] = max(metres, episode.get("metres", 0))
@@ -112,9 +125,13 @@ class MujocoTask(GymTask):
         import importlib.util
 
         if importlib.util.find_spec("mujoco") is None:
-            raise UserError(f"The task '{self.name}' needs MuJoCo, which is not installed. Install it with: pip install \"llm4rl[mujoco]\"")
+            raise UserError(
+                f"The task '{self.name}' needs MuJoCo, which is not installed. Install it with: pip install \"llm4rl[mujoco]\""
+            )
         if importlib.util.find_spec("packaging") is None:
-            raise UserError(f"The task '{self.name}' needs 'packaging' (gymnasium's MuJoCo module imports it): pip install \"llm4rl[mujoco]\"")
+            raise UserError(
+                f"The task '{self.name}' needs 'packaging' (gymnasium's MuJoCo module imports it): pip install \"llm4rl[mujoco]\""
+            )
 
     def wrap(self, env: gym.Env) -> gym.Env:
         return ForwardVelocityInfo(env)
@@ -158,13 +175,16 @@ class HalfCheetah(MujocoTask):
             description=(
                 "HalfCheetah-v5 (gymnasium MuJoCo). A planar cheetah with a torso, a back leg (bthigh, bshin, "
                 "bfoot) and a front leg (fthigh, fshin, ffoot). Observation (17 values): joint positions "
-                "qpos[1:] then joint velocities qvel, named <joint>_pos and <joint>_vel. " + _PLANAR_NOTE +
-                " rootz_pos is the torso's height relative to where it starts (0.7 m above the ground)." +
-                f" No termination; truncated after {max_episode_steps} steps. Fitness: the env's own return, higher "
+                "qpos[1:] then joint velocities qvel, named <joint>_pos and <joint>_vel. "
+                + _PLANAR_NOTE
+                + " rootz_pos is the torso's height relative to where it starts (0.7 m above the ground)."
+                + f" No termination; truncated after {max_episode_steps} steps. Fitness: the env's own return, higher "
                 "the faster the torso moves forward with little control effort; the mean forward velocity is logged."
             ),
-            action_description=("Box(6,) in [-1, 1]: torques on the back thigh, shin, foot and front thigh, shin, foot "
-                                "hinges (the joints of bthigh_pos, bshin_pos, bfoot_pos, fthigh_pos, fshin_pos, ffoot_pos)."),
+            action_description=(
+                "Box(6,) in [-1, 1]: torques on the back thigh, shin, foot and front thigh, shin, foot "
+                "hinges (the joints of bthigh_pos, bshin_pos, bfoot_pos, fthigh_pos, fshin_pos, ffoot_pos)."
+            ),
             show_source=show_source,
             reward=reward,
         )
@@ -175,25 +195,37 @@ class Hopper(MujocoTask):
 
     env_id = "Hopper-v5"
     ends_on_failure = True  # the episode terminates when the body is unhealthy (falls)
-    joints = [("rootx", "slide"), ("rootz", "slide"), ("rooty", "hinge"), ("thigh_joint", "hinge"), ("leg_joint", "hinge"), ("foot_joint", "hinge")]
+    joints = [
+        ("rootx", "slide"),
+        ("rootz", "slide"),
+        ("rooty", "hinge"),
+        ("thigh_joint", "hinge"),
+        ("leg_joint", "hinge"),
+        ("foot_joint", "hinge"),
+    ]
 
     def __init__(self, max_episode_steps: int = 1000, show_source: bool = False, reward: str = "human") -> None:
         super().__init__(
             name="hopper",
             max_episode_steps=max_episode_steps,
-            goal=("Make the one-legged hopper hop forward (+x, `rootx_vel` > 0) as fast as possible without falling over "
-                  "(torso height `rootz_pos` above 0.7, pitch `rooty_pos` within +-0.2 rad)."),
+            goal=(
+                "Make the one-legged hopper hop forward (+x, `rootx_vel` > 0) as fast as possible without falling over "
+                "(torso height `rootz_pos` above 0.7, pitch `rooty_pos` within +-0.2 rad)."
+            ),
             state_fields=joint_fields(self.joints, skip_positions=1),
             description=(
                 "Hopper-v5 (gymnasium MuJoCo). A planar one-legged robot: torso, thigh, leg, foot. Observation "
-                "(11 values): qpos[1:] then qvel, named <joint>_pos and <joint>_vel. " + _PLANAR_NOTE +
-                " rootz_pos is the torso's height above the ground (1.25 m at the start). The episode terminates when unhealthy: torso height rootz_pos <= 0.7, |rooty_pos| >= 0.2 rad, or "
+                "(11 values): qpos[1:] then qvel, named <joint>_pos and <joint>_vel. "
+                + _PLANAR_NOTE
+                + " rootz_pos is the torso's height above the ground (1.25 m at the start). The episode terminates when unhealthy: torso height rootz_pos <= 0.7, |rooty_pos| >= 0.2 rad, or "
                 f"any other state value beyond +-100; truncated after {max_episode_steps} steps. Fitness: the env's "
                 "own return, higher the longer the hopper stays healthy and the faster it moves forward, with "
                 "little control effort."
             ),
-            action_description=("Box(3,) in [-1, 1]: torques on the thigh, leg and foot hinges (the joints of "
-                                "thigh_joint_pos, leg_joint_pos, foot_joint_pos)."),
+            action_description=(
+                "Box(3,) in [-1, 1]: torques on the thigh, leg and foot hinges (the joints of "
+                "thigh_joint_pos, leg_joint_pos, foot_joint_pos)."
+            ),
             show_source=show_source,
             reward=reward,
         )
@@ -216,12 +248,22 @@ class Ant(MujocoTask):
 
     def __init__(self, max_episode_steps: int = 1000, show_source: bool = False, reward: str = "human") -> None:
         fields = joint_fields(self.joints, skip_positions=2)
-        fields.append(block("contact_forces", fields[-1].stop, (13, 6), f"external contact force and torque (6 values) on each body except the world: {_body_names('ant')}; clipped to [-1, 1]", "N"))
+        fields.append(
+            block(
+                "contact_forces",
+                fields[-1].stop,
+                (13, 6),
+                f"external contact force and torque (6 values) on each body except the world: {_body_names('ant')}; clipped to [-1, 1]",
+                "N",
+            )
+        )
         super().__init__(
             name="ant",
             max_episode_steps=max_episode_steps,
-            goal=("Make the four-legged ant walk forward (+x, `root_vx` > 0) as fast as possible without flipping over "
-                  "(`torso_upright` near 1, torso height `root_z` within [0.2, 1.0])."),
+            goal=(
+                "Make the four-legged ant walk forward (+x, `root_vx` > 0) as fast as possible without flipping over "
+                "(`torso_upright` near 1, torso height `root_z` within [0.2, 1.0])."
+            ),
             state_fields=fields,
             description=(
                 "Ant-v5 (gymnasium MuJoCo). A torso with four legs; each leg has a hip and an ankle hinge, whose "
@@ -235,8 +277,10 @@ class Ant(MujocoTask):
                 "longer the ant stays upright and the faster it moves forward, with little control effort and few "
                 "hard contacts."
             ),
-            action_description=("Box(8,) in [-1, 1]: torques, in the model's actuator order, on the hinges of hip_4_pos, "
-                                "ankle_4_pos, hip_1_pos, ankle_1_pos, hip_2_pos, ankle_2_pos, hip_3_pos, ankle_3_pos."),
+            action_description=(
+                "Box(8,) in [-1, 1]: torques, in the model's actuator order, on the hinges of hip_4_pos, "
+                "ankle_4_pos, hip_1_pos, ankle_1_pos, hip_2_pos, ankle_2_pos, hip_3_pos, ankle_3_pos."
+            ),
             show_source=show_source,
             reward=reward,
         )
@@ -251,11 +295,23 @@ class Humanoid(MujocoTask):
     joints = [("root", "free")] + [
         (j, "hinge")
         for j in (
-            "abdomen_z", "abdomen_y", "abdomen_x",
-            "right_hip_x", "right_hip_z", "right_hip_y", "right_knee",
-            "left_hip_x", "left_hip_z", "left_hip_y", "left_knee",
-            "right_shoulder1", "right_shoulder2", "right_elbow",
-            "left_shoulder1", "left_shoulder2", "left_elbow",
+            "abdomen_z",
+            "abdomen_y",
+            "abdomen_x",
+            "right_hip_x",
+            "right_hip_z",
+            "right_hip_y",
+            "right_knee",
+            "left_hip_x",
+            "left_hip_z",
+            "left_hip_y",
+            "left_knee",
+            "right_shoulder1",
+            "right_shoulder2",
+            "right_elbow",
+            "left_shoulder1",
+            "left_shoulder2",
+            "left_elbow",
         )
     ]
 
@@ -274,8 +330,10 @@ class Humanoid(MujocoTask):
         super().__init__(
             name="humanoid",
             max_episode_steps=max_episode_steps,
-            goal=("Make the humanoid walk forward (+x, `root_vx` > 0) as fast as possible without falling (torso height "
-                  "`root_z` within [1.0, 2.0], `torso_upright` near 1)."),
+            goal=(
+                "Make the humanoid walk forward (+x, `root_vx` > 0) as fast as possible without falling (torso height "
+                "`root_z` within [1.0, 2.0], `torso_upright` near 1)."
+            ),
             state_fields=fields,
             description=(
                 "Humanoid-v5 (gymnasium MuJoCo). A 3D bipedal robot with 17 hinge joints (abdomen, hips, knees, "
@@ -289,10 +347,30 @@ class Humanoid(MujocoTask):
                 "forward (the observation has no centre-of-mass velocity; root_vx is the torso's), with little "
                 "control effort."
             ),
-            action_description="Box(17,) in [-0.4, 0.4]: torques, in actuator order, on the hinges of " + ", ".join(
-                f"{j}_pos" for j in ("abdomen_y", "abdomen_z", "abdomen_x", "right_hip_x", "right_hip_z", "right_hip_y",
-                                     "right_knee", "left_hip_x", "left_hip_z", "left_hip_y", "left_knee", "right_shoulder1",
-                                     "right_shoulder2", "right_elbow", "left_shoulder1", "left_shoulder2", "left_elbow")) + ".",
+            action_description="Box(17,) in [-0.4, 0.4]: torques, in actuator order, on the hinges of "
+            + ", ".join(
+                f"{j}_pos"
+                for j in (
+                    "abdomen_y",
+                    "abdomen_z",
+                    "abdomen_x",
+                    "right_hip_x",
+                    "right_hip_z",
+                    "right_hip_y",
+                    "right_knee",
+                    "left_hip_x",
+                    "left_hip_z",
+                    "left_hip_y",
+                    "left_knee",
+                    "right_shoulder1",
+                    "right_shoulder2",
+                    "right_elbow",
+                    "left_shoulder1",
+                    "left_shoulder2",
+                    "left_elbow",
+                )
+            )
+            + ".",
             show_source=show_source,
             reward=reward,
         )

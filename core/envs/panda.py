@@ -106,7 +106,9 @@ class PandaTask(Task):
                 f"(goal_distance < 0.05, success) and is truncated after {max_episode_steps} steps. "
                 "Fitness: the success rate over evaluation episodes."
             ),
-            action_description=self.actions if control_type == "ee" else "Box(7 or 8,) in [-1, 1]: joint target offsets (and finger width).",
+            action_description=self.actions
+            if control_type == "ee"
+            else "Box(7 or 8,) in [-1, 1]: joint target offsets (and finger width).",
             fitness_name="success_rate",
             max_episode_steps=max_episode_steps,
             derived_fields=list(self.derived),
@@ -155,31 +157,58 @@ class PandaReach(PandaTask):
     panda_name = "Reach"
     robot_fields = _EE
     achieved_text = "the achieved position: equal to ee_pos"
-    task_goal = ("Move the end effector (`ee_pos`) to the target position `desired_goal`; success when "
-                 "`goal_distance` < 0.05 m.")
+    task_goal = (
+        "Move the end effector (`ee_pos`) to the target position `desired_goal`; success when `goal_distance` < 0.05 m."
+    )
     actions = _EE_ACTIONS
-    derived = (DerivedField("goal_distance", "distance from achieved_goal (= ee_pos) to desired_goal; success when below "
-                            "0.05", goal_distance, "m"),)
+    derived = (
+        DerivedField(
+            "goal_distance",
+            "distance from achieved_goal (= ee_pos) to desired_goal; success when below 0.05",
+            goal_distance,
+            "m",
+        ),
+    )
 
 
 class PandaPush(PandaTask):
     panda_name = "Push"
     robot_fields = _EE + _OBJECT
     achieved_text = "the achieved position: equal to object_pos"
-    task_goal = ("Push the cube (`object_pos`) across the table to the target `desired_goal` (on the table) with the "
-                 "closed gripper; success when `goal_distance` < 0.05 m.")
+    task_goal = (
+        "Push the cube (`object_pos`) across the table to the target `desired_goal` (on the table) with the "
+        "closed gripper; success when `goal_distance` < 0.05 m."
+    )
     actions = _EE_ACTIONS + " The fingers stay closed."
-    derived = (_EE_TO_OBJECT, DerivedField("goal_distance", "distance from achieved_goal (= object_pos) to desired_goal; "
-                                           "success when below 0.05", goal_distance, "m"))
+    derived = (
+        _EE_TO_OBJECT,
+        DerivedField(
+            "goal_distance",
+            "distance from achieved_goal (= object_pos) to desired_goal; success when below 0.05",
+            goal_distance,
+            "m",
+        ),
+    )
 
 
 class PandaPickAndPlace(PandaTask):
     panda_name = "PickAndPlace"
     robot_fields = _EE + _FINGERS + _OBJECT
     achieved_text = "the achieved position: equal to object_pos"
-    task_goal = ("Grasp the cube (`object_pos`), lift it and carry it to the target `desired_goal` (on the table or "
-                 "in the air); success when `goal_distance` < 0.05 m.")
-    derived = (_EE_TO_OBJECT, DerivedField("goal_distance", "distance from achieved_goal (= object_pos) to desired_goal; "
-                                           "success when below 0.05", goal_distance, "m"))
-    actions = ("Box(4,) in [-1, 1]: move the end effector by (dx, dy, dz), at most 5 cm per step, and change the "
-               "finger width (positive opens, negative closes).")
+    task_goal = (
+        "Grasp the cube (`object_pos`), lift it and carry it to the target `desired_goal` (on the table or "
+        "in the air); success when `goal_distance` < 0.05 m."
+    )
+    derived = (
+        _EE_TO_OBJECT,
+        DerivedField(
+            "goal_distance",
+            "distance from achieved_goal (= object_pos) to desired_goal; success when below 0.05",
+            goal_distance,
+            "m",
+        ),
+    )
+    actions = (
+        "Box(4,) in [-1, 1]: move the end effector by (dx, dy, dz), at most 5 cm per step, and change the "
+        "finger width (positive opens, negative closes)."
+    )

@@ -172,7 +172,7 @@ def load_kuka_modules() -> tuple[types.ModuleType, types.ModuleType]:
     global _COPIES
     spec = importlib.util.find_spec("pybullet_envs")
     if spec is None or spec.origin is None:
-        raise UserError("env=kuka_grasp needs pybullet. Install it with: pip install \"llm4rl[pybullet]\"")
+        raise UserError('env=kuka_grasp needs pybullet. Install it with: pip install "llm4rl[pybullet]"')
     folder = os.path.join(os.path.dirname(spec.origin), "bullet")
     _COPIES += 1
     package = f"_llm4rl_kuka{_COPIES}"
@@ -224,7 +224,6 @@ class Descent:
         return max(target - step, arm - self.max_lead)
 
 
-
 class KukaGraspEnv(gym.Env):
     """One ``KukaGymEnv`` behind the gymnasium API, with named extra state and episode facts.
 
@@ -236,8 +235,13 @@ class KukaGraspEnv(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, max_episode_steps: int = 1000, hold_steps: int = 60, seed: int | None = None,
-                 descent: Descent | None = None) -> None:
+    def __init__(
+        self,
+        max_episode_steps: int = 1000,
+        hold_steps: int = 60,
+        seed: int | None = None,
+        descent: Descent | None = None,
+    ) -> None:
         self.max_episode_steps = int(max_episode_steps)
         self.hold_steps = int(hold_steps)
         self.descent = descent or Descent()
@@ -280,13 +284,17 @@ class KukaGraspEnv(gym.Env):
     def _watch_block(self) -> None:
         if not self.env.terminated:  # only the grasp-and-lift loop can raise the block
             return
-        self._facts["max_block_height"] = max(self._facts["max_block_height"], float(self._block_pos()[2] - TABLE_TOP_Z))
+        self._facts["max_block_height"] = max(
+            self._facts["max_block_height"], float(self._block_pos()[2] - TABLE_TOP_Z)
+        )
 
     def _xy_distance(self) -> float:
         return float(np.linalg.norm(self._fingertips()[:2] - self._block_pos()[:2]))
 
     # -- gymnasium API ----------------------------------------------------------------
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
         super().reset(seed=seed)
         if seed is not None:
             self._rng.seed(seed)
@@ -306,7 +314,13 @@ class KukaGraspEnv(gym.Env):
         arm_z = float(self.client.getLinkState(kuka.kukaUid, kuka.kukaEndEffectorIndex)[0][2])
         target_z = float(kuka.endEffectorPos[2])
         dz = self.descent.target_z(target_z, arm_z) - target_z
-        return [float(action[0]) * MOVE_SCALE, float(action[1]) * MOVE_SCALE, dz, float(action[2]) * TURN_SCALE, FINGER_OPEN]
+        return [
+            float(action[0]) * MOVE_SCALE,
+            float(action[1]) * MOVE_SCALE,
+            dz,
+            float(action[2]) * TURN_SCALE,
+            FINGER_OPEN,
+        ]
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         action = np.clip(np.asarray(action, dtype=np.float64), -1.0, 1.0)
@@ -376,10 +390,14 @@ def summarize_failures(infos: list[dict[str, Any]]) -> str:
             lines.append(f"- {counts[key]}/{len(infos)} {text}")
     reached = [i["grasp_xy_distance"] for i in infos if "grasp_xy_distance" in i]
     if reached:
-        lines.append(f"Fingertip-to-block x-y distance when the gripper closed: mean {np.mean(reached):.3f} m, min {np.min(reached):.3f} m.")
+        lines.append(
+            f"Fingertip-to-block x-y distance when the gripper closed: mean {np.mean(reached):.3f} m, min {np.min(reached):.3f} m."
+        )
     rises = [float(i.get("max_block_height", 0.0)) - float(i.get("rest_height", 0.0)) for i in infos]
-    lines.append(f"Highest block lift: mean {np.mean(rises):.3f} m, max {np.max(rises):.3f} m "
-                 f"(success needs {SUCCESS_Z - TABLE_TOP_Z - float(np.mean([i.get('rest_height', 0.0) for i in infos])):.2f} m).")
+    lines.append(
+        f"Highest block lift: mean {np.mean(rises):.3f} m, max {np.max(rises):.3f} m "
+        f"(success needs {SUCCESS_Z - TABLE_TOP_Z - float(np.mean([i.get('rest_height', 0.0) for i in infos])):.2f} m)."
+    )
     return "\n".join(lines)
 
 
@@ -388,26 +406,64 @@ def summarize_failures(infos: list[dict[str, Any]]) -> str:
 # -------------------------------------------------------------------------------------
 
 #: names of the per-episode facts copied from the last step's info into Episode.info
-EPISODE_FACTS = ("grasp_attempted", "grasp_xy_distance", "min_xy_distance", "rest_height",
-                 "max_block_height", "final_block_height")
+EPISODE_FACTS = (
+    "grasp_attempted",
+    "grasp_xy_distance",
+    "min_xy_distance",
+    "rest_height",
+    "max_block_height",
+    "final_block_height",
+)
 
 
 def kuka_fields() -> list[StateField]:
     """The 17 observation values of :class:`KukaGraspEnv`."""
     spec = [
-        ("gripper_pos", 3, "position x, y, z of the gripper base (world frame; the fingertips are ~0.25 m below it)", "m"),
+        (
+            "gripper_pos",
+            3,
+            "position x, y, z of the gripper base (world frame; the fingertips are ~0.25 m below it)",
+            "m",
+        ),
         ("gripper_euler", 3, "orientation of the gripper as roll, pitch, yaw Euler angles", "rad"),
-        ("block_rel_xy", 2, "x, y position of the block in the gripper's frame: (0, 0) means the gripper is right above it", "m"),
-        ("block_rel_yaw", 1, "yaw of the block relative to the gripper (fingers align with the block's short side near 0 or pi)", "rad"),
+        (
+            "block_rel_xy",
+            2,
+            "x, y position of the block in the gripper's frame: (0, 0) means the gripper is right above it",
+            "m",
+        ),
+        (
+            "block_rel_yaw",
+            1,
+            "yaw of the block relative to the gripper (fingers align with the block's short side near 0 or pi)",
+            "rad",
+        ),
         ("block_pos", 3, "position x, y, z of the block centre (world frame)", "m"),
-        ("block_height", 1, f"height of the block centre above the table top; about 0.019 at rest in the tray, success above {SUCCESS_Z - TABLE_TOP_Z:.3f}", "m"),
-        ("gripper_opening", 1, "finger opening angle: about 0.3 open (the agent's whole approach), 0 closed (during the env's automatic grasp)", "rad"),
-        ("fingertips_pos", 3, "mean position x, y, z of the two fingertips (world frame): the grasp lands where these are when the gripper reaches the tray", "m"),
+        (
+            "block_height",
+            1,
+            f"height of the block centre above the table top; about 0.019 at rest in the tray, success above {SUCCESS_Z - TABLE_TOP_Z:.3f}",
+            "m",
+        ),
+        (
+            "gripper_opening",
+            1,
+            "finger opening angle: about 0.3 open (the agent's whole approach), 0 closed (during the env's automatic grasp)",
+            "rad",
+        ),
+        (
+            "fingertips_pos",
+            3,
+            "mean position x, y, z of the two fingertips (world frame): the grasp lands where these are when the gripper reaches the tray",
+            "m",
+        ),
     ]
     fields, start = [], 0
     for name, size, text, unit in spec:
         if size > 1:  # small models index the batch dimension by mistake (block_pos[2])
-            text += f"; a [B, {size}] tensor whose values, in the order named, are " + ", ".join(f"[:, {i}]" for i in range(size))
+            text += f"; a [B, {size}] tensor whose values, in the order named, are " + ", ".join(
+                f"[:, {i}]" for i in range(size)
+            )
         fields.append(StateField(name, start, start + size, text, unit, (size,) if size > 1 else ()))
         start += size
     return fields
@@ -425,19 +481,35 @@ def fingertips_height(s: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def kuka_derived() -> list[DerivedField]:
     return [
-        DerivedField("fingertips_block_xy_distance", "x-y distance from fingertips_pos to block_pos: 0 right above "
-                     f"the block; a grasp that closes beyond {REACH_TOL:g} misses it",
-                     fingertips_block_xy_distance, "m"),
-        DerivedField("fingertips_height", "height of fingertips_pos above the table top, as block_height is; about "
-                     "0.05 when the gripper reaches the tray", fingertips_height, "m"),
+        DerivedField(
+            "fingertips_block_xy_distance",
+            "x-y distance from fingertips_pos to block_pos: 0 right above "
+            f"the block; a grasp that closes beyond {REACH_TOL:g} misses it",
+            fingertips_block_xy_distance,
+            "m",
+        ),
+        DerivedField(
+            "fingertips_height",
+            "height of fingertips_pos above the table top, as block_height is; about "
+            "0.05 when the gripper reaches the tray",
+            fingertips_height,
+            "m",
+        ),
     ]
 
 
 class KukaGrasp(Task):
     """Kuka iiwa with a two-finger gripper picks up a block from a tray (PyBullet)."""
 
-    def __init__(self, max_episode_steps: int = 1000, hold_steps: int = 60, descent: float = 0.002,
-                 approach_descent: float = 0.0005, approach_z: float = 0.2, max_lead: float = 0.1) -> None:
+    def __init__(
+        self,
+        max_episode_steps: int = 1000,
+        hold_steps: int = 60,
+        descent: float = 0.002,
+        approach_descent: float = 0.0005,
+        approach_z: float = 0.2,
+        max_lead: float = 0.1,
+    ) -> None:
         self.hold_steps = int(hold_steps)
         self.descent = Descent(float(descent), float(approach_descent), float(approach_z), float(max_lead))
         threshold = SUCCESS_Z - TABLE_TOP_Z
@@ -511,4 +583,6 @@ class KukaGrasp(Task):
 
 def _plain(value: Any) -> Any:
     """A numpy scalar as a Python one (episode info is logged and pickled)."""
-    return value.item() if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0) else value
+    return (
+        value.item() if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0) else value
+    )

@@ -169,9 +169,7 @@ class Task:
                     "Tasks with one: cartpole, mountaincar, acrobot, pendulum, lunarlander, the MuJoCo and "
                     "MetaWorld tasks, minecraft."
                 )
-            self.description += (
-                f"\n\nTraining reward in this run (env.reward=sparse), in place of the env designers' own: {self.sparse_text}"
-            )
+            self.description += f"\n\nTraining reward in this run (env.reward=sparse), in place of the env designers' own: {self.sparse_text}"
 
     # -- construction ---------------------------------------------------------------
     def make_env(self, num_envs: int, seed: int, params: dict[str, Any] | None = None) -> gym.vector.VectorEnv:
@@ -314,8 +312,9 @@ class Task:
         extra = {"human_return": float(final_info["human_return"])} if "human_return" in final_info else {}
         return (None if success is None else bool(success)), extra
 
-    def sparse_reward(self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any],
-                      episode: dict[str, Any]) -> float:
+    def sparse_reward(
+        self, obs: Any, reward: float, terminated: bool, truncated: bool, info: dict[str, Any], episode: dict[str, Any]
+    ) -> float:
         """The sparse reward of one step (``reward`` is the designers' reward of that step).
 
         ``episode`` is a dict the rule may keep per-episode memory in (emptied at reset).
@@ -400,8 +399,9 @@ class VectorStep:
         return _final_info(self.info, i)
 
 
-def task_steps(task: Task, envs: int, steps: int, seed: int,
-               policy: Callable[[np.ndarray], np.ndarray] | None = None) -> Iterator[VectorStep]:
+def task_steps(
+    task: Task, envs: int, steps: int, seed: int, policy: Callable[[np.ndarray], np.ndarray] | None = None
+) -> Iterator[VectorStep]:
     """``steps`` steps of ``envs`` envs of the task from a reset with ``seed``: random actions
     (the action space seeded with ``seed``) or ``policy``'s (``[B, obs_dim]`` float32 to actions).
 
@@ -414,21 +414,31 @@ def task_steps(task: Task, envs: int, steps: int, seed: int,
         obs, _ = env.reset(seed=seed)
         env.action_space.seed(seed)
         for _ in range(steps):
-            action = np.asarray(policy(np.asarray(obs, np.float32)) if policy is not None else env.action_space.sample())
+            action = np.asarray(
+                policy(np.asarray(obs, np.float32)) if policy is not None else env.action_space.sample()
+            )
             nxt, reward, term, trunc, info = env.step(action)
             true_next, final = np.array(nxt, copy=True), info.get("final_obs")
             if final is not None:  # same-step autoreset: the ended episodes' last observations are here
                 for i in np.flatnonzero(np.logical_or(term, trunc)):
                     true_next[i] = final[i]
-            yield VectorStep(np.asarray(obs), action, true_next, np.asarray(reward), np.asarray(term, bool),
-                             np.asarray(trunc, bool), info)
+            yield VectorStep(
+                np.asarray(obs),
+                action,
+                true_next,
+                np.asarray(reward),
+                np.asarray(term, bool),
+                np.asarray(trunc, bool),
+                info,
+            )
             obs = nxt
     finally:
         env.close()
 
 
-def rollouts(task: Task, policy: Callable[[np.ndarray], np.ndarray] | None, episodes: int, seed: int,
-             max_steps: int = 1000) -> list[Trajectory]:
+def rollouts(
+    task: Task, policy: Callable[[np.ndarray], np.ndarray] | None, episodes: int, seed: int, max_steps: int = 1000
+) -> list[Trajectory]:
     """One episode in each of ``episodes`` envs of ``task``: random actions, or ``policy``'s."""
     if episodes <= 0:
         return []
@@ -439,8 +449,14 @@ def rollouts(task: Task, policy: Callable[[np.ndarray], np.ndarray] | None, epis
         for i in range(episodes):
             if i in ends:
                 continue
-            record[i].append((np.asarray(step.obs[i], np.float32), step.action[i], np.asarray(step.next_obs[i], np.float32),
-                              float(step.reward[i])))
+            record[i].append(
+                (
+                    np.asarray(step.obs[i], np.float32),
+                    step.action[i],
+                    np.asarray(step.next_obs[i], np.float32),
+                    float(step.reward[i]),
+                )
+            )
             if step.done[i]:
                 flag, extra = task.episode_info(step.final_info(i))
                 ret = float(extra.get("human_return", sum(r for *_, r in record[i])))
@@ -452,9 +468,16 @@ def rollouts(task: Task, policy: Callable[[np.ndarray], np.ndarray] | None, epis
     for i, steps_i in enumerate(record):
         paid = np.array([r for *_, r in steps_i], np.float32)
         terminated, success, ret = ends.get(i, (False, False, float(paid.sum())))  # cut at the step cap
-        out.append(Trajectory(
-            obs=np.stack([o for o, *_ in steps_i]), action=np.stack([np.asarray(a) for _, a, *_ in steps_i]),
-            next_obs=np.stack([n for _, _, n, _ in steps_i]), env_reward=paid, terminated=terminated,
-            success=success, ground_truth=ret, source=source,
-        ))
+        out.append(
+            Trajectory(
+                obs=np.stack([o for o, *_ in steps_i]),
+                action=np.stack([np.asarray(a) for _, a, *_ in steps_i]),
+                next_obs=np.stack([n for _, _, n, _ in steps_i]),
+                env_reward=paid,
+                terminated=terminated,
+                success=success,
+                ground_truth=ret,
+                source=source,
+            )
+        )
     return out

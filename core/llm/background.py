@@ -52,8 +52,14 @@ class BackgroundCalls(Generic[Job, Result]):
     jobs are not queued twice while one is waiting (``dedupe``).
     """
 
-    def __init__(self, work: Callable[[Job], Result | None], name: str, queue_size: int = 64,
-                 results_size: int | None = None, dedupe: bool = True) -> None:
+    def __init__(
+        self,
+        work: Callable[[Job], Result | None],
+        name: str,
+        queue_size: int = 64,
+        results_size: int | None = None,
+        dedupe: bool = True,
+    ) -> None:
         self.work, self.name, self.dedupe = work, name, dedupe
         self._jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self._results: deque[tuple[Job, Result]] = deque(maxlen=results_size)
@@ -139,9 +145,16 @@ class BackgroundCalls(Generic[Job, Result]):
                         self._waiting.discard(job)
 
 
-def ask_in_batches(items: list[Job], ask: Callable[[list[Job]], int], *, batch: int, seconds: float,
-                   label: str, show: bool, info: Callable[[int], str] = lambda done: f"{done} answered",
-                   ) -> tuple[int, int]:
+def ask_in_batches(
+    items: list[Job],
+    ask: Callable[[list[Job]], int],
+    *,
+    batch: int,
+    seconds: float,
+    label: str,
+    show: bool,
+    info: Callable[[int], str] = lambda done: f"{done} answered",
+) -> tuple[int, int]:
     """The blocking counterpart: ``ask(chunk)`` for ``items`` in chunks of ``batch``, with a bar.
 
     ``ask`` makes a chunk's calls (concurrently, e.g. ``llm.chat_many``) and returns how many
@@ -156,7 +169,7 @@ def ask_in_batches(items: list[Job], ask: Callable[[list[Job]], int], *, batch: 
         return 0, 0
     with make_progress(show) as progress:
         bar = progress.add_task(label, total=len(items)) if progress is not None else None
-        for chunk in [items[:1]] + [items[i:i + batch] for i in range(1, len(items), batch)]:
+        for chunk in [items[:1]] + [items[i : i + batch] for i in range(1, len(items), batch)]:
             if seconds and time.perf_counter() - start >= seconds:
                 break
             done += ask(chunk)

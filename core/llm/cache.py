@@ -159,4 +159,3 @@ def load_replies(path: str | os.PathLike[str], cache: ResponseCache) -> int:
                 cache.put(row["key"], row["value"], row.get("model", ""))
                 n += 1
     return n
-

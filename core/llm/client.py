@@ -89,8 +89,10 @@ class Reply:
 
 
 #: what :meth:`LLMClient.continue_reply` asks after a reply the token cap cut off
-CONTINUE = ("Your reply was cut off at the length limit. Continue it from exactly where it stopped: "
-            "do not repeat anything already written and do not start over.")
+CONTINUE = (
+    "Your reply was cut off at the length limit. Continue it from exactly where it stopped: "
+    "do not repeat anything already written and do not start over."
+)
 
 
 @dataclass
@@ -316,8 +318,12 @@ class LLMClient:
     #: seconds between two ``on_progress`` reports of one call while tokens arrive
     PROGRESS_EVERY_S = 0.25
 
-    def __init__(self, cfg: LLMSettings | Mapping[str, Any] | None, on_call: Callable[[CallRecord], None] | None = None,
-                 on_progress: Callable[[CallProgress], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: LLMSettings | Mapping[str, Any] | None,
+        on_call: Callable[[CallRecord], None] | None = None,
+        on_progress: Callable[[CallProgress], None] | None = None,
+    ) -> None:
         self.settings = LLMSettings.from_cfg(cfg)
         self.on_call = on_call
         self.on_progress = on_progress
@@ -376,9 +382,20 @@ class LLMClient:
         (the parameter is dropped) leave it None, so callers need a text fallback.
         Raises :class:`LLMError` when the backend cannot answer after the retries.
         """
-        return [reply for group in self.chat_groups(messages, n=n, temperature=temperature, max_tokens=max_tokens,
-                                                    stop=stop, seed=seed, tag=tag, top_logprobs=top_logprobs)
-                for reply in group]
+        return [
+            reply
+            for group in self.chat_groups(
+                messages,
+                n=n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                stop=stop,
+                seed=seed,
+                tag=tag,
+                top_logprobs=top_logprobs,
+            )
+            for reply in group
+        ]
 
     def chat_groups(
         self,
@@ -423,9 +440,11 @@ class LLMClient:
                     replies[i] = Reply(**{**hit, "latency_s": 0.0, "cost": 0.0, "cached": True})
         missing = [i for i, r in enumerate(replies) if r is None]
         if missing and self.settings.replay_only:
-            raise LLMError(f"llm.replay_only: no recorded reply for {len(missing)} of the {n} sample(s) of the call "
-                           f"'{tag or 'call'}' (a request the recorded run did not make: other code, config or seed). "
-                           "Set llm.replay_only=false to ask the LLM.")
+            raise LLMError(
+                f"llm.replay_only: no recorded reply for {len(missing)} of the {n} sample(s) of the call "
+                f"'{tag or 'call'}' (a request the recorded run did not make: other code, config or seed). "
+                "Set llm.replay_only=false to ask the LLM."
+            )
         sent = 0  # samples handed over so far
 
         def landed() -> list[Reply]:  # the samples from ``sent`` up to the first one still missing
@@ -481,15 +500,18 @@ class LLMClient:
         calls = [dict(c) for c in calls]
         if len(calls) <= 1 or self.settings.concurrency <= 1:
             return [self.chat(**c) for c in calls]
-        with ThreadPoolExecutor(max_workers=min(self.settings.concurrency, len(calls)), thread_name_prefix="llm-call") as pool:
+        with ThreadPoolExecutor(
+            max_workers=min(self.settings.concurrency, len(calls)), thread_name_prefix="llm-call"
+        ) as pool:
             futures = [pool.submit(self.chat, **c) for c in calls]
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
             raise errors[0]
         return [f.result() for f in futures]
 
-    def continue_reply(self, messages: Sequence[Mapping[str, str]], reply: Reply, *, rounds: int = 1,
-                       tag: str = "", **kw: Any) -> Reply:
+    def continue_reply(
+        self, messages: Sequence[Mapping[str, str]], reply: Reply, *, rounds: int = 1, tag: str = "", **kw: Any
+    ) -> Reply:
         """``reply`` (to ``messages``) continued where the token cap cut it off, for at most
         ``rounds`` more requests, instead of asking again from scratch.
 
@@ -503,8 +525,11 @@ class LLMClient:
         for k in range(rounds):
             if not reply.cut_off:
                 break
-            follow = [*({"role": m["role"], "content": m["content"]} for m in messages),
-                      {"role": "assistant", "content": text}, {"role": "user", "content": CONTINUE}]
+            follow = [
+                *({"role": m["role"], "content": m["content"]} for m in messages),
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": CONTINUE},
+            ]
             (reply,) = self.chat(follow, n=1, tag=f"{tag or 'call'}-continued{k + 1}", **kw)
             piece = reply.text
             if piece.lstrip().startswith("```") and text.count("```") % 2 == 1:  # still inside the open fence
@@ -552,8 +577,10 @@ class LLMClient:
         if missing and self.settings.replay_only:
             with self._lock:
                 self.embed_stats.errors += 1
-            raise LLMError(f"llm.replay_only: no recorded embedding for {len(missing)} text(s) of "
-                           f"'{tag or 'embed'}' (e.g. {missing[0][:60]!r}). Set llm.replay_only=false to ask the model.")
+            raise LLMError(
+                f"llm.replay_only: no recorded embedding for {len(missing)} text(s) of "
+                f"'{tag or 'embed'}' (e.g. {missing[0][:60]!r}). Set llm.replay_only=false to ask the model."
+            )
         if missing:
             start = time.perf_counter()
             try:
@@ -575,15 +602,19 @@ class LLMClient:
                 self._embeddings[(name, text)] = vector
                 out[text] = vector
                 if self.cache is not None:
-                    self.cache.put(_embedding_key(name, text),
-                                   {"embedding": base64.b64encode(vector.tobytes()).decode("ascii"), "dim": int(vector.size)},
-                                   model=name)
+                    self.cache.put(
+                        _embedding_key(name, text),
+                        {"embedding": base64.b64encode(vector.tobytes()).decode("ascii"), "dim": int(vector.size)},
+                        model=name,
+                    )
         if not texts:
             return np.zeros((0, 0), dtype=np.float32)
         dims = {out[t].size for t in texts}
         if len(dims) != 1:
-            raise LLMError(f"The model '{name}' returned embeddings of different sizes {sorted(dims)}; "
-                           "was the cache written by another model under the same name?")
+            raise LLMError(
+                f"The model '{name}' returned embeddings of different sizes {sorted(dims)}; "
+                "was the cache written by another model under the same name?"
+            )
         return np.stack([out[t] for t in texts])
 
     def _embed_request(self, name: str, texts: list[str]) -> list[Any]:
@@ -600,8 +631,10 @@ class LLMClient:
         if s.api_key_env:
             key = os.environ.get(s.api_key_env)
             if not key:
-                raise LLMError(f"Embeddings from '{name}' need an API key, but the environment variable "
-                               f"{s.api_key_env} is not set. Set it, or use the offline default `llm=embedded`.")
+                raise LLMError(
+                    f"Embeddings from '{name}' need an API key, but the environment variable "
+                    f"{s.api_key_env} is not set. Set it, or use the offline default `llm=embedded`."
+                )
             kwargs["api_key"] = key
         elif s.api_base and name.startswith("openai/"):
             kwargs["api_key"] = "not-needed"  # a self-hosted server usually wants none; the SDK wants one
@@ -617,9 +650,11 @@ class LLMClient:
                 self._sleep(min(60.0, s.backoff_s * 2**attempt) * (1 + 0.25 * random.random()))
                 attempt += 1
             except Exception as exc:  # not an embedding model, bad request, no key...
-                raise LLMError(f"Embeddings from '{name}' failed: {type(exc).__name__}: {_short(exc)}. A chat model "
-                               "may have no embeddings: name an embedding model (e.g. openai/text-embedding-3-small), "
-                               "or use `llm=embedded`.") from exc
+                raise LLMError(
+                    f"Embeddings from '{name}' failed: {type(exc).__name__}: {_short(exc)}. A chat model "
+                    "may have no embeddings: name an embedding model (e.g. openai/text-embedding-3-small), "
+                    "or use `llm=embedded`."
+                ) from exc
         data = getattr(response, "data", None)
         if data is None and isinstance(response, Mapping):
             data = response.get("data")
@@ -662,8 +697,16 @@ class LLMClient:
 
         return add
 
-    def _sample(self, messages: list[dict[str, str]], params: dict[str, Any], seed: int, missing: list[int],
-                keys: list[str], replies: list[Reply | None], watch: CallProgress | None = None) -> Iterator[None]:
+    def _sample(
+        self,
+        messages: list[dict[str, str]],
+        params: dict[str, Any],
+        seed: int,
+        missing: list[int],
+        keys: list[str],
+        replies: list[Reply | None],
+        watch: CallProgress | None = None,
+    ) -> Iterator[None]:
         """Fill ``replies[i]`` for every ``i`` in ``missing``: requests of up to
         :meth:`samples_per_request` samples, run concurrently, each cached as it lands.
 
@@ -766,8 +809,14 @@ class LLMClient:
                 self._n_support = True
         return self._n_support
 
-    def _request_samples(self, messages: list[dict[str, str]], params: dict[str, Any], seed: int,
-                         chunk: list[int], watch: CallProgress | None = None) -> list[Reply]:
+    def _request_samples(
+        self,
+        messages: list[dict[str, str]],
+        params: dict[str, Any],
+        seed: int,
+        chunk: list[int],
+        watch: CallProgress | None = None,
+    ) -> list[Reply]:
         """``len(chunk)`` samples starting at sample ``chunk[0]``; a backend that returns
         fewer choices than asked (it ignored ``n``) is asked again for the rest."""
         got: list[Reply] = []
@@ -775,8 +824,14 @@ class LLMClient:
             got += self._request(messages, params, len(chunk) - len(got), sample_seed(seed, chunk[len(got)]), watch)
         return got
 
-    def _request(self, messages: list[dict[str, str]], params: dict[str, Any], n: int, seed: int,
-                 watch: CallProgress | None = None) -> list[Reply]:
+    def _request(
+        self,
+        messages: list[dict[str, str]],
+        params: dict[str, Any],
+        n: int,
+        seed: int,
+        watch: CallProgress | None = None,
+    ) -> list[Reply]:
         """One backend request for ``n`` samples, with retries and backoff.
 
         With a ``watch`` the reply is streamed and its tokens counted as they come: the
@@ -847,8 +902,9 @@ class LLMClient:
                 if attempt == s.retries:
                     raise LLMError(self._explain_transient(exc, attempt + 1)) from exc
                 delay = min(60.0, s.backoff_s * 2**attempt) * (1 + 0.25 * random.random())
-                log.warning("LLM request failed (%s); retry %d/%d in %.1f s",
-                            type(exc).__name__, attempt + 1, s.retries, delay)
+                log.warning(
+                    "LLM request failed (%s); retry %d/%d in %.1f s", type(exc).__name__, attempt + 1, s.retries, delay
+                )
                 self._sleep(delay)
                 attempt += 1
                 continue
@@ -876,8 +932,9 @@ class LLMClient:
                 add(sum(r.completion_tokens for r in replies) - streamed[0])
             return replies
 
-    def _completion(self, kwargs: dict[str, Any], messages: list[dict[str, str]],
-                    on_tokens: Callable[[int], None] | None) -> Any:
+    def _completion(
+        self, kwargs: dict[str, Any], messages: list[dict[str, str]], on_tokens: Callable[[int], None] | None
+    ) -> Any:
         """``litellm.completion(**kwargs)``; with ``on_tokens``, streamed and counted."""
         litellm = self._litellm
         if on_tokens is None:
@@ -896,8 +953,11 @@ class LLMClient:
         chunks, received = [], 0
         for chunk in response:
             chunks.append(chunk)
-            pieces = sum(1 for c in (getattr(chunk, "choices", None) or [])
-                         if getattr(getattr(c, "delta", None), "content", None))
+            pieces = sum(
+                1
+                for c in (getattr(chunk, "choices", None) or [])
+                if getattr(getattr(c, "delta", None), "content", None)
+            )
             if pieces:
                 received += pieces
                 on_tokens(pieces)
@@ -921,17 +981,19 @@ class LLMClient:
         replies = []
         for j, choice in enumerate(choices):
             share = completion_tokens // k + (1 if j < completion_tokens % k else 0)
-            replies.append(Reply(
-                text=choice.message.content or "",
-                prompt_tokens=prompt_tokens,
-                completion_tokens=share,
-                latency_s=latency,
-                cost=cost / k,
-                cached=False,
-                model=self.model,
-                logprobs=first_token_logprobs(choice),
-                finish_reason=str(getattr(choice, "finish_reason", "") or ""),
-            ))
+            replies.append(
+                Reply(
+                    text=choice.message.content or "",
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=share,
+                    latency_s=latency,
+                    cost=cost / k,
+                    cached=False,
+                    model=self.model,
+                    logprobs=first_token_logprobs(choice),
+                    finish_reason=str(getattr(choice, "finish_reason", "") or ""),
+                )
+            )
         with self._lock:
             self.stats.requests += 1
             self.stats.prompt_tokens += prompt_tokens
@@ -961,8 +1023,11 @@ class LLMClient:
         )
 
 
-def make_client(cfg: LLMSettings | Mapping[str, Any] | None, on_call: Callable[[CallRecord], None] | None = None,
-                on_progress: Callable[[CallProgress], None] | None = None) -> LLMClient:
+def make_client(
+    cfg: LLMSettings | Mapping[str, Any] | None,
+    on_call: Callable[[CallRecord], None] | None = None,
+    on_progress: Callable[[CallProgress], None] | None = None,
+) -> LLMClient:
     """The client for the Hydra ``llm`` node ``cfg`` (see :class:`LLMClient` for the callbacks)."""
     return LLMClient(cfg, on_call=on_call, on_progress=on_progress)
 
@@ -995,8 +1060,12 @@ def _embedding_key(model: str, text: str) -> str:
         from core.llm.embedded import EMBED_TEMPLATE
 
         template = EMBED_TEMPLATE
-    blob = json.dumps({"v": 1, "kind": "embedding", "model": model, "template": template, "text": text},
-                      sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    blob = json.dumps(
+        {"v": 1, "kind": "embedding", "model": model, "template": template, "text": text},
+        sort_keys=True,
+        ensure_ascii=False,
+        separators=(",", ":"),
+    )
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
@@ -1017,6 +1086,7 @@ def first_token_logprobs(choice: Any) -> dict[str, float] | None:
     Reads the OpenAI shape (``choice.logprobs.content[0].top_logprobs``) as objects or
     dicts; tokens are stripped of surrounding whitespace, keeping the likeliest spelling.
     """
+
     def get(x: Any, key: str) -> Any:
         return x.get(key) if isinstance(x, dict) else getattr(x, key, None)
 

@@ -371,8 +371,12 @@ def configure(**kwargs: Any) -> None:
         if key == "n_threads" and isinstance(value, str) and value.lstrip("-").isdigit():
             value = int(value)
         if _loaded and key != "show_progress" and value != getattr(settings, key):
-            log.warning("embedded model already loaded with %s=%r; ignoring %r until unload()",
-                        key, getattr(settings, key), value)
+            log.warning(
+                "embedded model already loaded with %s=%r; ignoring %r until unload()",
+                key,
+                getattr(settings, key),
+                value,
+            )
         setattr(settings, key, value)
 
 
@@ -389,8 +393,7 @@ def _resolve_path(name: str) -> Path:
     if spec is None:
         known = ", ".join(f"'embedded/{n}'" for n in MODELS)
         raise LLMError(
-            f"Unknown embedded model 'embedded/{name}'. Known: {known}; or set "
-            "llm.gguf_path to a local GGUF file."
+            f"Unknown embedded model 'embedded/{name}'. Known: {known}; or set llm.gguf_path to a local GGUF file."
         )
     return ensure_gguf(spec, settings.show_progress)
 
@@ -454,8 +457,16 @@ def _load(name: str, path: Path, plan: ServerPlan) -> None:
             status.stop()
     log.info("embedded model %s loaded: %s", name, plan.reason)
     _server, _plan = server, plan
-    _loaded.update(name=name, path=str(path), load_s=time.perf_counter() - start, n_threads=plan.n_threads,
-                   n_parallel=plan.n_parallel, n_ctx=plan.n_ctx, prefix_cache=plan.prefix_cache, plan=plan.reason)
+    _loaded.update(
+        name=name,
+        path=str(path),
+        load_s=time.perf_counter() - start,
+        n_threads=plan.n_threads,
+        n_parallel=plan.n_parallel,
+        n_ctx=plan.n_ctx,
+        prefix_cache=plan.prefix_cache,
+        plan=plan.reason,
+    )
 
 
 def retune(name: str = QWEN_CODER_1_5B.name) -> ServerPlan | None:
@@ -689,8 +700,14 @@ def _streamed(server: Any, request: dict[str, Any], n: int, sink: Callable[[int]
         raise KeyboardInterrupt  # stopped midway: a partial reply must never pass for a whole one (or be cached)
     if errors and not texts and not finish:
         return {"error": errors[0]}
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts.get(i, "")},
-                "finish_reason": finish.get(i, "stop")} for i in range(max(n, len(texts), len(finish)))]
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": texts.get(i, "")},
+            "finish_reason": finish.get(i, "stop"),
+        }
+        for i in range(max(n, len(texts), len(finish)))
+    ]
     return {"choices": choices, "usage": usage}
 
 
@@ -724,8 +741,11 @@ def _tokenize_count(server: Any, text: str) -> int | None:
     import json
     import urllib.request
 
-    request = urllib.request.Request(address.rstrip("/") + "/tokenize", data=json.dumps({"content": text}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        address.rstrip("/") + "/tokenize",
+        data=json.dumps({"content": text}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1: never a proxy
     try:
         with opener.open(request, timeout=10) as response:
@@ -805,9 +825,7 @@ def register() -> None:
 
     with _lock:
         if not any(p.get("provider") == PROVIDER for p in litellm.custom_provider_map):
-            litellm.custom_provider_map.append(
-                {"provider": PROVIDER, "custom_handler": _provider_class()()}
-            )
+            litellm.custom_provider_map.append({"provider": PROVIDER, "custom_handler": _provider_class()()})
             # litellm reads the map into its provider list when it is set
             from litellm.utils import custom_llm_setup
 
@@ -869,15 +887,19 @@ def get_embedder(name: str = QWEN_CODER_1_5B.name) -> Any:
         try:
             import xllamacpp
         except ImportError:
-            raise LLMError("Embeddings from the embedded model need the llama.cpp runtime: `pip install xllamacpp`.") from None
+            raise LLMError(
+                "Embeddings from the embedded model need the llama.cpp runtime: `pip install xllamacpp`."
+            ) from None
         path = _resolve_path(name)
         plan = _plan or plan_server(settings, usable_cores(), busy_cores() if settings.n_threads == "auto" else 0.0)
         start = time.perf_counter()
         try:
             server = xllamacpp.Server(embedder_params(path, plan.n_threads))
         except Exception as exc:  # the C++ side raises RuntimeError with little detail
-            raise LLMError(f"llama.cpp could not load {path} for embeddings: {exc}. Check that the file is a GGUF "
-                           "model and that there is enough memory.") from exc
+            raise LLMError(
+                f"llama.cpp could not load {path} for embeddings: {exc}. Check that the file is a GGUF "
+                "model and that there is enough memory."
+            ) from exc
         _embedder = server
         _embedder_info.clear()
         _embedder_info.update(name=name, path=str(path), load_s=time.perf_counter() - start, n_threads=plan.n_threads)
@@ -897,8 +919,10 @@ def embed(name: str, texts: Sequence[str]) -> list[list[float]]:
     data = result.get("data") if isinstance(result, dict) else None
     if not isinstance(data, list) or len(data) != len(texts):
         error = result.get("error", result) if isinstance(result, dict) else result
-        raise LLMError(f"The embedded model returned no embeddings for {len(texts)} text(s): {str(error)[:300]}. "
-                       f"A text may be longer than {EMBED_MAX_TOKENS} tokens.")
+        raise LLMError(
+            f"The embedded model returned no embeddings for {len(texts)} text(s): {str(error)[:300]}. "
+            f"A text may be longer than {EMBED_MAX_TOKENS} tokens."
+        )
     ordered = sorted(data, key=lambda d: int(d.get("index", 0)))
     return [list(map(float, d["embedding"])) for d in ordered]
 

@@ -39,23 +39,48 @@ class Measure:
 SEARCH = Measure("llm_programs_trained", "candidates trained with an LLM's program", on="run")
 #: per plugin: the measure of its LLM's part
 MEASURES = {
-    "envgen": Measure("envgen/generated_envs", "LLM-generated worlds in the last cycle", on="run",
-                      extra=(("envgen/original_share", "original world's share"),)),
-    "progress_reward": Measure("llm/changed_share", "share of steps whose reward the LLM term changed",
-                               extra=(("judge/llm_calls", "states the LLM scored"),
-                                      ("judge/rank_correlation", "rank correlation with reference progress"),
-                                      ("judge/sparse_fraction", "steps its weight went to exploration"))),
-    "rlaif_preference": Measure("llm/changed_share", "share of steps whose reward the learned preference term changed",
-                                extra=(("preference/labels", "LLM labels"),
-                                       ("preference/heldout_agreement", "reward model's held-out agreement"),
-                                       ("preference/truth_agreement", "agreement with the ground truth"))),
-    "ellm": Measure("llm/changed_share", "share of steps whose reward an LLM-suggested goal changed",
-                    extra=(("ellm/goal_reward", "reward paid for suggested goals"),
-                           ("ellm/goals_achieved_from_suggestions", "goals achieved that came from suggestions"))),
-    "saycan": Measure("llm/changed_share", "share of steps whose action distribution the LLM prior changed",
-                      extra=(("saycan/covered", "share of action rows the prior covered"), ("saycan/queries", "queries"))),
-    "plan4mc": Measure("llm/changed_share", "share of steps whose skill came from an LLM-written plan step",
-                       extra=(("plan4mc/llm_steps", "plan steps the LLM wrote"), ("plan4mc/rule_steps", "plan steps from the rules"))),
+    "envgen": Measure(
+        "envgen/generated_envs",
+        "LLM-generated worlds in the last cycle",
+        on="run",
+        extra=(("envgen/original_share", "original world's share"),),
+    ),
+    "progress_reward": Measure(
+        "llm/changed_share",
+        "share of steps whose reward the LLM term changed",
+        extra=(
+            ("judge/llm_calls", "states the LLM scored"),
+            ("judge/rank_correlation", "rank correlation with reference progress"),
+            ("judge/sparse_fraction", "steps its weight went to exploration"),
+        ),
+    ),
+    "rlaif_preference": Measure(
+        "llm/changed_share",
+        "share of steps whose reward the learned preference term changed",
+        extra=(
+            ("preference/labels", "LLM labels"),
+            ("preference/heldout_agreement", "reward model's held-out agreement"),
+            ("preference/truth_agreement", "agreement with the ground truth"),
+        ),
+    ),
+    "ellm": Measure(
+        "llm/changed_share",
+        "share of steps whose reward an LLM-suggested goal changed",
+        extra=(
+            ("ellm/goal_reward", "reward paid for suggested goals"),
+            ("ellm/goals_achieved_from_suggestions", "goals achieved that came from suggestions"),
+        ),
+    ),
+    "saycan": Measure(
+        "llm/changed_share",
+        "share of steps whose action distribution the LLM prior changed",
+        extra=(("saycan/covered", "share of action rows the prior covered"), ("saycan/queries", "queries")),
+    ),
+    "plan4mc": Measure(
+        "llm/changed_share",
+        "share of steps whose skill came from an LLM-written plan step",
+        extra=(("plan4mc/llm_steps", "plan steps the LLM wrote"), ("plan4mc/rule_steps", "plan steps from the rules")),
+    ),
     "rlingua": Measure("rlingua/controller_ok", "LLM controller passed its probe"),
 }
 
@@ -93,7 +118,7 @@ class Contribution:
             return f"**inert** ({head}: 0 on all {len(self.values)} runs)"
         zero = sum(v == 0 for v in self.values)
         parts = [head + (f", 0 on {zero} of {len(self.values)} runs" if zero else "")]
-        for (metric, words) in self.measure.extra:
+        for metric, words in self.measure.extra:
             values = [v for v in self.extras.get(metric, []) if math.isfinite(v)]
             if values:
                 parts.append(f"{words} {number(sum(values) / len(values))}")

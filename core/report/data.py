@@ -85,7 +85,9 @@ def load_study(uri: str, experiment: str, metric: str = "fitness", filter_string
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         names = [e.name for e in client.search_experiments()]
-        raise UserError(f"No MLflow experiment '{experiment}' at {uri}. Experiments there: {', '.join(names) or 'none'}.")
+        raise UserError(
+            f"No MLflow experiment '{experiment}' at {uri}. Experiments there: {', '.join(names) or 'none'}."
+        )
     runs = _search_all(client, exp.experiment_id, filter_string)
     children: dict[str, list[Any]] = {}
     for r in runs:
@@ -150,9 +152,13 @@ def candidate_curve(uri: str, parent_id: str, candidate: str, metric: str = "fit
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=uri)
-    runs = client.search_runs([client.get_run(parent_id).info.experiment_id],
-                              filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}' and tags.candidate = '{candidate}'")
-    points = {int(m.step): float(m.value) for m in client.get_metric_history(runs[0].info.run_id, metric)} if runs else {}
+    runs = client.search_runs(
+        [client.get_run(parent_id).info.experiment_id],
+        filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}' and tags.candidate = '{candidate}'",
+    )
+    points = (
+        {int(m.step): float(m.value) for m in client.get_metric_history(runs[0].info.run_id, metric)} if runs else {}
+    )
     return sorted(points.items())
 
 
@@ -226,6 +232,7 @@ COST_METRICS = (
     ("candidates", "candidates"),
 )
 
+
 @dataclass
 class ArmResult:
     """One arm on one task."""
@@ -255,8 +262,9 @@ class ArmResult:
         if self.missing:
             parts.append("missing seed " + ", ".join(map(str, self.missing)))
         head = "complete" if self.complete else "PARTIAL: " + "; ".join(parts)
-        return head + (f"; {self.duplicates} repeated run(s) set aside (the latest of each seed counts)"
-                       if self.duplicates else "")
+        return head + (
+            f"; {self.duplicates} repeated run(s) set aside (the latest of each seed counts)" if self.duplicates else ""
+        )
 
 
 @dataclass

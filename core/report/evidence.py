@@ -101,9 +101,15 @@ def calibrate(name: str, task: TaskSpec, arms: dict[str, ArmResult], random: str
     cal = arms.get(task.calibration.arm)
     rnd = arms.get(random) if random else None
     value = cal.iqm.value if cal is not None and cal.scores else float("nan")
-    return Calibration(name, task.calibration.arm, task.calibration.threshold, task.calibration.note, value,
-                       len(cal.scores) if cal is not None else 0,
-                       rnd.iqm.value if rnd is not None and rnd.scores else float("nan"))
+    return Calibration(
+        name,
+        task.calibration.arm,
+        task.calibration.threshold,
+        task.calibration.note,
+        value,
+        len(cal.scores) if cal is not None else 0,
+        rnd.iqm.value if rnd is not None and rnd.scores else float("nan"),
+    )
 
 
 # -- the scores the targets read ---------------------------------------------------------------
@@ -128,8 +134,15 @@ class Scored:
         return len(self.result.failed) if self.result is not None else 0
 
 
-def score(task: str, arm: str, result: ArmResult | None, search: bool, contribution: Contribution,
-          random: float, reps: int = 2000) -> Scored:
+def score(
+    task: str,
+    arm: str,
+    result: ArmResult | None,
+    search: bool,
+    contribution: Contribution,
+    random: float,
+    reps: int = 2000,
+) -> Scored:
     """The cell's scores: for a search arm, each failed search scores ``random`` (intent to treat)."""
     cell = Scored(task, arm, result, search, contribution)
     if result is None:
@@ -178,8 +191,14 @@ def describe(target: TargetSpec) -> str:
     return f"{how} {where}{share}"
 
 
-def check_target(target: TargetSpec, cells: dict[tuple[str, str], Scored], calibrations: dict[str, Calibration],
-                 scope: list[str], controls: list[str], reps: int = 2000) -> TargetResult:
+def check_target(
+    target: TargetSpec,
+    cells: dict[tuple[str, str], Scored],
+    calibrations: dict[str, Calibration],
+    scope: list[str],
+    controls: list[str],
+    reps: int = 2000,
+) -> TargetResult:
     """The target on each task of ``scope`` and its verdict.
 
     ``cells``: (task, arm) -> the cell's scores, for the cells planned; ``controls``: the
@@ -192,7 +211,9 @@ def check_target(target: TargetSpec, cells: dict[tuple[str, str], Scored], calib
     held = sum(v.status == HOLDS for v in verdicts)
     open_ = sum(v.status == UNSCORED for v in verdicts)
     need = "all" if target.share >= 1.0 else f"{target.share:.0%}"
-    counts = f"holds on {held} of {len(verdicts)} task(s)" + (f", {open_} not scored" if open_ else "") + f"; needs {need}"
+    counts = (
+        f"holds on {held} of {len(verdicts)} task(s)" + (f", {open_} not scored" if open_ else "") + f"; needs {need}"
+    )
     if held > 0 and held / len(verdicts) >= target.share - 1e-9:
         return TargetResult("met", counts, verdicts)
     if (held + open_) / len(verdicts) < target.share - 1e-9:
@@ -201,8 +222,14 @@ def check_target(target: TargetSpec, cells: dict[tuple[str, str], Scored], calib
     return TargetResult("not scored", f"{counts}: {why}", verdicts)
 
 
-def _on_task(target: TargetSpec, task: str, cells: dict[tuple[str, str], Scored], cal: Calibration | None,
-             controls: list[str], reps: int) -> TaskVerdict:
+def _on_task(
+    target: TargetSpec,
+    task: str,
+    cells: dict[tuple[str, str], Scored],
+    cal: Calibration | None,
+    controls: list[str],
+    reps: int,
+) -> TaskVerdict:
     x, y = cells.get((task, target.arm)), cells.get((task, target.other))
 
     def unscored(reason: str) -> TaskVerdict:
@@ -216,7 +243,9 @@ def _on_task(target: TargetSpec, task: str, cells: dict[tuple[str, str], Scored]
         return unscored(f"{x.arm} is inert here (its LLM put nothing into any run that trained a policy)")
     for c in (x, y):
         if c.no_itt:
-            return unscored(f"{c.arm} failed {c.failed} search(es) and the random arm has not run (no intent-to-treat score)")
+            return unscored(
+                f"{c.arm} failed {c.failed} search(es) and the random arm has not run (no intent-to-treat score)"
+            )
         if not c.counted:
             return unscored(f"{c.arm} has no score")
         if len(c.counted) < 2:
@@ -265,7 +294,9 @@ class Aggregate:
     inert: list[str]  # of those tasks, where its LLM put nothing into any run
 
 
-def bounds(cells: dict[tuple[str, str], Scored], tasks: list[str], random: str | None) -> dict[str, tuple[float, float]]:
+def bounds(
+    cells: dict[tuple[str, str], Scored], tasks: list[str], random: str | None
+) -> dict[str, tuple[float, float]]:
     """Task -> (random's IQM, human's IQM): the tasks whose scores normalise (both ran and differ)."""
     out = {}
     for t in tasks:
@@ -278,20 +309,45 @@ def bounds(cells: dict[tuple[str, str], Scored], tasks: list[str], random: str |
     return out
 
 
-def aggregate(arms: list[str], cells: dict[tuple[str, str], Scored], scale: dict[str, tuple[float, float]],
-              reps: int = 2000) -> list[Aggregate]:
+def aggregate(
+    arms: list[str], cells: dict[tuple[str, str], Scored], scale: dict[str, tuple[float, float]], reps: int = 2000
+) -> list[Aggregate]:
     """Per arm with scores on a task of ``scale``: the IQM of its normalised scores over (task, seed), stratified CI."""
     rows = []
     for arm in arms:
-        per_task = {t: [normalised(v, *scale[t]) for v in c.counted.values()]
-                    for t in scale if (c := cells.get((t, arm))) is not None and c.counted and not c.no_itt}
+        per_task = {
+            t: [normalised(v, *scale[t]) for v in c.counted.values()]
+            for t in scale
+            if (c := cells.get((t, arm))) is not None and c.counted and not c.no_itt
+        }
         if not per_task:
             continue
         inert = [t for t in per_task if cells[(t, arm)].contribution.inert]
-        rows.append(Aggregate(arm, list(per_task), sum(map(len, per_task.values())),
-                              stratified_iqm(list(per_task.values()), reps), inert))
+        rows.append(
+            Aggregate(
+                arm,
+                list(per_task),
+                sum(map(len, per_task.values())),
+                stratified_iqm(list(per_task.values()), reps),
+                inert,
+            )
+        )
     return rows
 
 
-__all__ = ["BASELINES", "Aggregate", "Calibration", "Scored", "TargetResult", "TaskVerdict", "aggregate", "bounds",
-           "calibrate", "check_target", "controls_of", "describe", "random_arm", "score"]
+__all__ = [
+    "BASELINES",
+    "Aggregate",
+    "Calibration",
+    "Scored",
+    "TargetResult",
+    "TaskVerdict",
+    "aggregate",
+    "bounds",
+    "calibrate",
+    "check_target",
+    "controls_of",
+    "describe",
+    "random_arm",
+    "score",
+]

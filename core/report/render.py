@@ -40,7 +40,9 @@ def estimate(interval: Interval, n: int) -> str:
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     cells = [[c.replace("|", "\\|") for c in row] for row in rows]
-    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"] + ["| " + " | ".join(r) + " |" for r in cells]
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"] + [
+        "| " + " | ".join(r) + " |" for r in cells
+    ]
 
 
 def best_of_note(t: TaskResult) -> str:
@@ -52,24 +54,30 @@ def best_of_note(t: TaskResult) -> str:
     if not (many and single):
         return ""
     which = ", ".join(f"{a.arm} (best of {number(a.candidates)})" for a in many)
-    return (f"**Best of N**: the score of {which} is the best of that many candidates per run, each trained on "
-            f"the run's seed and picked by the same {t.fitness_name} it is scored on, against one training per run "
-            f"of {', '.join(a.arm for a in single)}. Selection lifts a best-of-N score even when no candidate is "
-            "better (the more candidates, the more), so P(X > Y) favours the searching arm. Retrain the winner on "
-            "fresh seeds (`final_seeds=N`) and report `--metric final/fresh_mean` for a comparison free of it.")
+    return (
+        f"**Best of N**: the score of {which} is the best of that many candidates per run, each trained on "
+        f"the run's seed and picked by the same {t.fitness_name} it is scored on, against one training per run "
+        f"of {', '.join(a.arm for a in single)}. Selection lifts a best-of-N score even when no candidate is "
+        "better (the more candidates, the more), so P(X > Y) favours the searching arm. Retrain the winner on "
+        "fresh seeds (`final_seeds=N`) and report `--metric final/fresh_mean` for a comparison free of it."
+    )
 
 
 def curve_note(t: TaskResult) -> str:
     """What the curves show when the evaluations were too few to draw them."""
     if t.curve_metric == "fitness":
         return ""
-    return (f"**Curves from training returns**: a run of this task has {t.eval_points} evaluation(s) of its best "
-            f"candidate (`trainer.eval_every` at or above `trainer.frames`?), too few for a curve, so the curves show "
-            f"`{t.curve_metric}`, the mean return of the training episodes in the task env's own reward, not the "
-            f"{t.fitness_name} of evaluation episodes.")
+    return (
+        f"**Curves from training returns**: a run of this task has {t.eval_points} evaluation(s) of its best "
+        f"candidate (`trainer.eval_every` at or above `trainer.frames`?), too few for a curve, so the curves show "
+        f"`{t.curve_metric}`, the mean return of the training episodes in the task env's own reward, not the "
+        f"{t.fitness_name} of evaluation episodes."
+    )
 
 
-def render_markdown(tasks: list[TaskResult], runs: list[StudyRun], experiment: str, reps: int, figures: dict[str, list[str]]) -> str:
+def render_markdown(
+    tasks: list[TaskResult], runs: list[StudyRun], experiment: str, reps: int, figures: dict[str, list[str]]
+) -> str:
     """The whole report as Markdown."""
     count = {s: sum(r.status == s for r in runs) for s in (OK, FAILED, UNFINISHED)}
     lines = [
@@ -89,15 +97,27 @@ def render_markdown(tasks: list[TaskResult], runs: list[StudyRun], experiment: s
         for a in t.arms:
             per_seed = ", ".join(f"{s}: {number(v)}" for s, v in a.scores.items()) or "—"
             status = a.status()  # as the console says it
-            rows.append([a.arm, f"{len(a.scores)}/{len(t.seeds)}", a.iqm.fmt(), a.mean.fmt(), per_seed,
-                         number(a.candidates), status])
+            rows.append(
+                [
+                    a.arm,
+                    f"{len(a.scores)}/{len(t.seeds)}",
+                    a.iqm.fmt(),
+                    a.mean.fmt(),
+                    per_seed,
+                    number(a.candidates),
+                    status,
+                ]
+            )
         lines += table(["arm", "n", "IQM [95% CI]", "mean [95% CI]", "per seed", "candidates / run", "status"], rows)
         if note := best_of_note(t):
             lines += ["", note]
         partial = [a.arm for a in t.arms if not a.complete]
         if partial:
-            lines += ["", f"**Partial study**: {', '.join(partial)} lack finished runs for some seeds; "
-                      "their statistics cover fewer runs than the other arms."]
+            lines += [
+                "",
+                f"**Partial study**: {', '.join(partial)} lack finished runs for some seeds; "
+                "their statistics cover fewer runs than the other arms.",
+            ]
         if t.improvement:
             lines += ["", "### Probability of improvement", ""]
             rows = [[x, y, p.fmt()] for x, y, p in t.improvement]
@@ -160,7 +180,11 @@ def render_html(markdown: str, title: str) -> str:
     if in_list:
         body.append("</ul>")
     style = "body{font-family:sans-serif;max-width:70em;margin:2em auto}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.3em .6em}img{max-width:100%}"
-    return f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style></head><body>\n"
+        + "\n".join(body)
+        + "\n</body></html>\n"
+    )
 
 
 # -- figures ------------------------------------------------------------------------------
@@ -243,8 +267,10 @@ def _improvement_figure(t: TaskResult):  # type: ignore[no-untyped-def]
     pairs = [(x, y, p) for x, y, p in t.improvement if np.isfinite(p.value) and rank.get(x, 0) > rank.get(y, 0)]
     if not pairs:
         return None
-    labels = [short_label(f"P({abbreviate(x)} > {abbreviate(y)})", width=LABEL_WIDTH + 8, lines=2 * LABEL_LINES)
-              for x, y, _ in pairs]
+    labels = [
+        short_label(f"P({abbreviate(x)} > {abbreviate(y)})", width=LABEL_WIDTH + 8, lines=2 * LABEL_LINES)
+        for x, y, _ in pairs
+    ]
     fig, ax = plt.subplots(figsize=(6.4, _rows_height(labels)), dpi=110)
     for i, (_, _, p) in enumerate(pairs):
         ax.plot([p.low, p.high], [i, i], lw=6, alpha=0.35, color="C0", solid_capstyle="butt")
@@ -266,8 +292,14 @@ def _curve_figure(t: TaskResult):  # type: ignore[no-untyped-def]
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
     for i, a in arms:
         c = a.curve
-        ax.plot(c["frames"], c["iqm"], marker="o", ms=3, color=f"C{i}",
-                label=short_label(f"{a.arm} (n={int(c['runs'][0])})", width=2 * LABEL_WIDTH))
+        ax.plot(
+            c["frames"],
+            c["iqm"],
+            marker="o",
+            ms=3,
+            color=f"C{i}",
+            label=short_label(f"{a.arm} (n={int(c['runs'][0])})", width=2 * LABEL_WIDTH),
+        )
         ax.fill_between(c["frames"], c["low"], c["high"], color=f"C{i}", alpha=0.2)
     ax.set_xlabel("frames (best candidate's training)")
     train = t.curve_metric == TRAIN_RETURN

@@ -146,8 +146,15 @@ def assess(spec: StudySpec, planned: list[PlannedCell], counted: Counted, reps: 
     cells = {}
     for task, arm in dict.fromkeys((p.cell.task, p.cell.arm) for p in planned):
         runs = [r for (t, a, _), r in counted.chosen.items() if t == task and a == arm]
-        cells[(task, arm)] = score(task, arm, by_task.get(task, {}).get(arm), spec.arms[arm].search,
-                                   contribution(spec.arms[arm], runs), calibrations[task].random, reps)
+        cells[(task, arm)] = score(
+            task,
+            arm,
+            by_task.get(task, {}).get(arm),
+            spec.arms[arm].search,
+            contribution(spec.arms[arm], runs),
+            calibrations[task].random,
+            reps,
+        )
     applies = set(cells)
     targets = []
     for target in spec.targets:
@@ -156,11 +163,14 @@ def assess(spec: StudySpec, planned: list[PlannedCell], counted: Counted, reps: 
     arm_names = [a for a in spec.arms if any(p.cell.arm == a for p in planned)]
     scale = bounds(cells, task_names, random)
     controls = {a: controls_of(spec, a) for a in arm_names if controls_of(spec, a)}
-    return Findings(tasks, cells, calibrations, targets, aggregate(arm_names, cells, scale, reps), scale, random, controls)
+    return Findings(
+        tasks, cells, calibrations, targets, aggregate(arm_names, cells, scale, reps), scale, random, controls
+    )
 
 
-def write_results(spec: StudySpec, planned: list[PlannedCell], uri: str, out: Path, invocation: Invocation,
-                  reps: int = 2000) -> list[Path]:
+def write_results(
+    spec: StudySpec, planned: list[PlannedCell], uri: str, out: Path, invocation: Invocation, reps: int = 2000
+) -> list[Path]:
     """Analyse the planned cells' runs, write ``out`` (Markdown) and its figures, log them to MLflow; returns the files."""
     counted = study_runs(planned, uri, spec.name)
     findings = assess(spec, planned, counted, reps)
@@ -169,8 +179,10 @@ def write_results(spec: StudySpec, planned: list[PlannedCell], uri: str, out: Pa
     figures = render_figures(findings.tasks, figures_dir, kinds=("final", "curves"))
     links = {env: [f"{figures_dir.name}/{name}" for name in names] for env, names in figures.items()}
     files = [figures_dir / name for names in figures.values() for name in names]
-    fig = aggregate_figure([(a.arm, a.iqm) for a in findings.aggregate], "normalised score: (x - random) / (human - random), "
-                           "IQM over (task, seed), 95% CI")
+    fig = aggregate_figure(
+        [(a.arm, a.iqm) for a in findings.aggregate],
+        "normalised score: (x - random) / (human - random), IQM over (task, seed), 95% CI",
+    )
     if fig is not None:
         import matplotlib.pyplot as plt
 
@@ -263,8 +275,15 @@ def _reduced(spec: StudySpec, planned: list[PlannedCell], overrides: tuple[str, 
     return ", ".join(parts)
 
 
-def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted, findings: Findings,
-                   invocation: Invocation, figures: dict[str, list[str]], reps: int) -> str:
+def render_results(
+    spec: StudySpec,
+    planned: list[PlannedCell],
+    counted: Counted,
+    findings: Findings,
+    invocation: Invocation,
+    figures: dict[str, list[str]],
+    reps: int,
+) -> str:
     """The results document as Markdown: the summary first, then the scores, targets, costs and tasks."""
     by_task = {t.env: t for t in findings.tasks}
     task_names = [t for t in spec.tasks if any(p.cell.task == t for p in planned)]
@@ -273,22 +292,30 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
     lines = [f"# {spec.title or spec.name}", ""]
     reduced = _reduced(spec, planned, invocation.overrides)
     if reduced:
-        lines += [f"> **A reduced run of the study** ({reduced}): it checks the whole path, and its numbers are "
-                  "what this run measured, not the study's findings. The full study is the same command without "
-                  "the options that shrink it.", ""]
+        lines += [
+            f"> **A reduced run of the study** ({reduced}): it checks the whole path, and its numbers are "
+            "what this run measured, not the study's findings. The full study is the same command without "
+            "the options that shrink it.",
+            "",
+        ]
     lines += _provenance(spec, planned, counted, invocation)
     lines += _summary(spec, findings, task_names, figures.get("aggregate", []), reps)
-    lines += ["", "## Scores", "",
-              "Each cell is the task's ground-truth fitness of the final policy: IQM over seeds with a 95 % "
-              f"stratified-bootstrap CI ({reps} replications, `rliable`, Agarwal et al., NeurIPS 2021); one run has "
-              "no interval (`n=1, no CI`). An arm that searches is scored on "
-              f"its best candidate retrained on {spec.final_seeds} fresh seed(s) (`final/fresh_mean`), never on the "
-              "training it was selected by; any other arm by the fitness of its one training. n/a: the arm does not "
-              "apply to the task; `n=k/N`: only k of the N seeds have a score (`j failed`: j seeds ended without "
-              "one, e.g. a search whose every candidate failed). The IQM is over the searches that succeeded; "
-              "`ITT`: the intent-to-treat IQM, where each failed search scores the random arm's IQM on the task "
-              "(what its user gets), the score the targets read. **inert**: an LLM arm whose LLM put nothing "
-              "into any of its runs with a policy here.", ""]
+    lines += [
+        "",
+        "## Scores",
+        "",
+        "Each cell is the task's ground-truth fitness of the final policy: IQM over seeds with a 95 % "
+        f"stratified-bootstrap CI ({reps} replications, `rliable`, Agarwal et al., NeurIPS 2021); one run has "
+        "no interval (`n=1, no CI`). An arm that searches is scored on "
+        f"its best candidate retrained on {spec.final_seeds} fresh seed(s) (`final/fresh_mean`), never on the "
+        "training it was selected by; any other arm by the fitness of its one training. n/a: the arm does not "
+        "apply to the task; `n=k/N`: only k of the N seeds have a score (`j failed`: j seeds ended without "
+        "one, e.g. a search whose every candidate failed). The IQM is over the searches that succeeded; "
+        "`ITT`: the intent-to-treat IQM, where each failed search scores the random arm's IQM on the task "
+        "(what its user gets), the score the targets read. **inert**: an LLM arm whose LLM put nothing "
+        "into any of its runs with a policy here.",
+        "",
+    ]
     rows = []
     for name in task_names:
         t = by_task.get(name)
@@ -298,15 +325,20 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
             row.append("n/a" if cell is None else _grid_cell(cell))
         rows.append(row)
     lines += table(["task (fitness)", *arm_names], rows)
-    lines += ["", "## Targets", "",
-              "A target is scored per task: `beats` holds where the 95 % CI of P(X > Y) lies above 0.5, `matches` "
-              "where X's IQM is within the tolerance of Y's (both stated with their intervals). A search arm's "
-              "scores are its intent-to-treat ones. A task scores no target where it cannot show an effect "
-              "(calibration), where either arm has one run, or where the LLM arm is inert there. A target of an LLM "
-              "arm is also judged against its controls (the arm declared its control, else the sparse and the "
-              "designers' reward): it must beat each control other than the target's own other arm, P(X > control) "
-              "above 0.5, unless the target is itself `beats` a control. Met: it holds on the share of its tasks "
-              "the target asks; missed: it cannot, even if every task not scored held; else not scored.", ""]
+    lines += [
+        "",
+        "## Targets",
+        "",
+        "A target is scored per task: `beats` holds where the 95 % CI of P(X > Y) lies above 0.5, `matches` "
+        "where X's IQM is within the tolerance of Y's (both stated with their intervals). A search arm's "
+        "scores are its intent-to-treat ones. A task scores no target where it cannot show an effect "
+        "(calibration), where either arm has one run, or where the LLM arm is inert there. A target of an LLM "
+        "arm is also judged against its controls (the arm declared its control, else the sparse and the "
+        "designers' reward): it must beat each control other than the target's own other arm, P(X > control) "
+        "above 0.5, unless the target is itself `beats` a control. Met: it holds on the share of its tasks "
+        "the target asks; missed: it cannot, even if every task not scored held; else not scored.",
+        "",
+    ]
     if not spec.targets:
         lines.append("The spec sets none.")
     for target, result in zip(spec.targets, findings.targets):
@@ -314,19 +346,29 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
         judged = f"; judged against its control(s) {', '.join(controls)}" if controls else ""
         lines.append(f"- {describe(target)}: **{result.verdict}** ({result.reason}){judged}")
         lines += [f"  - {v.text}" for v in result.tasks]
-    lines += ["", "## What each arm cost", "",
-              "Totals over the arm's counted runs (every task). LLM time: the summed request time of its LLM calls. "
-              "Search frames: what the arm trained to choose its final candidate (all candidates; for an arm of one "
-              "training, that training). Retraining frames: the fresh-seed trainings of a search arm's best candidate, "
-              "each as long as any arm's one training on the task (the final-policy frames of the per-task tables).", ""]
+    lines += [
+        "",
+        "## What each arm cost",
+        "",
+        "Totals over the arm's counted runs (every task). LLM time: the summed request time of its LLM calls. "
+        "Search frames: what the arm trained to choose its final candidate (all candidates; for an arm of one "
+        "training, that training). Retraining frames: the fresh-seed trainings of a search arm's best candidate, "
+        "each as long as any arm's one training on the task (the final-policy frames of the per-task tables).",
+        "",
+    ]
     rows = []
     for arm in arm_names:
         runs = [r for (t, a, s), r in chosen.items() if a == arm]
         row = [arm, str(len(runs))] + [number(sum(r.metrics.get(k, 0.0) for r in runs)) for k, _ in COSTS]
-        row += [number(_total(map(cell_seconds, runs))), number(_total(map(search_frames, runs))),
-                number(_total(r.metrics.get("final/frames", 0.0) for r in runs))]
+        row += [
+            number(_total(map(cell_seconds, runs))),
+            number(_total(map(search_frames, runs))),
+            number(_total(r.metrics.get("final/frames", 0.0) for r in runs)),
+        ]
         rows.append(row)
-    lines += table(["arm", "runs", *[title for _, title in COSTS], "wall time (s)", "search frames", "retraining frames"], rows)
+    lines += table(
+        ["arm", "runs", *[title for _, title in COSTS], "wall time (s)", "search frames", "retraining frames"], rows
+    )
     for name in task_names:
         lines += _task_section(name, by_task.get(name), findings, chosen, figures.get(name, []))
     lines += ["", "## The arms", ""]
@@ -341,8 +383,9 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
         overrides += f"; ignored here (its plugins do not include theirs): `{' '.join(ignored)}`" if ignored else ""
         where = ", ".join(a.tasks) if a.tasks is not None else "every task"
         control = f"; the control of {a.control_of}" if a.control_of else ""
-        lines.append(f"- **{arm}** ({what}{overrides}; {'searches' if a.search else 'one training'}; {where}{control}): "
-                     f"{a.note}")
+        lines.append(
+            f"- **{arm}** ({what}{overrides}; {'searches' if a.search else 'one training'}; {where}{control}): {a.note}"
+        )
     lines += ["", "## The tasks", ""]
     for name in task_names:
         task = spec.tasks[name]
@@ -358,25 +401,44 @@ def render_results(spec: StudySpec, planned: list[PlannedCell], counted: Counted
 
 def _summary(spec: StudySpec, findings: Findings, task_names: list[str], figure: list[str], reps: int) -> list[str]:
     """The summary: calibration per task, each target's verdict and why, the aggregate over tasks."""
-    lines = ["", "## Summary", "", "Calibration: can each task show an effect at this budget? Its calibration arm's "
-             "IQM against the task's threshold, and the random policy's score.", ""]
+    lines = [
+        "",
+        "## Summary",
+        "",
+        "Calibration: can each task show an effect at this budget? Its calibration arm's "
+        "IQM against the task's threshold, and the random policy's score.",
+        "",
+    ]
     lines += [f"- **{t}**: {findings.calibrations[t].line()}" for t in task_names]
     lines += ["", "Targets (details under [Targets](#targets)):", ""]
-    lines += [f"- {describe(target)}: **{result.verdict}** ({result.reason})"
-              for target, result in zip(spec.targets, findings.targets)] or ["- the spec sets none"]
+    lines += [
+        f"- {describe(target)}: **{result.verdict}** ({result.reason})"
+        for target, result in zip(spec.targets, findings.targets)
+    ] or ["- the spec sets none"]
     random = findings.random or "random"
-    lines += ["", f"Across tasks: per arm, the IQM over (task, seed) of the normalised score (x - {random}) / "
-              f"(human - {random}), with the task's {random} and human IQMs (0: the random policy, 1: the designers' "
-              f"reward), and a 95 % stratified-bootstrap CI ({reps} replications, runs resampled within each task); "
-              "over the tasks where both ran and differ"
-              + (f" ({', '.join(findings.scale)})" if findings.scale else "")
-              + ". A search arm's scores are its intent-to-treat ones. Arms over different tasks are not comparable.", ""]
+    lines += [
+        "",
+        f"Across tasks: per arm, the IQM over (task, seed) of the normalised score (x - {random}) / "
+        f"(human - {random}), with the task's {random} and human IQMs (0: the random policy, 1: the designers' "
+        f"reward), and a 95 % stratified-bootstrap CI ({reps} replications, runs resampled within each task); "
+        "over the tasks where both ran and differ"
+        + (f" ({', '.join(findings.scale)})" if findings.scale else "")
+        + ". A search arm's scores are its intent-to-treat ones. Arms over different tasks are not comparable.",
+        "",
+    ]
     if not findings.aggregate:
         lines.append(f"No task has both a {random} and a human score that differ: nothing to normalise.")
         return lines
-    rows = [[a.arm, str(len(a.tasks)), str(a.runs), estimate(a.iqm, a.runs),
-             ", ".join(a.tasks) + (f" (**inert** on {', '.join(a.inert)})" if a.inert else "")]
-            for a in findings.aggregate]
+    rows = [
+        [
+            a.arm,
+            str(len(a.tasks)),
+            str(a.runs),
+            estimate(a.iqm, a.runs),
+            ", ".join(a.tasks) + (f" (**inert** on {', '.join(a.inert)})" if a.inert else ""),
+        ]
+        for a in findings.aggregate
+    ]
     lines += table(["arm", "tasks", "runs", "normalised IQM [95% CI]", "over"], rows)
     lines += ["", *[f"![aggregate]({f})" for f in figure]] if figure else []
     return lines
@@ -409,30 +471,47 @@ def _provenance(spec: StudySpec, planned: list[PlannedCell], counted: Counted, i
     commits = Counter(r.tags.get("study.commit", "unknown") for r in runs)
     machines = Counter(r.tags.get("study.machine", "unknown") for r in runs)
     loads = [float(r.tags["study.load"]) for r in runs if "study.load" in r.tags]
-    load = (f"1-minute load average {min(loads):.1f} to {max(loads):.1f} (mean {np.mean(loads):.1f}) as the cells started"
-            if loads else "load not recorded")
+    load = (
+        f"1-minute load average {min(loads):.1f} to {max(loads):.1f} (mean {np.mean(loads):.1f}) as the cells started"
+        if loads
+        else "load not recorded"
+    )
     if invocation.report_only:
-        this = f"this document was rewritten from the finished cells (`--report-only`) in {_duration(invocation.seconds)}"
+        this = (
+            f"this document was rewritten from the finished cells (`--report-only`) in {_duration(invocation.seconds)}"
+        )
     else:
-        this = (f"this invocation ran {invocation.ran} cell(s) and skipped {invocation.skipped} finished before, in "
-                f"{_duration(invocation.seconds)}, load average {invocation.load_start:.1f} at its start and "
-                f"{invocation.load_end:.1f} at its end")
+        this = (
+            f"this invocation ran {invocation.ran} cell(s) and skipped {invocation.skipped} finished before, in "
+            f"{_duration(invocation.seconds)}, load average {invocation.load_start:.1f} at its start and "
+            f"{invocation.load_end:.1f} at its end"
+        )
     lines = [
         f"- Command: `{invocation.command}`",
-        f"- Commit: `{invocation.commit}`" + (
-            "" if set(commits) <= {invocation.commit} else
-            "; the counted runs ran at " + ", ".join(f"`{c}` ({n} run(s))" for c, n in commits.most_common())),
-        f"- Machine: {invocation.machine}; {load}" + (
-            "" if set(machines) <= {invocation.machine} else
-            "; the counted runs ran on " + "; ".join(f"{m} ({n} run(s))" for m, n in machines.most_common())),
+        f"- Commit: `{invocation.commit}`"
+        + (
+            ""
+            if set(commits) <= {invocation.commit}
+            else "; the counted runs ran at " + ", ".join(f"`{c}` ({n} run(s))" for c, n in commits.most_common())
+        ),
+        f"- Machine: {invocation.machine}; {load}"
+        + (
+            ""
+            if set(machines) <= {invocation.machine}
+            else "; the counted runs ran on " + "; ".join(f"{m} ({n} run(s))" for m, n in machines.most_common())
+        ),
         f"- Study wall time: {_duration(seconds)} summed over the {len(runs)} counted runs (cells run one after "
-        f"another, setup and recording included); {this}" + (
-            f"; {len(invocation.crashed)} crashed: {', '.join(invocation.crashed)}" if invocation.crashed else ""),
+        f"another, setup and recording included); {this}"
+        + (f"; {len(invocation.crashed)} crashed: {', '.join(invocation.crashed)}" if invocation.crashed else ""),
         *_projection(spec, planned, counted),
-        f"- Cells planned: {len(planned)}; with a run: {len(runs)} (the latest run of the cell's config and code)" + (
-            f"; earlier runs of the same cells, not counted: {counted.retried}" if counted.retried else "") + (
-            f"; runs of the same configs at other code, set aside: {counted.other_code}" if counted.other_code else "") + (
-            f"; runs of other configs in the experiment, not counted: {counted.other_config}" if counted.other_config else ""),
+        f"- Cells planned: {len(planned)}; with a run: {len(runs)} (the latest run of the cell's config and code)"
+        + (f"; earlier runs of the same cells, not counted: {counted.retried}" if counted.retried else "")
+        + (f"; runs of the same configs at other code, set aside: {counted.other_code}" if counted.other_code else "")
+        + (
+            f"; runs of other configs in the experiment, not counted: {counted.other_config}"
+            if counted.other_config
+            else ""
+        ),
     ]
     return lines
 
@@ -458,10 +537,12 @@ def _projection(spec: StudySpec, planned: list[PlannedCell], counted: Counted) -
         seeds.add(cell.seed)
     if not scaled_down:
         return []
-    return [f"- Projected at the spec's frames: {_duration(total)} for the same {len(counted.chosen)} runs "
-            f"({_duration(total / len(seeds))} per seed), cells one after another on this machine: a search arm's "
-            "LLM time as measured plus the rest of its wall time times the frames ratio, a one-training arm's whole "
-            "wall time times the ratio; with this run's arm settings (not the spec's where `--set` changed them)"]
+    return [
+        f"- Projected at the spec's frames: {_duration(total)} for the same {len(counted.chosen)} runs "
+        f"({_duration(total / len(seeds))} per seed), cells one after another on this machine: a search arm's "
+        "LLM time as measured plus the rest of its wall time times the frames ratio, a one-training arm's whole "
+        "wall time times the ratio; with this run's arm settings (not the spec's where `--set` changed them)"
+    ]
 
 
 def _duration(seconds: float) -> str:
@@ -472,8 +553,13 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-def _task_section(name: str, t: TaskResult | None, findings: Findings, chosen: dict[tuple[str, str, int], StudyRun],
-                  figures: list[str]) -> list[str]:
+def _task_section(
+    name: str,
+    t: TaskResult | None,
+    findings: Findings,
+    chosen: dict[tuple[str, str, int], StudyRun],
+    figures: list[str],
+) -> list[str]:
     """One task: its calibration, each arm's seeds, scores, LLM contribution, costs and status, P(X > baseline), failures, figures."""
     lines = ["", f"## {name}: {t.fitness_name if t else 'no finished run'}", "", findings.calibrations[name].line()]
     if t is None:
@@ -483,37 +569,76 @@ def _task_section(name: str, t: TaskResult | None, findings: Findings, chosen: d
         runs = [r for (task, arm, _), r in chosen.items() if task == name and arm == a.arm]
         cell = findings.cells.get((name, a.arm))
         per_seed = ", ".join(f"{s}: {number(v)}" for s, v in a.scores.items()) or "—"
-        rows.append([
-            a.arm, f"{len(a.scores)}/{len(a.scores) + len(a.failed) + len(a.missing)}", estimate(a.iqm, len(a.scores)),
-            _itt(cell), estimate(a.mean, len(a.scores)), per_seed, cell.contribution.text() if cell else "-",
-            _candidates(runs), number(_mean([search_frames(r) for r in runs])), number(_mean([final_frames(r) for r in runs])),
-            number(_mean([r.metrics.get("llm/calls", 0.0) for r in runs])),
-            number(_mean([r.metrics.get("llm/latency_s", 0.0) for r in runs])),
-            number(_mean([cell_seconds(r) for r in runs])),
-            a.status(),
-        ])
-    lines += ["", "ITT: a search arm's intent-to-treat IQM, each failed search scored as the random policy (the "
-              "count of failed searches in brackets). LLM contribution: for a search arm, its candidates that "
-              "trained with a program an LLM wrote, of its candidates; for another LLM arm, what its plugin logs of "
-              "its LLM's part; `-`: no LLM. Final-policy frames: one final-policy training, over the runs that "
-              "trained one.", ""]
-    lines += table(["arm", "n", "IQM [95% CI]", "ITT IQM (failed)", "mean [95% CI]", "per seed", "LLM contribution",
-                    "candidates (failed)", "search frames / run", "final-policy frames", "LLM calls / run",
-                    "LLM time / run (s)", "wall time / run (s)", "status"], rows)
-    pairs = [(x, y, p) for x, y, p in t.improvement if np.isfinite(p.value)
-             and not (x in BASELINES and BASELINES.index(x) < BASELINES.index(y))]  # human > sparse, not both ways
+        rows.append(
+            [
+                a.arm,
+                f"{len(a.scores)}/{len(a.scores) + len(a.failed) + len(a.missing)}",
+                estimate(a.iqm, len(a.scores)),
+                _itt(cell),
+                estimate(a.mean, len(a.scores)),
+                per_seed,
+                cell.contribution.text() if cell else "-",
+                _candidates(runs),
+                number(_mean([search_frames(r) for r in runs])),
+                number(_mean([final_frames(r) for r in runs])),
+                number(_mean([r.metrics.get("llm/calls", 0.0) for r in runs])),
+                number(_mean([r.metrics.get("llm/latency_s", 0.0) for r in runs])),
+                number(_mean([cell_seconds(r) for r in runs])),
+                a.status(),
+            ]
+        )
+    lines += [
+        "",
+        "ITT: a search arm's intent-to-treat IQM, each failed search scored as the random policy (the "
+        "count of failed searches in brackets). LLM contribution: for a search arm, its candidates that "
+        "trained with a program an LLM wrote, of its candidates; for another LLM arm, what its plugin logs of "
+        "its LLM's part; `-`: no LLM. Final-policy frames: one final-policy training, over the runs that "
+        "trained one.",
+        "",
+    ]
+    lines += table(
+        [
+            "arm",
+            "n",
+            "IQM [95% CI]",
+            "ITT IQM (failed)",
+            "mean [95% CI]",
+            "per seed",
+            "LLM contribution",
+            "candidates (failed)",
+            "search frames / run",
+            "final-policy frames",
+            "LLM calls / run",
+            "LLM time / run (s)",
+            "wall time / run (s)",
+            "status",
+        ],
+        rows,
+    )
+    pairs = [
+        (x, y, p)
+        for x, y, p in t.improvement
+        if np.isfinite(p.value) and not (x in BASELINES and BASELINES.index(x) < BASELINES.index(y))
+    ]  # human > sparse, not both ways
     if pairs:
         lines += ["", "| X | Y | P(X > Y) [95% CI] (the runs with a score) |", "|---|---|---|"]
         lines += [f"| {x} | {y} | {p.fmt()} |" for x, y, p in pairs]
-    failures = [f"- `{r.name}`: {int(r.metrics['study/failed_candidates'])} of {int(r.metrics.get('candidates', 0))} "
-                f"candidate(s) failed; the first: {r.tags.get('study.first_error', 'no error recorded')}"
-                for r in sorted(runs_of(chosen, name), key=lambda r: r.name) if r.metrics.get("study/failed_candidates")]
+    failures = [
+        f"- `{r.name}`: {int(r.metrics['study/failed_candidates'])} of {int(r.metrics.get('candidates', 0))} "
+        f"candidate(s) failed; the first: {r.tags.get('study.first_error', 'no error recorded')}"
+        for r in sorted(runs_of(chosen, name), key=lambda r: r.name)
+        if r.metrics.get("study/failed_candidates")
+    ]
     if failures:
         lines += ["", "Failed candidates (a search goes on with the others):", "", *failures]
     if figures:
-        lines += ["", "Figures: each run's final score with the arm's IQM and CI; the final policy's training curve "
-                  "(for an arm that searches, its best candidate's first fresh-seed retraining), IQM over seeds."
-                  + (f" {curve_note(t)}" if t.curve_metric != "fitness" else ""), ""]
+        lines += [
+            "",
+            "Figures: each run's final score with the arm's IQM and CI; the final policy's training curve "
+            "(for an arm that searches, its best candidate's first fresh-seed retraining), IQM over seeds."
+            + (f" {curve_note(t)}" if t.curve_metric != "fitness" else ""),
+            "",
+        ]
     lines += [f"![{Path(f).stem}]({f})" for f in figures]
     return lines
 

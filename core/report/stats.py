@@ -81,7 +81,9 @@ def iqm(scores: np.ndarray) -> float:
     return float(metrics.aggregate_iqm(np.asarray(scores, dtype=float)))
 
 
-def _intervals(func: Callable[..., np.ndarray], *scores: np.ndarray, reps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _intervals(
+    func: Callable[..., np.ndarray], *scores: np.ndarray, reps: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Point estimates and (2, k) percentile-bootstrap bounds of ``func`` over runs."""
     stratified, independent = _bootstraps()
     point = np.atleast_1d(np.asarray(func(*scores), dtype=float))
@@ -117,7 +119,9 @@ def improvement(x: list[float], y: list[float], reps: int = 2000, seed: int = 0)
     if not x or not y:
         return Interval(float("nan"), float("nan"), float("nan"))
     sx, sy = np.asarray(x, dtype=float)[:, None], np.asarray(y, dtype=float)[:, None]
-    point, bounds = _intervals(lambda a, b: np.array([metrics.probability_of_improvement(a, b)]), sx, sy, reps=reps, seed=seed)
+    point, bounds = _intervals(
+        lambda a, b: np.array([metrics.probability_of_improvement(a, b)]), sx, sy, reps=reps, seed=seed
+    )
     return Interval(point[0], bounds[0, 0], bounds[1, 0])
 
 

@@ -61,8 +61,14 @@ def arm_order(runs: list[StudyRun]) -> list[str]:
     return sorted(first, key=rank)
 
 
-def analyze(runs: list[StudyRun], reps: int = 2000, seed: int = 0, versus: list[str] | None = None,
-            order: list[str] | None = None, metric: str = "fitness") -> list[TaskResult]:
+def analyze(
+    runs: list[StudyRun],
+    reps: int = 2000,
+    seed: int = 0,
+    versus: list[str] | None = None,
+    order: list[str] | None = None,
+    metric: str = "fitness",
+) -> list[TaskResult]:
     """Group runs by task and arm and compute every statistic of the report.
 
     ``versus``: compute P(X > Y) only for Y among these arms (default: every pair).
@@ -87,15 +93,28 @@ def analyze(runs: list[StudyRun], reps: int = 2000, seed: int = 0, versus: list[
         for j, b in enumerate(arms):  # Y: the earlier arm (the reference first); X: each other arm
             for i, a in enumerate(arms):
                 if i != j and (versus is None or b.arm in versus):
-                    pairs.append((a.arm, b.arm, improvement(list(a.scores.values()), list(b.scores.values()), reps, seed)))
+                    pairs.append(
+                        (a.arm, b.arm, improvement(list(a.scores.values()), list(b.scores.values()), reps, seed))
+                    )
         fitness_names = {r.fitness_name for r in finished}
-        tasks.append(TaskResult(env, ", ".join(sorted(fitness_names)) or "fitness", seeds, arms, pairs, metric=metric,
-                                curve_metric=TRAIN_RETURN if use_train else "fitness", eval_points=points))
+        tasks.append(
+            TaskResult(
+                env,
+                ", ".join(sorted(fitness_names)) or "fitness",
+                seeds,
+                arms,
+                pairs,
+                metric=metric,
+                curve_metric=TRAIN_RETURN if use_train else "fitness",
+                eval_points=points,
+            )
+        )
     return tasks
 
 
-def _arm_result(arm: str, runs: list[StudyRun], seeds: list[int], reps: int, seed: int,
-                use_train: bool = False) -> ArmResult:
+def _arm_result(
+    arm: str, runs: list[StudyRun], seeds: list[int], reps: int, seed: int, use_train: bool = False
+) -> ArmResult:
     chosen: dict[int, StudyRun] = {}
     duplicates = 0
     # the latest attempt of a seed counts, whatever its status: a finished run does not beat a
@@ -125,7 +144,13 @@ def _curve(curves: list[list[tuple[int, float]]], reps: int, seed: int) -> dict[
     grid = sorted({f for c in curves for f, _ in c if f <= end})
     matrix = np.array([np.interp(grid, [f for f, _ in c], [v for _, v in c]) for c in curves])
     mid, low, high = curve_band(matrix, reps=max(reps // 2, 200), seed=seed)
-    return {"frames": [float(g) for g in grid], "iqm": mid.tolist(), "low": low.tolist(), "high": high.tolist(), "runs": [float(len(curves))]}
+    return {
+        "frames": [float(g) for g in grid],
+        "iqm": mid.tolist(),
+        "low": low.tolist(),
+        "high": high.tolist(),
+        "runs": [float(len(curves))],
+    }
 
 
 # -- output -------------------------------------------------------------------------------
@@ -183,9 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experiment", default="llm4rl", help="MLflow experiment of the study (default: llm4rl)")
     parser.add_argument("--uri", default="sqlite:///mlflow.db", help="MLflow tracking URI (default: ./mlflow.db)")
     parser.add_argument("--out", default=None, help="report folder (default: reports/<experiment>)")
-    parser.add_argument("--by", nargs="*", default=None, help="config keys that define an arm (default: plugins + what varies)")
+    parser.add_argument(
+        "--by", nargs="*", default=None, help="config keys that define an arm (default: plugins + what varies)"
+    )
     parser.add_argument("--metric", default="fitness", help="parent-run metric to compare (e.g. final/fitness_mean)")
-    parser.add_argument("--filter", default="", help="MLflow filter on the runs, e.g. \"attributes.run_name LIKE 'abl-%%'\"")
+    parser.add_argument(
+        "--filter", default="", help="MLflow filter on the runs, e.g. \"attributes.run_name LIKE 'abl-%%'\""
+    )
     parser.add_argument("--reps", type=int, default=2000, help="bootstrap replications")
     parser.add_argument("--no-log", action="store_true", help="do not log the report back to MLflow")
     args = parser.parse_args(argv)

@@ -27,14 +27,54 @@ from core.sandbox.reports import CATEGORIES, DEFAULT_IMPORTS, KINDS, Limits, San
 
 #: name -> the module that defines it, imported on first access (they import torch)
 _LAZY = {
-    **dict.fromkeys(("RewardFunction", "StateFunction", "prepare_reward", "prepare_state", "probe", "probe_batch",
-                     "role_of", "run_isolated"), "core.sandbox.functions"),
-    **dict.fromkeys(("UID_BASE", "ProgramWorker", "Zygote", "candidate_scope", "hidden_records", "hide_from_programs",
-                     "in_candidate_scope"), "core.sandbox.host"),
-    **dict.fromkeys(("PER_ROW_RETRY_KINDS", "REWARD_ARGS", "STATE_ARGS", "CompiledProgram", "Invalid", "OutputLimit",
-                     "batch_size", "call_per_row", "check_source", "compile_program", "normalize_reward",
-                     "normalize_state", "normalize_value", "report_exception", "split_fields", "task_fields",
-                     "validate_reward", "validate_state"), "core.sandbox.programs"),
+    **dict.fromkeys(
+        (
+            "RewardFunction",
+            "StateFunction",
+            "prepare_reward",
+            "prepare_state",
+            "probe",
+            "probe_batch",
+            "role_of",
+            "run_isolated",
+        ),
+        "core.sandbox.functions",
+    ),
+    **dict.fromkeys(
+        (
+            "UID_BASE",
+            "ProgramWorker",
+            "Zygote",
+            "candidate_scope",
+            "hidden_records",
+            "hide_from_programs",
+            "in_candidate_scope",
+        ),
+        "core.sandbox.host",
+    ),
+    **dict.fromkeys(
+        (
+            "PER_ROW_RETRY_KINDS",
+            "REWARD_ARGS",
+            "STATE_ARGS",
+            "CompiledProgram",
+            "Invalid",
+            "OutputLimit",
+            "batch_size",
+            "call_per_row",
+            "check_source",
+            "compile_program",
+            "normalize_reward",
+            "normalize_state",
+            "normalize_value",
+            "report_exception",
+            "split_fields",
+            "task_fields",
+            "validate_reward",
+            "validate_state",
+        ),
+        "core.sandbox.programs",
+    ),
 }
 _RENAMED = {"ALLOWED_SUBMODULES_TO_PRELOAD": ("core.sandbox.worker", "PRELOAD")}
 
@@ -54,12 +94,43 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:  # pragma: no cover - what the lazy names are, for type checkers
-    from core.sandbox.functions import (RewardFunction, StateFunction, prepare_reward, prepare_state, probe,
-                                        probe_batch, role_of, run_isolated)
-    from core.sandbox.host import (UID_BASE, ProgramWorker, Zygote, candidate_scope, hidden_records,
-                                   hide_from_programs, in_candidate_scope)
-    from core.sandbox.programs import (PER_ROW_RETRY_KINDS, REWARD_ARGS, STATE_ARGS, CompiledProgram, Invalid,
-                                       OutputLimit, batch_size, call_per_row, check_source, compile_program,
-                                       normalize_reward, normalize_state, normalize_value, report_exception,
-                                       split_fields, task_fields, validate_reward, validate_state)
+    from core.sandbox.functions import (
+        RewardFunction,
+        StateFunction,
+        prepare_reward,
+        prepare_state,
+        probe,
+        probe_batch,
+        role_of,
+        run_isolated,
+    )
+    from core.sandbox.host import (
+        UID_BASE,
+        ProgramWorker,
+        Zygote,
+        candidate_scope,
+        hidden_records,
+        hide_from_programs,
+        in_candidate_scope,
+    )
+    from core.sandbox.programs import (
+        PER_ROW_RETRY_KINDS,
+        REWARD_ARGS,
+        STATE_ARGS,
+        CompiledProgram,
+        Invalid,
+        OutputLimit,
+        batch_size,
+        call_per_row,
+        check_source,
+        compile_program,
+        normalize_reward,
+        normalize_state,
+        normalize_value,
+        report_exception,
+        split_fields,
+        task_fields,
+        validate_reward,
+        validate_state,
+    )
     from core.sandbox.worker import PRELOAD as ALLOWED_SUBMODULES_TO_PRELOAD

@@ -19,8 +19,16 @@ import torch
 
 from core.records import Program, RewardProgram, StateProgram
 from core.sandbox.host import ProgramWorker
-from core.sandbox.programs import (REWARD_ARGS, STATE_ARGS, Invalid, batch_size, check_source, task_fields,
-                                   validate_reward, validate_state)
+from core.sandbox.programs import (
+    REWARD_ARGS,
+    STATE_ARGS,
+    Invalid,
+    batch_size,
+    check_source,
+    task_fields,
+    validate_reward,
+    validate_state,
+)
 from core.sandbox.reports import DEFAULT_IMPORTS, Limits, SandboxError, SandboxReport
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,12 +44,22 @@ def role_of(program: Program) -> str:
 
 def _retry_per_row(report: SandboxReport) -> bool:
     """Failures of a batched call that a program written for one state would have."""
-    return report.kind == "exception" or (report.kind == "invalid_value" and report.data.get("check") in ("shape", "dtype"))
+    return report.kind == "exception" or (
+        report.kind == "invalid_value" and report.data.get("check") in ("shape", "dtype")
+    )
 
 
-def probe(worker: ProgramWorker, program: Program, args: tuple[Any, ...], *, arg_names: tuple[str, ...] | None,
-          validate: Validator | None, per_row_fallback: bool, fields: list[Any] | None = None,
-          split: tuple[int, ...] = ()) -> tuple[int, SandboxReport]:
+def probe(
+    worker: ProgramWorker,
+    program: Program,
+    args: tuple[Any, ...],
+    *,
+    arg_names: tuple[str, ...] | None,
+    validate: Validator | None,
+    per_row_fallback: bool,
+    fields: list[Any] | None = None,
+    split: tuple[int, ...] = (),
+) -> tuple[int, SandboxReport]:
     """Load ``program`` and call it once on ``args``; ``(handle, report)`` (a passed report).
 
     With ``per_row_fallback``, a batched call that raises or returns the wrong shape or
@@ -56,7 +74,9 @@ def probe(worker: ProgramWorker, program: Program, args: tuple[Any, ...], *, arg
     batch = batch_size(args) if role != "value" else 0
 
     def attempt(per_row: bool) -> Any:
-        return worker.call(handle, args, role=role, batch=batch, per_row=per_row, count=False, printed=True, split=split)
+        return worker.call(
+            handle, args, role=role, batch=batch, per_row=per_row, count=False, printed=True, split=split
+        )
 
     note = ""
     try:
@@ -68,8 +88,10 @@ def probe(worker: ProgramWorker, program: Program, args: tuple[Any, ...], *, arg
             result, per_row = attempt(True), True
         except SandboxError:
             raise batched from None
-        note = (f"the batched call failed ({batched.report.message.splitlines()[-1][:200]}); "
-                "called once per state instead\n")
+        note = (
+            f"the batched call failed ({batched.report.message.splitlines()[-1][:200]}); "
+            "called once per state instead\n"
+        )
     report = validate(result, args) if validate is not None else SandboxReport(True, "ok", "")
     if not report.ok:
         raise SandboxError(report)
@@ -114,7 +136,9 @@ def run_isolated(
 # -- probe states -------------------------------------------------------------------------------------
 
 
-def probe_batch(task: Task, *, num_envs: int = 4, steps: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def probe_batch(
+    task: Task, *, num_envs: int = 4, steps: int = 4, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Real transitions of ``task`` under random actions: ``(obs, action, next_obs)``.
 
     Batched as ``[num_envs * steps, ...]``; ``next_obs`` is the true last observation
@@ -154,9 +178,19 @@ class _WorkerFunction:
 
     role = "value"
 
-    def __init__(self, worker: ProgramWorker | None, handle: int | None, program: Program, *, limits: Limits,
-                 allowed_imports: tuple[str, ...], owns_worker: bool, per_row: bool = False,
-                 fields: list[Any] | None = None, widen: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        worker: ProgramWorker | None,
+        handle: int | None,
+        program: Program,
+        *,
+        limits: Limits,
+        allowed_imports: tuple[str, ...],
+        owns_worker: bool,
+        per_row: bool = False,
+        fields: list[Any] | None = None,
+        widen: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.worker, self.handle, self.program = worker, handle, program
         self.widen = widen  # the task's program_obs: appends its derived fields' columns (None: nothing to add)
         self.limits, self.allowed_imports = limits, tuple(allowed_imports)
@@ -190,7 +224,9 @@ class _WorkerFunction:
         return (_rebuild, (type(self), self.program, self.limits, self.allowed_imports, self._extra()))
 
 
-def _rebuild(cls: type, program: Program, limits: Limits, allowed_imports: tuple[str, ...], extra: dict[str, Any]) -> Any:
+def _rebuild(
+    cls: type, program: Program, limits: Limits, allowed_imports: tuple[str, ...], extra: dict[str, Any]
+) -> Any:
     return cls(None, None, program, limits=limits, allowed_imports=allowed_imports, owns_worker=True, **extra)
 
 
@@ -204,21 +240,42 @@ class RewardFunction(_WorkerFunction):
 
     role = "reward"
 
-    def __init__(self, worker: ProgramWorker | None, handle: int | None, program: Program, *, limits: Limits,
-                 allowed_imports: tuple[str, ...], owns_worker: bool, per_row: bool = False,
-                 fields: list[Any] | None = None, widen: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 components: tuple[str, ...] = ()) -> None:
-        super().__init__(worker, handle, program, limits=limits, allowed_imports=allowed_imports,
-                         owns_worker=owns_worker, per_row=per_row, fields=fields, widen=widen)
+    def __init__(
+        self,
+        worker: ProgramWorker | None,
+        handle: int | None,
+        program: Program,
+        *,
+        limits: Limits,
+        allowed_imports: tuple[str, ...],
+        owns_worker: bool,
+        per_row: bool = False,
+        fields: list[Any] | None = None,
+        widen: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        components: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(
+            worker,
+            handle,
+            program,
+            limits=limits,
+            allowed_imports=allowed_imports,
+            owns_worker=owns_worker,
+            per_row=per_row,
+            fields=fields,
+            widen=widen,
+        )
         self.component_names = tuple(components)
 
-    def __call__(self, state: dict[str, torch.Tensor], action: torch.Tensor,
-                 next_state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self, state: dict[str, torch.Tensor], action: torch.Tensor, next_state: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         args = (state, action, next_state)
         return self._call(args, batch_size(args))
 
-    def from_obs(self, obs: torch.Tensor, action: torch.Tensor,
-                 next_obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def from_obs(
+        self, obs: torch.Tensor, action: torch.Tensor, next_obs: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The same on whole observations ``[B, obs_dim]``, named in the worker (fewer tensors cross)."""
         if self.fields is None:
             raise ValueError("this reward function was prepared without the task's fields")
@@ -233,12 +290,31 @@ class StateFunction(_WorkerFunction):
 
     role = "state"
 
-    def __init__(self, worker: ProgramWorker | None, handle: int | None, program: Program, *, limits: Limits,
-                 allowed_imports: tuple[str, ...], owns_worker: bool, per_row: bool = False,
-                 fields: list[Any] | None = None, widen: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 extra_dim: int = 0) -> None:
-        super().__init__(worker, handle, program, limits=limits, allowed_imports=allowed_imports,
-                         owns_worker=owns_worker, per_row=per_row, fields=fields, widen=widen)
+    def __init__(
+        self,
+        worker: ProgramWorker | None,
+        handle: int | None,
+        program: Program,
+        *,
+        limits: Limits,
+        allowed_imports: tuple[str, ...],
+        owns_worker: bool,
+        per_row: bool = False,
+        fields: list[Any] | None = None,
+        widen: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        extra_dim: int = 0,
+    ) -> None:
+        super().__init__(
+            worker,
+            handle,
+            program,
+            limits=limits,
+            allowed_imports=allowed_imports,
+            owns_worker=owns_worker,
+            per_row=per_row,
+            fields=fields,
+            widen=widen,
+        )
         self.extra_dim = int(extra_dim)
 
     def __call__(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -253,7 +329,9 @@ class StateFunction(_WorkerFunction):
 
     def _checked(self, feats: torch.Tensor) -> torch.Tensor:
         if feats.shape[1] != self.extra_dim:
-            raise SandboxError(Invalid("shape", f"the features changed width from {self.extra_dim} to {feats.shape[1]}.").report())
+            raise SandboxError(
+                Invalid("shape", f"the features changed width from {self.extra_dim} to {feats.shape[1]}.").report()
+            )
         return feats
 
     def _extra(self) -> dict[str, Any]:
@@ -279,12 +357,25 @@ def fields_line(task: Task) -> str:
     return f"The state has exactly these fields: {', '.join(task_field_names(task))}."
 
 
-def _prepare(program: Program, args: tuple[Any, ...], split: tuple[int, ...], arg_names: tuple[str, ...],
-             validate: Validator, task: Task, limits: Limits, allowed_imports: tuple[str, ...],
-             worker: ProgramWorker | None) -> tuple[ProgramWorker, int, SandboxReport, bool]:
+def _prepare(
+    program: Program,
+    args: tuple[Any, ...],
+    split: tuple[int, ...],
+    arg_names: tuple[str, ...],
+    validate: Validator,
+    task: Task,
+    limits: Limits,
+    allowed_imports: tuple[str, ...],
+    worker: ProgramWorker | None,
+) -> tuple[ProgramWorker, int, SandboxReport, bool]:
     if limits.static_check:
-        report = check_source(program.source, program.entry, arg_names=arg_names, allowed_imports=allowed_imports,
-                              fields=task_field_names(task))
+        report = check_source(
+            program.source,
+            program.entry,
+            arg_names=arg_names,
+            allowed_imports=allowed_imports,
+            fields=task_field_names(task),
+        )
         if not report.ok:
             if report.kind == "names":
                 report.message += "\n" + fields_line(task)
@@ -294,8 +385,16 @@ def _prepare(program: Program, args: tuple[Any, ...], split: tuple[int, ...], ar
     args = tuple(_widen(task)(a) if i in split else a for i, a in enumerate(args))
     try:
         with _with_fields(task):
-            handle, report = probe(worker, program, args, arg_names=arg_names, validate=validate,
-                                   per_row_fallback=limits.per_row_fallback, fields=task_fields(task), split=split)
+            handle, report = probe(
+                worker,
+                program,
+                args,
+                arg_names=arg_names,
+                validate=validate,
+                per_row_fallback=limits.per_row_fallback,
+                fields=task_fields(task),
+                split=split,
+            )
     except BaseException:
         if own:
             worker.close()
@@ -320,9 +419,16 @@ def task_field_names(task: Task) -> list[str]:
     return names() if names else [f.name for f in task.state_fields]
 
 
-def prepare_reward(program: RewardProgram, task: Task, *, limits: Limits | None = None,
-                   allowed_imports: tuple[str, ...] = DEFAULT_IMPORTS, probe_envs: int = 4, probe_steps: int = 4,
-                   worker: ProgramWorker | None = None) -> RewardFunction:
+def prepare_reward(
+    program: RewardProgram,
+    task: Task,
+    *,
+    limits: Limits | None = None,
+    allowed_imports: tuple[str, ...] = DEFAULT_IMPORTS,
+    probe_envs: int = 4,
+    probe_steps: int = 4,
+    worker: ProgramWorker | None = None,
+) -> RewardFunction:
     """Check, load into a worker and probe on real states of ``task``; the reward callable.
 
     ``worker`` is the candidate's worker (closed by its owner); without one the function
@@ -334,24 +440,58 @@ def prepare_reward(program: RewardProgram, task: Task, *, limits: Limits | None 
     """
     limits = limits or Limits()
     obs, action, next_obs = probe_batch(task, num_envs=probe_envs, steps=probe_steps)
-    worker, handle, report, own = _prepare(program, (obs, action, next_obs), (0, 2), REWARD_ARGS, validate_reward,
-                                           task, limits, tuple(allowed_imports), worker)
-    return RewardFunction(worker, handle, program, limits=limits, allowed_imports=tuple(allowed_imports),
-                          owns_worker=own, per_row=bool(report.data.get("per_row")), fields=task_fields(task),
-                          widen=_widener(task),
-                          components=tuple(report.data.get("components", ())))
+    worker, handle, report, own = _prepare(
+        program,
+        (obs, action, next_obs),
+        (0, 2),
+        REWARD_ARGS,
+        validate_reward,
+        task,
+        limits,
+        tuple(allowed_imports),
+        worker,
+    )
+    return RewardFunction(
+        worker,
+        handle,
+        program,
+        limits=limits,
+        allowed_imports=tuple(allowed_imports),
+        owns_worker=own,
+        per_row=bool(report.data.get("per_row")),
+        fields=task_fields(task),
+        widen=_widener(task),
+        components=tuple(report.data.get("components", ())),
+    )
 
 
-def prepare_state(program: StateProgram, task: Task, *, limits: Limits | None = None,
-                  allowed_imports: tuple[str, ...] = DEFAULT_IMPORTS, probe_envs: int = 4, probe_steps: int = 4,
-                  worker: ProgramWorker | None = None) -> StateFunction:
+def prepare_state(
+    program: StateProgram,
+    task: Task,
+    *,
+    limits: Limits | None = None,
+    allowed_imports: tuple[str, ...] = DEFAULT_IMPORTS,
+    probe_envs: int = 4,
+    probe_steps: int = 4,
+    worker: ProgramWorker | None = None,
+) -> StateFunction:
     """Like :func:`prepare_reward` for ``revise_state(state) -> [B, k]``; sets ``program.extra_dim``."""
     limits = limits or Limits()
     obs, _, _ = probe_batch(task, num_envs=probe_envs, steps=probe_steps)
-    worker, handle, report, own = _prepare(program, (obs,), (0,), STATE_ARGS, validate_state, task, limits,
-                                           tuple(allowed_imports), worker)
+    worker, handle, report, own = _prepare(
+        program, (obs,), (0,), STATE_ARGS, validate_state, task, limits, tuple(allowed_imports), worker
+    )
     extra_dim = int(report.data["extra_dim"])
     program.extra_dim = extra_dim
-    return StateFunction(worker, handle, program, limits=limits, allowed_imports=tuple(allowed_imports),
-                         owns_worker=own, per_row=bool(report.data.get("per_row")), fields=task_fields(task),
-                         widen=_widener(task), extra_dim=extra_dim)
+    return StateFunction(
+        worker,
+        handle,
+        program,
+        limits=limits,
+        allowed_imports=tuple(allowed_imports),
+        owns_worker=own,
+        per_row=bool(report.data.get("per_row")),
+        fields=task_fields(task),
+        widen=_widener(task),
+        extra_dim=extra_dim,
+    )

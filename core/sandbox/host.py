@@ -70,7 +70,9 @@ def hide_from_programs(*paths: str | os.PathLike[str]) -> None:
     records = hidden_records()
     for path in paths:
         real = os.path.realpath(os.fspath(path))
-        for one in (real, real + "-wal", real + "-shm", real + "-journal") if real.endswith((".db", ".sqlite")) else (real,):
+        for one in (
+            (real, real + "-wal", real + "-shm", real + "-journal") if real.endswith((".db", ".sqlite")) else (real,)
+        ):
             if one not in records:
                 records.append(one)
     os.environ[RECORDS_ENV] = os.pathsep.join(records)
@@ -154,8 +156,14 @@ class Zygote:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-B", "-m", "core.sandbox.worker", str(child.fileno())],
-                pass_fds=[child.fileno()], env=child_env(), cwd="/", start_new_session=True,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                pass_fds=[child.fileno()],
+                env=child_env(),
+                cwd="/",
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         finally:
             child.close()
         self.sock = host
@@ -311,7 +319,9 @@ def _remove_scratch(isolation: dict[str, Any]) -> None:
 
 
 #: the workers started in the current candidate's scope (see :func:`candidate_scope`)
-_SCOPE: contextvars.ContextVar[list[weakref.ref[ProgramWorker]] | None] = contextvars.ContextVar("sandbox_scope", default=None)
+_SCOPE: contextvars.ContextVar[list[weakref.ref[ProgramWorker]] | None] = contextvars.ContextVar(
+    "sandbox_scope", default=None
+)
 
 
 @contextlib.contextmanager
@@ -378,8 +388,13 @@ def report_from(raw: Any) -> SandboxReport:
     kind = raw.get("kind") if raw.get("kind") in KINDS and raw.get("kind") != "ok" else "crashed"
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     check = data.get("check")
-    return SandboxReport(False, str(kind), str(raw.get("message", ""))[:MESSAGE_CHARS], str(raw.get("detail", ""))[:8000],
-                         {"check": str(check)[:20]} if check else {})
+    return SandboxReport(
+        False,
+        str(kind),
+        str(raw.get("message", ""))[:MESSAGE_CHARS],
+        str(raw.get("detail", ""))[:8000],
+        {"check": str(check)[:20]} if check else {},
+    )
 
 
 class _Spin:
@@ -412,8 +427,22 @@ class _Spin:
     CPU_RESERVE_S = 2.0
     #: where the host may not raise the worker's CPU limit: the share of ``cpu_s`` that spinning may take
     FIXED_LIMIT_SHARE = 0.25
-    __slots__ = ("cpus", "mode", "on", "others", "next_sample", "hits", "round_trip", "last_end", "worker_s", "host_s",
-                 "granted_s", "spun", "spent_s", "allowance_s")
+    __slots__ = (
+        "cpus",
+        "mode",
+        "on",
+        "others",
+        "next_sample",
+        "hits",
+        "round_trip",
+        "last_end",
+        "worker_s",
+        "host_s",
+        "granted_s",
+        "spun",
+        "spent_s",
+        "allowance_s",
+    )
 
     def __init__(self) -> None:
         try:
@@ -431,7 +460,9 @@ class _Spin:
         self.host_s = 0.0
         self.granted_s = 0.0  # spinning asked of the worker so far: CPU time added to its limit
         self.spun = 0  # calls whose answer was polled for
-        self.spent_s = 0.0  # the worker's spinning so far, as the host saw it (the time until the next step, at most worker_s)
+        self.spent_s = (
+            0.0  # the worker's spinning so far, as the host saw it (the time until the next step, at most worker_s)
+        )
         self.allowance_s: float | None = None  # spinning a worker may do in all (None: its CPU limit grows with it)
 
     def before(self, now: float) -> int:
@@ -506,8 +537,9 @@ class _Lane:
 
     def __init__(self, key: tuple[Any, ...], plan: list[tuple[Any, int, int, tuple[int, ...]]], arena: Any) -> None:
         self.key = key
-        self.inputs = [(dtype, shape, np.ndarray(shape, dtype, buffer=arena, offset=offset))
-                       for dtype, _, offset, shape in plan]
+        self.inputs = [
+            (dtype, shape, np.ndarray(shape, dtype, buffer=arena, offset=offset)) for dtype, _, offset, shape in plan
+        ]
 
     def write(self, args: tuple[Any, ...]) -> bool:
         """Copy ``args`` into their places; False (nothing sent) unless they are plain CPU tensors of the same layout."""
@@ -538,7 +570,9 @@ class ProgramWorker:
     (:func:`core.sandbox.programs.checked_result`).
     """
 
-    def __init__(self, limits: Limits | None = None, allowed_imports: tuple[str, ...] | list[str] = DEFAULT_IMPORTS) -> None:
+    def __init__(
+        self, limits: Limits | None = None, allowed_imports: tuple[str, ...] | list[str] = DEFAULT_IMPORTS
+    ) -> None:
         self.limits = limits or Limits()
         self.imports = tuple(allowed_imports)
         self.dead: SandboxReport | None = None
@@ -582,14 +616,23 @@ class ProgramWorker:
         read_only = proc.arenas[0].read_only_fd()
         backstop = 0.0 if may_raise_cpu_limits() else float(CPU_BACKSTOP_S)
         proc.memory_group = memory.create(int(limits.memory_mb) * 1024 * 1024)
-        request = {"limits": limits, "imports": self.imports, "uid_base": UID_BASE, "cpu_backstop_s": backstop,
-                   "namespaces": os.environ.get(NO_NAMESPACES_ENV, "") in ("", "0"), "records": hidden_records(),
-                   "memory_group": str(proc.memory_group.path) if proc.memory_group else None}
+        request = {
+            "limits": limits,
+            "imports": self.imports,
+            "uid_base": UID_BASE,
+            "cpu_backstop_s": backstop,
+            "namespaces": os.environ.get(NO_NAMESPACES_ENV, "") in ("", "0"),
+            "records": hidden_records(),
+            "memory_group": str(proc.memory_group.path) if proc.memory_group else None,
+        }
         try:
             for attempt in range(2):
                 try:
-                    Zygote.shared().spawn(request, [theirs.fileno(), status_w, read_only, proc.arenas[1].fd],
-                                          max(1.0, deadline - time.monotonic()))
+                    Zygote.shared().spawn(
+                        request,
+                        [theirs.fileno(), status_w, read_only, proc.arenas[1].fd],
+                        max(1.0, deadline - time.monotonic()),
+                    )
                     break
                 except (OSError, TimeoutError):
                     if attempt:
@@ -621,7 +664,9 @@ class ProgramWorker:
         except OSError:
             self._spin.allowance_s = _Spin.FIXED_LIMIT_SHARE * limits.cpu_s
         self._cpu_base = float(isolation.get("cpu_base", 0.0))
-        self._cpu_limit = float(int(self._cpu_base + limits.cpu_s) + 1)  # the budget at start (the kernel's, or the host's)
+        self._cpu_limit = float(
+            int(self._cpu_base + limits.cpu_s) + 1
+        )  # the budget at start (the kernel's, or the host's)
         self._poll = select.poll()
         self._poll.register(host, select.POLLIN)
         self._say_what_is_missing()
@@ -631,15 +676,25 @@ class ProgramWorker:
         missing = [name for name in ("network", "pid", "mount") if not iso.get(name)]
         if missing:
             why = f" ({iso['error']})" if iso.get("error") else ""
-            _Warnings.once("ns:" + ",".join(missing), (
-                f"sandbox: no {', '.join(missing)} namespace for LLM-written programs{why}: "
-                + ("they can reach the network; " if "network" in missing else "")
-                + ("processes they start are killed by uid or process group only; " if "pid" in missing else "")
-                + ("they see the host's /tmp and /proc (docs/sandbox.md lists what remains outside the guarantee)."
-                   if "mount" in missing else "see docs/sandbox.md.")))
+            _Warnings.once(
+                "ns:" + ",".join(missing),
+                (
+                    f"sandbox: no {', '.join(missing)} namespace for LLM-written programs{why}: "
+                    + ("they can reach the network; " if "network" in missing else "")
+                    + ("processes they start are killed by uid or process group only; " if "pid" in missing else "")
+                    + (
+                        "they see the host's /tmp and /proc (docs/sandbox.md lists what remains outside the guarantee)."
+                        if "mount" in missing
+                        else "see docs/sandbox.md."
+                    )
+                ),
+            )
         if not iso.get("root_dropped") and not iso.get("user"):
-            _Warnings.once("uid", "sandbox: not started as root: LLM-written programs run as your own user "
-                                  "(no privilege drop; max_procs counts all your processes).")
+            _Warnings.once(
+                "uid",
+                "sandbox: not started as root: LLM-written programs run as your own user "
+                "(no privilege drop; max_procs counts all your processes).",
+            )
 
     @property
     def isolation(self) -> dict[str, Any]:
@@ -682,22 +737,32 @@ class ProgramWorker:
             sig = os.WTERMSIG(status)
             name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
             if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= self._cpu_limit - 0.5):
-                report = fail("too_slow", f"The program used {cpu:.1f} s of CPU time, more than its budget ({limits.cpu_s:g} s "
-                                          f"plus {limits.max_time_share:.0%} of the training time), and was stopped. "
-                                          "Do less work per call, and none between calls.")
+                report = fail(
+                    "too_slow",
+                    f"The program used {cpu:.1f} s of CPU time, more than its budget ({limits.cpu_s:g} s "
+                    f"plus {limits.max_time_share:.0%} of the training time), and was stopped. "
+                    "Do less work per call, and none between calls.",
+                )
             elif sig == signal.SIGKILL:
-                report = fail("crashed", "The program's worker was killed (SIGKILL), most likely out of memory. Allocate less.")
+                report = fail(
+                    "crashed", "The program's worker was killed (SIGKILL), most likely out of memory. Allocate less."
+                )
             else:
                 report = fail("crashed", f"The program crashed its worker ({name}).")
         else:
-            report = fail("crashed", f"The program's worker exited with status {os.WEXITSTATUS(status)} without an answer.")
+            report = fail(
+                "crashed", f"The program's worker exited with status {os.WEXITSTATUS(status)} without an answer."
+            )
         return self._end(report)
 
     def _over_memory(self, measured: int = 0) -> SandboxReport:
         seen = f" ({measured / 2**20:,.0f} MB)" if measured else ""
-        return fail("memory", f"The program's worker used more memory{seen} than its limit of {self.limits.memory_mb:g} MB "
-                              "for all its processes and temporary files together, and was stopped. Allocate less, "
-                              "and start no processes.")
+        return fail(
+            "memory",
+            f"The program's worker used more memory{seen} than its limit of {self.limits.memory_mb:g} MB "
+            "for all its processes and temporary files together, and was stopped. Allocate less, "
+            "and start no processes.",
+        )
 
     def _memory_verdict(self) -> SandboxReport | None:
         """``memory`` when the worker went over its memory: a kill in its memory group (the kernel may
@@ -717,8 +782,9 @@ class ProgramWorker:
             raise SandboxError(self._end(verdict))
 
     # -- requests ------------------------------------------------------------------------------
-    def _request(self, message: dict[str, Any], timeout: float, fds: list[int] | None = None,
-                 same: int = 0, count: bool = False) -> tuple[dict[str, Any], float]:
+    def _request(
+        self, message: dict[str, Any], timeout: float, fds: list[int] | None = None, same: int = 0, count: bool = False
+    ) -> tuple[dict[str, Any], float]:
         """Send a request (or, with ``same``, "the last call of that handle again") and wait for the reply.
 
         Sending and receiving share one deadline, ``timeout`` from the start of the send:
@@ -748,8 +814,13 @@ class ProgramWorker:
             raise SandboxError(self._died()) from None
         if not sent:
             elapsed = time.perf_counter() - start
-            self._end(fail("timeout", f"Timeout: the program's worker took no request for {elapsed:.2f} s "
-                                      f"(a call may take {timeout:g} s) and was stopped."))
+            self._end(
+                fail(
+                    "timeout",
+                    f"Timeout: the program's worker took no request for {elapsed:.2f} s "
+                    f"(a call may take {timeout:g} s) and was stopped.",
+                )
+            )
             raise SandboxError(self.dead)  # type: ignore[arg-type]
         poll = self._poll.poll
         ready = False
@@ -759,8 +830,13 @@ class ProgramWorker:
                 pass
         if not ready and not poll(max(0, int((timeout - (time.perf_counter() - start)) * 1000))):
             elapsed = time.perf_counter() - start
-            self._end(fail("timeout", f"Timeout: a call took longer than {timeout:g} s (stopped after {elapsed:.2f} s). "
-                                      "Make the function faster (vectorise over the batch, no long loops)."))
+            self._end(
+                fail(
+                    "timeout",
+                    f"Timeout: a call took longer than {timeout:g} s (stopped after {elapsed:.2f} s). "
+                    "Make the function faster (vectorise over the batch, no long loops).",
+                )
+            )
             raise SandboxError(self.dead)  # type: ignore[arg-type]
         try:
             n = sock.recv_into(self._buf, 0, socket.MSG_DONTWAIT)
@@ -810,8 +886,9 @@ class ProgramWorker:
 
     def _malformed(self, detail: str) -> SandboxError:
         """The worker's reply broke the protocol: the worker is ended (``crashed``); the error to raise."""
-        return SandboxError(self._end(fail("crashed", f"The program's worker sent a malformed reply ({detail[:200]}) "
-                                                      "and was stopped.")))
+        return SandboxError(
+            self._end(fail("crashed", f"The program's worker sent a malformed reply ({detail[:200]}) and was stopped."))
+        )
 
     def _follow_cpu(self, away: bool = False) -> None:
         """Keep the worker on the CPU this thread runs on, or, ``away``, on the others.
@@ -831,8 +908,14 @@ class ProgramWorker:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(self._proc.server, where)
 
-    def load(self, program: Program, *, role: str, arg_names: tuple[str, ...] | list[str] | None = None,
-             fields: list[tuple[str, int, int, tuple[int, ...]]] | None = None) -> int:
+    def load(
+        self,
+        program: Program,
+        *,
+        role: str,
+        arg_names: tuple[str, ...] | list[str] | None = None,
+        fields: list[tuple[str, int, int, tuple[int, ...]]] | None = None,
+    ) -> int:
         """Run ``program``'s module body in the worker (within ``call_timeout_s``); a handle for :meth:`call`.
 
         ``fields`` (:func:`core.sandbox.programs.task_fields`) lets calls pass whole
@@ -844,18 +927,35 @@ class ProgramWorker:
             self._handles += 1
             handle = self._handles
             source_only = Program(program.source, program.entry)  # not its prompt, reply or meta
-            reply, _ = self._request({"op": "load", "handle": handle, "program": source_only, "role": role,
-                                      "arg_names": list(arg_names) if arg_names is not None else None,
-                                      "fields": fields},
-                                     self.limits.call_timeout_s)
+            reply, _ = self._request(
+                {
+                    "op": "load",
+                    "handle": handle,
+                    "program": source_only,
+                    "role": role,
+                    "arg_names": list(arg_names) if arg_names is not None else None,
+                    "fields": fields,
+                },
+                self.limits.call_timeout_s,
+            )
             if "report" in reply:
                 raise SandboxError(report_from(reply["report"]))
             if reply.get("ok") is not True:
                 raise self._malformed("a load answer with neither ok nor a report")
             return handle
 
-    def call(self, handle: int, args: tuple[Any, ...], *, role: str, batch: int = 0, per_row: bool = False,
-             count: bool = True, printed: bool = False, split: tuple[int, ...] = ()) -> Any:
+    def call(
+        self,
+        handle: int,
+        args: tuple[Any, ...],
+        *,
+        role: str,
+        batch: int = 0,
+        per_row: bool = False,
+        count: bool = True,
+        printed: bool = False,
+        split: tuple[int, ...] = (),
+    ) -> Any:
         """Call a loaded program on ``args`` (tensors, dicts of tensors); its checked value.
 
         ``reward`` (``batch`` rows): ``(reward [B], {name: [B]})``; ``state``: features
@@ -920,8 +1020,9 @@ class ProgramWorker:
         except wire.MalformedReply as e:
             raise self._malformed(str(e)) from None
 
-    def _call_request(self, handle: int, args: tuple[Any, ...], role: str, per_row: bool, printed: bool,
-                      split: tuple[int, ...]) -> tuple[dict[str, Any], float]:
+    def _call_request(
+        self, handle: int, args: tuple[Any, ...], role: str, per_row: bool, printed: bool, split: tuple[int, ...]
+    ) -> tuple[dict[str, Any], float]:
         """A call as a full request (its layout sent once, then "the same as last time")."""
         fds = None
         try:
@@ -932,9 +1033,21 @@ class ProgramWorker:
         key = (spec, end, role, per_row, printed, split)
         same = handle if fds is None and self._last_call.get(handle) == key else 0
         self._last_call[handle] = key
-        return self._request({"op": "call", "handle": handle, "args": spec, "end": end, "role": role,
-                              "per_row": per_row, "printed": printed, "split": split},
-                             self.limits.call_timeout_s, fds, same=same)
+        return self._request(
+            {
+                "op": "call",
+                "handle": handle,
+                "args": spec,
+                "end": end,
+                "role": role,
+                "per_row": per_row,
+                "printed": printed,
+                "split": split,
+            },
+            self.limits.call_timeout_s,
+            fds,
+            same=same,
+        )
 
     def _grow(self, need: int) -> list[int]:
         """New arenas that hold ``need`` bytes; the descriptors to send with the call."""
@@ -968,11 +1081,19 @@ class ProgramWorker:
             share, round_trip = self.program_s / elapsed, self.busy_s / elapsed
             if share > limits.max_time_share or round_trip > max(limits.max_time_share, ROUND_TRIP_SHARE):
                 per_call = self.program_s / self.calls * 1000
-                raise SandboxError(self._end(fail("too_slow", (
-                    f"Too slow: the program took {self.program_s:.1f} s of the last {elapsed:.1f} s of training "
-                    f"({share:.0%}, {round_trip:.0%} with the calls' overhead; the budget is {limits.max_time_share:.0%}), "
-                    f"{per_call:.2f} ms per call over {self.calls} calls. Make it faster: vectorise over the batch, "
-                    "avoid Python loops over rows."))))
+                raise SandboxError(
+                    self._end(
+                        fail(
+                            "too_slow",
+                            (
+                                f"Too slow: the program took {self.program_s:.1f} s of the last {elapsed:.1f} s of training "
+                                f"({share:.0%}, {round_trip:.0%} with the calls' overhead; the budget is {limits.max_time_share:.0%}), "
+                                f"{per_call:.2f} ms per call over {self.calls} calls. Make it faster: vectorise over the batch, "
+                                "avoid Python loops over rows."
+                            ),
+                        )
+                    )
+                )
         if now >= self._next_cpu_raise:
             self._raise_cpu_limit(now)
 
@@ -992,13 +1113,17 @@ class ProgramWorker:
         self._next_cpu_raise = now + 1.0
         self._check_memory()
         limits = self.limits
-        budget = (self._cpu_base + limits.cpu_s + limits.time_share_grace_s + self.busy_s
-                  + self._spin.granted_s)  # the polling for the next step that the host asked for
+        budget = (
+            self._cpu_base + limits.cpu_s + limits.time_share_grace_s + self.busy_s + self._spin.granted_s
+        )  # the polling for the next step that the host asked for
         seconds = int(budget) + 1
         with contextlib.suppress(OSError, ValueError):
             _, hard = resource.prlimit(self._proc.server, resource.RLIMIT_CPU)
-            resource.prlimit(self._proc.server, resource.RLIMIT_CPU,
-                             (seconds, seconds + 1 if os.geteuid() == 0 else max(hard, seconds + 1)))
+            resource.prlimit(
+                self._proc.server,
+                resource.RLIMIT_CPU,
+                (seconds, seconds + 1 if os.geteuid() == 0 else max(hard, seconds + 1)),
+            )
             self._cpu_limit = float(seconds)
         if self._spin.allowance_s is not None:
             # The kernel's limit could not follow (it is the backstop far above): the host holds the
@@ -1006,15 +1131,26 @@ class ProgramWorker:
             self._cpu_limit = float(seconds)
         used = self.cpu_seconds()
         if used is not None and used > seconds + 1.0:
-            raise SandboxError(self._end(fail("too_slow", (
-                f"The program used {used:.1f} s of CPU time, more than its budget ({limits.cpu_s:g} s plus "
-                f"{limits.max_time_share:.0%} of the training time), and was stopped. Do less work per call, "
-                "and none between calls."))))
+            raise SandboxError(
+                self._end(
+                    fail(
+                        "too_slow",
+                        (
+                            f"The program used {used:.1f} s of CPU time, more than its budget ({limits.cpu_s:g} s plus "
+                            f"{limits.max_time_share:.0%} of the training time), and was stopped. Do less work per call, "
+                            "and none between calls."
+                        ),
+                    )
+                )
+            )
 
     def metrics(self) -> dict[str, float]:
         """Time in programs for the candidate's result: seconds, calls, share of the wall time."""
-        out = {"sandbox/program_seconds": round(self.program_s, 4), "sandbox/call_seconds": round(self.busy_s, 4),
-               "sandbox/program_calls": float(self.calls)}
+        out = {
+            "sandbox/program_seconds": round(self.program_s, 4),
+            "sandbox/call_seconds": round(self.busy_s, 4),
+            "sandbox/program_calls": float(self.calls),
+        }
         if self._clock0 is not None and self.calls:
             end = self._ended_at if self._ended_at is not None else time.monotonic()
             out["sandbox/program_share"] = round(self.program_s / max(end - self._clock0, 1e-9), 4)

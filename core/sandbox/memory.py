@@ -85,14 +85,13 @@ def _own_groups() -> list[tuple[int, Path]]:
             wanted = next((m.split(":", 2)[2] for m in membership if m.startswith("0::")), None)
             version = 2
         elif fstype == "cgroup" and "memory" in options:
-            wanted = next((m.split(":", 2)[2] for m in membership
-                           if "memory" in m.split(":", 2)[1].split(",")), None)
+            wanted = next((m.split(":", 2)[2] for m in membership if "memory" in m.split(":", 2)[1].split(",")), None)
             version = 1
         else:
             continue
         if wanted is None or not (wanted == root or wanted.startswith(root.rstrip("/") + "/") or root == "/"):
             continue
-        inside = wanted[len(root):] if root != "/" else wanted
+        inside = wanted[len(root) :] if root != "/" else wanted
         found.append((version, Path(point.replace("\\040", " ")) / inside.lstrip("/")))
     return sorted(found, key=lambda f: f[0], reverse=True)  # v2 first
 
@@ -108,7 +107,7 @@ def _sweep(parent: Path) -> None:
     _swept.add(parent)
     with contextlib.suppress(OSError):
         for entry in parent.iterdir():
-            owner = entry.name[len(_PREFIX):].split("-")[0] if entry.name.startswith(_PREFIX) else ""
+            owner = entry.name[len(_PREFIX) :].split("-")[0] if entry.name.startswith(_PREFIX) else ""
             if owner.isdigit() and not Path(f"/proc/{owner}").exists():
                 with contextlib.suppress(OSError):
                     entry.rmdir()  # fails while a process is still in it

@@ -133,8 +133,12 @@ def module_allowed(module: str, allowed_imports: Iterable[str]) -> bool:
 
 def annotation_import(module: str, names: Iterable[str] | None, allowed_imports: Iterable[str]) -> bool:
     """Whether ``from module import names`` is the annotation-only ``typing`` import."""
-    return module == "typing" and not module_allowed("typing", allowed_imports) and bool(names) \
+    return (
+        module == "typing"
+        and not module_allowed("typing", allowed_imports)
+        and bool(names)
         and all(n in TYPING_ANNOTATIONS for n in names or ())
+    )
 
 
 class _Checker(ast.NodeVisitor):
@@ -192,7 +196,11 @@ class _Checker(ast.NodeVisitor):
             target = f"{node.module}.{alias.name}"
             obj = _resolve(node.module, [alias.name])
             if isinstance(obj, types.ModuleType):
-                self._bind_module(node, alias.asname or alias.name, obj.__name__ if module_allowed(obj.__name__, self.allowed) else target)
+                self._bind_module(
+                    node,
+                    alias.asname or alias.name,
+                    obj.__name__ if module_allowed(obj.__name__, self.allowed) else target,
+                )
             elif obj is _MISSING:
                 self.fail(node, f"`{target}` does not exist")
             else:
@@ -220,7 +228,9 @@ class _Checker(ast.NodeVisitor):
                 root = root.func if isinstance(root, ast.Call) else root.value
             if isinstance(root, ast.Name) and (root.id in self.aliases or root.id in self.imported):
                 verb = "deleting" if isinstance(node.ctx, ast.Del) else "assigning to"
-                self.fail(node, f"{verb} `{ast.unparse(node)[:60]}` (an attribute of an imported module or its objects)")
+                self.fail(
+                    node, f"{verb} `{ast.unparse(node)[:60]}` (an attribute of an imported module or its objects)"
+                )
         # Resolve `alias.a.b` chains against the real modules.
         if id(node) not in self._chain_parents:
             chain: list[str] = []
@@ -372,8 +382,9 @@ def _class_building(node: ast.Call) -> bool:
     if len(node.args) != 3:
         return False
     name, bases, namespace = node.args
-    is_dict = isinstance(namespace, ast.Dict) or (isinstance(namespace, ast.Call) and isinstance(namespace.func, ast.Name)
-                                                  and namespace.func.id == "dict")
+    is_dict = isinstance(namespace, ast.Dict) or (
+        isinstance(namespace, ast.Call) and isinstance(namespace.func, ast.Name) and namespace.func.id == "dict"
+    )
     return isinstance(name, ast.Constant) and isinstance(name.value, str) and isinstance(bases, ast.Tuple) and is_dict
 
 

@@ -101,13 +101,22 @@ def check_source(
     except RecursionError:
         problem = "the code is nested too deeply"
     if problem:
-        return fail("forbidden", f"Forbidden construct: {problem} Use only {', '.join(allowed_imports)} and plain Python.")
+        return fail(
+            "forbidden", f"Forbidden construct: {problem} Use only {', '.join(allowed_imports)} and plain Python."
+        )
     report = check_entry(tree, entry, arg_names)
     if report.ok and fields is not None:
-        names = check_names(source, list(fields), available=SAFE_BUILTIN_NAMES, fix=False,
-                            state_args=state_arguments(source, entry, arg_names))
+        names = check_names(
+            source,
+            list(fields),
+            available=SAFE_BUILTIN_NAMES,
+            fix=False,
+            state_args=state_arguments(source, entry, arg_names),
+        )
         if not names.ok:
-            return fail("names", "The code reads names that do not exist:\n" + "\n".join(f"- {e}" for e in names.errors))
+            return fail(
+                "names", "The code reads names that do not exist:\n" + "\n".join(f"- {e}" for e in names.errors)
+            )
     return report
 
 
@@ -247,8 +256,9 @@ class Invalid(Exception):
         return SandboxReport(False, self.kind, str(self), data={"check": self.check})
 
 
-def _float_rows(value: Any, batch: int, what: str, *, allow_scalar: bool = False, ndim: int = 1,
-                finite: bool = True) -> np.ndarray:
+def _float_rows(
+    value: Any, batch: int, what: str, *, allow_scalar: bool = False, ndim: int = 1, finite: bool = True
+) -> np.ndarray:
     """``value`` as a float32 array ``[B]`` (``ndim=1``) or ``[B, k]`` (``ndim=2``), checked.
 
     The checks run on numpy arrays (a microsecond or two each): real float dtype, one row
@@ -282,7 +292,9 @@ def _float_rows(value: Any, batch: int, what: str, *, allow_scalar: bool = False
         value = value[:, None]  # one feature
     if value.ndim != ndim or value.shape[0] != batch:
         expected = f"[{batch}]" if ndim == 1 else f"[{batch}, k]"
-        raise Invalid("shape", f"{what} must have shape {expected} (one value per env of the batch), got {list(value.shape)}.")
+        raise Invalid(
+            "shape", f"{what} must have shape {expected} (one value per env of the batch), got {list(value.shape)}."
+        )
     out = value.astype(np.float32, copy=False)
     if finite:
         bad = out.size - int(np.isfinite(out).sum())
@@ -328,7 +340,9 @@ def _stack_rows(values: list[Any], what: str) -> torch.Tensor:
         if t.numel() == 1:
             t = t.reshape(())
         if t.dim() > 1:
-            raise Invalid("shape", f"{what} for one state must be a number or a flat vector, got shape {list(t.shape)}.")
+            raise Invalid(
+                "shape", f"{what} for one state must be a number or a flat vector, got shape {list(t.shape)}."
+            )
         rows.append(t.to(torch.float32) if t.dtype == torch.bool or not t.is_floating_point() else t)
     try:
         return torch.stack(rows)
@@ -356,7 +370,9 @@ def call_per_row(compiled: CompiledProgram, args: tuple[Any, ...]) -> Any:
 def _component_name(name: Any) -> str:
     text = str(name)
     if not text or len(text) > MAX_NAME_CHARS or not text.isprintable():
-        raise Invalid("dtype", f"reward component names must be short printable strings, got {text[:MAX_NAME_CHARS]!r}.")
+        raise Invalid(
+            "dtype", f"reward component names must be short printable strings, got {text[:MAX_NAME_CHARS]!r}."
+        )
     return text
 
 
@@ -386,7 +402,7 @@ def normalize_value(value: Any) -> torch.Tensor:
     elif isinstance(value, np.ndarray) and value.dtype != object:
         t = torch.from_numpy(value)
     elif isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
-        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
             raise Invalid("dtype", f"the value {value} is too large.")
         t = torch.tensor(value.item() if isinstance(value, np.generic) else value)
     else:
@@ -415,8 +431,10 @@ def shape_result(role: str, value: Any, batch: int) -> tuple[list[tuple[str, Any
             value, raw = value
             if len(raw) > MAX_COMPONENTS:
                 raise Invalid("shape", f"at most {MAX_COMPONENTS} reward components, got {len(raw)}.")
-            comps = {_component_name(k): _float_rows(v, batch, f"component {k!r}", allow_scalar=True, finite=False)
-                     for k, v in raw.items()}
+            comps = {
+                _component_name(k): _float_rows(v, batch, f"component {k!r}", allow_scalar=True, finite=False)
+                for k, v in raw.items()
+            }
         reward = _float_rows(value, batch, "the reward", finite=False)
         return [("block", np.stack([reward, *comps.values()]))], list(comps)
     if role == "state":
@@ -485,9 +503,12 @@ MAX_MAGNITUDE = 1e12
 def _check_magnitude(values: np.ndarray, what: str) -> None:
     peak = float(np.abs(values).max()) if values.size else 0.0
     if peak > MAX_MAGNITUDE:
-        raise Invalid("magnitude", f"{what} reaches {peak:.3g} in magnitude; values beyond {MAX_MAGNITUDE:.0e} overflow "
-                                   "float32 training (returns sum thousands of steps and the critic squares them). "
-                                   "Scale it down: keep each term within about +-100.")
+        raise Invalid(
+            "magnitude",
+            f"{what} reaches {peak:.3g} in magnitude; values beyond {MAX_MAGNITUDE:.0e} overflow "
+            "float32 training (returns sum thousands of steps and the critic squares them). "
+            "Scale it down: keep each term within about +-100.",
+        )
 
 
 def checked_result(role: str, named: list[tuple[str, np.ndarray]], names: list[str], batch: int) -> Any:
@@ -501,13 +522,17 @@ def checked_result(role: str, named: list[tuple[str, np.ndarray]], names: list[s
             raise Invalid("dtype", "the worker returned no reward.")
         block = named[0][1]
         if block.dtype != np.float32 or block.shape != (1 + len(names), batch):
-            raise Invalid("shape", f"the reward and its components must be [{batch}] each, got a block of {list(block.shape)}.")
+            raise Invalid(
+                "shape", f"the reward and its components must be [{batch}] each, got a block of {list(block.shape)}."
+            )
         finite = np.isfinite(block)
         if not finite.all():
             bad = block.shape[1] - finite.sum(axis=1)
             row = int(np.flatnonzero(bad)[0])
             what = "the reward" if row == 0 else f"component {names[row - 1]!r}"
-            raise Invalid("nonfinite", f"{what} has {int(bad[row])} NaN or infinite value(s); guard divisions, logs and exps.")
+            raise Invalid(
+                "nonfinite", f"{what} has {int(bad[row])} NaN or infinite value(s); guard divisions, logs and exps."
+            )
         _check_magnitude(block[0], "the reward")
         rows = torch.from_numpy(block).unbind(0)
         return rows[0], dict(zip(names, rows[1:]))
@@ -519,7 +544,9 @@ def checked_result(role: str, named: list[tuple[str, np.ndarray]], names: list[s
             raise Invalid("shape", f"the features must be [{batch}, k], got {list(feats.shape)} of {feats.dtype}.")
         bad = feats.size - int(np.isfinite(feats).sum())
         if bad:
-            raise Invalid("nonfinite", f"the features have {bad} NaN or infinite value(s); guard divisions, logs and exps.")
+            raise Invalid(
+                "nonfinite", f"the features have {bad} NaN or infinite value(s); guard divisions, logs and exps."
+            )
         _check_magnitude(feats, "the features")
         return torch.from_numpy(feats)
     if len(named) != 1 or named[0][0] != "value":

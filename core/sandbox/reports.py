@@ -27,8 +27,13 @@ CATEGORIES = (
 #: a name never assigned, :mod:`core.namecheck`), then the categories.
 KINDS = ("ok", "no_code", "syntax", "signature", "names") + CATEGORIES
 #: Older and finer kinds, mapped to their category (the finer kind stays in ``data["check"]``).
-RENAMED = {"nonfinite": "invalid_value", "shape": "invalid_value", "dtype": "invalid_value",
-           "output": "invalid_value", "crash": "crashed"}
+RENAMED = {
+    "nonfinite": "invalid_value",
+    "shape": "invalid_value",
+    "dtype": "invalid_value",
+    "output": "invalid_value",
+    "crash": "crashed",
+}
 MESSAGE_CHARS = 1500  # feedback text is trimmed to this many characters
 
 
@@ -90,10 +95,14 @@ class Limits:
     """
 
     allowed_imports: list[str] = field(default_factory=lambda: list(DEFAULT_IMPORTS))  # modules programs may import
-    cpu_s: float = 10.0  # CPU seconds a candidate's worker may use beyond the time its calls took (start-up and probes included)
+    cpu_s: float = (
+        10.0  # CPU seconds a candidate's worker may use beyond the time its calls took (start-up and probes included)
+    )
     wall_s: float = 20.0  # wall-clock seconds to start a worker and probe a program
     memory_mb: int = 4096  # address space the worker may map beyond what its imports mapped (RLIMIT_AS)
-    call_timeout_s: float = 1.0  # wall-clock limit of one call (module body, probe, training step); past it the worker is killed
+    call_timeout_s: float = (
+        1.0  # wall-clock limit of one call (module body, probe, training step); past it the worker is killed
+    )
     max_procs: int = 16  # processes/threads the worker's unprivileged user may have
     max_output_chars: int = 10_000  # what print() in LLM code may write before it is cut off
     per_row_fallback: bool = True  # accept code written for one state, not a batch (runs once per row)
@@ -107,8 +116,17 @@ class Limits:
 
     def check(self) -> None:
         """Refuse limits that cannot work (``ValueError``); :func:`core.config.validate` calls it."""
-        for name in ("cpu_s", "wall_s", "call_timeout_s", "max_time_share", "memory_mb", "max_procs",
-                     "max_output_chars", "max_open_files", "tmp_mb"):
+        for name in (
+            "cpu_s",
+            "wall_s",
+            "call_timeout_s",
+            "max_time_share",
+            "memory_mb",
+            "max_procs",
+            "max_output_chars",
+            "max_open_files",
+            "tmp_mb",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.time_share_grace_s < 0:

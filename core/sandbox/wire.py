@@ -30,7 +30,10 @@ import torch
 
 ALIGN = 64
 #: dtypes that cross (numpy names); anything else is converted to float32 or refused
-DTYPES = {name: np.dtype(name) for name in ("float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")}
+DTYPES = {
+    name: np.dtype(name)
+    for name in ("float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
+}
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_NAMED = 64  # tensors in one reply
 MAX_DIMS = 8
@@ -255,7 +258,6 @@ def reply_seconds(value: Any) -> float:
         raise MalformedReply("program_s is out of range") from None
 
 
-
 def pack_named(named: list[tuple[str, torch.Tensor]], buf: mmap.mmap) -> list[list[Any]]:
     """Write named tensors into the output arena (in the worker); the header to send."""
     header, offset = [], 0
@@ -286,8 +288,9 @@ def check_header(header: Any, size: int) -> list[tuple[str, np.dtype, int, int, 
         if not isinstance(name, str) or len(name) > 100 or not isinstance(dtype, str) or dtype not in DTYPES:
             raise MalformedReply("malformed result name or dtype")
         # each dimension at most the arena's size: an empty result cannot name a shape numpy refuses
-        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
-                and all(type(d) is int and 0 <= d <= size for d in shape)):
+        if not (
+            isinstance(shape, list) and len(shape) <= MAX_DIMS and all(type(d) is int and 0 <= d <= size for d in shape)
+        ):
             raise MalformedReply("malformed result shape")
         if type(offset) is not int or offset < 0 or offset % ALIGN:
             raise MalformedReply("malformed result offset")
@@ -298,10 +301,14 @@ def check_header(header: Any, size: int) -> list[tuple[str, np.dtype, int, int, 
     return layout
 
 
-def read_named(layout: list[tuple[str, np.dtype, int, int, tuple[int, ...]]], buf: mmap.mmap) -> list[tuple[str, np.ndarray]]:
+def read_named(
+    layout: list[tuple[str, np.dtype, int, int, tuple[int, ...]]], buf: mmap.mmap
+) -> list[tuple[str, np.ndarray]]:
     """Copies of the named arrays a checked layout describes (in the host)."""
-    return [(name, np.frombuffer(buf, dtype, count, offset).reshape(shape).copy())
-            for name, dtype, count, offset, shape in layout]
+    return [
+        (name, np.frombuffer(buf, dtype, count, offset).reshape(shape).copy())
+        for name, dtype, count, offset, shape in layout
+    ]
 
 
 def unpack_named(header: Any, buf: mmap.mmap) -> list[tuple[str, np.ndarray]]:

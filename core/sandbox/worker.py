@@ -50,14 +50,36 @@ CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 0x4000, 1 << 18
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = (
+    1,
+    2,
+    4,
+    8,
+    32,
+    4096,
+    0x4000,
+    1 << 18,
+)
 #: world-writable folders replaced by private tmpfs in the worker's mount namespace
 PRIVATE_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/run/shm")
 #: home folders hidden behind an empty tmpfs (the interpreter's own folders in them stay, read-only)
 HIDDEN_FOLDERS = ("/root", "/home")
 #: imported by the zygote, so no worker needs file access for them after dropping privileges
-PRELOAD = ("math", "numpy", "numpy.linalg", "numpy.random", "numpy.fft", "torch", "torch.nn", "torch.nn.functional",
-           "torch.linalg", "torch.special", "torch.fft", "torch.distributions", "typing")
+PRELOAD = (
+    "math",
+    "numpy",
+    "numpy.linalg",
+    "numpy.random",
+    "numpy.fft",
+    "torch",
+    "torch.nn",
+    "torch.nn.functional",
+    "torch.linalg",
+    "torch.special",
+    "torch.fft",
+    "torch.distributions",
+    "typing",
+)
 MAX_REQUEST = 1 << 20
 SAME = 1  # first byte of a short message: "the same call (or result layout) as last time"
 #: after SAME: the request's sequence number, the handle, and how long to wait for the next one on a spinning CPU (µs)
@@ -278,8 +300,11 @@ def _mount_private(spaces: dict[str, Any], tmp_mb: int, records: list[str] = ())
 
 def _interpreter_trees() -> set[str]:
     """The folders the worker imports from (its interpreter, its libraries, the project)."""
-    return {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path)
-            if p and os.path.isabs(p) and os.path.isdir(p)}
+    return {
+        os.path.realpath(p)
+        for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path)
+        if p and os.path.isabs(p) and os.path.isdir(p)
+    }
 
 
 def _hide_records(libc: Any, records: list[str]) -> list[str]:
@@ -457,19 +482,24 @@ def _no_new_sockets() -> bool:
     if arch is None:
         return False
     audit_arch, nr_socket, nr_connect = arch
-    ld_w_abs, jeq_k, jset_k, ret_k = 0x20, 0x15, 0x45, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, ..|BPF_JSET, BPF_RET|BPF_K
+    ld_w_abs, jeq_k, jset_k, ret_k = (
+        0x20,
+        0x15,
+        0x45,
+        0x06,
+    )  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, ..|BPF_JSET, BPF_RET|BPF_K
     deny = _SECCOMP_RET_ERRNO | 13  # EACCES
     program = [
-        (ld_w_abs, 0, 0, 4),                # seccomp_data.arch
-        (jeq_k, 1, 0, audit_arch),          # our architecture: go on
-        (ret_k, 0, 0, deny),                # any other (a 32-bit call): refused
-        (ld_w_abs, 0, 0, 0),                # seccomp_data.nr
-        (jset_k, 0, 1, _X32_BIT),           # an x32 call: refused
+        (ld_w_abs, 0, 0, 4),  # seccomp_data.arch
+        (jeq_k, 1, 0, audit_arch),  # our architecture: go on
+        (ret_k, 0, 0, deny),  # any other (a 32-bit call): refused
+        (ld_w_abs, 0, 0, 0),  # seccomp_data.nr
+        (jset_k, 0, 1, _X32_BIT),  # an x32 call: refused
         (ret_k, 0, 0, deny),
-        (jeq_k, 0, 1, nr_connect),          # connect: refused
+        (jeq_k, 0, 1, nr_connect),  # connect: refused
         (ret_k, 0, 0, deny),
-        (jeq_k, 0, 3, nr_socket),           # socket: look at its family
-        (ld_w_abs, 0, 0, 16),               # seccomp_data.args[0], low half (the domain)
+        (jeq_k, 0, 3, nr_socket),  # socket: look at its family
+        (ld_w_abs, 0, 0, 16),  # seccomp_data.args[0], low half (the domain)
         (jeq_k, 0, 1, socket.AF_UNIX),
         (ret_k, 0, 0, deny),
         (ret_k, 0, 0, _SECCOMP_RET_ALLOW),
@@ -502,7 +532,9 @@ def _private_folder(spaces: dict[str, Any], uid: int, gid: int) -> str:
     return path
 
 
-def _serve(request: dict[str, Any], sock_fd: int, in_fd: int, out_fd: int, spaces: dict[str, Any], supervisor: int) -> None:
+def _serve(
+    request: dict[str, Any], sock_fd: int, in_fd: int, out_fd: int, spaces: dict[str, Any], supervisor: int
+) -> None:
     sock = socket.socket(fileno=sock_fd)
     limits = request["limits"]
     root = os.geteuid() == 0 and not spaces.get("user")
@@ -515,8 +547,17 @@ def _serve(request: dict[str, Any], sock_fd: int, in_fd: int, out_fd: int, space
         folder = _private_folder(spaces, uid, limits.gid if root else os.getgid())
         os.chdir(folder)
         os.environ.clear()
-        os.environ.update({"PATH": os.defpath, "HOME": folder, "TMPDIR": folder, "OMP_NUM_THREADS": "1",
-                           "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
+        os.environ.update(
+            {
+                "PATH": os.defpath,
+                "HOME": folder,
+                "TMPDIR": folder,
+                "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+                "OPENBLAS_NUM_THREADS": "1",
+                "PYTHONDONTWRITEBYTECODE": "1",
+            }
+        )
         import tempfile
 
         tempfile.tempdir = folder
@@ -534,8 +575,21 @@ def _serve(request: dict[str, Any], sock_fd: int, in_fd: int, out_fd: int, space
     except BaseException as e:  # noqa: BLE001 - never run a program without its limits
         _send(sock, {"ready": False, "error": f"{type(e).__name__}: {e}"})
         os._exit(3)
-    _send(sock, {"ready": True, "isolation": dict(spaces, uid=os.getuid(), root_dropped=root, keyring=keyring, seccomp=sockets_refused,
-                                                  folder=folder, cpu_base=cpu_used)})
+    _send(
+        sock,
+        {
+            "ready": True,
+            "isolation": dict(
+                spaces,
+                uid=os.getuid(),
+                root_dropped=root,
+                keyring=keyring,
+                seccomp=sockets_refused,
+                folder=folder,
+                cpu_base=cpu_used,
+            ),
+        },
+    )
     Server(sock, in_map, out_map, request).run()
 
 
@@ -549,7 +603,11 @@ class Server:
         from core.sandbox import programs, wire
 
         programs._WorkerFlag.runs_programs = True
-        self.np, self.tensor, self.from_numpy = numpy, torch.Tensor, torch.from_numpy  # taken now: a program may poison sys.modules
+        self.np, self.tensor, self.from_numpy = (
+            numpy,
+            torch.Tensor,
+            torch.from_numpy,
+        )  # taken now: a program may poison sys.modules
         self.sb, self.wire = programs, wire
         self.sock, self.in_map, self.out_map = sock, in_map, out_map
         self.limits = request["limits"]
@@ -599,8 +657,9 @@ class Server:
                             continue
                         # the value does not fit the result lane: shaped and checked the long way
                         value, lane.value = lane.value, None
-                        reply = self._reply(lambda: self.finish_call(last[handle], value, lane.program_s),
-                                            handle, headers, seq)
+                        reply = self._reply(
+                            lambda: self.finish_call(last[handle], value, lane.program_s), handle, headers, seq
+                        )
                         if reply is None:
                             continue
                     self._send_reply(reply)
@@ -691,10 +750,13 @@ class Server:
 
     # -- requests ------------------------------------------------------------------------------
     def op_load(self, request: dict[str, Any]) -> dict[str, Any]:
-        compiled = self.sb.compile_program(request["program"], allowed_imports=self.imports,
-                                           arg_names=request.get("arg_names"),
-                                           max_output_chars=self.limits.max_output_chars,
-                                           static_check=self.limits.static_check)
+        compiled = self.sb.compile_program(
+            request["program"],
+            allowed_imports=self.imports,
+            arg_names=request.get("arg_names"),
+            max_output_chars=self.limits.max_output_chars,
+            static_check=self.limits.static_check,
+        )
         self.programs[request["handle"]] = compiled
         self.fields[request["handle"]] = request.get("fields") or []
         return {"ok": True}
@@ -711,8 +773,10 @@ class Server:
         args = wire.unpack_tree(request["args"], buf, arrays=True) if plan is False else wire.read_plan(plan, buf)
         split = request.get("split") or ()
         fields = self.fields[handle]
-        args = tuple(sb.split_fields(a, fields, tensors=True) if i in split else _as_state(wire.as_tensors(a), sb.State)
-                     for i, a in enumerate(args))
+        args = tuple(
+            sb.split_fields(a, fields, tensors=True) if i in split else _as_state(wire.as_tensors(a), sb.State)
+            for i, a in enumerate(args)
+        )
         start = time.perf_counter()
         value = compiled(*args, per_row=request["per_row"])
         program_s = time.perf_counter() - start
@@ -722,7 +786,9 @@ class Server:
             self.call_lanes[handle] = _CallLane(compiled, request, plan, fields, self.lanes[handle], batch, self)
         return reply
 
-    def finish_call(self, request: dict[str, Any], value: Any, program_s: float, batch: int | None = None) -> dict[str, Any]:
+    def finish_call(
+        self, request: dict[str, Any], value: Any, program_s: float, batch: int | None = None
+    ) -> dict[str, Any]:
         """Shape a call's value into the output arena (the long way, with every check and message); the reply."""
         sb, handle, role = self.sb, request["handle"], request["role"]
         if batch is None:
@@ -759,31 +825,64 @@ class _CallLane:
     the program, or None when the value must go the long way (:attr:`value` holds it then).
     """
 
-    __slots__ = ("compiled", "per_row", "end", "args", "batch", "result", "value", "program_s", "np", "from_numpy", "split",
-                 "state")
+    __slots__ = (
+        "compiled",
+        "per_row",
+        "end",
+        "args",
+        "batch",
+        "result",
+        "value",
+        "program_s",
+        "np",
+        "from_numpy",
+        "split",
+        "state",
+    )
 
-    def __init__(self, compiled: Any, request: dict[str, Any], plan: list[Any], fields: list[Any], result: _ResultLane,
-                 batch: int, server: Server) -> None:
-        self.compiled, self.per_row, self.end, self.batch, self.result = compiled, request["per_row"], request["end"], batch, result
+    def __init__(
+        self,
+        compiled: Any,
+        request: dict[str, Any],
+        plan: list[Any],
+        fields: list[Any],
+        result: _ResultLane,
+        batch: int,
+        server: Server,
+    ) -> None:
+        self.compiled, self.per_row, self.end, self.batch, self.result = (
+            compiled,
+            request["per_row"],
+            request["end"],
+            batch,
+            result,
+        )
         np = self.np = server.np  # the server's modules, taken before any program ran
         self.from_numpy, self.split, self.state = server.from_numpy, server.sb.split_fields, server.sb.State
         self.value: Any = None
         self.program_s = 0.0
         split = request.get("split") or ()
-        self.args = [(np.dtype(dtype), count, offset, shape, self._naming(fields, shape) if i in split else None)
-                     for i, (dtype, count, offset, shape) in enumerate(plan)]
+        self.args = [
+            (np.dtype(dtype), count, offset, shape, self._naming(fields, shape) if i in split else None)
+            for i, (dtype, count, offset, shape) in enumerate(plan)
+        ]
 
     @staticmethod
     def _naming(fields: list[Any], shape: tuple[int, ...]) -> Any:
         """How to name an observation's fields: their names (one ``unbind`` when each is one column, in order) or the fields."""
         columns = all(stop - start == 1 and not fshape for _, start, stop, fshape in fields)
-        if columns and [start for _, start, _, _ in fields] == list(range(len(fields))) and shape and shape[-1] == len(fields):
+        if (
+            columns
+            and [start for _, start, _, _ in fields] == list(range(len(fields)))
+            and shape
+            and shape[-1] == len(fields)
+        ):
             return tuple(name for name, _, _, _ in fields)
         return list(fields)
 
     def run(self, in_map: mmap.mmap) -> float | None:
         with memoryview(in_map) as view:
-            buf = bytearray(view[:self.end])
+            buf = bytearray(view[: self.end])
         frombuffer, from_numpy = self.np.frombuffer, self.from_numpy
         args = []
         for dtype, count, offset, shape, naming in self.args:
@@ -814,10 +913,12 @@ class _ResultLane:
 
     __slots__ = ("role", "header", "names", "keys", "rows", "block", "tensor")
 
-    def __init__(self, role: str, header: list[Any], names: list[str], out_map: mmap.mmap, np: Any, tensor: type) -> None:
+    def __init__(
+        self, role: str, header: list[Any], names: list[str], out_map: mmap.mmap, np: Any, tensor: type
+    ) -> None:
         self.tensor = tensor
         self.role, self.header, self.names, self.keys = role, header, names, tuple(names)
-        (_, _, shape, offset), = header
+        ((_, _, shape, offset),) = header
         self.block = np.ndarray(tuple(shape), np.float32, buffer=out_map, offset=offset)
         self.rows = tuple(shape) if role == "state" else (shape[1],)
 
@@ -857,8 +958,13 @@ def _as_state(arg: Any, state: type) -> Any:
 
 
 def _report(report: Any) -> dict[str, Any]:
-    return {"ok": bool(report.ok), "kind": report.kind, "message": report.message, "detail": report.detail[-4000:],
-            "data": report.data}
+    return {
+        "ok": bool(report.ok),
+        "kind": report.kind,
+        "message": report.message,
+        "detail": report.detail[-4000:],
+        "data": report.data,
+    }
 
 
 if __name__ == "__main__":

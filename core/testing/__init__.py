@@ -41,18 +41,68 @@ except ImportError as err:
 pytest.register_assert_rewrite("core.testing.contract", "core.testing.fakes")
 
 if TYPE_CHECKING:
-    from core.testing.contract import (EVIDENCE, PPO_TINY, SMOKE, SMOKE_BASE, PluginContract, Recorder, Smoke, params,
-                                       plugin_info, some_training_succeeded)
-    from core.testing.fakes import (CUT_OFF, FAKE_LLM_OVERRIDES, MARK, FakeLiteLLM, Logged, ScriptedLLM, answer,
-                                    install_fake_litellm, make_run, make_train, plugin_object, settings_for)
+    from core.testing.contract import (
+        EVIDENCE,
+        PPO_TINY,
+        SMOKE,
+        SMOKE_BASE,
+        PluginContract,
+        Recorder,
+        Smoke,
+        params,
+        plugin_info,
+        some_training_succeeded,
+    )
+    from core.testing.fakes import (
+        CUT_OFF,
+        FAKE_LLM_OVERRIDES,
+        MARK,
+        FakeLiteLLM,
+        Logged,
+        ScriptedLLM,
+        answer,
+        install_fake_litellm,
+        make_run,
+        make_train,
+        plugin_object,
+        settings_for,
+    )
     from core.testing.pytest_plugin import compose_config
 
 #: public name -> the submodule defining it
 _EXPORTS = {
-    **dict.fromkeys(["PluginContract", "Recorder", "Smoke", "params", "plugin_info", "some_training_succeeded",
-                     "SMOKE", "SMOKE_BASE", "PPO_TINY", "EVIDENCE"], "core.testing.contract"),
-    **dict.fromkeys(["ScriptedLLM", "FakeLiteLLM", "Logged", "answer", "install_fake_litellm", "make_run", "make_train",
-                     "plugin_object", "settings_for", "CUT_OFF", "FAKE_LLM_OVERRIDES", "MARK"], "core.testing.fakes"),
+    **dict.fromkeys(
+        [
+            "PluginContract",
+            "Recorder",
+            "Smoke",
+            "params",
+            "plugin_info",
+            "some_training_succeeded",
+            "SMOKE",
+            "SMOKE_BASE",
+            "PPO_TINY",
+            "EVIDENCE",
+        ],
+        "core.testing.contract",
+    ),
+    **dict.fromkeys(
+        [
+            "ScriptedLLM",
+            "FakeLiteLLM",
+            "Logged",
+            "answer",
+            "install_fake_litellm",
+            "make_run",
+            "make_train",
+            "plugin_object",
+            "settings_for",
+            "CUT_OFF",
+            "FAKE_LLM_OVERRIDES",
+            "MARK",
+        ],
+        "core.testing.fakes",
+    ),
     "compose_config": "core.testing.pytest_plugin",
 }
 

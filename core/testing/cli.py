@@ -39,8 +39,15 @@ class CliResult:
         return " ".join(self.output.split())
 
 
-def run_cli(folder: Path | str | None, *args: str, module: str = "core", records: bool = True,
-            env: Mapping[str, str] | None = None, drop_env: tuple[str, ...] = (), timeout: float = 300) -> CliResult:
+def run_cli(
+    folder: Path | str | None,
+    *args: str,
+    module: str = "core",
+    records: bool = True,
+    env: Mapping[str, str] | None = None,
+    drop_env: tuple[str, ...] = (),
+    timeout: float = 300,
+) -> CliResult:
     """``python -m <module> *args`` run in ``folder`` (this process's folder when None).
 
     :param records: add overrides that keep the run's records in ``folder``
@@ -52,9 +59,19 @@ def run_cli(folder: Path | str | None, *args: str, module: str = "core", records
     command = [sys.executable, "-m", module, *args]
     if records and folder is not None and module == "core" and "--help" not in args:
         base = Path(folder)
-        command += [f"tracking.uri=sqlite:///{base}/mlflow.db", f"tracking.artifact_location={base}/art",
-                    f"cache_dir={base}/cache", f"hydra.run.dir={base}/out"]
+        command += [
+            f"tracking.uri=sqlite:///{base}/mlflow.db",
+            f"tracking.artifact_location={base}/art",
+            f"cache_dir={base}/cache",
+            f"hydra.run.dir={base}/out",
+        ]
     environment = {k: v for k, v in (os.environ if env is None else env).items() if k not in drop_env}
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          cwd=str(folder) if folder is not None else None, env=environment)
+    proc = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(folder) if folder is not None else None,
+        env=environment,
+    )
     return CliResult(proc.returncode, proc.stdout, proc.stderr)

@@ -53,8 +53,16 @@ from core.testing.pytest_plugin import compose_config
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "plugins"
 
 #: every smoke run: one process, a tiny budget, no policy files, the fake LLM
-SMOKE_BASE = ["executor=inprocess", "trainer.frames=1024", "trainer.eval_every=0", "trainer.eval_episodes=2",
-              "save_policy=false", "progress=false", "tracking.log_plots=false", *fakes.FAKE_LLM_OVERRIDES]
+SMOKE_BASE = [
+    "executor=inprocess",
+    "trainer.frames=1024",
+    "trainer.eval_every=0",
+    "trainer.eval_episodes=2",
+    "save_policy=false",
+    "progress=false",
+    "tracking.log_plots=false",
+    *fakes.FAKE_LLM_OVERRIDES,
+]
 #: PPO shrunk further (the default trainer); a smoke run on SAC sets its own
 PPO_TINY = ["trainer.epochs=2", "trainer.minibatch=128", "trainer.hidden=[32]"]
 
@@ -73,21 +81,54 @@ class Smoke:
 SMOKE: dict[str, Smoke] = {
     "eureka": Smoke(["plugins.eureka.samples=1"], slow=False),
     "text2reward": Smoke(["plugins.text2reward.samples=1", "plugins.text2reward.few_shot=false"], slow=False),
-    "llm_state_repr": Smoke(["plugins.llm_state_repr.samples=1", "plugins.llm_state_repr.lipschitz_samples=512"], slow=False),
+    "llm_state_repr": Smoke(
+        ["plugins.llm_state_repr.samples=1", "plugins.llm_state_repr.lipschitz_samples=512"], slow=False
+    ),
     "rl_gpt": Smoke(["plugins.rl_gpt.rollouts=1", "plugins.rl_gpt.critic_rounds=0"], slow=False),
-    "progress_reward": Smoke(["plugins.progress_reward.reference.episodes=4", "plugins.progress_reward.reference.states=16",
-                              "plugins.progress_reward.rounds.states=4"], slow=False),
-    "rlaif_preference": Smoke(["plugins.rlaif_preference.label_every=256", "plugins.rlaif_preference.label_budget=4",
-                               "plugins.rlaif_preference.segment_len=8", "plugins.rlaif_preference.finish_s=2"], slow=False),
-    "envgen": Smoke(["env=minecraft", "trainer.num_envs=4", "trainer.rollout_steps=64", "plugins.envgen.num_envs=1"], slow=False),
+    "progress_reward": Smoke(
+        [
+            "plugins.progress_reward.reference.episodes=4",
+            "plugins.progress_reward.reference.states=16",
+            "plugins.progress_reward.rounds.states=4",
+        ],
+        slow=False,
+    ),
+    "rlaif_preference": Smoke(
+        [
+            "plugins.rlaif_preference.label_every=256",
+            "plugins.rlaif_preference.label_budget=4",
+            "plugins.rlaif_preference.segment_len=8",
+            "plugins.rlaif_preference.finish_s=2",
+        ],
+        slow=False,
+    ),
+    "envgen": Smoke(
+        ["env=minecraft", "trainer.num_envs=4", "trainer.rollout_steps=64", "plugins.envgen.num_envs=1"], slow=False
+    ),
     "ellm": Smoke(["env=minecraft", "env.max_episode_steps=100", "trainer.num_envs=4", "trainer.rollout_steps=64"]),
     "plan4mc": Smoke(["env=minecraft", "env.max_episode_steps=100", "trainer.num_envs=4", "trainer.rollout_steps=64"]),
     "saycan": Smoke(["plugins.saycan.blocking=true", "plugins.saycan.max_queries=32"], slow=False),
-    "rlingua": Smoke(["env=pendulum"], trainer=["trainer.frames=400", "trainer.init_random_frames=100",  # SAC: the plugin's config
-                                                "trainer.batch_size=32", "trainer.hidden=[32,32]", "trainer.eval_episodes=1"]),
-    "lares": Smoke(["env=pendulum", "plugins.lares.population=2", "plugins.lares.elites=1", "plugins.lares.llm_freq=300"],
-                   trainer=["trainer=sac", "trainer.frames=600", "trainer.init_random_frames=100", "trainer.batch_size=32",
-                            "trainer.hidden=[32,32]", "trainer.eval_episodes=1"]),
+    "rlingua": Smoke(
+        ["env=pendulum"],
+        trainer=[
+            "trainer.frames=400",
+            "trainer.init_random_frames=100",  # SAC: the plugin's config
+            "trainer.batch_size=32",
+            "trainer.hidden=[32,32]",
+            "trainer.eval_episodes=1",
+        ],
+    ),
+    "lares": Smoke(
+        ["env=pendulum", "plugins.lares.population=2", "plugins.lares.elites=1", "plugins.lares.llm_freq=300"],
+        trainer=[
+            "trainer=sac",
+            "trainer.frames=600",
+            "trainer.init_random_frames=100",
+            "trainer.batch_size=32",
+            "trainer.hidden=[32,32]",
+            "trainer.eval_episodes=1",
+        ],
+    ),
 }
 
 
@@ -124,18 +165,29 @@ def trained_llm_reward(name: str) -> Callable[[Recorder, fakes.FakeLiteLLM], str
     def check(rec: Recorder, llm: fakes.FakeLiteLLM) -> str:
         ok = [c for c, r in rec.trained if r.ok and _llm_written(c.reward, name)]
         return "" if ok else f"no candidate trained with a reward program {name} extracted from the LLM's reply"
+
     return check
 
 
 def trained_llm_state(rec: Recorder, llm: fakes.FakeLiteLLM) -> str:
-    ok = [c for c, r in rec.trained if r.ok and _llm_written(c.state, "llm_state_repr")
-          and fakes.MARK in c.state.meta.get("intrinsic", "") + c.state.source]  # type: ignore[union-attr]
+    ok = [
+        c
+        for c, r in rec.trained
+        if r.ok
+        and _llm_written(c.state, "llm_state_repr")
+        and fakes.MARK in c.state.meta.get("intrinsic", "") + c.state.source
+    ]  # type: ignore[union-attr]
     return "" if ok else "no candidate trained with the LLM's revise_state/intrinsic_reward pair"
 
 
 def trained_llm_macros(rec: Recorder, llm: fakes.FakeLiteLLM) -> str:
-    used = [r for c, r in rec.trained if r.ok and any(_llm_written(m, "rl_gpt") for m in c.macros)
-            and any(r.metrics.get(f"macros/{m.name}_calls", 0) > 0 for m in c.macros)]
+    used = [
+        r
+        for c, r in rec.trained
+        if r.ok
+        and any(_llm_written(m, "rl_gpt") for m in c.macros)
+        and any(r.metrics.get(f"macros/{m.name}_calls", 0) > 0 for m in c.macros)
+    ]
     return "" if used else "no candidate trained with (and called) a macro-action the LLM wrote"
 
 
@@ -148,8 +200,9 @@ def used_progress_scores(rec: Recorder, llm: fakes.FakeLiteLLM) -> str:
     judged = [r for _, r in rec.trained if r.ok and r.metrics.get("judge/llm_calls", 0) > 0]
     if not judged:
         return "the progress judge's LLM scores were never used in training"
-    if not any(r.metrics.get("llm/changed_share", 0.0) > 0.5 and r.metrics.get("judge/progress_std", 0.0) > 0
-               for r in judged):
+    if not any(
+        r.metrics.get("llm/changed_share", 0.0) > 0.5 and r.metrics.get("judge/progress_std", 0.0) > 0 for r in judged
+    ):
         return "the judge's LLM term changed too few steps, or did not vary (llm/changed_share, judge/progress_std)"
     return ""
 
@@ -162,8 +215,11 @@ def used_preference_labels(rec: Recorder, llm: fakes.FakeLiteLLM) -> str:
 
 
 def used_skill_scores(rec: Recorder, llm: fakes.FakeLiteLLM) -> str:
-    covered = [r for _, r in rec.trained if r.ok and r.metrics.get("saycan/queries", 0) > 0
-               and r.metrics.get("action_prior/rows", 0) > 0]
+    covered = [
+        r
+        for _, r in rec.trained
+        if r.ok and r.metrics.get("saycan/queries", 0) > 0 and r.metrics.get("action_prior/rows", 0) > 0
+    ]
     return "" if covered else "no skill score of the LLM reached the policy's action distribution"
 
 
@@ -205,9 +261,14 @@ def module_state(module: Any) -> list[str]:
             value = node.value
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names = ", ".join(ast.unparse(t) for t in targets)
-            empty = isinstance(value, (ast.Dict, ast.List, ast.Set)) and not getattr(value, "keys", getattr(value, "elts", None))
-            made = (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
-                    and (value.func.id in classes or value.func.id in ("dict", "list", "set", "defaultdict", "deque")))
+            empty = isinstance(value, (ast.Dict, ast.List, ast.Set)) and not getattr(
+                value, "keys", getattr(value, "elts", None)
+            )
+            made = (
+                isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Name)
+                and (value.func.id in classes or value.func.id in ("dict", "list", "set", "defaultdict", "deque"))
+            )
             if empty or made:
                 found.append(f"line {node.lineno}: {names} = {ast.unparse(value)}")
     return found
@@ -215,6 +276,7 @@ def module_state(module: Any) -> list[str]:
 
 #: what ``from core import ...`` may name in a plugin (the package's light entry point)
 FROM_CORE = frozenset({"hookimpl", "PluginConfig"})
+
 
 def is_core(module: str) -> bool:
     return module == "core" or module.startswith("core.")
@@ -235,7 +297,9 @@ def core_imports(source: str) -> list[str]:
     found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and is_core(node.module):
-            ok = node.module == "core.plugin" or (node.module == "core" and all(a.name in FROM_CORE for a in node.names))
+            ok = node.module == "core.plugin" or (
+                node.module == "core" and all(a.name in FROM_CORE for a in node.names)
+            )
         elif isinstance(node, ast.Import):
             ok = all(not is_core(a.name) or a.name == "core.plugin" for a in node.names)
         else:
@@ -277,19 +341,28 @@ class PluginContract:
             assert inspect.isclass(cls), f"{info.module}.Plugin must be a class"
             params = list(inspect.signature(cls).parameters)
             assert params[:1] == ["config"], f"{info.module}.Plugin(config) takes the typed config, got {params}"
-        assert not module_state(module), f"{info.module} keeps state at module level:\n" + "\n".join(module_state(module))
+        assert not module_state(module), f"{info.module} keeps state at module level:\n" + "\n".join(
+            module_state(module)
+        )
 
     def test_imports_only_the_plugin_api(self, info: PluginInfo) -> None:
-        found = [f"{name} {line}" for name, source in plugin_sources(load_module(info)).items()
-                 for line in core_imports(source)]
-        assert not found, (f"{info.module} imports framework internals; import it from core.plugin "
-                           "(the plugin API, docs/writing-a-plugin.md):\n" + "\n".join(found))
+        found = [
+            f"{name} {line}"
+            for name, source in plugin_sources(load_module(info)).items()
+            for line in core_imports(source)
+        ]
+        assert not found, (
+            f"{info.module} imports framework internals; import it from core.plugin "
+            "(the plugin API, docs/writing-a-plugin.md):\n" + "\n".join(found)
+        )
 
     def test_config_composes_and_validates(self, info: PluginInfo, make_config: Any) -> None:
         module = load_module(info)
         cfg = make_config([f"+plugins=[{info.name}]"])
         assert list(cfg.plugins) == [info.name]
-        assert sorted(cfg.plugins[info.name]) == sorted(config_fields(module)), "the composed keys are the schema's fields"
+        assert sorted(cfg.plugins[info.name]) == sorted(config_fields(module)), (
+            "the composed keys are the schema's fields"
+        )
         settings = validate(cfg, {info.name: module})
         typed = settings.plugins[info.name]
         assert isinstance(typed, config_class(module))
@@ -314,7 +387,9 @@ class PluginContract:
         page = DOCS / f"{info.name}.md"
         assert page.exists(), f"{page} is missing"
         text = page.read_text()
-        missing = [k for k in config_fields(load_module(info)) if not any(f in text for f in (f"`{k}`", f"`{k}.", f"| {k} "))]
+        missing = [
+            k for k in config_fields(load_module(info)) if not any(f in text for f in (f"`{k}`", f"`{k}.", f"| {k} "))
+        ]
         assert not missing, f"{page.name} does not name the config keys {missing}"
 
     def smoke(self, info: PluginInfo) -> Smoke:
@@ -327,13 +402,20 @@ class PluginContract:
     def evidence(self, info: PluginInfo) -> Callable[[Recorder, fakes.FakeLiteLLM], str]:
         return EVIDENCE.get(info.name, some_training_succeeded)
 
-    def test_smoke_run_trains_with_the_llm_output(self, info: PluginInfo, make_config: Any,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_smoke_run_trains_with_the_llm_output(
+        self, info: PluginInfo, make_config: Any, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         from core.loop import run_experiment
 
         smoke = self.smoke(info)
         llm = fakes.install_fake_litellm(monkeypatch)
-        overrides = [f"+plugins=[{info.name}]", f"plugins.{info.name}.iterations=1", *SMOKE_BASE, *smoke.trainer, *smoke.overrides]
+        overrides = [
+            f"+plugins=[{info.name}]",
+            f"plugins.{info.name}.iterations=1",
+            *SMOKE_BASE,
+            *smoke.trainer,
+            *smoke.overrides,
+        ]
         cfg = make_config(overrides)
         recorder = Recorder()
         summary = run_experiment(cfg, extra_plugins=(recorder,))
@@ -350,8 +432,9 @@ def params(names: list[str], function: Callable[..., Any]) -> list[Any]:
     of a plugin whose :data:`SMOKE` entry is slow (or that the suite does not know) is
     marked ``slow``. Call it from a test module's ``pytest_generate_tests``."""
     smoke = function.__name__.startswith("test_smoke")
-    return [pytest.param(n, id=n, marks=[pytest.mark.slow] if smoke and SMOKE.get(n, Smoke()).slow else [])
-            for n in names]
+    return [
+        pytest.param(n, id=n, marks=[pytest.mark.slow] if smoke and SMOKE.get(n, Smoke()).slow else []) for n in names
+    ]
 
 
 def plugin_info(name: str) -> PluginInfo:
@@ -359,6 +442,9 @@ def plugin_info(name: str) -> PluginInfo:
     returns. A plugin that is not installed fails the test with how to install it."""
     plugins = catalogue()
     if name not in plugins:
-        pytest.fail(f"no plugin {name!r} in the catalogue: install its package (pip install -e . in its folder) "
-                    "so that its entry point in the group llm4rl.plugins is seen", pytrace=False)
+        pytest.fail(
+            f"no plugin {name!r} in the catalogue: install its package (pip install -e . in its folder) "
+            "so that its entry point in the group llm4rl.plugins is seen",
+            pytrace=False,
+        )
     return plugins[name]

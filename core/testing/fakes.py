@@ -93,9 +93,18 @@ class ScriptedLLM:
     records: list[Any] = field(default_factory=list)
     _next: int = 0
 
-    def chat(self, messages: list[dict[str, str]], *, n: int = 1, temperature: float | None = None,
-             max_tokens: int | None = None, stop: list[str] | None = None, seed: int = 0, tag: str = "",
-             top_logprobs: int = 0) -> list[Reply]:
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        n: int = 1,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        stop: list[str] | None = None,
+        seed: int = 0,
+        tag: str = "",
+        top_logprobs: int = 0,
+    ) -> list[Reply]:
         messages = [dict(m) for m in messages]
         self.calls.append(Call(messages, n, temperature, max_tokens, seed, tag, top_logprobs, stop))
         self.stats.calls += 1
@@ -107,9 +116,19 @@ class ScriptedLLM:
             lp = self.logprobs(messages) if (top_logprobs and self.logprobs is not None) else None
             cut = text.endswith(CUT_OFF)  # a scripted reply that the token cap cut off
             text = text.removesuffix(CUT_OFF)
-            out.append(Reply(text=text, prompt_tokens=0, completion_tokens=len(text.split()), latency_s=self.delay_s,
-                             cost=0.0, cached=False, model="scripted", logprobs=lp,
-                             finish_reason="length" if cut else "stop"))
+            out.append(
+                Reply(
+                    text=text,
+                    prompt_tokens=0,
+                    completion_tokens=len(text.split()),
+                    latency_s=self.delay_s,
+                    cost=0.0,
+                    cached=False,
+                    model="scripted",
+                    logprobs=lp,
+                    finish_reason="length" if cut else "stop",
+                )
+            )
         return out
 
     continue_reply = LLMClient.continue_reply  # the client's own continuation, over the scripted chat
@@ -122,12 +141,14 @@ class ScriptedLLM:
             if self.group_delay_s:
                 time.sleep(self.group_delay_s)
             self.delivered.append(time.time())
-            yield replies[start:start + size]
+            yield replies[start : start + size]
 
     @classmethod
     def plausible(cls, **kwargs: Any) -> ScriptedLLM:
         """A ScriptedLLM that answers every prompt kind with :func:`answer` (digits with log-probabilities)."""
-        return cls(answer=lambda messages, tag: answer(messages), logprobs=lambda messages: dict(DIGIT_LOGPROBS), **kwargs)
+        return cls(
+            answer=lambda messages, tag: answer(messages), logprobs=lambda messages: dict(DIGIT_LOGPROBS), **kwargs
+        )
 
     def _text(self, messages: list[dict[str, str]], tag: str) -> str:
         if self.answer is not None:
@@ -137,6 +158,7 @@ class ScriptedLLM:
         text = self.replies[self._next % len(self.replies)]
         self._next += 1
         return text
+
 
 # -------------------------------------------------------------------------------------
 # One plausible reply per prompt kind
@@ -194,8 +216,10 @@ PLAN = """```json
 
 PROGRESS = "Score: 7 | Reason: the agent keeps the task going and moves towards the goal."
 PREFERENCE = "Answer: 1 | Reason: segment 1 makes more progress towards the goal."
-ANALYSIS = ("- jitter: the actions switch back and forth; add a small penalty on action changes.\n"
-            "- slow progress: reward the distance closed towards the goal each step.")
+ANALYSIS = (
+    "- jitter: the actions switch back and forth; add a small penalty on action changes.\n"
+    "- slow progress: reward the distance closed towards the goal each step."
+)
 #: the first answer token's alternatives for a one-digit preference (the judge prefers "1")
 DIGIT_LOGPROBS = {"1": math.log(0.7), "2": math.log(0.3)}
 
@@ -245,7 +269,14 @@ def answer(messages: list[dict[str, str]]) -> str:
 
 #: Plan4MC's graph as the fake writes it: a chain, each skill requiring the one before, up to the target.
 #: It keeps Crafter's rules but is not their tech tree (a sapling first), so a plan from it is told apart
-SKILL_CHAIN = ["collect_sapling", "collect_wood", "place_table", "make_wood_pickaxe", "collect_stone", "make_stone_pickaxe"]
+SKILL_CHAIN = [
+    "collect_sapling",
+    "collect_wood",
+    "place_table",
+    "make_wood_pickaxe",
+    "collect_stone",
+    "make_stone_pickaxe",
+]
 
 
 #: ELLM's suggestions as the fake writes them: events a random Crafter policy makes within a few hundred steps
@@ -265,7 +296,7 @@ def skill_graph(prompt: str) -> str:
     found = re.search(r"Target: (\w+)", prompt)
     target = found.group(1) if found else SKILL_CHAIN[-1]
     names = SKILL_CHAIN[: SKILL_CHAIN.index(target) + 1] if target in SKILL_CHAIN else ["collect_sapling", target]
-    items = [{"name": n, "requires": names[i - 1:i], "yields": n.split("_", 1)[-1]} for i, n in enumerate(names)]
+    items = [{"name": n, "requires": names[i - 1 : i], "yields": n.split("_", 1)[-1]} for i, n in enumerate(names)]
     return "```json\n" + json.dumps(items) + "\n```"
 
 
@@ -296,7 +327,10 @@ def env_configs(prompt: str, n: int = 4) -> str:
     """EnvGen's reply: ``n`` named copies of the example item the first prompt shows."""
     found = re.search(r"Example item: (\{.*\})", prompt)
     example = json.loads(found.group(1)) if found else {"params": {}}
-    items = [{"name": f"fake_env_{i}", "purpose": "practise one skill", "params": example.get("params", {})} for i in range(n)]
+    items = [
+        {"name": f"fake_env_{i}", "purpose": "practise one skill", "params": example.get("params", {})}
+        for i in range(n)
+    ]
     return "```json\n" + json.dumps(items, indent=1) + "\n```"
 
 
@@ -305,8 +339,14 @@ def env_configs(prompt: str, n: int = 4) -> str:
 # -------------------------------------------------------------------------------------
 
 #: Hydra overrides that point a run at :class:`FakeLiteLLM` (a remote-style model, no key, no cache)
-FAKE_LLM_OVERRIDES = ["llm=openai", "llm.model=openai/fake-llm", "llm.api_key_env=null", "llm.cache=false",
-                      "llm.retries=0", "llm.max_n=16"]
+FAKE_LLM_OVERRIDES = [
+    "llm=openai",
+    "llm.model=openai/fake-llm",
+    "llm.api_key_env=null",
+    "llm.cache=false",
+    "llm.retries=0",
+    "llm.max_n=16",
+]
 
 
 class FakeLiteLLM:
@@ -332,13 +372,20 @@ class FakeLiteLLM:
         logprobs = None
         if kwargs.get("logprobs"):
             top = [{"token": t, "logprob": lp} for t, lp in DIGIT_LOGPROBS.items()]
-            logprobs = {"content": [{"token": text[:1], "logprob": DIGIT_LOGPROBS.get(text[:1], -5.0), "top_logprobs": top}]}
+            logprobs = {
+                "content": [{"token": text[:1], "logprob": DIGIT_LOGPROBS.get(text[:1], -5.0), "top_logprobs": top}]
+            }
         n = int(kwargs.get("n") or 1)
-        choices = [Choices(index=j, finish_reason="stop", logprobs=logprobs, message=Message(role="assistant", content=text))
-                   for j in range(n)]
+        choices = [
+            Choices(index=j, finish_reason="stop", logprobs=logprobs, message=Message(role="assistant", content=text))
+            for j in range(n)
+        ]
         tokens = len(text.split())
-        return ModelResponse(choices=choices, model=kwargs["model"],
-                             usage=Usage(prompt_tokens=100, completion_tokens=tokens * n, total_tokens=100 + tokens * n))
+        return ModelResponse(
+            choices=choices,
+            model=kwargs["model"],
+            usage=Usage(prompt_tokens=100, completion_tokens=tokens * n, total_tokens=100 + tokens * n),
+        )
 
     def count(self, needle: str) -> int:
         """How many replies contain ``needle`` (e.g. ``"def compute_reward"``, ``"Score:"``)."""
@@ -354,8 +401,12 @@ def install_fake_litellm(monkeypatch: Any, reply: Callable[[list[dict[str, str]]
     return backend
 
 
-def settings_for(plugin: str | None = None, module: Any = None, overrides: dict[str, Any] | None = None,
-                 config: dict[str, Any] | None = None) -> Settings:
+def settings_for(
+    plugin: str | None = None,
+    module: Any = None,
+    overrides: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+) -> Settings:
     """Validated settings with one plugin enabled (its ``Config`` defaults + ``overrides``)."""
     plugins = {}
     if plugin is not None:
@@ -363,7 +414,9 @@ def settings_for(plugin: str | None = None, module: Any = None, overrides: dict[
         assert schema is not None, "pass the plugin's module"
         plugins[plugin] = typed(schema, OmegaConf.create(overrides or {}), f"plugins.{plugin}")
     node = dict(config or {})
-    node.setdefault("plugins", {name: OmegaConf.to_container(OmegaConf.structured(cfg)) for name, cfg in plugins.items()})
+    node.setdefault(
+        "plugins", {name: OmegaConf.to_container(OmegaConf.structured(cfg)) for name, cfg in plugins.items()}
+    )
     return Settings.of(node, plugins)
 
 
@@ -381,22 +434,54 @@ class Logged:
         self.metrics.update(metrics)
 
 
-def make_run(task: Any, llm: ScriptedLLM | None = None, *, plugin: str | None = None, module: Any = None,
-             overrides: dict[str, Any] | None = None, config: dict[str, Any] | None = None, seed: int = 0,
-             hook: Any = None) -> RunContext:
+def make_run(
+    task: Any,
+    llm: ScriptedLLM | None = None,
+    *,
+    plugin: str | None = None,
+    module: Any = None,
+    overrides: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+    seed: int = 0,
+    hook: Any = None,
+) -> RunContext:
     """A run context as the loop makes it; ``run.tracker`` is a :class:`Logged` (``.texts``, ``.metrics``)."""
     settings = settings_for(plugin, module, overrides, config)
-    return RunContext(settings=settings, task=task, seed=seed, llm_factory=(lambda: llm) if llm is not None else None,
-                      hook=hook, tracker=Logged(), iterations=settings.iterations)
+    return RunContext(
+        settings=settings,
+        task=task,
+        seed=seed,
+        llm_factory=(lambda: llm) if llm is not None else None,
+        hook=hook,
+        tracker=Logged(),
+        iterations=settings.iterations,
+    )
 
 
-def make_train(task: Any, llm: ScriptedLLM | None = None, *, plugin: str | None = None, module: Any = None,
-               overrides: dict[str, Any] | None = None, config: dict[str, Any] | None = None, seed: int = 0,
-               candidate: Candidate | None = None, total_frames: int = 10_000, hook: Any = None) -> TrainContext:
+def make_train(
+    task: Any,
+    llm: ScriptedLLM | None = None,
+    *,
+    plugin: str | None = None,
+    module: Any = None,
+    overrides: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+    seed: int = 0,
+    candidate: Candidate | None = None,
+    total_frames: int = 10_000,
+    hook: Any = None,
+) -> TrainContext:
     """A training context as the executor makes it."""
     settings = settings_for(plugin, module, overrides, config)
-    return TrainContext(settings=settings, task=task, seed=seed, llm_factory=(lambda: llm) if llm is not None else None,
-                        hook=hook, candidate=candidate or Candidate("c", 0), total_frames=total_frames)
+    return TrainContext(
+        settings=settings,
+        task=task,
+        seed=seed,
+        llm_factory=(lambda: llm) if llm is not None else None,
+        hook=hook,
+        candidate=candidate or Candidate("c", 0),
+        total_frames=total_frames,
+    )
 
 
 def plugin_object(module: Any, **overrides: Any) -> Any:
@@ -416,4 +501,4 @@ def first(items: Iterable[Any]) -> Any:
 def final_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """A candidate run's final values: ``summary/<name>`` (logged when it differs from the
     series' last point, core.tracking) over the series' last point ``<name>``."""
-    return {**metrics, **{k[len("summary/"):]: v for k, v in metrics.items() if k.startswith("summary/")}}
+    return {**metrics, **{k[len("summary/") :]: v for k, v in metrics.items() if k.startswith("summary/")}}

@@ -55,8 +55,15 @@ class PriorSource:
     :param low: / :param high: the continuous action bounds ``[A]``, or None.
     """
 
-    def __init__(self, ctx: TrainContext, task: Task, *, n_actions: int | None = None,
-                 low: torch.Tensor | None = None, high: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        ctx: TrainContext,
+        task: Task,
+        *,
+        n_actions: int | None = None,
+        low: torch.Tensor | None = None,
+        high: torch.Tensor | None = None,
+    ) -> None:
         if ctx.pluginmanager is None:  # priors are credited per plugin: pm.hook alone cannot do that
             raise ValueError("action priors need the training context's pluginmanager (TrainContext(pluginmanager=pm))")
         self.plugins, self.ctx, self.task = ctx.pluginmanager, ctx, task
@@ -89,12 +96,16 @@ class PriorSource:
             fail("PPO (on-policy) takes discrete action priors only; a continuous prior needs trainer=sac")
         if self.n_actions is not None:
             if prior.log_probs is None:
-                fail(f"this task has {self.n_actions} discrete actions: fill log_probs [B, n], not mean "
-                     "(a continuous prior needs an off-policy trainer: trainer=sac)")
+                fail(
+                    f"this task has {self.n_actions} discrete actions: fill log_probs [B, n], not mean "
+                    "(a continuous prior needs an off-policy trainer: trainer=sac)"
+                )
             lp = prior.log_probs
             if tuple(lp.shape) != (rows, self.n_actions):
-                fail(f"log_probs has shape {list(lp.shape)}, expected [{rows}, {self.n_actions}] "
-                     f"(one row per observation, one column per action)")
+                fail(
+                    f"log_probs has shape {list(lp.shape)}, expected [{rows}, {self.n_actions}] "
+                    f"(one row per observation, one column per action)"
+                )
             if not bool(torch.isfinite(lp).all()):
                 fail("log_probs must be finite (rule an action out with a large negative number, not -inf or nan)")
         else:
@@ -165,8 +176,9 @@ class PriorSamplingPolicy(nn.Module):
     it acts as ``fallback`` (the plain policy) and any prior fails the candidate.
     """
 
-    def __init__(self, actor: Any, source: PriorSource, fallback: nn.Module,
-                 log_prob_key: str = "action_log_prob") -> None:
+    def __init__(
+        self, actor: Any, source: PriorSource, fallback: nn.Module, log_prob_key: str = "action_log_prob"
+    ) -> None:
         super().__init__()
         self.actor, self.source, self.fallback, self.log_prob_key = actor, source, fallback, log_prob_key
 
@@ -222,8 +234,9 @@ class PriorBehaviour(nn.Module):
         return td
 
 
-def imitation_step(actor: nn.Module, optimizer: torch.optim.Optimizer, batch: TensorDictBase,
-                   weight: float) -> float | None:
+def imitation_step(
+    actor: nn.Module, optimizer: torch.optim.Optimizer, batch: TensorDictBase, weight: float
+) -> float | None:
     """One behaviour-cloning step: ``weight * mean |actor(s) - a_prior|^2`` over the prior's rows.
 
     :return: the loss, or None when the batch holds none of the prior's transitions.

@@ -29,6 +29,7 @@ from core.context import TrainContext
 from core.train.envs import VecGymEnv
 from core.train.transforms import ProgramReward, build_transforms, has_impls
 
+
 def sandbox_settings(ctx: TrainContext | None) -> tuple[Any, tuple[str, ...]]:
     """``(Limits, allowed_imports)`` from the run's typed ``sandbox:`` settings (defaults without a context)."""
     from core.config import SandboxConfig
@@ -37,8 +38,9 @@ def sandbox_settings(ctx: TrainContext | None) -> tuple[Any, tuple[str, ...]]:
     return sandbox.limits(), sandbox.imports
 
 
-def prepare_programs(task: Task, candidate: Candidate, ctx: TrainContext | None,
-                     worker: Any = None) -> tuple[Any, Any, int]:
+def prepare_programs(
+    task: Task, candidate: Candidate, ctx: TrainContext | None, worker: Any = None
+) -> tuple[Any, Any, int]:
     """``(reward_fn, state_fn, state_dim)``: the candidate's programs, loaded and probed in the sandbox.
 
     ``worker`` is the candidate's :class:`core.sandbox.ProgramWorker` (each program
@@ -93,9 +95,18 @@ class CandidateEnv:
     how episodes end).
     """
 
-    def __init__(self, task: Task, candidate: Candidate, num_envs: int, seed: int, hook: Any,
-                 ctx: TrainContext | None, *, reward_fn: Any = None,
-                 wrap_env: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        task: Task,
+        candidate: Candidate,
+        num_envs: int,
+        seed: int,
+        hook: Any,
+        ctx: TrainContext | None,
+        *,
+        reward_fn: Any = None,
+        wrap_env: Callable[[Any], Any] | None = None,
+    ) -> None:
         own = replace(candidate, reward=None) if reward_fn is not None else candidate
         self.worker = None  # the candidate's sandbox worker: every program of the candidate runs there
         self._worker_scoped = True  # ended by train_safely's scope (after evaluation), else by close()
@@ -106,15 +117,19 @@ class CandidateEnv:
             self.worker = ProgramWorker(*sandbox_settings(ctx))
         prepared, state_fn, state_dim = prepare_programs(task, own, ctx, self.worker)
         reward_fn = reward_fn if reward_fn is not None else prepared
-        self.program_metrics = {f"sandbox/{role}_per_row": 1.0 for role, fn in (("reward", reward_fn), ("state", state_fn))
-                                if getattr(fn, "per_row", False)}
+        self.program_metrics = {
+            f"sandbox/{role}_per_row": 1.0
+            for role, fn in (("reward", reward_fn), ("state", state_fn))
+            if getattr(fn, "per_row", False)
+        }
         self.macros = None
         if candidate.macros:
             from core.train.macros import MacroSet
 
             limits, imports = sandbox_settings(ctx)
-            self.macros = MacroSet.prepare(candidate.macros, task, limits=limits, allowed_imports=imports,
-                                           worker=self.worker)
+            self.macros = MacroSet.prepare(
+                candidate.macros, task, limits=limits, allowed_imports=imports, worker=self.worker
+            )
         params = split_env_params(candidate.envs, num_envs)
         wants_hooks = hook is not None and ctx is not None
         vec = task.make_env(num_envs, seed, params)
@@ -128,9 +143,16 @@ class CandidateEnv:
             probe = torch.as_tensor(np.asarray(base.env.observation_space.sample()), dtype=torch.float32)
         program = candidate.reward
         rewards, states = build_transforms(
-            task, reward_fn=reward_fn, reward_mode=program.mode if program else "replace",
-            reward_weight=program.weight if program else 1.0, state_fn=state_fn, state_dim=state_dim,
-            hook=hook, ctx=ctx, probe_obs=probe)
+            task,
+            reward_fn=reward_fn,
+            reward_mode=program.mode if program else "replace",
+            reward_weight=program.weight if program else 1.0,
+            state_fn=state_fn,
+            state_dim=state_dim,
+            hook=hook,
+            ctx=ctx,
+            probe_obs=probe,
+        )
         self.base = base
         self.program_reward = next((t for t in rewards if isinstance(t, ProgramReward)), None)
         self.rewrites_reward = bool(rewards)
@@ -176,8 +198,9 @@ def error_of(exc: BaseException) -> tuple[str, str]:
     return text, type(exc).__name__
 
 
-def train_safely(body: Callable[[TrainResult], None], candidate: Candidate, hook: Any,
-                 ctx: TrainContext | None) -> TrainResult:
+def train_safely(
+    body: Callable[[TrainResult], None], candidate: Candidate, hook: Any, ctx: TrainContext | None
+) -> TrainResult:
     """Run ``body(result)``; exceptions become a failed result; then ``on_train_end``.
 
     Every sandbox worker started meanwhile (the candidate's, and any a plugin started
@@ -329,7 +352,10 @@ def config_from(cls: type, cfg: Mapping[str, Any], algorithm: str) -> Any:
         config.eval_every = max(1, config.frames // 4)
         logging.getLogger(__name__).warning(
             "trainer.eval_every=%d is not below trainer.frames=%d: evaluating every %d frames instead",
-            every, config.frames, config.eval_every)
+            every,
+            config.frames,
+            config.eval_every,
+        )
     if hasattr(config, "hidden"):
         config.hidden = [int(h) for h in config.hidden]
     if hasattr(config, "validate"):

@@ -77,8 +77,11 @@ class VecGymEnv(EnvBase):
         flag = Categorical(2, shape=(n, 1), dtype=torch.bool)
         self.done_spec = Composite(done=flag, terminated=flag.clone(), truncated=flag.clone(), shape=(n,))
         # per-step state lives in a plain object: EnvBase.__setattr__ costs ~10 us a call
-        self._state = _StepState(obs=np.zeros((n, obs_dim), dtype=np.float32),
-                                 running=np.zeros(n, dtype=np.float64), lengths=np.zeros(n, dtype=np.int64))
+        self._state = _StepState(
+            obs=np.zeros((n, obs_dim), dtype=np.float32),
+            running=np.zeros(n, dtype=np.float64),
+            lengths=np.zeros(n, dtype=np.int64),
+        )
         self.finished: list[tuple[float, int]] = []  # (return, length) of finished episodes
         self._zero_reward = torch.zeros(n, 1)
         self._false = torch.zeros(n, 1, dtype=torch.bool)
@@ -164,8 +167,9 @@ class VecGymEnv(EnvBase):
             root = TensorDict._new_unsafe(entries, batch_size=tensordict.batch_size)
         else:
             root = tensordict.exclude("next")
-        root._set_str("observation", torch.from_numpy(self._state.obs), validated=True, inplace=False,
-                      non_blocking=False)
+        root._set_str(
+            "observation", torch.from_numpy(self._state.obs), validated=True, inplace=False, non_blocking=False
+        )
         false = self._false  # never written in place: the collector copies it when stacking
         for key in ("done", "terminated", "truncated"):
             root._set_str(key, false, validated=True, inplace=False, non_blocking=False)

@@ -114,8 +114,16 @@ class MacroSet:
         self.env_steps = 0
 
     @classmethod
-    def prepare(cls, macros: list[MacroAction], task: Task, *, limits: Any = None,
-                allowed_imports: tuple[str, ...] | None = None, probe: bool = True, worker: Any = None) -> MacroSet:
+    def prepare(
+        cls,
+        macros: list[MacroAction],
+        task: Task,
+        *,
+        limits: Any = None,
+        allowed_imports: tuple[str, ...] | None = None,
+        probe: bool = True,
+        worker: Any = None,
+    ) -> MacroSet:
         """Check every macro, load it into ``worker`` (a new one if None) and probe it on a real state.
 
         :raises core.sandbox.SandboxError: with the first failing program's report.
@@ -144,29 +152,54 @@ class MacroSet:
         return cls(compiled, task, worker, owns_worker=owns)
 
     @staticmethod
-    def _load(macro: MacroAction, worker: Any, obs: torch.Tensor, n_actions: int, limits: Any,
-              imports: tuple[str, ...], probe: bool, task: Task) -> CompiledMacro:
+    def _load(
+        macro: MacroAction,
+        worker: Any,
+        obs: torch.Tensor,
+        n_actions: int,
+        limits: Any,
+        imports: tuple[str, ...],
+        probe: bool,
+        task: Task,
+    ) -> CompiledMacro:
         from core import sandbox
 
         checks = [(macro.program, functools.partial(validate_action, n_actions=n_actions, name=macro.name))]
         if macro.done_entry:
-            checks.append((replace(macro.program, entry=macro.done_entry), functools.partial(validate_flag, name=macro.name)))
+            checks.append(
+                (replace(macro.program, entry=macro.done_entry), functools.partial(validate_flag, name=macro.name))
+            )
         handles = []
         for program, validate in checks:
-            program = Program(program.source, program.entry) if type(program) is not Program else program  # a value, not a reward
+            program = (
+                Program(program.source, program.entry) if type(program) is not Program else program
+            )  # a value, not a reward
             try:
                 if limits.static_check:
                     from core.sandbox.functions import fields_line, task_field_names
 
-                    report = sandbox.check_source(program.source, program.entry, arg_names=STATE_ARGS, allowed_imports=imports,
-                                                  fields=task_field_names(task))
+                    report = sandbox.check_source(
+                        program.source,
+                        program.entry,
+                        arg_names=STATE_ARGS,
+                        allowed_imports=imports,
+                        fields=task_field_names(task),
+                    )
                     if not report.ok:
                         if report.kind == "names":
                             report.message += "\n" + fields_line(task)
                         raise sandbox.SandboxError(report)
                 if probe:
-                    handle, _ = sandbox.probe(worker, program, (obs,), arg_names=STATE_ARGS, validate=validate,
-                                              per_row_fallback=False, fields=sandbox.task_fields(task), split=(0,))
+                    handle, _ = sandbox.probe(
+                        worker,
+                        program,
+                        (obs,),
+                        arg_names=STATE_ARGS,
+                        validate=validate,
+                        per_row_fallback=False,
+                        fields=sandbox.task_fields(task),
+                        split=(0,),
+                    )
                 else:
                     handle = worker.load(program, role="value", arg_names=STATE_ARGS, fields=sandbox.task_fields(task))
             except sandbox.SandboxError as e:
@@ -219,7 +252,9 @@ class MacroSet:
         """
         envs = getattr(vec, "envs", None)
         if not isinstance(envs, list) or not envs:
-            raise ValueError(f"macro-actions need a vector env that steps a list of envs (.envs), got {type(vec).__name__}")
+            raise ValueError(
+                f"macro-actions need a vector env that steps a list of envs (.envs), got {type(vec).__name__}"
+            )
         vec.envs = [MacroEnv(e, self) for e in envs]
         vec.single_action_space = vec.envs[0].action_space
         vec.action_space = gym.vector.utils.batch_space(vec.single_action_space, vec.num_envs)

@@ -249,8 +249,9 @@ class FlatActorCritic:
     def __init__(self, actor_net: nn.Module, critic_net: nn.Module) -> None:
         self.gaussian = isinstance(actor_net, GaussianHead)
         actor, critic = _linears(actor_net), _linears(critic_net)
-        if len(actor) < 2 or [(m.in_features, m.out_features) for m in actor[:-1]] != \
-                [(m.in_features, m.out_features) for m in critic[:-1]]:
+        if len(actor) < 2 or [(m.in_features, m.out_features) for m in actor[:-1]] != [
+            (m.in_features, m.out_features) for m in critic[:-1]
+        ]:
             raise ValueError("actor and critic need the same input and hidden sizes (at least one hidden layer)")
         shapes: list[tuple[int, ...]] = []  # in layout order
         for a in actor[:-1]:
@@ -265,19 +266,21 @@ class FlatActorCritic:
         self.params.grad = self.grad  # the optimizer reads it; backward() overwrites it in place
         views, grads, at = [], [], 0
         for shape in shapes:
-            views.append(self.params[at:at + math.prod(shape)].view(shape))
-            grads.append(self.grad[at:at + math.prod(shape)].view(shape))
+            views.append(self.params[at : at + math.prod(shape)].view(shape))
+            grads.append(self.grad[at : at + math.prod(shape)].view(shape))
             at += math.prod(shape)
         depth = len(actor) - 1
-        weights, biases, grad_biases = views[0:2 * depth:2], views[1:2 * depth:2], grads[1:2 * depth:2]
+        weights, biases, grad_biases = views[0 : 2 * depth : 2], views[1 : 2 * depth : 2], grads[1 : 2 * depth : 2]
         # per hidden layer, per network (0: actor, 1: critic): weight, weight^T, bias, weight gradient
-        self._hidden = [[(weights[i][j], weights[i][j].t(), biases[i][j], grads[2 * i][j]) for j in (0, 1)]
-                        for i in range(depth)]
+        self._hidden = [
+            [(weights[i][j], weights[i][j].t(), biases[i][j], grads[2 * i][j]) for j in (0, 1)] for i in range(depth)
+        ]
         self._grad_biases = grad_biases  # [2, out] per hidden layer: one row sum fills both
         # the heads (0: actor logits or mean, 1: value): weight, weight^T, bias, their gradients
         at = 2 * depth
-        self._heads = [(views[at + k], views[at + k].t(), views[at + k + 1], grads[at + k], grads[at + k + 1])
-                       for k in (0, 2)]
+        self._heads = [
+            (views[at + k], views[at + k].t(), views[at + k + 1], grads[at + k], grads[at + k + 1]) for k in (0, 2)
+        ]
         self.log_std = views[-1] if self.gaussian else None
         self.grad_log_std = grads[-1] if self.gaussian else None
         self._workspaces: dict[int, _Workspace] = {}
@@ -286,7 +289,7 @@ class FlatActorCritic:
             pairs = []
             for i, layers in enumerate(zip(actor[:-1], critic[:-1])):
                 pairs += [(m, weights[i][j], biases[i][j]) for j, m in enumerate(layers)]
-            pairs += [(actor[-1], *views[at:at + 2]), (critic[-1], *views[at + 2:at + 4])]
+            pairs += [(actor[-1], *views[at : at + 2]), (critic[-1], *views[at + 2 : at + 4])]
             for layer, w, b in pairs:
                 w.copy_(layer.weight), b.copy_(layer.bias)
                 layer.weight, layer.bias = nn.Parameter(w), nn.Parameter(b)
@@ -354,8 +357,9 @@ class FlatActorCritic:
             torch.ops.aten.tanh_backward.grad_input(dz, ws.acts[i], grad_input=dz)  # dh (1 - h^2), in place
             torch.sum(dz, 1, out=self._grad_biases[i])
             x = ws.act_halves[i - 1] if i else (ws.obs, ws.obs)
-            for (w, _, _, gw), xj, dzj, dxj in zip(self._hidden[i], x, ws.grad_halves[i],
-                                                  ws.grad_halves[i - 1] if i else (None, None)):
+            for (w, _, _, gw), xj, dzj, dxj in zip(
+                self._hidden[i], x, ws.grad_halves[i], ws.grad_halves[i - 1] if i else (None, None)
+            ):
                 torch.mm(dzj.t(), xj, out=gw)
                 if dxj is not None:
                     torch.mm(dzj, w, out=dxj)
@@ -369,7 +373,8 @@ class FlatActorCritic:
             grads = [torch.empty_like(a) for a in acts]
             outputs = (self.params.new_empty(n, self._heads[0][0].shape[0]), self.params.new_empty(n, 1))
             ws = self._workspaces[n] = _Workspace(
-                acts, grads, [(a[0], a[1]) for a in acts], [(g[0], g[1]) for g in grads], outputs)
+                acts, grads, [(a[0], a[1]) for a in acts], [(g[0], g[1]) for g in grads], outputs
+            )
         return ws
 
 
@@ -397,14 +402,16 @@ class FlatAdam:
     :param params: the tensor to optimise; its ``.grad`` is read at each :meth:`step`.
     """
 
-    def __init__(self, params: torch.Tensor, lr: float, eps: float = 1e-8,
-                 betas: tuple[float, float] = (0.9, 0.999)) -> None:
+    def __init__(
+        self, params: torch.Tensor, lr: float, eps: float = 1e-8, betas: tuple[float, float] = (0.9, 0.999)
+    ) -> None:
         self.params, self.lr, self.eps, self.betas = params, float(lr), float(eps), betas
         self.exp_avg = torch.zeros_like(params)
         self.exp_avg_sq = torch.zeros_like(params)
         self.steps = torch.zeros((), dtype=torch.float32, device=params.device)
-        self._fallback = None if hasattr(torch, "_fused_adam_") else \
-            torch.optim.Adam([params], lr=lr, eps=eps, betas=betas)
+        self._fallback = (
+            None if hasattr(torch, "_fused_adam_") else torch.optim.Adam([params], lr=lr, eps=eps, betas=betas)
+        )
 
     def step(self) -> None:
         if self._fallback is not None:
@@ -412,9 +419,21 @@ class FlatAdam:
             self._fallback.step()
             return
         self.steps += 1
-        torch._fused_adam_([self.params], [self.params.grad], [self.exp_avg], [self.exp_avg_sq], [], [self.steps],
-                           amsgrad=False, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=0.0,
-                           eps=self.eps, maximize=False)
+        torch._fused_adam_(
+            [self.params],
+            [self.params.grad],
+            [self.exp_avg],
+            [self.exp_avg_sq],
+            [],
+            [self.steps],
+            amsgrad=False,
+            lr=self.lr,
+            beta1=self.betas[0],
+            beta2=self.betas[1],
+            weight_decay=0.0,
+            eps=self.eps,
+            maximize=False,
+        )
 
 
 # -- SAC -----------------------------------------------------------------------------------------
@@ -440,7 +459,7 @@ class FlatParamsAdam(FlatAdam):
         self._grad_views = []
         for p in params:
             offset = (p.data_ptr() - flat.data_ptr()) // flat.element_size()
-            self._grad_views.append(flat.grad[offset:offset + p.numel()].view(p.shape))
+            self._grad_views.append(flat.grad[offset : offset + p.numel()].view(p.shape))
         self.attach()
 
     def attach(self) -> None:
@@ -460,8 +479,12 @@ class FlatParamsAdam(FlatAdam):
         super().step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone(), "steps": self.steps.clone(),
-                "lr": self.lr}
+        return {
+            "exp_avg": self.exp_avg.clone(),
+            "exp_avg_sq": self.exp_avg_sq.clone(),
+            "steps": self.steps.clone(),
+            "lr": self.lr,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.exp_avg.copy_(state["exp_avg"]), self.exp_avg_sq.copy_(state["exp_avg_sq"])
@@ -474,7 +497,7 @@ def flatten_into(tensors: list[torch.Tensor]) -> torch.Tensor:
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     at = 0
     for t in tensors:
-        t.data = flat[at:at + t.numel()].view(t.shape)
+        t.data = flat[at : at + t.numel()].view(t.shape)
         at += t.numel()
     return flat
 
@@ -547,9 +570,20 @@ class FlatSAC:
     :param log_alpha: the temperature's log (a scalar parameter).
     """
 
-    def __init__(self, actor_params: list[nn.Parameter], critic_params: list[nn.Parameter],
-                 target_params: list[torch.Tensor], log_alpha: nn.Parameter, head: SquashedGaussian, *,
-                 gamma: float, tau: float, target_entropy: float, lr: float, alpha_lr: float) -> None:
+    def __init__(
+        self,
+        actor_params: list[nn.Parameter],
+        critic_params: list[nn.Parameter],
+        target_params: list[torch.Tensor],
+        log_alpha: nn.Parameter,
+        head: SquashedGaussian,
+        *,
+        gamma: float,
+        tau: float,
+        target_entropy: float,
+        lr: float,
+        alpha_lr: float,
+    ) -> None:
         self.actor_params, self.critic_params, self.log_alpha, self.head = actor_params, critic_params, log_alpha, head
         self.gamma, self.tau, self.target_entropy = float(gamma), float(tau), float(target_entropy)
         self.actor_flat = flatten_into(actor_params)
@@ -578,8 +612,13 @@ class FlatSAC:
         raise AssertionError("an MLP has layers")
 
     @staticmethod
-    def backward(acts: list[torch.Tensor], params: list[torch.Tensor], dout: torch.Tensor,
-                 grads: list[torch.Tensor] | None = None, input_cols: slice | None = None) -> torch.Tensor | None:
+    def backward(
+        acts: list[torch.Tensor],
+        params: list[torch.Tensor],
+        dout: torch.Tensor,
+        grads: list[torch.Tensor] | None = None,
+        input_cols: slice | None = None,
+    ) -> torch.Tensor | None:
         """Backpropagate ``dout`` (d loss / d output) through the MLP of :meth:`forward`'s ``acts``.
 
         :param grads: views to write the weights' and biases' gradients into (None: not wanted).
@@ -612,8 +651,14 @@ class FlatSAC:
         return self.head.action(self.mlp(obs, self._actor))
 
     @torch.no_grad()
-    def update(self, obs: torch.Tensor, action: torch.Tensor, reward: torch.Tensor, next_obs: torch.Tensor,
-               terminated: torch.Tensor) -> dict[str, torch.Tensor]:
+    def update(
+        self,
+        obs: torch.Tensor,
+        action: torch.Tensor,
+        reward: torch.Tensor,
+        next_obs: torch.Tensor,
+        terminated: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
         """One gradient step of critics, actor and temperature (not the targets: :meth:`update_targets`).
 
         :param reward: ``[N, 1]``; :param terminated: ``[N, 1]`` (bool or float).

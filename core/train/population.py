@@ -63,14 +63,22 @@ def population_settings(run: Any, frames: int | None = None, name: str = "popula
     """
     settings = run.settings
     if settings.trainer_name != "sac" or settings.trainer is None:
-        raise UserError(f"{name} trains one SAC agent per reward function: run it with trainer=sac "
-                        f"(the trainer is {settings.trainer_name!r}); trainer.* sets the agents' hyperparameters.")
+        raise UserError(
+            f"{name} trains one SAC agent per reward function: run it with trainer=sac "
+            f"(the trainer is {settings.trainer_name!r}); trainer.* sets the agents' hyperparameters."
+        )
     cfg: SACConfig = settings.trainer
     return replace(cfg, frames=int(frames)) if frames else cfg
 
 
-def program_value(fn: Any, program: RewardProgram | None, state: dict, action: torch.Tensor, next_state: dict,
-                  env_reward: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+def program_value(
+    fn: Any,
+    program: RewardProgram | None,
+    state: dict,
+    action: torch.Tensor,
+    next_state: dict,
+    env_reward: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """``(reward [B], components)`` of a reward function under its candidate's ``mode``/``weight``."""
     out = fn(state, action, next_state)
     reward, components = out if isinstance(out, tuple) else (out, {})
@@ -105,8 +113,17 @@ class SharedReplay:
         self.hook = torch.zeros(capacity, members)
         self.extra = {j: (torch.zeros(capacity, k), torch.zeros(capacity, k)) for j, k in enumerate(extra_dims) if k}
 
-    def add(self, obs: torch.Tensor, action: torch.Tensor, next_obs: torch.Tensor, term: torch.Tensor, env_reward: torch.Tensor,
-            raw: torch.Tensor, hook: torch.Tensor | None = None, extra: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    def add(
+        self,
+        obs: torch.Tensor,
+        action: torch.Tensor,
+        next_obs: torch.Tensor,
+        term: torch.Tensor,
+        env_reward: torch.Tensor,
+        raw: torch.Tensor,
+        hook: torch.Tensor | None = None,
+        extra: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
         """Append ``B`` transitions, overwriting the oldest when full."""
         rows = (self.ptr + torch.arange(obs.shape[0])) % self.capacity
         self.obs[rows], self.action[rows], self.next_obs[rows] = obs, action.reshape(len(rows), -1), next_obs
@@ -127,8 +144,9 @@ class SharedReplay:
             state, next_state = task.split_state(self.obs[lo:hi]), task.split_state(self.next_obs[lo:hi])
             self.raw[lo:hi, j] = fn(state, self.action[lo:hi], next_state, self.env_reward[lo:hi])
 
-    def sample(self, batch_size: int, column: int, shaping: Shaping | None = None,
-               generator: torch.Generator | None = None) -> Any:
+    def sample(
+        self, batch_size: int, column: int, shaping: Shaping | None = None, generator: torch.Generator | None = None
+    ) -> Any:
         """A uniform minibatch in the keys ``SACLoss`` reads, rewarded and featured for member ``column``."""
         from tensordict import TensorDict
 
@@ -227,7 +245,9 @@ class Member:
         """Its program's reward ``[B]`` (0 without a working function); component means are summed."""
         if self.fn is not None:
             try:
-                reward, components = program_value(self.fn, self.candidate.reward, state, action, next_state, env_reward)
+                reward, components = program_value(
+                    self.fn, self.candidate.reward, state, action, next_state, env_reward
+                )
             except Exception as e:  # noqa: BLE001 - a function failing mid-training drops out
                 self.drop(e, "during training")
             else:
@@ -275,15 +295,17 @@ class Population:
         ``<name>_final_reward.py``).
     """
 
-    def __init__(self, run: Any, candidates: list[Candidate], seed: int, frames: int | None = None,
-                 name: str = "population") -> None:
+    def __init__(
+        self, run: Any, candidates: list[Candidate], seed: int, frames: int | None = None, name: str = "population"
+    ) -> None:
         self.run, self.task, self.seed, self.name = run, run.task, seed, name
         self.hook = run.hook
         self.cfg = population_settings(run, frames, name)
         self.budget = int(self.cfg.frames)  # env steps for all members together
         self.frames = 0  # env steps collected so far
-        self.members = [Member(c, self._context(c), TrainResult(candidate_id=c.id, ok=False), program=c.reward)
-                        for c in candidates]
+        self.members = [
+            Member(c, self._context(c), TrainResult(candidate_id=c.id, ok=False), program=c.reward) for c in candidates
+        ]
         self.live: list[Member] = []  # the members whose env and agent exist, in order
         self.replay: SharedReplay | None = None
         self._log_step = max(1, self.budget // 100)  # ~100 metric points per member
@@ -291,9 +313,16 @@ class Population:
 
     def _context(self, candidate: Candidate) -> TrainContext:
         run = self.run
-        return TrainContext(settings=run.settings, task=run.task, seed=self.seed, candidate=candidate,
-                            total_frames=self.budget, llm_factory=lambda: run.llm, hook=run.hook,
-                            pluginmanager=run.pluginmanager)
+        return TrainContext(
+            settings=run.settings,
+            task=run.task,
+            seed=self.seed,
+            candidate=candidate,
+            total_frames=self.budget,
+            llm_factory=lambda: run.llm,
+            hook=run.hook,
+            pluginmanager=run.pluginmanager,
+        )
 
     # -- what a population can hold -------------------------------------------------------------------
     def refusal(self, candidate: Candidate, space: gym.Space) -> str:
@@ -303,13 +332,17 @@ class Population:
         discrete action spaces are not (one SAC action space is shared through the replay).
         """
         if not isinstance(space, gym.spaces.Box):
-            return (f"action space: {self.name} trains SAC agents, which need a continuous (Box) action space; "
-                    f"'{self.task.name}' has {space}.")
+            return (
+                f"action space: {self.name} trains SAC agents, which need a continuous (Box) action space; "
+                f"'{self.task.name}' has {space}."
+            )
         if candidate.macros:
             names = ", ".join(m.name for m in candidate.macros)
-            return (f"macro-actions ({names}): {self.name}'s SAC agents share one replay buffer over the task's continuous "
-                    "action space; macro-actions extend a discrete action space, which that buffer and SAC cannot hold. "
-                    f"Train them without {self.name} (or without the action role).")
+            return (
+                f"macro-actions ({names}): {self.name}'s SAC agents share one replay buffer over the task's continuous "
+                "action space; macro-actions extend a discrete action space, which that buffer and SAC cannot hold. "
+                f"Train them without {self.name} (or without the action role)."
+            )
         return ""
 
     def _action_space(self) -> gym.Space:
@@ -332,8 +365,11 @@ class Population:
         """
         space = self._action_space()
         refused = {id(m): self.refusal(m.candidate, space) for m in self.members}
-        results = {id(m): TrainResult(candidate_id=m.candidate.id, ok=False, error=refused[id(m)], error_kind="unsupported")
-                   for m in self.members if refused[id(m)]}
+        results = {
+            id(m): TrainResult(candidate_id=m.candidate.id, ok=False, error=refused[id(m)], error_kind="unsupported")
+            for m in self.members
+            if refused[id(m)]
+        }
         held = [m for m in self.members if not refused[id(m)]]
         if held:
             torch.set_num_threads(int(self.cfg.threads))
@@ -367,8 +403,16 @@ class Population:
                 return m.episodes
 
             try:  # the candidate's env configs, state program and the per-step hooks, as the trainers build them
-                m.env = CandidateEnv(self.task, m.candidate, cfg.num_envs, self.seed + k, self.hook, m.ctx,
-                                     reward_fn=MemberReward(m), wrap_env=log_episodes)
+                m.env = CandidateEnv(
+                    self.task,
+                    m.candidate,
+                    cfg.num_envs,
+                    self.seed + k,
+                    self.hook,
+                    m.ctx,
+                    reward_fn=MemberReward(m),
+                    wrap_env=log_episodes,
+                )
                 m.agent = make_sac_modules(m.env.obs_dim, m.env.base.action_spec, cfg)
             except Exception as e:  # noqa: BLE001 - e.g. its state program fails its probe: this member fails
                 if m.env is not None:
@@ -384,8 +428,13 @@ class Population:
             m.carry = m.env.env.reset()
         if self.live:
             space = self.live[0].env.base.action_spec
-            self.replay = SharedReplay(int(cfg.buffer_size), self.task.obs_dim, int(space.shape[-1]), len(self.live),
-                                       [m.extra_dim for m in self.live])
+            self.replay = SharedReplay(
+                int(cfg.buffer_size),
+                self.task.obs_dim,
+                int(space.shape[-1]),
+                len(self.live),
+                [m.extra_dim for m in self.live],
+            )
 
     def step(self, m: Member) -> list[tuple[float, bool | None]]:
         """One batch ``[envs, rollout_steps]`` collected by ``m`` (at random before
@@ -419,9 +468,14 @@ class Population:
                 while member.owed >= 1.0:
                     losses = sac_update(member.agent, replay.sample(int(cfg.batch_size), j, member.shaping))
                     member.owed -= 1.0
-                    member.stats.update({"losses/qvalue_loss": float(losses["loss_qvalue"]),
-                                         "losses/actor_loss": float(losses["loss_actor"]),
-                                         "losses/alpha_loss": float(losses["loss_alpha"]), "losses/alpha": float(losses["alpha"])})
+                    member.stats.update(
+                        {
+                            "losses/qvalue_loss": float(losses["loss_qvalue"]),
+                            "losses/actor_loss": float(losses["loss_actor"]),
+                            "losses/alpha_loss": float(losses["loss_alpha"]),
+                            "losses/alpha": float(losses["alpha"]),
+                        }
+                    )
         if self.frames >= self._next_log:
             for member in self.live:
                 if member.returns:
@@ -449,7 +503,9 @@ class Population:
             batch = m.env.postproc(batch)
         return batch
 
-    def _label(self, batch: Any, acting: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict[int, Any]]:
+    def _label(
+        self, batch: Any, acting: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict[int, Any]]:
         """``(task obs, task next obs, program rewards [N, M], hook terms [N, M], features)`` of a flat batch.
 
         The acting member's hook terms and features come from its env; every other
@@ -473,8 +529,15 @@ class Population:
             if hooked and j == acting:
                 hook[:, j] = total - raw[:, j]
             elif hooked and m.fn is not None:
-                step = StepBatch(obs=task_obs, action=action, next_obs=task_next, env_reward=env_reward, reward=raw[:, j],
-                                 done=done, task=task)
+                step = StepBatch(
+                    obs=task_obs,
+                    action=action,
+                    next_obs=task_next,
+                    env_reward=env_reward,
+                    reward=raw[:, j],
+                    done=done,
+                    task=task,
+                )
                 for term in self.hook.compute_reward(train=m.ctx, batch=step):
                     if term is not None:
                         hook[:, j] += torch.as_tensor(term, dtype=torch.float32).reshape(-1)
@@ -534,8 +597,16 @@ class Population:
         for name, total in m.sums.items():
             m.result.components.setdefault(name, []).append((self.frames, total / max(1, m.steps)))
         m.sums, m.steps = {}, 0
-        episodes = evaluate_and_record(self.task, self.act(m), max(1, int(self.cfg.eval_episodes)), seed=self.seed + 10_000,
-                                       frames=self.frames, result=m.result, ctx=m.ctx, hook=self.hook)
+        episodes = evaluate_and_record(
+            self.task,
+            self.act(m),
+            max(1, int(self.cfg.eval_episodes)),
+            seed=self.seed + 10_000,
+            frames=self.frames,
+            result=m.result,
+            ctx=m.ctx,
+            hook=self.hook,
+        )
         m.result.episodes = episodes
         return m.result.curve[-1].fitness
 
@@ -544,8 +615,9 @@ class Population:
         ``(observations [T + 1], actions [T], success or None)``, the final observation the true one."""
         act = self.act(m)
         observations, actions, success = [], [], None
-        for step in task_steps(self.task, 1, self.task.max_episode_steps, seed,
-                               policy=lambda obs: act(torch.as_tensor(obs)).numpy()):
+        for step in task_steps(
+            self.task, 1, self.task.max_episode_steps, seed, policy=lambda obs: act(torch.as_tensor(obs)).numpy()
+        ):
             observations += [step.obs[0]] if not observations else []
             observations.append(step.next_obs[0])
             actions.append(step.action[0])
@@ -568,15 +640,23 @@ class Population:
             result.metrics.update(m.env.program_metrics)
         if m.returns:
             result.metrics["charts/episodic_return"] = float(np.mean(m.returns[-20:]))
-        result.metrics.update({f"{self.name}/generation": float(m.generation), f"{self.name}/frames_acted": float(m.frames)})
+        result.metrics.update(
+            {f"{self.name}/generation": float(m.generation), f"{self.name}/frames_acted": float(m.frames)}
+        )
         result.texts[f"{self.name}_history.md"] = "\n".join(m.history)
         if m.program is not None:
             result.texts[f"{self.name}_final_reward.py"] = m.program.source
         if result.ok and m.agent is not None and wants_saved_policy(m.ctx):
-            result.policy_path = save_policy({"algorithm": "sac", "obs_dim": m.env.obs_dim, "hidden": list(self.cfg.hidden),
-                                              "actor": m.agent.actor.state_dict(),
-                                              "qvalue": m.agent.loss.qvalue_network_params.to_dict()},
-                                             m.candidate.id)
+            result.policy_path = save_policy(
+                {
+                    "algorithm": "sac",
+                    "obs_dim": m.env.obs_dim,
+                    "hidden": list(self.cfg.hidden),
+                    "actor": m.agent.actor.state_dict(),
+                    "qvalue": m.agent.loss.qvalue_network_params.to_dict(),
+                },
+                m.candidate.id,
+            )
         if self.hook is not None:
             try:
                 self.hook.on_train_end(train=m.ctx, result=result)

@@ -51,8 +51,17 @@ from torchrl.collectors import Collector
 
 from core.envs.task import Task
 from core.records import Candidate, Episode, TrainResult
-from core.train.common import (CandidateEnv, config_from, corr_sums, pearson, reward_normalizer,  # noqa: F401
-                               save_policy, split_env_params, train_safely, wants_saved_policy)
+from core.train.common import (
+    CandidateEnv,
+    config_from,
+    corr_sums,
+    pearson,
+    reward_normalizer,  # noqa: F401
+    save_policy,
+    split_env_params,
+    train_safely,
+    wants_saved_policy,
+)
 from core.config import Settings
 from core.context import TrainContext
 from core.train.action_prior import PriorSamplingPolicy, PriorSource
@@ -127,8 +136,10 @@ class Frames:
 
     def take(self, index: torch.Tensor) -> Frames:
         prior = self.prior.index_select(0, index) if self.prior is not None else None
-        return Frames(*(t.index_select(0, index) for t in (self.obs, self.action, self.log_prob, self.advantage,
-                                                           self.target)), prior)
+        return Frames(
+            *(t.index_select(0, index) for t in (self.obs, self.action, self.log_prob, self.advantage, self.target)),
+            prior,
+        )
 
     def normalized(self) -> Frames:
         """The same frames with standardised advantages (``ClipPPOLoss``'s ``normalize_advantage``)."""
@@ -138,8 +149,14 @@ class Frames:
         return Frames(self.obs, self.action, self.log_prob, adv, self.target, self.prior)
 
 
-def ppo_gradients(model: FlatActorCritic, mb: Frames, log_bounds: tuple[float, float], vf_coef: float,
-                  ent_coef: float, report: bool = False) -> dict[str, float]:
+def ppo_gradients(
+    model: FlatActorCritic,
+    mb: Frames,
+    log_bounds: tuple[float, float],
+    vf_coef: float,
+    ent_coef: float,
+    report: bool = False,
+) -> dict[str, float]:
     """Write the gradient of the clipped PPO loss on ``mb`` into ``model.grad``.
 
     The loss is ``ClipPPOLoss``'s (advantages already normalised in ``mb``)::
@@ -183,12 +200,18 @@ def ppo_gradients(model: FlatActorCritic, mb: Frames, log_bounds: tuple[float, f
     model.backward(d_head, d_value)
     if not report:
         return {}
-    return {"policy": float(-torch.minimum(gain, clipped).mean()),
-            "value": float((value - mb.target).pow(2).mean())}
+    return {"policy": float(-torch.minimum(gain, clipped).mean()), "value": float((value - mb.target).pow(2).mean())}
 
 
-def gae(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tensor, done: torch.Tensor,
-        terminated: torch.Tensor, gamma: float, lmbda: float) -> torch.Tensor:
+def gae(
+    reward: torch.Tensor,
+    value: torch.Tensor,
+    next_value: torch.Tensor,
+    done: torch.Tensor,
+    terminated: torch.Tensor,
+    gamma: float,
+    lmbda: float,
+) -> torch.Tensor:
     """Generalised advantage estimates (Schulman et al. 2016) of ``[*B, T, 1]`` trajectories.
 
     ``A_t = delta_t + gamma lmbda (1 - done_t) A_{t+1}`` with
@@ -230,6 +253,7 @@ class _PhaseClock:
                 spent = time.perf_counter() - start
                 self.seconds[phase] += spent
                 self._inside += spent
+
         return call
 
 
@@ -272,8 +296,18 @@ def train(
 class _Run:
     """One training run; its state lives here so that ``run`` reads as the loop."""
 
-    def __init__(self, task: Task, candidate: Candidate, cfg: PPOConfig, seed: int, hook: Any,
-                 ctx: TrainContext | None, progress: Any, result: TrainResult, budget: int | None = None) -> None:
+    def __init__(
+        self,
+        task: Task,
+        candidate: Candidate,
+        cfg: PPOConfig,
+        seed: int,
+        hook: Any,
+        ctx: TrainContext | None,
+        progress: Any,
+        result: TrainResult,
+        budget: int | None = None,
+    ) -> None:
         self.task, self.candidate, self.cfg, self.seed = task, candidate, cfg, seed
         self.hook, self.ctx, self.progress, self.result = hook, ctx, progress, result
         self.budget = cfg.frames if budget is None else budget
@@ -312,8 +346,11 @@ class _Run:
         self.clock = _PhaseClock()
         if hook is not None:
             hook.on_train_start(train=ctx)
-        self.bar = self.progress.add_task(f"train {self.candidate.id}", total=batches * fpb) \
-            if self.progress is not None else None
+        self.bar = (
+            self.progress.add_task(f"train {self.candidate.id}", total=batches * fpb)
+            if self.progress is not None
+            else None
+        )
 
         self.frames, self.batch, self.train_seconds, self.next_eval = 0, 0, 0.0, cfg.eval_every or math.inf
         self.sample_every = max(1, batches // 10)  # reward components ~10 times per run
@@ -374,10 +411,16 @@ class _Run:
     def train_stage(self, batches: int) -> None:
         """Collect and update ``batches`` batches on the current stage's env."""
         cfg, ctx, hook, cenv, clock = self.cfg, self.ctx, self.hook, self.cenv, self.clock
-        collector = Collector(self.env, self.policy, frames_per_batch=cfg.frames_per_batch,
-                              total_frames=batches * cfg.frames_per_batch, trust_policy=True,
-                              track_traj_ids=False, auto_register_policy_transforms=False,
-                              postproc=clock.timed("reward", cenv.postproc))
+        collector = Collector(
+            self.env,
+            self.policy,
+            frames_per_batch=cfg.frames_per_batch,
+            total_frames=batches * cfg.frames_per_batch,
+            trust_policy=True,
+            track_traj_ids=False,
+            auto_register_policy_transforms=False,
+            postproc=clock.timed("reward", cenv.postproc),
+        )
         done, horizon = self.schedule
         tick = time.perf_counter()
         try:
@@ -418,8 +461,11 @@ class _Run:
                     self.next_eval += cfg.eval_every
                 if self.bar is not None:
                     last = f"{self.returns[-1]:.1f}" if self.returns else "-"
-                    self.progress.update(self.bar, completed=self.frames, description=(
-                        f"train {self.candidate.id} {stats['charts/fps']:.0f} fps return {last}"))
+                    self.progress.update(
+                        self.bar,
+                        completed=self.frames,
+                        description=(f"train {self.candidate.id} {stats['charts/fps']:.0f} fps return {last}"),
+                    )
                 tick = time.perf_counter()
         finally:
             collector.shutdown()
@@ -447,8 +493,10 @@ class _Run:
         theirs = {k: state.get(k) for k in mine}
         if theirs != mine:
             source = self.candidate.start.source if self.candidate.start is not None else "?"
-            raise ValueError(f"the start policy from {source} does not fit this training: "
-                             f"it has {theirs}, this candidate's networks need {mine}")
+            raise ValueError(
+                f"the start policy from {source} does not fit this training: "
+                f"it has {theirs}, this candidate's networks need {mine}"
+            )
         self.nets.actor_net.load_state_dict(state["actor"])
         self.nets.critic_net.load_state_dict(state["critic"])
         optim = state.get("optimizer")
@@ -466,8 +514,11 @@ class _Run:
         ``normalize_reward``) and the frames trained so far."""
         optim = self.optim
         state = self._policy_state()
-        state["optimizer"] = ({"fallback": optim._fallback.state_dict()} if optim._fallback is not None else
-                              {name: getattr(optim, name).clone() for name in ("exp_avg", "exp_avg_sq", "steps")})
+        state["optimizer"] = (
+            {"fallback": optim._fallback.state_dict()}
+            if optim._fallback is not None
+            else {name: getattr(optim, name).clone() for name in ("exp_avg", "exp_avg_sq", "steps")}
+        )
         if self.reward_norm is not None:
             state["reward_norm"] = self.reward_norm.state_dict()
         state["frames"] = self.before + self.frames
@@ -482,9 +533,14 @@ class _Run:
         def own(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # copies, not views of the flat tensor
             return {k: v.clone() for k, v in state.items()}
 
-        return {"algorithm": "ppo", "obs_dim": self.cenv.obs_dim, "hidden": list(self.cfg.hidden),
-                "discrete": nets.discrete, "actor": own(nets.actor_net.state_dict()),
-                "critic": own(nets.critic_net.state_dict())}
+        return {
+            "algorithm": "ppo",
+            "obs_dim": self.cenv.obs_dim,
+            "hidden": list(self.cfg.hidden),
+            "discrete": nets.discrete,
+            "actor": own(nets.actor_net.state_dict()),
+            "critic": own(nets.critic_net.state_dict()),
+        }
 
     def _update(self, frames: Frames, optim: FlatAdam, clip: float) -> dict[str, float]:
         """``epochs`` passes of minibatch updates; the last minibatch's losses and the batch's entropy."""
@@ -498,7 +554,7 @@ class _Run:
         for epoch in range(cfg.epochs):
             order = torch.randperm(n) if whole is None else None
             for k in range(n // size):
-                mb = whole if order is None else frames.take(order[k * size:(k + 1) * size]).normalized()
+                mb = whole if order is None else frames.take(order[k * size : (k + 1) * size]).normalized()
                 report = epoch == cfg.epochs - 1 and k == last
                 losses = ppo_gradients(model, mb, bounds, cfg.vf_coef, cfg.ent_coef, report=report)
                 scale = cfg.max_grad_norm / (float(model.grad.norm()) + 1e-6)  # clip_grad_norm_ on the flat gradient
@@ -526,9 +582,14 @@ class _Run:
         action = batch.get("action")
         action = action.reshape(-1, 1) if self.nets.discrete else action.reshape(-1, action.shape[-1])
         prior = batch.get("action_prior", None)
-        return Frames(obs.reshape(-1, obs.shape[-1]), action, batch.get("action_log_prob").reshape(-1, 1),
-                      adv.reshape(-1, 1), (adv + value).reshape(-1, 1),
-                      prior.reshape(-1, prior.shape[-1]) if prior is not None else None)
+        return Frames(
+            obs.reshape(-1, obs.shape[-1]),
+            action,
+            batch.get("action_log_prob").reshape(-1, 1),
+            adv.reshape(-1, 1),
+            (adv + value).reshape(-1, 1),
+            prior.reshape(-1, prior.shape[-1]) if prior is not None else None,
+        )
 
     def _sample_components(self, frames: int) -> None:
         assert self.cenv.program_reward is not None
@@ -548,6 +609,14 @@ class _Run:
             return self.nets.act_sampled(self.cenv.augment(obs))
 
         macros = self.cenv.macros
-        return evaluate_and_record(self.task, act, self.cfg.eval_episodes, seed=self.seed + 10_000, frames=frames,
-                                   result=self.result, ctx=self.ctx, hook=self.hook,
-                                   wrap_env=macros.wrap if macros is not None else None)
+        return evaluate_and_record(
+            self.task,
+            act,
+            self.cfg.eval_episodes,
+            seed=self.seed + 10_000,
+            frames=frames,
+            result=self.result,
+            ctx=self.ctx,
+            hook=self.hook,
+            wrap_env=macros.wrap if macros is not None else None,
+        )

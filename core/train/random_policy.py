@@ -54,8 +54,16 @@ def uniform_actions(task: Task, seed: int) -> Any:
     return act
 
 
-def train(task: Task, candidate: Candidate, cfg: RandomConfig, *, seed: int, hook: Any = None,
-          ctx: TrainContext | None = None, progress: Any = None) -> TrainResult:
+def train(
+    task: Task,
+    candidate: Candidate,
+    cfg: RandomConfig,
+    *,
+    seed: int,
+    hook: Any = None,
+    ctx: TrainContext | None = None,
+    progress: Any = None,
+) -> TrainResult:
     """Score the uniformly random policy on ``task`` (0 frames trained); never raises for the task's errors."""
 
     def body(result: TrainResult) -> None:

@@ -46,8 +46,16 @@ from torchrl.objectives import SACLoss, SoftUpdate
 
 from core.envs.task import Task
 from core.records import Candidate, Episode, TrainResult
-from core.train.common import (CandidateEnv, config_from, corr_sums, pearson, reward_normalizer, save_policy,
-                               train_safely, wants_saved_policy)
+from core.train.common import (
+    CandidateEnv,
+    config_from,
+    corr_sums,
+    pearson,
+    reward_normalizer,
+    save_policy,
+    train_safely,
+    wants_saved_policy,
+)
 from core.config import Settings
 from core.context import TrainContext
 from core.train.action_prior import PRIOR_KEYS, PriorBehaviour, PriorSource, imitation_step
@@ -56,8 +64,14 @@ from core.train.networks import FlatParamsAdam, FlatSAC, SquashedGaussian
 from core.train.transforms import has_impls
 
 #: what the replay buffer keeps of a collected batch (all SACLoss reads)
-BUFFER_KEYS = ("observation", "action", ("next", "observation"), ("next", "reward"), ("next", "done"),
-               ("next", "terminated"))
+BUFFER_KEYS = (
+    "observation",
+    "action",
+    ("next", "observation"),
+    ("next", "reward"),
+    ("next", "done"),
+    ("next", "terminated"),
+)
 
 
 @dataclass
@@ -135,8 +149,12 @@ class SACModules:
 def _layers(params: TensorDictBase) -> list[torch.Tensor]:
     """An MLP's parameters in layer order (weight, bias, ...) from a ``module.<i>.weight`` TensorDict."""
     items = params.flatten_keys(".").items()
-    return [v for _, v in sorted(items, key=lambda kv: ([int(k) for k in kv[0].split(".") if k.isdigit()],
-                                                         kv[0].endswith("bias")))]
+    return [
+        v
+        for _, v in sorted(
+            items, key=lambda kv: ([int(k) for k in kv[0].split(".") if k.isdigit()], kv[0].endswith("bias"))
+        )
+    ]
 
 
 def make_sac_modules(obs_dim: int, action_spec: TensorSpec, cfg: SACConfig) -> SACModules:
@@ -153,23 +171,51 @@ def make_sac_modules(obs_dim: int, action_spec: TensorSpec, cfg: SACConfig) -> S
     act_dim = int(low.shape[-1])
     spec = Bounded(low=low, high=high, shape=low.shape, dtype=torch.float32)
     extractor = NormalParamExtractor()
-    actor_net = nn.Sequential(MLP(in_features=obs_dim, out_features=2 * act_dim, num_cells=list(cfg.hidden),
-                                  activation_class=nn.ReLU), extractor)
-    actor = ProbabilisticActor(TensorDictModule(actor_net, in_keys=["observation"], out_keys=["loc", "scale"]),
-                               in_keys=["loc", "scale"], distribution_class=TanhNormal,
-                               distribution_kwargs={"low": low, "high": high}, spec=spec)
+    actor_net = nn.Sequential(
+        MLP(in_features=obs_dim, out_features=2 * act_dim, num_cells=list(cfg.hidden), activation_class=nn.ReLU),
+        extractor,
+    )
+    actor = ProbabilisticActor(
+        TensorDictModule(actor_net, in_keys=["observation"], out_keys=["loc", "scale"]),
+        in_keys=["loc", "scale"],
+        distribution_class=TanhNormal,
+        distribution_kwargs={"low": low, "high": high},
+        spec=spec,
+    )
     q_net = MLP(in_features=obs_dim + act_dim, out_features=1, num_cells=list(cfg.hidden), activation_class=nn.ReLU)
     qvalue = ValueOperator(q_net, in_keys=["observation", "action"])
-    loss = SACLoss(actor, qvalue, num_qvalue_nets=2, loss_function="l2", alpha_init=cfg.alpha_init, deactivate_vmap=True,
-                   target_entropy=cfg.target_entropy, action_spec=spec)
+    loss = SACLoss(
+        actor,
+        qvalue,
+        num_qvalue_nets=2,
+        loss_function="l2",
+        alpha_init=cfg.alpha_init,
+        deactivate_vmap=True,
+        target_entropy=cfg.target_entropy,
+        action_spec=spec,
+    )
     loss.make_value_estimator(gamma=cfg.gamma)
     target = SoftUpdate(loss, tau=cfg.tau)
-    head = SquashedGaussian(shift=float(extractor.scale_mapping.bias), min_scale=float(extractor.scale_mapping.min_val),
-                            scale_lb=float(extractor.scale_lb), mid=(high + low) / 2, half=(high - low) / 2)
+    head = SquashedGaussian(
+        shift=float(extractor.scale_mapping.bias),
+        min_scale=float(extractor.scale_mapping.min_val),
+        scale_lb=float(extractor.scale_lb),
+        mid=(high + low) / 2,
+        half=(high - low) / 2,
+    )
     actor_params = [p for m in actor_net[0] if isinstance(m, nn.Linear) for p in (m.weight, m.bias)]
-    flat = FlatSAC(actor_params, _layers(loss.qvalue_network_params), _layers(loss.target_qvalue_network_params),
-                   loss.log_alpha, head, gamma=cfg.gamma, tau=cfg.tau, target_entropy=float(loss.target_entropy),
-                   lr=cfg.lr, alpha_lr=cfg.alpha_lr)
+    flat = FlatSAC(
+        actor_params,
+        _layers(loss.qvalue_network_params),
+        _layers(loss.target_qvalue_network_params),
+        loss.log_alpha,
+        head,
+        gamma=cfg.gamma,
+        tau=cfg.tau,
+        target_entropy=float(loss.target_entropy),
+        lr=cfg.lr,
+        alpha_lr=cfg.alpha_lr,
+    )
     return SACModules(actor, qvalue, loss, target, [flat.critic_opt, flat.actor_opt, flat.alpha_opt], spec, flat)
 
 
@@ -212,7 +258,7 @@ class FlatReplay:
         rows = torch.cat([v.reshape(n, -1).to(torch.float32) for v in values], 1)
         end = self.cursor + n
         if end <= self.capacity:
-            self.storage[self.cursor:end] = rows
+            self.storage[self.cursor : end] = rows
         else:
             self.storage[torch.arange(self.cursor, end) % self.capacity] = rows
         self.cursor, self.size = end % self.capacity, min(self.capacity, self.size + n)
@@ -234,8 +280,13 @@ def sac_update(modules: SACModules, batch: TensorDictBase) -> dict[str, torch.Te
     ``("next", "observation")``, ``("next", "terminated")``).
     :return: the detached losses and ``alpha``.
     """
-    losses = modules.flat.update(batch.get("observation"), batch.get("action"), batch.get(("next", "reward")),
-                                 batch.get(("next", "observation")), batch.get(("next", "terminated")))
+    losses = modules.flat.update(
+        batch.get("observation"),
+        batch.get("action"),
+        batch.get(("next", "reward")),
+        batch.get(("next", "observation")),
+        batch.get(("next", "terminated")),
+    )
     modules.flat.update_targets()
     return losses
 
@@ -274,8 +325,14 @@ def _lap(phases: dict[str, float], phase: str, since: float) -> float:
     return now
 
 
-def collect(env: EnvBase, policy: Callable[[TensorDictBase], TensorDictBase], batches: int, steps: int,
-            random_frames: int, postproc: Callable[[TensorDictBase], TensorDictBase] | None) -> Iterator[TensorDictBase]:
+def collect(
+    env: EnvBase,
+    policy: Callable[[TensorDictBase], TensorDictBase],
+    batches: int,
+    steps: int,
+    random_frames: int,
+    postproc: Callable[[TensorDictBase], TensorDictBase] | None,
+) -> Iterator[TensorDictBase]:
     """``batches`` batches ``[envs, steps]`` from ``env``, as TorchRL's ``Collector`` gives them.
 
     Uniformly random actions while fewer than ``random_frames`` frames were collected
@@ -309,7 +366,6 @@ def _as_batch(sample: dict[Any, torch.Tensor]) -> TensorDict:
     return TensorDict({k: v for k, v in sample.items() if isinstance(k, str)}, batch_size=[n])
 
 
-
 def train(
     task: Task,
     candidate: Candidate,
@@ -333,8 +389,16 @@ def train(
     return train_safely(body, candidate, hook, ctx)
 
 
-def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any, ctx: TrainContext | None,
-         progress: Any, result: TrainResult) -> None:
+def _run(
+    task: Task,
+    candidate: Candidate,
+    cfg: SACConfig,
+    seed: int,
+    hook: Any,
+    ctx: TrainContext | None,
+    progress: Any,
+    result: TrainResult,
+) -> None:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(seed)
     cenv = CandidateEnv(task, candidate, cfg.num_envs, seed, hook, ctx)
@@ -356,8 +420,9 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
         def act(obs: torch.Tensor) -> torch.Tensor:
             return act_deterministic(modules, cenv.augment(obs))
 
-        return evaluate_and_record(task, act, cfg.eval_episodes, seed=seed + 10_000, frames=frames, result=result,
-                                   ctx=ctx, hook=hook)
+        return evaluate_and_record(
+            task, act, cfg.eval_episodes, seed=seed + 10_000, frames=frames, result=result, ctx=ctx, hook=hook
+        )
 
     if hook is not None:
         hook.on_train_start(train=ctx)
@@ -393,20 +458,29 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
                     reward = sample["next", "reward"]
                     if reward_norm is not None:
                         reward = reward_norm.normalize(reward)
-                    losses = flat.update(sample["observation"], sample["action"], reward,
-                                         sample["next", "observation"], sample["next", "terminated"])
+                    losses = flat.update(
+                        sample["observation"],
+                        sample["action"],
+                        reward,
+                        sample["next", "observation"],
+                        sample["next", "terminated"],
+                    )
                     lap = _lap(phases, "update", lap)
                     flat.update_targets()
                     lap = _lap(phases, "target", lap)
                     if prior is not None and prior.source.imitation > 0:
-                        imitated = imitation_step(modules.actor, modules.optimizers[1], _as_batch(sample),
-                                                  prior.source.imitation)
+                        imitated = imitation_step(
+                            modules.actor, modules.optimizers[1], _as_batch(sample), prior.source.imitation
+                        )
                         lap = _lap(phases, "update", lap)
                     owed -= 1.0
                 if losses is not None:
-                    stats = {"losses/qvalue_loss": float(losses["loss_qvalue"]),
-                             "losses/actor_loss": float(losses["loss_actor"]),
-                             "losses/alpha_loss": float(losses["loss_alpha"]), "losses/alpha": float(losses["alpha"])}
+                    stats = {
+                        "losses/qvalue_loss": float(losses["loss_qvalue"]),
+                        "losses/actor_loss": float(losses["loss_actor"]),
+                        "losses/alpha_loss": float(losses["loss_alpha"]),
+                        "losses/alpha": float(losses["alpha"]),
+                    }
                     if imitated is not None:
                         stats["losses/imitation_loss"] = imitated
                     if reward_norm is not None:
@@ -432,8 +506,11 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
                 next_eval += cfg.eval_every
             if bar is not None and (i % 20 == 0 or i + 1 == batches):
                 last = f"{returns[-1]:.1f}" if returns else "-"
-                progress.update(bar, completed=frames,
-                                description=f"train {candidate.id} {stats['charts/fps']:.0f} fps return {last}")
+                progress.update(
+                    bar,
+                    completed=frames,
+                    description=f"train {candidate.id} {stats['charts/fps']:.0f} fps return {last}",
+                )
             tick = time.perf_counter()
     finally:
         collector.close()
@@ -458,6 +535,13 @@ def _run(task: Task, candidate: Candidate, cfg: SACConfig, seed: int, hook: Any,
         result.episodes = episodes
         result.fitness = task.fitness(episodes)
     if wants_saved_policy(ctx):
-        result.policy_path = save_policy({"algorithm": "sac", "obs_dim": cenv.obs_dim, "hidden": list(cfg.hidden),
-                                          "actor": modules.actor.state_dict(), "qvalue": modules.loss.qvalue_network_params.to_dict()},
-                                         candidate.id)
+        result.policy_path = save_policy(
+            {
+                "algorithm": "sac",
+                "obs_dim": cenv.obs_dim,
+                "hidden": list(cfg.hidden),
+                "actor": modules.actor.state_dict(),
+                "qvalue": modules.loss.qvalue_network_params.to_dict(),
+            },
+            candidate.id,
+        )

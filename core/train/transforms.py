@@ -66,8 +66,12 @@ class ProgramReward(Transform):
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         # once per env step: tensordict's unvalidated accessors (the keys are plain strings, the values the env's)
         env_reward = next_tensordict._get_str("reward", None)
-        reward = self._reward(tensordict._get_str("observation", None), tensordict._get_str("action", None),
-                              next_tensordict._get_str("observation", None), env_reward)
+        reward = self._reward(
+            tensordict._get_str("observation", None),
+            tensordict._get_str("action", None),
+            next_tensordict._get_str("observation", None),
+            env_reward,
+        )
         if reward.shape == env_reward.shape and reward.dtype == env_reward.dtype:
             next_tensordict._set_str("reward", reward, validated=True, inplace=False, non_blocking=False)
         else:  # let tensordict check (and refuse) it
@@ -89,15 +93,20 @@ class ProgramReward(Transform):
             value = tensordict.get(key)
             return value.reshape(-1, *value.shape[dims:])
 
-        reward = self._reward(flat("observation"), flat("action"), flat(("next", "observation")), env_reward.reshape(-1, 1))
+        reward = self._reward(
+            flat("observation"), flat("action"), flat(("next", "observation")), env_reward.reshape(-1, 1)
+        )
         tensordict.set(("next", "env_reward"), env_reward)
         tensordict.set(("next", "reward"), reward.reshape(shape))
         return tensordict
 
-    def _reward(self, obs: torch.Tensor, action: torch.Tensor, next_obs: torch.Tensor,
-                env_reward: torch.Tensor) -> torch.Tensor:
+    def _reward(
+        self, obs: torch.Tensor, action: torch.Tensor, next_obs: torch.Tensor, env_reward: torch.Tensor
+    ) -> torch.Tensor:
         dim = self._dim
-        if obs.shape[-1] != dim or next_obs.shape[-1] != dim:  # appended state features: cut back to the task's observation
+        if (
+            obs.shape[-1] != dim or next_obs.shape[-1] != dim
+        ):  # appended state features: cut back to the task's observation
             obs, next_obs = obs[..., :dim], next_obs[..., :dim]
         if self._from_obs is not None:  # a sandboxed program: the worker names the fields
             out = self._from_obs(obs, action, next_obs)

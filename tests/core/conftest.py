@@ -13,9 +13,19 @@ import core.registry
 from core.registry import PluginInfo
 
 #: a CartPole run that trains in about a second, in this process
-TINY_RUN = ["env=cartpole", "trainer.frames=512", "trainer.num_envs=4", "trainer.rollout_steps=32",
-            "trainer.epochs=1", "trainer.minibatch=64", "trainer.hidden=[16]", "trainer.eval_every=0",
-            "trainer.eval_episodes=2", "executor=inprocess", "tracking.log_plots=false"]
+TINY_RUN = [
+    "env=cartpole",
+    "trainer.frames=512",
+    "trainer.num_envs=4",
+    "trainer.rollout_steps=32",
+    "trainer.epochs=1",
+    "trainer.minibatch=64",
+    "trainer.hidden=[16]",
+    "trainer.eval_every=0",
+    "trainer.eval_episodes=2",
+    "executor=inprocess",
+    "tracking.log_plots=false",
+]
 
 
 @pytest.fixture

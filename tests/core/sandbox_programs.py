@@ -69,7 +69,9 @@ FORK_BOMB_MULTIPROCESSING = (
     "import multiprocessing\ndef compute_reward(s, a, n):\n"
     "    while True:\n        multiprocessing.Process(target=compute_reward, args=(s, a, n)).start()"
 )
-TORCH_MULTIPROCESSING = "import torch\ndef compute_reward(s, a, n):\n    torch.multiprocessing.Process(target=print).start()"
+TORCH_MULTIPROCESSING = (
+    "import torch\ndef compute_reward(s, a, n):\n    torch.multiprocessing.Process(target=print).start()"
+)
 OPEN_PASSWD = "def compute_reward(s, a, n):\n    return open('/etc/passwd').read()"
 DUNDER_IMPORT = "def compute_reward(s, a, n):\n    __import__('os').system('true')"
 SUBCLASSES_WALK = (
@@ -104,11 +106,15 @@ SEED_GLOBAL_RNG = "import torch\ndef compute_reward(s, a, n):\n    torch.manual_
 SET_THREADS = "import torch\ndef compute_reward(s, a, n):\n    torch.set_num_threads(64)\n    return s['pole_angle']"
 HUGE_ALLOC_TORCH = "import torch\ndef compute_reward(s, a, n):\n    return torch.zeros(10**11)"
 HUGE_ALLOC_LIST = "def compute_reward(s, a, n):\n    x = [0] * 10**10\n    return s['pole_angle']"
-HUGE_ALLOC_2D = "import torch\ndef compute_reward(s, a, n):\n    return torch.zeros(100000, 100000).sum() + s['pole_angle']"
+HUGE_ALLOC_2D = (
+    "import torch\ndef compute_reward(s, a, n):\n    return torch.zeros(100000, 100000).sum() + s['pole_angle']"
+)
 BARE_EXCEPT_SWALLOW = (
     "def compute_reward(s, a, n):\n    while True:\n        try:\n            pass\n        except:\n            pass"
 )
-FINALLY_OUTLIVES = "def compute_reward(s, a, n):\n    try:\n        pass\n    finally:\n        while True:\n            pass"
+FINALLY_OUTLIVES = (
+    "def compute_reward(s, a, n):\n    try:\n        pass\n    finally:\n        while True:\n            pass"
+)
 CLASS_DEF = "class R:\n    def __exit__(self, *a):\n        return True\ndef compute_reward(s, a, n):\n    return s['pole_angle']"
 GLOBAL_STATEMENT = "X = 0\ndef compute_reward(s, a, n):\n    global X\n    X += 1\n    return s['pole_angle']"
 STAR_IMPORT = "from torch import *\ndef compute_reward(s, a, n):\n    return s['pole_angle']"
@@ -119,7 +125,8 @@ ASYNC_DEF = "async def compute_reward(s, a, n):\n    return s['pole_angle']"
 FORBIDDEN = {
     name: value
     for name, value in dict(globals()).items()
-    if name.isupper() and isinstance(value, str)
+    if name.isupper()
+    and isinstance(value, str)
     and name not in {"REWARD_OK", "REWARD_PLAIN_TENSOR", "STATE_OK", "STATE_ONE_FEATURE", "TYPE_HINTS_OK"}
 }
 
@@ -134,21 +141,25 @@ SLOW_CODE = (
     "        total += i\n    return s['pole_angle'] * 0 + total"
 )
 RECURSION_BOMB = "def compute_reward(s, a, n):\n    return compute_reward(s, a, n)"
-RUNTIME_ALLOC = (
-    "import torch\ndef compute_reward(s, a, n):\n    k = 40000\n    big = torch.ones(k, k)\n    return big.sum() + s['pole_angle']"
-)
+RUNTIME_ALLOC = "import torch\ndef compute_reward(s, a, n):\n    k = 40000\n    big = torch.ones(k, k)\n    return big.sum() + s['pole_angle']"
 RUNTIME_LIST_ALLOC = "def compute_reward(s, a, n):\n    k = 100000\n    x = [1.5] * (k * k)\n    return s['pole_angle']"
 RAISES_KEYERROR = "def compute_reward(s, a, n):\n    key = 'pole_' + 'velocity'\n    v = s[key]\n    return v"
 RAISES_ZERODIVISION = "def compute_reward(s, a, n):\n    scale = 1 / 0\n    return s['pole_angle'] * scale"
 RETURNS_NAN = "import torch\ndef compute_reward(s, a, n):\n    return torch.log(-1.0 - s['pole_angle'].abs())"
 RETURNS_INF = "def compute_reward(s, a, n):\n    return s['pole_angle'] * float('inf')"
-NAN_COMPONENT = "import math\ndef compute_reward(s, a, n):\n    r = s['pole_angle']\n    return r, {'bad': r * math.nan}"
-WRONG_SHAPE = "import torch\ndef compute_reward(s, a, n):\n    return torch.stack([s['pole_angle'], s['cart_position']], dim=-1)"
+NAN_COMPONENT = (
+    "import math\ndef compute_reward(s, a, n):\n    r = s['pole_angle']\n    return r, {'bad': r * math.nan}"
+)
+WRONG_SHAPE = (
+    "import torch\ndef compute_reward(s, a, n):\n    return torch.stack([s['pole_angle'], s['cart_position']], dim=-1)"
+)
 SCALAR_REWARD = "def compute_reward(s, a, n):\n    return float(s['pole_angle'].mean())"
 WRONG_DTYPE = "def compute_reward(s, a, n):\n    return (s['pole_angle'] > 0).long()"
 RETURNS_NONE = "def compute_reward(s, a, n):\n    x = s['pole_angle']"
 STDOUT_FLOOD = "def compute_reward(s, a, n):\n    while True:\n        print('spam ' * 100)"
-MUTATES_INPUT = "def compute_reward(s, a, n):\n    s['pole_angle'].mul_(0)\n    n['pole_angle'].add_(100)\n    return a.float() * 0"
+MUTATES_INPUT = (
+    "def compute_reward(s, a, n):\n    s['pole_angle'].mul_(0)\n    n['pole_angle'].add_(100)\n    return a.float() * 0"
+)
 RETURNS_COMPLEX = "def compute_reward(s, a, n):\n    return n['pole_angle'] * (1 + 2j)"
 #: fine on the probe's call, then never returns
 SLOW_AFTER_PROBE = """
@@ -224,7 +235,9 @@ def compute_reward(s, a, n):
             raise RuntimeError(f"started={started} stopped_by={type(e).__name__}")
     raise RuntimeError(f"started={started}")
 """
-BYPASS_WHOAMI = "import os\ndef compute_reward(s, a, n):\n    raise RuntimeError(f'uid={os.getuid()} euid={os.geteuid()}')"
+BYPASS_WHOAMI = (
+    "import os\ndef compute_reward(s, a, n):\n    raise RuntimeError(f'uid={os.getuid()} euid={os.geteuid()}')"
+)
 BYPASS_WRITE_FILE = """
 def compute_reward(s, a, n):
     with open("/tmp/llm4rl-sandbox-probe.txt", "w") as f:

@@ -53,8 +53,11 @@ def test_plugin_keys_of_the_schema_pass():
 
 
 def test_a_key_of_a_plugin_not_enabled_is_refused():
-    with pytest.raises(UserError, match=r"'plugins.eureka.samples' is set but plugin 'eureka' is not enabled in this run. "
-                                        r"Enable it with \+plugins=\[eureka\]"):
+    with pytest.raises(
+        UserError,
+        match=r"'plugins.eureka.samples' is set but plugin 'eureka' is not enabled in this run. "
+        r"Enable it with \+plugins=\[eureka\]",
+    ):
         check_argv(["+plugins=[text2reward]", "plugins.eureka.samples=2"])
     with pytest.raises(UserError, match="plugin 'eurka', which does not exist. Did you mean 'eureka'"):
         check_argv(["+plugins=[eureka]", "plugins.eurka.samples=2"])
@@ -77,8 +80,18 @@ def test_the_summary_says_where_llm_replies_are_kept_and_how_many_came_from_ther
     from core.app import print_summary
     from core.loop import RunSummary
 
-    summary = RunSummary("return", 1.0, 10, 1.0, 1, 0, "rid", "ui", llm={"llm/calls": 3, "llm/cache_hits": 2},
-                         llm_cache="/home/u/.cache/llm4rl/llm_cache.sqlite")
+    summary = RunSummary(
+        "return",
+        1.0,
+        10,
+        1.0,
+        1,
+        0,
+        "rid",
+        "ui",
+        llm={"llm/calls": 3, "llm/cache_hits": 2},
+        llm_cache="/home/u/.cache/llm4rl/llm_cache.sqlite",
+    )
     print_summary(summary)
     out = " ".join(capsys.readouterr().out.split())
     assert "LLM replies kept in /home/u/.cache/llm4rl/llm_cache.sqlite: 2 answered from it" in out
@@ -108,8 +121,17 @@ def test_plugin_arms_are_read_from_sweeps_and_lists():
 def test_overrides_are_read_with_hydras_own_grammar():
     # what Hydra's parser reads and a pattern over the text would not: choice(), quoted
     # values, a deletion, flags and a refused argument (left for Hydra to report)
-    argv = ["-m", "--config-name", "config", "+plugins=choice([eureka],[text2reward,envgen])", "seed=range(0,3)",
-            "experiment='a,b'", "~plugins.eureka.samples", "bad=[", "env=choice(cartpole,mountaincar)"]
+    argv = [
+        "-m",
+        "--config-name",
+        "config",
+        "+plugins=choice([eureka],[text2reward,envgen])",
+        "seed=range(0,3)",
+        "experiment='a,b'",
+        "~plugins.eureka.samples",
+        "bad=[",
+        "env=choice(cartpole,mountaincar)",
+    ]
     assert plugin_arms(argv) == [["eureka"], ["text2reward", "envgen"]]
     assert requested_plugins(argv) == ["eureka", "text2reward", "envgen"]
     check_argv(argv)  # the deletion sets no key; both envs exist
@@ -123,7 +145,10 @@ def test_a_knob_reaches_every_arm_of_a_sweep_where_some_arm_lacks_its_plugin():
     check_argv(argv)
     assert sweep_ready(argv) == ["-m", "+plugins=[eureka],[]", "++plugins.eureka.iterations=2", "seed=0,1"]
     # every arm runs it: left as written
-    assert sweep_ready(["+plugins=[eureka]", "plugins.eureka.iterations=2"]) == ["+plugins=[eureka]", "plugins.eureka.iterations=2"]
+    assert sweep_ready(["+plugins=[eureka]", "plugins.eureka.iterations=2"]) == [
+        "+plugins=[eureka]",
+        "plugins.eureka.iterations=2",
+    ]
 
 
 def test_the_arm_without_the_plugin_drops_its_knob_and_says_so():
@@ -157,10 +182,24 @@ def llm_server():
     class Completions(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - the handler's API
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            choices = [{"index": i, "message": {"role": "assistant", "content": answer(body["messages"])},
-                        "finish_reason": "stop"} for i in range(int(body.get("n") or 1))]
-            data = json.dumps({"id": "fake", "object": "chat.completion", "created": 0, "model": "fake", "choices": choices,
-                               "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": answer(body["messages"])},
+                    "finish_reason": "stop",
+                }
+                for i in range(int(body.get("n") or 1))
+            ]
+            data = json.dumps(
+                {
+                    "id": "fake",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": "fake",
+                    "choices": choices,
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                }
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -181,12 +220,30 @@ def llm_server():
 def test_a_baseline_arm_and_a_plugin_arm_sweep_a_knob(tmp_path, llm_server):
     import mlflow
 
-    args = ["-m", "+plugins=[eureka],[]", "plugins.eureka.iterations=1", "plugins.eureka.samples=1",
-            "trainer.frames=512", "trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=1",
-            "trainer.eval_every=0", "trainer.eval_episodes=1", "executor=inprocess", "progress=false", "save_policy=false",
-            "tracking.log_plots=false", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"cache_dir={tmp_path}/cache",
-            "llm=openai", "llm.model=openai/fake-llm", f"llm.api_base={llm_server}", "llm.api_key_env=null", "llm.retries=0",
-            f"hydra.sweep.dir={tmp_path}/multirun"]
+    args = [
+        "-m",
+        "+plugins=[eureka],[]",
+        "plugins.eureka.iterations=1",
+        "plugins.eureka.samples=1",
+        "trainer.frames=512",
+        "trainer.num_envs=4",
+        "trainer.rollout_steps=32",
+        "trainer.epochs=1",
+        "trainer.eval_every=0",
+        "trainer.eval_episodes=1",
+        "executor=inprocess",
+        "progress=false",
+        "save_policy=false",
+        "tracking.log_plots=false",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+        f"cache_dir={tmp_path}/cache",
+        "llm=openai",
+        "llm.model=openai/fake-llm",
+        f"llm.api_base={llm_server}",
+        "llm.api_key_env=null",
+        "llm.retries=0",
+        f"hydra.sweep.dir={tmp_path}/multirun",
+    ]
     proc = run_cli(tmp_path, *args, records=False)
     output = proc.output
     assert proc.returncode == 0, output[-3000:]
@@ -195,7 +252,11 @@ def test_a_baseline_arm_and_a_plugin_arm_sweep_a_knob(tmp_path, llm_server):
     assert f"python -m core.report --experiment llm4rl --uri sqlite:///{tmp_path}/mlflow.db" in output.replace("\n", "")
     assert "python -m core.ui --uri" in output
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    runs = [r for r in client.search_runs([client.get_experiment_by_name("llm4rl").experiment_id]) if "plugins" in r.data.tags]
+    runs = [
+        r
+        for r in client.search_runs([client.get_experiment_by_name("llm4rl").experiment_id])
+        if "plugins" in r.data.tags
+    ]
     by_plugins = {r.data.tags["plugins"]: r for r in runs}
     assert by_plugins["none"].data.tags[IGNORED_TAG] == "plugins.eureka.iterations=1 plugins.eureka.samples=1"
     assert "plugins.eureka.iterations" not in by_plugins["none"].data.params

@@ -52,7 +52,7 @@ def test_example_calls_and_main_blocks_are_dropped() -> None:
 
 
 def test_extract_code_prefers_the_last_python_block() -> None:
-    reply = "```python\nx = 1\n```\n```json\n{\"a\": 1}\n```\n```python\ny = 2\n```"
+    reply = '```python\nx = 1\n```\n```json\n{"a": 1}\n```\n```python\ny = 2\n```'
     assert extract_code(reply) == "y = 2"
     assert extract_code("no code at all") == ""
 
@@ -76,7 +76,9 @@ def test_function_missing_names_what_was_found() -> None:
 
 
 def test_two_different_definitions() -> None:
-    reply = f"```python\n{FN}\n```\nBetter:\n```python\ndef compute_reward(state, action, next_state):\n    return 0\n```"
+    reply = (
+        f"```python\n{FN}\n```\nBetter:\n```python\ndef compute_reward(state, action, next_state):\n    return 0\n```"
+    )
     result = extract_function(reply, "compute_reward", ARGS)
     assert not result.ok and "defined 2 times" in result.error and "blocks 1, 2" in result.error
 
@@ -101,17 +103,25 @@ def test_wrong_signature_says_expected_and_found(header: str, found: str) -> Non
 
 
 def test_compatible_signatures_are_accepted() -> None:
-    for header in ("def compute_reward(s, a, ns):", "def compute_reward(s, a, ns, scale=1.0):", "def compute_reward(*args):"):
+    for header in (
+        "def compute_reward(s, a, ns):",
+        "def compute_reward(s, a, ns, scale=1.0):",
+        "def compute_reward(*args):",
+    ):
         assert extract_function(f"```python\n{header}\n    return 0\n```", "compute_reward", ARGS).ok, header
 
 
 def test_syntax_error_is_located() -> None:
-    result = extract_function("```python\ndef compute_reward(state, action, next_state):\n    return (1 +\n```", "compute_reward", ARGS)
+    result = extract_function(
+        "```python\ndef compute_reward(state, action, next_state):\n    return (1 +\n```", "compute_reward", ARGS
+    )
     assert not result.ok and "SyntaxError in code block 1" in result.error and "line" in result.error
 
 
 def test_async_entry_is_refused() -> None:
-    result = extract_function("```python\nasync def compute_reward(s, a, n):\n    return 0\n```", "compute_reward", ARGS)
+    result = extract_function(
+        "```python\nasync def compute_reward(s, a, n):\n    return 0\n```", "compute_reward", ARGS
+    )
     assert not result.ok and "async" in result.error
 
 
@@ -165,10 +175,16 @@ def test_two_functions_that_fit_are_not_guessed_between() -> None:
 
 
 def test_program_from_reply_keeps_a_rejected_reply_with_its_reason() -> None:
-    program = program_from_reply(RewardProgram, "Reward balance.", "compute_reward", ARGS, origin="x", meta={"sample": 4})
+    program = program_from_reply(
+        RewardProgram, "Reward balance.", "compute_reward", ARGS, origin="x", meta={"sample": 4}
+    )
     assert program.rejected.startswith("The reply contains no code") and program.reply == "Reward balance."
     assert program.meta == {"sample": 4, "rejected_kind": "no_code"} and program.origin == "x" and program.source == ""
-    bad = program_from_reply(RewardProgram, "```python\ndef compute_reward(s):\n    return 0\n```", "compute_reward", ARGS)
+    bad = program_from_reply(
+        RewardProgram, "```python\ndef compute_reward(s):\n    return 0\n```", "compute_reward", ARGS
+    )
     assert bad.rejected and bad.meta["rejected_kind"] == "signature" and "def compute_reward(s)" in bad.source
-    good = program_from_reply(StateProgram, "```python\ndef features(state):\n    return state['x']\n```", "revise_state", ["state"])
+    good = program_from_reply(
+        StateProgram, "```python\ndef features(state):\n    return state['x']\n```", "revise_state", ["state"]
+    )
     assert not good.rejected and good.meta["renamed_from"] == "features" and "def revise_state(state)" in good.source

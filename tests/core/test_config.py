@@ -20,9 +20,22 @@ def core_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
-@pytest.mark.parametrize("module", ["prompting.py", "vetting.py", "preflight.py", "loop.py", "codegen.py",
-                                    "llm/client.py", "llm/embedded.py", "sandbox/host.py", "train/ppo.py",
-                                    "envs/classic.py", "records.py"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "prompting.py",
+        "vetting.py",
+        "preflight.py",
+        "loop.py",
+        "codegen.py",
+        "llm/client.py",
+        "llm/embedded.py",
+        "sandbox/host.py",
+        "train/ppo.py",
+        "envs/classic.py",
+        "records.py",
+    ],
+)
 def test_an_edit_to_a_module_that_shapes_candidates_changes_the_key(core_copy: Path, module: str) -> None:
     before = core.config.framework_hash()
     path = core_copy / module
@@ -60,4 +73,6 @@ def test_a_bad_value_says_where_to_set_it_and_a_third_party_plugin_has_no_yaml_f
         assert "on the command line; plugin 'llm4rl_hello' has no YAML file here" in str(err.value)
     with pytest.raises(UserError) as err:
         typed(Config, {"samples": "many"}, "plugins.eureka")  # a shipped plugin: its file is named
-    assert "Set it in conf/plugins/eureka.yaml or on the command line, e.g. plugins.eureka.samples=<int>." in str(err.value)
+    assert "Set it in conf/plugins/eureka.yaml or on the command line, e.g. plugins.eureka.samples=<int>." in str(
+        err.value
+    )

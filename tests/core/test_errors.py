@@ -15,7 +15,7 @@ from core.errors import UserError
 from core.loop import run_experiment
 from core.testing.cli import run_cli
 
-MISSPELT_HOOK = '''
+MISSPELT_HOOK = """
     from core import hookimpl
 
 
@@ -26,16 +26,16 @@ MISSPELT_HOOK = '''
         @hookimpl
         def compute_rewards(self, train, batch):  # the hook is compute_reward
             return None
-'''
+"""
 
-UNKNOWN_ARGUMENT = '''
+UNKNOWN_ARGUMENT = """
     from core import hookimpl
 
 
     @hookimpl
     def on_train_end(train, results):  # the spec passes `result`
         pass
-'''
+"""
 
 
 def _fails_before_any_work(cfg, tmp_path) -> str:
@@ -103,10 +103,22 @@ def test_an_unknown_config_key(tiny_run, tmp_path, where, key, expected):
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["+plugins=[eureka]", "plugins.eureka.samples=abc"], "Invalid value for 'plugins.eureka.samples': expected int, got 'abc'"),
-        (["+plugins=[eureka]", "plugins.eureka.sample=3"], "Unknown config key 'plugins.eureka.sample'. Did you mean 'samples'?"),
-        (["+plugins=[eureka]", "+plugins.eureka.sample=3"], "Unknown config key 'plugins.eureka.sample'. Did you mean 'samples'?"),
-        (["plugins.eureka.samples=3"], "'plugins.eureka.samples' is set but plugin 'eureka' is not enabled in this run"),
+        (
+            ["+plugins=[eureka]", "plugins.eureka.samples=abc"],
+            "Invalid value for 'plugins.eureka.samples': expected int, got 'abc'",
+        ),
+        (
+            ["+plugins=[eureka]", "plugins.eureka.sample=3"],
+            "Unknown config key 'plugins.eureka.sample'. Did you mean 'samples'?",
+        ),
+        (
+            ["+plugins=[eureka]", "+plugins.eureka.sample=3"],
+            "Unknown config key 'plugins.eureka.sample'. Did you mean 'samples'?",
+        ),
+        (
+            ["plugins.eureka.samples=3"],
+            "'plugins.eureka.samples' is set but plugin 'eureka' is not enabled in this run",
+        ),
     ],
 )
 def test_the_command_line_says_it_in_one_paragraph(tmp_path, args, expected):

@@ -31,8 +31,15 @@ def _arm(name: str, scores: list[float], failed: int = 0) -> ArmResult:
     return ArmResult(name, values, failures, [], 0, iqm_, mean, {})
 
 
-def _cell(task: str, name: str, scores: list[float], failed: int = 0, search: bool = False, random: float = 0.0,
-          llm: list[float] | None = None) -> Scored:
+def _cell(
+    task: str,
+    name: str,
+    scores: list[float],
+    failed: int = 0,
+    search: bool = False,
+    random: float = 0.0,
+    llm: list[float] | None = None,
+) -> Scored:
     kind = Contribution("none") if llm is None else Contribution("llm", values=llm)
     return score(task, name, _arm(name, scores, failed), search, kind, random, REPS)
 
@@ -47,7 +54,10 @@ def test_calibration_lines_and_when_a_task_cannot_show_an_effect():
     assert shaped.line() == "calibration: shaped 0.88 ≥ 0.5 (success rate) — random 0"
     missed = Calibration("pendulum", "human", -200.0, "note", -900.0, 5, float("nan"))
     assert not missed.ok and missed.reason() == "human -900 < -200"
-    assert missed.line() == "calibration: human -900 < -200 (note) — random not run: **cannot show an effect at this budget**"
+    assert (
+        missed.line()
+        == "calibration: human -900 < -200 (note) — random not run: **cannot show an effect at this budget**"
+    )
     unset = Calibration("hopper", "human", None, "", 300.0, 5, 10.0)
     assert not unset.ok and unset.reason() == "no calibration threshold" and "no threshold set" in unset.line()
     not_run = Calibration("reach", "human", 0.5, "", float("nan"), 0, 0.0)
@@ -89,11 +99,16 @@ def test_matches_states_its_intervals_and_a_single_run_scores_nothing():
 
 def test_no_target_on_an_uncalibrated_task_an_inert_arm_or_a_task_not_planned():
     beats = TargetSpec(arm="x", relation="beats", other="y", tasks=["t", "u"])
-    cells = {("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0], llm=[0.0, 0.0, 0.0]), ("t", "y"): _cell("t", "y", [0.0, 1.0, 2.0])}
+    cells = {
+        ("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0], llm=[0.0, 0.0, 0.0]),
+        ("t", "y"): _cell("t", "y", [0.0, 1.0, 2.0]),
+    }
     uncalibrated = Calibration("t", "human", 5.0, "", 1.0, 3, 0.0)
     result = check_target(beats, cells, {"t": uncalibrated}, ["t", "u"], [], REPS)
-    assert [v.reason for v in result.tasks] == ["the task cannot show an effect at this budget (human 1 < 5)",
-                                                "not planned in this run of the study"]
+    assert [v.reason for v in result.tasks] == [
+        "the task cannot show an effect at this budget (human 1 < 5)",
+        "not planned in this run of the study",
+    ]
     assert result.verdict == "not scored"
     result = check_target(beats, cells, {"t": _ok()}, ["t"], [], REPS)
     assert result.tasks[0].reason == "x is inert here (its LLM put nothing into any run that trained a policy)"
@@ -104,8 +119,10 @@ def test_no_target_on_an_uncalibrated_task_an_inert_arm_or_a_task_not_planned():
 def test_a_search_that_failed_every_seed_fails_its_target():
     """Its user got the random policy from every seed: a failure, not a gap."""
     beats = TargetSpec(arm="x", relation="beats", other="y", tasks=["t"])
-    cells = {("t", "x"): _cell("t", "x", [], failed=3, search=True, random=-10.0),
-             ("t", "y"): _cell("t", "y", [0.0, 1.0, 2.0])}
+    cells = {
+        ("t", "x"): _cell("t", "x", [], failed=3, search=True, random=-10.0),
+        ("t", "y"): _cell("t", "y", [0.0, 1.0, 2.0]),
+    }
     assert cells[("t", "x")].counted == {0: -10.0, 1: -10.0, 2: -10.0}
     result = check_target(beats, cells, {"t": _ok()}, ["t"], [], REPS)
     assert result.verdict == "missed"
@@ -114,16 +131,21 @@ def test_a_search_that_failed_every_seed_fails_its_target():
 
 def test_a_search_without_a_random_score_for_its_failures_scores_no_target():
     beats = TargetSpec(arm="x", relation="beats", other="y", tasks=["t"])
-    cells = {("t", "x"): _cell("t", "x", [10.0, 11.0], failed=1, search=True, random=float("nan")),
-             ("t", "y"): _cell("t", "y", [0.0, 1.0, 2.0])}
+    cells = {
+        ("t", "x"): _cell("t", "x", [10.0, 11.0], failed=1, search=True, random=float("nan")),
+        ("t", "y"): _cell("t", "y", [0.0, 1.0, 2.0]),
+    }
     result = check_target(beats, cells, {"t": _ok()}, ["t"], [], REPS)
     assert result.verdict == "not scored" and "the random arm has not run" in result.tasks[0].reason
 
 
 def test_a_target_is_judged_against_the_arms_control():
     matches = TargetSpec(arm="x", relation="matches", other="human", tasks=["t"])
-    cells = {("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0]), ("t", "human"): _cell("t", "human", [10.0, 10.5, 11.0]),
-             ("t", "x_no_llm"): _cell("t", "x_no_llm", [10.0, 11.0, 12.0])}
+    cells = {
+        ("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0]),
+        ("t", "human"): _cell("t", "human", [10.0, 10.5, 11.0]),
+        ("t", "x_no_llm"): _cell("t", "x_no_llm", [10.0, 11.0, 12.0]),
+    }
     result = check_target(matches, cells, {"t": _ok()}, ["t"], ["x_no_llm"], REPS)
     assert result.verdict == "missed"
     assert "against its control x_no_llm: P(X > x_no_llm) 0.5 [" in result.tasks[0].text
@@ -134,16 +156,25 @@ def test_a_target_is_judged_against_the_arms_control():
     assert result.verdict == "not scored" and "its control x_no_llm has no scores" in result.tasks[0].reason
     # beats a control: the target is itself the control's judgement
     beats = TargetSpec(arm="x", relation="beats", other="sparse", tasks=["t"])
-    cells = {("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0]), ("t", "sparse"): _cell("t", "sparse", [0.0, 1.0, 2.0]),
-             ("t", "human"): _cell("t", "human", [20.0, 21.0, 22.0])}
+    cells = {
+        ("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0]),
+        ("t", "sparse"): _cell("t", "sparse", [0.0, 1.0, 2.0]),
+        ("t", "human"): _cell("t", "human", [20.0, 21.0, 22.0]),
+    }
     result = check_target(beats, cells, {"t": _ok()}, ["t"], ["sparse", "human"], REPS)
     assert result.verdict == "met" and result.tasks[0].text.endswith("; sparse is its control: holds")
 
 
 def test_the_controls_of_an_arm():
-    spec = StudySpec(arms={"sparse": ArmSpec(), "human": ArmSpec(), "eureka": ArmSpec(plugins=["eureka"], search=True),
-                           "progress_reward": ArmSpec(plugins=["progress_reward"]),
-                           "progress_no_llm": ArmSpec(plugins=["progress_reward"], control_of="progress_reward")})
+    spec = StudySpec(
+        arms={
+            "sparse": ArmSpec(),
+            "human": ArmSpec(),
+            "eureka": ArmSpec(plugins=["eureka"], search=True),
+            "progress_reward": ArmSpec(plugins=["progress_reward"]),
+            "progress_no_llm": ArmSpec(plugins=["progress_reward"], control_of="progress_reward"),
+        }
+    )
     assert controls_of(spec, "progress_reward") == ["progress_no_llm"]
     assert controls_of(spec, "eureka") == ["sparse", "human"]
     assert controls_of(spec, "human") == [] and controls_of(spec, "progress_no_llm") == []
@@ -160,21 +191,29 @@ def test_a_target_over_a_share_of_tasks_is_met_missed_or_not_scored():
     assert result.verdict == "met" and result.reason == "holds on 2 of 4 task(s); needs 50%"
     calibrations["a"] = Calibration("a", "human", None, "", 1.0, 3, 0.0)  # 1 holds, 2 fail, 1 open: could reach 2
     result = check_target(matches, cells, calibrations, list("abcd"), [], REPS)
-    assert result.verdict == "not scored" and result.reason.endswith("a: the task cannot show an effect at this budget "
-                                                                     "(no calibration threshold)")
+    assert result.verdict == "not scored" and result.reason.endswith(
+        "a: the task cannot show an effect at this budget (no calibration threshold)"
+    )
     cells[("c", "x")] = _cell("c", "x", bad)  # 0 hold, 3 fail, 1 open: cannot reach 2
     assert check_target(matches, cells, calibrations, list("abcd"), [], REPS).verdict == "missed"
 
 
 def test_the_llms_contribution_per_run():
     def run(status: str = OK, metrics: dict | None = None, training: dict | None = None) -> StudyRun:
-        return StudyRun("id", "n", "crafter", "x", 0, status, 1.0, metrics=metrics or {}, training_metrics=training or {})
+        return StudyRun(
+            "id", "n", "crafter", "x", 0, status, 1.0, metrics=metrics or {}, training_metrics=training or {}
+        )
 
     search = ArmSpec(plugins=["eureka"], search=True)
-    c = contribution(search, [run(metrics={"llm_programs_trained": 3.0, "candidates": 4.0}),
-                              run(metrics={"llm_programs_trained": 0.0, "candidates": 4.0}),
-                              run(FAILED, metrics={"llm_programs_trained": 0.0, "candidates": 4.0}),  # no policy
-                              run(UNFINISHED, metrics={"llm_programs_trained": 0.0})])  # still going
+    c = contribution(
+        search,
+        [
+            run(metrics={"llm_programs_trained": 3.0, "candidates": 4.0}),
+            run(metrics={"llm_programs_trained": 0.0, "candidates": 4.0}),
+            run(FAILED, metrics={"llm_programs_trained": 0.0, "candidates": 4.0}),  # no policy
+            run(UNFINISHED, metrics={"llm_programs_trained": 0.0}),
+        ],
+    )  # still going
     assert c.values == [3.0, 0.0] and not c.inert
     assert c.text() == "candidates trained with an LLM's program: 1.5 of 4 per run, 0 on 1 of 2 runs"
     failed = contribution(search, [run(FAILED, metrics={"llm_programs_trained": 0.0})] * 2)
@@ -185,8 +224,10 @@ def test_the_llms_contribution_per_run():
     assert c.values == [0.0, 0.0] and c.inert
     assert c.text().startswith("**inert** (share of steps whose reward the learned preference term changed: 0 per run")
     judge = ArmSpec(plugins=["progress_reward"])
-    c = contribution(judge, [run(training={"llm/changed_share": 0.5, "summary/llm/changed_share": 0.9,
-                                           "judge/rank_correlation": 0.4})])
+    c = contribution(
+        judge,
+        [run(training={"llm/changed_share": 0.5, "summary/llm/changed_share": 0.9, "judge/rank_correlation": 0.4})],
+    )
     assert c.values == [0.9]  # the training's final figure, not the series' last point
     assert "rank correlation with reference progress 0.4" in c.text()
     assert contribution(ArmSpec(plugins=["some_plugin"]), [run()]).text() == "not measured"
@@ -196,11 +237,17 @@ def test_the_llms_contribution_per_run():
 
 
 def test_the_aggregate_is_the_iqm_of_normalised_scores_over_tasks():
-    cells = {("a", "random"): _cell("a", "random", [0.0, 0.0]), ("a", "human"): _cell("a", "human", [10.0, 10.0]),
-             ("b", "random"): _cell("b", "random", [-100.0, -100.0]), ("b", "human"): _cell("b", "human", [-50.0, -50.0]),
-             ("c", "random"): _cell("c", "random", [1.0, 1.0]), ("c", "human"): _cell("c", "human", [1.0, 1.0]),
-             ("a", "x"): _cell("a", "x", [5.0, 10.0, 20.0]), ("b", "x"): _cell("b", "x", [-75.0, -50.0]),
-             ("c", "x"): _cell("c", "x", [9.0, 9.0])}
+    cells = {
+        ("a", "random"): _cell("a", "random", [0.0, 0.0]),
+        ("a", "human"): _cell("a", "human", [10.0, 10.0]),
+        ("b", "random"): _cell("b", "random", [-100.0, -100.0]),
+        ("b", "human"): _cell("b", "human", [-50.0, -50.0]),
+        ("c", "random"): _cell("c", "random", [1.0, 1.0]),
+        ("c", "human"): _cell("c", "human", [1.0, 1.0]),
+        ("a", "x"): _cell("a", "x", [5.0, 10.0, 20.0]),
+        ("b", "x"): _cell("b", "x", [-75.0, -50.0]),
+        ("c", "x"): _cell("c", "x", [9.0, 9.0]),
+    }
     scale = bounds(cells, ["a", "b", "c"], "random")
     assert scale == {"a": (0.0, 10.0), "b": (-100.0, -50.0)}  # c: human = random, nothing to normalise by
     (row,) = [r for r in aggregate(["random", "human", "x"], cells, scale, REPS) if r.arm == "x"]

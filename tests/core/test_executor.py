@@ -182,7 +182,9 @@ def test_a_worker_takes_the_runs_settings_as_they_are(make_config, monkeypatch):
 
 def test_a_crashing_candidate_becomes_a_failed_result(make_config):
     (job,) = _jobs(make_config, seeds=(0,))
-    job.candidate.reward = RewardProgram(source="def compute_reward(state, action, next_state):\n    return 1 / 0\n", entry="compute_reward")
+    job.candidate.reward = RewardProgram(
+        source="def compute_reward(state, action, next_state):\n    return 1 / 0\n", entry="compute_reward"
+    )
     result = run_job(job, build_runtime(job.config))
     assert not result.ok
     assert "ZeroDivisionError" in result.error or "division" in result.error

@@ -68,14 +68,24 @@ def test_a_bare_trainer_call_saves_no_policy(temp_folder, trainer):
 
     train, config_cls = get_trainer(trainer)
     task = make_task({"name": "cartpole" if trainer == "ppo" else "pendulum"})
-    small = {"ppo": dict(frames=256, num_envs=4, rollout_steps=32, epochs=1, minibatch=64),
-             "sac": dict(frames=200, init_random_frames=100, batch_size=32)}[trainer]
+    small = {
+        "ppo": dict(frames=256, num_envs=4, rollout_steps=32, epochs=1, minibatch=64),
+        "sac": dict(frames=200, init_random_frames=100, batch_size=32),
+    }[trainer]
     cfg = config_cls(**small, hidden=[8], eval_every=0, eval_episodes=1)
     hook = make_plugin_manager().hook
     candidate = Candidate("bare", 0)
-    results = [train(task, candidate, cfg, seed=0, hook=hook),
-               train(task, candidate, cfg, seed=0, hook=hook,
-                     ctx=TrainContext(settings=Settings.of(), task=task, candidate=candidate, seed=0, total_frames=cfg.frames))]
+    results = [
+        train(task, candidate, cfg, seed=0, hook=hook),
+        train(
+            task,
+            candidate,
+            cfg,
+            seed=0,
+            hook=hook,
+            ctx=TrainContext(settings=Settings.of(), task=task, candidate=candidate, seed=0, total_frames=cfg.frames),
+        ),
+    ]
     assert all(r.ok and r.policy_path == "" for r in results), [r.error for r in results]
     assert _policies(temp_folder) == []
 
@@ -83,7 +93,9 @@ def test_a_bare_trainer_call_saves_no_policy(temp_folder, trainer):
 @pytest.mark.slow
 def test_policies_saved_by_pool_workers_are_removed(tiny_run, temp_folder):
     loop = Loop(tiny_run("save_policy=true", "executor=local", "executor.workers=2"))
-    loop.propose = lambda iteration, sources=None: [Candidate(f"it{iteration}-c{i}", iteration) for i in range(2)]  # two jobs: the pool
+    loop.propose = lambda iteration, sources=None: [
+        Candidate(f"it{iteration}-c{i}", iteration) for i in range(2)
+    ]  # two jobs: the pool
     summary = loop.execute()
     assert summary.candidates == 2 and summary.failed == 0, summary.first_error
     _saved_in(loop, temp_folder)

@@ -100,7 +100,7 @@ def _path(graph: dict[str, set[str]], component: list[str]) -> str:
             return " -> ".join([*trail, start])
         step = next((n for n in nxt if n not in seen), nxt[0])
         if step in seen:
-            return " -> ".join([*trail[trail.index(step):], step])
+            return " -> ".join([*trail[trail.index(step) :], step])
         trail.append(step)
         seen.add(step)
 
@@ -129,4 +129,5 @@ def test_core_has_no_import_cycles():
     assert len(graph) > 50  # the walk found the package
     found = cycles(graph)
     assert not found, "import circles in core/ (function-level and TYPE_CHECKING imports count): " + "; ".join(
-        _path(graph, c) for c in found)
+        _path(graph, c) for c in found
+    )

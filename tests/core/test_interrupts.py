@@ -81,8 +81,12 @@ def test_install_makes_sigterm_a_keyboard_interrupt_and_stops_generation(monkeyp
 def test_ctrl_c_during_an_embedded_call_ends_the_process_within_seconds(tmp_path, how):
     """One call on the main thread, or two at once from chat_many's thread pool (which waits
     for its threads on the way out: they must stop generating)."""
-    proc = subprocess.Popen([sys.executable, "-c", GENERATE, str(tmp_path / "c.sqlite"), how],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", GENERATE, str(tmp_path / "c.sqlite"), how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     latency, out = _stop_after(proc, signal.SIGINT, "ready", wait_s=3.0)
     assert "finished" not in out, out  # it was still generating when interrupted
     assert proc.returncode == 130 and "interrupted" in out, out
@@ -109,9 +113,22 @@ def _mlflow_statuses(db: Path) -> list[str]:
 def test_a_signal_during_training_ends_the_run_killed_with_a_resume_hint(tmp_path, sig):
     db = tmp_path / "mlflow.db"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "core", "env=cartpole", "trainer.frames=2000000", "progress=false",
-         f"tracking.uri=sqlite:///{db}", f"tracking.artifact_location={tmp_path / 'art'}", f"cache_dir={tmp_path / 'cache'}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "core",
+            "env=cartpole",
+            "trainer.frames=2000000",
+            "progress=false",
+            f"tracking.uri=sqlite:///{db}",
+            f"tracking.artifact_location={tmp_path / 'art'}",
+            f"cache_dir={tmp_path / 'cache'}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
     deadline = time.monotonic() + 180
     while "RUNNING" not in _mlflow_statuses(db):  # the parent run is open
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]

@@ -143,7 +143,9 @@ def test_a_job_without_a_run_gets_a_runtime_of_its_own(local_plugins, tiny_run, 
     monkeypatch.setattr(core.jobs, "_RUNTIMES", OrderedDict())
     container = OmegaConf.to_container(_config(tiny_run, "a"), resolve=True)
     container.pop("hydra", None)
-    reports = [run_job(TrainJob(container, Candidate(f"c{i}", 0), seed=0, run_key="")).texts["probe.txt"].split()
-               for i in range(2)]
+    reports = [
+        run_job(TrainJob(container, Candidate(f"c{i}", 0), seed=0, run_key="")).texts["probe.txt"].split()
+        for i in range(2)
+    ]
     assert [r[3] for r in reports] == ["1", "1"]
     assert not core.jobs._RUNTIMES

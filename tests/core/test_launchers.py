@@ -20,8 +20,19 @@ def test_task_function_pickles_by_reference() -> None:
 
 def _study(tmp_path, launcher: list[str], name: str) -> dict[str, float]:
     """A 2-seed CartPole baseline study; returns {seed: fitness} read back from MLflow."""
-    cmd = [sys.executable, "-m", "core", "-m", *launcher, "seed=0,1", "trainer.frames=4096",
-           "progress=false", "resume=false", f"experiment={name}", f"cache_dir={tmp_path / 'cache'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "core",
+        "-m",
+        *launcher,
+        "seed=0,1",
+        "trainer.frames=4096",
+        "progress=false",
+        "resume=false",
+        f"experiment={name}",
+        f"cache_dir={tmp_path / 'cache'}",
+    ]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     import mlflow

@@ -295,7 +295,9 @@ class _RefusesOne(Tracker):
             from mlflow.exceptions import MlflowException
             from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-            run = self.client.create_run(self.experiment_id, tags={MLFLOW_PARENT_RUN_ID: self.parent_id, "candidate": candidate.id})
+            run = self.client.create_run(
+                self.experiment_id, tags={MLFLOW_PARENT_RUN_ID: self.parent_id, "candidate": candidate.id}
+            )
             result.run_id = run.info.run_id
             raise MlflowException("Invalid metric name: 'components/angle (rad)'")
         return super().log_candidate(candidate, result, tags, ended)
@@ -323,7 +325,9 @@ def test_a_candidate_whose_recording_fails_fails_alone_and_the_run_goes_on(local
 def test_the_names_mended_before_a_program_ran_are_tagged_on_its_candidate():
     from core.loop import _reply_tags
 
-    program = RewardProgram(source="x", meta={"sample": 2, "fixes": ["field `pole_angel` (line 2) read as `pole_angle`"]})
+    program = RewardProgram(
+        source="x", meta={"sample": 2, "fixes": ["field `pole_angel` (line 2) read as `pole_angle`"]}
+    )
     tags = _reply_tags(Candidate(id="it0-c0", iteration=0, reward=program))
     assert tags["name_fixes"] == "field `pole_angel` (line 2) read as `pole_angle`" and tags["sample"] == "2"
 
@@ -338,7 +342,7 @@ def test_a_run_hides_its_records_from_the_programs_workers(local_plugins, tiny_r
     cfg = _alpha_beta(local_plugins, tiny_run, propose=False, iterations=1)
     run_experiment(cfg)
     hidden = os.environ[RECORDS_ENV].split(os.pathsep)
-    db = os.path.realpath(cfg.tracking.uri[len("sqlite:///"):])
+    db = os.path.realpath(cfg.tracking.uri[len("sqlite:///") :])
     assert db in hidden and db + "-journal" in hidden
     assert any(p.endswith("llm4rl-results.sqlite") for p in hidden)
     assert any(p.endswith("llm_cache.sqlite") for p in hidden)

@@ -23,9 +23,21 @@ from core.testing import fakes
 from core.tracking import CANDIDATES_FILTER, RESULT_TAG, RUNS_VIEW_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["env=cartpole", "trainer.frames=512", "trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=1",
-        "trainer.minibatch=64", "trainer.hidden=[16]", "trainer.eval_every=256", "trainer.eval_episodes=2",
-        "executor=inprocess", "tracking.log_plots=false", "save_policy=false", "resume=false"]
+TINY = [
+    "env=cartpole",
+    "trainer.frames=512",
+    "trainer.num_envs=4",
+    "trainer.rollout_steps=32",
+    "trainer.epochs=1",
+    "trainer.minibatch=64",
+    "trainer.hidden=[16]",
+    "trainer.eval_every=256",
+    "trainer.eval_episodes=2",
+    "executor=inprocess",
+    "tracking.log_plots=false",
+    "save_policy=false",
+    "resume=false",
+]
 RAISES = """```python
 def compute_reward(state, action, next_state):
     return next_state["cart_position"] / 0 + undefined_name
@@ -56,8 +68,17 @@ def test_the_pages_show_the_result_the_kinds_of_run_and_why_candidates_failed(ma
     shots = Path(os.environ.get(DOCS_IMG) or tmp_path)
     replies = iter([fakes.REWARD.format(entry="compute_reward"), "I would reward staying upright.", RAISES])
     fakes.install_fake_litellm(monkeypatch, lambda messages: next(replies, RAISES))  # a repair fails again
-    cfg = make_config(["+plugins=[eureka]", "plugins.eureka.iterations=1", "plugins.eureka.samples=3", *TINY,
-                       *fakes.FAKE_LLM_OVERRIDES, "llm.max_n=1", "llm.concurrency=1"])
+    cfg = make_config(
+        [
+            "+plugins=[eureka]",
+            "plugins.eureka.iterations=1",
+            "plugins.eureka.samples=3",
+            *TINY,
+            *fakes.FAKE_LLM_OVERRIDES,
+            "llm.max_n=1",
+            "llm.concurrency=1",
+        ]
+    )
     summary = run_experiment(cfg)
     client = mlflow.MlflowClient(cfg.tracking.uri)
     parent = client.get_run(summary.run_id)

@@ -13,16 +13,19 @@ def check(source: str, **kwargs):
 
 
 def test_known_fields_read_every_way_pass_unchanged():
-    source = ("def compute_reward(state, action, next_state):\n"
-              "    a = next_state.pole_angle + state['cart_position'] + state.get('cart_velocity', 0)\n"
-              "    return a, {k: v for k, v in state.items()}\n")
+    source = (
+        "def compute_reward(state, action, next_state):\n"
+        "    a = next_state.pole_angle + state['cart_position'] + state.get('cart_velocity', 0)\n"
+        "    return a, {k: v for k, v in state.items()}\n"
+    )
     out = check(source)
     assert out.ok and out.source == source and not out.fixes
 
 
 def test_a_field_with_one_close_match_is_renamed_and_the_fix_recorded():
-    source = ("def compute_reward(state, action, next_state):\n"
-              "    return next_state.pole_angel + state['Cart_Position']\n")
+    source = (
+        "def compute_reward(state, action, next_state):\n    return next_state.pole_angel + state['Cart_Position']\n"
+    )
     out = check(source)
     assert out.ok and "next_state.pole_angle + state['cart_position']" in out.source
     assert len(out.fixes) == 2 and "`pole_angel`" in out.fixes[0]
@@ -41,27 +44,33 @@ def test_several_close_fields_are_offered_not_guessed():
 
 
 def test_a_name_never_assigned_is_refused_and_a_bare_field_gets_a_hint():
-    out = check("import torch\ndef compute_reward(state, action, next_state):\n"
-                "    reward = closeness + pole_angle\n    return reward\n")
+    out = check(
+        "import torch\ndef compute_reward(state, action, next_state):\n"
+        "    reward = closeness + pole_angle\n    return reward\n"
+    )
     assert not out.ok
     assert "`closeness` is used but never assigned" in out.errors[0]
     assert "write `next_state.pole_angle`" in out.errors[1]
 
 
 def test_names_bound_anywhere_and_builtins_pass():
-    source = ("import torch\nimport math as m\n\ndef helper(x, *rest, scale=1.0, **kw):\n    return x * scale\n\n"
-              "def compute_reward(state, action, next_state):\n"
-              "    total = sum(helper(v) for v in [state.pole_angle])\n"
-              "    try:\n        y = m.pi\n    except ValueError as err:\n        y = 0.0\n"
-              "    for i in range(2):\n        total = total + i\n"
-              "    return torch.as_tensor(total) + (z := 1.0) + y + float(len(state)), {}\n")
+    source = (
+        "import torch\nimport math as m\n\ndef helper(x, *rest, scale=1.0, **kw):\n    return x * scale\n\n"
+        "def compute_reward(state, action, next_state):\n"
+        "    total = sum(helper(v) for v in [state.pole_angle])\n"
+        "    try:\n        y = m.pi\n    except ValueError as err:\n        y = 0.0\n"
+        "    for i in range(2):\n        total = total + i\n"
+        "    return torch.as_tensor(total) + (z := 1.0) + y + float(len(state)), {}\n"
+    )
     assert check(source).ok
 
 
 def test_a_python_number_given_to_a_torch_function_is_wrapped():
-    source = ("import torch\ndef compute_reward(state, action, next_state):\n"
-              "    temperature = 0.5\n"
-              "    return torch.exp(temperature) * torch.maximum(state.pole_angle, 0.0) + torch.sqrt(-1 * 2.0)\n")
+    source = (
+        "import torch\ndef compute_reward(state, action, next_state):\n"
+        "    temperature = 0.5\n"
+        "    return torch.exp(temperature) * torch.maximum(state.pole_angle, 0.0) + torch.sqrt(-1 * 2.0)\n"
+    )
     out = check(source)
     assert out.ok and len(out.fixes) == 3
     assert "torch.exp(torch.tensor(temperature))" in out.source
@@ -76,11 +85,17 @@ def test_without_fix_nothing_is_changed():
 
 
 def test_the_state_arguments_are_what_the_function_calls_them():
-    assert state_arguments("def compute_reward(s, a, n):\n    pass\n", "compute_reward", ["state", "action", "next_state"]) == ("s", "n")
+    assert state_arguments(
+        "def compute_reward(s, a, n):\n    pass\n", "compute_reward", ["state", "action", "next_state"]
+    ) == ("s", "n")
     assert state_arguments("def act(obs):\n    pass\n", "act", ["state"]) == ("obs",)
-    out = check_names("def compute_reward(s, a, n):\n    return s['nope']\n", FIELDS,
-                      state_args=state_arguments("def compute_reward(s, a, n):\n    return s['nope']\n", "compute_reward",
-                                                 ["state", "action", "next_state"]))
+    out = check_names(
+        "def compute_reward(s, a, n):\n    return s['nope']\n",
+        FIELDS,
+        state_args=state_arguments(
+            "def compute_reward(s, a, n):\n    return s['nope']\n", "compute_reward", ["state", "action", "next_state"]
+        ),
+    )
     assert not out.ok
 
 

@@ -29,7 +29,13 @@ def reward(k: int) -> str:
 
 
 def client(tmp_path, **settings: Any) -> LLMClient:
-    cfg = {"model": "openai/fake-llm", "api_key_env": None, "retries": 0, "cache_path": str(tmp_path / "llm"), **settings}
+    cfg = {
+        "model": "openai/fake-llm",
+        "api_key_env": None,
+        "retries": 0,
+        "cache_path": str(tmp_path / "llm"),
+        **settings,
+    }
     return LLMClient(cfg)
 
 
@@ -114,8 +120,15 @@ class Starts:
 
 
 def eureka_loop(tiny_run, llm: Any = None, *overrides: str) -> tuple[Loop, Starts]:
-    cfg = tiny_run("+plugins=[eureka]", "plugins.eureka.iterations=1", "plugins.eureka.samples=4", "resume=false",
-                   "save_policy=false", "progress=false", *overrides)
+    cfg = tiny_run(
+        "+plugins=[eureka]",
+        "plugins.eureka.iterations=1",
+        "plugins.eureka.samples=4",
+        "resume=false",
+        "save_policy=false",
+        "progress=false",
+        *overrides,
+    )
     starts = Starts()
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
@@ -127,8 +140,19 @@ def eureka_loop(tiny_run, llm: Any = None, *overrides: str) -> tuple[Loop, Start
 
 def summary(loop: Loop) -> list[tuple[Any, ...]]:
     (it,) = loop.run.history
-    return [(c.id, c.reward.meta.get("sample"), c.reward.source, bool(c.rejected), r.ok, r.frames, r.error_kind,
-             round(r.score, 6) if r.ok else None) for c, r in zip(it.candidates, it.results)]
+    return [
+        (
+            c.id,
+            c.reward.meta.get("sample"),
+            c.reward.source,
+            bool(c.rejected),
+            r.ok,
+            r.frames,
+            r.error_kind,
+            round(r.score, 6) if r.ok else None,
+        )
+        for c, r in zip(it.candidates, it.results)
+    ]
 
 
 SCRIPT = [reward(1), NO_CODE, reward(2), reward(3)]
@@ -144,7 +168,11 @@ def test_the_first_candidates_train_before_the_last_samples_arrive_with_the_same
     overlapped = summary(loop)
     # the rejected reply (sample 1) comes last, as when the samples are read to their end first
     assert [(cid, sample, rejected) for cid, sample, _, rejected, *_ in overlapped] == [
-        ("it0-c0", 0, False), ("it0-c1", 2, False), ("it0-c2", 3, False), ("it0-c3", 1, True)]
+        ("it0-c0", 0, False),
+        ("it0-c1", 2, False),
+        ("it0-c2", 3, False),
+        ("it0-c3", 1, True),
+    ]
     assert all(row[4] for row in overlapped[:3]) and overlapped[3][6] == "rejected"
 
     collected, _ = eureka_loop(tiny_run, ScriptedLLM(list(SCRIPT), group=1), "vetting.repair=0")
@@ -189,7 +217,9 @@ def test_a_pool_trains_the_first_job_while_the_next_is_awaited(tiny_run):
     finally:
         pool.close()
     assert [r.ok for r in results] == [True, True] and [r.candidate_id for r in results] == ["it0-c0", "it0-c1"]
-    assert pool.last_plan == 2 and pool.overlap_s > 0.2  # the first job (a training of under a second) ran during the 20 s wait
+    assert (
+        pool.last_plan == 2 and pool.overlap_s > 0.2
+    )  # the first job (a training of under a second) ran during the 20 s wait
     assert done[0] - asked["second"] < 1.0  # had finished during the wait: collected at once after it
 
 

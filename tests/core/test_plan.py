@@ -42,8 +42,13 @@ def test_match_goal_reads_free_text():
 
 
 def test_check_plan_names_unknown_goals_and_skills(task):
-    plan = Plan([PlanStep("collect_wood", "skill", done="collect_wood"), PlanStep("mine_gold", "skill", done="collect_gold"),
-                 PlanStep("dance", "skill")])
+    plan = Plan(
+        [
+            PlanStep("collect_wood", "skill", done="collect_wood"),
+            PlanStep("mine_gold", "skill", done="collect_gold"),
+            PlanStep("dance", "skill"),
+        ]
+    )
     errors = check_plan(plan, task, skills=["collect_wood"])
     assert len(errors) == 3
     assert "cannot check the goal 'collect_gold'" in errors[0] and "did you mean" in errors[0]
@@ -62,8 +67,13 @@ def test_plan_kinds_are_checked_and_text_is_made_from_steps():
 
 
 def test_follower_advances_through_the_steps_with_no_state(task):
-    plan = Plan([PlanStep("collect_wood", "skill", done="collect_wood"), PlanStep("note", "goal"),
-                 PlanStep("place_table", "skill", done="place_table")])
+    plan = Plan(
+        [
+            PlanStep("collect_wood", "skill", done="collect_wood"),
+            PlanStep("note", "goal"),
+            PlanStep("place_table", "skill", done="place_table"),
+        ]
+    )
     follow = PlanFollower(plan, task)
     assert len(follow) == 2  # the unchecked step is not followed
     none, wood, both = _obs(task), _obs(task, "collect_wood"), _obs(task, "collect_wood", "place_table")

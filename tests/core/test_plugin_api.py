@@ -20,19 +20,61 @@ GUIDE = ROOT / "docs" / "writing-a-plugin.md"
 SURFACE = {
     "hooks and config": ["hookimpl", "PluginConfig", "SandboxConfig"],
     "contexts": ["RunContext", "TrainContext", "StepBatch", "ActionPrior"],
-    "records": ["Program", "RewardProgram", "StateProgram", "MacroAction", "EnvConfig", "StartPolicy", "Plan",
-                "PlanStep", "Candidate", "Fitness", "TrainResult", "IterationResult"],
+    "records": [
+        "Program",
+        "RewardProgram",
+        "StateProgram",
+        "MacroAction",
+        "EnvConfig",
+        "StartPolicy",
+        "Plan",
+        "PlanStep",
+        "Candidate",
+        "Fitness",
+        "TrainResult",
+        "IterationResult",
+    ],
     "the task": ["Task", "Trajectory", "VectorStep", "task_steps"],
     "errors": ["UserError", "LLMError", "SandboxError"],
-    "LLM code": ["extract_code", "extract_function", "program_from_reply", "without_prelude", "check_names",
-                 "state_arguments", "SAFE_BUILTIN_NAMES"],
-    "prompting": ["Shapes", "batch_shapes", "action_text", "fields_text", "field_bindings", "program_fields",
-                  "sign_rule", "reward_interface", "state_interface", "interface_of", "code_options", "repair_messages",
-                  "fence", "reply_counts", "candidate_line", "summarize_series", "sample_evenly"],
+    "LLM code": [
+        "extract_code",
+        "extract_function",
+        "program_from_reply",
+        "without_prelude",
+        "check_names",
+        "state_arguments",
+        "SAFE_BUILTIN_NAMES",
+    ],
+    "prompting": [
+        "Shapes",
+        "batch_shapes",
+        "action_text",
+        "fields_text",
+        "field_bindings",
+        "program_fields",
+        "sign_rule",
+        "reward_interface",
+        "state_interface",
+        "interface_of",
+        "code_options",
+        "repair_messages",
+        "fence",
+        "reply_counts",
+        "candidate_line",
+        "summarize_series",
+        "sample_evenly",
+    ],
     "the LLM in the background": ["warm_up", "BackgroundCalls", "ask_in_batches"],
     "plans and goals": ["goal_names", "match_goal", "newly_achieved", "check_plan", "PlanFollower"],
-    "the sandbox": ["prepare_reward", "prepare_state", "probe_batch", "run_isolated", "validate_state",
-                    "normalize_reward", "SandboxReport"],
+    "the sandbox": [
+        "prepare_reward",
+        "prepare_state",
+        "probe_batch",
+        "run_isolated",
+        "validate_state",
+        "normalize_reward",
+        "SandboxReport",
+    ],
     "training pieces": ["MacroSet", "Population", "Member", "population_settings"],
     "progress": ["make_progress"],
 }
@@ -45,7 +87,8 @@ def test_the_surface_is_the_announced_one():
     added, removed = sorted(set(exported) - set(EXPORTS)), sorted(set(EXPORTS) - set(exported))
     assert not added and not removed, (
         f"the plugin API changed: added {added}, removed {removed}. If that is meant, update SURFACE here "
-        "and the list in docs/writing-a-plugin.md.")
+        "and the list in docs/writing-a-plugin.md."
+    )
 
 
 def test_every_export_resolves():
@@ -70,8 +113,10 @@ def test_the_guide_lists_every_export():
 
 def test_core_itself_stays_light():
     """``from core import hookimpl, PluginConfig`` imports neither torch nor the API module."""
-    code = ("import sys; from core import PluginConfig, hookimpl; "
-            "print(sorted(m for m in ('torch', 'core.plugin') if m in sys.modules))")
+    code = (
+        "import sys; from core import PluginConfig, hookimpl; "
+        "print(sorted(m for m in ('torch', 'core.plugin') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 
@@ -83,10 +128,16 @@ def test_the_builtins_import_only_the_plugin_api():
 
 
 def test_the_static_check_refuses_internals():
-    source = ("from core import PluginConfig, hookimpl\nfrom core.plugin import RewardProgram\n"
-              "import core.plugin\nfrom . import helpers\n"
-              "def f():\n    from core.sandbox import prepare_reward\n"
-              "from core import sandbox\nimport core.train.sac\nfrom core.train.sac import SACConfig\n")
-    refused = ["line 6: from core.sandbox import prepare_reward", "line 7: from core import sandbox",
-               "line 8: import core.train.sac", "line 9: from core.train.sac import SACConfig"]
+    source = (
+        "from core import PluginConfig, hookimpl\nfrom core.plugin import RewardProgram\n"
+        "import core.plugin\nfrom . import helpers\n"
+        "def f():\n    from core.sandbox import prepare_reward\n"
+        "from core import sandbox\nimport core.train.sac\nfrom core.train.sac import SACConfig\n"
+    )
+    refused = [
+        "line 6: from core.sandbox import prepare_reward",
+        "line 7: from core import sandbox",
+        "line 8: import core.train.sac",
+        "line 9: from core.train.sac import SACConfig",
+    ]
     assert core_imports(source) == refused

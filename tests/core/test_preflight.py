@@ -33,10 +33,22 @@ def compute_reward(state, action, next_state):
 ```"""
 
 #: frames and sizes for a MountainCar run that trains in seconds
-TINY = ["env=mountaincar", "trainer.frames=256", "trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=1",
-        "trainer.minibatch=64", "trainer.hidden=[16]", "trainer.eval_every=0", "trainer.eval_episodes=2",
-        "executor=inprocess", "tracking.log_plots=false", "save_policy=false", "resume=false",
-        "vetting.episodes=3"]
+TINY = [
+    "env=mountaincar",
+    "trainer.frames=256",
+    "trainer.num_envs=4",
+    "trainer.rollout_steps=32",
+    "trainer.epochs=1",
+    "trainer.minibatch=64",
+    "trainer.hidden=[16]",
+    "trainer.eval_every=0",
+    "trainer.eval_episodes=2",
+    "executor=inprocess",
+    "tracking.log_plots=false",
+    "save_policy=false",
+    "resume=false",
+    "vetting.episodes=3",
+]
 
 
 def eureka_run(replies: list[str], **vetting):
@@ -44,8 +56,14 @@ def eureka_run(replies: list[str], **vetting):
     llm = ScriptedLLM(replies)
     settings = fakes.settings_for("eureka", eureka)
     pm = make_plugin_manager(settings, modules={"eureka": eureka})
-    run = fakes.make_run(make_task({"name": "mountaincar"}), llm, plugin="eureka", module=eureka,
-                         config={"vetting": {"episodes": 3, **vetting}}, hook=pm.hook)
+    run = fakes.make_run(
+        make_task({"name": "mountaincar"}),
+        llm,
+        plugin="eureka",
+        module=eureka,
+        config={"vetting": {"episodes": 3, **vetting}},
+        hook=pm.hook,
+    )
     return run, llm
 
 
@@ -85,7 +103,9 @@ def test_a_good_program_passes_untouched():
     c = candidate(FIXED)
     before = c.reward
     assert preflight(run, [c]) == {} and c.reward is before and not llm.calls
-    assert run.tracker.metrics["vetting/pair_accuracy"] == 1.0 and "passed" in run.tracker.texts["vetting/it0-it0-c0.md"]
+    assert (
+        run.tracker.metrics["vetting/pair_accuracy"] == 1.0 and "passed" in run.tracker.texts["vetting/it0-it0-c0.md"]
+    )
 
 
 def test_a_failing_program_is_repaired_once_in_a_short_request_with_the_error_and_the_rule():
@@ -115,8 +135,13 @@ def test_with_the_earlier_interface_the_plugin_repairs_in_its_conversation():
     llm = ScriptedLLM([FIXED])
     settings = fakes.settings_for("eureka", eureka)
     pm = make_plugin_manager(settings, modules={"eureka": eureka})
-    run = fakes.make_run(make_task({"name": "mountaincar"}), llm, plugin="eureka", module=eureka,
-                         config={"vetting": {"episodes": 3}, "code": {"interface": "dict"}})
+    run = fakes.make_run(
+        make_task({"name": "mountaincar"}),
+        llm,
+        plugin="eureka",
+        module=eureka,
+        config={"vetting": {"episodes": 3}, "code": {"interface": "dict"}},
+    )
     run.pluginmanager = pm  # preflight asks the proposing plugin alone, through pluggy
     c = candidate(ALIVE)
     assert preflight(run, [c]) == {}
@@ -159,8 +184,13 @@ def test_a_program_that_fails_its_probe_is_repaired_too():
 
 def test_a_reply_without_code_is_sent_back_and_left_to_the_loop_when_it_stays_unusable():
     run, llm = eureka_run(["still no code"])
-    c = Candidate(id="it0-c0", iteration=0, reward=RewardProgram(source="", origin="eureka", reply="I would reward speed.",
-                                                                rejected="The reply contains no code."))
+    c = Candidate(
+        id="it0-c0",
+        iteration=0,
+        reward=RewardProgram(
+            source="", origin="eureka", reply="I would reward speed.", rejected="The reply contains no code."
+        ),
+    )
     assert preflight(run, [c]) == {}  # the loop records it as a rejected reply
     assert "The reply contains no code." in llm.calls[0].last and c.reward.rejected
 
@@ -188,8 +218,15 @@ def test_in_a_run_the_repaired_program_trains_and_the_verdicts_are_in_mlflow(mak
         return FIXED if "failed its check before training" in messages[-1]["content"] else ALIVE
 
     fakes.install_fake_litellm(monkeypatch, reply)
-    cfg = make_config(["+plugins=[eureka]", "plugins.eureka.iterations=1", "plugins.eureka.samples=1", *TINY,
-                       *fakes.FAKE_LLM_OVERRIDES])
+    cfg = make_config(
+        [
+            "+plugins=[eureka]",
+            "plugins.eureka.iterations=1",
+            "plugins.eureka.samples=1",
+            *TINY,
+            *fakes.FAKE_LLM_OVERRIDES,
+        ]
+    )
     recorder = Recorder()
     summary = run_experiment(cfg, extra_plugins=(recorder,))
     ((c, r),) = recorder.trained
@@ -209,8 +246,16 @@ def test_in_a_run_a_vetoed_program_does_not_train_and_its_reason_reaches_the_nex
     from core.testing.contract import Recorder
 
     backend = fakes.install_fake_litellm(monkeypatch, lambda messages: ALIVE)
-    cfg = make_config(["+plugins=[eureka]", "plugins.eureka.iterations=2", "plugins.eureka.samples=1", *TINY,
-                       *fakes.FAKE_LLM_OVERRIDES, "vetting.repair=0"])
+    cfg = make_config(
+        [
+            "+plugins=[eureka]",
+            "plugins.eureka.iterations=2",
+            "plugins.eureka.samples=1",
+            *TINY,
+            *fakes.FAKE_LLM_OVERRIDES,
+            "vetting.repair=0",
+        ]
+    )
     recorder = Recorder()
     summary = run_experiment(cfg, extra_plugins=(recorder,))
     assert [(r.ok, r.error_kind, r.frames) for _, r in recorder.trained] == [(False, "vetting", 0)] * 2
@@ -218,8 +263,9 @@ def test_in_a_run_a_vetoed_program_does_not_train_and_its_reason_reaches_the_nex
     prompts = [m["content"] for call in backend.calls for m in call["messages"] if m["role"] == "user"]
     assert any("prolonging the episode" in p for p in prompts)  # the second round was told why
     client = mlflow.MlflowClient(cfg.tracking.uri)
-    children = client.search_runs([client.get_run(summary.run_id).info.experiment_id],
-                                  f"tags.mlflow.parentRunId = '{summary.run_id}'")
+    children = client.search_runs(
+        [client.get_run(summary.run_id).info.experiment_id], f"tags.mlflow.parentRunId = '{summary.run_id}'"
+    )
     assert len(children) == 2 and all(ch.data.tags["rejected_by"] == "preflight" for ch in children)
     assert all(ch.info.status == "FAILED" and ch.data.metrics["vetting/pair_accuracy"] == 0.0 for ch in children)
 
@@ -231,8 +277,14 @@ def test_a_text2reward_program_is_repaired_without_its_helpers_and_keeps_them():
     llm = ScriptedLLM([fixed])
     settings = fakes.settings_for(t2r.NAME, t2r)
     pm = make_plugin_manager(settings, modules={t2r.NAME: t2r})
-    run = fakes.make_run(make_task({"name": "mountaincar"}), llm, plugin=t2r.NAME, module=t2r,
-                         config={"vetting": {"episodes": 3}}, hook=pm.hook)
+    run = fakes.make_run(
+        make_task({"name": "mountaincar"}),
+        llm,
+        plugin=t2r.NAME,
+        module=t2r,
+        config={"vetting": {"episodes": 3}},
+        hook=pm.hook,
+    )
     alive = ALIVE.replace("compute_reward", "compute_dense_reward")
     program = t2r.program_of(alive, "prompt", 0)
     c = Candidate(id="it0-c0", iteration=0, reward=program)
@@ -240,7 +292,9 @@ def test_a_text2reward_program_is_repaired_without_its_helpers_and_keeps_them():
     (call,) = llm.calls
     assert call.tag == "text2reward-repair" and "prolonging the episode" in call.last and "- car_position" in call.last
     assert "def tolerance" not in call.last  # the helpers are the plugin's, not the LLM's to fix
-    assert c.reward.entry == "compute_dense_reward" and "def tolerance" in c.reward.source and "reached" in c.reward.source
+    assert (
+        c.reward.entry == "compute_dense_reward" and "def tolerance" in c.reward.source and "reached" in c.reward.source
+    )
     assert c.reward.origin == t2r.NAME and c.reward.meta["repairs"] == 1
 
 
@@ -264,21 +318,40 @@ def test_with_the_embedded_model_most_sampled_programs_are_usable(tmp_path: Path
 
     cache = os.environ.get("LLM4RL_CACHE_DIR") or str(tmp_path / "cache")
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        cfg = compose(config_name="config", overrides=[
-            "env=cartpole", "+plugins=[eureka]", "plugins.eureka.iterations=1", "plugins.eureka.samples=4",
-            "vetting.episodes=4", f"llm.cache_path={cache}", f"cache_dir={tmp_path}", "progress=false"])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "env=cartpole",
+                "+plugins=[eureka]",
+                "plugins.eureka.iterations=1",
+                "plugins.eureka.samples=4",
+                "vetting.episodes=4",
+                f"llm.cache_path={cache}",
+                f"cache_dir={tmp_path}",
+                "progress=false",
+            ],
+        )
     settings = validate(cfg, {"eureka": eureka})
     llm = make_client(cfg.llm)
     pm = make_plugin_manager(settings, modules={"eureka": eureka})
-    run = RunContext(settings=settings, task=make_task(cfg.env), seed=0, llm_factory=lambda: llm, hook=pm.hook,
-                     tracker=fakes.Logged())
+    run = RunContext(
+        settings=settings,
+        task=make_task(cfg.env),
+        seed=0,
+        llm_factory=lambda: llm,
+        hook=pm.hook,
+        tracker=fakes.Logged(),
+    )
     plugin = pm.get_plugin("eureka")
-    candidates = [Candidate(id=f"it0-c{i}", iteration=0, reward=p)
-                  for i, p in enumerate(p for group in plugin.propose_rewards(run=run, iteration=0) for p in group)]
+    candidates = [
+        Candidate(id=f"it0-c{i}", iteration=0, reward=p)
+        for i, p in enumerate(p for group in plugin.propose_rewards(run=run, iteration=0) for p in group)
+    ]
     failed = preflight(run, candidates)
     usable = [c for c in candidates if not c.reward.rejected and c.id not in failed]
-    assert len(candidates) == 4 and len(usable) >= 2, [(c.reward.rejected or failed[c.id].error)[:300]
-                                                         for c in candidates if c not in usable]
+    assert len(candidates) == 4 and len(usable) >= 2, [
+        (c.reward.rejected or failed[c.id].error)[:300] for c in candidates if c not in usable
+    ]
     for c in usable:  # what trains reads only the task's fields
         assert "next_state" in c.reward.source or "state" in c.reward.source
     runtime = [failed[c.id].error for c in candidates if c.id in failed and failed[c.id].error_kind == "exception"]
@@ -287,7 +360,9 @@ def test_with_the_embedded_model_most_sampled_programs_are_usable(tmp_path: Path
     checked = run.tracker.metrics.get("vetting/checked", 0.0)
     verdicts = {path: text for path, text in run.tracker.texts.items() if path.startswith("vetting/")}
     assert checked == len(candidates), run.tracker.metrics
-    assert {v.removesuffix(".md").split("-repair")[0] for v in verdicts} == {f"vetting/it0-{c.id}" for c in candidates}, list(verdicts)
+    assert {v.removesuffix(".md").split("-repair")[0] for v in verdicts} == {
+        f"vetting/it0-{c.id}" for c in candidates
+    }, list(verdicts)
     for path, text in verdicts.items():
         assert text.startswith(("# Reward vetting: ", "# Reward check: ")), (path, text)
     assert list((tmp_path / "reference").glob("cartpole-*.pkl"))  # the reference episodes were cached

@@ -49,11 +49,14 @@ def test_a_preset_never_enables_a_plugin_and_the_command_line_wins():
     assert apply_preset(plain, []) is None and OmegaConf.to_container(plain) == OmegaConf.to_container(_compose())
 
 
-@pytest.mark.parametrize("arg, said", [
-    ("+preset=quik", "Unknown preset 'quik'. Did you mean 'quick'?"),
-    ("trainer=ppp", "Unknown trainer 'ppp'. Did you mean 'ppo'?"),
-    ("llm=opnai", "Unknown llm 'opnai'. Did you mean 'openai'?"),
-])
+@pytest.mark.parametrize(
+    "arg, said",
+    [
+        ("+preset=quik", "Unknown preset 'quik'. Did you mean 'quick'?"),
+        ("trainer=ppp", "Unknown trainer 'ppp'. Did you mean 'ppo'?"),
+        ("llm=opnai", "Unknown llm 'opnai'. Did you mean 'openai'?"),
+    ],
+)
 def test_an_unknown_option_of_any_group_is_refused_before_hydra(arg, said):
     with pytest.raises(UserError) as err:
         check_argv([arg])

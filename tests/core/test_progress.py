@@ -59,8 +59,9 @@ def _quiet() -> Progress:
 def _clocked() -> tuple[Progress, list[float]]:
     """A quiet Progress on a clock the test moves (``clock[0] += seconds``)."""
     clock = [1000.0]
-    return Progress(EtaColumn(), console=Console(file=open("/dev/null", "w")), auto_refresh=False,
-                    get_time=lambda: clock[0]), clock
+    return Progress(
+        EtaColumn(), console=Console(file=open("/dev/null", "w")), auto_refresh=False, get_time=lambda: clock[0]
+    ), clock
 
 
 def test_the_eta_comes_from_the_work_done_before_a_bar_ends():
@@ -189,8 +190,15 @@ def test_a_workers_print_is_printed_by_the_driver_above_its_bars(make_config, lo
     """print() in a hook of a pool worker's training goes through the progress queue, and the
     driver prints it through its Progress's console (it landed on the bar's line)."""
     local_plugins("printer", PRINTER)
-    cfg = make_config(["trainer.frames=256", "trainer.eval_episodes=1", "trainer.eval_every=0", "save_policy=false",
-                       "+plugins=[printer]"])
+    cfg = make_config(
+        [
+            "trainer.frames=256",
+            "trainer.eval_episodes=1",
+            "trainer.eval_every=0",
+            "save_policy=false",
+            "+plugins=[printer]",
+        ]
+    )
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
     q: queue.Queue = queue.Queue()

@@ -8,8 +8,16 @@ from types import SimpleNamespace
 import pytest
 
 from core.envs import make_task
-from core.prompting import (Shapes, action_text, batch_shapes, candidate_line, fence, reply_counts, reward_interface,
-                            state_interface)
+from core.prompting import (
+    Shapes,
+    action_text,
+    batch_shapes,
+    candidate_line,
+    fence,
+    reply_counts,
+    reward_interface,
+    state_interface,
+)
 from core.records import Candidate, Fitness, RewardProgram, TrainResult
 
 #: one task per family: classic discrete / continuous, MuJoCo, MetaWorld, Crafter, Kuka (PyBullet)
@@ -25,7 +33,9 @@ def stated_shapes(prompt: str) -> tuple[str, tuple[int, ...], dict[str, tuple[in
 
     action = re.search(r"`action` is an? (\w+) tensor of shape \[B(?:, ([\d, ]+))?\]", prompt)
     assert action, prompt
-    fields = {m.group(1): dims(m.group(2)) for m in re.finditer(r"^- (\w+) \(\[B(?:, ([\d, ]+))?\]", prompt, re.MULTILINE)}
+    fields = {
+        m.group(1): dims(m.group(2)) for m in re.finditer(r"^- (\w+) \(\[B(?:, ([\d, ]+))?\]", prompt, re.MULTILINE)
+    }
     return action.group(1), dims(action.group(2)), fields
 
 
@@ -52,15 +62,19 @@ def test_a_continuous_action_has_its_trailing_dimension_and_bounds():
 
 def test_vector_fields_are_stated_with_their_shape():
     shapes = Shapes(action=(4,), action_dtype="float32", fields={"hand_pos": (3,), "gap": ()})
-    task = SimpleNamespace(state_fields=[SimpleNamespace(name="hand_pos", unit="m", description="the hand"),
-                                         SimpleNamespace(name="gap", unit="", description="the gap")])
+    task = SimpleNamespace(
+        state_fields=[
+            SimpleNamespace(name="hand_pos", unit="m", description="the hand"),
+            SimpleNamespace(name="gap", unit="", description="the gap"),
+        ]
+    )
     from core.prompting import fields_text
 
     assert fields_text(task, shapes) == "- hand_pos ([B, 3], unit m): the hand\n- gap ([B]): the gap"
     assert Shapes.text(()) == "[B]" and Shapes.text((2, 3)) == "[B, 2, 3]"
 
 
-CHECK = '''
+CHECK = """
 import torch
 
 
@@ -77,7 +91,7 @@ def compute_reward(state, action, next_state):
         raise ValueError(f"fields: the prompt named {{sorted(expected_fields)}}, training passed {{sorted(state)}}")
     ones = torch.ones(action.shape[0])
     return 0.0 * ones, {{"checked": ones}}
-'''
+"""
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in FAMILIES])
@@ -108,14 +122,27 @@ def test_a_fence_is_longer_than_any_backtick_run_inside():
 
 
 def test_counts_and_candidate_lines_say_why_a_candidate_did_not_train():
-    usable = RewardProgram(source="def compute_reward(s, a, n): ...", meta={"sample": 0, "renamed_from": "improved_compute_reward"})
-    rejected = RewardProgram(source="", rejected="No function named `compute_reward`.\nmore", meta={"sample": 1, "rejected_kind": "no_function"})
-    pairs = [(Candidate("it0-c0", 0, reward=usable), TrainResult("it0-c0", True, fitness=Fitness("return", 12.5))),
-             (Candidate("it0-c1", 0, reward=rejected), TrainResult("it0-c1", False, error="x", error_kind="rejected")),
-             (Candidate("it0-c2", 0, reward=RewardProgram(source="y")), TrainResult("it0-c2", False, error="Traceback\nKeyError: 'x'", error_kind="exception"))]
+    usable = RewardProgram(
+        source="def compute_reward(s, a, n): ...", meta={"sample": 0, "renamed_from": "improved_compute_reward"}
+    )
+    rejected = RewardProgram(
+        source="",
+        rejected="No function named `compute_reward`.\nmore",
+        meta={"sample": 1, "rejected_kind": "no_function"},
+    )
+    pairs = [
+        (Candidate("it0-c0", 0, reward=usable), TrainResult("it0-c0", True, fitness=Fitness("return", 12.5))),
+        (Candidate("it0-c1", 0, reward=rejected), TrainResult("it0-c1", False, error="x", error_kind="rejected")),
+        (
+            Candidate("it0-c2", 0, reward=RewardProgram(source="y")),
+            TrainResult("it0-c2", False, error="Traceback\nKeyError: 'x'", error_kind="exception"),
+        ),
+    ]
     assert reply_counts(pairs) == "3 sampled, 2 usable, 1 trained"
     lines = [candidate_line(c, r, c.reward) for c, r in pairs]
-    assert lines[0] == "- `it0-c0` (reply 0): return 12.5 (function `improved_compute_reward` renamed to `compute_reward`)"
+    assert (
+        lines[0] == "- `it0-c0` (reply 0): return 12.5 (function `improved_compute_reward` renamed to `compute_reward`)"
+    )
     assert lines[1] == "- `it0-c1` (reply 1): rejected (no_function), not trained: No function named `compute_reward`."
     assert lines[2] == "- `it0-c2`: failed (exception): KeyError: 'x'"
 

@@ -15,8 +15,16 @@ from core.resources import conf_dir
 
 pytestmark = pytest.mark.xdist_group("ray")  # one local Ray at a time
 
-TINY = ["env=cartpole", "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=2",
-        "trainer.eval_every=512", "trainer.eval_episodes=2", "save_policy=false"]
+TINY = [
+    "env=cartpole",
+    "trainer.frames=1024",
+    "trainer.num_envs=4",
+    "trainer.rollout_steps=32",
+    "trainer.epochs=2",
+    "trainer.eval_every=512",
+    "trainer.eval_episodes=2",
+    "save_policy=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +73,9 @@ def test_local_ray_sizes_to_the_free_cores_and_falls_back_in_process(monkeypatch
     assert idle.plan(3) == min(2, core.executor.usable_cores()) or core.executor.usable_cores() == 1
     capped = RayExecutor(OmegaConf.merge(cfg.executor, {"num_cpus": 1}), read=lambda: CpuReading(2, 2.0))
     assert capped.plan(3) == 1
-    cluster = RayExecutor(OmegaConf.merge(cfg.executor, {"address": "ray://head:10001"}), read=lambda: CpuReading(2, 0.0))
+    cluster = RayExecutor(
+        OmegaConf.merge(cfg.executor, {"address": "ray://head:10001"}), read=lambda: CpuReading(2, 0.0)
+    )
     assert cluster.plan(3) == 0  # a cluster schedules every job itself
 
 

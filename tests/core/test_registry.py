@@ -7,7 +7,16 @@ from core.hookspecs import hookspec
 from core.errors import UserError
 from core.registry import builtin_plugins, catalogue, check_names, make_plugin_manager
 
-MISSION = {"eureka", "text2reward", "lares", "progress_reward", "rlaif_preference", "envgen", "llm_state_repr", "rl_gpt"}
+MISSION = {
+    "eureka",
+    "text2reward",
+    "lares",
+    "progress_reward",
+    "rlaif_preference",
+    "envgen",
+    "llm_state_repr",
+    "rl_gpt",
+}
 
 
 def test_catalogue_lists_every_mission_plugin_with_role_and_paper():
@@ -23,8 +32,18 @@ def test_catalogue_lists_every_mission_plugin_with_role_and_paper():
 
 
 #: every method the paper index describes, by the name of its entry
-INDEX = MISSION | {"ellm", "plan4mc", "saycan", "rlingua", "lgts", "quadruped_llm", "calm", "language_to_rewards",
-                   "state2explanation", "octopus"}
+INDEX = MISSION | {
+    "ellm",
+    "plan4mc",
+    "saycan",
+    "rlingua",
+    "lgts",
+    "quadruped_llm",
+    "calm",
+    "language_to_rewards",
+    "state2explanation",
+    "octopus",
+}
 ROLES = {"reward", "state", "action", "planning", "environment", "preference"}
 
 
@@ -79,7 +98,9 @@ def test_plugin_manager_registers_extra_objects_and_checks_hook_names():
         def propose_reward(self, run):  # the spec is propose_rewards
             return None
 
-    with pytest.raises(UserError, match="implements 'propose_reward', which is not a hook. Did you mean 'propose_rewards'"):
+    with pytest.raises(
+        UserError, match="implements 'propose_reward', which is not a hook. Did you mean 'propose_rewards'"
+    ):
         make_plugin_manager(extra=[Misspelt()])
 
 
@@ -155,7 +176,8 @@ def test_the_catalogue_flags_a_plugin_whose_hooks_fail_validation_and_fits_100_c
     from core import registry
 
     (tmp_path / "misspelt_plugin.py").write_text(
-        '"""A plugin with a misspelt hook."""\nfrom core import hookimpl\n\n\n@hookimpl\ndef propose_reward(run):\n    return []\n')
+        '"""A plugin with a misspelt hook."""\nfrom core import hookimpl\n\n\n@hookimpl\ndef propose_reward(run):\n    return []\n'
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     extra = registry.PluginInfo(name="misspelt", module="misspelt_plugin", roles=["reward"], source="tests")
     real = registry.catalogue

@@ -16,17 +16,30 @@ from core.report.stats import final_score_intervals, improvement
 BASELINE = [1.0, 2.0, 3.0, 4.0]  # seeds 0..3
 EUREKA = [2.0, 4.0, 6.0, 100.0]  # seeds 0..3; seed 4 failed
 CURVES = {  # (frames, fitness) of the best candidate per run, before the final value
-    "none": [[(1000, 0.0), (2000, 1.0)], [(1000, 1.0), (2000, 2.0)], [(1000, 2.0), (2000, 3.0)], [(1000, 3.0), (2000, 4.0)]],
+    "none": [
+        [(1000, 0.0), (2000, 1.0)],
+        [(1000, 1.0), (2000, 2.0)],
+        [(1000, 2.0), (2000, 3.0)],
+        [(1000, 3.0), (2000, 4.0)],
+    ],
 }
 
 
-def _log_run(client, exp: str, plugins: str, seed: int, fitness: float | None, curve: list[tuple[int, float]], lr: str = "0.001") -> None:
-    parent = client.create_run(exp, run_name=f"{plugins}-s{seed}", tags={"plugins": plugins, "env": "cartpole", "seed": str(seed)})
+def _log_run(
+    client, exp: str, plugins: str, seed: int, fitness: float | None, curve: list[tuple[int, float]], lr: str = "0.001"
+) -> None:
+    parent = client.create_run(
+        exp, run_name=f"{plugins}-s{seed}", tags={"plugins": plugins, "env": "cartpole", "seed": str(seed)}
+    )
     pid = parent.info.run_id
     client.log_param(pid, "seed", str(seed))
     client.log_param(pid, "trainer.lr", lr)
     client.log_param(pid, "cache_dir", f"/tmp/x{seed}")  # differs per run but is bookkeeping
-    child = client.create_run(exp, run_name="it0-c0", tags={MLFLOW_PARENT_RUN_ID: pid, "candidate": "it0-c0", "seed": str(seed), "ok": str(fitness is not None)})
+    child = client.create_run(
+        exp,
+        run_name="it0-c0",
+        tags={MLFLOW_PARENT_RUN_ID: pid, "candidate": "it0-c0", "seed": str(seed), "ok": str(fitness is not None)},
+    )
     for frames, value in curve:
         client.log_metric(child.info.run_id, "fitness", value, step=frames)
     client.set_terminated(child.info.run_id, "FINISHED" if fitness is not None else "FAILED")
@@ -121,8 +134,12 @@ def test_arms_from_varying_config() -> None:
     def run(plugins: str, seed: int, **params: str) -> StudyRun:
         return StudyRun("id", "n", "cartpole", plugins, seed, OK, 1.0, params={"seed": str(seed), **params})
 
-    runs = [run("none", 0, **{"trainer.lr": "0.1"}), run("none", 0, **{"trainer.lr": "0.2"}),
-            run("eureka", 0, **{"plugins.eureka.samples": "4"}), run("eureka", 1, **{"plugins.eureka.samples": "4"})]
+    runs = [
+        run("none", 0, **{"trainer.lr": "0.1"}),
+        run("none", 0, **{"trainer.lr": "0.2"}),
+        run("eureka", 0, **{"plugins.eureka.samples": "4"}),
+        run("eureka", 1, **{"plugins.eureka.samples": "4"}),
+    ]
     assert varying_keys(runs) == ["trainer.lr"]
     assigned = [r.arm for r in assign_arms(runs)]
     assert assigned == ["baseline trainer.lr=0.1", "baseline trainer.lr=0.2", "eureka", "eureka"]
@@ -163,8 +180,11 @@ def test_a_run_cut_short_is_a_seed_not_run_yet_not_a_failure() -> None:
     from core.report.data import UNFINISHED
     from core.report.study import _arm_result
 
-    runs = [StudyRun("a", "x-s0", "cartpole", "x", 0, OK, fitness=1.0), StudyRun("b", "x-s1", "cartpole", "x", 1, UNFINISHED),
-            StudyRun("c", "x-s2", "cartpole", "x", 2, FAILED, note="every candidate failed")]
+    runs = [
+        StudyRun("a", "x-s0", "cartpole", "x", 0, OK, fitness=1.0),
+        StudyRun("b", "x-s1", "cartpole", "x", 1, UNFINISHED),
+        StudyRun("c", "x-s2", "cartpole", "x", 2, FAILED, note="every candidate failed"),
+    ]
     arm = _arm_result("x", runs, [0, 1, 2, 3], reps=100, seed=0)
     assert arm.scores == {0: 1.0} and arm.failed == {2: "every candidate failed"} and arm.missing == [1, 3]
     assert arm.status() == "PARTIAL: failed seed 2 (every candidate failed); missing seed 1, 3"
@@ -174,14 +194,17 @@ def test_a_seed_run_twice_counts_by_its_latest_run() -> None:
     """Not the best of attempts: a later failed run of a seed is what the seed got, whatever finished before."""
     from core.report.study import _arm_result
 
-    runs = [StudyRun("a", "x-s0", "cartpole", "x", 0, OK, fitness=5.0, start_time=1),
-            StudyRun("b", "x-s0", "cartpole", "x", 0, FAILED, note="crashed", start_time=2),
-            StudyRun("c", "x-s1", "cartpole", "x", 1, FAILED, note="crashed", start_time=3),
-            StudyRun("d", "x-s1", "cartpole", "x", 1, OK, fitness=7.0, start_time=4)]
+    runs = [
+        StudyRun("a", "x-s0", "cartpole", "x", 0, OK, fitness=5.0, start_time=1),
+        StudyRun("b", "x-s0", "cartpole", "x", 0, FAILED, note="crashed", start_time=2),
+        StudyRun("c", "x-s1", "cartpole", "x", 1, FAILED, note="crashed", start_time=3),
+        StudyRun("d", "x-s1", "cartpole", "x", 1, OK, fitness=7.0, start_time=4),
+    ]
     arm = _arm_result("x", runs, [0, 1], reps=100, seed=0)
     assert arm.scores == {1: 7.0} and arm.failed == {0: "crashed"} and arm.duplicates == 2
-    assert arm.status() == ("PARTIAL: failed seed 0 (crashed); 2 repeated run(s) set aside "
-                            "(the latest of each seed counts)")
+    assert arm.status() == (
+        "PARTIAL: failed seed 0 (crashed); 2 repeated run(s) set aside (the latest of each seed counts)"
+    )
 
 
 def test_repeated_runs_set_aside_leave_an_arm_complete_in_the_console_and_the_report() -> None:
@@ -189,8 +212,10 @@ def test_repeated_runs_set_aside_leave_an_arm_complete_in_the_console_and_the_re
     from core.report.render import render_markdown
     from core.report.study import _arm_result
 
-    runs = [StudyRun("a", "x-s0", "cartpole", "x", 0, OK, fitness=5.0, start_time=1, params={"seed": "0"}),
-            StudyRun("b", "x-s0", "cartpole", "x", 0, OK, fitness=6.0, start_time=2, params={"seed": "0"})]
+    runs = [
+        StudyRun("a", "x-s0", "cartpole", "x", 0, OK, fitness=5.0, start_time=1, params={"seed": "0"}),
+        StudyRun("b", "x-s0", "cartpole", "x", 0, OK, fitness=6.0, start_time=2, params={"seed": "0"}),
+    ]
     arm = _arm_result("x", runs, [0], reps=100, seed=0)
     said = "complete; 1 repeated run(s) set aside (the latest of each seed counts)"
     assert arm.complete and arm.status() == said  # the console's line

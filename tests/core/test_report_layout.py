@@ -22,9 +22,21 @@ from core.report.render import (
 from core.report.study import arm_order
 
 
-def _run(arm: str, seed: int, fitness: float, start: int, candidates: float = 1.0, curve=None, train_curve=None) -> StudyRun:
-    run = StudyRun(f"{arm}{seed}", f"{arm}-s{seed}", "cartpole", "none", seed, OK, fitness, fitness_name="return",
-                   metrics={"candidates": candidates, "fitness": fitness}, start_time=start)
+def _run(
+    arm: str, seed: int, fitness: float, start: int, candidates: float = 1.0, curve=None, train_curve=None
+) -> StudyRun:
+    run = StudyRun(
+        f"{arm}{seed}",
+        f"{arm}-s{seed}",
+        "cartpole",
+        "none",
+        seed,
+        OK,
+        fitness,
+        fitness_name="return",
+        metrics={"candidates": candidates, "fitness": fitness},
+        start_time=start,
+    )
     run.arm, run.curve, run.train_curve = arm, list(curve or []), list(train_curve or [])
     return run
 
@@ -34,10 +46,20 @@ LONG = "count_bonus plugins.count_bonus.beta=1.0 plugins.count_bonus.decay=0.99 
 
 def test_reference_arms_come_first_then_the_declared_order():
     # a sweep '+plugins=[eureka],[text2reward],[]' starts eureka first and the baseline last
-    runs = [_run("eureka", 0, 1.0, 1), _run("text2reward", 0, 1.0, 2), _run("baseline", 0, 1.0, 3),
-            _run("eureka", 1, 1.0, 4), _run("text2reward", 1, 1.0, 5), _run("baseline", 1, 1.0, 6)]
+    runs = [
+        _run("eureka", 0, 1.0, 1),
+        _run("text2reward", 0, 1.0, 2),
+        _run("baseline", 0, 1.0, 3),
+        _run("eureka", 1, 1.0, 4),
+        _run("text2reward", 1, 1.0, 5),
+        _run("baseline", 1, 1.0, 6),
+    ]
     assert arm_order(runs) == ["baseline", "eureka", "text2reward"]  # not alphabetical: eureka was declared first
-    assert arm_order([_run("zeta", 0, 1.0, 1), _run("human", 0, 1.0, 2), _run("sparse", 0, 1.0, 3)]) == ["sparse", "human", "zeta"]
+    assert arm_order([_run("zeta", 0, 1.0, 1), _run("human", 0, 1.0, 2), _run("sparse", 0, 1.0, 3)]) == [
+        "sparse",
+        "human",
+        "zeta",
+    ]
     (task,) = analyze(runs, reps=50)
     assert [a.arm for a in task.arms] == ["baseline", "eureka", "text2reward"]
     # P(X > reference) first; the improvement figure draws each pair once, the later arm as X
@@ -72,7 +94,9 @@ def test_long_arm_labels_are_shortened_wrapped_and_kept_whole(tmp_path: Path):
 
 
 def test_a_best_of_n_score_against_one_training_carries_a_note():
-    runs = [_run("baseline", s, 1.0 + s, s) for s in range(2)] + [_run("eureka", s, 3.0, 10 + s, candidates=4) for s in range(2)]
+    runs = [_run("baseline", s, 1.0 + s, s) for s in range(2)] + [
+        _run("eureka", s, 3.0, 10 + s, candidates=4) for s in range(2)
+    ]
     (task,) = analyze(runs, reps=50)
     md = render_markdown([task], runs, "abl", 50, {})
     assert "**Best of N**: the score of eureka (best of 4)" in md and "against one training per run of baseline" in md
@@ -101,7 +125,9 @@ def test_training_returns_are_read_from_the_best_candidate(tmp_path: Path):
     exp = client.create_experiment("small", artifact_location=(tmp_path / "art").as_uri())
     parent = client.create_run(exp, run_name="baseline-s0", tags={"plugins": "none", "env": "cartpole", "seed": "0"})
     pid = parent.info.run_id
-    child = client.create_run(exp, run_name="it0-c0", tags={MLFLOW_PARENT_RUN_ID: pid, "candidate": "it0-c0", "seed": "0"})
+    child = client.create_run(
+        exp, run_name="it0-c0", tags={MLFLOW_PARENT_RUN_ID: pid, "candidate": "it0-c0", "seed": "0"}
+    )
     for frames, value in [(256, 12.0), (512, 20.0), (768, 31.0)]:
         client.log_metric(child.info.run_id, TRAIN_RETURN, value, step=frames)
     client.log_metric(child.info.run_id, "fitness", 40.0, step=768)

@@ -28,7 +28,9 @@ from core.study import (
     TaskSpec,
 )
 
-HEAD = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True).stdout.strip()
+HEAD = subprocess.run(
+    ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
+).stdout.strip()
 EXPERIMENT = "synth"
 RANDOM = {"cartpole": [10.0, 12.0, 9.0, 11.0], "mountaincar": [0.0, 0.0, 0.0], "pendulum": [-1200.0]}
 HUMAN = {"cartpole": [190.0, 200.0, 205.0, 210.0], "mountaincar": [0.0, 0.0, 0.0], "pendulum": [-200.0]}
@@ -43,11 +45,22 @@ INERT = [100.0, 110.0, 120.0, 130.0]  # a search whose candidates never trained 
 def _spec() -> StudySpec:
     one = [0]
     return StudySpec(
-        name=EXPERIMENT, title="Synthetic", store="s", out="o.md", seeds=[0, 1, 2, 3], final_seeds=1,
+        name=EXPERIMENT,
+        title="Synthetic",
+        store="s",
+        out="o.md",
+        seeds=[0, 1, 2, 3],
+        final_seeds=1,
         tasks={
-            "cartpole": TaskSpec(env="cartpole", frames=1000, calibration=CalibrationSpec(threshold=100.0, note="solved")),
-            "mountaincar": TaskSpec(env="mountaincar", frames=1000, seeds=[0, 1, 2],
-                                    calibration=CalibrationSpec(arm="shaped", threshold=0.5, note="success rate")),
+            "cartpole": TaskSpec(
+                env="cartpole", frames=1000, calibration=CalibrationSpec(threshold=100.0, note="solved")
+            ),
+            "mountaincar": TaskSpec(
+                env="mountaincar",
+                frames=1000,
+                seeds=[0, 1, 2],
+                calibration=CalibrationSpec(arm="shaped", threshold=0.5, note="success rate"),
+            ),
             "pendulum": TaskSpec(env="pendulum", frames=1000, seeds=one, calibration=CalibrationSpec(threshold=-500.0)),
         },
         arms={
@@ -77,7 +90,9 @@ def _planned(spec: StudySpec) -> list[PlannedCell]:
             if a.tasks is not None and task not in a.tasks:
                 continue
             for seed in t.seeds or spec.seeds:
-                cell = Cell(arm, task, seed, tuple(a.plugins), (), a.search, spec.final_seeds if a.search else 0, t.frames)
+                cell = Cell(
+                    arm, task, seed, tuple(a.plugins), (), a.search, spec.final_seeds if a.search else 0, t.frames
+                )
                 cells.append(PlannedCell(cell, OmegaConf.create({}), f"cfg-{cell.name}", f"key-{cell.name}"))
     return cells
 
@@ -89,23 +104,52 @@ class _Store:
         self.exp = self.client.create_experiment(EXPERIMENT, artifact_location=(root / "art").as_uri())
         self.clock = 1_000_000
 
-    def log(self, task: str, arm: str, seed: int, value: float | None, *, search: bool = False, code: str = "",
-            status: str = "FINISHED", metrics: dict[str, float] | None = None, training: dict[str, float] | None = None) -> None:
+    def log(
+        self,
+        task: str,
+        arm: str,
+        seed: int,
+        value: float | None,
+        *,
+        search: bool = False,
+        code: str = "",
+        status: str = "FINISHED",
+        metrics: dict[str, float] | None = None,
+        training: dict[str, float] | None = None,
+    ) -> None:
         """One cell's run (``code``: another code key of the same config); ``value`` None: no policy."""
         name = f"{arm}-{task}-s{seed}"
         self.clock += 1000
-        tags = {"env": task, "seed": str(seed), "plugins": "none", "study": EXPERIMENT, "study.arm": arm,
-                "study.task": task, "study.config": f"cfg-{name}", "study.cell": code or f"key-{name}",
-                "study.score": FRESH_SCORE if search else "fitness", "study.commit": HEAD, "study.machine": "m",
-                "fitness_name": "return"}
+        tags = {
+            "env": task,
+            "seed": str(seed),
+            "plugins": "none",
+            "study": EXPERIMENT,
+            "study.arm": arm,
+            "study.task": task,
+            "study.config": f"cfg-{name}",
+            "study.cell": code or f"key-{name}",
+            "study.score": FRESH_SCORE if search else "fitness",
+            "study.commit": HEAD,
+            "study.machine": "m",
+            "fitness_name": "return",
+        }
         pid = self.client.create_run(self.exp, start_time=self.clock, tags=tags, run_name=name).info.run_id
-        child = self.client.create_run(self.exp, start_time=self.clock, run_name="it0-c0", tags={
-            MLFLOW_PARENT_RUN_ID: pid, "candidate": "it0-c0", "seed": str(seed), "ok": str(value is not None)}).info.run_id
+        child = self.client.create_run(
+            self.exp,
+            start_time=self.clock,
+            run_name="it0-c0",
+            tags={MLFLOW_PARENT_RUN_ID: pid, "candidate": "it0-c0", "seed": str(seed), "ok": str(value is not None)},
+        ).info.run_id
         for key, v in (training or {}).items():
             self.client.log_metric(child, key, v)
         self.client.set_terminated(child, "FINISHED")
-        logged = {"frames": 1000.0 * (1 + search) if value is not None else 0.0, "candidates": 2.0 if search else 1.0,
-                  "study/seconds": 5.0, **(metrics or {})}
+        logged = {
+            "frames": 1000.0 * (1 + search) if value is not None else 0.0,
+            "candidates": 2.0 if search else 1.0,
+            "study/seconds": 5.0,
+            **(metrics or {}),
+        }
         if value is not None:
             logged["fitness"] = value
             if search:
@@ -134,7 +178,9 @@ def study(tmp_path_factory) -> tuple[_Store, Path]:
         store.log("mountaincar", "shaped", seed, v)
     for seed in range(4):
         value = EUREKA.get(seed)
-        store.log("cartpole", "eureka", seed, value, search=True, metrics={"llm_programs_trained": 2.0 if value else 0.0})
+        store.log(
+            "cartpole", "eureka", seed, value, search=True, metrics={"llm_programs_trained": 2.0 if value else 0.0}
+        )
         store.log("cartpole", "progress_reward", seed, PROGRESS[seed], training={"llm/changed_share": 0.8})
         store.log("cartpole", "progress_no_llm", seed, NO_LLM[seed], training={"llm/changed_share": 0.0})
         store.log("cartpole", "text2reward", seed, INERT[seed], search=True, metrics={"llm_programs_trained": 0.0})
@@ -173,10 +219,14 @@ def test_the_summary_states_each_tasks_calibration_and_the_random_score(study):
     text = out.read_text()
     summary = text.split("## Summary")[1].split("## Scores")[0]
     assert "- **cartpole**: calibration: human 202 ≥ 100 (solved) — random 10.5" in summary
-    assert ("- **mountaincar**: calibration: shaped 0.2 < 0.5 (success rate) — random 0: "
-            "**cannot show an effect at this budget**") in summary
+    assert (
+        "- **mountaincar**: calibration: shaped 0.2 < 0.5 (success rate) — random 0: "
+        "**cannot show an effect at this budget**"
+    ) in summary
     assert "- **pendulum**: calibration: human -200, n=1 ≥ -500 — random -1,200" in summary
-    assert _line(text.split("\n## mountaincar: ")[1], "calibration:").endswith("**cannot show an effect at this budget**")
+    assert _line(text.split("\n## mountaincar: ")[1], "calibration:").endswith(
+        "**cannot show an effect at this budget**"
+    )
 
 
 def test_one_run_has_no_interval(study):
@@ -210,20 +260,30 @@ def test_the_llms_contribution_is_printed_and_an_inert_arm_is_marked(study):
     text = out.read_text()
     # of the runs with a policy: the failed search is a failure (its ITT score), not an inert LLM
     assert _row(text, "cartpole", "eureka")[6] == "candidates trained with an LLM's program: 2 of 2 per run"
-    assert _row(text, "cartpole", "progress_reward")[6] == "share of steps whose reward the LLM term changed: 0.8 per run"
+    assert (
+        _row(text, "cartpole", "progress_reward")[6] == "share of steps whose reward the LLM term changed: 0.8 per run"
+    )
     assert _row(text, "cartpole", "text2reward")[6].startswith("**inert** (")
     for arm in ("random", "sparse", "human", "progress_no_llm"):  # no LLM, or a control
         assert _row(text, "cartpole", arm)[6] == "-"
     assert "**inert**" in _line(text, "| cartpole (return) |").split("|")[-2]  # text2reward, the last column
-    assert "- **text2reward** beats **sparse** (95 % CI of P(X > Y) above 0.5) on the tasks both run: **not scored**" in text
-    assert "  - cartpole: not scored: text2reward is inert here (its LLM put nothing into any run that trained a policy)" in text
+    assert (
+        "- **text2reward** beats **sparse** (95 % CI of P(X > Y) above 0.5) on the tasks both run: **not scored**"
+        in text
+    )
+    assert (
+        "  - cartpole: not scored: text2reward is inert here (its LLM put nothing into any run that trained a policy)"
+        in text
+    )
 
 
 def test_targets_need_intervals_calibrated_tasks_and_the_controls(study):
     _, out = study
     targets = out.read_text().split("\n## Targets")[1].split("\n## ")[0]
     # eureka's higher IQM is not enough: with its failed search as random, P(X > Y)'s CI reaches below 0.5
-    assert "- **eureka** beats **sparse** (95 % CI of P(X > Y) above 0.5) on cartpole, mountaincar: **missed**" in targets
+    assert (
+        "- **eureka** beats **sparse** (95 % CI of P(X > Y) above 0.5) on cartpole, mountaincar: **missed**" in targets
+    )
     cartpole = _line(targets, "  - cartpole: eureka ")
     assert "P(X > Y) 0.75 [" in cartpole and "1 failed search(es) of eureka scored as the random policy" in cartpole
     assert cartpole.endswith(": fails")

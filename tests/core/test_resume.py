@@ -21,18 +21,31 @@ def _run(tmp_path, *extra: str) -> subprocess.CompletedProcess[str]:
     # Eureka on CartPole, one round of two samples (one LLM request, plus the vetting's repairs);
     # 1,024 frames and 2 evaluation episodes: nothing here depends on what the policy learnt.
     cmd = [
-        sys.executable, "-m", "core", "+plugins=[eureka]", "plugins.eureka.iterations=1", "plugins.eureka.samples=2",
-        "plugins.eureka.max_tokens=400", "trainer.frames=1024", "trainer.eval_episodes=2",
-        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"tracking.artifact_location={tmp_path}/art",
-        f"cache_dir={tmp_path}/cache", f"llm.cache_path={tmp_path}/cache/llm.sqlite", "progress=false",
-        f"hydra.run.dir={tmp_path}/out", *extra,
+        sys.executable,
+        "-m",
+        "core",
+        "+plugins=[eureka]",
+        "plugins.eureka.iterations=1",
+        "plugins.eureka.samples=2",
+        "plugins.eureka.max_tokens=400",
+        "trainer.frames=1024",
+        "trainer.eval_episodes=2",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+        f"tracking.artifact_location={tmp_path}/art",
+        f"cache_dir={tmp_path}/cache",
+        f"llm.cache_path={tmp_path}/cache/llm.sqlite",
+        "progress=false",
+        f"hydra.run.dir={tmp_path}/out",
+        *extra,
     ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
 
 
 def _parent_runs(tmp_path):
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
-    runs = mlflow.search_runs(search_all_experiments=True, filter_string="tags.plugins = 'eureka'", order_by=["start_time ASC"])
+    runs = mlflow.search_runs(
+        search_all_experiments=True, filter_string="tags.plugins = 'eureka'", order_by=["start_time ASC"]
+    )
     return runs
 
 

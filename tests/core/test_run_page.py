@@ -10,7 +10,9 @@ from core.records import Candidate, Fitness, IterationResult, RewardProgram, Tra
 CODE_WITH_FENCES = 'def compute_reward(s, a, n):\n    """```python\nx = 1\n```"""\n    return 1.0\n'
 
 
-def _candidate(i: int, it: int = 0, source: str = "def compute_reward(s, a, n):\n    return 1.0\n", **meta) -> Candidate:
+def _candidate(
+    i: int, it: int = 0, source: str = "def compute_reward(s, a, n):\n    return 1.0\n", **meta
+) -> Candidate:
     program = RewardProgram(source=source, origin="eureka", meta=dict(meta))
     return Candidate(id=f"it{it}-c{i}", iteration=it, reward=program)
 
@@ -20,9 +22,11 @@ def _ok(cid: str, value: float, run_id: str = "") -> TrainResult:
 
 
 def _history() -> list[IterationResult]:
-    it0 = IterationResult(0, [_candidate(0), _candidate(1)],
-                          [_ok("it0-c0", 20.0, "r00"), TrainResult("it0-c1", ok=False, error="boom", error_kind="timeout",
-                                                                   run_id="r01")])
+    it0 = IterationResult(
+        0,
+        [_candidate(0), _candidate(1)],
+        [_ok("it0-c0", 20.0, "r00"), TrainResult("it0-c1", ok=False, error="boom", error_kind="timeout", run_id="r01")],
+    )
     it1 = IterationResult(1, [_candidate(0, 1, CODE_WITH_FENCES, sample=3)], [_ok("it1-c0", 187.5, "r10")])
     return [it0, it1]
 
@@ -30,9 +34,22 @@ def _history() -> list[IterationResult]:
 def _page(**kw) -> str:
     history = kw.get("history") or _history()
     best = (history[1].candidates[0], history[1].results[0])
-    args = dict(name="eureka-s0", task="CartPole-v1", fitness_name="return", experiment_id="7", history=history,
-                best=best, llm={"llm/calls": 2, "llm/prompt_tokens": 900, "llm/completion_tokens": 300,
-                                "llm/wait_s": 4.2, "llm/cost": 0.0012}, seconds=12.0)
+    args = dict(
+        name="eureka-s0",
+        task="CartPole-v1",
+        fitness_name="return",
+        experiment_id="7",
+        history=history,
+        best=best,
+        llm={
+            "llm/calls": 2,
+            "llm/prompt_tokens": 900,
+            "llm/completion_tokens": 300,
+            "llm/wait_s": 4.2,
+            "llm/cost": 0.0012,
+        },
+        seconds=12.0,
+    )
     return run_page.parent_page(**{**args, **kw})
 
 
@@ -47,11 +64,19 @@ def test_the_parent_page_has_every_candidate_the_winner_and_the_rule():
     page = _page()
     rows = [line for line in page.splitlines() if line.startswith("| ") and "`eureka-s0/" in line]
     assert len(rows) == 3
-    assert "| 0 | 1 | `eureka-s0/it0-c1` | - | timeout | boom | [open](#/experiments/7/runs/r01?workflowType=machine_learning) |" in rows
-    assert "| 1 | 3 | **`eureka-s0/it1-c0`** (winner) | 187.5 | ok |  | [open](#/experiments/7/runs/r10?workflowType=machine_learning) |" in rows
+    assert (
+        "| 0 | 1 | `eureka-s0/it0-c1` | - | timeout | boom | [open](#/experiments/7/runs/r01?workflowType=machine_learning) |"
+        in rows
+    )
+    assert (
+        "| 1 | 3 | **`eureka-s0/it1-c0`** (winner) | 187.5 | ok |  | [open](#/experiments/7/runs/r10?workflowType=machine_learning) |"
+        in rows
+    )
     # the first line, all a collapsed description shows, carries the result
-    assert page.splitlines()[0] == ("**CartPole-v1: winner it1-c0 (reward by eureka), return 187.5. "
-                                    "3 candidate(s): 2 trained, 1 failed (1 timeout)**")
+    assert page.splitlines()[0] == (
+        "**CartPole-v1: winner it1-c0 (reward by eureka), return 187.5. "
+        "3 candidate(s): 2 trained, 1 failed (1 timeout)**"
+    )
     assert "**Winner:** [`eureka-s0/it1-c0`](#/experiments/7/runs/r10?workflowType=machine_learning)" in page
     assert "**Rule:** the highest `return`" in page
     assert "| LLM tokens | 900 prompt + 300 completion |" in page and "$0.0012" in page
@@ -92,41 +117,64 @@ def test_a_long_page_fits_the_tag_limit_and_keeps_the_winner():
 
 def test_a_candidate_page_links_its_parent_and_shows_its_error():
     c = _candidate(1)
-    failed = TrainResult("it0-c1", ok=False, error="Traceback\n  ...\nZeroDivisionError: x", error_kind="ZeroDivisionError")
-    page = run_page.candidate_page(candidate=c, result=failed, parent_name="eureka-s0", parent_id="p1",
-                                   experiment_id="7")
+    failed = TrainResult(
+        "it0-c1", ok=False, error="Traceback\n  ...\nZeroDivisionError: x", error_kind="ZeroDivisionError"
+    )
+    page = run_page.candidate_page(
+        candidate=c, result=failed, parent_name="eureka-s0", parent_id="p1", experiment_id="7"
+    )
     first, _, second, *_ = page.splitlines()
     assert first == "**Failed: ZeroDivisionError: x**"  # why, first: not "return = -"
-    assert second.startswith("Candidate `it0-c1` of run [`eureka-s0`](#/experiments/7/runs/p1?workflowType=machine_learning)")
+    assert second.startswith(
+        "Candidate `it0-c1` of run [`eureka-s0`](#/experiments/7/runs/p1?workflowType=machine_learning)"
+    )
     assert "not scored" in second and "= -" not in page and "## Error (ZeroDivisionError)" in page
     failed.error_kind = "exception"
     assert run_page.status_of(failed) == "exception: ZeroDivisionError"
     assert "## reward: `compute_reward` from `eureka`" in page and "Winner" not in page
-    won = run_page.candidate_page(candidate=c, result=_ok("it0-c1", 3.0), parent_name="eureka-s0", parent_id="p1",
-                                  experiment_id="7", winner=run_page.winner_rule("return"))
+    won = run_page.candidate_page(
+        candidate=c,
+        result=_ok("it0-c1", 3.0),
+        parent_name="eureka-s0",
+        parent_id="p1",
+        experiment_id="7",
+        winner=run_page.winner_rule("return"),
+    )
     assert "**Winner of the run.** Rule: the highest `return`" in won
     assert won.startswith("**`fitness` = 3** (winner of the run), 1000 frames in 2.5 s.")
-    rejected = TrainResult("it0-c1", ok=False, error="No code block in the reply.\nWrite the function in a block.",
-                           error_kind="rejected")
-    assert run_page.candidate_page(candidate=c, result=rejected, parent_name="eureka-s0", parent_id="p1",
-                                   experiment_id="7").startswith("**Failed (rejected): No code block in the reply.**")
+    rejected = TrainResult(
+        "it0-c1", ok=False, error="No code block in the reply.\nWrite the function in a block.", error_kind="rejected"
+    )
+    assert run_page.candidate_page(
+        candidate=c, result=rejected, parent_name="eureka-s0", parent_id="p1", experiment_id="7"
+    ).startswith("**Failed (rejected): No code block in the reply.**")
 
 
 def test_a_failures_reason_is_one_line():
     def failed(error: str) -> TrainResult:
         return TrainResult("c", ok=False, error=error, error_kind="exception")
 
-    assert run_page.reason(failed("Traceback (most recent call last):\n  File x\nNameError: name 'y' is not defined\n")) \
+    assert (
+        run_page.reason(failed("Traceback (most recent call last):\n  File x\nNameError: name 'y' is not defined\n"))
         == "NameError: name 'y' is not defined"
-    assert run_page.reason(failed("\n# vetting: pays more for failing\nthe details\n")) == "vetting: pays more for failing"
-    assert run_page.reason(failed("The code reads names that do not exist:\n- next_state['x'] (no such field)\n")) \
+    )
+    assert (
+        run_page.reason(failed("\n# vetting: pays more for failing\nthe details\n")) == "vetting: pays more for failing"
+    )
+    assert (
+        run_page.reason(failed("The code reads names that do not exist:\n- next_state['x'] (no such field)\n"))
         == "The code reads names that do not exist: next_state['x'] (no such field)"
+    )
     # the list of the state's fields the sandbox puts first for the LLM's repair is not the reason
     fields = "The state has exactly these fields: health, food, wood.\n"
-    assert run_page.reason(failed(fields + "the reward must be a torch tensor, got NoneType.")) \
+    assert (
+        run_page.reason(failed(fields + "the reward must be a torch tensor, got NoneType."))
         == "the reward must be a torch tensor, got NoneType."
-    assert run_page.reason(failed(fields + "Traceback (most recent call last):\n  File x\nRuntimeError: ambiguous")) \
+    )
+    assert (
+        run_page.reason(failed(fields + "Traceback (most recent call last):\n  File x\nRuntimeError: ambiguous"))
         == "RuntimeError: ambiguous"
+    )
     assert len(run_page.reason(failed("x" * 1000))) == run_page.REASON_CHARS
     assert run_page.reason(_ok("c", 1.0)) == ""
 

@@ -162,22 +162,37 @@ def test_typing_is_a_module_like_any_other() -> None:
     assert check_source(source, "compute_reward", allowed_imports=("typing",)).ok
 
 
-@pytest.mark.parametrize(("source", "needle"), [
-    ("import typing\ndef compute_reward(s, a, n):\n    return typing.get_type_hints(compute_reward, {})", "typing"),
-    ("from typing import get_type_hints\ndef compute_reward(s, a, n):\n    return 0", "typing"),
-    ("from typing import Dict\ndef compute_reward(s, a, n):\n    return Dict", "outside a type annotation"),
-    ("import torch.nn.functional as F\ndef compute_reward(s, a, n):\n    match F.relu:\n        case T(__globals__=g):\n"
-     "            return g", "match pattern"),
-    ("def compute_reward(s, a, n):\n    match 'x':\n        case str(format=f):\n            return f", "match pattern"),
-    ("import torch\ntorch.isfinite = abs\ndef compute_reward(s, a, n):\n    return 0", "assigning to `torch.isfinite`"),
-    ("import torch\ndef compute_reward(s, a, n):\n    del torch.isfinite", "deleting `torch.isfinite`"),
-    ("from torch import nn\nnn.Linear.forward = abs\ndef compute_reward(s, a, n):\n    return 0", "assigning to"),
-    ("from torch.nn import Linear\nLinear.forward = abs\ndef compute_reward(s, a, n):\n    return 0", "assigning to"),
-    ("def compute_reward(s, a, n):\n    T = s\n    return T('S', (), {'__exit__': 1})", "building a class"),
-    ("def compute_reward(s, a, n):\n    raise KeyboardInterrupt", "KeyboardInterrupt"),
-    ("import torch\ndef compute_reward(s, a, n):\n    raise torch.SystemExit", "SystemExit"),
-    ("def compute_reward(s, a, n):\n    raise BaseExceptionGroup('x', [])", "BaseExceptionGroup"),
-])
+@pytest.mark.parametrize(
+    ("source", "needle"),
+    [
+        ("import typing\ndef compute_reward(s, a, n):\n    return typing.get_type_hints(compute_reward, {})", "typing"),
+        ("from typing import get_type_hints\ndef compute_reward(s, a, n):\n    return 0", "typing"),
+        ("from typing import Dict\ndef compute_reward(s, a, n):\n    return Dict", "outside a type annotation"),
+        (
+            "import torch.nn.functional as F\ndef compute_reward(s, a, n):\n    match F.relu:\n        case T(__globals__=g):\n"
+            "            return g",
+            "match pattern",
+        ),
+        (
+            "def compute_reward(s, a, n):\n    match 'x':\n        case str(format=f):\n            return f",
+            "match pattern",
+        ),
+        (
+            "import torch\ntorch.isfinite = abs\ndef compute_reward(s, a, n):\n    return 0",
+            "assigning to `torch.isfinite`",
+        ),
+        ("import torch\ndef compute_reward(s, a, n):\n    del torch.isfinite", "deleting `torch.isfinite`"),
+        ("from torch import nn\nnn.Linear.forward = abs\ndef compute_reward(s, a, n):\n    return 0", "assigning to"),
+        (
+            "from torch.nn import Linear\nLinear.forward = abs\ndef compute_reward(s, a, n):\n    return 0",
+            "assigning to",
+        ),
+        ("def compute_reward(s, a, n):\n    T = s\n    return T('S', (), {'__exit__': 1})", "building a class"),
+        ("def compute_reward(s, a, n):\n    raise KeyboardInterrupt", "KeyboardInterrupt"),
+        ("import torch\ndef compute_reward(s, a, n):\n    raise torch.SystemExit", "SystemExit"),
+        ("def compute_reward(s, a, n):\n    raise BaseExceptionGroup('x', [])", "BaseExceptionGroup"),
+    ],
+)
 def test_listed_holes_are_closed_statically(source: str, needle: str) -> None:
     report = check_source(source, "compute_reward")
     assert report.kind == "forbidden" and needle in report.message, report.message
@@ -222,7 +237,9 @@ def runtime_reports(isolated: bool) -> dict:
 
     def run(job):
         name, source, bypass = job
-        return name, run_isolated(RewardProgram(source), args, limits=FAST, validate=validate_reward, _skip_check=bypass)
+        return name, run_isolated(
+            RewardProgram(source), args, limits=FAST, validate=validate_reward, _skip_check=bypass
+        )
 
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -302,7 +319,9 @@ def test_process_limit_holds_when_the_check_is_bypassed(isolated: bool) -> None:
     needs_isolation(isolated)
     before = len(os.listdir("/proc"))
     assert wait_no_sandbox_procs() == []
-    report = run_isolated(RewardProgram(P.BYPASS_FORK_20), _args(), limits=Limits(max_procs=5, wall_s=15), _skip_check=True)
+    report = run_isolated(
+        RewardProgram(P.BYPASS_FORK_20), _args(), limits=Limits(max_procs=5, wall_s=15), _skip_check=True
+    )
     assert report.kind == "exception", report
     last = report.message.splitlines()[-1]  # "RuntimeError: made=4 errors=16"
     made = int(last.split("made=")[1].split()[0])
@@ -556,8 +575,9 @@ def test_a_key_error_at_run_time_names_the_real_fields():
     from core.envs import make_task
 
     task = make_task({"name": "pendulum"})
-    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    key = 'the' + 'ta'\n"
-                                   "    return state[key]\n")  # a key no static check can read
+    program = RewardProgram(
+        source="def compute_reward(state, action, next_state):\n    key = 'the' + 'ta'\n    return state[key]\n"
+    )  # a key no static check can read
     with pytest.raises(SandboxError) as err:
         prepare_reward(program, task)
     assert "KeyError" in err.value.report.message
@@ -565,8 +585,9 @@ def test_a_key_error_at_run_time_names_the_real_fields():
 
 
 def test_fields_read_as_attributes_work_in_the_worker():
-    program = RewardProgram(source="def compute_reward(state, action, next_state):\n"
-                                   "    return next_state.pole_angle - state.pole_angle\n")
+    program = RewardProgram(
+        source="def compute_reward(state, action, next_state):\n    return next_state.pole_angle - state.pole_angle\n"
+    )
     fn = prepare_reward(program, _cartpole(), limits=FAST)
     try:
         s, a, n = _args(5)
@@ -584,21 +605,21 @@ def test_values_of_other_programs_cross_as_small_tensors() -> None:
 
 # -- programs written for one state, not a batch --------------------------------------
 
-PER_STATE_REWARD = '''def compute_reward(state, action, next_state):
+PER_STATE_REWARD = """def compute_reward(state, action, next_state):
     angle = next_state["pole_angle"]
     if abs(float(angle)) < 0.1:          # a Python branch on one value
         bonus = 1.0
     else:
         bonus = 0.0
     return bonus - abs(float(next_state["cart_position"])), {"bonus": bonus}
-'''
+"""
 
-PER_STATE_FEATURES = '''import torch
+PER_STATE_FEATURES = """import torch
 
 
 def revise_state(state):
     return torch.stack([state["pole_angle"] ** 2, state["cart_velocity"] * 2.0])
-'''
+"""
 
 
 def _cartpole():
@@ -622,7 +643,9 @@ def test_per_state_reward_runs_once_per_row() -> None:
 
 
 def test_batched_reward_stays_batched() -> None:
-    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return -next_state['pole_angle'].abs()\n")
+    program = RewardProgram(
+        source="def compute_reward(state, action, next_state):\n    return -next_state['pole_angle'].abs()\n"
+    )
     fn = prepare_reward(program, _cartpole())
     assert not fn.per_row and "per_row" not in program.meta
     fn.close()
@@ -635,22 +658,28 @@ def test_per_row_fallback_can_be_switched_off() -> None:
 
 
 def test_per_row_keeps_the_batched_error_when_rows_fail_too() -> None:
-    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    key = 'no' + 'pe'\n"
-                                   "    return state['pole_angle'] / 0 + state[key]\n")
+    program = RewardProgram(
+        source="def compute_reward(state, action, next_state):\n    key = 'no' + 'pe'\n"
+        "    return state['pole_angle'] / 0 + state[key]\n"
+    )
     with pytest.raises(SandboxError) as err:
         prepare_reward(program, _cartpole())
     assert "KeyError" in err.value.report.message
 
 
 def test_per_row_results_still_checked_for_nan() -> None:
-    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return float('nan') if float(state['pole_angle']) > -9 else 0.0\n")
+    program = RewardProgram(
+        source="def compute_reward(state, action, next_state):\n    return float('nan') if float(state['pole_angle']) > -9 else 0.0\n"
+    )
     with pytest.raises(SandboxError) as err:
         prepare_reward(program, _cartpole())
     assert err.value.report.kind in ("invalid_value", "exception")
 
 
 def test_per_row_complex_values_are_refused_not_truncated() -> None:
-    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return 1.0 + 2j if float(state['pole_angle']) > -9 else 0.0\n")
+    program = RewardProgram(
+        source="def compute_reward(state, action, next_state):\n    return 1.0 + 2j if float(state['pole_angle']) > -9 else 0.0\n"
+    )
     with pytest.raises(SandboxError):  # the rows fail too, so the batched call's error is the feedback
         prepare_reward(program, _cartpole())
     with ProgramWorker(FAST) as worker:
@@ -680,8 +709,9 @@ def test_a_candidates_programs_share_one_worker_that_ends_with_its_training() ->
 
     task = _cartpole()
     candidate = Candidate("c", 0, reward=RewardProgram(P.REWARD_OK), state=StateProgram(P.STATE_OK))
-    cfg = PPOConfig(frames=256, num_envs=4, rollout_steps=32, epochs=1, minibatch=64, hidden=[16], eval_every=0,
-                    eval_episodes=1)
+    cfg = PPOConfig(
+        frames=256, num_envs=4, rollout_steps=32, epochs=1, minibatch=64, hidden=[16], eval_every=0, eval_episodes=1
+    )
     started = set(SUPERVISORS)
     result = train(task, candidate, cfg, seed=0)
     assert result.ok, result.error
@@ -691,14 +721,23 @@ def test_a_candidates_programs_share_one_worker_that_ends_with_its_training() ->
     assert wait_no_sandbox_procs() == []
 
 
-def test_missing_namespaces_are_said_in_the_log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_namespaces_are_said_in_the_log(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from core.sandbox.host import _Warnings
 
     monkeypatch.setattr(_Warnings, "_said", set())
     with ProgramWorker(FAST) as worker:
-        worker._proc.isolation = {"network": False, "pid": True, "mount": False, "error": "Operation not permitted",
-                                  "root_dropped": True}
+        worker._proc.isolation = {
+            "network": False,
+            "pid": True,
+            "mount": False,
+            "error": "Operation not permitted",
+            "root_dropped": True,
+        }
         with caplog.at_level("WARNING", logger="core.sandbox"):
             worker._say_what_is_missing()
     text = caplog.text
-    assert "no network, mount namespace" in text and "can reach the network" in text and "Operation not permitted" in text
+    assert (
+        "no network, mount namespace" in text and "can reach the network" in text and "Operation not permitted" in text
+    )

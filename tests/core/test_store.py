@@ -63,7 +63,13 @@ def _settings(**config):
 def test_results_live_beside_the_tracking_store(tmp_path):
     db = tmp_path / "study" / "mlflow.db"
     assert results_path(_settings(tracking={"uri": f"sqlite:///{db}"})) == db.parent / "llm4rl-results.sqlite"
-    assert results_path(_settings(tracking={"uri": str(tmp_path / "mlruns")})) == tmp_path / "mlruns" / "llm4rl-results.sqlite"
-    assert results_path(_settings(tracking={"uri": "http://host:5000"}, cache_dir=str(tmp_path))) == tmp_path / "results.sqlite"
+    assert (
+        results_path(_settings(tracking={"uri": str(tmp_path / "mlruns")}))
+        == tmp_path / "mlruns" / "llm4rl-results.sqlite"
+    )
+    assert (
+        results_path(_settings(tracking={"uri": "http://host:5000"}, cache_dir=str(tmp_path)))
+        == tmp_path / "results.sqlite"
+    )
     chosen = tmp_path / "mine.sqlite"
     assert results_path(_settings(tracking={"uri": f"sqlite:///{db}"}, results_store=str(chosen))) == chosen

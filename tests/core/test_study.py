@@ -16,12 +16,30 @@ from core.study import FRESH_SCORE, error_line, expand, load_spec, main, trackin
 from core.testing import fakes
 
 ISSUE_TASKS = {"cartpole", "mountaincar", "acrobot", "pendulum", "lunarlander", "hopper", "reach", "crafter"}
-METHODS = {"eureka", "text2reward", "lares", "llm_state_repr", "progress_reward", "rlaif_preference", "envgen", "rl_gpt"}
+METHODS = {
+    "eureka",
+    "text2reward",
+    "lares",
+    "llm_state_repr",
+    "progress_reward",
+    "rlaif_preference",
+    "envgen",
+    "rl_gpt",
+}
 #: the action and planning roles' plugins, on Crafter (their own task)
 ROLE_METHODS = {"ellm", "saycan", "plan4mc"}
 #: every training of a test cell takes about a second, in this process
-TINY = ["trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=1", "trainer.minibatch=64", "trainer.hidden=[16]",
-        "trainer.eval_episodes=2", "executor=inprocess", "tracking.log_plots=false", "save_policy=false"]
+TINY = [
+    "trainer.num_envs=4",
+    "trainer.rollout_steps=32",
+    "trainer.epochs=1",
+    "trainer.minibatch=64",
+    "trainer.hidden=[16]",
+    "trainer.eval_episodes=2",
+    "executor=inprocess",
+    "tracking.log_plots=false",
+    "save_policy=false",
+]
 
 
 def _runs(store: Path, experiment: str = "results") -> list:
@@ -44,9 +62,12 @@ def test_the_results_spec_has_the_issue_tasks_the_baselines_and_every_method():
     assert spec.arms["human"].overrides == ["env.reward=human"] and spec.arms["human"].tasks is None
     assert spec.arms["envgen"].tasks == ["crafter"]  # the only task with controllable params
     assert len(spec.seeds) >= 5 and spec.final_seeds >= 1
-    assert all(arm.search for name, arm in spec.arms.items()
-               if name not in {"random", "sparse", "human", "shaped", "progress_reward", "rlaif_preference"} | controls
-               | ROLE_METHODS)
+    assert all(
+        arm.search
+        for name, arm in spec.arms.items()
+        if name
+        not in {"random", "sparse", "human", "shaped", "progress_reward", "rlaif_preference"} | controls | ROLE_METHODS
+    )
     assert spec.arms["random"].trainer == "random" and spec.arms["shaped"].tasks == ["mountaincar"]
     # reflection's ablation: the same number of samples in one round
     assert spec.arms["eureka_1x8"].overrides == ["plugins.eureka.iterations=1", "plugins.eureka.samples=8"]
@@ -59,9 +80,13 @@ def test_the_results_spec_has_the_issue_tasks_the_baselines_and_every_method():
 def test_every_in_training_llm_arm_has_a_control_that_removes_only_its_llm():
     """A control runs the same plugin with the LLM's part switched off by the plugin's own knob."""
     spec = load_spec("results")
-    knobs = {"progress_no_llm": "plugins.progress_reward.stages.", "saycan_uniform": "plugins.saycan.weight=0.0",
-             "rlaif_ties": "plugins.rlaif_preference.control=ties", "ellm_fixed": "plugins.ellm.goals=fixed",
-             "plan4mc_rules": "plugins.plan4mc.plan_source=rules"}
+    knobs = {
+        "progress_no_llm": "plugins.progress_reward.stages.",
+        "saycan_uniform": "plugins.saycan.weight=0.0",
+        "rlaif_ties": "plugins.rlaif_preference.control=ties",
+        "ellm_fixed": "plugins.ellm.goals=fixed",
+        "plan4mc_rules": "plugins.plan4mc.plan_source=rules",
+    }
     for control, knob in knobs.items():
         arm = spec.arms[control]
         method = spec.arms[arm.control_of]
@@ -69,7 +94,13 @@ def test_every_in_training_llm_arm_has_a_control_that_removes_only_its_llm():
         assert any(o.startswith(knob) for o in arm.overrides), control
         # everything else the method sets, the control sets too
         assert set(method.overrides) <= set(arm.overrides), control
-    assert {spec.arms[c].control_of for c in knobs} == {"progress_reward", "saycan", "rlaif_preference", "ellm", "plan4mc"}
+    assert {spec.arms[c].control_of for c in knobs} == {
+        "progress_reward",
+        "saycan",
+        "rlaif_preference",
+        "ellm",
+        "plan4mc",
+    }
 
 
 def test_every_task_that_scores_targets_is_calibrated_on_an_arm_it_runs():
@@ -94,8 +125,12 @@ def test_the_random_arm_drops_the_tasks_trainer_settings_and_keeps_its_env():
 def test_cells_are_each_arm_on_the_tasks_it_applies_to_for_every_seed():
     spec = load_spec("results")
     cells = expand(spec)
-    expected = sum(len(task.seeds or spec.seeds) for name, task in spec.tasks.items()
-                   for arm in spec.arms.values() if arm.tasks is None or name in arm.tasks)
+    expected = sum(
+        len(task.seeds or spec.seeds)
+        for name, task in spec.tasks.items()
+        for arm in spec.arms.values()
+        if arm.tasks is None or name in arm.tasks
+    )
     assert len(cells) == expected
     names = {c.name for c in cells}
     assert len(names) == len(cells)
@@ -117,10 +152,18 @@ def test_options_shrink_the_study():
     spec = load_spec("results")
     (cell,) = expand(spec, tasks=["pendulum"], arms=["human"], seeds=[3], frames_scale=0.1, extra=("trainer.lr=0.01",))
     assert cell.name == "human-pendulum-s3" and cell.frames == 2000
-    for override in ("trainer=sac", "trainer.frames=2000", "trainer.eval_every=500", "trainer.init_random_frames=100",
-                     "seed=3", "trainer.lr=0.01"):
+    for override in (
+        "trainer=sac",
+        "trainer.frames=2000",
+        "trainer.eval_every=500",
+        "trainer.init_random_frames=100",
+        "seed=3",
+        "trainer.lr=0.01",
+    ):
         assert override in cell.overrides
-    human, eureka = expand(spec, tasks=["cartpole"], arms=["human", "eureka"], seeds=[0], extra=("plugins.eureka.samples=2",))
+    human, eureka = expand(
+        spec, tasks=["cartpole"], arms=["human", "eureka"], seeds=[0], extra=("plugins.eureka.samples=2",)
+    )
     assert "plugins.eureka.samples=2" in eureka.overrides and "plugins.eureka.samples=2" not in human.overrides
     assert human.ignored == ("plugins.eureka.samples=2",) and eureka.ignored == ()
     with pytest.raises(UserError, match="Did you mean 'cartpole'"):
@@ -138,16 +181,20 @@ def test_a_plugin_knob_set_for_the_study_is_checked_like_the_command_line():
 
 
 def test_a_failure_is_reported_by_the_line_that_names_it():
-    torch_error = ("Traceback (most recent call last):\n  File x\nTypeError: sum() received an invalid combination of arguments\n"
-                   " * (Tensor input, *, torch.dtype dtype = None)\n * (Tensor input, int dim, bool keepdim = False)")
+    torch_error = (
+        "Traceback (most recent call last):\n  File x\nTypeError: sum() received an invalid combination of arguments\n"
+        " * (Tensor input, *, torch.dtype dtype = None)\n * (Tensor input, int dim, bool keepdim = False)"
+    )
     assert error_line(torch_error) == "TypeError: sum() received an invalid combination of arguments"
     assert error_line("the program took too long") == "the program took too long"
 
 
 def test_a_spec_that_names_an_unknown_task_is_refused(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text("name: bad\nstore: s\nout: o.md\nseeds: [0]\ntasks: {cartpole: {env: cartpole, frames: 10}}\n"
-                    "arms: {x: {tasks: [cartpol]}}\n")
+    path.write_text(
+        "name: bad\nstore: s\nout: o.md\nseeds: [0]\ntasks: {cartpole: {env: cartpole, frames: 10}}\n"
+        "arms: {x: {tasks: [cartpol]}}\n"
+    )
     with pytest.raises(UserError, match="arm 'x' names unknown task"):
         load_spec(str(path))
     with pytest.raises(UserError, match="No study spec 'resluts'. Did you mean 'results'"):
@@ -159,8 +206,26 @@ def test_a_spec_that_names_an_unknown_task_is_refused(tmp_path):
 
 def test_a_tiny_study_runs_is_resumed_after_an_interruption_and_writes_its_results(tmp_path, monkeypatch):
     store, out = tmp_path / "store", tmp_path / "docs" / "results.md"
-    argv = ["results", "--tasks", "cartpole,mountaincar", "--arms", "sparse,human", "--seeds", "0,1",
-            "--frames-scale", "0.01", "--reps", "200", "--store", str(store), "--out", str(out), "--set", *TINY, f"cache_dir={tmp_path / 'cache'}"]
+    argv = [
+        "results",
+        "--tasks",
+        "cartpole,mountaincar",
+        "--arms",
+        "sparse,human",
+        "--seeds",
+        "0,1",
+        "--frames-scale",
+        "0.01",
+        "--reps",
+        "200",
+        "--store",
+        str(store),
+        "--out",
+        str(out),
+        "--set",
+        *TINY,
+        f"cache_dir={tmp_path / 'cache'}",
+    ]
     real = core.loop.run_experiment
     calls: list[str] = []
     same_code = lambda: monkeypatch.setattr(core.config, "framework_hash", lambda: "code")  # noqa: E731 - others may edit the checkout meanwhile
@@ -180,11 +245,18 @@ def test_a_tiny_study_runs_is_resumed_after_an_interruption_and_writes_its_resul
 
     monkeypatch.undo()
     same_code()
-    monkeypatch.setattr(core.loop, "run_experiment", lambda c, e=(), tags=None: calls.append(str(c.run_name)) or real(c, e, tags))
+    monkeypatch.setattr(
+        core.loop, "run_experiment", lambda c, e=(), tags=None: calls.append(str(c.run_name)) or real(c, e, tags)
+    )
     calls.clear()
     assert main(argv) == 0
-    assert calls == ["human-mountaincar-s0", "sparse-cartpole-s1", "human-cartpole-s1", "sparse-mountaincar-s1",
-                     "human-mountaincar-s1"]  # only what had not finished
+    assert calls == [
+        "human-mountaincar-s0",
+        "sparse-cartpole-s1",
+        "human-cartpole-s1",
+        "sparse-mountaincar-s1",
+        "human-mountaincar-s1",
+    ]  # only what had not finished
     calls.clear()
     assert main(argv) == 0 and calls == []  # everything finished: nothing runs again
     finished = [r for r in _runs(store) if r.info.status == "FINISHED"]
@@ -195,7 +267,13 @@ def test_a_tiny_study_runs_is_resumed_after_an_interruption_and_writes_its_resul
     text = out.read_text()
     assert "A reduced run of the study" in text
     assert "- Command: `python -m core.study results --tasks cartpole,mountaincar --arms sparse,human" in text
-    assert "- Commit: `" in text and "- Machine: " in text and " cores" in text and "load average" in text and "as the cells started" in text
+    assert (
+        "- Commit: `" in text
+        and "- Machine: " in text
+        and " cores" in text
+        and "load average" in text
+        and "as the cells started" in text
+    )
     assert "- Study wall time: " in text and "summed over the 8 counted runs" in text
     assert "this invocation ran 0 cell(s) and skipped 8" in text
     assert "- Projected at the spec's frames: " in text and "for the same 8 runs" in text
@@ -237,11 +315,21 @@ def test_edited_code_makes_new_cells(tmp_path, monkeypatch, capsys):
 def _spec(tmp_path: Path, arms: dict) -> Path:
     """A one-task, one-seed study spec in ``tmp_path`` with these arms."""
     path = tmp_path / "check.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "check", "store": str(tmp_path / "store"), "out": str(tmp_path / "check.md"), "seeds": [0],
-        "final_seeds": 1, "evaluations": 0, "overrides": [*TINY, f"cache_dir={tmp_path / 'cache'}"],
-        "tasks": {"cartpole": {"env": "cartpole", "frames": 512}}, "arms": arms,
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "check",
+                "store": str(tmp_path / "store"),
+                "out": str(tmp_path / "check.md"),
+                "seeds": [0],
+                "final_seeds": 1,
+                "evaluations": 0,
+                "overrides": [*TINY, f"cache_dir={tmp_path / 'cache'}"],
+                "tasks": {"cartpole": {"env": "cartpole", "frames": 512}},
+                "arms": arms,
+            }
+        )
+    )
     return path
 
 
@@ -260,15 +348,22 @@ def test_a_search_arm_is_scored_on_fresh_seeds(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| cartpole (return) |"))
     from core.report.render import number
 
-    assert row.split("|")[3].strip() == f"{number(picked[FRESH_SCORE])} (n=1, no CI)"  # the fresh-seed score; one run, no CI
+    assert (
+        row.split("|")[3].strip() == f"{number(picked[FRESH_SCORE])} (n=1, no CI)"
+    )  # the fresh-seed score; one run, no CI
     assert "| picked | 1/1 |" in text and "| 1 (0) |" in text  # one candidate, none failed
 
 
 def test_an_llm_arm_reports_its_llm_cost(tmp_path, monkeypatch):
     llm = fakes.install_fake_litellm(monkeypatch)
     eureka = ["plugins.eureka.iterations=1", "plugins.eureka.samples=2", *fakes.FAKE_LLM_OVERRIDES]
-    spec = _spec(tmp_path, {"human": {"overrides": ["env.reward=human"]},
-                            "eureka": {"plugins": ["eureka"], "overrides": eureka, "search": True}})
+    spec = _spec(
+        tmp_path,
+        {
+            "human": {"overrides": ["env.reward=human"]},
+            "eureka": {"plugins": ["eureka"], "overrides": eureka, "search": True},
+        },
+    )
     assert main([str(spec), "--reps", "200"]) == 0
     assert llm.calls, "the eureka arm never asked the LLM"
     runs = {r.data.tags["study.arm"]: r for r in _runs(tmp_path / "store", "check")}
@@ -292,12 +387,18 @@ def test_a_rerun_from_the_replies_file_trains_the_same_programs_with_no_llm(tmp_
     assert main([str(spec), "--reps", "200", *again]) == 0
     assert len(llm.calls) == asked  # the LLM was not asked again
     first, second = (_runs(tmp_path / store, "check")[0] for store in ("store", "again"))
-    client = mlflow.MlflowClient(tracking_uri(tmp_path / "store")), mlflow.MlflowClient(tracking_uri(tmp_path / "again"))
+    client = (
+        mlflow.MlflowClient(tracking_uri(tmp_path / "store")),
+        mlflow.MlflowClient(tracking_uri(tmp_path / "again")),
+    )
 
     def programs(c, run) -> list[str]:
         kids = c.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
-        return sorted(Path(c.download_artifacts(k.info.run_id, "reward/compute_reward.py", str(tmp_path / "dl"))).read_text()
-                      for k in kids if "sample" in k.data.tags)
+        return sorted(
+            Path(c.download_artifacts(k.info.run_id, "reward/compute_reward.py", str(tmp_path / "dl"))).read_text()
+            for k in kids
+            if "sample" in k.data.tags
+        )
 
     assert programs(client[0], first) == programs(client[1], second) and programs(client[0], first)
     # one torch thread: the same programs train to the same scores
@@ -325,8 +426,10 @@ def test_the_projection_scales_training_time_but_not_a_searchs_llm_time():
     spec = load_spec("results")
     cells = expand(spec, tasks=["cartpole"], arms=["human", "eureka"], seeds=[0], frames_scale=0.1)
     planned = [SimpleNamespace(cell=c) for c in cells]
-    runs = {("cartpole", "eureka", 0): {"study/seconds": 10.0, "llm/latency_s": 4.0},
-            ("cartpole", "human", 0): {"study/seconds": 2.0, "llm/latency_s": 1.5}}
+    runs = {
+        ("cartpole", "eureka", 0): {"study/seconds": 10.0, "llm/latency_s": 4.0},
+        ("cartpole", "human", 0): {"study/seconds": 2.0, "llm/latency_s": 1.5},
+    }
     chosen = {k: StudyRun("id", "n", "cartpole", "x", 0, OK, metrics=m) for k, m in runs.items()}
     (line,) = _projection(spec, planned, Counted(list(chosen.values()), chosen, 0))  # type: ignore[arg-type]
     assert line.startswith("- Projected at the spec's frames: 1.4 min for the same 2 runs (1.4 min per seed)")  # 84 s

@@ -36,24 +36,33 @@ def test_the_framework_imports_pytest_only_in_the_kit():
         if (ROOT / "core" / "testing") in path.parents:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             if any(n.split(".")[0] in ("pytest", "_pytest") for n in names):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "\n".join(found)
 
 
 def test_without_pytest_the_kit_says_what_to_install():
-    out = python("import sys; sys.modules['pytest'] = None\n"
-                 "try:\n    import core.testing\nexcept ImportError as err:\n    print(err)")
+    out = python(
+        "import sys; sys.modules['pytest'] = None\n"
+        "try:\n    import core.testing\nexcept ImportError as err:\n    print(err)"
+    )
     assert out.returncode == 0, out.stderr
     assert "core.testing needs pytest" in out.stdout and "pip install 'llm4rl[test]'" in out.stdout, out.stdout
 
 
 def test_the_pytest_plugin_loads_without_the_framework():
     """A suite's conftest loads it before any test: no torch, Hydra or litellm until a test asks."""
-    out = python("import sys, core.testing.pytest_plugin as p; assert callable(p.make_config)\n"
-                 "print(sorted(m for m in ('torch', 'hydra', 'litellm', 'core.testing.contract') if m in sys.modules))")
+    out = python(
+        "import sys, core.testing.pytest_plugin as p; assert callable(p.make_config)\n"
+        "print(sorted(m for m in ('torch', 'hydra', 'litellm', 'core.testing.contract') if m in sys.modules))"
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -63,8 +72,11 @@ def test_the_kit_is_in_the_wheel_and_rewrites_only_its_own_asserts():
     ``pytest11`` entry point, which would make pytest rewrite the asserts of all of them."""
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = set(meta["tool"]["setuptools"]["packages"])
-    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for top in ("core", "plugins")
-               for p in (ROOT / top).rglob("__init__.py")}
+    on_disk = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for top in ("core", "plugins")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
     assert on_disk <= packages, f"packages missing from pyproject.toml: {sorted(on_disk - packages)}"
     assert "pytest11" not in meta["project"].get("entry-points", {})
     import core.plugin

@@ -119,10 +119,19 @@ def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: int = 600)
 
 def tiny(tmp_path: Path, frames: int = 1024) -> list[str]:
     """Overrides for a tiny, self-contained run whose every output lands in ``tmp_path``."""
-    return [f"trainer.frames={frames}", "trainer.eval_every=0", "trainer.eval_episodes=2", "executor=inprocess",
-            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"tracking.artifact_location={tmp_path}/mlartifacts",
-            f"cache_dir={tmp_path}/cache", "progress=false", "save_policy=false",
-            f"hydra.run.dir={tmp_path}/outputs", f"hydra.sweep.dir={tmp_path}/multirun"]
+    return [
+        f"trainer.frames={frames}",
+        "trainer.eval_every=0",
+        "trainer.eval_episodes=2",
+        "executor=inprocess",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+        f"tracking.artifact_location={tmp_path}/mlartifacts",
+        f"cache_dir={tmp_path}/cache",
+        "progress=false",
+        "save_policy=false",
+        f"hydra.run.dir={tmp_path}/outputs",
+        f"hydra.sweep.dir={tmp_path}/multirun",
+    ]
 
 
 # -------------------------------------------------------------------------------------
@@ -215,8 +224,12 @@ def test_registry_lists_the_third_party_plugin(tmp_path):
 
 def test_cli_refuses_a_bad_value_in_one_paragraph(tmp_path):
     site = site_dir(COUNT_BONUS, tmp_path / "site")
-    out = run_cli(["-m", "core", "+plugins=[count_bonus]", "plugins.count_bonus.beta=abc", *tiny(tmp_path)],
-                  tmp_path, env_with(site), timeout=300)
+    out = run_cli(
+        ["-m", "core", "+plugins=[count_bonus]", "plugins.count_bonus.beta=abc", *tiny(tmp_path)],
+        tmp_path,
+        env_with(site),
+        timeout=300,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     text = " ".join(out.stderr.split())
     assert "error: Invalid value for 'plugins.count_bonus.beta': expected float, got 'abc'" in text, out.stderr
@@ -233,8 +246,11 @@ def test_cli_refuses_a_bad_value_in_one_paragraph(tmp_path):
 def test_enabled_third_party_plugin_hooks_run(tmp_path):
     site = site_dir(HELLO, tmp_path / "site")
     marker = tmp_path / "marker.txt"
-    out = run_cli(["-m", "core", "+plugins=[hello]", f"plugins.hello.marker={marker}", *tiny(tmp_path, 2048)],
-                  tmp_path, env_with(site))
+    out = run_cli(
+        ["-m", "core", "+plugins=[hello]", f"plugins.hello.marker={marker}", *tiny(tmp_path, 2048)],
+        tmp_path,
+        env_with(site),
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = marker.read_text().splitlines()
     assert lines[0] == "on_run_start"
@@ -245,8 +261,11 @@ def test_enabled_third_party_plugin_hooks_run(tmp_path):
 @pytest.mark.slow
 def test_the_trial_package_trains_and_its_config_reaches_mlflow(tmp_path):
     site = site_dir(COUNT_BONUS, tmp_path / "site")
-    out = run_cli(["-m", "core", "+plugins=[count_bonus,fourier_features]", "plugins.count_bonus.beta=0.2",
-                   *tiny(tmp_path)], tmp_path, env_with(site))
+    out = run_cli(
+        ["-m", "core", "+plugins=[count_bonus,fourier_features]", "plugins.count_bonus.beta=0.2", *tiny(tmp_path)],
+        tmp_path,
+        env_with(site),
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     with sqlite3.connect(tmp_path / "mlflow.db") as db:
         params = dict(db.execute("SELECT key, value FROM params"))
@@ -260,11 +279,29 @@ def test_the_trial_package_trains_and_its_config_reaches_mlflow(tmp_path):
 def test_an_ablation_study_and_its_report(tmp_path):
     site = site_dir(COUNT_BONUS, tmp_path / "site")
     env = env_with(site)
-    study = run_cli(["-m", "core", "-m", "+plugins=[count_bonus],[]", "seed=0,1", "experiment=bonus_ablation",
-                     *tiny(tmp_path)], tmp_path, env)
+    study = run_cli(
+        ["-m", "core", "-m", "+plugins=[count_bonus],[]", "seed=0,1", "experiment=bonus_ablation", *tiny(tmp_path)],
+        tmp_path,
+        env,
+    )
     assert study.returncode == 0, study.stdout + study.stderr
-    report = run_cli(["-m", "core.report", "--experiment", "bonus_ablation", "--uri", f"sqlite:///{tmp_path}/mlflow.db",
-                      "--out", str(tmp_path / "report"), "--reps", "200", "--no-log"], tmp_path, env)
+    report = run_cli(
+        [
+            "-m",
+            "core.report",
+            "--experiment",
+            "bonus_ablation",
+            "--uri",
+            f"sqlite:///{tmp_path}/mlflow.db",
+            "--out",
+            str(tmp_path / "report"),
+            "--reps",
+            "200",
+            "--no-log",
+        ],
+        tmp_path,
+        env,
+    )
     assert report.returncode == 0, report.stdout + report.stderr
     text = (tmp_path / "report" / "report.md").read_text()
     for arm in ("count_bonus", "baseline"):  # both arms, both seeds finished
@@ -281,7 +318,7 @@ def guide_files(section: str = "## The smallest plugin") -> dict[str, str]:
     text = GUIDE.read_text()
     start = text.index(section)
     end = text.find("\n## ", start + len(section))
-    body = text[start:end if end > 0 else None]
+    body = text[start : end if end > 0 else None]
     found = re.findall(r"^\*\*`([^`]+)`\*\*\s*\n+```[a-z]*\n(.*?)^```", body, re.MULTILINE | re.DOTALL)
     return dict(found)
 
@@ -298,7 +335,9 @@ def test_the_guides_smallest_plugin_runs_as_written(tmp_path):
         (project / path).parent.mkdir(parents=True, exist_ok=True)
         (project / path).write_text(code)
     site = site_dir(project, tmp_path / "site")
-    name = next(iter(tomllib.loads((project / "pyproject.toml").read_text())["project"]["entry-points"]["llm4rl.plugins"]))
+    name = next(
+        iter(tomllib.loads((project / "pyproject.toml").read_text())["project"]["entry-points"]["llm4rl.plugins"])
+    )
     listed = run_cli(["-m", "core.registry"], tmp_path, env_with(site), timeout=120)
     assert name in listed.stdout, listed.stdout + listed.stderr
     out = run_cli(["-m", "core", f"+plugins=[{name}]", *tiny(tmp_path)], tmp_path, env_with(site))
@@ -340,8 +379,12 @@ def test_the_guides_package_keeps_the_contract_from_outside_the_repository(tmp_p
     site = site_dir(project, tmp_path / "site")
     out = run_package_tests(project, site, "-k", "not smoke")
     assert out.returncode == 0, out.stdout + out.stderr
-    for check in ("test_imports", "test_imports_only_the_plugin_api", "test_config_composes_and_validates",
-                  "test_hooks_match_the_specs"):
+    for check in (
+        "test_imports",
+        "test_imports_only_the_plugin_api",
+        "test_config_composes_and_validates",
+        "test_hooks_match_the_specs",
+    ):
         assert f"TestMyBonus::{check} PASSED" in out.stdout, out.stdout
     assert "4 passed, 1 skipped, 1 deselected" in out.stdout, out.stdout
 

@@ -58,8 +58,11 @@ def _headings(markdown: str) -> list[str]:
 def test_a_code_fence_in_a_prompt_cannot_swallow_the_next_heading():
     system = "Write a reward.\n```python\ndef compute_reward(s, a, n):\n    ...\n```\nand ```` this too"
     reply = "Here:\n```python\ndef compute_reward(s, a, n):\n    return 1.0\n```"
-    call = _Call("eureka", [{"role": "system", "content": system}, {"role": "user", "content": "Go.\nTwo lines."}],
-                 [_Reply(reply), _Reply("no code", cached=True)])
+    call = _Call(
+        "eureka",
+        [{"role": "system", "content": system}, {"role": "user", "content": "Go.\nTwo lines."}],
+        [_Reply(reply), _Reply("no code", cached=True)],
+    )
     text = format_llm_call(call)
     assert _headings(text) == ["system", "user", "reply 0", "reply 1 (cached)"]
     blocks = [t.content for t in MarkdownIt().parse(text) if t.type == "fence"]
@@ -71,12 +74,27 @@ def test_a_code_fence_in_a_prompt_cannot_swallow_the_next_heading():
 
 def _result(**kw) -> TrainResult:
     curve = [CurvePoint(256, 10.0, 12.0), CurvePoint(512, 30.0, 31.0)]
-    series = {"charts/episodic_return": [(128, 9.0), (256, 11.0), (384, 20.0), (512, 25.0)],
-              "losses/value_loss": [(512, 0.5)], "reward/env_correlation": [(512, 0.3)]}
-    metrics = {"charts/episodic_return": 21.0, "losses/value_loss": 0.5, "reward/env_correlation": 0.3,
-               "time/update_s": 1.5}
-    args = dict(candidate_id="it0-c0", ok=True, fitness=Fitness("return", 30.0), frames=512, seconds=3.0,
-                curve=curve, series=series, metrics=metrics)
+    series = {
+        "charts/episodic_return": [(128, 9.0), (256, 11.0), (384, 20.0), (512, 25.0)],
+        "losses/value_loss": [(512, 0.5)],
+        "reward/env_correlation": [(512, 0.3)],
+    }
+    metrics = {
+        "charts/episodic_return": 21.0,
+        "losses/value_loss": 0.5,
+        "reward/env_correlation": 0.3,
+        "time/update_s": 1.5,
+    }
+    args = dict(
+        candidate_id="it0-c0",
+        ok=True,
+        fitness=Fitness("return", 30.0),
+        frames=512,
+        seconds=3.0,
+        curve=curve,
+        series=series,
+        metrics=metrics,
+    )
     return TrainResult(**{**args, **kw})
 
 
@@ -88,8 +106,13 @@ def test_each_metric_has_one_value_per_step_and_summaries_their_own_names():
     assert [(s, v) for k, v, s in points if k == "eval/return"] == [(256, 12.0), (512, 31.0)]
     assert [s for k, _, s in points if k == "charts/episodic_return"] == [128, 256, 384, 512]  # training episodes
     assert not any(k == "reward/env_correlation" for k, _, _ in points)  # a summary, never a series
-    assert summary == {"frames": 512.0, "seconds": 3.0, "summary/charts/episodic_return": 21.0,
-                       "reward/env_correlation": 0.3, "time/update_s": 1.5}
+    assert summary == {
+        "frames": 512.0,
+        "seconds": 3.0,
+        "summary/charts/episodic_return": 21.0,
+        "reward/env_correlation": 0.3,
+        "time/update_s": 1.5,
+    }
 
 
 def test_a_final_score_no_evaluation_logged_is_added_once():
@@ -117,8 +140,10 @@ def test_eval_every_adapts_to_a_small_budget(caplog):
 
 @pytest.fixture
 def tracker(tmp_path):
-    return Tracker({"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "artifact_location": str(tmp_path / "art"),
-                    "log_plots": False}, "pages")
+    return Tracker(
+        {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "artifact_location": str(tmp_path / "art"), "log_plots": False},
+        "pages",
+    )
 
 
 def test_candidate_runs_carry_their_parent_real_times_and_a_page(tracker, make_config):
@@ -128,8 +153,14 @@ def test_candidate_runs_carry_their_parent_real_times_and_a_page(tracker, make_c
     with tracker.experiment_run(make_config(["env=cartpole"]), "eureka-s0", {}):
         rid = tracker.log_candidate(candidate, constant, {}, ended=ended)
         iteration = IterationResult(1, [candidate], [constant])
-        page = tracker.describe_run(task="CartPole-v1", fitness_name="return", history=[iteration],
-                                    best=(candidate, constant), llm={}, seconds=9.0)
+        page = tracker.describe_run(
+            task="CartPole-v1",
+            fitness_name="return",
+            history=[iteration],
+            best=(candidate, constant),
+            llm={},
+            seconds=9.0,
+        )
     client = mlflow.MlflowClient(tracker.uri)
     run = client.get_run(rid)
     assert run.info.run_name == "eureka-s0/it1-c0"
@@ -151,7 +182,9 @@ def test_the_experiment_opens_as_model_training_with_a_candidates_view(tracker):
     view = json.loads(tags[f"mlflow.sharedViewState.{VIEW_KEY}"])
     state = json.loads(view["state"])
     assert state["orderByKey"] == "metrics.`fitness`" and "metrics.`fitness`" in state["selectedColumns"]
-    assert state["searchFilter"] == CANDIDATES_FILTER and "tags.`error`" in state["selectedColumns"]  # candidates alone, why they failed
+    assert (
+        state["searchFilter"] == CANDIDATES_FILTER and "tags.`error`" in state["selectedColumns"]
+    )  # candidates alone, why they failed
     runs = json.loads(json.loads(tags[f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"])["state"])
     assert runs["searchFilter"] == RUNS_FILTER and f"tags.`{RESULT_TAG}`" in runs["selectedColumns"]
     assert tracker.ui_hint().startswith(f"python -m core.ui --uri {tracker.uri} --experiment ")  # it opens the view
@@ -190,13 +223,18 @@ def test_a_run_explains_itself_on_its_parent_page(local_plugins, tiny_run):
     name = parent.info.run_name
     assert f"**`{name}/it0-c0`** (winner)" in page and f"`{name}/it0-c1`" in page
     (failed,) = [line for line in page.splitlines() if f"`{name}/it0-c1`" in line]
-    assert "| exception: ZeroDivisionError |" in failed or "| timeout |" in failed  # a loaded machine may time out first
+    assert (
+        "| exception: ZeroDivisionError |" in failed or "| timeout |" in failed
+    )  # a loaded machine may time out first
     assert "```python\ndef compute_reward(state, action, next_state):" in page
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{summary.run_id}'")
     by_name = {c.info.run_name: c for c in children}
     assert set(by_name) == {f"{name}/it0-c0", f"{name}/it0-c1"}
     winner = by_name[f"{name}/it0-c0"]
-    assert winner.data.tags[run_page.WINNER_TAG] == "true" and by_name[f"{name}/it0-c1"].data.tags[run_page.WINNER_TAG] == "false"
+    assert (
+        winner.data.tags[run_page.WINNER_TAG] == "true"
+        and by_name[f"{name}/it0-c1"].data.tags[run_page.WINNER_TAG] == "false"
+    )
     seconds = winner.data.metrics["seconds"]
     # the metric is rounded to 0.1 s (a table reads 3.2, not 3.2165479)
     assert abs((winner.info.end_time - winner.info.start_time) / 1000 - seconds) <= 0.051 and seconds > 0.05
@@ -228,8 +266,9 @@ def _logged_names(client, rid: str, tmp_path) -> dict[str, str]:
         return json.load(f)
 
 
-def test_component_names_mlflow_refuses_are_logged_under_valid_names_with_the_originals_kept(tracker, make_config,
-                                                                                            tmp_path):
+def test_component_names_mlflow_refuses_are_logged_under_valid_names_with_the_originals_kept(
+    tracker, make_config, tmp_path
+):
     components = {name: [(256, float(i)), (512, float(i) + 0.5)] for i, name in enumerate(ODD)}
     result = _result(components=components, series={**_result().series, "reward/angle (rad)": [(512, 0.25)]})
     candidate = Candidate("it0-c0", 0)
@@ -247,7 +286,7 @@ def test_component_names_mlflow_refuses_are_logged_under_valid_names_with_the_or
         assert logged in run.data.metrics and logged != original
         if original.startswith("components/"):
             history = client.get_metric_history(rid, logged)
-            assert [(m.step, m.value) for m in history] == components[original[len("components/"):]]
+            assert [(m.step, m.value) for m in history] == components[original[len("components/") :]]
     assert "components/angle _rad_" in names and "components/upright" in names
     assert max(len(k) for k in names) == MAX_KEY_CHARS
     assert len({k for k, v in names.items() if v in ('components/a"b', "components/a\nb")}) == 2  # kept apart
@@ -258,16 +297,29 @@ def test_names_are_valid_as_mlflow_says():
     from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH
 
     assert MAX_KEY_CHARS == MAX_ENTITY_KEY_LENGTH
-    for name in ["fitness", "components/angle (rad)", "a:b c-d.e_f/g", "upright/", "/x", "a//b", "..x", ".", "", "x\n",
-                 "é°", "n" * 251]:
+    for name in [
+        "fitness",
+        "components/angle (rad)",
+        "a:b c-d.e_f/g",
+        "upright/",
+        "/x",
+        "a//b",
+        "..x",
+        ".",
+        "",
+        "x\n",
+        "é°",
+        "n" * 251,
+    ]:
         logged = safe_key(name)
         assert valid_key(logged), name
         assert (logged == name) == valid_key(name)
     assert valid_key("components/angle_rad.x:y") and not valid_key("x\n")  # MLflow's own pattern lets "x\n" through
 
 
-def test_a_candidate_that_cannot_be_recorded_fails_alone_and_its_run_ends_failed(tracker, make_config, tmp_path,
-                                                                               monkeypatch):
+def test_a_candidate_that_cannot_be_recorded_fails_alone_and_its_run_ends_failed(
+    tracker, make_config, tmp_path, monkeypatch
+):
     from mlflow.exceptions import MlflowException
 
     log_batch = tracker.client.log_batch
@@ -336,7 +388,9 @@ def test_a_reward_whose_component_names_mlflow_refuses_trains_and_is_logged(loca
     (child,) = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{summary.run_id}'")
     assert child.info.status == "FINISHED" and child.data.tags["ok"] == "True"
     names = _logged_names(client, child.info.run_id, tmp_path)
-    originals = {f"{prefix}/{n}" for prefix in ("components", "reward") for n in ("angle (rad)", "upright/", 'a"b', "angle°")}
+    originals = {
+        f"{prefix}/{n}" for prefix in ("components", "reward") for n in ("angle (rad)", "upright/", 'a"b', "angle°")
+    }
     assert set(names.values()) == originals
     assert all(k in child.data.metrics for k in names)
     assert {"components/angle _rad_", "components/upright", "components/a_b", "components/angle_"} <= set(names)

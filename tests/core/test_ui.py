@@ -30,8 +30,12 @@ def test_the_ui_starts_on_the_store_and_prints_the_experiments_own_page(tmp_path
     experiment_id = mlflow.create_experiment("abl")
     with mlflow.start_run(experiment_id=experiment_id, run_name="r"):
         mlflow.log_metric("fitness", 1.0)
-    proc = subprocess.Popen([sys.executable, "-m", "core.ui", "--uri", uri, "--experiment", "abl", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "core.ui", "--uri", uri, "--experiment", "abl", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -96,8 +100,10 @@ def test_the_experiments_id_is_read_from_a_sqlite_store_without_importing_mlflow
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
     ids = {name: client.create_experiment(name) for name in ("abl", "other")}
-    code = ("import sys; from core.ui import experiment_id; print(experiment_id(sys.argv[1], 'abl'), "
-            "experiment_id(sys.argv[1], 'none'), 'mlflow' in sys.modules)")
+    code = (
+        "import sys; from core.ui import experiment_id; print(experiment_id(sys.argv[1], 'abl'), "
+        "experiment_id(sys.argv[1], 'none'), 'mlflow' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code, uri], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == [ids["abl"], "None", "False"], proc.stderr
     from core.ui import experiment_id

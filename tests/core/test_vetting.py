@@ -67,7 +67,9 @@ def test_a_reward_paying_one_per_step_on_mountaincar_is_rejected_naming_both_pro
     verdict = verdict_of(ALIVE, *mountaincar)
     assert not verdict.ok
     assert "ranks failure above success" in verdict.reason and "prolonging the episode" in verdict.reason
-    assert verdict.figures["vetting/pair_accuracy"] == 0.0 and verdict.figures["vetting/step_reward"] == pytest.approx(1.0)
+    assert verdict.figures["vetting/pair_accuracy"] == 0.0 and verdict.figures["vetting/step_reward"] == pytest.approx(
+        1.0
+    )
     assert verdict.figures["vetting/passed"] == 0.0
     assert "rejected" in verdict.text() and "vetting/pair_accuracy" in verdict.text()
 
@@ -77,13 +79,17 @@ def test_a_small_step_reward_beside_a_bonus_that_outweighs_it_passes(mountaincar
     bonus = GOAL.replace("-1.0 + 100.0 * reached", "0.05 + 100.0 * reached")
     verdict = verdict_of(bonus, *mountaincar)
     assert verdict.ok, verdict.reason
-    assert verdict.figures["vetting/step_reward"] == pytest.approx(0.05) and verdict.figures["vetting/stall_return"] == pytest.approx(10.0)
+    assert verdict.figures["vetting/step_reward"] == pytest.approx(0.05) and verdict.figures[
+        "vetting/stall_return"
+    ] == pytest.approx(10.0)
 
 
 def test_a_positive_reward_near_the_goal_without_a_bonus_pays_for_stalling(mountaincar):
     """exp(-distance to the flag) is paid most just short of it: hovering there beats finishing."""
-    near = ("import torch\n\ndef compute_reward(state, action, next_state):\n"
-            "    return torch.exp(-torch.abs(0.5 - next_state['car_position']))\n")
+    near = (
+        "import torch\n\ndef compute_reward(state, action, next_state):\n"
+        "    return torch.exp(-torch.abs(0.5 - next_state['car_position']))\n"
+    )
     verdict = verdict_of(near, *mountaincar)
     assert not verdict.ok and "prolonging the episode" in verdict.reason
     assert verdict.figures["vetting/stall_return"] >= verdict.figures["vetting/success_return"]
@@ -130,7 +136,9 @@ def test_reference_episodes_are_cached_per_task_and_seed(tmp_path, monkeypatch):
     assert len(list((tmp_path / "reference").glob("*.pkl"))) == 2
 
 
-@pytest.mark.parametrize("name", ["cartpole", "mountaincar", "mountaincar_continuous", "acrobot", "pendulum", "lunarlander"])
+@pytest.mark.parametrize(
+    "name", ["cartpole", "mountaincar", "mountaincar_continuous", "acrobot", "pendulum", "lunarlander"]
+)
 def test_each_classic_task_has_a_controller_that_succeeds(name):
     task = make_task({"name": name})
     trajectories = task.reference_trajectories(3, seed=1)
@@ -140,16 +148,42 @@ def test_each_classic_task_has_a_controller_that_succeeds(name):
 
 
 def test_tasks_whose_success_ends_the_episode_say_so():
-    ends = {n: make_task({"name": n}).ends_on_success for n in ("cartpole", "mountaincar", "acrobot", "pendulum", "lunarlander")}
+    ends = {
+        n: make_task({"name": n}).ends_on_success
+        for n in ("cartpole", "mountaincar", "acrobot", "pendulum", "lunarlander")
+    }
     assert ends == {"cartpole": False, "mountaincar": True, "acrobot": True, "pendulum": False, "lunarlander": True}
 
 
-@pytest.mark.parametrize("name", ["cartpole", "mountaincar", "mountaincar_continuous", "acrobot", "pendulum", "lunarlander",
-                                  "halfcheetah", "hopper", "ant", "humanoid", "reach", "crafter"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "cartpole",
+        "mountaincar",
+        "mountaincar_continuous",
+        "acrobot",
+        "pendulum",
+        "lunarlander",
+        "halfcheetah",
+        "hopper",
+        "ant",
+        "humanoid",
+        "reach",
+        "crafter",
+    ],
+)
 def test_descriptions_state_goal_and_success_but_not_the_designers_reward(name):
     task = make_task({"name": name}, check=False)
     text = task.description
     assert "Reward:" not in text and "reward is" not in text.lower(), text
-    for formula in ("-1 every step", "-1 each step", "+100", "sum(action^2)", "per step alive", "theta^2", "+-0.1 per health"):
+    for formula in (
+        "-1 every step",
+        "-1 each step",
+        "+100",
+        "sum(action^2)",
+        "per step alive",
+        "theta^2",
+        "+-0.1 per health",
+    ):
         assert formula not in text, (formula, text)
     assert task.goal

@@ -56,8 +56,13 @@ def axis(k: int, dim: int = 64) -> np.ndarray:
 
 
 #: "chop a tree" is 0.9 cosine from "collect wood", "craft a pickaxe" 0.5 (below the default 0.64)
-KNOWN = {"collect wood": axis(0), "chop a tree": 0.9 * axis(0) + np.sqrt(1 - 0.81) * axis(1),
-         "craft a pickaxe": 0.5 * axis(0) + np.sqrt(0.75) * axis(2), "place table": axis(3), "build a table": axis(3)}
+KNOWN = {
+    "collect wood": axis(0),
+    "chop a tree": 0.9 * axis(0) + np.sqrt(1 - 0.81) * axis(1),
+    "craft a pickaxe": 0.5 * axis(0) + np.sqrt(0.75) * axis(2),
+    "place table": axis(3),
+    "build a table": axis(3),
+}
 
 
 def with_embedder(llm: ScriptedLLM, embedder: FakeEmbedder) -> ScriptedLLM:
@@ -85,7 +90,7 @@ def _obs(task, *, see=(), have=(), done=(), food=9, **counts):
         obs[at[v].start] = 9
     obs[at["facing"].start] = 1  # facing right: NEAR[0]
     view = at["local_view"]
-    obs[view.start: view.stop] = VIEW_IDS["grass"]
+    obs[view.start : view.stop] = VIEW_IDS["grass"]
     for cell, thing in zip(NEAR, see):
         obs[view.start + cell] = VIEW_IDS[thing]
     for item in have:
@@ -99,9 +104,15 @@ def _obs(task, *, see=(), have=(), done=(), food=9, **counts):
 
 def _batch(task, before, after, done=None, reward=None):
     n = len(before)
-    return StepBatch(obs=torch.stack(before), action=torch.zeros(n), next_obs=torch.stack(after),
-                     env_reward=torch.zeros(n) if reward is None else reward, reward=torch.zeros(n) if reward is None else reward,
-                     done=torch.zeros(n, dtype=torch.bool) if done is None else torch.tensor(done), task=task)
+    return StepBatch(
+        obs=torch.stack(before),
+        action=torch.zeros(n),
+        next_obs=torch.stack(after),
+        env_reward=torch.zeros(n) if reward is None else reward,
+        reward=torch.zeros(n) if reward is None else reward,
+        done=torch.zeros(n, dtype=torch.bool) if done is None else torch.tensor(done),
+        task=task,
+    )
 
 
 def _end(plugin, train) -> dict[str, float]:
@@ -114,23 +125,38 @@ def _end(plugin, train) -> dict[str, float]:
 
 
 def test_free_form_suggestions_are_parsed_from_lists_markup_and_explanations():
-    reply = ("Here are the goals for the player:\n1. **Chop down the tree**: you need wood.\n2) Craft a wooden pickaxe - "
-             "needs a table\n- To drink water (you are thirsty)\n* eat cow, place table\n"
-             "I think the player should first look around the whole area carefully before doing anything\n1. Eat cow")
-    assert ellm.parse_suggestions(reply, 10) == ["chop down the tree", "craft a wooden pickaxe", "drink water", "eat cow",
-                                                 "place table"]
+    reply = (
+        "Here are the goals for the player:\n1. **Chop down the tree**: you need wood.\n2) Craft a wooden pickaxe - "
+        "needs a table\n- To drink water (you are thirsty)\n* eat cow, place table\n"
+        "I think the player should first look around the whole area carefully before doing anything\n1. Eat cow"
+    )
+    assert ellm.parse_suggestions(reply, 10) == [
+        "chop down the tree",
+        "craft a wooden pickaxe",
+        "drink water",
+        "eat cow",
+        "place table",
+    ]
     assert ellm.parse_suggestions(reply, 2) == ["chop down the tree", "craft a wooden pickaxe"]
     assert ellm.parse_suggestions("Goals:\ncollect wood; place table", 5) == ["collect wood", "place table"]
     # a long line keeps its goal before the means or purpose; "go to sleep" is short enough to stay whole
-    assert ellm.parse_suggestions("1. Chop the tree with the wood pickaxe.\nCut the sapling to make a branch.\n3. go to sleep",
-                                  5) == ["chop the tree", "cut the sapling", "go to sleep"]
+    assert ellm.parse_suggestions(
+        "1. Chop the tree with the wood pickaxe.\nCut the sapling to make a branch.\n3. go to sleep", 5
+    ) == ["chop the tree", "cut the sapling", "go to sleep"]
 
 
 def test_the_aim_is_the_goals_first_clause_in_plain_words(task):
-    assert ellm.plain_aim(task.goal) == "Survive in the Crafter world and unlock as many of its 22 achievements as possible."
+    assert (
+        ellm.plain_aim(task.goal)
+        == "Survive in the Crafter world and unlock as many of its 22 achievements as possible."
+    )
     assert ellm.plain_aim("Balance the pole") == "Balance the pole."
     assert ellm.parse_suggestions("", 3) == [] and ellm.parse_suggestions(fakes.ellm_goals("x"), 5) == [
-        "sleep", "collect sapling", "place plant", "collect wood"]
+        "sleep",
+        "collect sapling",
+        "place plant",
+        "collect wood",
+    ]
 
 
 def test_names_variant_reads_only_the_tasks_goal_names(task):
@@ -153,7 +179,9 @@ def test_the_prompt_asks_for_free_form_goals_and_the_answer_is_cached_per_captio
     assert caption in call.last and call.tag == "ellm/suggest"
     assert "collect_wood" not in system and "Choose only" not in system  # no fixed list of goals
     assert plugin.suggested == {caption: ["chop a tree", "build a table"]}
-    assert goals.ask_blocking(ellm.Counter(), ellm.Counter({caption: 3}), calls=4, seconds=0, what="t")["calls"] == 0  # cached
+    assert (
+        goals.ask_blocking(ellm.Counter(), ellm.Counter({caption: 3}), calls=4, seconds=0, what="t")["calls"] == 0
+    )  # cached
     assert len(llm.calls) == 1
     assert ["chop a tree", "build a table"] in llm.embed.calls  # goals embedded when they arrive
 
@@ -256,8 +284,9 @@ def test_names_variant_pays_when_a_suggested_achievement_unlocks(task):
 def test_the_fixed_goals_control_calls_no_llm_and_changes_no_share(task):
     embedder = FakeEmbedder(KNOWN)
     llm = with_embedder(ScriptedLLM(answer=lambda m, tag: "1. Chop a tree"), embedder)
-    plugin, train = make(task, llm, goals="fixed", pretrain=False, presuggest_episodes=1, presuggest_steps=20,
-                         resuggest_at=[0.5])
+    plugin, train = make(
+        task, llm, goals="fixed", pretrain=False, presuggest_episodes=1, presuggest_steps=20, resuggest_at=[0.5]
+    )
     start, wood = _obs(task, see=["tree"]), _obs(task, see=["tree"], have=["wood"])
     term = plugin.compute_reward(train, _batch(task, [start], [wood]))
     train.frames = train.total_frames
@@ -322,7 +351,11 @@ def test_an_embedding_failure_pays_nothing_and_is_not_retried_every_step(task):
     for _ in range(5):
         assert plugin.compute_reward(train, _batch(task, [start], [wood])) is None
     m = _end(plugin, train)
-    assert len(embedder.calls) == 1 and m["ellm/embed_errors"] == 1 and "embedding backend down" in train.texts["ellm/goals.md"]
+    assert (
+        len(embedder.calls) == 1
+        and m["ellm/embed_errors"] == 1
+        and "embedding backend down" in train.texts["ellm/goals.md"]
+    )
 
 
 # -- the plugin in a run -------------------------------------------------------------------------
@@ -339,8 +372,19 @@ def test_config_defaults_are_the_yaml_file():
     assert typed(ellm.Config, yaml, "plugins.ellm") == ellm.Config() == plugin_object(ellm).cfg
 
 
-@pytest.mark.parametrize("key,value", [("goals", "some"), ("match", "exact"), ("threshold", 1.5), ("goals_per_state", 0),
-                                       ("batch", 0), ("presuggest_calls", -1), ("resuggest_at", [1.5]), ("temperature", -1.0)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("goals", "some"),
+        ("match", "exact"),
+        ("threshold", 1.5),
+        ("goals_per_state", 0),
+        ("batch", 0),
+        ("presuggest_calls", -1),
+        ("resuggest_at", [1.5]),
+        ("temperature", -1.0),
+    ],
+)
 def test_config_refuses_values_that_cannot_work(key, value):
     with pytest.raises(UserError, match=key):
         plugin_object(ellm, **{key: value})
@@ -368,8 +412,13 @@ def test_the_real_client_over_the_fake_backend_changes_the_reward_of_random_play
     from core.llm import make_client
 
     client = make_client({"model": "openai/fake-llm", "api_key_env": None, "cache": False, "retries": 0})
-    train = make_train(task, None, plugin=ellm.NAME, module=ellm,
-                       overrides={"presuggest_episodes": 4, "presuggest_steps": 60, "presuggest_calls": 8})
+    train = make_train(
+        task,
+        None,
+        plugin=ellm.NAME,
+        module=ellm,
+        overrides={"presuggest_episodes": 4, "presuggest_steps": 60, "presuggest_calls": 8},
+    )
     train.llm_factory = lambda: client
     plugin = ellm.Plugin(train.plugin_config(ellm.NAME))
     plugin.on_train_start(train)
@@ -380,10 +429,21 @@ def test_the_real_client_over_the_fake_backend_changes_the_reward_of_random_play
     for _ in range(300):
         nxt, reward, term, trunc, info = env.step(rng.integers(0, 17, size=4))
         done = term | trunc
-        last = np.where(done[:, None], np.stack([info["final_obs"][i] if done[i] else nxt[i] for i in range(4)]), nxt) \
-            if done.any() else nxt
-        plugin.compute_reward(train, _batch(task, list(torch.as_tensor(obs)), list(torch.as_tensor(last, dtype=torch.float32)),
-                                            done=done.tolist(), reward=torch.as_tensor(reward, dtype=torch.float32)))
+        last = (
+            np.where(done[:, None], np.stack([info["final_obs"][i] if done[i] else nxt[i] for i in range(4)]), nxt)
+            if done.any()
+            else nxt
+        )
+        plugin.compute_reward(
+            train,
+            _batch(
+                task,
+                list(torch.as_tensor(obs)),
+                list(torch.as_tensor(last, dtype=torch.float32)),
+                done=done.tolist(),
+                reward=torch.as_tensor(reward, dtype=torch.float32),
+            ),
+        )
         obs = nxt
     m = _end(plugin, train)
     assert m["llm/calls"] >= 1 and m["llm/changed_share"] > 0 and m["ellm/goals_achieved_from_suggestions"] >= 1
@@ -400,10 +460,26 @@ def test_smoke_run_with_the_fake_llm_trains_on_the_suggestions(make_config, monk
 
     fakes.install_fake_litellm(monkeypatch)
     monkeypatch.setattr(import_litellm(), "embedding", fake_embedding)
-    cfg = make_config(["+plugins=[ellm]", "env=minecraft", "env.max_episode_steps=100", "plugins.ellm.presuggest_episodes=4",
-                       "plugins.ellm.presuggest_steps=100", "executor=inprocess", "trainer.frames=1024", "trainer.num_envs=4",
-                       "trainer.rollout_steps=64", "trainer.epochs=1", "trainer.eval_every=0", "trainer.eval_episodes=2",
-                       "save_policy=false", "progress=false", "tracking.log_plots=false", *fakes.FAKE_LLM_OVERRIDES])
+    cfg = make_config(
+        [
+            "+plugins=[ellm]",
+            "env=minecraft",
+            "env.max_episode_steps=100",
+            "plugins.ellm.presuggest_episodes=4",
+            "plugins.ellm.presuggest_steps=100",
+            "executor=inprocess",
+            "trainer.frames=1024",
+            "trainer.num_envs=4",
+            "trainer.rollout_steps=64",
+            "trainer.epochs=1",
+            "trainer.eval_every=0",
+            "trainer.eval_episodes=2",
+            "save_policy=false",
+            "progress=false",
+            "tracking.log_plots=false",
+            *fakes.FAKE_LLM_OVERRIDES,
+        ]
+    )
     seen: list[TrainResult] = []
 
     class Spy:
@@ -444,8 +520,16 @@ CALIBRATION = {
     "defeat zombie": ["kill the zombie", "fight the zombie"],
     "defeat skeleton": ["kill a skeleton", "fight skeletons in the cave"],
 }
-UNMATCHED = ["explore the area", "find water", "look for cows", "avoid zombies", "build a house", "find a cave",
-             "survive the night", "stay healthy"]
+UNMATCHED = [
+    "explore the area",
+    "find water",
+    "look for cows",
+    "avoid zombies",
+    "build a house",
+    "find a cave",
+    "survive the night",
+    "stay healthy",
+]
 
 
 def calibration_figures(embeddings: ellm.Embeddings, threshold: float) -> dict[str, float]:
@@ -463,10 +547,18 @@ def calibration_figures(embeddings: ellm.Embeddings, threshold: float) -> dict[s
         return 2 * tp / max(1, 2 * tp + fp + (len(pos) - tp))
 
     best = max(np.round(np.linspace(0, 1, 101), 2), key=f1)
-    return {"auc": float((pos[:, None] > neg[None, :]).mean()), "top1": float(top1),
-            "recall": float((pos >= threshold).mean()), "precision": float((pos >= threshold).sum() / max(1, (sims >= threshold).sum())),
-            "f1": f1(threshold), "best_threshold": float(best), "best_f1": f1(best),
-            "positives": float(len(pos)), "negatives": float(len(neg)), "false_positives": float((neg >= threshold).sum())}
+    return {
+        "auc": float((pos[:, None] > neg[None, :]).mean()),
+        "top1": float(top1),
+        "recall": float((pos >= threshold).mean()),
+        "precision": float((pos >= threshold).sum() / max(1, (sims >= threshold).sum())),
+        "f1": f1(threshold),
+        "best_threshold": float(best),
+        "best_f1": f1(best),
+        "positives": float(len(pos)),
+        "negatives": float(len(neg)),
+        "false_positives": float((neg >= threshold).sum()),
+    }
 
 
 @pytest.mark.slow
@@ -474,10 +566,18 @@ def test_the_threshold_separates_paraphrases_on_the_embedded_model(tmp_path, tas
     """The figure on the page: the embedded model's centred cosines at the configured threshold."""
     from core.llm import make_client
 
-    client = make_client({"model": "embedded/qwen2.5-coder-1.5b-instruct", "cache_path": str(tmp_path / "c.sqlite"),
-                          "n_threads": 1, "show_progress": False})
+    client = make_client(
+        {
+            "model": "embedded/qwen2.5-coder-1.5b-instruct",
+            "cache_path": str(tmp_path / "c.sqlite"),
+            "n_threads": 1,
+            "show_progress": False,
+        }
+    )
     cfg = ellm.Config()
-    embeddings = ellm.Embeddings(client, cfg.embed_model, [ellm.goal_phrase(n) for n in ellm.goal_names(task)], cfg.center)
+    embeddings = ellm.Embeddings(
+        client, cfg.embed_model, [ellm.goal_phrase(n) for n in ellm.goal_names(task)], cfg.center
+    )
     figures = calibration_figures(embeddings, cfg.threshold)
     print(figures)
     assert figures["auc"] > 0.95 and figures["top1"] > 0.85

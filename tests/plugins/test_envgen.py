@@ -15,7 +15,16 @@ from core.config import typed
 from core.envs.task import ParamSpec, StateField
 from core.errors import UserError
 from core.records import Candidate, EnvConfig, Episode, Fitness, IterationResult, TrainResult
-from core.testing.fakes import FAKE_LLM_OVERRIDES, MARK, ScriptedLLM, answer, install_fake_litellm, make_run, plugin_object, texts_of
+from core.testing.fakes import (
+    FAKE_LLM_OVERRIDES,
+    MARK,
+    ScriptedLLM,
+    answer,
+    install_fake_litellm,
+    make_run,
+    plugin_object,
+    texts_of,
+)
 from plugins import envgen
 
 SPECS = [
@@ -32,7 +41,9 @@ class FakeTask:
     name: str = "fake"
     goal: str = "unlock achievements"
     params: list = field(default_factory=lambda: list(SPECS))
-    state_fields: list = field(default_factory=lambda: [StateField("achievement_collect_wood", 0, 1, "wood"), StateField("x", 1, 2, "x")])
+    state_fields: list = field(
+        default_factory=lambda: [StateField("achievement_collect_wood", 0, 1, "wood"), StateField("x", 1, 2, "x")]
+    )
 
 
 YAML = Path(__file__).parents[2] / "conf/plugins/envgen.yaml"
@@ -40,8 +51,14 @@ YAML = Path(__file__).parents[2] / "conf/plugins/envgen.yaml"
 
 def make(replies: list[str], task=None, config=None, **overrides):
     """A started plugin and its run; the LLM answers ``replies`` in order."""
-    run = make_run(task or FakeTask(), ScriptedLLM(list(replies)), plugin=envgen.NAME, module=envgen, overrides=overrides,
-                   config=config)
+    run = make_run(
+        task or FakeTask(),
+        ScriptedLLM(list(replies)),
+        plugin=envgen.NAME,
+        module=envgen,
+        overrides=overrides,
+        config=config,
+    )
     plugin = envgen.Plugin(run.plugin_config(envgen.NAME))
     plugin.on_run_start(run=run)
     return plugin, run
@@ -82,7 +99,9 @@ def test_check_config_maps_near_miss_choice():
 
 
 def test_configs_from_reply_salvages_valid_part_of_invalid_config():
-    reply = json.dumps([{"name": "forest", "params": {"biome": "forest", "start_iron": 2}}, {"name": "bad", "params": {"lava": 1}}])
+    reply = json.dumps(
+        [{"name": "forest", "params": {"biome": "forest", "start_iron": 2}}, {"name": "bad", "params": {"lava": 1}}]
+    )
     parsed = envgen.configs_from_reply(reply, SPECS, RULES, 2)
     assert parsed.configs == [] and len(parsed.errors) == 2
     assert [c.name for c in parsed.salvaged] == ["forest"]  # "bad" has nothing valid left
@@ -99,8 +118,9 @@ def test_generate_envs_uses_salvaged_configs_when_retries_are_spent():
     assert "without its invalid parameters" in texts_of(run)["envgen/repairs.txt"]
 
 
-@pytest.mark.parametrize("continuing,names,weights", [(True, ["a", "b"], [0.5, 0.5]),
-                                                       (False, ["original", "a", "b"], [0.5, 0.25, 0.25])])
+@pytest.mark.parametrize(
+    "continuing,names,weights", [(True, ["a", "b"], [0.5, 0.5]), (False, ["original", "a", "b"], [0.5, 0.25, 0.25])]
+)
 def test_the_training_mix_of_each_variant(continuing, names, weights):
     """Continuing, the generated stage trains on the generated envs alone (the original env comes after);
     from scratch, the original env keeps ``original_share`` of the mix."""
@@ -112,7 +132,9 @@ def test_the_training_mix_of_each_variant(continuing, names, weights):
 
 def test_prepare_candidates_continues_the_agent_for_each_cycles_share_of_the_frames():
     good = json.dumps([{"name": "a", "params": {"biome": "mountain"}}])
-    plugin, run = make([good], config={"trainer": {"frames": 3000}}, num_envs=1, retries=0, iterations=3, generated_share=0.25)
+    plugin, run = make(
+        [good], config={"trainer": {"frames": 3000}}, num_envs=1, retries=0, iterations=3, generated_share=0.25
+    )
     others = Candidate("it0-c1", 0)  # a candidate without this plugin's envs is left alone
     (mix,) = plugin.generate_envs(run, 0)
     first = Candidate("it0-c0", 0, envs=mix)
@@ -163,7 +185,12 @@ def test_achievement_rates_mean_and_std():
 
 
 def test_generate_envs_feeds_invalid_output_back():
-    good = json.dumps([{"name": "mine", "purpose": "iron", "params": {"start_iron": 1}}, {"name": "hills", "params": {"biome": "mountain"}}])
+    good = json.dumps(
+        [
+            {"name": "mine", "purpose": "iron", "params": {"start_iron": 1}},
+            {"name": "hills", "params": {"biome": "mountain"}},
+        ]
+    )
     plugin, run = make(["not json at all", good], num_envs=2, retries=1, continue_training=False)
     (mix,) = plugin.generate_envs(run, 0)
     assert [c.name for c in mix] == ["original", "mine", "hills"]
@@ -214,14 +241,26 @@ def test_history_keeps_the_first_prompt_and_the_last_exchanges():
     eps = [Episode(1, 10, None, {"achievements": {"collect_wood": True}})]
     for it in range(2):
         (mix,) = plugin.generate_envs(run, it)
-        plugin.reflect(run, IterationResult(it, [Candidate(f"it{it}-c0", it, envs=mix)], [TrainResult(f"it{it}-c0", True, fitness=Fitness("crafter_score", 1.0), episodes=eps)]))
+        plugin.reflect(
+            run,
+            IterationResult(
+                it,
+                [Candidate(f"it{it}-c0", it, envs=mix)],
+                [TrainResult(f"it{it}-c0", True, fitness=Fitness("crafter_score", 1.0), episodes=eps)],
+            ),
+        )
     assert [m["role"] for m in plugin.messages] == ["system", "user", "assistant", "user"]
     assert plugin.messages[1] == run.llm.calls[0].messages[1]  # the first prompt stays
 
 
 def test_prompt_states_the_configured_constraints_and_rules():
-    plugin, run = make([json.dumps([{"name": "a", "params": {}}])], num_envs=1, retries=0,
-                       constraints=["Never start in the mountains."], rules=[{"when": "start_iron", "then": "start_wood_pickaxe", "min": 2}])
+    plugin, run = make(
+        [json.dumps([{"name": "a", "params": {}}])],
+        num_envs=1,
+        retries=0,
+        constraints=["Never start in the mountains."],
+        rules=[{"when": "start_iron", "then": "start_wood_pickaxe", "min": 2}],
+    )
     plugin.generate_envs(run, 0)
     prompt = run.llm.calls[0].messages[1]["content"]
     assert "- Never start in the mountains." in prompt
@@ -248,9 +287,17 @@ def test_config_defaults_are_the_yaml_file():
     assert envgen.Config().rules[0] == envgen.Rule("start_stone_pickaxe", "start_wood_pickaxe", 1.0)
 
 
-@pytest.mark.parametrize("key,value", [("num_envs", 0), ("history", 0), ("retries", -1), ("original_share", 1.5),
-                                       ("generated_share", -0.1),
-                                       ("rules", [{"when": "", "then": "start_iron"}])])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("num_envs", 0),
+        ("history", 0),
+        ("retries", -1),
+        ("original_share", 1.5),
+        ("generated_share", -0.1),
+        ("rules", [{"when": "", "then": "start_iron"}]),
+    ],
+)
 def test_config_refuses_values_that_cannot_work(key, value):
     with pytest.raises(UserError, match=key):
         plugin_object(envgen, **{key: value})
@@ -263,18 +310,34 @@ def test_crafter_params_validate_against_task():
     cfg = typed(envgen.Config, OmegaConf.load(YAML), "plugins.envgen")  # the rules users get
     rules = envgen.rules_of(cfg, task)
     assert len(rules) == len(cfg.rules)  # every rule names two of Crafter's params
-    checked = envgen.check_config({"params": {"biome": "mountain", "start_iron_pickaxe": 1, "iron_rarity": "common"}}, task.params, rules)
+    checked = envgen.check_config(
+        {"params": {"biome": "mountain", "start_iron_pickaxe": 1, "iron_rarity": "common"}}, task.params, rules
+    )
     assert checked.ok and checked.params["start_wood_pickaxe"] == 1
     env = task.make_env(2, 0, [checked.params, {}])  # the task accepts what validation lets through
     env.close()
 
 
 #: two EnvGen cycles on Crafter, in this process, with the shared fake LLM: seconds
-TWO_CYCLES = ["+plugins=[envgen]", "env=minecraft", "env.max_episode_steps=50", "plugins.envgen.iterations=2",
-              "plugins.envgen.num_envs=2", "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=32",
-              "trainer.epochs=1", "trainer.minibatch=64", "trainer.hidden=[16]", "trainer.eval_every=0",
-              "trainer.eval_episodes=1", "executor=inprocess", "save_policy=false", "tracking.log_plots=false",
-              *FAKE_LLM_OVERRIDES]
+TWO_CYCLES = [
+    "+plugins=[envgen]",
+    "env=minecraft",
+    "env.max_episode_steps=50",
+    "plugins.envgen.iterations=2",
+    "plugins.envgen.num_envs=2",
+    "trainer.frames=1024",
+    "trainer.num_envs=4",
+    "trainer.rollout_steps=32",
+    "trainer.epochs=1",
+    "trainer.minibatch=64",
+    "trainer.hidden=[16]",
+    "trainer.eval_every=0",
+    "trainer.eval_episodes=1",
+    "executor=inprocess",
+    "save_policy=false",
+    "tracking.log_plots=false",
+    *FAKE_LLM_OVERRIDES,
+]
 
 
 @pytest.fixture
@@ -360,8 +423,15 @@ def test_the_agent_crosses_pool_workers_and_leaves_no_policy_file(make_config, m
     monkeypatch.setattr(tempfile, "tempdir", str(folder))
     monkeypatch.setenv("TMPDIR", str(folder))  # the spawned workers' temp folder
     install_fake_litellm(monkeypatch)
-    overrides = [*TWO_CYCLES, "+plugins=[eureka,envgen]", "plugins.eureka.iterations=2", "plugins.eureka.samples=2",
-                 "executor=local", "executor.workers=2", "save_policy=true"]
+    overrides = [
+        *TWO_CYCLES,
+        "+plugins=[eureka,envgen]",
+        "plugins.eureka.iterations=2",
+        "plugins.eureka.samples=2",
+        "executor=local",
+        "executor.workers=2",
+        "save_policy=true",
+    ]
     loop = Loop(make_config([o for o in overrides if o not in ("+plugins=[envgen]", "executor=inprocess")]))
     loop.execute()
     first, second = loop.run.history
@@ -385,10 +455,20 @@ def llm_server():
         def do_POST(self) -> None:  # noqa: N802 - the handler's API
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             text = answer(body["messages"])
-            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
-                       for i in range(int(body.get("n") or 1))]
-            data = json.dumps({"id": "fake", "object": "chat.completion", "created": 0, "model": body.get("model", "fake"),
-                               "choices": choices, "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+            choices = [
+                {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                for i in range(int(body.get("n") or 1))
+            ]
+            data = json.dumps(
+                {
+                    "id": "fake",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": body.get("model", "fake"),
+                    "choices": choices,
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                }
+            )
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -413,12 +493,34 @@ def test_end_to_end_eureka_envgen_minecraft(tmp_path, llm_server):
     model took 8 of the 10+ minutes this test used to take under load, on the Eureka prompt
     alone; its own end-to-end tests are the other plugins'). ~1 minute on 2 busy cores.
     """
-    cmd = [sys.executable, "-m", "core", "+plugins=[eureka,envgen]", "env=minecraft", "env.max_episode_steps=100", "seed=1",
-           "plugins.eureka.iterations=1", "plugins.eureka.samples=2",
-           "plugins.envgen.iterations=1", "plugins.envgen.num_envs=2", "plugins.envgen.retries=0",
-           "llm=openai", "llm.model=openai/fake-llm", f"llm.api_base={llm_server}", "llm.api_key_env=null", "llm.retries=0",
-           "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=1", "trainer.eval_episodes=2",
-           "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "core",
+        "+plugins=[eureka,envgen]",
+        "env=minecraft",
+        "env.max_episode_steps=100",
+        "seed=1",
+        "plugins.eureka.iterations=1",
+        "plugins.eureka.samples=2",
+        "plugins.envgen.iterations=1",
+        "plugins.envgen.num_envs=2",
+        "plugins.envgen.retries=0",
+        "llm=openai",
+        "llm.model=openai/fake-llm",
+        f"llm.api_base={llm_server}",
+        "llm.api_key_env=null",
+        "llm.retries=0",
+        "trainer.frames=1024",
+        "trainer.num_envs=4",
+        "trainer.rollout_steps=32",
+        "trainer.epochs=1",
+        "trainer.eval_episodes=2",
+        "trainer.eval_every=0",
+        "progress=false",
+        f"cache_dir={tmp_path / 'cache'}",
+        "executor=inprocess",
+    ]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     import mlflow
@@ -431,7 +533,9 @@ def test_end_to_end_eureka_envgen_minecraft(tmp_path, llm_server):
     children = [r for r in runs if "candidate" in r.data.tags]
     assert len(children) == 2, out.stdout[-2000:]
     for child in children:  # every candidate pairs a Eureka reward with the generated training mix, and trained
-        arts = [a.path for a in client.list_artifacts(child.info.run_id)] + [a.path for a in client.list_artifacts(child.info.run_id, "reward")]
+        arts = [a.path for a in client.list_artifacts(child.info.run_id)] + [
+            a.path for a in client.list_artifacts(child.info.run_id, "reward")
+        ]
         assert "envs.json" in arts and "reward/compute_reward.py" in arts
         assert MARK in Path(client.download_artifacts(child.info.run_id, "reward/compute_reward.py")).read_text()
         mix = json.loads(Path(client.download_artifacts(child.info.run_id, "envs.json")).read_text())
@@ -439,7 +543,6 @@ def test_end_to_end_eureka_envgen_minecraft(tmp_path, llm_server):
         assert child.data.tags.get("ok") == "True" and child.data.metrics["frames"] == 1024
         success = [k for k in child.data.metrics if k.startswith("fitness/success_")]
         assert len(success) == 22  # per-achievement success of every Crafter achievement
-
 
 
 # -- end to end: the LLM's env config is trained in (plumbing), and a run whose every config is invalid ------------
@@ -451,9 +554,20 @@ def _run_envgen(make_config, overrides):
     from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
-    cfg = make_config(["+plugins=[envgen]", "env=minecraft", "env.max_episode_steps=100", "plugins.envgen.iterations=1",
-                       "plugins.envgen.num_envs=1", "trainer.num_envs=4", "trainer.rollout_steps=64",
-                       *SMOKE_BASE, *PPO_TINY, *overrides])
+    cfg = make_config(
+        [
+            "+plugins=[envgen]",
+            "env=minecraft",
+            "env.max_episode_steps=100",
+            "plugins.envgen.iterations=1",
+            "plugins.envgen.num_envs=1",
+            "trainer.num_envs=4",
+            "trainer.rollout_steps=64",
+            *SMOKE_BASE,
+            *PPO_TINY,
+            *overrides,
+        ]
+    )
     return run_experiment(cfg, extra_plugins=(recorder,)), recorder
 
 
@@ -505,7 +619,9 @@ def test_the_llms_env_config_is_the_env_the_agent_trains_in(make_config, monkeyp
 NO_CONFIGS = "I would make the world a little easier for the agent."
 
 
-def test_a_run_whose_every_env_reply_is_unusable_trains_in_the_original_env_and_says_why(make_config, monkeypatch, tmp_path):
+def test_a_run_whose_every_env_reply_is_unusable_trains_in_the_original_env_and_says_why(
+    make_config, monkeypatch, tmp_path
+):
     """Failure handling (the fake LLM never writes a JSON list of configs): the reason
     goes back to the LLM, no candidate trains in a generated env, the cycle logs zero
     generated envs, and the invalid replies are recorded in ``envgen/repairs.txt``."""
@@ -520,8 +636,11 @@ def test_a_run_whose_every_env_reply_is_unusable_trains_in_the_original_env_and_
     assert not [e for c, _ in recorder.trained for e in c.envs if e.name != eg.ORIGINAL]
     assert len(llm.calls) == 2 and "JSON" in llm.calls[1]["messages"][-1]["content"]
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (parent,) = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()])
-                 if "candidate" not in r.data.tags]
+    (parent,) = [
+        r
+        for r in client.search_runs([e.experiment_id for e in client.search_experiments()])
+        if "candidate" not in r.data.tags
+    ]
     assert parent.data.metrics["envgen/generated_envs"] == 0
     repairs = Path(client.download_artifacts(parent.info.run_id, "envgen/repairs.txt", str(tmp_path))).read_text()
     assert "it0: invalid" in repairs

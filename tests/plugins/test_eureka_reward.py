@@ -32,8 +32,14 @@ NO_FUNCTION = "I would reward the car for going fast."
 def make_run(texts: list[str], **cfg):
     """(the plugin object, a run context) as a run makes them, with a scripted LLM."""
     overrides = {"iterations": 2, "samples": 3, "temperature": 1.0, "max_tokens": 256, **cfg}
-    run = fakes.make_run(make_task({"name": "mountaincar"}), ScriptedLLM(texts), plugin="eureka", module=eureka,
-                         overrides=overrides, seed=3)
+    run = fakes.make_run(
+        make_task({"name": "mountaincar"}),
+        ScriptedLLM(texts),
+        plugin="eureka",
+        module=eureka,
+        overrides=overrides,
+        seed=3,
+    )
     return plugin_object(eureka, **overrides), run
 
 
@@ -54,7 +60,8 @@ def _result(cid: str, value: float, components: dict | None = None) -> TrainResu
         ok=True,
         fitness=Fitness("success_rate", value),
         curve=curve,
-        components=components or {"height": [(1000 * i, 0.1 * i) for i in range(20)], "bonus": [(1000 * i, 2.0) for i in range(20)]},
+        components=components
+        or {"height": [(1000 * i, 0.1 * i) for i in range(20)], "bonus": [(1000 * i, 2.0) for i in range(20)]},
         episodes=[Episode(ret=-150.0, length=150, success=True), Episode(ret=-200.0, length=200, success=False)],
     )
 
@@ -64,7 +71,9 @@ def _failed(cid: str) -> TrainResult:
 
 
 def _candidate(i: int, iteration: int = 0, origin: str = "eureka") -> Candidate:
-    program = RewardProgram(source=f"def compute_reward(state, action, next_state):\n    return {i}", origin=origin, reply=f"reply {i}")
+    program = RewardProgram(
+        source=f"def compute_reward(state, action, next_state):\n    return {i}", origin=origin, reply=f"reply {i}"
+    )
     return Candidate(id=f"it{iteration}-c{i}", iteration=iteration, reward=program)
 
 
@@ -200,7 +209,9 @@ def test_reflection_keeps_its_lines_apart_in_markdown():
     """MLflow renders .md artifacts: lines of a paragraph merge, so every line is a list item,
     a heading, blank-separated, or inside a fence."""
     p, run = make_run([GOOD])
-    text = p.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1)], [_result("it0-c0", 0.2), _failed("x")]))
+    text = p.reflect(
+        run=run, result=IterationResult(0, [_candidate(0), _candidate(1)], [_result("it0-c0", 0.2), _failed("x")])
+    )
     inside = False
     previous = ""
     for line in text.splitlines():
@@ -236,9 +247,21 @@ def test_extracted_program_passes_the_sandbox_on_the_task():
 
 # -- end to end --------------------------------------------------------------------------------
 
-TINY = ["env=cartpole", "trainer.frames=256", "trainer.num_envs=4", "trainer.rollout_steps=32", "trainer.epochs=1",
-        "trainer.minibatch=64", "trainer.hidden=[16]", "trainer.eval_every=0", "trainer.eval_episodes=2",
-        "executor=inprocess", "tracking.log_plots=false", "save_policy=false", "resume=false"]
+TINY = [
+    "env=cartpole",
+    "trainer.frames=256",
+    "trainer.num_envs=4",
+    "trainer.rollout_steps=32",
+    "trainer.epochs=1",
+    "trainer.minibatch=64",
+    "trainer.hidden=[16]",
+    "trainer.eval_every=0",
+    "trainer.eval_episodes=2",
+    "executor=inprocess",
+    "tracking.log_plots=false",
+    "save_policy=false",
+    "resume=false",
+]
 
 
 @pytest.mark.slow
@@ -249,20 +272,33 @@ def test_a_dropped_reply_is_recorded_with_its_reason_in_mlflow_and_the_counts(ma
 
     from core.loop import run_experiment
 
-    replies = iter([fakes.REWARD.format(entry="compute_reward"), NO_FUNCTION, fakes.REWARD.format(entry="improved_compute_reward")])
+    replies = iter(
+        [fakes.REWARD.format(entry="compute_reward"), NO_FUNCTION, fakes.REWARD.format(entry="improved_compute_reward")]
+    )
 
     def reply(msgs):  # the rejected reply goes to the core's repair first; the repair holds no code either
         return NO_FUNCTION if "failed its check before training" in msgs[-1]["content"] else next(replies)
 
     fakes.install_fake_litellm(monkeypatch, reply)
-    cfg = make_config(["+plugins=[eureka]", "plugins.eureka.iterations=1", "plugins.eureka.samples=3", *TINY,
-                       *fakes.FAKE_LLM_OVERRIDES, "llm.max_n=1", "llm.concurrency=1", "vetting.enabled=false"])
+    cfg = make_config(
+        [
+            "+plugins=[eureka]",
+            "plugins.eureka.iterations=1",
+            "plugins.eureka.samples=3",
+            *TINY,
+            *fakes.FAKE_LLM_OVERRIDES,
+            "llm.max_n=1",
+            "llm.concurrency=1",
+            "vetting.enabled=false",
+        ]
+    )
     summary = run_experiment(cfg)
     assert (summary.candidates, summary.rejected, summary.failed) == (3, 1, 1)
     assert summary.counts == "3 sampled, 2 usable, 2 trained"
     client = mlflow.MlflowClient(cfg.tracking.uri)
-    children = client.search_runs([client.get_run(summary.run_id).info.experiment_id],
-                                  f"tags.mlflow.parentRunId = '{summary.run_id}'")
+    children = client.search_runs(
+        [client.get_run(summary.run_id).info.experiment_id], f"tags.mlflow.parentRunId = '{summary.run_id}'"
+    )
     by_sample = {r.data.tags["sample"]: r for r in children}
     assert sorted(by_sample) == ["0", "1", "2"] and all(r.data.tags["llm_call"] == "eureka-it0" for r in children)
     rejected = by_sample["1"]
@@ -278,9 +314,10 @@ def test_a_dropped_reply_is_recorded_with_its_reason_in_mlflow_and_the_counts(ma
     assert metrics["candidates_rejected"] == 1.0
     # the study's measure of the LLM's contribution: the two programs the LLM wrote that trained
     assert metrics["candidates_trained"] == 2.0 and metrics["llm_programs_trained"] == 2.0
-    reflection = Path(client.download_artifacts(summary.run_id, "reflection/it0-eureka.md", str(cfg.cache_dir))).read_text()
+    reflection = Path(
+        client.download_artifacts(summary.run_id, "reflection/it0-eureka.md", str(cfg.cache_dir))
+    ).read_text()
     assert "3 sampled, 2 usable, 2 trained" in reflection and "rejected (no_code), not trained" in reflection
-
 
 
 # The embedded model's end-to-end run (``python -m core +plugins=[eureka]`` on CartPole: every
@@ -299,8 +336,9 @@ def _run_eureka(make_config, overrides):
     from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
-    cfg = make_config(["+plugins=[eureka]", "env=cartpole", "plugins.eureka.iterations=1", *SMOKE_BASE, *PPO_TINY,
-                       *overrides])
+    cfg = make_config(
+        ["+plugins=[eureka]", "env=cartpole", "plugins.eureka.iterations=1", *SMOKE_BASE, *PPO_TINY, *overrides]
+    )
     return run_experiment(cfg, extra_plugins=(recorder,)), recorder
 
 
@@ -349,7 +387,9 @@ def test_a_run_whose_every_program_fails_records_each_failure(make_config, monke
     fakes.install_fake_litellm(monkeypatch, reply=lambda messages: BROKEN)
     summary, recorder = _run_eureka(make_config, ["plugins.eureka.samples=2"])
     assert summary.candidates == summary.failed == 2 and recorder.trained
-    assert all(not r.ok and r.frames == 0 and "no_such_field" in r.error for _, r in recorder.trained), recorder.report()
+    assert all(not r.ok and r.frames == 0 and "no_such_field" in r.error for _, r in recorder.trained), (
+        recorder.report()
+    )
     assert "no_such_field" in summary.first_error
     # the summary says the method's LLM put nothing in, and the parent run carries it
     (part,) = summary.contributions

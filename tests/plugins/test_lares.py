@@ -17,7 +17,17 @@ import torch
 from core import hookimpl
 from core.envs import make_task
 from core.errors import UserError
-from core.records import Candidate, EnvConfig, Fitness, IterationResult, MacroAction, Program, RewardProgram, StateProgram, TrainResult
+from core.records import (
+    Candidate,
+    EnvConfig,
+    Fitness,
+    IterationResult,
+    MacroAction,
+    Program,
+    RewardProgram,
+    StateProgram,
+    TrainResult,
+)
 from core.registry import make_plugin_manager
 from core.testing import fakes
 from core.testing.fakes import ScriptedLLM, plugin_object
@@ -57,8 +67,16 @@ def revise_state(state):
 ANALYSIS = "- jitter: the torque flips sign every step; penalise action changes."
 
 #: small SAC settings for the population's agents
-SAC = {"name": "sac", "frames": 1000, "init_random_frames": 200, "updates_per_frame": 0.25, "batch_size": 32,
-       "num_envs": 2, "eval_episodes": 1, "hidden": [16]}
+SAC = {
+    "name": "sac",
+    "frames": 1000,
+    "init_random_frames": 200,
+    "updates_per_frame": 0.25,
+    "batch_size": 32,
+    "num_envs": 2,
+    "eval_episodes": 1,
+    "hidden": [16],
+}
 
 
 def scripted(codes: list[str]) -> ScriptedLLM:
@@ -67,10 +85,14 @@ def scripted(codes: list[str]) -> ScriptedLLM:
     return ScriptedLLM(answer=lambda messages, tag: ANALYSIS if "analysis" in tag else codes[next(turn) % len(codes)])
 
 
-def make_run(codes: list[str], tmp_path: Path, env: str = "pendulum", extra: tuple = (), trainer: dict | None = None, **cfg):
+def make_run(
+    codes: list[str], tmp_path: Path, env: str = "pendulum", extra: tuple = (), trainer: dict | None = None, **cfg
+):
     """(the LaRes plugin object, a run context): the plugin registered with ``extra`` as in a run."""
     config = {"trainer": {**SAC, **(trainer or {})}, "save_policy": False, "cache_dir": str(tmp_path)}
-    run = fakes.make_run(make_task({"name": env}), scripted(codes), plugin="lares", module=lares, overrides=cfg, config=config)
+    run = fakes.make_run(
+        make_task({"name": env}), scripted(codes), plugin="lares", module=lares, overrides=cfg, config=config
+    )
     pm = make_plugin_manager(run.settings, {"lares": lares}, extra=extra)
     run.hook = pm.hook
     plugin = pm.get_plugin("lares")
@@ -102,7 +124,9 @@ def test_config_refuses_unknown_choices_before_any_work():
 
 def test_a_non_sac_trainer_is_refused_at_run_start(tmp_path):
     config = {"trainer": {"name": "ppo", "frames": 1000}, "cache_dir": str(tmp_path)}
-    run = fakes.make_run(make_task({"name": "pendulum"}), scripted([UPRIGHT]), plugin="lares", module=lares, config=config)
+    run = fakes.make_run(
+        make_task({"name": "pendulum"}), scripted([UPRIGHT]), plugin="lares", module=lares, config=config
+    )
     with pytest.raises(UserError, match="trainer=sac"):
         plugin_object(lares).on_run_start(run=run)
 
@@ -204,8 +228,18 @@ def test_initial_population_prompt_and_parsing(tmp_path):
 def test_retrieval_shows_the_most_similar_cases_first(tmp_path):
     plugin, run = make_run([UPRIGHT], tmp_path, retrieval=True, retrieve_k=1)
     plugin.cases = [
-        {"task": "x", "goal": "open the drawer", "code": "def compute_reward(s, a, n):\n    return DRAWER", "fitness": 1.0},
-        {"task": "y", "goal": "swing the pendulum up and keep it upright", "code": "def compute_reward(s, a, n):\n    return SWING", "fitness": 1.0},
+        {
+            "task": "x",
+            "goal": "open the drawer",
+            "code": "def compute_reward(s, a, n):\n    return DRAWER",
+            "fitness": 1.0,
+        },
+        {
+            "task": "y",
+            "goal": "swing the pendulum up and keep it upright",
+            "code": "def compute_reward(s, a, n):\n    return SWING",
+            "fitness": 1.0,
+        },
     ]
     plugin.propose_rewards(run=run, iteration=0)
     user = run.llm.calls[0].messages[1]["content"]
@@ -289,10 +323,19 @@ def test_population_trains_through_the_core_machinery_with_a_context_per_member(
 
     run.task.make_env = recording_make_env
     featured, plain = candidates([UPRIGHT, UPRIGHT])
-    featured = Candidate("it0-c0", 0, reward=featured.reward, state=StateProgram(source=ANGLE, origin="llm_state_repr", extra_dim=2),
-                         envs=[EnvConfig("heavy", {"g": 12.0})])
-    macro = Candidate("it0-c2", 0, reward=RewardProgram(source=plain.reward.source, origin="lares"),
-                      macros=[MacroAction("spin", Program(source="def act(state):\n    return 0", entry="act"))])
+    featured = Candidate(
+        "it0-c0",
+        0,
+        reward=featured.reward,
+        state=StateProgram(source=ANGLE, origin="llm_state_repr", extra_dim=2),
+        envs=[EnvConfig("heavy", {"g": 12.0})],
+    )
+    macro = Candidate(
+        "it0-c2",
+        0,
+        reward=RewardProgram(source=plain.reward.source, origin="lares"),
+        macros=[MacroAction("spin", Program(source="def act(state):\n    return 0", entry="act"))],
+    )
     other = Candidate("it0-c3", 0, reward=RewardProgram(source=plain.reward.source, origin="eureka"))
 
     results = run.hook.train_candidates(run=run, candidates=[featured, plain, macro, other], seed=0)
@@ -329,13 +372,18 @@ def test_population_trains_through_the_core_machinery_with_a_context_per_member(
 def test_candidates_lares_did_not_propose_are_left_to_the_executor(tmp_path):
     plugin, run = make_run([UPRIGHT], tmp_path)
     program = RewardProgram(source="x", origin="eureka")
-    assert plugin.train_candidates(run=run, candidates=[Candidate("c", 0, reward=program), Candidate("d", 0)], seed=0) is None
+    assert (
+        plugin.train_candidates(run=run, candidates=[Candidate("c", 0, reward=program), Candidate("d", 0)], seed=0)
+        is None
+    )
     assert run.llm.calls == []
 
 
 def test_a_candidate_lares_cannot_honour_gets_an_unsupported_result_naming_the_part(tmp_path):
     plugin, run = make_run([UPRIGHT], tmp_path)
-    (candidate,) = candidates([UPRIGHT], macros=[MacroAction("spin", Program(source="def act(state):\n    return 0", entry="act"))])
+    (candidate,) = candidates(
+        [UPRIGHT], macros=[MacroAction("spin", Program(source="def act(state):\n    return 0", entry="act"))]
+    )
     (result,) = plugin.train_candidates(run=run, candidates=[candidate], seed=0)
     assert not result.ok and result.error_kind == "unsupported"
     assert "macro-actions (spin)" in result.error and "discrete" in result.error
@@ -344,7 +392,9 @@ def test_a_candidate_lares_cannot_honour_gets_an_unsupported_result_naming_the_p
 
 def test_discrete_tasks_get_unsupported_results_naming_the_action_space(tmp_path):
     plugin, run = make_run([UPRIGHT], tmp_path, env="cartpole")
-    program = RewardProgram(source="def compute_reward(state, action, next_state):\n    return next_state['pole_angle']", origin="lares")
+    program = RewardProgram(
+        source="def compute_reward(state, action, next_state):\n    return next_state['pole_angle']", origin="lares"
+    )
     (result,) = plugin.train_candidates(run=run, candidates=[Candidate("c", 0, reward=program)], seed=0)
     assert not result.ok and result.error_kind == "unsupported"
     assert result.error.startswith("action space") and "continuous" in result.error
@@ -379,8 +429,16 @@ def test_evolution_replaces_non_elites_relabels_and_reports_each_member(tmp_path
 
 
 def test_failed_functions_are_never_elites_and_all_get_regenerated(tmp_path):
-    plugin, run = make_run([SMOOTH], tmp_path, population=2, elites=1, retries=0, llm_freq=200, frames=400,
-                           trainer={"init_random_frames": 100, "batch_size": 16, "hidden": [8]})
+    plugin, run = make_run(
+        [SMOOTH],
+        tmp_path,
+        population=2,
+        elites=1,
+        retries=0,
+        llm_freq=200,
+        frames=400,
+        trainer={"init_random_frames": 100, "batch_size": 16, "hidden": [8]},
+    )
     results = plugin.train_candidates(run=run, candidates=candidates([BROKEN, BROKEN]), seed=0)
     tags = [c.tag for c in run.llm.calls]
     assert tags == ["lares-evolve-g1"]  # no behaviour to analyse, no repair allowed
@@ -393,7 +451,9 @@ def test_failed_functions_are_never_elites_and_all_get_regenerated(tmp_path):
 def test_reflect_adds_the_best_final_reward_to_the_case_base(tmp_path):
     plugin, run = make_run([UPRIGHT], tmp_path, retrieval=True, case_min_fitness=-500.0)
     program = RewardProgram(source="old", origin="lares")
-    result = TrainResult("c", ok=True, fitness=Fitness("return", -150.0), texts={"lares_final_reward.py": "evolved code"})
+    result = TrainResult(
+        "c", ok=True, fitness=Fitness("return", -150.0), texts={"lares_final_reward.py": "evolved code"}
+    )
     text = plugin.reflect(run=run, result=IterationResult(0, [Candidate("c", 0, reward=program)], [result]))
     assert "case base (1 cases)" in text
     assert "### `c`, the best of this iteration" in text and "```python\nevolved code\n```" in text
@@ -407,24 +467,44 @@ def test_reflect_adds_the_best_final_reward_to_the_case_base(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_with_lares_and_eureka_trains_lares_candidates_jointly_and_the_others_by_the_executor(make_config, monkeypatch):
+def test_a_run_with_lares_and_eureka_trains_lares_candidates_jointly_and_the_others_by_the_executor(
+    make_config, monkeypatch
+):
     """The loop hands the candidates lares did not propose (None in its answer) to the executor."""
     from core.loop import run_experiment
     from core.testing.contract import Recorder
 
     fakes.install_fake_litellm(monkeypatch)
-    cfg = make_config(["+plugins=[lares,eureka]", "env=pendulum", "trainer=sac", "trainer.frames=600",
-                          "trainer.init_random_frames=100", "trainer.updates_per_frame=0.25", "trainer.batch_size=32",
-                          "trainer.hidden=[32,32]", "trainer.eval_episodes=1", "trainer.eval_every=0",
-                          "plugins.lares.population=2", "plugins.lares.elites=1", "plugins.lares.llm_freq=300",
-                          "plugins.eureka.iterations=1", "plugins.eureka.samples=1", "executor=inprocess",
-                          "save_policy=false", *fakes.FAKE_LLM_OVERRIDES])
+    cfg = make_config(
+        [
+            "+plugins=[lares,eureka]",
+            "env=pendulum",
+            "trainer=sac",
+            "trainer.frames=600",
+            "trainer.init_random_frames=100",
+            "trainer.updates_per_frame=0.25",
+            "trainer.batch_size=32",
+            "trainer.hidden=[32,32]",
+            "trainer.eval_episodes=1",
+            "trainer.eval_every=0",
+            "plugins.lares.population=2",
+            "plugins.lares.elites=1",
+            "plugins.lares.llm_freq=300",
+            "plugins.eureka.iterations=1",
+            "plugins.eureka.samples=1",
+            "executor=inprocess",
+            "save_policy=false",
+            *fakes.FAKE_LLM_OVERRIDES,
+        ]
+    )
     recorder = Recorder()
     run_experiment(cfg, extra_plugins=(recorder,))
     origins = [(c.reward.origin, r) for c, r in recorder.trained]
     assert sorted(o for o, _ in origins) == ["eureka", "lares", "lares"], recorder.report()
     assert all(r.ok for _, r in origins), recorder.report()
-    assert all(("lares/generation" in r.metrics) == (o == "lares") for o, r in origins)  # only lares's were its population
+    assert all(
+        ("lares/generation" in r.metrics) == (o == "lares") for o, r in origins
+    )  # only lares's were its population
 
 
 @pytest.mark.slow
@@ -469,7 +549,6 @@ def test_end_to_end_on_pendulum_with_the_embedded_model(tmp_path: Path):
     assert "## generation 1" in text and "### behaviour of the best agent" in text and "### analysis" in text
 
 
-
 # -- end to end: the LLM's reward trains the population (plumbing), and a run whose every reward fails --------------
 
 
@@ -479,10 +558,24 @@ def _run_lares(make_config, overrides):
     from core.testing.contract import SMOKE_BASE, Recorder
 
     recorder = Recorder()
-    cfg = make_config(["+plugins=[lares]", "env=pendulum", "trainer=sac", "trainer.frames=600",
-                       "trainer.init_random_frames=100", "trainer.updates_per_frame=0.25", "trainer.batch_size=32",
-                       "trainer.hidden=[32,32]", "plugins.lares.population=2", "plugins.lares.elites=1",
-                       "plugins.lares.llm_freq=300", *SMOKE_BASE, "trainer.eval_episodes=1", *overrides])
+    cfg = make_config(
+        [
+            "+plugins=[lares]",
+            "env=pendulum",
+            "trainer=sac",
+            "trainer.frames=600",
+            "trainer.init_random_frames=100",
+            "trainer.updates_per_frame=0.25",
+            "trainer.batch_size=32",
+            "trainer.hidden=[32,32]",
+            "plugins.lares.population=2",
+            "plugins.lares.elites=1",
+            "plugins.lares.llm_freq=300",
+            *SMOKE_BASE,
+            "trainer.eval_episodes=1",
+            *overrides,
+        ]
+    )
     return run_experiment(cfg, extra_plugins=(recorder,)), recorder
 
 
@@ -514,7 +607,9 @@ def compute_reward(state, action, next_state):
 def test_a_run_whose_every_reward_fails_records_each_failure(make_config, monkeypatch):
     """Failure handling (the fake LLM only writes rewards that read a field Pendulum
     lacks): no member trains on an LLM reward, each is recorded failed with the reason."""
-    fakes.install_fake_litellm(monkeypatch, reply=lambda m: BROKEN_REWARD if "compute_reward" in fakes.answer(m) else fakes.answer(m))
+    fakes.install_fake_litellm(
+        monkeypatch, reply=lambda m: BROKEN_REWARD if "compute_reward" in fakes.answer(m) else fakes.answer(m)
+    )
     summary, recorder = _run_lares(make_config, ["plugins.lares.retries=0"])
     members = [(c, r) for c, r in recorder.trained if c.reward is not None and c.reward.origin == "lares"]
     assert members and summary.failed >= len(members), recorder.report()

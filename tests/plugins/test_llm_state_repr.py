@@ -20,7 +20,7 @@ from core.records import Candidate, Fitness, IterationResult, StateProgram, Trai
 from core.testing.fakes import ScriptedLLM, make_run, make_train, plugin_object, texts_of
 from plugins import llm_state_repr as lesr
 
-GOOD = '''```python
+GOOD = """```python
 import torch
 
 def revise_state(state):
@@ -29,16 +29,16 @@ def revise_state(state):
 
 def intrinsic_reward(state, features):
     return -0.1 * features[:, 0]
-```'''
+```"""
 NAN = GOOD.replace("-0.1 * features[:, 0]", "features[:, 0] / 0.0 * 0.0")
 PROSE_ONLY = "I would add the angle and its speed as features."
 HUGE = GOOD.replace("-0.1 * features[:, 0]", "1e6 + features[:, 0]")
-NO_REWARD = '''```python
+NO_REWARD = """```python
 import torch
 
 def revise_state(state):
     return state["cos_theta"]
-```'''
+```"""
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +85,13 @@ def test_check_pair_accepts_good_code(probe):
 def test_check_pair_rejects_nonfinite_and_unbounded(probe, reply, kind):
     source, _ = lesr.extract_pair(reply)
     report = lesr.check_pair(source, probe, cfg(reward_bound=100.0), SANDBOX)
-    assert not report.ok and kind in (report.kind, report.data.get("check"))  # the kind, or the finer check of a value kind
+    assert not report.ok and kind in (
+        report.kind,
+        report.data.get("check"),
+    )  # the kind, or the finer check of a value kind
 
 
-STACK_MISMATCH = GOOD.replace('state["angular_velocity"] ** 2', 'torch.ones(1)')
+STACK_MISMATCH = GOOD.replace('state["angular_velocity"] ** 2', "torch.ones(1)")
 
 
 def test_shape_error_gets_a_hint_in_the_retry(task):
@@ -104,7 +107,9 @@ def test_cut_off_reply_is_resampled_from_the_first_prompt(task):
     plugin, run = make(task, [cut, GOOD], samples=1, retries=1)
     assert len(plugin.propose_state_reprs(run, 0)) == 1
     first, second = run.llm.calls
-    assert second.messages == first.messages and second.seed != first.seed  # a fresh sample, not the cut-off reply repeated
+    assert (
+        second.messages == first.messages and second.seed != first.seed
+    )  # a fresh sample, not the cut-off reply repeated
 
 
 def test_hint_for_unknown_field_lists_the_fields():
@@ -134,12 +139,14 @@ def test_the_earlier_prompt_shows_a_worked_example_and_the_schema(task):
     assert prompt.endswith("You may import only: math, torch.")  # the run's sandbox settings
 
 
-UNKNOWN_FIELD = GOOD.replace('state["angular_velocity"]', 'state.pole_velocity')
+UNKNOWN_FIELD = GOOD.replace('state["angular_velocity"]', "state.pole_velocity")
 
 
 def test_a_pair_reading_an_unknown_field_is_refused_with_the_fields_before_it_runs(task, monkeypatch):
     ran = []
-    monkeypatch.setattr(lesr, "check_pair", lambda source, *a, **k: ran.append(source) or lesr.SandboxReport(True, "ok", ""))
+    monkeypatch.setattr(
+        lesr, "check_pair", lambda source, *a, **k: ran.append(source) or lesr.SandboxReport(True, "ok", "")
+    )
     plugin, run = make(task, [UNKNOWN_FIELD, UNKNOWN_FIELD], samples=1, retries=1)
     (program,) = plugin.propose_state_reprs(run, 0)
     assert ran == []  # neither reply reached the sandbox
@@ -152,15 +159,16 @@ def test_a_pair_reading_an_unknown_field_is_refused_with_the_fields_before_it_ru
 
 
 def test_a_unique_close_field_is_renamed_and_recorded(task):
-    plugin, run = make(task, [GOOD.replace('state["angular_velocity"]', 'state.angular_velocty')], samples=1, retries=0)
+    plugin, run = make(task, [GOOD.replace('state["angular_velocity"]', "state.angular_velocty")], samples=1, retries=0)
     (program,) = plugin.propose_state_reprs(run, 0)
     assert not program.rejected and "state.angular_velocity" in program.source
     assert "angular_velocty" in program.meta["fixes"][0]
 
 
 def test_with_the_earlier_interface_names_are_not_checked_and_a_retry_continues_the_conversation(task):
-    plugin, run = make(task, [UNKNOWN_FIELD, GOOD], config={"code": {"interface": "dict"}}, samples=1, retries=1,
-                       temperature=0.5)
+    plugin, run = make(
+        task, [UNKNOWN_FIELD, GOOD], config={"code": {"interface": "dict"}}, samples=1, retries=1, temperature=0.5
+    )
     (program,) = plugin.propose_state_reprs(run, 0)
     assert not program.rejected
     first, second = run.llm.calls
@@ -170,7 +178,7 @@ def test_with_the_earlier_interface_names_are_not_checked_and_a_retry_continues_
 
 def test_lipschitz_of_a_linear_and_a_constant_dimension():
     x = np.linspace(0, 1, 50)
-    values = np.stack([x, np.ones_like(x), x ** 2], -1)
+    values = np.stack([x, np.ones_like(x), x**2], -1)
     reward = 3 * x
     est = lesr.lipschitz(values, reward)
     assert est[0] == pytest.approx(3.0) and est[1] == 0.0
@@ -197,15 +205,24 @@ def make(task, replies, config=None, **overrides):
 
 
 def test_propose_retries_failed_samples_with_feedback(task):
-    plugin, run = make(task, [GOOD, NAN, GOOD], samples=2, retries=1, temperature=0.5, max_tokens=300,
-                       config={"code": {"repair_temperature": 0.1, "repair_max_tokens": 400}})
+    plugin, run = make(
+        task,
+        [GOOD, NAN, GOOD],
+        samples=2,
+        retries=1,
+        temperature=0.5,
+        max_tokens=300,
+        config={"code": {"repair_temperature": 0.1, "repair_max_tokens": 400}},
+    )
     programs = plugin.propose_state_reprs(run, 0)
     assert len(programs) == 2 and all(p.origin == "llm_state_repr" for p in programs)
     assert len(run.llm.calls) == 3 and "NaN or infinite" in run.llm.calls[2].last  # the retry saw the error
     samples, repair = run.llm.calls[:2], run.llm.calls[2]
     assert {(c.temperature, c.max_tokens) for c in samples} == {(0.5, 300)}
     assert (repair.temperature, repair.max_tokens) == (0.1, 400)  # the short repair request, at the run's code settings
-    assert "features[:, 0] / 0.0 * 0.0" in repair.last and "Task goal" in repair.last  # the failing pair, not the conversation
+    assert (
+        "features[:, 0] / 0.0 * 0.0" in repair.last and "Task goal" in repair.last
+    )  # the failing pair, not the conversation
     assert all(c.stop == ["\n```\n"] for c in run.llm.calls)  # every reply ends at its code block
     assert "def compute_reward" in programs[0].meta["intrinsic"] and programs[0].meta["weight"] == 0.1
 
@@ -225,17 +242,28 @@ def test_no_valid_sample_is_logged_and_proposed_rejected_with_its_reason(task):
     nan, prose = programs
     assert "NaN or infinite" in nan.rejected and nan.reply == NAN and nan.meta["attempts"] == 2
     assert prose.meta["rejected_kind"] == "no_code" and len(prose.meta["errors"]) == 1
-    assert "NaN or infinite" in texts_of(run)["llm_state_repr/it0-no-valid-sample.txt"]  # the last error, for the record
+    assert (
+        "NaN or infinite" in texts_of(run)["llm_state_repr/it0-no-valid-sample.txt"]
+    )  # the last error, for the record
     results = [TrainResult(f"it0-c{i}", False, error=p.rejected, error_kind="rejected") for i, p in enumerate(programs)]
-    text = plugin.reflect(run, IterationResult(0, [Candidate(f"it0-c{i}", 0, state=p) for i, p in enumerate(programs)], results))
-    assert text.startswith("### Iteration 0: 2 sampled, 0 usable, 0 trained") and "- `it0-c1` (reply 1): rejected (no_code)" in text
+    text = plugin.reflect(
+        run, IterationResult(0, [Candidate(f"it0-c{i}", 0, state=p) for i, p in enumerate(programs)], results)
+    )
+    assert (
+        text.startswith("### Iteration 0: 2 sampled, 0 usable, 0 trained")
+        and "- `it0-c1` (reply 1): rejected (no_code)" in text
+    )
     assert plugin.attempts == []  # rejected samples were retried with their error already
 
 
 def _pair_candidate(cid: str, weight: float) -> Candidate:
     source, _ = lesr.extract_pair(GOOD)
-    program = StateProgram(source, "revise_state", origin="llm_state_repr",
-                           meta={"intrinsic": lesr.intrinsic_program(source, weight).source, "weight": weight})
+    program = StateProgram(
+        source,
+        "revise_state",
+        origin="llm_state_repr",
+        meta={"intrinsic": lesr.intrinsic_program(source, weight).source, "weight": weight},
+    )
     return Candidate(cid, 0, state=program)
 
 
@@ -256,7 +284,10 @@ def test_training_hooks_add_intrinsic_reward_and_measure_lipschitz(task, probe):
     assert train.metrics["llm_state_repr/intrinsic_reward"]
     result = TrainResult("it0-c0", True)
     plugin.on_train_end(train, result)
-    assert "llm_state_repr/lipschitz/feature_0" in result.metrics and len([k for k in result.metrics if "lipschitz" in k]) == task.obs_dim + 2
+    assert (
+        "llm_state_repr/lipschitz/feature_0" in result.metrics
+        and len([k for k in result.metrics if "lipschitz" in k]) == task.obs_dim + 2
+    )
     assert lesr.NAME not in train.state  # gone with the training
 
 
@@ -268,7 +299,11 @@ def test_interleaved_trainings_keep_their_own_reward_and_samples(task):
     plugin.on_train_start(a)
     plugin.on_train_start(b)
     batch = _batch(task)
-    extra_a, extra_b, _ = plugin.compute_reward(a, batch), plugin.compute_reward(b, batch), plugin.compute_reward(b, batch)
+    extra_a, extra_b, _ = (
+        plugin.compute_reward(a, batch),
+        plugin.compute_reward(b, batch),
+        plugin.compute_reward(b, batch),
+    )
     assert torch.allclose(extra_b, 4 * extra_a)  # each training its own weight
     assert a.state[lesr.NAME].kept == 8 and b.state[lesr.NAME].kept == 8  # b's second batch is past lipschitz_samples
     result_a = TrainResult("a", True)
@@ -286,7 +321,9 @@ def test_training_hooks_ignore_candidates_without_a_pair(task):
 def test_reflect_reports_scores_and_lipschitz(task):
     plugin, run = make(task, [])
     cand = Candidate("it0-c0", 0, state=StateProgram("def revise_state(state): ...", origin="llm_state_repr"))
-    res = TrainResult("it0-c0", True, fitness=Fitness("return", -150.0), metrics={"llm_state_repr/lipschitz/feature_0": 2.5})
+    res = TrainResult(
+        "it0-c0", True, fitness=Fitness("return", -150.0), metrics={"llm_state_repr/lipschitz/feature_0": 2.5}
+    )
     text = plugin.reflect(run, IterationResult(0, [cand], [res]))
     assert "- `it0-c0`: score -150" in text and "feature_0: 2.5" in text
     assert "### `it0-c0`, the best of this iteration" in text and "```python\ndef revise_state(state): ...\n```" in text
@@ -301,7 +338,9 @@ def test_config_defaults_are_the_yaml_file():
     assert typed(lesr.Config, yaml, "plugins.llm_state_repr") == lesr.Config() == cfg()
 
 
-@pytest.mark.parametrize("key,value", [("samples", 0), ("retries", -1), ("reward_bound", 0.0), ("lipschitz_samples", -1), ("max_tokens", 0)])
+@pytest.mark.parametrize(
+    "key,value", [("samples", 0), ("retries", -1), ("reward_bound", 0.0), ("lipschitz_samples", -1), ("max_tokens", 0)]
+)
 def test_config_refuses_values_that_cannot_work(key, value):
     with pytest.raises(UserError, match=key):
         cfg(**{key: value})
@@ -314,10 +353,26 @@ def test_end_to_end_halfcheetah(tmp_path):
     # is ~1 min per call on CI's shared core; a third sample added a whole pair's worth of calls to
     # what is asserted (each sample accounted for, the retry path included) without adding a path.
     samples = 2
-    cmd = [sys.executable, "-m", "core", "+plugins=[llm_state_repr]", "env=halfcheetah", "env.max_episode_steps=100",
-           "plugins.llm_state_repr.iterations=1", f"plugins.llm_state_repr.samples={samples}", "plugins.llm_state_repr.retries=1",
-           "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=64", "trainer.epochs=2", "trainer.eval_episodes=2",
-           "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "core",
+        "+plugins=[llm_state_repr]",
+        "env=halfcheetah",
+        "env.max_episode_steps=100",
+        "plugins.llm_state_repr.iterations=1",
+        f"plugins.llm_state_repr.samples={samples}",
+        "plugins.llm_state_repr.retries=1",
+        "trainer.frames=1024",
+        "trainer.num_envs=4",
+        "trainer.rollout_steps=64",
+        "trainer.epochs=2",
+        "trainer.eval_episodes=2",
+        "trainer.eval_every=0",
+        "progress=false",
+        f"cache_dir={tmp_path / 'cache'}",
+        "executor=inprocess",
+    ]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     import mlflow
@@ -345,9 +400,18 @@ def _run_lesr(make_config, overrides):
     from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
-    cfg = make_config(["+plugins=[llm_state_repr]", "env=cartpole", "plugins.llm_state_repr.iterations=1",
-                       "plugins.llm_state_repr.samples=1", "plugins.llm_state_repr.lipschitz_samples=512",
-                       *SMOKE_BASE, *PPO_TINY, *overrides])
+    cfg = make_config(
+        [
+            "+plugins=[llm_state_repr]",
+            "env=cartpole",
+            "plugins.llm_state_repr.iterations=1",
+            "plugins.llm_state_repr.samples=1",
+            "plugins.llm_state_repr.lipschitz_samples=512",
+            *SMOKE_BASE,
+            *PPO_TINY,
+            *overrides,
+        ]
+    )
     return run_experiment(cfg, extra_plugins=(recorder,)), recorder
 
 

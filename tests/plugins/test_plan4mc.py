@@ -70,14 +70,17 @@ def test_graph_is_searched_requirements_first(goals):
     assert names(plan) == ["collect_wood", "place_table"]
 
 
-@pytest.mark.parametrize("reply,target,needle,usable", [
-    (BAD, "make_stone_pickaxe", "unknown skill 'mine gold'", True),
-    (BAD, "make_stone_pickaxe", "unknown requirement 'smelt_ore'", True),
-    (CYCLE, "collect_wood", "cycle", True),
-    ('[{"name": "collect_wood", "requires": []}]', "make_stone_pickaxe", "no skill for the target", False),
-    ("I would chop trees first.", "make_stone_pickaxe", "no JSON list", False),
-    ('[{"name": "collect_wood", "requires": [}]', "make_stone_pickaxe", "does not parse", False),
-])
+@pytest.mark.parametrize(
+    "reply,target,needle,usable",
+    [
+        (BAD, "make_stone_pickaxe", "unknown skill 'mine gold'", True),
+        (BAD, "make_stone_pickaxe", "unknown requirement 'smelt_ore'", True),
+        (CYCLE, "collect_wood", "cycle", True),
+        ('[{"name": "collect_wood", "requires": []}]', "make_stone_pickaxe", "no skill for the target", False),
+        ("I would chop trees first.", "make_stone_pickaxe", "no JSON list", False),
+        ('[{"name": "collect_wood", "requires": [}]', "make_stone_pickaxe", "does not parse", False),
+    ],
+)
 def test_bad_graphs_give_errors_for_the_llm(goals, reply, target, needle, usable):
     plan, errors = plan4mc.build_plan(reply, goals, target)
     assert any(needle in e for e in errors), errors
@@ -91,10 +94,18 @@ def test_bad_graphs_give_errors_for_the_llm(goals, reply, target, needle, usable
 
 
 # what the embedded 1.5B model wrote in a study: items repeated until max_tokens cut the list off
-CUT_OFF = "```json\n[" + ",\n ".join(
-    ['{"name": "collect_stone", "requires": ["make_wood_pickaxe"], "yields": "a stone"}',
-     '{"name": "make_stone_pickaxe", "requires": ["collect_wood", "place_table"], "yields": "a stone pickaxe"}'] * 6
-    + ['{"name": "collect_stone", "requires": ["make_wood_pickaxe"], "yi']) + "\n"
+CUT_OFF = (
+    "```json\n["
+    + ",\n ".join(
+        [
+            '{"name": "collect_stone", "requires": ["make_wood_pickaxe"], "yields": "a stone"}',
+            '{"name": "make_stone_pickaxe", "requires": ["collect_wood", "place_table"], "yields": "a stone pickaxe"}',
+        ]
+        * 6
+        + ['{"name": "collect_stone", "requires": ["make_wood_pickaxe"], "yi']
+    )
+    + "\n"
+)
 
 
 def test_a_cut_off_list_of_repeated_items_keeps_its_whole_items(goals, rules):
@@ -107,7 +118,7 @@ def test_a_cut_off_list_of_repeated_items_keeps_its_whole_items(goals, rules):
     plan, errors = plan4mc.build_plan(CUT_OFF, goals, "make_stone_pickaxe", rules, fix=True)
     assert errors == [] and names(plan) == RULES_SEQUENCE and plan.source == "fixed"
     # repeated errors are reported once
-    _, errors = plan4mc.parse_graph('[' + ', '.join(['{"name": "mine gold", "requires": []}'] * 3) + ']', goals)
+    _, errors = plan4mc.parse_graph("[" + ", ".join(['{"name": "mine gold", "requires": []}'] * 3) + "]", goals)
     assert errors == ["unknown skill 'mine gold'"]
 
 
@@ -128,8 +139,10 @@ def test_mending_by_the_rules_marks_what_the_rules_wrote(goals, rules):
     assert errors == [] and names(plan) == RULES_SEQUENCE and plan4mc.rule_errors(names(plan), rules) == []
     # both skills the LLM named had their requirements rewritten; the rest the rules added
     assert [s.source for s in plan.steps] == ["rules"] * 5 and plan.llm_steps == 0
-    right = ('[{"name": "collect_wood", "requires": []}, {"name": "place_table", "requires": ["collect_wood"]}, '
-             '{"name": "make_wood_pickaxe", "requires": ["place_table"]}]')
+    right = (
+        '[{"name": "collect_wood", "requires": []}, {"name": "place_table", "requires": ["collect_wood"]}, '
+        '{"name": "make_wood_pickaxe", "requires": ["place_table"]}]'
+    )
     plan, errors = plan4mc.build_plan(right, goals, "make_wood_pickaxe", rules, fix=True)
     # the LLM's wood and table agree with the rules and stay its own; the pickaxe lacked wood
     assert [s.source for s in plan.steps] == ["llm", "llm", "rules"]
@@ -147,9 +160,16 @@ def test_the_llms_graph_is_used_as_written_not_replaced_by_the_rules(task, rules
     plan = plugin.plan(run, 0)
     assert len(run.llm.calls) == 2 and "the game needs make_wood_pickaxe" in run.llm.calls[1].last  # sent back
     # the revision kept the error, and the plan is what the LLM wrote: not the game's tech tree
-    assert names(plan) == ["collect_stone", "make_stone_pickaxe"] != names(plan4mc.rules_plan(rules, "make_stone_pickaxe"))
+    assert (
+        names(plan) == ["collect_stone", "make_stone_pickaxe"] != names(plan4mc.rules_plan(rules, "make_stone_pickaxe"))
+    )
     assert plan.source == "llm" and plan.llm_steps == 2 and plan.errors and plugin.errors
-    assert run.tracker.metrics == {"plan4mc/skills": 2, "plan4mc/repairs": 1, "plan4mc/llm_steps": 2, "plan4mc/errors_left": 2}
+    assert run.tracker.metrics == {
+        "plan4mc/skills": 2,
+        "plan4mc/repairs": 1,
+        "plan4mc/llm_steps": 2,
+        "plan4mc/errors_left": 2,
+    }
     assert plan.cost["calls"] == 2 and plan.cost["seconds"] >= 0
     # without the rules' check the same reply has no errors: one call, used at once
     plugin, run = make(task, [SHALLOW], check_rules=False)
@@ -181,7 +201,12 @@ def test_plan_repairs_a_bad_graph_with_its_errors(task):
     assert "Target: make_stone_pickaxe" in first.last and "collect_wood" in first.last
     assert "unknown skill 'mine gold'" in second.last and "smelt_ore" in second.last  # the errors went back
     assert second.messages[-2] == {"role": "assistant", "content": BAD}
-    assert run.tracker.metrics == {"plan4mc/skills": 5, "plan4mc/repairs": 1, "plan4mc/llm_steps": 5, "plan4mc/errors_left": 0}
+    assert run.tracker.metrics == {
+        "plan4mc/skills": 5,
+        "plan4mc/repairs": 1,
+        "plan4mc/llm_steps": 5,
+        "plan4mc/errors_left": 0,
+    }
     assert "Errors:" in texts_of(run)["plan4mc/it0-r0.md"] and "Errors:" not in texts_of(run)["plan4mc/it0-r1.md"]
 
 
@@ -248,12 +273,21 @@ def _obs(task, *goals):
 def batch_of(task, before, after):
     before, after = torch.stack([_obs(task, *g) for g in before]), torch.stack([_obs(task, *g) for g in after])
     n = before.shape[0]
-    return StepBatch(obs=before, action=torch.zeros(n), next_obs=after, env_reward=torch.zeros(n), reward=torch.zeros(n),
-                     done=torch.zeros(n, dtype=torch.bool), task=task)
+    return StepBatch(
+        obs=before,
+        action=torch.zeros(n),
+        next_obs=after,
+        env_reward=torch.zeros(n),
+        reward=torch.zeros(n),
+        done=torch.zeros(n, dtype=torch.bool),
+        task=task,
+    )
 
 
 def training(task, plan, llm=None, **overrides):
-    train = make_train(task, llm, plugin=plan4mc.NAME, module=plan4mc, candidate=Candidate("c", 0, plan=plan), overrides=overrides)
+    train = make_train(
+        task, llm, plugin=plan4mc.NAME, module=plan4mc, candidate=Candidate("c", 0, plan=plan), overrides=overrides
+    )
     return plan4mc.Plugin(train.plugin_config(plan4mc.NAME)), train
 
 
@@ -261,8 +295,11 @@ def test_training_follows_the_plan_reward_and_policy_input(task, goals):
     plan, _ = plan4mc.build_plan(GRAPH, goals, "make_stone_pickaxe")
     plan.cost = {"calls": 3, "seconds": 4.5}  # what building it cost, as plan() records it
     plugin, train = training(task, plan, skill_reward=2.0)
-    batch = batch_of(task, [(), ("collect_wood",), (), ("collect_wood",)],
-                     [("collect_wood",), ("collect_wood", "place_table"), ("place_table",), ("collect_wood", "collect_sapling")])
+    batch = batch_of(
+        task,
+        [(), ("collect_wood",), (), ("collect_wood",)],
+        [("collect_wood",), ("collect_wood", "place_table"), ("place_table",), ("collect_wood", "collect_sapling")],
+    )
     # the active skill's completion pays; a later skill out of order or an achievement off the plan does not
     assert plugin.compute_reward(train, batch).tolist() == [2.0, 2.0, 0.0, 0.0]
     features = plugin.represent_state(train, batch.next_obs)
@@ -276,10 +313,17 @@ def test_training_follows_the_plan_reward_and_policy_input(task, goals):
     plugin.on_train_end(train, result)
     m = result.metrics
     assert m["plan4mc/skills_completed"] == 2.0 and m["plan4mc/completed_place_table"] == 1.0
-    assert m["llm/changed_share"] == pytest.approx(4 / 6) and m["plan4mc/llm_steps"] == 5 and m["plan4mc/rule_steps"] == 0
+    assert (
+        m["llm/changed_share"] == pytest.approx(4 / 6) and m["plan4mc/llm_steps"] == 5 and m["plan4mc/rule_steps"] == 0
+    )
     assert m["llm/calls"] == 3 and m["llm/seconds"] == 4.5 and m["plan4mc/replans"] == 0 and m["plan4mc/skills"] == 5
     # another plugin's plan, or none: nothing, and another plugin's figures stay
-    other = make_train(task, plugin=plan4mc.NAME, module=plan4mc, candidate=Candidate("c", 0, plan=Plan([PlanStep("collect_wood", done="collect_wood")], origin="x")))
+    other = make_train(
+        task,
+        plugin=plan4mc.NAME,
+        module=plan4mc,
+        candidate=Candidate("c", 0, plan=Plan([PlanStep("collect_wood", done="collect_wood")], origin="x")),
+    )
     assert plugin.compute_reward(other, batch) is None and plugin.represent_state(other, batch.next_obs) is None
     result = TrainResult("c", True, metrics={"llm/changed_share": 0.5})
     plugin.on_train_end(other, result)
@@ -288,11 +332,21 @@ def test_training_follows_the_plan_reward_and_policy_input(task, goals):
 
 def test_changed_share_counts_steps_whose_skill_the_llm_wrote(task, goals, rules):
     batch = batch_of(task, [(), ("collect_wood",), ("collect_wood", "place_table")] * 2, [()] * 6)
-    for plan, share in [(plan4mc.rules_plan(rules, "make_wood_pickaxe"), 0.0),  # the no-LLM control
-                        # the LLM's wood and table, the rules' pickaxe (see the mending test)
-                        (plan4mc.build_plan('[{"name": "collect_wood", "requires": []}, {"name": "place_table", "requires": '
-                                            '["collect_wood"]}, {"name": "make_wood_pickaxe", "requires": ["place_table"]}]',
-                                            goals, "make_wood_pickaxe", rules, fix=True)[0], 4 / 6)]:
+    for plan, share in [
+        (plan4mc.rules_plan(rules, "make_wood_pickaxe"), 0.0),  # the no-LLM control
+        # the LLM's wood and table, the rules' pickaxe (see the mending test)
+        (
+            plan4mc.build_plan(
+                '[{"name": "collect_wood", "requires": []}, {"name": "place_table", "requires": '
+                '["collect_wood"]}, {"name": "make_wood_pickaxe", "requires": ["place_table"]}]',
+                goals,
+                "make_wood_pickaxe",
+                rules,
+                fix=True,
+            )[0],
+            4 / 6,
+        ),
+    ]:
         plugin, train = training(task, plan)
         plugin.compute_reward(train, batch)
         result = TrainResult("c", True)
@@ -300,9 +354,14 @@ def test_changed_share_counts_steps_whose_skill_the_llm_wrote(task, goals, rules
         assert result.metrics["llm/changed_share"] == pytest.approx(share), plan.source
 
 
-REVISED = json.dumps([{"name": "collect_wood", "requires": []}, {"name": "collect_sapling", "requires": []},
-                      {"name": "place_table", "requires": ["collect_wood", "collect_sapling"]},
-                      {"name": "make_wood_pickaxe", "requires": ["place_table"]}])
+REVISED = json.dumps(
+    [
+        {"name": "collect_wood", "requires": []},
+        {"name": "collect_sapling", "requires": []},
+        {"name": "place_table", "requires": ["collect_wood", "collect_sapling"]},
+        {"name": "make_wood_pickaxe", "requires": ["place_table"]},
+    ]
+)
 
 
 def wait_for(st, timeout=10.0):
@@ -344,7 +403,11 @@ def test_a_skill_that_keeps_failing_is_re_planned_by_the_llm(task, goals):
     assert len(llm.calls) == 1
     result = TrainResult("c", True)
     plugin.on_train_end(train, result)
-    assert result.metrics["plan4mc/replans"] == 1 and result.metrics["llm/calls"] == 1 and result.metrics["llm/seconds"] >= 0
+    assert (
+        result.metrics["plan4mc/replans"] == 1
+        and result.metrics["llm/calls"] == 1
+        and result.metrics["llm/seconds"] >= 0
+    )
     assert result.metrics["plan4mc/skills"] == 4 and result.metrics["plan4mc/llm_steps"] == 4
     log = train.texts["plan4mc-replans.md"]
     assert "place_table: 3 steps without completing it" in log and "Adopted" in log and REVISED in log
@@ -353,8 +416,10 @@ def test_a_skill_that_keeps_failing_is_re_planned_by_the_llm(task, goals):
 
 def test_no_replan_for_the_rules_control_or_with_replans_off(task, goals, rules):
     stuck = batch_of(task, [("collect_wood",)], [("collect_wood",)])
-    for plan, overrides in [(plan4mc.rules_plan(rules, "make_wood_pickaxe"), {"plan_source": "rules"}),
-                            (plan4mc.build_plan(GRAPH, goals, "make_wood_pickaxe")[0], {"replans": 0})]:
+    for plan, overrides in [
+        (plan4mc.rules_plan(rules, "make_wood_pickaxe"), {"plan_source": "rules"}),
+        (plan4mc.build_plan(GRAPH, goals, "make_wood_pickaxe")[0], {"replans": 0}),
+    ]:
         llm = ScriptedLLM([REVISED])
         plugin, train = training(task, plan, llm, target="make_wood_pickaxe", replan_after=1, **overrides)
         for _ in range(3):
@@ -396,8 +461,18 @@ def test_config_defaults_are_the_yaml_file():
     assert typed(plan4mc.Config, yaml, "plugins.plan4mc") == plan4mc.Config() == plugin_object(plan4mc).cfg
 
 
-@pytest.mark.parametrize("key,value", [("repair_rounds", -1), ("max_tokens", 0), ("target", " "), ("temperature", -1.0),
-                                       ("plan_source", "oracle"), ("replans", -1), ("replan_after", 0)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("repair_rounds", -1),
+        ("max_tokens", 0),
+        ("target", " "),
+        ("temperature", -1.0),
+        ("plan_source", "oracle"),
+        ("replans", -1),
+        ("replan_after", 0),
+    ],
+)
 def test_config_refuses_values_that_cannot_work(key, value):
     with pytest.raises(UserError, match=key):
         plugin_object(plan4mc, **{key: value})
@@ -409,10 +484,26 @@ def test_end_to_end_minecraft_training_follows_the_llms_plan(tmp_path):
 
     Reward normalisation is off here: with it on, this 2,048-frame training completed no
     skill (measured once each way), which says nothing about whether the plan is followed."""
-    cmd = [sys.executable, "-m", "core", "+plugins=[plan4mc]", "env=minecraft", "env.max_episode_steps=150",
-           "plugins.plan4mc.target=make_wood_pickaxe", "plugins.plan4mc.repair_rounds=1",
-           "trainer.frames=2048", "trainer.num_envs=4", "trainer.rollout_steps=128", "trainer.epochs=2", "trainer.eval_episodes=2", "trainer.normalize_reward=false",
-           "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "core",
+        "+plugins=[plan4mc]",
+        "env=minecraft",
+        "env.max_episode_steps=150",
+        "plugins.plan4mc.target=make_wood_pickaxe",
+        "plugins.plan4mc.repair_rounds=1",
+        "trainer.frames=2048",
+        "trainer.num_envs=4",
+        "trainer.rollout_steps=128",
+        "trainer.epochs=2",
+        "trainer.eval_episodes=2",
+        "trainer.normalize_reward=false",
+        "trainer.eval_every=0",
+        "progress=false",
+        f"cache_dir={tmp_path / 'cache'}",
+        "executor=inprocess",
+    ]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     import mlflow
@@ -440,8 +531,18 @@ def test_a_run_with_the_fake_llm_trains_on_its_graph_and_the_control_on_none(sou
 
     fake = fakes.install_fake_litellm(monkeypatch)
     recorder = Recorder()
-    cfg = make_config(["+plugins=[plan4mc]", "env=minecraft", "env.max_episode_steps=100", "trainer.num_envs=4",
-                       "trainer.rollout_steps=64", f"plugins.plan4mc.plan_source={source}", *SMOKE_BASE, *PPO_TINY])
+    cfg = make_config(
+        [
+            "+plugins=[plan4mc]",
+            "env=minecraft",
+            "env.max_episode_steps=100",
+            "trainer.num_envs=4",
+            "trainer.rollout_steps=64",
+            f"plugins.plan4mc.plan_source={source}",
+            *SMOKE_BASE,
+            *PPO_TINY,
+        ]
+    )
     run_experiment(cfg, extra_plugins=(recorder,))
     ((candidate, result),) = recorder.trained
     assert result.ok, recorder.report()

@@ -36,8 +36,16 @@ LLM_OFF = {"stages": {"early": [0.5, 0.0, 0.1], "middle": [0.7, 0.0, 0.05], "lat
 
 
 def reply(text: str, logprobs: dict[str, float] | None = None) -> Reply:
-    return Reply(text=text, prompt_tokens=0, completion_tokens=1, latency_s=0.0, cost=0.0, cached=False, model="x",
-                 logprobs=logprobs)
+    return Reply(
+        text=text,
+        prompt_tokens=0,
+        completion_tokens=1,
+        latency_s=0.0,
+        cost=0.0,
+        cached=False,
+        model="x",
+        logprobs=logprobs,
+    )
 
 
 def log(probs: dict[str, float]) -> dict[str, float]:
@@ -56,16 +64,19 @@ def angle_digit(messages: list[dict[str, str]]) -> str:
 
 def angle_llm(**kwargs) -> ScriptedLLM:
     """``angle_digit`` as the reply, with log-probabilities split between it and its neighbour."""
+
     def logprobs(messages):
         d = int(angle_digit(messages))
         return log({str(d): 0.6, str(max(0, d - 1)) if d else "1": 0.4})
+
     return ScriptedLLM(answer=lambda messages, tag: angle_digit(messages), logprobs=logprobs, **kwargs)
 
 
 def make_ctx(llm: ScriptedLLM | None, frames: int = 10_000, task: str = "cartpole", **overrides) -> TrainContext:
     """A training context with this plugin's config (defaults + ``overrides``)."""
-    return fakes.make_train(make_task({"name": task}), llm, plugin=pr.NAME, module=pr, overrides=overrides,
-                            total_frames=frames)
+    return fakes.make_train(
+        make_task({"name": task}), llm, plugin=pr.NAME, module=pr, overrides=overrides, total_frames=frames
+    )
 
 
 def make_judge(llm: ScriptedLLM | None, prepare: bool = False, **overrides) -> pr.ProgressJudge:
@@ -79,8 +90,15 @@ def make_judge(llm: ScriptedLLM | None, prepare: bool = False, **overrides) -> p
 
 def step_batch(task, obs: torch.Tensor, done: bool = False) -> StepBatch:
     B = obs.shape[0]
-    return StepBatch(obs=obs, action=torch.zeros(B, dtype=torch.int64), next_obs=obs, env_reward=torch.ones(B),
-                     reward=torch.ones(B), done=torch.full((B,), done), task=task)
+    return StepBatch(
+        obs=obs,
+        action=torch.zeros(B, dtype=torch.int64),
+        next_obs=obs,
+        env_reward=torch.ones(B),
+        reward=torch.ones(B),
+        done=torch.full((B,), done),
+        task=task,
+    )
 
 
 def cartpole_states(n: int, seed: int = 0) -> torch.Tensor:
@@ -189,8 +207,16 @@ def test_reference_states_are_taken_from_every_level_of_true_progress_in_turn():
 
 def _traj(task, obs: np.ndarray, source: str, success: bool, rewards: np.ndarray | None = None) -> Trajectory:
     T = len(obs)
-    return Trajectory(obs=obs, action=np.zeros(T), next_obs=obs, env_reward=np.ones(T) if rewards is None else rewards,
-                      terminated=True, success=success, ground_truth=float(T), source=source)
+    return Trajectory(
+        obs=obs,
+        action=np.zeros(T),
+        next_obs=obs,
+        env_reward=np.ones(T) if rewards is None else rewards,
+        terminated=True,
+        success=success,
+        ground_truth=float(T),
+        source=source,
+    )
 
 
 def test_reference_progress_is_defined_per_task():
@@ -204,17 +230,21 @@ def test_reference_progress_is_defined_per_task():
 
     cartpole = make_task({"name": "cartpole"})
     four = np.zeros((4, 4), np.float32)
-    got, words = pr.reference_progress(cartpole, [_traj(cartpole, four, "random", False),
-                                                  _traj(cartpole, four, "controller", True)])
+    got, words = pr.reference_progress(
+        cartpole, [_traj(cartpole, four, "random", False), _traj(cartpole, four, "controller", True)]
+    )
     assert got[0] is None and got[1] == pytest.approx([0.25, 0.5, 0.75, 1.0]) and "controller" in words
 
-    (got,), words = pr.reference_progress(cartpole, [_traj(cartpole, four[:3], "random", False, np.array([1.0, -2.0, 4.0]))])
+    (got,), words = pr.reference_progress(
+        cartpole, [_traj(cartpole, four[:3], "random", False, np.array([1.0, -2.0, 4.0]))]
+    )
     assert got.tolist() == [1.0, -1.0, 3.0] and "return so far" in words
 
 
 def test_reference_states_are_scored_before_training_and_checked_against_true_progress():
     """Crafter, a judge that reads the achievements count: its scores rank the states exactly
     as the true progress does (1.0); one that reads it backwards ranks them the other way."""
+
     def count(messages):
         return int(re.search(r"Achievements \((\d+)/22\)", state_of(messages)).group(1))
 
@@ -242,8 +272,16 @@ def test_reference_scoring_asks_one_greedy_token_per_state_in_batches_with_a_fix
     judge = make_judge(llm, prepare=True, batch=5, **SMALL)
     assert len(llm.calls) == 24 and judge.counts.llm_calls == 24
     call = llm.calls[0]
-    assert (call.n, call.temperature, call.max_tokens, call.top_logprobs, call.tag) == (1, 0.0, 1, 20, "progress_reward/score")
-    assert {c.seed for c in llm.calls} == {DEFAULTS.reference.seed}  # the same for every training seed: cached across seeds
+    assert (call.n, call.temperature, call.max_tokens, call.top_logprobs, call.tag) == (
+        1,
+        0.0,
+        1,
+        20,
+        "progress_reward/score",
+    )
+    assert {c.seed for c in llm.calls} == {
+        DEFAULTS.reference.seed
+    }  # the same for every training seed: cached across seeds
     assert all(lab.source == "logprobs" for lab in judge.labels)
     # the states cover the episodes' time: early and late states of the controller's 200-step episodes
     lengths = {lab.truth for lab in judge.labels if lab.truth == lab.truth}
@@ -499,7 +537,9 @@ def test_running_z_follows_the_ema_formula():
     batch.update_batch(np.array([2.0, 4.0]))
     batch.update_batch(np.array([6.0, 8.0]))
     m = 0.9 * 3.0 + 0.1 * 7.0
-    assert batch.mean == pytest.approx(m) and batch.var == pytest.approx(0.9 + 0.1 * np.mean((np.array([6.0, 8.0]) - m) ** 2))
+    assert batch.mean == pytest.approx(m) and batch.var == pytest.approx(
+        0.9 + 0.1 * np.mean((np.array([6.0, 8.0]) - m) ** 2)
+    )
 
 
 def test_stage_weights_follow_the_default_schedule():
@@ -579,9 +619,18 @@ def _run_progress(make_config, overrides):
     from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
-    cfg = make_config(["+plugins=[progress_reward]", "env=cartpole", "plugins.progress_reward.reference.states=16",
-                       "plugins.progress_reward.reference.episodes=4", "plugins.progress_reward.rounds.states=4",
-                       *SMOKE_BASE, *PPO_TINY, *overrides])
+    cfg = make_config(
+        [
+            "+plugins=[progress_reward]",
+            "env=cartpole",
+            "plugins.progress_reward.reference.states=16",
+            "plugins.progress_reward.reference.episodes=4",
+            "plugins.progress_reward.rounds.states=4",
+            *SMOKE_BASE,
+            *PPO_TINY,
+            *overrides,
+        ]
+    )
     return run_experiment(cfg, extra_plugins=(recorder,)), recorder
 
 
@@ -603,9 +652,13 @@ def test_the_llms_scores_change_the_reward_of_nearly_every_training_step(make_co
 
 def test_the_control_run_trains_without_the_llm(make_config, monkeypatch):
     llm = fakes.install_fake_litellm(monkeypatch)
-    summary, recorder = _run_progress(make_config, [f"plugins.progress_reward.stages.{s}={w}" for s, w in
-                                                    (("early", "[0.5,0.0,0.1]"), ("middle", "[0.7,0.0,0.05]"),
-                                                     ("late", "[0.9,0.0,0.02]"))])
+    summary, recorder = _run_progress(
+        make_config,
+        [
+            f"plugins.progress_reward.stages.{s}={w}"
+            for s, w in (("early", "[0.5,0.0,0.1]"), ("middle", "[0.7,0.0,0.05]"), ("late", "[0.9,0.0,0.02]"))
+        ],
+    )
     ((_, result),) = recorder.trained
     assert result.ok and summary.failed == 0, recorder.report()
     assert llm.calls == [] and result.metrics["llm/changed_share"] == 0.0 and result.metrics["llm/calls"] == 0

@@ -65,12 +65,16 @@ def test_rollouts_execute_macros_and_classify_failures(task):
 
 def make(task, replies, config=None, **overrides):
     """A plugin object and its run, the LLM answering ``replies`` in order."""
-    run = make_run(task, ScriptedLLM(list(replies)), plugin=rl_gpt.NAME, module=rl_gpt, overrides=overrides, config=config)
+    run = make_run(
+        task, ScriptedLLM(list(replies)), plugin=rl_gpt.NAME, module=rl_gpt, overrides=overrides, config=config
+    )
     return rl_gpt.Plugin(run.plugin_config(rl_gpt.NAME)), run
 
 
-PLAN = ('[{"name": "chop", "how": "code", "what": "hit the tree in front"}, '
-        '{"name": "explore", "how": "rl", "what": "find trees", "done": "collect wood"}]')
+PLAN = (
+    '[{"name": "chop", "how": "code", "what": "hit the tree in front"}, '
+    '{"name": "explore", "how": "rl", "what": "find trees", "done": "collect wood"}]'
+)
 
 
 def test_plan_then_critic_revises_a_failing_macro(task):
@@ -89,7 +93,9 @@ def test_plan_then_critic_revises_a_failing_macro(task):
 
 
 def test_a_skill_without_usable_code_is_proposed_rejected_with_its_reason(task):
-    plugin, run = make(task, [PLAN, "I would walk to the tree and hit it.", "Still no code."], critic_rounds=1, rollouts=1)
+    plugin, run = make(
+        task, [PLAN, "I would walk to the tree and hit it.", "Still no code."], critic_rounds=1, rollouts=1
+    )
     plugin.plan(run, 0)
     ((macro,),) = plugin.propose_actions(run, 0)  # no usable skill: only the rejected one, alone
     assert macro.name == "chop" and "no code" in macro.program.rejected
@@ -130,22 +136,33 @@ def test_the_earlier_interface_keeps_the_dict_prompt_and_its_example(task):
     assert "wood = state.wood" not in prompt
 
 
-UNKNOWN = '```python\ndef act(state):\n    return 5\n\ndef done(state):\n    return bool(state.logs[0] >= 1)\n```'
+UNKNOWN = "```python\ndef act(state):\n    return 5\n\ndef done(state):\n    return bool(state.logs[0] >= 1)\n```"
 
 
 def test_a_skill_reading_an_unknown_field_is_refused_with_the_fields_before_it_runs(task, monkeypatch):
     rolled = []
     real = rl_gpt.rollout_macros
-    monkeypatch.setattr(rl_gpt, "rollout_macros", lambda macros, *a, **k: rolled.append([m.name for m in macros]) or real(macros, *a, **k))
+    monkeypatch.setattr(
+        rl_gpt,
+        "rollout_macros",
+        lambda macros, *a, **k: rolled.append([m.name for m in macros]) or real(macros, *a, **k),
+    )
     plugin, run = make(task, [PLAN, UNKNOWN, UNKNOWN], critic_rounds=1, rollouts=1)
     plugin.plan(run, 0)
     ((macro,),) = plugin.propose_actions(run, 0)
     assert rolled == []  # neither reply was run
-    assert macro.program.meta["rejected_kind"] == "names" and "`logs` is not a field of this task" in macro.program.rejected
+    assert (
+        macro.program.meta["rejected_kind"] == "names"
+        and "`logs` is not a field of this task" in macro.program.rejected
+    )
     fields = "The state has exactly these fields: " + ", ".join(task.field_names())
     assert fields in macro.program.rejected
     revision = run.llm.calls[2]  # the critic's revision request: the method's conversation, with the field list
-    assert revision.messages[:2] == run.llm.calls[1].messages and fields in revision.last and "`act` and `done`" in revision.last
+    assert (
+        revision.messages[:2] == run.llm.calls[1].messages
+        and fields in revision.last
+        and "`act` and `done`" in revision.last
+    )
 
 
 def test_a_unique_close_field_is_renamed_before_the_rollouts(task):
@@ -161,8 +178,10 @@ def test_a_macro_reads_the_tasks_derived_fields():
 
     cartpole = make_task({"name": "cartpole"})
     cartpole.derived_fields = [DerivedField("lean", "pole angle minus 1", lambda f: f["pole_angle"] - 1.0)]
-    skill = ("```python\ndef act(state):\n    return 0\n\ndef done(state):\n"
-             "    return bool(state.lean.shape == (1,) and state.lean[0] < -0.5)\n```")
+    skill = (
+        "```python\ndef act(state):\n    return 0\n\ndef done(state):\n"
+        "    return bool(state.lean.shape == (1,) and state.lean[0] < -0.5)\n```"
+    )
     macro, error = rl_gpt.extract_macro(skill, "lean", 5, cartpole.field_names())
     assert error == ""
     (st,) = rl_gpt.rollout_macros([macro], cartpole, runs=1, seed=0, limits=Limits(), imports=IMPORTS)
@@ -170,7 +189,13 @@ def test_a_macro_reads_the_tasks_derived_fields():
 
 
 def test_the_fast_agent_is_told_the_runs_allowed_imports(task):
-    plugin, run = make(task, [PLAN, DONE_AT_ONCE], config={"sandbox": {"allowed_imports": ["math", "torch"]}}, critic_rounds=0, rollouts=1)
+    plugin, run = make(
+        task,
+        [PLAN, DONE_AT_ONCE],
+        config={"sandbox": {"allowed_imports": ["math", "torch"]}},
+        critic_rounds=0,
+        rollouts=1,
+    )
     plugin.plan(run, 0)
     plugin.propose_actions(run, 0)
     assert "You may import only: math, torch." in run.llm.calls[1].last
@@ -197,7 +222,9 @@ def test_the_next_plan_sees_the_last_rounds_feedback_and_other_runs_do_not(task)
     assert "Last round:" not in other_run.llm.calls[0].last and other.feedback == ""
 
 
-NO_GOAL = '[{"name": "chop", "how": "code", "what": "hit the tree"}, {"name": "explore", "how": "rl", "what": "find trees"}]'
+NO_GOAL = (
+    '[{"name": "chop", "how": "code", "what": "hit the tree"}, {"name": "explore", "how": "rl", "what": "find trees"}]'
+)
 
 
 def test_rl_subactions_must_name_a_goal_the_task_checks(task):
@@ -224,11 +251,23 @@ def _obs(task, *goals):
 
 def test_training_pays_the_active_rl_subaction(task):
     plan, _ = rl_gpt.to_plan(rl_gpt.parse_plan(PLAN, 4), goal_names(task))
-    train = make_train(task, plugin=rl_gpt.NAME, module=rl_gpt, candidate=Candidate("c", 0, plan=plan), overrides={"rl_reward": 0.5})
+    train = make_train(
+        task, plugin=rl_gpt.NAME, module=rl_gpt, candidate=Candidate("c", 0, plan=plan), overrides={"rl_reward": 0.5}
+    )
     plugin = rl_gpt.Plugin(train.plugin_config(rl_gpt.NAME))
-    before, after = torch.stack([_obs(task), _obs(task)]), torch.stack([_obs(task, "collect_wood"), _obs(task, "collect_sapling")])
-    batch = StepBatch(obs=before, action=torch.zeros(2), next_obs=after, env_reward=torch.zeros(2), reward=torch.zeros(2),
-                      done=torch.zeros(2, dtype=torch.bool), task=task)
+    before, after = (
+        torch.stack([_obs(task), _obs(task)]),
+        torch.stack([_obs(task, "collect_wood"), _obs(task, "collect_sapling")]),
+    )
+    batch = StepBatch(
+        obs=before,
+        action=torch.zeros(2),
+        next_obs=after,
+        env_reward=torch.zeros(2),
+        reward=torch.zeros(2),
+        done=torch.zeros(2, dtype=torch.bool),
+        task=task,
+    )
     assert plugin.compute_reward(train, batch).tolist() == [0.5, 0.0]
     assert plugin.represent_state(train, after).tolist() == [[0.0, 1.0], [1.0, 0.0]]  # the rl skill's one-hot
     result = TrainResult("c", True)
@@ -259,7 +298,9 @@ def test_config_defaults_are_the_yaml_file():
     assert typed(rl_gpt.Config, yaml, "plugins.rl_gpt") == rl_gpt.Config() == plugin_object(rl_gpt).cfg
 
 
-@pytest.mark.parametrize("key,value", [("max_subactions", 0), ("max_steps", 0), ("rollouts", 0), ("critic_rounds", -1), ("max_tokens", 0)])
+@pytest.mark.parametrize(
+    "key,value", [("max_subactions", 0), ("max_steps", 0), ("rollouts", 0), ("critic_rounds", -1), ("max_tokens", 0)]
+)
 def test_config_refuses_values_that_cannot_work(key, value):
     with pytest.raises(UserError, match=key):
         plugin_object(rl_gpt, **{key: value})
@@ -270,11 +311,28 @@ def test_end_to_end_minecraft(tmp_path):
     # At most 1 + 1 plan calls and, per coded skill (at most 2), a first reply and one critic
     # revision: 6 calls at most. One critic round is enough to send a failing macro's rollouts
     # back (what the critic path asserted here needs); a second cost up to 2 more calls.
-    cmd = [sys.executable, "-m", "core", "+plugins=[rl_gpt]", "env=minecraft", "env.max_episode_steps=100",
-           "plugins.rl_gpt.iterations=1", "plugins.rl_gpt.max_subactions=2", "plugins.rl_gpt.critic_rounds=1",
-           "plugins.rl_gpt.rollouts=1", "plugins.rl_gpt.hint='collect wood, place a table, make a wood pickaxe'",
-           "trainer.frames=1024", "trainer.num_envs=4", "trainer.rollout_steps=64", "trainer.epochs=2", "trainer.eval_episodes=2",
-           "trainer.eval_every=0", "progress=false", f"cache_dir={tmp_path / 'cache'}", "executor=inprocess"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "core",
+        "+plugins=[rl_gpt]",
+        "env=minecraft",
+        "env.max_episode_steps=100",
+        "plugins.rl_gpt.iterations=1",
+        "plugins.rl_gpt.max_subactions=2",
+        "plugins.rl_gpt.critic_rounds=1",
+        "plugins.rl_gpt.rollouts=1",
+        "plugins.rl_gpt.hint='collect wood, place a table, make a wood pickaxe'",
+        "trainer.frames=1024",
+        "trainer.num_envs=4",
+        "trainer.rollout_steps=64",
+        "trainer.epochs=2",
+        "trainer.eval_episodes=2",
+        "trainer.eval_every=0",
+        "progress=false",
+        f"cache_dir={tmp_path / 'cache'}",
+        "executor=inprocess",
+    ]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     import mlflow
@@ -307,8 +365,18 @@ def _run_rl_gpt(make_config, overrides):
     from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
-    cfg = make_config(["+plugins=[rl_gpt]", "env=cartpole", "plugins.rl_gpt.iterations=1", "plugins.rl_gpt.rollouts=1",
-                       "plugins.rl_gpt.critic_rounds=0", *SMOKE_BASE, *PPO_TINY, *overrides])
+    cfg = make_config(
+        [
+            "+plugins=[rl_gpt]",
+            "env=cartpole",
+            "plugins.rl_gpt.iterations=1",
+            "plugins.rl_gpt.rollouts=1",
+            "plugins.rl_gpt.critic_rounds=0",
+            *SMOKE_BASE,
+            *PPO_TINY,
+            *overrides,
+        ]
+    )
     return run_experiment(cfg, extra_plugins=(recorder,)), recorder
 
 

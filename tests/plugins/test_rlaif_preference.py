@@ -48,14 +48,21 @@ def logprob_llm(best: str, p: float = 0.8, bias: float = 0.0) -> ScriptedLLM:
         p_first = p if first == best else 1 - p
         return float(1 / (1 + np.exp(-(np.log(p_first / (1 - p_first)) + bias))))
 
-    return ScriptedLLM(answer=lambda messages, tag: "1" if p_first_better(messages) >= 0.5 else "2",
-                       logprobs=lambda messages: {"1": float(np.log(p_first_better(messages))),
-                                                  "2": float(np.log(1 - p_first_better(messages))), "The": -9.0})
+    return ScriptedLLM(
+        answer=lambda messages, tag: "1" if p_first_better(messages) >= 0.5 else "2",
+        logprobs=lambda messages: {
+            "1": float(np.log(p_first_better(messages))),
+            "2": float(np.log(1 - p_first_better(messages))),
+            "The": -9.0,
+        },
+    )
 
 
 def make_ctx(llm: ScriptedLLM | None, seed: int = 0, **overrides):
     """A CartPole training context with this plugin's config (defaults + ``overrides``)."""
-    return fakes.make_train(make_task({"name": "cartpole"}), llm, plugin=rp.NAME, module=rp, overrides=overrides, seed=seed)
+    return fakes.make_train(
+        make_task({"name": "cartpole"}), llm, plugin=rp.NAME, module=rp, overrides=overrides, seed=seed
+    )
 
 
 def make_learner(llm: ScriptedLLM | None, **overrides) -> rp.PreferenceLearner:
@@ -72,8 +79,15 @@ def never_called() -> ScriptedLLM:
 def batch_of(task, obs: np.ndarray) -> StepBatch:
     t = torch.as_tensor(obs, dtype=torch.float32)
     n = len(t)
-    return StepBatch(obs=t, action=torch.zeros(n), next_obs=t, env_reward=torch.zeros(n), reward=torch.ones(n),
-                     done=torch.zeros(n, dtype=torch.bool), task=task)
+    return StepBatch(
+        obs=t,
+        action=torch.zeros(n),
+        next_obs=t,
+        env_reward=torch.zeros(n),
+        reward=torch.ones(n),
+        done=torch.zeros(n, dtype=torch.bool),
+        task=task,
+    )
 
 
 def dataset_states(learner: rp.PreferenceLearner) -> np.ndarray:
@@ -139,8 +153,9 @@ def test_swapped_votes_cancel_a_position_bias_and_are_flipped_back():
     assert rp.Labeller().label(biased, cfg, "goal", [("A", "B")]) == [0.5]
     assert len(biased.calls) == 2  # one call per order
     assert all((c.n, c.temperature, c.max_tokens) == (1, 0.3, 40) for c in biased.calls)  # the YAML's defaults
-    prefers_b = ScriptedLLM(answer=lambda messages, tag: "Answer: 2" if "Observation 2: B" in messages[-1]["content"]
-                            else "Answer: 1")
+    prefers_b = ScriptedLLM(
+        answer=lambda messages, tag: "Answer: 2" if "Observation 2: B" in messages[-1]["content"] else "Answer: 1"
+    )
     assert rp.Labeller().label(prefers_b, cfg, "goal", [("A", "B")]) == [0.0]
 
 
@@ -217,7 +232,12 @@ def test_control_labels_are_ties_or_a_fair_coin_that_flips_with_the_order():
 
 def test_caption_words_keep_their_heading():
     assert rp.caption_words("You see: tree, cow. You have: wood. Low: food, drink.") == [
-        "You see: tree", "You see: cow", "You have: wood", "Low: food", "Low: drink"]
+        "You see: tree",
+        "You see: cow",
+        "You have: wood",
+        "Low: food",
+        "Low: drink",
+    ]
     assert rp.caption_words("cart_position: 0.1\npole_angle: -0.2") == ["cart_position: 0.1", "pole_angle: -0.2"]
 
 
@@ -228,16 +248,25 @@ def test_returns_so_far_restart_after_each_episode_end():
 
 def test_caption_items_group_states_with_their_mean_return_so_far():
     obs = np.arange(8, dtype=np.float32).reshape(4, 2)
-    run = rp.Run(obs, np.zeros(4), np.ones(4), np.zeros(4, bool), np.zeros(4, bool), np.array([1.0, 2.0, 3.0, 4.0]),
-                 captions=["a", "b", "a", "a"])
+    run = rp.Run(
+        obs,
+        np.zeros(4),
+        np.ones(4),
+        np.zeros(4, bool),
+        np.zeros(4, bool),
+        np.array([1.0, 2.0, 3.0, 4.0]),
+        captions=["a", "b", "a", "a"],
+    )
     items = {it.text: it for it in rp.make_items(None, [run], config())}
     assert items["a"].count == 3 and items["a"].truth == pytest.approx(8 / 3) and items["b"].truth == 2.0
     assert np.allclose(items["a"].obs, [[10 / 3, 13 / 3]]) and items["a"].captions == ["a"]
 
 
 def test_pairs_cover_every_item_before_any_twice_and_never_repeat():
-    items = [rp.Item(f"You see: {w}.", np.zeros((1, 2)), [f"You see: {w}."], 0.0, count=1 + i)
-             for i, w in enumerate("abcdefghij")]
+    items = [
+        rp.Item(f"You see: {w}.", np.zeros((1, 2)), [f"You see: {w}."], 0.0, count=1 + i)
+        for i, w in enumerate("abcdefghij")
+    ]
     pairs = rp.choose_pairs(items, 5, random.Random(0))
     assert sorted(i for p in pairs for i in p) == list(range(10))  # 5 pairs: every item once
     every = rp.choose_pairs(items, 1000, random.Random(0))
@@ -248,7 +277,11 @@ def test_pairs_cover_every_item_before_any_twice_and_never_repeat():
 
 
 def test_a_partner_is_the_most_different_of_the_candidates():
-    texts = ["You see: tree. You have: wood.", "You see: tree. You have: wood, sapling.", "You see: water. You have: stone."]
+    texts = [
+        "You see: tree. You have: wood.",
+        "You see: tree. You have: wood, sapling.",
+        "You see: water. You have: stone.",
+    ]
     items = [rp.Item(t, np.zeros((1, 1)), [t], 0.0, count=100 if i == 0 else 1) for i, t in enumerate(texts)]
     (pair,) = rp.choose_pairs(items, 1, random.Random(0), candidates=8)
     assert set(pair) == {0, 2}  # the frequent item first, with the one sharing no word
@@ -259,7 +292,9 @@ def test_offline_dataset_pairs_and_labels_are_the_same_for_every_training_seed()
     first.train.seed, second.train.seed = 0, 7
     first.offline()
     second.offline()
-    assert [(p.a.text, p.b.text, p.label) for p in first.labelled] == [(p.a.text, p.b.text, p.label) for p in second.labelled]
+    assert [(p.a.text, p.b.text, p.label) for p in first.labelled] == [
+        (p.a.text, p.b.text, p.label) for p in second.labelled
+    ]
 
 
 # -- the reward model and its figures ---------------------------------------------------------
@@ -289,7 +324,10 @@ def test_reward_model_recovers_the_order_of_synthetic_preferences(hidden):
 @pytest.mark.parametrize("hidden", [0, 16])
 def test_ties_leave_the_reward_model_exactly_zero(hidden):
     rng = np.random.default_rng(0)
-    a, b = [rng.normal(size=(1, 5)).astype(np.float32) for _ in range(20)], [rng.normal(size=(1, 5)).astype(np.float32) for _ in range(20)]
+    a, b = (
+        [rng.normal(size=(1, 5)).astype(np.float32) for _ in range(20)],
+        [rng.normal(size=(1, 5)).astype(np.float32) for _ in range(20)],
+    )
     model = rp.RewardModel(5, members=2, hidden=hidden)
     model.fit(a, b, [0.5] * 20, epochs=50)
     assert np.all(model.reward(rng.normal(size=(30, 5))) == 0.0)
@@ -307,8 +345,16 @@ def test_agreement_counts_decided_labels_and_half_for_no_preference():
 
 def word_items(rng: np.random.Generator, n: int) -> tuple[list[rp.Item], dict[str, float]]:
     """Crafter-like captions from a few words, each with a hidden value; an item's truth is its words' sum."""
-    value = {"You see: tree": 0.5, "You see: cow": 0.3, "You see: zombie": -1.0, "You have: wood": 1.0,
-             "You have: sapling": 0.4, "You have: stone": 2.0, "Low: food": -0.8, "Low: drink": -0.6}
+    value = {
+        "You see: tree": 0.5,
+        "You see: cow": 0.3,
+        "You see: zombie": -1.0,
+        "You have: wood": 1.0,
+        "You have: sapling": 0.4,
+        "You have: stone": 2.0,
+        "Low: food": -0.8,
+        "Low: drink": -0.6,
+    }
     words = list(value)
     out = []
     for _ in range(n):
@@ -330,8 +376,10 @@ def truth_judge(items: list[rp.Item]) -> ScriptedLLM:
         a, b = text.split("Observation 1: ")[1].split("\n\n")[0], text.split("Observation 2: ")[1].split("\n\n")[0]
         return 0.5 if truth[a] == truth[b] else 0.9 if truth[a] > truth[b] else 0.1
 
-    return ScriptedLLM(answer=lambda m, tag: "1" if p_first(m) >= 0.5 else "2",
-                       logprobs=lambda m: {"1": float(np.log(p_first(m))), "2": float(np.log(1 - p_first(m)))})
+    return ScriptedLLM(
+        answer=lambda m, tag: "1" if p_first(m) >= 0.5 else "2",
+        logprobs=lambda m: {"1": float(np.log(p_first(m))), "2": float(np.log(1 - p_first(m)))},
+    )
 
 
 def test_a_reward_model_on_caption_words_generalises_to_held_out_pairs():
@@ -339,9 +387,17 @@ def test_a_reward_model_on_caption_words_generalises_to_held_out_pairs():
     rng = np.random.default_rng(0)
     items, _ = word_items(rng, 120)
     learner = make_learner(truth_judge(items), epochs=200)
-    learner.runs = [rp.Run(np.zeros((len(items), 4), np.float32), np.zeros(len(items)), np.zeros(len(items)),
-                           np.zeros(len(items), bool), np.zeros(len(items), bool), np.zeros(len(items)),
-                           captions=[it.text for it in items])]
+    learner.runs = [
+        rp.Run(
+            np.zeros((len(items), 4), np.float32),
+            np.zeros(len(items)),
+            np.zeros(len(items)),
+            np.zeros(len(items), bool),
+            np.zeros(len(items), bool),
+            np.zeros(len(items)),
+            captions=[it.text for it in items],
+        )
+    ]
     chosen = rp.choose_pairs(items, 150, random.Random(0))
     learner.label_blocking([(items[a], items[b]) for a, b in chosen], "test")
     learner.fit(items)
@@ -362,12 +418,24 @@ def test_held_out_pairs_are_kept_out_of_the_fit(monkeypatch):
 
     monkeypatch.setattr(rp.RewardModel, "fit", spy)
     learner = make_learner(None, heldout=0.5, epochs=5)
-    items = [rp.Item(f"You see: {w}.", np.zeros((1, 4), np.float32), [f"You see: {w}."], float(i))
-             for i, w in enumerate("abcdef")]
-    learner.runs = [rp.Run(np.zeros((6, 4), np.float32), np.zeros(6), np.zeros(6), np.zeros(6, bool), np.zeros(6, bool),
-                           np.zeros(6), captions=[it.text for it in items])]
-    learner.add_labels([(items[0], items[1]), (items[2], items[3]), (items[4], items[5]), (items[1], items[4])],
-                       [0.9, 0.2, 0.7, 0.4])
+    items = [
+        rp.Item(f"You see: {w}.", np.zeros((1, 4), np.float32), [f"You see: {w}."], float(i))
+        for i, w in enumerate("abcdef")
+    ]
+    learner.runs = [
+        rp.Run(
+            np.zeros((6, 4), np.float32),
+            np.zeros(6),
+            np.zeros(6),
+            np.zeros(6, bool),
+            np.zeros(6, bool),
+            np.zeros(6),
+            captions=[it.text for it in items],
+        )
+    ]
+    learner.add_labels(
+        [(items[0], items[1]), (items[2], items[3]), (items[4], items[5]), (items[1], items[4])], [0.9, 0.2, 0.7, 0.4]
+    )
     learner.fit(items)
     assert [p.heldout for p in learner.labelled] == [False, True, False, True]
     assert seen == [[0.9, 0.7]] and learner.figures["preference/heldout_pairs"] == 2
@@ -389,7 +457,9 @@ def test_labels_are_cached_on_the_plugin_and_reused_by_the_next_seed():
     first, second = results
     assert first["llm/calls"] == 2 * first["preference/labels"] == 40 and len(llm.calls) == 40
     assert second["llm/calls"] == 0 and second["preference/labels"] == 20  # every label from the cache
-    assert plugin.labeller.cache_hits == 20 and second["preference/label_seconds"] < first["preference/label_seconds"] + 1
+    assert (
+        plugin.labeller.cache_hits == 20 and second["preference/label_seconds"] < first["preference/label_seconds"] + 1
+    )
 
 
 @pytest.mark.parametrize("control", ["ties", "random"])
@@ -515,15 +585,29 @@ def rollout(task, envs: int = 2, steps: int = 32, seed: int = 0) -> TensorDict:
     """A batch as the trainer hands it to ``on_rollout``: random CartPole steps, ``[envs, steps]``."""
     runs = rp.random_runs(task, envs, steps, seed)
     stack = lambda key: torch.as_tensor(np.stack([getattr(r, key) for r in runs]))  # noqa: E731
-    nxt = TensorDict({"observation": stack("obs"), "reward": stack("rew").float()[..., None],
-                      "env_reward": stack("rew").float()[..., None], "done": stack("done")[..., None],
-                      "terminated": stack("term")[..., None]}, batch_size=[envs, steps])
+    nxt = TensorDict(
+        {
+            "observation": stack("obs"),
+            "reward": stack("rew").float()[..., None],
+            "env_reward": stack("rew").float()[..., None],
+            "done": stack("done")[..., None],
+            "terminated": stack("term")[..., None],
+        },
+        batch_size=[envs, steps],
+    )
     return TensorDict({"action": stack("act"), "next": nxt}, batch_size=[envs, steps])
 
 
 def test_online_labels_in_the_background_on_schedule_and_fits_when_they_land():
-    overrides = {"labelling": "online", "label_every": 64, "pairs_per_query": 4, "label_budget": 8, "finish_s": 5.0,
-                 "heldout": 0.0, "epochs": 30}
+    overrides = {
+        "labelling": "online",
+        "label_every": 64,
+        "pairs_per_query": 4,
+        "label_budget": 8,
+        "finish_s": 5.0,
+        "heldout": 0.0,
+        "epochs": 30,
+    }
     llm = ScriptedLLM.plausible(delay_s=0.01)
     ctx = make_ctx(llm, **overrides)
     plugin = plugin_object(rp, **overrides)
@@ -613,9 +697,19 @@ def _run_preference(make_config, overrides):
     from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
-    cfg = make_config(["+plugins=[rlaif_preference]", "env=cartpole", "plugins.rlaif_preference.label_budget=12",
-                       "plugins.rlaif_preference.offline.envs=2", "plugins.rlaif_preference.offline.steps=64",
-                       "plugins.rlaif_preference.finish_s=5", *SMOKE_BASE, *PPO_TINY, *overrides])
+    cfg = make_config(
+        [
+            "+plugins=[rlaif_preference]",
+            "env=cartpole",
+            "plugins.rlaif_preference.label_budget=12",
+            "plugins.rlaif_preference.offline.envs=2",
+            "plugins.rlaif_preference.offline.steps=64",
+            "plugins.rlaif_preference.finish_s=5",
+            *SMOKE_BASE,
+            *PPO_TINY,
+            *overrides,
+        ]
+    )
     return run_experiment(cfg, extra_plugins=(recorder,)), recorder
 
 
@@ -666,8 +760,9 @@ def test_labels_the_llm_cannot_give_train_nothing_and_are_recorded(make_config, 
     succeeds, and the replies are recorded."""
     fakes.install_fake_litellm(monkeypatch, reply=lambda messages: "I cannot tell which one is better.")
     seen = _spy(monkeypatch)
-    summary, recorder = _run_preference(make_config, ["plugins.rlaif_preference.judge=text",
-                                                      "plugins.rlaif_preference.samples=1"])
+    summary, recorder = _run_preference(
+        make_config, ["plugins.rlaif_preference.judge=text", "plugins.rlaif_preference.samples=1"]
+    )
     ((_, result),) = recorder.trained
     assert result.ok and result.frames > 0, recorder.report()
     labels = result.metrics["preference/labels"]

@@ -71,8 +71,9 @@ def test_the_prompt_binds_every_field_of_the_task_and_no_made_up_one():
 def test_a_controller_reading_an_unknown_field_is_refused_with_the_fields_before_it_runs(monkeypatch):
     prepared = []
     real = rlingua.prepare_state  # the plugin's own name for it (from core.plugin)
-    monkeypatch.setattr(rlingua, "prepare_state",
-                        lambda program, *a, **k: prepared.append(program.source) or real(program, *a, **k))
+    monkeypatch.setattr(
+        rlingua, "prepare_state", lambda program, *a, **k: prepared.append(program.source) or real(program, *a, **k)
+    )
     llm = ScriptedLLM(replies=[PUMP.replace('state["car_velocity"]', "state.cart_speed"), PUMP])
     plugin, train = controller(llm, attempts=2, temperature=0.3)
     assert len(prepared) == 1 and "cart_speed" not in prepared[0]  # the first reply never reached the sandbox
@@ -87,7 +88,9 @@ def test_a_controller_reading_an_unknown_field_is_refused_with_the_fields_before
 
 
 def test_a_unique_close_field_is_renamed_and_recorded():
-    plugin, train = controller(ScriptedLLM(replies=[PUMP.replace('state["car_velocity"]', "state.car_velocty")]), attempts=1)
+    plugin, train = controller(
+        ScriptedLLM(replies=[PUMP.replace('state["car_velocity"]', "state.car_velocty")]), attempts=1
+    )
     assert plugin.action_prior(train, torch.tensor([[-0.5, 0.01]])).mean.tolist() == [[1.0]]
     result = type("Result", (), {"metrics": {}})()
     plugin.on_train_end(train, result)
@@ -137,7 +140,9 @@ def test_no_working_controller_leaves_plain_training_and_says_why():
 
 
 def test_an_on_policy_trainer_is_refused():
-    run = make_run(MountainCarContinuous(), plugin="rlingua", module=rlingua, config={"trainer": {"name": "ppo", "frames": 1024}})
+    run = make_run(
+        MountainCarContinuous(), plugin="rlingua", module=rlingua, config={"trainer": {"name": "ppo", "frames": 1024}}
+    )
     with pytest.raises(UserError, match="trainer=sac"):
         plugin_object(rlingua).on_run_start(run)
 
@@ -146,8 +151,9 @@ def test_the_controller_acts_in_sac_training():
     """The action role in a real SAC training: the controller's pumping actions fill the buffer early."""
     task = MountainCarContinuous()
     overrides = {"p0": 1.0, "anneal": 0.5, "std": 0.0}
-    train = make_train(task, ScriptedLLM(replies=[PUMP]), plugin="rlingua", module=rlingua, overrides=overrides,
-                       total_frames=200)  # as the executor sets it: trainer.frames
+    train = make_train(
+        task, ScriptedLLM(replies=[PUMP]), plugin="rlingua", module=rlingua, overrides=overrides, total_frames=200
+    )  # as the executor sets it: trainer.frames
     pm = make_plugin_manager(train.settings, {"rlingua": rlingua})
     train.pluginmanager = pm  # and its hooks: the core calls each plugin's prior through it
     cfg = SACConfig(frames=200, init_random_frames=50, batch_size=32, hidden=[16], eval_every=0, eval_episodes=1)

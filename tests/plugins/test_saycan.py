@@ -58,16 +58,26 @@ def test_a_continuous_task_is_refused_up_front():
         plugin_object(saycan).on_run_start(make_run(Pendulum(), plugin="saycan", module=saycan))
 
 
-@pytest.mark.parametrize("bad, message", [({"rescore_at": [1.5]}, "fractions"), ({"batch": 0}, "batch"),
-                                          ({"forget": ["("]}, "regular expression"), ({"prescore_calls": -1}, "prescore_calls")])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"rescore_at": [1.5]}, "fractions"),
+        ({"batch": 0}, "batch"),
+        ({"forget": ["("]}, "regular expression"),
+        ({"prescore_calls": -1}, "prescore_calls"),
+    ],
+)
 def test_bad_config_is_refused_with_the_key_named(bad, message):
     with pytest.raises(ValueError, match=message):
         saycan.Config(**bad).check()
 
 
 def test_scores_from_logprobs_merge_tokens_and_floor_missing_letters():
-    reply = type("R", (), {"text": "A", "logprobs": {"A": math.log(0.5), " A": math.log(0.1), "C": math.log(0.2),
-                                                    "Z": math.log(0.1)}})()
+    reply = type(
+        "R",
+        (),
+        {"text": "A", "logprobs": {"A": math.log(0.5), " A": math.log(0.1), "C": math.log(0.2), "Z": math.log(0.1)}},
+    )()
     scores = saycan.skill_scores(reply, 3, floor=-10.0, fallback_prob=0.8)
     probs = [math.exp(s) for s in scores]
     assert sum(probs) == pytest.approx(1.0)
@@ -128,15 +138,28 @@ def test_the_cache_is_the_runs_and_keyed_by_instruction():
     obs = torch.zeros(1, 4)
     plugin.action_prior(train, obs)
     end(plugin, train)
-    second = make_train(CartPole(), llm, plugin="saycan", module=saycan, overrides={**QUIET, "blocking": True},
-                        config={"progress": False}, seed=1)
+    second = make_train(
+        CartPole(),
+        llm,
+        plugin="saycan",
+        module=saycan,
+        overrides={**QUIET, "blocking": True},
+        config={"progress": False},
+        seed=1,
+    )
     plugin.on_train_start(second)
     assert plugin.action_prior(second, obs).mask.all()
     assert len(llm.calls) == 1, "another seed of the run reuses the first training's scores"
     other = plugin_object(saycan, **QUIET, blocking=True, instruction="Fall over.")
     other.cache = plugin.cache
-    third = make_train(CartPole(), llm, plugin="saycan", module=saycan,
-                       overrides={**QUIET, "blocking": True, "instruction": "Fall over."}, config={"progress": False})
+    third = make_train(
+        CartPole(),
+        llm,
+        plugin="saycan",
+        module=saycan,
+        overrides={**QUIET, "blocking": True, "instruction": "Fall over."},
+        config={"progress": False},
+    )
     other.on_train_start(third)
     other.action_prior(third, obs)
     assert len(llm.calls) == 2 and "Fall over." in llm.calls[1].last
@@ -168,7 +191,7 @@ def test_scoring_before_training_covers_most_steps_with_few_calls():
     assert len({c.last for c in llm.calls}) == len(llm.calls), "one call per caption"
     steps = np.concatenate([t.obs for t in rollouts(task, None, 4, seed=7, max_steps=300)])
     for start in range(0, len(steps), 16):
-        plugin.action_prior(train, torch.tensor(steps[start:start + 16]))
+        plugin.action_prior(train, torch.tensor(steps[start : start + 16]))
     metrics = end(plugin, train)
     assert metrics["saycan/prescore_covered"] >= 0.8, metrics
     assert metrics["saycan/covered"] >= 0.5, metrics
@@ -313,8 +336,9 @@ def push_share(letter: str, weight: float = 3.0) -> tuple[float, dict[str, float
     train_ctx = make_train(task, llm, plugin="saycan", module=saycan, overrides=overrides, config={"progress": False})
     pm = make_plugin_manager(train_ctx.settings, {"saycan": saycan}, extra=(actions,))
     train_ctx.pluginmanager = pm  # and its hooks: the core calls each plugin's prior through it
-    cfg = PPOConfig(frames=256, num_envs=4, rollout_steps=32, epochs=2, minibatch=64, hidden=[16], eval_every=0,
-                    eval_episodes=1)
+    cfg = PPOConfig(
+        frames=256, num_envs=4, rollout_steps=32, epochs=2, minibatch=64, hidden=[16], eval_every=0, eval_episodes=1
+    )
     result = ppo.train(task, Candidate("c", 0), cfg, seed=0, hook=pm.hook, ctx=train_ctx)
     assert result.ok, result.error
     return float(torch.cat(actions.taken).mean()), result.metrics

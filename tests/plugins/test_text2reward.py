@@ -42,8 +42,15 @@ PROSE = "Reward the car for height."
 def make(texts: list[str], tmp_path: Path, config: dict | None = None, **cfg) -> tuple[t2r.Plugin, RunContext]:
     """A started plugin and its run on MountainCar; the library lives in ``tmp_path``."""
     overrides = {"samples": 2, "retries": 1, "library_path": str(tmp_path / "lib.json"), **cfg}
-    run = make_run(make_task({"name": "mountaincar"}), ScriptedLLM(texts), plugin=t2r.NAME, module=t2r, overrides=overrides,
-                   config={"cache_dir": str(tmp_path), **(config or {})}, seed=1)
+    run = make_run(
+        make_task({"name": "mountaincar"}),
+        ScriptedLLM(texts),
+        plugin=t2r.NAME,
+        module=t2r,
+        overrides=overrides,
+        config={"cache_dir": str(tmp_path), **(config or {})},
+        seed=1,
+    )
     plugin = t2r.Plugin(run.plugin_config(t2r.NAME))
     plugin.on_run_start(run=run)
     return plugin, run
@@ -59,8 +66,12 @@ def _result(value: float) -> TrainResult:
     )
 
 
-def _candidate(i: int, source: str = "def compute_dense_reward(state, action, next_state):\n    return 1", iteration: int = 0) -> Candidate:
-    program = RewardProgram(source=t2r.HELPERS + "\n\n" + source, entry=t2r.ENTRY, origin="text2reward", reply=f"reply {i}")
+def _candidate(
+    i: int, source: str = "def compute_dense_reward(state, action, next_state):\n    return 1", iteration: int = 0
+) -> Candidate:
+    program = RewardProgram(
+        source=t2r.HELPERS + "\n\n" + source, entry=t2r.ENTRY, origin="text2reward", reply=f"reply {i}"
+    )
     return Candidate(id=f"it{iteration}-c{i}", iteration=iteration, reward=program)
 
 
@@ -92,7 +103,13 @@ def test_sampling_settings_come_from_the_typed_config(tmp_path):
     plugin, run = make([GOOD], tmp_path, samples=3, temperature=0.2, max_tokens=321)
     plugin.propose_rewards(run=run, iteration=0)
     (call,) = run.llm.calls
-    assert (call.n, call.temperature, call.max_tokens, call.seed, call.tag) == (3, 0.2, 321, 1 * 1000 + 0, "text2reward-it0")
+    assert (call.n, call.temperature, call.max_tokens, call.seed, call.tag) == (
+        3,
+        0.2,
+        321,
+        1 * 1000 + 0,
+        "text2reward-it0",
+    )
 
 
 def test_programs_carry_the_helpers_and_pass_the_sandbox(tmp_path):
@@ -193,7 +210,9 @@ def test_library_defaults_to_the_runs_cache_dir(tmp_path):
 def test_successful_run_joins_the_library_and_is_shown_as_an_example_next_time(tmp_path):
     plugin, run = make([GOOD], tmp_path)
     good_source = "def compute_dense_reward(state, action, next_state):\n    return 7"
-    text = plugin.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1, good_source)], [_result(0.2), _result(0.9)]))
+    text = plugin.reflect(
+        run=run, result=IterationResult(0, [_candidate(0), _candidate(1, good_source)], [_result(0.2), _result(0.9)])
+    )
     assert "- added `it0-c1` to the few-shot library" in text
     saved = t2r.load_library(tmp_path / "lib.json")
     assert len(saved) == 1 and saved[0].code == good_source and saved[0].fitness == 0.9
@@ -203,12 +222,19 @@ def test_successful_run_joins_the_library_and_is_shown_as_an_example_next_time(t
     plugin2.propose_rewards(run=run2, iteration=0)
     user = run2.llm.calls[0].messages[1]["content"]
     assert user.startswith("An example reward that worked.") and "return 7" in user
-    assert user.index("return 7") < user.index("Now your task.") < user.index("Instruction: " + run2.task.goal, user.index("Now your task."))
+    assert (
+        user.index("return 7")
+        < user.index("Now your task.")
+        < user.index("Instruction: " + run2.task.goal, user.index("Now your task."))
+    )
 
 
 def test_same_task_examples_are_skipped_when_asked(tmp_path):
     plugin, run = make([GOOD], tmp_path, include_same_task=False)
-    plugin.library = [t2r.Example("mountaincar", run.task.goal, "SAME", 1.0), t2r.Example("other", "drive up the hill", "OTHER", 1.0)]
+    plugin.library = [
+        t2r.Example("mountaincar", run.task.goal, "SAME", 1.0),
+        t2r.Example("other", "drive up the hill", "OTHER", 1.0),
+    ]
     plugin.propose_rewards(run=run, iteration=0)
     user = run.llm.calls[0].messages[1]["content"]
     assert "OTHER" in user and "SAME" not in user
@@ -264,7 +290,10 @@ def test_no_comment_and_no_auto_feedback_means_no_second_round(tmp_path):
 def test_reflect_selects_the_fittest_and_logs_it_at_the_end(tmp_path):
     plugin, run = make([GOOD], tmp_path)
     failed = TrainResult(candidate_id="f", ok=False, error="boom", error_kind="exception")
-    text = plugin.reflect(run=run, result=IterationResult(0, [_candidate(0), _candidate(1), _candidate(2)], [_result(0.2), failed, _result(0.4)]))
+    text = plugin.reflect(
+        run=run,
+        result=IterationResult(0, [_candidate(0), _candidate(1), _candidate(2)], [_result(0.2), failed, _result(0.4)]),
+    )
     assert text.startswith("### Iteration 0: 3 sampled, 3 usable, 2 trained") and "failed (exception)" in text
     assert "### `it0-c2`, the best of this iteration" in text and "```python\n" in text
     assert plugin.best[0].reply == "reply 2"
@@ -289,7 +318,9 @@ def test_config_defaults_are_the_yaml_file():
     assert plugin_object(t2r).cfg == t2r.Config()
 
 
-@pytest.mark.parametrize("key,value", [("samples", 0), ("retries", -1), ("shots", -1), ("max_tokens", 0), ("temperature", -0.5)])
+@pytest.mark.parametrize(
+    "key,value", [("samples", 0), ("retries", -1), ("shots", -1), ("max_tokens", 0), ("temperature", -0.5)]
+)
 def test_config_refuses_values_that_cannot_work(key, value):
     with pytest.raises(UserError, match=key):
         plugin_object(t2r, **{key: value})
@@ -337,8 +368,17 @@ def _run_text2reward(make_config, overrides):
     from core.testing.contract import PPO_TINY, SMOKE_BASE, Recorder
 
     recorder = Recorder()
-    cfg = make_config(["+plugins=[text2reward]", "env=cartpole", "plugins.text2reward.samples=1",
-                       "plugins.text2reward.few_shot=false", *SMOKE_BASE, *PPO_TINY, *overrides])
+    cfg = make_config(
+        [
+            "+plugins=[text2reward]",
+            "env=cartpole",
+            "plugins.text2reward.samples=1",
+            "plugins.text2reward.few_shot=false",
+            *SMOKE_BASE,
+            *PPO_TINY,
+            *overrides,
+        ]
+    )
     return run_experiment(cfg, extra_plugins=(recorder,)), recorder
 
 

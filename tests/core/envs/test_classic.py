@@ -31,10 +31,16 @@ def test_fields_are_the_unwrapped_env_state(name):
         np.testing.assert_allclose(obs, np.asarray(inner.state, np.float32))
         assert parts["pole_angle"][0] == np.float32(inner.state[2])
     elif name.startswith("mountaincar"):
-        np.testing.assert_allclose([parts["car_position"][0], parts["car_velocity"][0]], np.asarray(inner.state, np.float32))
+        np.testing.assert_allclose(
+            [parts["car_position"][0], parts["car_velocity"][0]], np.asarray(inner.state, np.float32)
+        )
     elif name == "pendulum":
         theta, omega = inner.state
-        np.testing.assert_allclose([parts["cos_theta"][0], parts["sin_theta"][0], parts["angular_velocity"][0]], [np.cos(theta), np.sin(theta), omega], rtol=1e-5)
+        np.testing.assert_allclose(
+            [parts["cos_theta"][0], parts["sin_theta"][0], parts["angular_velocity"][0]],
+            [np.cos(theta), np.sin(theta), omega],
+            rtol=1e-5,
+        )
     elif name == "acrobot":
         t1, t2, w1, w2 = inner.state
         np.testing.assert_allclose(obs, np.float32([np.cos(t1), np.sin(t1), np.cos(t2), np.sin(t2), w1, w2]), rtol=1e-5)
@@ -65,7 +71,9 @@ def test_mountaincar_success_is_reaching_the_flag():
     assert terminated[0] and info["_final_info"][0] and bool(info["final_info"]["success"][0])
     success, _ = task.episode_info({"success": True})
     assert success is True
-    fit = task.fitness([Episode(-50, 50, True), Episode(-200, 200, False), Episode(-200, 200, False), Episode(-90, 90, True)])
+    fit = task.fitness(
+        [Episode(-50, 50, True), Episode(-200, 200, False), Episode(-200, 200, False), Episode(-90, 90, True)]
+    )
     assert fit.value == 0.5 and fit.details["mean_return"] == pytest.approx(-135.0)
 
 

@@ -128,7 +128,9 @@ def test_render_state_is_a_compact_summary(task):
 
 
 def test_starting_inventory_and_param_validation():
-    params = WorldParams.from_dict({"start_stone_pickaxe": 2, "start_coal": 12, "biome": "mountain", "diamond_rarity": "common"})
+    params = WorldParams.from_dict(
+        {"start_stone_pickaxe": 2, "start_coal": 12, "biome": "mountain", "diamond_rarity": "common"}
+    )
     assert dict(params.inventory) == {"stone_pickaxe": 2, "coal": 9} and params.biome == "mountain"
     with pytest.raises(UserError, match="not one of"):
         WorldParams.from_dict({"biome": "ocean"})
@@ -164,7 +166,9 @@ def test_start_area_is_safe_grass(task):
         env.reset(seed=seed)
         world, pos = env._game._world, env._game._player.pos
         assert world[pos][0] == "grass"
-        assert not any(type(o).__name__ in ("Zombie", "Skeleton") and env._game._player.distance(o) < 6 for o in world.objects)
+        assert not any(
+            type(o).__name__ in ("Zombie", "Skeleton") and env._game._player.distance(o) < 6 for o in world.objects
+        )
 
 
 def test_per_env_params_for_a_training_mix(task):
@@ -190,7 +194,14 @@ def test_pixels_are_optional(task):
     obs, _ = env.reset(seed=0)
     assert obs.shape == (1, 107 + 64 * 64 * 3) and pix.state_fields[-1].name == "pixels"
     assert 0.0 <= obs[0, 107:].min() and obs[0, 107:].max() <= 1.0 and obs[0, 107:].std() > 0.01
-    assert task.params and {p.name for p in task.params} >= {"biome", "tree_rarity", "coal_rarity", "iron_rarity", "diamond_rarity", "start_wood"}
+    assert task.params and {p.name for p in task.params} >= {
+        "biome",
+        "tree_rarity",
+        "coal_rarity",
+        "iron_rarity",
+        "diamond_rarity",
+        "start_wood",
+    }
 
 
 def test_same_seed_and_actions_same_trajectory(task):
@@ -220,11 +231,16 @@ def _reference_obs(game) -> np.ndarray:
         for j in range(VIEW[1]):
             if 0 <= x0 + i < 64 and 0 <= y0 + j < 64:
                 view[i, j] = full[x0 + i, y0 + j]
-    return np.concatenate([
-        [player.inventory[n] for n in VITALS + ITEMS],
-        [player.achievements[n] > 0 for n in ACHIEVEMENTS],
-        player.pos, player.facing, [world.daylight, player.sleeping], view.ravel(),
-    ]).astype(np.float32)
+    return np.concatenate(
+        [
+            [player.inventory[n] for n in VITALS + ITEMS],
+            [player.achievements[n] > 0 for n in ACHIEVEMENTS],
+            player.pos,
+            player.facing,
+            [world.daylight, player.sleeping],
+            view.ravel(),
+        ]
+    ).astype(np.float32)
 
 
 @pytest.mark.parametrize("seed", [0, 5])
@@ -300,4 +316,6 @@ def test_default_caption_rounds_each_field_to_one_decimal():
     cartpole = make_task({"name": "cartpole"})
     caption = cartpole.caption(np.array([0.04, -0.26, 0.013, 1.249], np.float32))
     assert "0.0" in caption and "-0.3" in caption and "1.2" in caption
-    assert cartpole.caption(np.array([0.04, -0.26, 0.013, 1.249])) == cartpole.caption(np.array([0.01, -0.31, 0.0, 1.2]))
+    assert cartpole.caption(np.array([0.04, -0.26, 0.013, 1.249])) == cartpole.caption(
+        np.array([0.01, -0.31, 0.0, 1.2])
+    )

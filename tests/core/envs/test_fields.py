@@ -66,8 +66,11 @@ ALLOWED: list[tuple[tuple[str, ...], tuple[str, ...] | None, str]] = [
     (("float32",), None, "the observation's dtype, not a quantity"),
     (("atan2",), None, "the math function a formula uses (torch.atan2), not a quantity"),
     (("Box2D",), ("lunarlander",), "the physics engine's name"),
-    (tuple(CRAFTER_ACTIONS), ("minecraft", "crafter"),
-     "Crafter's own action names: the action description names each discrete action by them (test_crafter requires it)"),
+    (
+        tuple(CRAFTER_ACTIONS),
+        ("minecraft", "crafter"),
+        "Crafter's own action names: the action description names each discrete action by them (test_crafter requires it)",
+    ),
     (("harvest_milk",), ("minedojo",), "the MineDojo task id (env.task_id), quoted as the task's name"),
 ]
 
@@ -111,8 +114,12 @@ def _variants(name: str) -> list[dict[str, Any]]:
     out = [cfg]
     if task_class(name).sparse_text:
         out.append({**cfg, "reward": "sparse"})
-    extra = {"lunarlander": {"continuous": True}, "panda_reach": {"control_type": "joints"},
-             "minecraft": {"pixels": True}, "cartpole": {"show_source": True}}
+    extra = {
+        "lunarlander": {"continuous": True},
+        "panda_reach": {"control_type": "joints"},
+        "minecraft": {"pixels": True},
+        "cartpole": {"show_source": True},
+    }
     if name in extra:
         out.append({**cfg, **extra[name]})
     return out
@@ -185,7 +192,11 @@ def _check_derived(task: Task, obs: torch.Tensor) -> None:
     base = task._base_fields(obs)
     for d in task.derived_fields:
         out = d.compute(base)
-        assert isinstance(out, torch.Tensor) and out.dtype == torch.float32, (d.name, type(out), getattr(out, "dtype", None))
+        assert isinstance(out, torch.Tensor) and out.dtype == torch.float32, (
+            d.name,
+            type(out),
+            getattr(out, "dtype", None),
+        )
         assert tuple(out.shape) == (obs.shape[0], *d.shape), (d.name, tuple(out.shape))
         assert torch.isfinite(out).all(), (d.name, out)
 
@@ -255,7 +266,9 @@ def _state(task: Task, **values: Any) -> torch.Tensor:
 def test_acrobot_angles_and_tip_height():
     task = make_task({"name": "acrobot"})
     for t1, t2 in ((0.0, 0.0), (math.pi, 0.0), (0.7, -2.1), (-2.5, 1.3), (3.0, 3.0)):
-        obs = _state(task, cos_theta1=math.cos(t1), sin_theta1=math.sin(t1), cos_theta2=math.cos(t2), sin_theta2=math.sin(t2))
+        obs = _state(
+            task, cos_theta1=math.cos(t1), sin_theta1=math.sin(t1), cos_theta2=math.cos(t2), sin_theta2=math.sin(t2)
+        )
         s = task.split_state(obs)
         assert float(s["tip_height"][0]) == pytest.approx(-math.cos(t1) - math.cos(t1 + t2), abs=1e-5)
         assert float(s["theta1"][0]) == pytest.approx(math.atan2(math.sin(t1), math.cos(t1)), abs=1e-5)
@@ -266,7 +279,9 @@ def test_acrobot_angles_and_tip_height():
 
 def test_pendulum_angle_is_zero_upright():
     task = make_task({"name": "pendulum"})
-    angle = lambda theta: float(task.split_state(_state(task, cos_theta=math.cos(theta), sin_theta=math.sin(theta)))["angle"][0])  # noqa: E731
+    angle = lambda theta: float(
+        task.split_state(_state(task, cos_theta=math.cos(theta), sin_theta=math.sin(theta)))["angle"][0]
+    )  # noqa: E731
     assert angle(0.0) == pytest.approx(0.0, abs=1e-6)
     assert abs(angle(math.pi)) == pytest.approx(math.pi, abs=1e-5)
     assert angle(0.4) == pytest.approx(0.4, abs=1e-5) and angle(-1.2) == pytest.approx(-1.2, abs=1e-5)
@@ -291,7 +306,9 @@ def test_lunarlander_distance_and_speed():
 @pytest.mark.parametrize("name", ["ant", "humanoid"])
 def test_torso_upright_from_the_quaternion(name):
     task = make_task({"name": name}, check=False)
-    up = lambda q: float(task.split_state(_state(task, root_qw=q[0], root_qx=q[1], root_qy=q[2], root_qz=q[3]))["torso_upright"][0])  # noqa: E731
+    up = lambda q: float(
+        task.split_state(_state(task, root_qw=q[0], root_qx=q[1], root_qy=q[2], root_qz=q[3]))["torso_upright"][0]
+    )  # noqa: E731
     half = math.sqrt(0.5)
     assert up((1, 0, 0, 0)) == pytest.approx(1.0) and up((half, 0, 0, half)) == pytest.approx(1.0)  # yaw only
     assert up((0, 1, 0, 0)) == pytest.approx(-1.0) and up((half, half, 0, 0)) == pytest.approx(0.0, abs=1e-6)
@@ -302,15 +319,24 @@ def test_crafter_faced_cell_and_achievement_count():
     task = make_task({"name": "minecraft"})
     view = np.full((9, 7), 2.0)  # grass
     view[5, 3], view[4, 2] = 6.0, 14.0  # a tree right of the player, a cow above
-    right = task.split_state(_state(task, local_view=view, facing=(1, 0), achievement_collect_wood=1, achievement_wake_up=1))
+    right = task.split_state(
+        _state(task, local_view=view, facing=(1, 0), achievement_collect_wood=1, achievement_wake_up=1)
+    )
     above = task.split_state(_state(task, local_view=view, facing=(0, -1)))
     assert float(right["faced_cell"][0]) == 6.0 and float(above["faced_cell"][0]) == 14.0
     assert float(right["achievements_unlocked"][0]) == 2.0 and float(above["achievements_unlocked"][0]) == 0.0
 
 
-@pytest.mark.parametrize("name, field", [("push", "obj_goal_distance"), ("pick-place", "obj_goal_distance"),
-                                         ("drawer-open", "obj_goal_distance"), ("button-press", "obj_goal_y_distance"),
-                                         ("reach", "fingertips_goal_distance")])
+@pytest.mark.parametrize(
+    "name, field",
+    [
+        ("push", "obj_goal_distance"),
+        ("pick-place", "obj_goal_distance"),
+        ("drawer-open", "obj_goal_distance"),
+        ("button-press", "obj_goal_y_distance"),
+        ("reach", "fingertips_goal_distance"),
+    ],
+)
 def test_metaworld_success_distances_are_the_envs_own(name, field):
     """The env reports the distance its success test compares (``info["obj_to_target"]``)."""
     pytest.importorskip("metaworld")

@@ -19,7 +19,17 @@ class Toy(Task):
 
 def test_available_tasks_lists_builtin_and_plugin_tasks():
     names = available_tasks({"toy": Toy})
-    for name in ("cartpole", "mountaincar", "lunarlander", "gym", "halfcheetah", "reach", "minecraft", "minedojo", "toy"):
+    for name in (
+        "cartpole",
+        "mountaincar",
+        "lunarlander",
+        "gym",
+        "halfcheetah",
+        "reach",
+        "minecraft",
+        "minedojo",
+        "toy",
+    ):
         assert name in names
     assert names == sorted(names)
 

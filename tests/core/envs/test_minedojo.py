@@ -25,8 +25,18 @@ def fake_minedojo(monkeypatch):
 
         def _obs(self, t):
             return {
-                "life_stats": {"life": np.array([20.0]), "oxygen": np.array([300.0]), "armor": np.array([0.0]), "food": np.array([20.0]), "saturation": np.array([5.0])},
-                "location_stats": {"pos": np.array([1.0, 64.0, float(t)]), "yaw": np.array([90.0]), "pitch": np.array([0.0])},
+                "life_stats": {
+                    "life": np.array([20.0]),
+                    "oxygen": np.array([300.0]),
+                    "armor": np.array([0.0]),
+                    "food": np.array([20.0]),
+                    "saturation": np.array([5.0]),
+                },
+                "location_stats": {
+                    "pos": np.array([1.0, 64.0, float(t)]),
+                    "yaw": np.array([90.0]),
+                    "pitch": np.array([0.0]),
+                },
                 "inventory": {"quantity": np.arange(36, dtype=np.float32)},
                 "rgb": np.zeros((3, 8, 8), np.uint8),
             }
@@ -45,18 +55,27 @@ def fake_minedojo(monkeypatch):
     module.make = lambda **kwargs: FakeEnv(**kwargs)
     monkeypatch.setitem(sys.modules, "minedojo", module)
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "minedojo" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "minedojo" else real_find_spec(name, *a)
+    )
     return made
 
 
 def test_missing_package_is_reported_with_the_recipe(monkeypatch):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "minedojo" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "minedojo" else real_find_spec(name, *a)
+    )
     with pytest.raises(UserError) as err:
         make_task({"name": "minedojo"})
     message = str(err.value)
     assert "'minedojo' package, which is not installed" in message
-    assert "gym==0.21.0" in message and "--no-build-isolation" in message and "JDK 8" in message and "env=minecraft" in message
+    assert (
+        "gym==0.21.0" in message
+        and "--no-build-isolation" in message
+        and "JDK 8" in message
+        and "env=minecraft" in message
+    )
 
 
 def test_missing_java_is_reported(fake_minedojo, monkeypatch):
@@ -69,7 +88,9 @@ def test_missing_java_is_reported(fake_minedojo, monkeypatch):
 @pytest.mark.parametrize("output", ['openjdk version "17.0.9" 2023-10-17', 'java version "11.0.2"'])
 def test_wrong_java_version_is_reported(fake_minedojo, monkeypatch, output):
     monkeypatch.setattr(md.shutil, "which", lambda name: "/usr/bin/java")
-    monkeypatch.setattr(md.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout="", stderr=output + "\nOpenJDK Runtime"))
+    monkeypatch.setattr(
+        md.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout="", stderr=output + "\nOpenJDK Runtime")
+    )
     with pytest.raises(UserError, match="needs JDK 8, but 'java -version' reports 1[17]"):
         make_task({"name": "minedojo"})
     assert fake_minedojo == []
@@ -77,7 +98,9 @@ def test_wrong_java_version_is_reported(fake_minedojo, monkeypatch, output):
 
 def test_adapter_runs_over_minedojo_when_everything_is_there(fake_minedojo, monkeypatch, schema_check):
     monkeypatch.setattr(md.shutil, "which", lambda name: "/usr/bin/java")
-    monkeypatch.setattr(md.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout="", stderr='openjdk version "1.8.0_392"'))
+    monkeypatch.setattr(
+        md.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout="", stderr='openjdk version "1.8.0_392"')
+    )
     assert md.java_version() == "1.8.0_392"
     task = make_task({"name": "minedojo", "task_id": "harvest_milk", "image_size": [64, 96]})
     schema_check(task, num_envs=1, steps=2)
@@ -105,17 +128,27 @@ def test_cli_prints_the_clear_message_not_a_traceback(tmp_path, installed):
     env = {**os.environ, "LLM4RL_CACHE_DIR": str(tmp_path / "cache")}
     if installed:
         (tmp_path / "pkgs" / "minedojo").mkdir(parents=True)
-        (tmp_path / "pkgs" / "minedojo" / "__init__.py").write_text("def make(**kwargs):\n    raise RuntimeError('launched')\n")
+        (tmp_path / "pkgs" / "minedojo" / "__init__.py").write_text(
+            "def make(**kwargs):\n    raise RuntimeError('launched')\n"
+        )
         (tmp_path / "bin").mkdir()
         java = tmp_path / "bin" / "java"
-        java.write_text('#!/bin/sh\necho \'openjdk version "17.0.15" 2025-04-15\' >&2\n')
+        java.write_text("#!/bin/sh\necho 'openjdk version \"17.0.15\" 2025-04-15' >&2\n")
         java.chmod(0o755)
         env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "pkgs"), env.get("PYTHONPATH", "")])
         env["PATH"] = os.pathsep.join([str(tmp_path / "bin"), env["PATH"]])
-    out = subprocess.run([sys.executable, "-m", "core", "env=minedojo", "progress=false"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "core", "env=minedojo", "progress=false"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     text = " ".join((out.stdout + out.stderr).split())
     assert out.returncode == 2, text[-2000:]
     assert "Traceback" not in text and "launched" not in text
-    expected = "needs JDK 8, but 'java -version' reports 17" if installed else "'minedojo' package, which is not installed"
-    assert expected in text and 'llm4rl[minedojo]' in text
+    expected = (
+        "needs JDK 8, but 'java -version' reports 17" if installed else "'minedojo' package, which is not installed"
+    )
+    assert expected in text and "llm4rl[minedojo]" in text

@@ -25,7 +25,10 @@ def test_joint_fields_are_the_models_qpos_and_qvel(name):
     obs, _ = env.reset(seed=1)
     obs, *_ = env.step(env.action_space.sample())
     model, data = env.unwrapped.model, env.unwrapped.data
-    joints = [(mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_JOINT, j), KIND[int(model.jnt_type[j])]) for j in range(model.njnt)]
+    joints = [
+        (mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_JOINT, j), KIND[int(model.jnt_type[j])])
+        for j in range(model.njnt)
+    ]
     assert joints == type(task).joints
     parts = {f.name: obs[f.start : f.stop] for f in task.state_fields}
     n_pos = model.nq - SKIP[name]
@@ -47,5 +50,7 @@ def test_forward_velocity_is_logged_with_the_return():
     final = {k: v[0] for k, v in info["final_info"].items() if not k.startswith("_")}
     success, extra = task.episode_info(final)
     assert success is None and "mean_forward_velocity" in extra
-    fit = task.fitness([Episode(10.0, 5, info={"mean_forward_velocity": 1.0}), Episode(20.0, 5, info={"mean_forward_velocity": 3.0})])
+    fit = task.fitness(
+        [Episode(10.0, 5, info={"mean_forward_velocity": 1.0}), Episode(20.0, 5, info={"mean_forward_velocity": 3.0})]
+    )
     assert fit.name == "return" and fit.value == 15.0 and fit.details["mean_forward_velocity"] == 2.0

@@ -13,8 +13,14 @@ import pytest
 import torch
 
 from core.envs import make_task
-from core.envs.pybullet_grasp import (FAILURE_MODES, TABLE_TOP_Z, Descent, KukaGrasp, classify_episode,
-                                      summarize_failures)
+from core.envs.pybullet_grasp import (
+    FAILURE_MODES,
+    TABLE_TOP_Z,
+    Descent,
+    KukaGrasp,
+    classify_episode,
+    summarize_failures,
+)
 from core.records import Episode
 from core.train.evaluate import evaluate
 
@@ -23,18 +29,59 @@ THRESHOLD = 0.2 - TABLE_TOP_Z
 # facts of finished episodes: the first two were recorded from real episodes of the env
 # (zero actions; random actions), the others are the facts each remaining mode implies
 RECORDED = {
-    "never_reached": {"success": False, "grasp_attempted": True, "final_block_height": 0.019, "rest_height": 0.019,
-                      "max_block_height": 0.019, "min_xy_distance": 0.023, "grasp_xy_distance": 0.316},
-    "timed_out": {"success": False, "grasp_attempted": False, "final_block_height": 0.019, "rest_height": 0.019,
-                  "max_block_height": 0.019, "min_xy_distance": 0.12},
-    "missed_grasp": {"success": False, "grasp_attempted": True, "final_block_height": 0.019, "rest_height": 0.019,
-                     "max_block_height": 0.025, "min_xy_distance": 0.01, "grasp_xy_distance": 0.03},
-    "slipped": {"success": False, "grasp_attempted": True, "final_block_height": 0.02, "rest_height": 0.019,
-                "max_block_height": 0.15, "min_xy_distance": 0.0, "grasp_xy_distance": 0.01},
-    "dropped": {"success": False, "grasp_attempted": True, "final_block_height": 0.02, "rest_height": 0.019,
-                "max_block_height": THRESHOLD + 0.03, "min_xy_distance": 0.0, "grasp_xy_distance": 0.01},
-    "success": {"success": True, "grasp_attempted": True, "final_block_height": THRESHOLD + 0.02, "rest_height": 0.019,
-                "max_block_height": THRESHOLD + 0.03, "min_xy_distance": 0.0, "grasp_xy_distance": 0.005},
+    "never_reached": {
+        "success": False,
+        "grasp_attempted": True,
+        "final_block_height": 0.019,
+        "rest_height": 0.019,
+        "max_block_height": 0.019,
+        "min_xy_distance": 0.023,
+        "grasp_xy_distance": 0.316,
+    },
+    "timed_out": {
+        "success": False,
+        "grasp_attempted": False,
+        "final_block_height": 0.019,
+        "rest_height": 0.019,
+        "max_block_height": 0.019,
+        "min_xy_distance": 0.12,
+    },
+    "missed_grasp": {
+        "success": False,
+        "grasp_attempted": True,
+        "final_block_height": 0.019,
+        "rest_height": 0.019,
+        "max_block_height": 0.025,
+        "min_xy_distance": 0.01,
+        "grasp_xy_distance": 0.03,
+    },
+    "slipped": {
+        "success": False,
+        "grasp_attempted": True,
+        "final_block_height": 0.02,
+        "rest_height": 0.019,
+        "max_block_height": 0.15,
+        "min_xy_distance": 0.0,
+        "grasp_xy_distance": 0.01,
+    },
+    "dropped": {
+        "success": False,
+        "grasp_attempted": True,
+        "final_block_height": 0.02,
+        "rest_height": 0.019,
+        "max_block_height": THRESHOLD + 0.03,
+        "min_xy_distance": 0.0,
+        "grasp_xy_distance": 0.01,
+    },
+    "success": {
+        "success": True,
+        "grasp_attempted": True,
+        "final_block_height": THRESHOLD + 0.02,
+        "rest_height": 0.019,
+        "max_block_height": THRESHOLD + 0.03,
+        "min_xy_distance": 0.0,
+        "grasp_xy_distance": 0.005,
+    },
 }
 
 

@@ -30,16 +30,37 @@ class FakeBackend:
         n = kwargs.get("n", 1)
         last = kwargs["messages"][-1]["content"]
         # with top_logprobs: the OpenAI shape, a spaced and an unspaced spelling of "2"
-        logprobs = ({"content": [{"token": "1", "logprob": -0.1, "top_logprobs": [
-            {"token": "1", "logprob": -0.1}, {"token": " 2", "logprob": -2.5}, {"token": "2", "logprob": -3.0}]}]}
-            if kwargs.get("logprobs") else None)
+        logprobs = (
+            {
+                "content": [
+                    {
+                        "token": "1",
+                        "logprob": -0.1,
+                        "top_logprobs": [
+                            {"token": "1", "logprob": -0.1},
+                            {"token": " 2", "logprob": -2.5},
+                            {"token": "2", "logprob": -3.0},
+                        ],
+                    }
+                ]
+            }
+            if kwargs.get("logprobs")
+            else None
+        )
         choices = [
-            Choices(index=j, finish_reason="stop", logprobs=logprobs,
-                    message=Message(role="assistant", content=f"{last}|seed={kwargs['seed']}|j={j}"))
+            Choices(
+                index=j,
+                finish_reason="stop",
+                logprobs=logprobs,
+                message=Message(role="assistant", content=f"{last}|seed={kwargs['seed']}|j={j}"),
+            )
             for j in range(n)
         ]
-        response = ModelResponse(choices=choices, model=kwargs["model"],
-                                 usage=Usage(prompt_tokens=10, completion_tokens=5 * n, total_tokens=10 + 5 * n))
+        response = ModelResponse(
+            choices=choices,
+            model=kwargs["model"],
+            usage=Usage(prompt_tokens=10, completion_tokens=5 * n, total_tokens=10 + 5 * n),
+        )
         response._hidden_params["response_cost"] = self.cost
         return response
 

@@ -97,8 +97,10 @@ def test_a_process_whose_worker_was_never_stopped_still_exits():
     import subprocess
     import sys
 
-    script = ("import time\nfrom core.llm.background import BackgroundCalls\n"
-              "calls = BackgroundCalls(lambda job: time.sleep(0.3) or job, name='w')\n"
-              "calls.start()\ncalls.submit(1)\ntime.sleep(0.1)\nprint('leaving', flush=True)\n")
+    script = (
+        "import time\nfrom core.llm.background import BackgroundCalls\n"
+        "calls = BackgroundCalls(lambda job: time.sleep(0.3) or job, name='w')\n"
+        "calls.start()\ncalls.submit(1)\ntime.sleep(0.1)\nprint('leaving', flush=True)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "leaving" in proc.stdout, proc.stderr

@@ -73,9 +73,11 @@ def test_first_token_logprobs_reads_objects_and_dicts():
     as_dict = {"logprobs": {"content": [{"token": "2", "logprob": -0.2}]}}  # no alternatives: the token itself
     assert first_token_logprobs(as_dict) == {"2": -0.2}
     assert first_token_logprobs({"logprobs": None}) is None
-    choice = Choices(index=0, message=Message(role="assistant", content="x"),
-                     logprobs={"content": [{"token": "x", "logprob": -1.0,
-                                            "top_logprobs": [{"token": "x", "logprob": -1.0}]}]})
+    choice = Choices(
+        index=0,
+        message=Message(role="assistant", content="x"),
+        logprobs={"content": [{"token": "x", "logprob": -1.0, "top_logprobs": [{"token": "x", "logprob": -1.0}]}]},
+    )
     assert first_token_logprobs(choice) == {"x": -1.0}
 
 
@@ -394,8 +396,7 @@ def test_failing_on_call_does_not_lose_the_reply(llm_cfg, fake_backend):
 
 def test_real_litellm_response_is_parsed(llm_cfg):
     # litellm's own mock path: exercises response parsing and cost lookup offline.
-    client = make_client({**llm_cfg, "model": "gpt-4o-mini", "cache": False,
-                          "extra": {"mock_response": "mocked"}})
+    client = make_client({**llm_cfg, "model": "gpt-4o-mini", "cache": False, "extra": {"mock_response": "mocked"}})
     replies = client.chat(MSG, n=1)
     assert replies[0].text == "mocked" and not replies[0].cached
     assert client.stats.prompt_tokens > 0 and client.stats.completion_tokens > 0
@@ -426,14 +427,17 @@ def test_a_reply_cut_off_at_the_cap_is_counted_and_continued_where_it_stopped(ll
 
     from core.llm.client import CONTINUE, import_litellm
 
-    pieces = iter([("```json\n[{\"name\": \"a\", ", "length"), ("```json\n\"trees\": 0.5}]\n```", "stop")])
+    pieces = iter([('```json\n[{"name": "a", ', "length"), ('```json\n"trees": 0.5}]\n```', "stop")])
     sent: list[list[dict]] = []
 
     def completion(**kwargs):
         sent.append(kwargs["messages"])
         text, reason = next(pieces)
-        return ModelResponse(choices=[Choices(index=0, finish_reason=reason, message=Message(role="assistant", content=text))],
-                             model=kwargs["model"], usage=Usage(prompt_tokens=10, completion_tokens=5, total_tokens=15))
+        return ModelResponse(
+            choices=[Choices(index=0, finish_reason=reason, message=Message(role="assistant", content=text))],
+            model=kwargs["model"],
+            usage=Usage(prompt_tokens=10, completion_tokens=5, total_tokens=15),
+        )
 
     monkeypatch.setattr(import_litellm(), "completion", completion)
     client = make_client({**llm_cfg, "cache": False})
@@ -441,6 +445,6 @@ def test_a_reply_cut_off_at_the_cap_is_counted_and_continued_where_it_stopped(ll
     (first,) = client.chat(ask)
     assert first.cut_off and client.stats.cut_off == 1
     whole = client.continue_reply(ask, first, tag="envs")
-    assert whole.text == "```json\n[{\"name\": \"a\", \"trees\": 0.5}]\n```" and not whole.cut_off
+    assert whole.text == '```json\n[{"name": "a", "trees": 0.5}]\n```' and not whole.cut_off
     assert sent[1][-2:] == [{"role": "assistant", "content": first.text}, {"role": "user", "content": CONTINUE}]
     assert client.stats.cut_off == 1 and client.continue_reply(ask, whole) is not None and len(sent) == 2

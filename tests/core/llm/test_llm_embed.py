@@ -25,8 +25,10 @@ class FakeEmbedding:
         self.calls.append(kwargs)
         if self.fail_with:
             raise self.fail_with.pop(0)
-        data = [{"object": "embedding", "index": i, "embedding": [float(len(t)), float(sum(map(ord, t)) % 7) + 1.0, 3.0]}
-                for i, t in enumerate(kwargs["input"])]
+        data = [
+            {"object": "embedding", "index": i, "embedding": [float(len(t)), float(sum(map(ord, t)) % 7) + 1.0, 3.0]}
+            for i, t in enumerate(kwargs["input"])
+        ]
         return EmbeddingResponse(model=kwargs["model"], data=list(reversed(data)))  # out of order: sorted by index
 
 
@@ -38,8 +40,14 @@ def fake_embedding(monkeypatch: pytest.MonkeyPatch) -> FakeEmbedding:
 
 
 def _cfg(tmp_path: Path, **kw: Any) -> dict[str, Any]:
-    return {"model": "openai/fake-model", "api_key_env": None, "retries": 1, "backoff_s": 0.0,
-            "cache_path": str(tmp_path / "cache.sqlite"), **kw}
+    return {
+        "model": "openai/fake-model",
+        "api_key_env": None,
+        "retries": 1,
+        "backoff_s": 0.0,
+        "cache_path": str(tmp_path / "cache.sqlite"),
+        **kw,
+    }
 
 
 def _want(text: str) -> np.ndarray:
@@ -51,7 +59,9 @@ def test_embed_gives_unit_rows_in_order_and_asks_each_text_once(tmp_path, fake_e
     client = make_client(_cfg(tmp_path))
     out = client.embed(["collect wood", "eat cow", "collect wood"])
     assert out.shape == (3, 3) and out.dtype == np.float32
-    np.testing.assert_allclose(out, np.stack([_want("collect wood"), _want("eat cow"), _want("collect wood")]), atol=1e-6)
+    np.testing.assert_allclose(
+        out, np.stack([_want("collect wood"), _want("eat cow"), _want("collect wood")]), atol=1e-6
+    )
     (call,) = fake_embedding.calls
     assert call["input"] == ["collect wood", "eat cow"] and call["model"] == "openai/fake-model"  # duplicates once
     again = client.embed(["eat cow", "place table"])
@@ -79,7 +89,9 @@ def test_a_model_without_embeddings_is_a_clear_error_and_transient_errors_retry(
     client = make_client(_cfg(tmp_path, cache=False))
     fake_embedding.fail_with = [litellm.exceptions.RateLimitError("slow down", llm_provider="openai", model="x")]
     assert client.embed(["a"]).shape == (1, 3) and len(fake_embedding.calls) == 2  # one retry
-    fake_embedding.fail_with = [litellm.exceptions.BadRequestError("not an embedding model", model="x", llm_provider="openai")]
+    fake_embedding.fail_with = [
+        litellm.exceptions.BadRequestError("not an embedding model", model="x", llm_provider="openai")
+    ]
     with pytest.raises(LLMError, match="name an embedding model"):
         client.embed(["b"])
     assert client.embed_stats.errors == 1
@@ -88,20 +100,25 @@ def test_a_model_without_embeddings_is_a_clear_error_and_transient_errors_retry(
 def test_a_zero_vector_is_refused(tmp_path, monkeypatch):
     from litellm.types.utils import EmbeddingResponse
 
-    monkeypatch.setattr(import_litellm(), "embedding",
-                        lambda **kw: EmbeddingResponse(model="m", data=[{"index": 0, "embedding": [0.0, 0.0]}]))
+    monkeypatch.setattr(
+        import_litellm(),
+        "embedding",
+        lambda **kw: EmbeddingResponse(model="m", data=[{"index": 0, "embedding": [0.0, 0.0]}]),
+    )
     with pytest.raises(LLMError, match="zero or non-finite"):
         make_client(_cfg(tmp_path, cache=False)).embed(["x"])
 
 
 def test_the_embedded_model_embeds_in_process(tmp_path, monkeypatch):
     asked: list[tuple[str, list[str]]] = []
-    monkeypatch.setattr(embedded, "embed", lambda name, texts: asked.append((name, list(texts))) or [[1.0, 1.0]] * len(texts))
+    monkeypatch.setattr(
+        embedded, "embed", lambda name, texts: asked.append((name, list(texts))) or [[1.0, 1.0]] * len(texts)
+    )
     monkeypatch.setattr(import_litellm(), "embedding", lambda **kw: pytest.fail("the embedded model went to litellm"))
     client = make_client({"model": "embedded/qwen2.5-coder-1.5b-instruct", "cache_path": str(tmp_path / "c.sqlite")})
     out = client.embed(["sleep"])
     assert asked == [("qwen2.5-coder-1.5b-instruct", ["sleep"])]
-    np.testing.assert_allclose(out, [[2 ** -0.5, 2 ** -0.5]], atol=1e-6)
+    np.testing.assert_allclose(out, [[2**-0.5, 2**-0.5]], atol=1e-6)
 
 
 def test_embedding_server_wraps_each_text_in_the_template_and_orders_the_vectors(monkeypatch):
@@ -150,8 +167,14 @@ def test_forked_child_drops_the_parents_embedding_server(monkeypatch):
 
 @pytest.mark.slow
 def test_real_embedded_model_puts_a_paraphrase_nearer_than_another_event(tmp_path):
-    client = make_client({"model": "embedded/qwen2.5-coder-1.5b-instruct", "cache_path": str(tmp_path / "c.sqlite"),
-                          "n_threads": 1, "show_progress": False})
+    client = make_client(
+        {
+            "model": "embedded/qwen2.5-coder-1.5b-instruct",
+            "cache_path": str(tmp_path / "c.sqlite"),
+            "n_threads": 1,
+            "show_progress": False,
+        }
+    )
     v = client.embed(["collect wood", "chop down a tree", "drink water"])
     assert v.shape[0] == 3 and np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-4)
     assert float(v[0] @ v[1]) > float(v[0] @ v[2])

@@ -21,17 +21,20 @@ def _fake_spec(tmp_path: Path, chunks: list[bytes], sha: str | None = None, tag:
         name = f"fake_part_{tag}_{i}"
         (pkg_dir / f"{name}.bin").write_bytes(chunk)
         (pkg_dir / f"{name}.py").write_text(
-            "import os\n"
-            f"def get_part_path():\n    return os.path.join(os.path.dirname(__file__), '{name}.bin')\n"
+            f"import os\ndef get_part_path():\n    return os.path.join(os.path.dirname(__file__), '{name}.bin')\n"
         )
         names.append(name)
     if str(pkg_dir) not in sys.path:
         sys.path.insert(0, str(pkg_dir))
     whole = b"".join(chunks)
     return embedded.ModelSpec(
-        name=f"fake-{tag}", parts=tuple(names), distributions="fake-parts==1",
-        size=len(whole), sha256=sha or hashlib.sha256(whole).hexdigest(),
-        filename=f"fake-{tag}.gguf", upstream="test",
+        name=f"fake-{tag}",
+        parts=tuple(names),
+        distributions="fake-parts==1",
+        size=len(whole),
+        sha256=sha or hashlib.sha256(whole).hexdigest(),
+        filename=f"fake-{tag}.gguf",
+        upstream="test",
     )
 
 
@@ -91,8 +94,10 @@ def test_provider_is_registered_and_passes_sampling_params(monkeypatch, tmp_path
     def fake_generate(name, messages, **kw):
         seen.update(kw, name=name)
         logprobs = {"content": [{"token": "ok", "logprob": -0.5}]} if kw.get("top_logprobs") else None
-        return {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop", "logprobs": logprobs}],
-                "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}
+        return {
+            "choices": [{"message": {"content": "ok"}, "finish_reason": "stop", "logprobs": logprobs}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
+        }
 
     monkeypatch.setattr(embedded, "generate", fake_generate)
     monkeypatch.setattr(embedded, "get_server", lambda name="": object())
@@ -119,8 +124,15 @@ def test_unknown_embedded_model_is_a_clear_error(monkeypatch):
 
 @pytest.mark.slow
 def test_real_embedded_model_answers(tmp_path):
-    client = make_client({"cache": True, "cache_path": str(tmp_path / "c.sqlite"),
-                          "max_tokens": 16, "temperature": 0.0, "show_progress": False})
+    client = make_client(
+        {
+            "cache": True,
+            "cache_path": str(tmp_path / "c.sqlite"),
+            "max_tokens": 16,
+            "temperature": 0.0,
+            "show_progress": False,
+        }
+    )
     reply = client.chat([{"role": "user", "content": "What is 2+3? Answer with the number only."}])[0]
     assert "5" in reply.text
     assert reply.completion_tokens > 0 and reply.prompt_tokens > 0 and reply.cost == 0.0
@@ -132,8 +144,17 @@ def test_real_embedded_model_answers(tmp_path):
 def test_real_model_samples_together_and_reuses_the_prefix(tmp_path):
     embedded.unload()
     try:
-        client = make_client({"cache": True, "cache_path": str(tmp_path / "c.sqlite"), "max_tokens": 6,
-                              "temperature": 1.0, "show_progress": False, "n_parallel": 2, "n_threads": 1})
+        client = make_client(
+            {
+                "cache": True,
+                "cache_path": str(tmp_path / "c.sqlite"),
+                "max_tokens": 6,
+                "temperature": 1.0,
+                "show_progress": False,
+                "n_parallel": 2,
+                "n_threads": 1,
+            }
+        )
         system = {"role": "system", "content": "You are a terse assistant. " * 20}
         replies = client.chat([system, {"role": "user", "content": "Name a colour."}], n=2, seed=1)
         assert client.stats.requests == 1 and len(replies) == 2  # both samples in one request
@@ -142,10 +163,18 @@ def test_real_model_samples_together_and_reuses_the_prefix(tmp_path):
         client.chat([system, {"role": "user", "content": "Name an animal."}], seed=1)
         assert client.stats.cached_prompt_tokens >= 100  # the system prompt was not computed again
         assert embedded.loaded_info()["n_parallel"] == 2
-        again = make_client({"cache": True, "cache_path": str(tmp_path / "c.sqlite"), "max_tokens": 6,
-                             "temperature": 1.0, "show_progress": False})
+        again = make_client(
+            {
+                "cache": True,
+                "cache_path": str(tmp_path / "c.sqlite"),
+                "max_tokens": 6,
+                "temperature": 1.0,
+                "show_progress": False,
+            }
+        )
         assert [r.text for r in again.chat([system, {"role": "user", "content": "Name a colour."}], n=2, seed=1)] == [
-            r.text for r in replies] and again.stats.requests == 0
+            r.text for r in replies
+        ] and again.stats.requests == 0
     finally:
         embedded.unload()
 
@@ -164,14 +193,17 @@ def test_configure_keeps_auto_and_reads_numbers(monkeypatch):
 ONE_SLOT = embedded.ServerPlan(n_threads=1, n_parallel=1, n_ctx=8192, prefix_cache=False, reason="test")
 
 
-@pytest.mark.parametrize(("cores", "busy", "threads"), [
-    (2, 0.0, 2),  # idle: every core
-    (2, 0.3, 2),  # a little background work
-    (2, 0.6, 1),  # a core more than half taken costs more than its thread brings
-    (2, 0.9, 1),  # a training beside it: the free core only
-    (2, 3.5, 1),  # overloaded: still one
-    (16, 4.0, 12),
-])
+@pytest.mark.parametrize(
+    ("cores", "busy", "threads"),
+    [
+        (2, 0.0, 2),  # idle: every core
+        (2, 0.3, 2),  # a little background work
+        (2, 0.6, 1),  # a core more than half taken costs more than its thread brings
+        (2, 0.9, 1),  # a training beside it: the free core only
+        (2, 3.5, 1),  # overloaded: still one
+        (16, 4.0, 12),
+    ],
+)
 def test_auto_threads_take_the_free_cores(cores, busy, threads):
     plan = embedded.plan_server(embedded.EmbeddedSettings(), cores, busy)
     assert plan.n_threads == threads and f"{busy:.1f} busy" in plan.reason
@@ -205,7 +237,12 @@ def test_one_slot_without_prefix_reuse_is_the_old_server():
     assert plan.samples_per_request(100, 10) == 1
     params = embedded.server_params(Path("m.gguf"), plan)
     assert (params.n_parallel, params.n_ctx, params.kv_unified, params.cache_prompt, params.cache_ram_mib) == (
-        1, 8192, False, False, 0)
+        1,
+        8192,
+        False,
+        False,
+        0,
+    )
 
 
 def test_server_params_follow_the_plan():
@@ -249,10 +286,18 @@ class FakeServer:
             self.active -= 1
         n = request.get("n", 1)
         texts = [f"seed={request['seed']} j={j} " + "x" * 35 * (j + 1) for j in range(n)]
-        return {"choices": [{"index": j, "message": {"content": t}, "finish_reason": "length" if j == 0 else "stop"}
-                            for j, t in enumerate(texts)],
-                "usage": {"prompt_tokens": 50, "completion_tokens": request["max_tokens"], "total_tokens": 0,
-                          "prompt_tokens_details": {"cached_tokens": 40}}}
+        return {
+            "choices": [
+                {"index": j, "message": {"content": t}, "finish_reason": "length" if j == 0 else "stop"}
+                for j, t in enumerate(texts)
+            ],
+            "usage": {
+                "prompt_tokens": 50,
+                "completion_tokens": request["max_tokens"],
+                "total_tokens": 0,
+                "prompt_tokens_details": {"cached_tokens": 40},
+            },
+        }
 
 
 def test_samples_of_a_call_share_one_request_per_slots_worth(monkeypatch, tmp_path):
@@ -263,13 +308,15 @@ def test_samples_of_a_call_share_one_request_per_slots_worth(monkeypatch, tmp_pa
     monkeypatch.setattr(embedded, "get_server", lambda name="": server)
     monkeypatch.setattr(embedded, "get_plan", lambda name="": plan)
     monkeypatch.setattr(embedded, "_plan", plan)
-    client = make_client({"cache": True, "cache_path": str(tmp_path / "c.sqlite"), "max_tokens": 20,
-                          "show_progress": False})
+    client = make_client(
+        {"cache": True, "cache_path": str(tmp_path / "c.sqlite"), "max_tokens": 20, "show_progress": False}
+    )
     replies = client.chat([{"role": "user", "content": "q"}], n=6, seed=3, temperature=0.9)
     got = sorted((r.get("n", 1), r["seed"]) for r in server.requests)
     assert got == sorted([(4, sample_seed(3, 0)), (2, sample_seed(3, 4))])  # one request per 4 slots
     assert all(r["cache_prompt"] is True and r["temperature"] == 0.9 for r in server.requests)
     assert len({r.text for r in replies}) == 6 and replies[0].text.startswith(f"seed={sample_seed(3, 0)} j=0")
+
     # tokens: a reply cut at max_tokens has max_tokens, the others are re-tokenised (here,
     # without the server's /tokenize, estimated from their length); usage counts them all
     def estimate(seed: int, j: int) -> int:
@@ -279,8 +326,9 @@ def test_samples_of_a_call_share_one_request_per_slots_worth(monkeypatch, tmp_pa
     expected = 20 + sum(estimate(first, j) for j in (1, 2, 3)) + 20 + estimate(second, 1)
     assert client.stats.completion_tokens == expected and client.stats.cached_prompt_tokens == 80
     # and the same call again comes from the cache, request by request the same texts
-    again = make_client({"cache": True, "cache_path": str(tmp_path / "c.sqlite"), "show_progress": False,
-                         "max_tokens": 20}).chat([{"role": "user", "content": "q"}], n=6, seed=3, temperature=0.9)
+    again = make_client(
+        {"cache": True, "cache_path": str(tmp_path / "c.sqlite"), "show_progress": False, "max_tokens": 20}
+    ).chat([{"role": "user", "content": "q"}], n=6, seed=3, temperature=0.9)
     assert [r.text for r in again] == [r.text for r in replies] and len(server.requests) == 2
 
 
@@ -303,8 +351,9 @@ def test_the_old_path_sends_one_sample_per_request_without_prefix_reuse(monkeypa
     monkeypatch.setattr(embedded, "get_server", lambda name="": server)
     monkeypatch.setattr(embedded, "get_plan", lambda name="": ONE_SLOT)
     monkeypatch.setattr(embedded, "_plan", ONE_SLOT)
-    client = make_client({"cache": False, "max_tokens": 8, "show_progress": False, "n_parallel": 1, "max_n": 1,
-                          "prefix_cache": False})
+    client = make_client(
+        {"cache": False, "max_tokens": 8, "show_progress": False, "n_parallel": 1, "max_n": 1, "prefix_cache": False}
+    )
     client.chat([{"role": "user", "content": "q"}], n=3, seed=1)
     assert len(server.requests) == 3 and all("n" not in r and r["cache_prompt"] is False for r in server.requests)
 
@@ -353,8 +402,14 @@ def fresh_embedded(monkeypatch, tmp_path):
 
     monkeypatch.setattr(xllamacpp, "Server", Server)
     monkeypatch.setattr(embedded, "settings", embedded.EmbeddedSettings(show_progress=False))
-    for name, value in (("_server", None), ("_plan", None), ("_loaded", {}), ("_inflight", 0),
-                        ("_look", {"at": 0.0, "want": 0, "agree": 0}), ("RETUNE_EVERY_S", 0.0)):
+    for name, value in (
+        ("_server", None),
+        ("_plan", None),
+        ("_loaded", {}),
+        ("_inflight", 0),
+        ("_look", {"at": 0.0, "want": 0, "agree": 0}),
+        ("RETUNE_EVERY_S", 0.0),
+    ):
         monkeypatch.setattr(embedded, name, value)
     monkeypatch.setattr(embedded, "_resolve_path", lambda name: tmp_path / "m.gguf")
     monkeypatch.setattr(embedded, "usable_cores", lambda: 2)

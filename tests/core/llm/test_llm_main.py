@@ -34,8 +34,16 @@ def test_default_is_embedded_and_overrides_apply():
 
 
 def test_cli_prints_reply_and_stats(capsys, tmp_path):
-    rc = main(["say hi", "llm=openai", "llm.model=gpt-4o-mini", "llm.api_key_env=null",
-               "llm.cache=false", "+llm.extra.mock_response=hello there"])
+    rc = main(
+        [
+            "say hi",
+            "llm=openai",
+            "llm.model=gpt-4o-mini",
+            "llm.api_key_env=null",
+            "llm.cache=false",
+            "+llm.extra.mock_response=hello there",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0 and out.strip() == "hello there"
     assert "1 call(s)" in err and "gpt-4o-mini" in err

@@ -36,9 +36,14 @@ class StreamingBackend:
         n = int(kwargs.get("n") or 1)
         words = [f"w{i} " for i in range(self.words)]
         if not kwargs.get("stream"):
-            return ModelResponse(choices=[Choices(index=j, finish_reason="stop", message=Message(role="assistant",
-                                 content="".join(words))) for j in range(n)], model=kwargs["model"],
-                                 usage=Usage(prompt_tokens=3, completion_tokens=self.words * n, total_tokens=3 + self.words * n))
+            return ModelResponse(
+                choices=[
+                    Choices(index=j, finish_reason="stop", message=Message(role="assistant", content="".join(words)))
+                    for j in range(n)
+                ],
+                model=kwargs["model"],
+                usage=Usage(prompt_tokens=3, completion_tokens=self.words * n, total_tokens=3 + self.words * n),
+            )
         return self._stream(kwargs, words, n)
 
     def _stream(self, kwargs, words, n):
@@ -46,9 +51,13 @@ class StreamingBackend:
 
         for word in words:
             for j in range(n):
-                yield ModelResponseStream(choices=[StreamingChoices(index=j, delta=Delta(content=word))], model=kwargs["model"])
-        yield ModelResponseStream(choices=[StreamingChoices(index=j, delta=Delta(), finish_reason="stop") for j in range(n)],
-                                  model=kwargs["model"])
+                yield ModelResponseStream(
+                    choices=[StreamingChoices(index=j, delta=Delta(content=word))], model=kwargs["model"]
+                )
+        yield ModelResponseStream(
+            choices=[StreamingChoices(index=j, delta=Delta(), finish_reason="stop") for j in range(n)],
+            model=kwargs["model"],
+        )
         last = ModelResponseStream(choices=[], model=kwargs["model"])
         last.usage = Usage(prompt_tokens=3, completion_tokens=self.words * n, total_tokens=3 + self.words * n)
         yield last
@@ -111,10 +120,19 @@ def test_a_server_that_answers_a_stream_whole_is_asked_again_not_read_as_empty(l
         def do_POST(self) -> None:  # noqa: N802 - the handler's API
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             asked.append(bool(body.get("stream")))
-            data = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [
-                {"index": i, "message": {"role": "assistant", "content": f"reply {i}"}, "finish_reason": "stop"}
-                for i in range(int(body.get("n") or 1))], "usage": {"prompt_tokens": 2, "completion_tokens": 4,
-                                                                     "total_tokens": 6}}).encode()
+            data = json.dumps(
+                {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": "m",
+                    "choices": [
+                        {"index": i, "message": {"role": "assistant", "content": f"reply {i}"}, "finish_reason": "stop"}
+                        for i in range(int(body.get("n") or 1))
+                    ],
+                    "usage": {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6},
+                }
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -128,8 +146,16 @@ def test_a_server_that_answers_a_stream_whole_is_asked_again_not_read_as_empty(l
     Thread(target=server.serve_forever, daemon=True).start()
     try:
         seen = Seen()
-        client = make_client({**llm_cfg, "model": "openai/m", "api_base": f"http://127.0.0.1:{server.server_address[1]}/v1",
-                              "max_n": 2, "retries": 0}, on_progress=seen)
+        client = make_client(
+            {
+                **llm_cfg,
+                "model": "openai/m",
+                "api_base": f"http://127.0.0.1:{server.server_address[1]}/v1",
+                "max_n": 2,
+                "retries": 0,
+            },
+            on_progress=seen,
+        )
         replies = client.chat([{"role": "user", "content": "q"}], n=2, seed=3)
         assert [r.text for r in replies] == ["reply 0", "reply 1"]
         assert asked == [True, False] and client._stream_ok is False
@@ -142,8 +168,10 @@ def test_a_server_that_answers_a_stream_whole_is_asked_again_not_read_as_empty(l
 def test_the_embedded_provider_streams_into_the_sink(monkeypatch):
     """The client sets :data:`embedded.token_sink` around the request; generate streams then."""
     chunks = [{"choices": [{"index": j, "delta": {"content": f"t{k}"}}]} for k in range(3) for j in range(2)]
-    chunks += [{"choices": [{"index": j, "delta": {}, "finish_reason": "length"} for j in range(2)]},
-               {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}]
+    chunks += [
+        {"choices": [{"index": j, "delta": {}, "finish_reason": "length"} for j in range(2)]},
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}},
+    ]
 
     class Server:
         requests: list = []
@@ -151,8 +179,12 @@ def test_the_embedded_provider_streams_into_the_sink(monkeypatch):
         def handle_chat_completions(self, request, callback=None):
             self.requests.append(request)
             if not request.get("stream"):
-                return {"choices": [{"index": j, "message": {"content": "t0t1t2"}, "finish_reason": "length"} for j in range(2)],
-                        "usage": {"prompt_tokens": 5, "completion_tokens": 3}}
+                return {
+                    "choices": [
+                        {"index": j, "message": {"content": "t0t1t2"}, "finish_reason": "length"} for j in range(2)
+                    ],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": 3},
+                }
             for chunk in chunks:
                 callback(chunk)
 
@@ -176,8 +208,15 @@ def test_the_embedded_provider_streams_into_the_sink(monkeypatch):
 def test_the_real_embedded_model_streams_the_same_replies(tmp_path):
     embedded.unload()
     try:
-        cfg = {"cache": False, "max_tokens": 10, "temperature": 1.0, "show_progress": False, "n_parallel": 2,
-               "n_threads": 1, "prefix_cache": False}  # every request computes its prompt: the same numbers each time
+        cfg = {
+            "cache": False,
+            "max_tokens": 10,
+            "temperature": 1.0,
+            "show_progress": False,
+            "n_parallel": 2,
+            "n_threads": 1,
+            "prefix_cache": False,
+        }  # every request computes its prompt: the same numbers each time
         messages = [{"role": "user", "content": "Name three colours."}]
         whole = make_client(cfg).chat(messages, n=2, seed=7)
         seen = Seen()

@@ -29,22 +29,22 @@ LIMITS = Limits(cpu_s=5, wall_s=15, memory_mb=2048, call_timeout_s=0.5, max_time
 TASK = CartPole()
 TWO_CPUS = len(os.sched_getaffinity(0)) >= 2
 
-WEIGHTED = '''
+WEIGHTED = """
 import torch
 
 def compute_reward(state, action, next_state):
     s, n = state, next_state
     reward = n["cart_position"] + 10.0 * n["cart_velocity"] + 100.0 * n["pole_angle"] + 1000.0 * s["pole_angular_velocity"]
     return reward, {"moved": n["cart_position"] - s["cart_position"], "pushed": action.float()}
-'''
-KEEPS_ITS_FIRST_INPUT = '''
+"""
+KEEPS_ITS_FIRST_INPUT = """
 KEPT = {}
 
 def compute_reward(state, action, next_state):
     first = KEPT.setdefault(len(next_state["pole_angle"]), next_state["pole_angle"])
     return first * 1.0
-'''
-CHANGES_SHAPE = '''
+"""
+CHANGES_SHAPE = """
 import torch
 
 CALLS = [0]
@@ -55,8 +55,8 @@ def compute_reward(state, action, next_state):
     if CALLS[0] % 3 == 0:
         return reward.double(), {"late": reward}
     return reward, {"early": reward + 1.0}
-'''
-NAN_ON_FIFTH = '''
+"""
+NAN_ON_FIFTH = """
 import torch
 
 CALLS = [0]
@@ -67,8 +67,8 @@ def compute_reward(state, action, next_state):
     if CALLS[0] == 5:
         reward[1] = float("nan")
     return reward
-'''
-SLEEPS_ON_TENTH = '''
+"""
+SLEEPS_ON_TENTH = """
 CALLS = [0]
 
 def compute_reward(state, action, next_state):
@@ -76,17 +76,19 @@ def compute_reward(state, action, next_state):
     while CALLS[0] == 10:
         pass
     return next_state["pole_angle"] * 1.0
-'''
-VECTOR_FIELDS = '''
+"""
+VECTOR_FIELDS = """
 import torch
 
 def compute_reward(state, action, next_state):
     return next_state["position"].sum(-1) * 10.0 + next_state["speed"]
-'''
+"""
 FEATURES = "def revise_state(state):\n    return state['pole_angle'].unsqueeze(-1) * 3.0\n"
 
 
-def _weighted(obs: torch.Tensor, action: torch.Tensor, nxt: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _weighted(
+    obs: torch.Tensor, action: torch.Tensor, nxt: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     reward = nxt[:, 0] + 10.0 * nxt[:, 1] + 100.0 * nxt[:, 2] + 1000.0 * obs[:, 3]
     return reward, {"moved": nxt[:, 0] - obs[:, 0], "pushed": action.float()}
 
@@ -94,7 +96,11 @@ def _weighted(obs: torch.Tensor, action: torch.Tensor, nxt: torch.Tensor) -> tup
 def _steps(n: int, batch: int = 8, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
-        yield torch.randn(batch, 4, generator=g), torch.randint(0, 2, (batch,), generator=g), torch.randn(batch, 4, generator=g)
+        yield (
+            torch.randn(batch, 4, generator=g),
+            torch.randint(0, 2, (batch,), generator=g),
+            torch.randn(batch, 4, generator=g),
+        )
 
 
 @pytest.fixture(params=["0", "1"], ids=["sleeping", "spinning"])
@@ -324,7 +330,7 @@ def test_the_environment_switch_overrides_the_machine(monkeypatch: pytest.Monkey
 
 # -- the CPU budget where the host may not raise the kernel's limit -----------------------------------
 
-BUSY_MS = '''
+BUSY_MS = """
 import torch
 
 def compute_reward(state, action, next_state):
@@ -332,7 +338,7 @@ def compute_reward(state, action, next_state):
     for _ in range(400):  # some milliseconds of CPU per call
         x = torch.tanh(x @ x * 0.01)
     return next_state["pole_angle"] * 1.0 + x[0, 0] * 0.0
-'''
+"""
 
 
 def test_a_worker_within_its_time_share_outlives_its_start_up_cpu_budget() -> None:
@@ -350,7 +356,9 @@ def test_a_worker_within_its_time_share_outlives_its_start_up_cpu_budget() -> No
         assert used >= fn.worker._cpu_base + limits.cpu_s + 3 and fn.worker.dead is None
 
 
-def test_the_host_stops_a_worker_over_its_cpu_budget_whatever_the_kernels_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_host_stops_a_worker_over_its_cpu_budget_whatever_the_kernels_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     limits = replace(LIMITS, cpu_s=1, max_time_share=0.9, time_share_grace_s=0.5, call_timeout_s=2.0)
     with candidate_scope():
         fn = prepare_reward(RewardProgram(WEIGHTED), TASK, limits=limits)

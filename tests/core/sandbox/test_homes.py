@@ -81,8 +81,13 @@ def home_venv() -> tuple[Path, Path]:
 
 def test_a_venv_under_a_home_shows_only_its_own_path(home_venv: tuple[Path, Path]) -> None:
     base, token = home_venv
-    out = subprocess.run([str(base / "venv" / "bin" / "python"), "-c", LOOK, str(token)], capture_output=True,
-                         text=True, timeout=300, cwd="/")
+    out = subprocess.run(
+        [str(base / "venv" / "bin" / "python"), "-c", LOOK, str(token)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["prefix"].startswith(str(base)), found["prefix"]  # the worker really runs from the home

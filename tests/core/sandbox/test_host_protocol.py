@@ -131,8 +131,10 @@ def test_a_worker_that_stops_reading_times_out_within_the_call_timeout(worker: P
     try:
         assert peer.fill() > 0
         start = time.monotonic()
-        error = _in_time(lambda: worker.load(RewardProgram(PLAIN), role="reward", arg_names=REWARD_ARGS),
-                         LIMITS.call_timeout_s + MARGIN_S + 5.0)
+        error = _in_time(
+            lambda: worker.load(RewardProgram(PLAIN), role="reward", arg_names=REWARD_ARGS),
+            LIMITS.call_timeout_s + MARGIN_S + 5.0,
+        )
         elapsed = time.monotonic() - start
         assert isinstance(error, SandboxError), error
         assert error.report.kind == "timeout" and "took no request" in error.report.message
@@ -148,16 +150,20 @@ def _header(dtype: Any = "float32") -> list[list[Any]]:
 
 
 FORGED: dict[str, Callable[[int], bytes]] = {
-    "a list as dtype": lambda seq: json.dumps({"seq": seq, "out": _header(["float32"]), "names": [],
-                                               "program_s": 0.001}).encode(),
-    "nesting 100000 deep": lambda seq: (f'{{"seq": {seq}, "out": ' + "[" * 100_000 + "]" * 100_000
-                                        + ', "names": [], "program_s": 0.001}').encode(),
-    "program_s 10**400": lambda seq: json.dumps({"seq": seq, "out": _header(), "names": [],
-                                                 "program_s": 10**400}).encode(),
+    "a list as dtype": lambda seq: json.dumps(
+        {"seq": seq, "out": _header(["float32"]), "names": [], "program_s": 0.001}
+    ).encode(),
+    "nesting 100000 deep": lambda seq: (
+        f'{{"seq": {seq}, "out": ' + "[" * 100_000 + "]" * 100_000 + ', "names": [], "program_s": 0.001}'
+    ).encode(),
+    "program_s 10**400": lambda seq: json.dumps(
+        {"seq": seq, "out": _header(), "names": [], "program_s": 10**400}
+    ).encode(),
     "not JSON": lambda seq: b"\xff\xfe this is not JSON {",
     "a missing key": lambda seq: json.dumps({"seq": seq, "names": [], "program_s": 0.001}).encode(),
     "an empty dimension beside a huge one": lambda seq: json.dumps(
-        {"seq": seq, "out": [["block", "float32", [0, 10**30], 0]], "names": [], "program_s": 0.001}).encode(),
+        {"seq": seq, "out": [["block", "float32", [0, 10**30], 0]], "names": [], "program_s": 0.001}
+    ).encode(),
 }
 
 
@@ -167,8 +173,9 @@ def test_a_malformed_reply_ends_the_worker_as_crashed(case: str, worker: Program
     try:
         peer.answer(FORGED[case])
         obs, action, nxt = _args()
-        error = _in_time(lambda: worker.call(1, (obs, action, nxt), role="reward", batch=4),
-                         LIMITS.call_timeout_s + MARGIN_S)
+        error = _in_time(
+            lambda: worker.call(1, (obs, action, nxt), role="reward", batch=4), LIMITS.call_timeout_s + MARGIN_S
+        )
         assert isinstance(error, SandboxError), repr(error)
         assert error.report.kind == "crashed" and "malformed reply" in error.report.message
         assert not worker.alive and _gone(peer.server)
@@ -184,8 +191,10 @@ def test_a_load_answer_without_ok_or_a_report_is_malformed(worker: ProgramWorker
     peer = Peer(worker)
     try:
         peer.answer(lambda seq: json.dumps({"seq": seq}).encode())
-        error = _in_time(lambda: worker.load(RewardProgram(PLAIN), role="reward", arg_names=REWARD_ARGS),
-                         LIMITS.call_timeout_s + MARGIN_S)
+        error = _in_time(
+            lambda: worker.load(RewardProgram(PLAIN), role="reward", arg_names=REWARD_ARGS),
+            LIMITS.call_timeout_s + MARGIN_S,
+        )
         assert isinstance(error, SandboxError) and error.report.kind == "crashed"
         assert "malformed reply" in error.report.message and not worker.alive
     finally:

@@ -48,16 +48,29 @@ from hostile_corpus import CORPUS, Hostile
 
 REPO = str(Path(__file__).resolve().parents[3])
 #: a file only its owner can read, somewhere a worker can see (one per test process: xdist runs several)
-SECRET_DIR = f"/var/lib/llm4rl-hostile-test-{os.getpid()}" if os.access("/var/lib", os.W_OK) else \
-    f"/tmp/llm4rl-hostile-test-{os.getpid()}"
+SECRET_DIR = (
+    f"/var/lib/llm4rl-hostile-test-{os.getpid()}"
+    if os.access("/var/lib", os.W_OK)
+    else f"/tmp/llm4rl-hostile-test-{os.getpid()}"
+)
 SECRET = f"{SECRET_DIR}/secret"
 SHARED = f"{SECRET_DIR}/shared"  # a world-writable folder outside the worker's private ones
 RECORDS = f"{SECRET_DIR}/records/mlflow.db"  # a run's records, readable by all
 RECORD_TEXT = "llm4rl-run-record"
 FAKE_KEY = "sk-hostile-test-key-do-not-leak"
 #: per_row_fallback off: a program written for one state is a different matter (tests/core/test_sandbox.py)
-LIMITS = Limits(cpu_s=3, wall_s=15, memory_mb=2048, max_procs=8, call_timeout_s=0.5, max_open_files=64, tmp_mb=16,
-                max_time_share=0.5, time_share_grace_s=1.0, per_row_fallback=False)
+LIMITS = Limits(
+    cpu_s=3,
+    wall_s=15,
+    memory_mb=2048,
+    max_procs=8,
+    call_timeout_s=0.5,
+    max_open_files=64,
+    tmp_mb=16,
+    max_time_share=0.5,
+    time_share_grace_s=1.0,
+    per_row_fallback=False,
+)
 TASK = CartPole()
 SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", REPO, "/root", os.getcwd(), SHARED)
 SUPERVISORS: set[int] = set()  # the workers this test process started (other runs share the machine)
@@ -111,8 +124,14 @@ def plant_host_keys() -> list[int]:
     libc = ctypes.CDLL(None, use_errno=True)
     keys = []
     for ring in (-3, -4, -5):
-        key = libc.syscall(ctypes.c_long(calls[0]), b"user", hostile_corpus.HOST_KEY.encode(), FAKE_KEY.encode(),
-                           ctypes.c_long(len(FAKE_KEY)), ctypes.c_long(ring))
+        key = libc.syscall(
+            ctypes.c_long(calls[0]),
+            b"user",
+            hostile_corpus.HOST_KEY.encode(),
+            FAKE_KEY.encode(),
+            ctypes.c_long(len(FAKE_KEY)),
+            ctypes.c_long(ring),
+        )
         if key > 0:
             keys.append(key)
     return keys
@@ -268,9 +287,16 @@ def limits_in_place(worker: ProgramWorker, limits: Limits, *, isolated: bool) ->
 
 
 def fill(source: str, listeners: Listeners, tag: str) -> str:
-    for key, value in (("{PORT}", str(listeners.port)), ("{ABSTRACT}", listeners.abstract), ("{SECRET}", SECRET),
-                       ("{UNIX_PATH}", listeners.path), ("{SHARED}", SHARED), ("{RECORDS}", RECORDS),
-                       ("{REPO}", REPO), ("{TAG}", tag)):
+    for key, value in (
+        ("{PORT}", str(listeners.port)),
+        ("{ABSTRACT}", listeners.abstract),
+        ("{SECRET}", SECRET),
+        ("{UNIX_PATH}", listeners.path),
+        ("{SHARED}", SHARED),
+        ("{RECORDS}", RECORDS),
+        ("{REPO}", REPO),
+        ("{TAG}", tag),
+    ):
         source = source.replace(key, value)
     return source
 
@@ -281,8 +307,9 @@ def batch(seed: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return obs, torch.randint(0, 2, (n,), generator=g), obs + 0.01
 
 
-def run_candidate(source: str, role: str, limits: Limits, calls: int, gap_s: float,
-                  isolated: bool = True) -> tuple[str, str, list[str]]:
+def run_candidate(
+    source: str, role: str, limits: Limits, calls: int, gap_s: float, isolated: bool = True
+) -> tuple[str, str, list[str]]:
     """One candidate as the trainer runs it: a worker (limits checked first), a probe, training calls.
 
     :return: ``(category, message, component names)``; the host's batches are checked unchanged.
@@ -300,8 +327,9 @@ def run_candidate(source: str, role: str, limits: Limits, calls: int, gap_s: flo
                 fn = prepare_state(StateProgram(source), TASK, limits=limits, worker=worker)
                 call = lambda obs, action, nxt: fn.from_obs(obs)  # noqa: E731
             else:
-                macros = MacroSet.prepare([MacroAction("hostile", Program(source, "act"))], TASK, limits=limits,
-                                          worker=worker)
+                macros = MacroSet.prepare(
+                    [MacroAction("hostile", Program(source, "act"))], TASK, limits=limits, worker=worker
+                )
                 call = lambda obs, action, nxt: macros.action(0, obs[0].numpy(), 2)  # noqa: E731
             for i in range(calls):
                 obs, action, nxt = batch(i)
@@ -358,8 +386,9 @@ def test_hostile_program(hostile: Hostile, static_check: bool, host: Listeners, 
     before = host_state()
     start = time.monotonic()
 
-    kind, message, names = run_candidate(fill(hostile.source, host, tag), hostile.role, limits, hostile.calls,
-                                         hostile.gap_s, isolated)
+    kind, message, names = run_candidate(
+        fill(hostile.source, host, tag), hostile.role, limits, hostile.calls, hostile.gap_s, isolated
+    )
     assert kind in hostile.expected(static_check), message
     assert time.monotonic() - start < 30
     if hostile.followup:
@@ -380,12 +409,22 @@ def test_hostile_program(hostile: Hostile, static_check: bool, host: Listeners, 
 
 # -- a few of them in a real training run ---------------------------------------------------------------
 
-IN_TRAINING = ["typing_hints_run_code", "patch_isfinite_then_return_nan", "keep_result_and_spoil_it", "fork_bomb",
-               "infinite_loop_after_the_probe", "exit_the_worker", "raise_keyboard_interrupt", "nan_in_one_row_after_the_probe"]
+IN_TRAINING = [
+    "typing_hints_run_code",
+    "patch_isfinite_then_return_nan",
+    "keep_result_and_spoil_it",
+    "fork_bomb",
+    "infinite_loop_after_the_probe",
+    "exit_the_worker",
+    "raise_keyboard_interrupt",
+    "nan_in_one_row_after_the_probe",
+]
 
 
 @pytest.mark.parametrize("name", IN_TRAINING)
-def test_hostile_candidate_fails_its_training_and_the_next_one_trains(name: str, host: Listeners, isolated: bool) -> None:
+def test_hostile_candidate_fails_its_training_and_the_next_one_trains(
+    name: str, host: Listeners, isolated: bool
+) -> None:
     from core.config import Settings
     from core.context import TrainContext
     from core.records import Candidate
@@ -395,16 +434,26 @@ def test_hostile_candidate_fails_its_training_and_the_next_one_trains(name: str,
         pytest.skip("the worker's isolation is not all in place here: hostile code stays unrun")
     hostile = next(h for h in CORPUS if h.name == name)
     tag = f"train-{name}-{os.getpid()}"
-    sandbox = {"static_check": False, "call_timeout_s": 0.5, "max_procs": 8, "memory_mb": 2048, "cpu_s": 3,
-               "time_share_grace_s": 1.0}
-    cfg = PPOConfig(frames=512, num_envs=4, rollout_steps=32, epochs=1, minibatch=64, hidden=[16], eval_every=0,
-                    eval_episodes=1)
+    sandbox = {
+        "static_check": False,
+        "call_timeout_s": 0.5,
+        "max_procs": 8,
+        "memory_mb": 2048,
+        "cpu_s": 3,
+        "time_share_grace_s": 1.0,
+    }
+    cfg = PPOConfig(
+        frames=512, num_envs=4, rollout_steps=32, epochs=1, minibatch=64, hidden=[16], eval_every=0, eval_episodes=1
+    )
     before = host_state()
     results = []
-    for candidate in (Candidate("hostile", 0, reward=RewardProgram(fill(hostile.source, host, tag))),
-                      Candidate("benign", 0, reward=RewardProgram(BENIGN))):
-        ctx = TrainContext(settings=Settings.of({"sandbox": sandbox}), task=TASK, candidate=candidate, seed=0,
-                           total_frames=cfg.frames)
+    for candidate in (
+        Candidate("hostile", 0, reward=RewardProgram(fill(hostile.source, host, tag))),
+        Candidate("benign", 0, reward=RewardProgram(BENIGN)),
+    ):
+        ctx = TrainContext(
+            settings=Settings.of({"sandbox": sandbox}), task=TASK, candidate=candidate, seed=0, total_frames=cfg.frames
+        )
         results.append(train(TASK, candidate, cfg, seed=0, ctx=ctx))
     bad, good = results
     expected = hostile.unchecked
@@ -416,4 +465,6 @@ def test_hostile_candidate_fails_its_training_and_the_next_one_trains(name: str,
     assert worker_processes() == [] and hostile_files(tag) == [] and host.connections() == 0
     trainer_sets = ("threads", "torch_rng")  # the trainer itself sets its threads and seeds torch
     after = host_state()
-    assert {k: v for k, v in after.items() if k not in trainer_sets} == {k: v for k, v in before.items() if k not in trainer_sets}
+    assert {k: v for k, v in after.items() if k not in trainer_sets} == {
+        k: v for k, v in before.items() if k not in trainer_sets
+    }

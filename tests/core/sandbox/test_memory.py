@@ -22,8 +22,18 @@ from core.sandbox import Limits, ProgramWorker, SandboxError, candidate_scope, m
 from test_hostile_corpus import workers_isolated
 
 TASK = CartPole()
-LIMITS = Limits(cpu_s=3, wall_s=15, memory_mb=512, max_procs=64, call_timeout_s=5.0, max_open_files=64, tmp_mb=16,
-                max_time_share=0.9, time_share_grace_s=20.0, static_check=False)
+LIMITS = Limits(
+    cpu_s=3,
+    wall_s=15,
+    memory_mb=512,
+    max_procs=64,
+    call_timeout_s=5.0,
+    max_open_files=64,
+    tmp_mb=16,
+    max_time_share=0.9,
+    time_share_grace_s=20.0,
+    static_check=False,
+)
 #: four processes of 200 MB each: every one under the per-process limit, together over the worker's 512 MB
 FORKS = """
 import os
@@ -98,8 +108,10 @@ def test_without_a_group_the_host_measures_the_workers_memory(monkeypatch: pytes
 
 
 def test_the_host_measure_counts_what_a_process_wrote_not_what_it_shares() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; b = b'x' * (64 * 2**20); print(1, flush=True); "
-                              "time.sleep(30)"], stdout=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; b = b'x' * (64 * 2**20); print(1, flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE,
+    )
     try:
         assert child.stdout.readline().strip() == b"1"
         written = memory.resident_bytes(child.pid, ())

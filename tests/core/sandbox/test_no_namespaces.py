@@ -58,7 +58,9 @@ def test_without_namespaces_the_log_says_what_is_missing(no_namespaces: None, ca
     text = caplog.text
     assert "no network, pid, mount namespace for LLM-written programs" in text
     assert NO_NAMESPACES_ENV in text  # why
-    assert "can reach the network" in text and "killed by uid or process group" in text and "host's /tmp and /proc" in text
+    assert (
+        "can reach the network" in text and "killed by uid or process group" in text and "host's /tmp and /proc" in text
+    )
     assert worker.metrics()["sandbox/namespaces"] == 0.0
 
 
@@ -77,7 +79,9 @@ def test_without_namespaces_benign_programs_load_run_and_leave_nothing(no_namesp
     with candidate_scope():
         worker = ProgramWorker(LIMITS)
         folder = worker.isolation["folder"]
-        assert folder.startswith("/tmp/llm4rl-sandbox-") and os.path.isdir(folder)  # no mount namespace: the host's /tmp
+        assert folder.startswith("/tmp/llm4rl-sandbox-") and os.path.isdir(
+            folder
+        )  # no mount namespace: the host's /tmp
         reward_fn = prepare_reward(RewardProgram(BENIGN), TASK, limits=LIMITS, worker=worker)
         state_fn = prepare_state(StateProgram(STATE), TASK, limits=LIMITS, worker=worker)
         for _ in range(3):  # repeated calls take the short path
@@ -91,8 +95,9 @@ def test_without_namespaces_benign_programs_load_run_and_leave_nothing(no_namesp
 def test_without_namespaces_a_training_with_a_reward_program_runs(no_namespaces: None) -> None:
     from core.train.ppo import PPOConfig, train
 
-    cfg = PPOConfig(frames=512, num_envs=4, rollout_steps=32, epochs=1, minibatch=64, hidden=[16], eval_every=0,
-                    eval_episodes=1)
+    cfg = PPOConfig(
+        frames=512, num_envs=4, rollout_steps=32, epochs=1, minibatch=64, hidden=[16], eval_every=0, eval_episodes=1
+    )
     result = train(TASK, Candidate("benign", 0, reward=RewardProgram(BENIGN)), cfg, seed=0)
     assert result.ok and result.frames == 512 and result.fitness is not None, result.error
     assert result.metrics["sandbox/namespaces"] == 0.0 and result.metrics["sandbox/program_calls"] > 0
@@ -110,8 +115,11 @@ def test_the_hostile_corpus_skip_decision_is_the_kernels(monkeypatch: pytest.Mon
     assert corpus.workers_isolated() is False
 
 
-def test_without_namespaces_unchecked_hostile_code_is_never_started(no_namespaces: None, host: Any,  # noqa: F811
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_namespaces_unchecked_hostile_code_is_never_started(
+    no_namespaces: None,
+    host: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     spawned = []
     monkeypatch.setattr(Zygote, "spawn", lambda self, *a, **k: spawned.append(a) or pytest.fail("a worker started"))
     isolated = False  # what workers_isolated() says here (test above)
@@ -123,14 +131,25 @@ def test_without_namespaces_unchecked_hostile_code_is_never_started(no_namespace
     assert spawned == []
 
 
-CHECKED = ["typing_hints_run_code", "fork_bomb", "keep_result_and_spoil_it", "no_grad_generator_for_the_next_candidate",
-           "infinite_loop_after_the_probe", "allocate_six_gib", "nan_in_one_row_after_the_probe",
-           "state_program_infinite_loop"]
+CHECKED = [
+    "typing_hints_run_code",
+    "fork_bomb",
+    "keep_result_and_spoil_it",
+    "no_grad_generator_for_the_next_candidate",
+    "infinite_loop_after_the_probe",
+    "allocate_six_gib",
+    "nan_in_one_row_after_the_probe",
+    "state_program_infinite_loop",
+]
 
 
 @pytest.mark.parametrize("name", CHECKED)
-def test_hostile_program_checked_without_namespaces(name: str, no_namespaces: None, host: Any,  # noqa: F811
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_hostile_program_checked_without_namespaces(
+    name: str,
+    no_namespaces: None,
+    host: Any,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The corpus's checked run, as on a machine without namespaces: its category, the host unchanged, the loop goes on."""
     hostile = next(h for h in CORPUS if h.name == name)
     with caplog.at_level("WARNING", logger="core.sandbox"):

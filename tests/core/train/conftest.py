@@ -35,5 +35,6 @@ def task() -> Task:
 @pytest.fixture
 def tiny_cfg() -> PPOConfig:
     """A few batches, two small evaluations: seconds, not minutes."""
-    return PPOConfig(frames=512, num_envs=4, rollout_steps=32, epochs=2, minibatch=64,
-                     hidden=[16], eval_every=256, eval_episodes=2)
+    return PPOConfig(
+        frames=512, num_envs=4, rollout_steps=32, epochs=2, minibatch=64, hidden=[16], eval_every=256, eval_episodes=2
+    )

@@ -25,9 +25,23 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 class Push:
     """A prior that wants one action (discrete) or one behaviour action (continuous)."""
 
-    def __init__(self, action: int = 1, weight: float = 10.0, shape: tuple[int, ...] | None = None,
-                 mean: float | None = None, prob: float = 1.0, imitation: float = 0.0) -> None:
-        self.action, self.weight, self.shape, self.mean, self.prob, self.imitation = action, weight, shape, mean, prob, imitation
+    def __init__(
+        self,
+        action: int = 1,
+        weight: float = 10.0,
+        shape: tuple[int, ...] | None = None,
+        mean: float | None = None,
+        prob: float = 1.0,
+        imitation: float = 0.0,
+    ) -> None:
+        self.action, self.weight, self.shape, self.mean, self.prob, self.imitation = (
+            action,
+            weight,
+            shape,
+            mean,
+            prob,
+            imitation,
+        )
         self.calls = 0
         self.taken: list[torch.Tensor] = []
 
@@ -95,8 +109,9 @@ def test_ppo_loss_sees_the_combined_distribution():
     stats = ppo.ppo_gradients(model, frames, (math.log(0.8), math.log(1.2)), 0.5, 0.0, report=True)
     assert stats["policy"] == pytest.approx(-1.0, abs=1e-5)  # ratio 1 everywhere: on-policy
     without = ppo.Frames(obs, action, old, torch.ones(6, 1), torch.zeros(6, 1))
-    assert ppo.ppo_gradients(model, without, (math.log(0.8), math.log(1.2)), 0.5, 0.0, report=True)["policy"] != \
-        pytest.approx(-1.0, abs=1e-5)
+    assert ppo.ppo_gradients(model, without, (math.log(0.8), math.log(1.2)), 0.5, 0.0, report=True)[
+        "policy"
+    ] != pytest.approx(-1.0, abs=1e-5)
 
 
 @pytest.mark.parametrize("shape, words", [((3, 2), "expected ["), ((4, 5), "one column per action")])

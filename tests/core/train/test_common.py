@@ -17,8 +17,9 @@ SANDBOX = {"allowed_imports": ["math", "torch"], "cpu_s": 3, "wall_s": 7, "memor
 
 
 def _ctx(task, candidate, tiny_cfg, **config) -> TrainContext:
-    return TrainContext(settings=Settings.of(config), task=task, candidate=candidate, seed=0,
-                        total_frames=tiny_cfg.frames)
+    return TrainContext(
+        settings=Settings.of(config), task=task, candidate=candidate, seed=0, total_frames=tiny_cfg.frames
+    )
 
 
 def test_sandbox_settings_read_the_config_node(task, tiny_cfg):
@@ -48,8 +49,12 @@ def test_training_passes_the_sandbox_config_to_the_programs(task, tiny_cfg, monk
 
     monkeypatch.setattr(core.sandbox, "prepare_reward", fake_reward)
     monkeypatch.setattr(core.sandbox, "prepare_state", fake_state)
-    candidate = Candidate("p", 0, reward=RewardProgram(source="", entry="compute_reward"),
-                          state=StateProgram(source="", entry="revise_state"))
+    candidate = Candidate(
+        "p",
+        0,
+        reward=RewardProgram(source="", entry="compute_reward"),
+        state=StateProgram(source="", entry="revise_state"),
+    )
     ctx = _ctx(task, candidate, tiny_cfg, sandbox=SANDBOX, save_policy=False)
     result = train(task, candidate, tiny_cfg, seed=0, ctx=ctx)
     assert result.ok, result.error
@@ -78,8 +83,10 @@ def test_policy_saving_defaults(task, tiny_cfg):
 
 
 def test_a_per_state_reward_trains_and_is_reported(task, tiny_cfg):
-    source = ("def compute_reward(state, action, next_state):\n"
-              "    return 1.0 if abs(float(next_state['pole_angle'])) < 0.1 else 0.0\n")
+    source = (
+        "def compute_reward(state, action, next_state):\n"
+        "    return 1.0 if abs(float(next_state['pole_angle'])) < 0.1 else 0.0\n"
+    )
     candidate = Candidate("per-row", 0, reward=RewardProgram(source=source))
     result = train(task, candidate, tiny_cfg, seed=0, ctx=_ctx(task, candidate, tiny_cfg, save_policy=False))
     assert result.ok, result.error

@@ -41,8 +41,8 @@ def test_a_continued_training_starts_from_the_previous_final_state(task, tiny_cf
     assert start.frames == first.frames and start.source == "a"
     second = ppo.train(task, Candidate("b", 1, start=start, keep_policy=True), tiny_cfg, seed=0)
     assert second.ok, second.error
-    (_, a_final), = seen["a"]
-    (b_initial, b_final), = seen["b"]
+    ((_, a_final),) = seen["a"]
+    ((b_initial, b_final),) = seen["b"]
     assert torch.equal(b_initial, a_final)  # actor and critic, exactly
     assert not torch.equal(b_final, b_initial)  # and it trained on
     state = torch.load(__import__("io").BytesIO(second.final_policy), weights_only=True)
@@ -62,12 +62,22 @@ def test_a_fresh_training_does_not_start_from_a_kept_policy(task, tiny_cfg, seen
 
 def test_adam_state_continues(task, tiny_cfg):
     first = ppo.train(task, Candidate("a", 0, keep_policy=True), tiny_cfg, seed=0)
-    run = ppo._Run(task, Candidate("b", 1, start=StartPolicy.of(Candidate("a", 0), first)), tiny_cfg, 0, None, None,
-                   None, TrainResult("b", False))
+    run = ppo._Run(
+        task,
+        Candidate("b", 1, start=StartPolicy.of(Candidate("a", 0), first)),
+        tiny_cfg,
+        0,
+        None,
+        None,
+        None,
+        TrainResult("b", False),
+    )
     saved = run.start_state()
     assert saved is not None
     batches = tiny_cfg.frames // tiny_cfg.frames_per_batch
-    assert int(saved["optimizer"]["steps"]) == batches * tiny_cfg.epochs * (tiny_cfg.frames_per_batch // tiny_cfg.minibatch)
+    assert int(saved["optimizer"]["steps"]) == batches * tiny_cfg.epochs * (
+        tiny_cfg.frames_per_batch // tiny_cfg.minibatch
+    )
 
 
 def test_a_start_policy_that_does_not_fit_fails_the_candidate(task, tiny_cfg):
@@ -95,10 +105,20 @@ def test_own_frames_and_the_original_env_last(task, tiny_cfg, seen):
     assert len(seen["a"]) == 2  # two stages (CartPole has no params: both on the original env), one network
     assert torch.equal(seen["a"][1][0], seen["a"][0][1])
     mix = [EnvConfig("other", {"size": 2}, weight=1.0)]
-    stages = ppo._Run(task, Candidate("x", 0, envs=mix, frames=4 * cfg.frames_per_batch, original_after=0.25),
-                      replace(cfg, frames=4 * cfg.frames_per_batch), 0, None, None, None, TrainResult("x", False)).stages()
+    stages = ppo._Run(
+        task,
+        Candidate("x", 0, envs=mix, frames=4 * cfg.frames_per_batch, original_after=0.25),
+        replace(cfg, frames=4 * cfg.frames_per_batch),
+        0,
+        None,
+        None,
+        None,
+        TrainResult("x", False),
+    ).stages()
     assert [(c.envs, n) for c, n in stages] == [(mix, 3), ([], 1)]
-    whole = ppo._Run(task, Candidate("y", 0, envs=mix, original_after=1.0), cfg, 0, None, None, None, TrainResult("y", False))
+    whole = ppo._Run(
+        task, Candidate("y", 0, envs=mix, original_after=1.0), cfg, 0, None, None, None, TrainResult("y", False)
+    )
     assert [(c.envs, n) for c, n in whole.stages()] == [([], cfg.frames // cfg.frames_per_batch)]
 
 
@@ -136,9 +156,16 @@ def test_the_store_key_names_the_start_policy_by_its_weights():
 def _history(*iterations: list[tuple[Candidate, float | None]]) -> list[IterationResult]:
     out = []
     for k, pairs in enumerate(iterations):
-        out.append(IterationResult(k, [c for c, _ in pairs],
-                                   [TrainResult(c.id, s is not None, fitness=Fitness("f", s) if s is not None else None)
-                                    for c, s in pairs]))
+        out.append(
+            IterationResult(
+                k,
+                [c for c, _ in pairs],
+                [
+                    TrainResult(c.id, s is not None, fitness=Fitness("f", s) if s is not None else None)
+                    for c, s in pairs
+                ],
+            )
+        )
     return out
 
 

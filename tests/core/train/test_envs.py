@@ -85,12 +85,20 @@ def test_final_observation_and_episode_returns() -> None:
 
 def test_collector_batch_over_the_fast_path() -> None:
     env = VecGymEnv(CartPole().make_env(4, 0), seed=0)
+
     def policy(td):
         td.set("action", torch.randint(0, 2, (4,)))
         return td
 
-    collector = Collector(env, policy, frames_per_batch=4 * 50, total_frames=4 * 100, trust_policy=True,
-                          track_traj_ids=False, auto_register_policy_transforms=False)
+    collector = Collector(
+        env,
+        policy,
+        frames_per_batch=4 * 50,
+        total_frames=4 * 100,
+        trust_policy=True,
+        track_traj_ids=False,
+        auto_register_policy_transforms=False,
+    )
     batches = list(collector)
     collector.shutdown()
     assert len(batches) == 2
@@ -104,8 +112,11 @@ def test_collector_batch_over_the_fast_path() -> None:
 
 
 def test_buffer_reusing_vector_env_is_copied() -> None:
-    vec = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(2)], copy=False,
-                                   autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    vec = gym.vector.SyncVectorEnv(
+        [lambda: gym.make("CartPole-v1") for _ in range(2)],
+        copy=False,
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
     env = VecGymEnv(vec, seed=0)
     td = env.reset()
     steps = []

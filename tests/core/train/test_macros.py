@@ -11,13 +11,13 @@ from core.train.macros import MacroSet
 from core.train.ppo import train
 
 # push toward the side the pole leans to, until the pole is nearly upright
-BALANCE = '''
+BALANCE = """
 def balance(state):
     return int(state["pole_angle"][0] > 0)
 
 def upright(state):
     return bool(abs(float(state["pole_angle"][0])) < 0.01)
-'''
+"""
 LEFT = "def left(state):\n    return 0\n"
 BROKEN = "def broken(state):\n    return 1 / 0\n"
 OUT_OF_RANGE = "def wrong(state):\n    return 5\n"
@@ -55,7 +55,9 @@ def test_done_entry_ends_the_macro_early(task):
     assert 1 <= info["env_steps"][0] < 200
 
 
-@pytest.mark.parametrize(("source", "name", "kind"), [(BROKEN, "broken", "exception"), (OUT_OF_RANGE, "wrong", "invalid_value")])
+@pytest.mark.parametrize(
+    ("source", "name", "kind"), [(BROKEN, "broken", "exception"), (OUT_OF_RANGE, "wrong", "invalid_value")]
+)
 def test_failing_macro_is_caught_by_the_probe(task, source, name, kind):
     with pytest.raises(SandboxError) as info:
         MacroSet.prepare([_macro(name, source)], task)

@@ -15,8 +15,16 @@ from core.testing import fakes
 from core.train.population import Population, SharedReplay, copy_agent, population_settings
 from core.train.sac import act_deterministic, make_sac_modules, sac_update
 
-SAC = {"name": "sac", "frames": 400, "init_random_frames": 100, "updates_per_frame": 0.25, "batch_size": 16,
-       "num_envs": 2, "eval_episodes": 1, "hidden": [8]}
+SAC = {
+    "name": "sac",
+    "frames": 400,
+    "init_random_frames": 100,
+    "updates_per_frame": 0.25,
+    "batch_size": 16,
+    "num_envs": 2,
+    "eval_episodes": 1,
+    "hidden": [8],
+}
 
 UPRIGHT = """import torch
 
@@ -63,13 +71,29 @@ def test_the_replay_samples_a_sac_batch_rewarded_and_featured_for_one_member():
     buf = SharedReplay(capacity=8, obs_dim=2, act_dim=1, members=2, extra_dims=[0, 1])
     obs = torch.arange(8.0).reshape(4, 2)
     feats = {1: (torch.full((4, 1), -1.0), torch.full((4, 1), -2.0))}
-    buf.add(obs, torch.ones(4, 1), obs + 1, torch.tensor([0, 0, 0, 1]), torch.zeros(4), torch.tensor([[1.0, 5.0]] * 4),
-            hook=torch.tensor([[0.0, 0.5]] * 4), extra=feats)
+    buf.add(
+        obs,
+        torch.ones(4, 1),
+        obs + 1,
+        torch.tensor([0, 0, 0, 1]),
+        torch.zeros(4),
+        torch.tensor([[1.0, 5.0]] * 4),
+        hook=torch.tensor([[0.0, 0.5]] * 4),
+        extra=feats,
+    )
     batch = buf.sample(16, 1, lambda r: 2.0 * r - 1.0)
     assert batch.batch_size == torch.Size([16])
-    assert set(batch.keys(True, True)) >= {"observation", "action", ("next", "observation"), ("next", "reward"),
-                                           ("next", "done"), ("next", "terminated")}
-    assert batch["next", "reward"].shape == (16, 1) and torch.all(batch["next", "reward"] == 9.5)  # shaped program + hook term
+    assert set(batch.keys(True, True)) >= {
+        "observation",
+        "action",
+        ("next", "observation"),
+        ("next", "reward"),
+        ("next", "done"),
+        ("next", "terminated"),
+    }
+    assert batch["next", "reward"].shape == (16, 1) and torch.all(
+        batch["next", "reward"] == 9.5
+    )  # shaped program + hook term
     assert batch["next", "terminated"].dtype == torch.bool
     assert batch["observation"].shape == (16, 3) and torch.all(batch["observation"][:, 2] == -1.0)
     assert torch.equal(batch["next", "observation"][:, :2], batch["observation"][:, :2] + 1)
@@ -97,15 +121,21 @@ def test_a_population_trains_a_methods_body_and_refuses_what_it_cannot_hold():
     run = make_run()
     plain = Candidate("c0", 0, reward=RewardProgram(source=UPRIGHT))
     other = Candidate("c1", 0, reward=RewardProgram(source=UPRIGHT))
-    macro = Candidate("c2", 0, reward=RewardProgram(source=UPRIGHT),
-                      macros=[MacroAction("spin", Program(source="def act(state):\n    return 0", entry="act"))])
+    macro = Candidate(
+        "c2",
+        0,
+        reward=RewardProgram(source=UPRIGHT),
+        macros=[MacroAction("spin", Program(source="def act(state):\n    return 0", entry="act"))],
+    )
     seen: list[int] = []
 
     def body(pop: Population) -> None:
         assert [m.candidate.id for m in pop.live] == ["c0", "c1"]
         for m in pop.live:
-            m.use(m.program, prepare_reward(m.program, run.task, limits=run.sandbox.limits(),
-                                            allowed_imports=run.sandbox.imports))
+            m.use(
+                m.program,
+                prepare_reward(m.program, run.task, limits=run.sandbox.limits(), allowed_imports=run.sandbox.imports),
+            )
         turn = 0
         while pop.frames < pop.budget:
             pop.step(pop.live[turn % 2])
@@ -133,6 +163,7 @@ def test_a_discrete_task_gets_unsupported_results_and_nothing_trains():
     run = make_run(env="cartpole")
     calls: list[int] = []
     (result,) = Population(run, [Candidate("c", 0, reward=RewardProgram(source=UPRIGHT))], 0, name="x").train(
-        lambda pop: calls.append(1))
+        lambda pop: calls.append(1)
+    )
     assert not result.ok and result.error_kind == "unsupported" and result.error.startswith("action space")
     assert calls == []

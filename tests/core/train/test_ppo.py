@@ -83,8 +83,12 @@ def test_evaluate_runs_one_episode_per_env(task):
 
 
 def _numbers(result):
-    return (result.metrics["losses/policy_loss"], result.metrics["losses/value_loss"],
-            result.fitness.value, [(c.frames, c.fitness) for c in result.curve])
+    return (
+        result.metrics["losses/policy_loss"],
+        result.metrics["losses/value_loss"],
+        result.fitness.value,
+        [(c.frames, c.fitness) for c in result.curve],
+    )
 
 
 def test_same_seed_same_numbers(task, tiny_cfg):
@@ -162,7 +166,9 @@ def _fixed_batch(discrete: bool, n: int = 256, obs_dim: int = 5):
     from core.train.networks import FlatActorCritic, build_networks
 
     torch.manual_seed(0)
-    spec = Categorical(3, shape=(n,)) if discrete else Bounded(low=-torch.ones(n, 2), high=torch.ones(n, 2), shape=(n, 2))
+    spec = (
+        Categorical(3, shape=(n,)) if discrete else Bounded(low=-torch.ones(n, 2), high=torch.ones(n, 2), shape=(n, 2))
+    )
     nets = build_networks(obs_dim, spec, [32, 16])
     model = FlatActorCritic(nets.actor_net, nets.critic_net)
     model.params.add_(0.3 * torch.randn_like(model.params))  # the modules see it: their parameters are views
@@ -187,8 +193,17 @@ def test_fast_update_matches_clip_ppo_loss(discrete, ent_coef):
 
     nets, model, td = _fixed_batch(discrete)
     clip, vf_coef = 0.2, 0.5
-    loss = ClipPPOLoss(nets.actor, nets.critic, clip_epsilon=clip, entropy_bonus=ent_coef > 0, entropy_coeff=ent_coef,
-                       critic_coeff=vf_coef, loss_critic_type="l2", normalize_advantage=True, functional=False)
+    loss = ClipPPOLoss(
+        nets.actor,
+        nets.critic,
+        clip_epsilon=clip,
+        entropy_bonus=ent_coef > 0,
+        entropy_coeff=ent_coef,
+        critic_coeff=vf_coef,
+        loss_critic_type="l2",
+        normalize_advantage=True,
+        functional=False,
+    )
     out = loss(td)
     assert 0.05 < float(out["clip_fraction"]) < 0.95  # both branches of the clipped objective are exercised
     params = nets.parameters()
@@ -199,14 +214,15 @@ def test_fast_update_matches_clip_ppo_loss(discrete, ent_coef):
     action = td["action"].reshape(n, 1) if discrete else td["action"]
     frames = Frames(td["observation"], action, td["action_log_prob"].reshape(n, 1), td["advantage"], td["value_target"])
     model.grad.fill_(float("nan"))  # every entry must be written
-    losses = ppo_gradients(model, frames.normalized(), (math.log1p(-clip), math.log1p(clip)), vf_coef, ent_coef,
-                           report=True)
+    losses = ppo_gradients(
+        model, frames.normalized(), (math.log1p(-clip), math.log1p(clip)), vf_coef, ent_coef, report=True
+    )
     assert losses["policy"] == pytest.approx(float(out["loss_objective"].detach()), rel=1e-4, abs=1e-6)
     assert losses["value"] == pytest.approx(float(out["loss_critic"].detach()) / vf_coef, rel=1e-4)
     assert not torch.isnan(model.grad).any()
     for param, expected in zip(params, grads):
         at = param.storage_offset()  # the modules' parameters are views of model.params
-        ours = model.grad[at:at + param.numel()].view_as(param)
+        ours = model.grad[at : at + param.numel()].view_as(param)
         torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-6)
 
 
@@ -269,8 +285,13 @@ def test_phase_times_and_saved_policy(task, tiny_cfg):
     from core.train.networks import build_networks
 
     candidate = Candidate("saved", 0)
-    ctx = TrainContext(settings=Settings.of({"save_policy": True}), task=task, candidate=candidate, seed=0,
-                       total_frames=tiny_cfg.frames)
+    ctx = TrainContext(
+        settings=Settings.of({"save_policy": True}),
+        task=task,
+        candidate=candidate,
+        seed=0,
+        total_frames=tiny_cfg.frames,
+    )
     result = train(task, candidate, tiny_cfg, seed=0, ctx=ctx)
     assert result.ok, result.error
     assert all(result.metrics[f"time/{phase}_s"] >= 0 for phase in ("rollout", "reward", "advantage", "update"))
@@ -314,11 +335,24 @@ def test_fast_steps_track_the_reference_update():
     ref.critic_net.load_state_dict({k: v.clone() for k, v in nets.critic_net.state_dict().items()})
     params = ref.parameters()
     optim, ref_optim = FlatAdam(model.params, lr=1e-3, eps=1e-5), torch.optim.Adam(params, lr=1e-3, eps=1e-5)
-    loss = ClipPPOLoss(ref.actor, ref.critic, clip_epsilon=0.2, entropy_bonus=False, critic_coeff=0.5,
-                       loss_critic_type="l2", normalize_advantage=True, functional=False)
+    loss = ClipPPOLoss(
+        ref.actor,
+        ref.critic,
+        clip_epsilon=0.2,
+        entropy_bonus=False,
+        critic_coeff=0.5,
+        loss_critic_type="l2",
+        normalize_advantage=True,
+        functional=False,
+    )
     n = td.shape[0]
-    frames = Frames(td["observation"], td["action"].reshape(n, 1), td["action_log_prob"].reshape(n, 1),
-                    td["advantage"], td["value_target"]).normalized()
+    frames = Frames(
+        td["observation"],
+        td["action"].reshape(n, 1),
+        td["action_log_prob"].reshape(n, 1),
+        td["advantage"],
+        td["value_target"],
+    ).normalized()
     for _ in range(20):
         ppo_gradients(model, frames, (math.log1p(-0.2), math.log1p(0.2)), 0.5, 0.0)
         scale = 0.5 / (float(model.grad.norm()) + 1e-6)
@@ -331,4 +365,6 @@ def test_fast_steps_track_the_reference_update():
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         ref_optim.step()
     for ours, theirs in zip(nets.parameters(), params):
-        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=0, atol=1e-4 * float(theirs.detach().abs().max()))
+        torch.testing.assert_close(
+            ours.detach(), theirs.detach(), rtol=0, atol=1e-4 * float(theirs.detach().abs().max())
+        )

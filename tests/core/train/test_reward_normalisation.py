@@ -46,8 +46,8 @@ def test_a_reward_times_1e6_is_brought_to_unit_scale():
     norm = RewardNormalizer(8, gamma=0.98, clip=0.0)
     out = []
     for k in range(0, 256, 32):  # collected in batches of 32 steps per env
-        norm.update(1e6 * reward[:, k:k + 32], done[:, k:k + 32])
-        out.append(norm.normalize(1e6 * reward[:, k:k + 32]))
+        norm.update(1e6 * reward[:, k : k + 32], done[:, k : k + 32])
+        out.append(norm.normalize(1e6 * reward[:, k : k + 32]))
     scaled = torch.cat(out, 1)
     late = _discounted(scaled, done, 0.98)[:, 128:]  # once the statistics have settled
     assert 0.5 < float(late.std()) < 2.0  # the return the critic fits has unit scale
@@ -181,8 +181,15 @@ def _sac(monkeypatch, scale: float, normalize: bool):
 
     monkeypatch.setattr(core.sandbox, "prepare_reward", lambda program, task, **kw: reward)
     candidate = Candidate("r", 0, reward=RewardProgram(source="", entry="compute_reward"))
-    cfg = SACConfig(frames=400, init_random_frames=100, batch_size=32, hidden=[16], eval_every=0, eval_episodes=1,
-                    normalize_reward=normalize)
+    cfg = SACConfig(
+        frames=400,
+        init_random_frames=100,
+        batch_size=32,
+        hidden=[16],
+        eval_every=0,
+        eval_episodes=1,
+        normalize_reward=normalize,
+    )
     result = sac.train(Pendulum(), candidate, cfg, seed=0)
     assert result.ok, result.error
     return result

@@ -18,8 +18,17 @@ from core.envs.classic import Pendulum
 from core.records import Candidate, RewardProgram
 from core.resources import conf_dir
 from core.train import get_trainer
-from core.train.sac import (PHASES, FlatReplay, SACConfig, act_deterministic, collect, make_replay_buffer,
-                            make_sac_modules, sac_update, train)
+from core.train.sac import (
+    PHASES,
+    FlatReplay,
+    SACConfig,
+    act_deterministic,
+    collect,
+    make_replay_buffer,
+    make_sac_modules,
+    sac_update,
+    train,
+)
 
 
 def _yaml() -> dict:
@@ -50,17 +59,24 @@ def test_registry_maps_sac():
     assert train_fn is train and config_cls is SACConfig
 
 
-@pytest.mark.parametrize("bad", [{"frames": 10, "tau": 0.0}, {"frames": 10, "batch_size": 0}, {"lr": 1.0}, {"frames": 1, "x": 2}])
+@pytest.mark.parametrize(
+    "bad", [{"frames": 10, "tau": 0.0}, {"frames": 10, "batch_size": 0}, {"lr": 1.0}, {"frames": 1, "x": 2}]
+)
 def test_invalid_configs_raise(bad):
     with pytest.raises(ValueError):
         SACConfig.from_config(bad)
 
 
 def _batch(n: int = 32) -> TensorDict:
-    nxt = {"observation": torch.randn(n, 3), "reward": torch.randn(n, 1),
-           "done": torch.zeros(n, 1, dtype=torch.bool), "terminated": torch.zeros(n, 1, dtype=torch.bool)}
-    return TensorDict({"observation": torch.randn(n, 3), "action": torch.rand(n, 1) * 4 - 2,
-                       "next": TensorDict(nxt, [n])}, [n])
+    nxt = {
+        "observation": torch.randn(n, 3),
+        "reward": torch.randn(n, 1),
+        "done": torch.zeros(n, 1, dtype=torch.bool),
+        "terminated": torch.zeros(n, 1, dtype=torch.bool),
+    }
+    return TensorDict(
+        {"observation": torch.randn(n, 3), "action": torch.rand(n, 1) * 4 - 2, "next": TensorDict(nxt, [n])}, [n]
+    )
 
 
 def test_modules_and_update_are_reusable():
@@ -98,8 +114,13 @@ def test_fused_update_has_sacloss_losses_and_gradients():
     for opt in modules.optimizers:
         opt.lr = 0.0  # the gradients stay readable, the parameters unchanged
     torch.manual_seed(1)
-    out = modules.flat.update(batch["observation"], batch["action"], batch["next", "reward"],
-                              batch["next", "observation"], batch["next", "terminated"])
+    out = modules.flat.update(
+        batch["observation"],
+        batch["action"],
+        batch["next", "reward"],
+        batch["next", "observation"],
+        batch["next", "terminated"],
+    )
     for key in ("loss_qvalue", "loss_actor", "loss_alpha", "alpha"):
         assert torch.allclose(out[key], expected[key], rtol=1e-5, atol=1e-6), key
     for (name, param), grad in zip(modules.loss.named_parameters(), grads):
@@ -114,10 +135,19 @@ def test_parameters_are_views_the_optimizers_step_and_the_targets_follow():
     assert actor.data_ptr() == flat.actor_flat.data_ptr()  # the TorchRL actor sees every step
     critic_before, target_before = flat.critic_flat.clone(), flat.target_flat.clone()
     n = 32
-    batch = TensorDict({"observation": torch.randn(n, 4), "action": torch.rand(n, 2) * 2 - 1,
-                        "next": {"observation": torch.randn(n, 4), "reward": torch.randn(n, 1),
-                                 "done": torch.zeros(n, 1, dtype=torch.bool),
-                                 "terminated": torch.zeros(n, 1, dtype=torch.bool)}}, [n])
+    batch = TensorDict(
+        {
+            "observation": torch.randn(n, 4),
+            "action": torch.rand(n, 2) * 2 - 1,
+            "next": {
+                "observation": torch.randn(n, 4),
+                "reward": torch.randn(n, 1),
+                "done": torch.zeros(n, 1, dtype=torch.bool),
+                "terminated": torch.zeros(n, 1, dtype=torch.bool),
+            },
+        },
+        [n],
+    )
     sac_update(modules, batch)
     assert not torch.equal(flat.critic_flat, critic_before)
     assert torch.allclose(flat.target_flat, target_before + tau * (flat.critic_flat - target_before), atol=1e-7)
@@ -145,8 +175,14 @@ def test_flat_replay_keeps_keys_dtypes_and_wraps():
     for start in (0, 6):  # 12 rows into 10: the ring wraps
         n = 6
         obs = torch.arange(start, start + n, dtype=torch.float32).unsqueeze(-1).expand(n, 3)
-        batch = TensorDict({"observation": obs, "action": obs[:, :1] * 10,
-                            "next": {"reward": -obs[:, :1], "terminated": obs[:, :1] > 8}}, [n])
+        batch = TensorDict(
+            {
+                "observation": obs,
+                "action": obs[:, :1] * 10,
+                "next": {"reward": -obs[:, :1], "terminated": obs[:, :1] > 8},
+            },
+            [n],
+        )
         buffer.extend(batch)
     assert len(buffer) == 10
     sample = buffer.sample(64)
@@ -190,8 +226,9 @@ def test_discrete_actions_are_refused():
 
 def test_training_contract(pendulum):
     candidate = Candidate("s", 0)
-    ctx = TrainContext(settings=Settings.of({"save_policy": True}), task=pendulum, candidate=candidate, seed=0,
-                       total_frames=400)
+    ctx = TrainContext(
+        settings=Settings.of({"save_policy": True}), task=pendulum, candidate=candidate, seed=0, total_frames=400
+    )
     result = train(pendulum, candidate, _tiny(), seed=0, ctx=ctx)
     assert result.ok, result.error
     assert result.frames == 400 and len(result.curve) == 2 and len(result.episodes) == 2
