@@ -35,10 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import reference_ppo  # noqa: E402
-from core.envs.classic import CartPole  # noqa: E402
-from core.records import Candidate  # noqa: E402
-from core.train.evaluate import evaluate  # noqa: E402
+import reference_ppo
+from core.envs.classic import CartPole
+from core.records import Candidate
+from core.train.evaluate import evaluate
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,7 @@ def trainer_at(commit: str) -> ModuleType:
     name = f"ppo_at_{commit}"
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
     sys.modules[name] = module
-    exec(compile(source, f"{name}.py", "exec"), module.__dict__)  # noqa: S102 - our own history
+    exec(compile(source, f"{name}.py", "exec"), module.__dict__)  # our own history
     return module
 
 

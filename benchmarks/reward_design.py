@@ -32,8 +32,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 def compose(overrides: list[str]) -> Any:
     """The run config for ``overrides`` (the same composition as ``python -m core``)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import compose as hydra_compose, initialize_config_dir
 
     from core.resources import conf_dir
 

@@ -37,10 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.envs import make_task  # noqa: E402
-from core.records import Candidate, RewardProgram  # noqa: E402
-from core.train import get_trainer  # noqa: E402
-from core.train.common import CandidateEnv  # noqa: E402
+from core.envs import make_task
+from core.records import Candidate, RewardProgram
+from core.train import get_trainer
+from core.train.common import CandidateEnv
 
 #: task -> (env config, frames per training, trainer, the env's own reward as a program expression)
 TASKS = {

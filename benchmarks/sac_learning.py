@@ -47,7 +47,7 @@ def trainer_at(commit: str) -> ModuleType:
     name = f"sac_at_{commit}"
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
     sys.modules[name] = module
-    exec(compile(source, f"{name}.py", "exec"), module.__dict__)  # noqa: S102 - our own history
+    exec(compile(source, f"{name}.py", "exec"), module.__dict__)  # our own history
     return module
 
 

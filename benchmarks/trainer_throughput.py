@@ -48,10 +48,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the reference scripts beside this file
 
-import reference_ppo  # noqa: E402
-import reference_sac  # noqa: E402
-from core.envs.task import StateField, Task  # noqa: E402
-from core.records import Candidate, RewardProgram  # noqa: E402
+import reference_ppo
+import reference_sac
+from core.envs.task import StateField, Task
+from core.records import Candidate, RewardProgram
 
 PHASES = ("rollout", "reward", "advantage", "update")
 SAC_PHASES = ("rollout", "replay", "update", "target", "other")
@@ -195,8 +195,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     only = set(args.only.split(","))
-    import core.train.ppo  # noqa: F401 - imports before any clock starts
-    import core.train.sac  # noqa: F401
+    import core.train.ppo  # imports before any clock starts
+    import core.train.sac
 
     if "mujoco" in only:
         import mujoco  # noqa: F401
@@ -226,7 +226,7 @@ def main() -> None:
                 "fps": round(coded_metrics["charts/fps"], 1),
                 **profile(coded_metrics, 256),
             }
-        except Exception as exc:  # noqa: BLE001 - the sandbox may be unavailable; the rest still counts
+        except Exception as exc:  # the sandbox may be unavailable; the rest still counts
             out["profile_reward_program"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
     if "mujoco" in only:

@@ -82,8 +82,7 @@ class Records:
 
 
 def compose(overrides: list[str]) -> Any:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import compose as hydra_compose, initialize_config_dir
 
     from core.resources import conf_dir
 

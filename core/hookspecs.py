@@ -72,6 +72,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     import torch
 
+    from core.context import ActionPrior, RunContext, StepBatch, TrainContext
     from core.envs.task import Task
     from core.records import (
         Candidate,
@@ -83,7 +84,6 @@ if TYPE_CHECKING:  # pragma: no cover
         StateProgram,
         TrainResult,
     )
-    from core.context import ActionPrior, RunContext, StepBatch, TrainContext
 
 PROJECT = "llm4rl"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -325,7 +325,7 @@ class Loop:
         before = result.run_id
         try:
             self.tracker.log_candidate(candidate, result, tags, ended=ended)
-        except Exception as exc:  # noqa: BLE001 - one candidate's recording never ends the run
+        except Exception as exc:  # one candidate's recording never ends the run
             log.warning(
                 "candidate %s could not be recorded (%s: %s); the run goes on",
                 candidate.id,
@@ -336,7 +336,7 @@ class Loop:
             made = result.run_id if result.run_id != before else ""
             try:
                 result.run_id = self.tracker.fail_candidate(candidate, result, run_id=made)
-            except Exception:  # noqa: BLE001 - a tracker without it, or one that fails again
+            except Exception:  # a tracker without it, or one that fails again
                 result.run_id = made
 
     def _store_put(self, key: str, result: TrainResult) -> None:
@@ -344,7 +344,7 @@ class Loop:
         assert self.store is not None
         try:
             self.store.put(key, result)
-        except Exception as exc:  # noqa: BLE001 - the store is for resuming: losing an entry costs a retraining
+        except Exception as exc:  # the store is for resuming: losing an entry costs a retraining
             log.warning(
                 "candidate %s: the results store could not keep its result (%s: %s)",
                 result.candidate_id,

@@ -7,9 +7,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # headless: figures go to files and MLflow, never to a window
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from core.records import CurvePoint  # noqa: E402
+from core.records import CurvePoint
 
 
 def learning_curve(curves: dict[str, list[CurvePoint]], title: str = "", ylabel: str = "fitness") -> Any:

@@ -164,7 +164,7 @@ class _Checker:
                     max_steps=self.cfg.max_steps,
                     cache_dir=self.run.settings.run.cache_dir or None,
                 )
-            except Exception as exc:  # noqa: BLE001 - a task that cannot roll out is not vetted, never a crash
+            except Exception as exc:  # a task that cannot roll out is not vetted, never a crash
                 self._references, self._reference_error = [], f"the reference episodes could not be made ({exc!r})"
         return self._references
 

@@ -315,7 +315,7 @@ def hook_problem(info: PluginInfo) -> str:
         pm = make_plugin_manager(None, {info.name: module})
     except UserError as err:
         return str(err)
-    except Exception as err:  # noqa: BLE001 - an import error of a third-party plugin is its problem, shown
+    except Exception as err:  # an import error of a third-party plugin is its problem, shown
         return f"{type(err).__name__}: {err}"
     unmarked = unmarked_hooks(plugin_object(module, config_class(module)()), pm)
     return f"{', '.join(unmarked)} look(s) like hooks but lack @hookimpl" if unmarked else ""

@@ -47,17 +47,19 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core.errors import UserError, did_you_mean
 from core.resources import conf_dir
-from core.study_records import (  # noqa: F401 - the study's records, read here by callers
-    FRESH_SCORE,
-    RELATIONS,
-    ArmSpec,
-    CalibrationSpec,
+
+# the study's records, read here by callers: "X as X" re-exports them
+from core.study_records import (
+    FRESH_SCORE as FRESH_SCORE,
+    RELATIONS as RELATIONS,
+    ArmSpec as ArmSpec,
+    CalibrationSpec as CalibrationSpec,
     Cell,
     Invocation,
     PlannedCell,
     StudySpec,
-    TargetSpec,
-    TaskSpec,
+    TargetSpec as TargetSpec,
+    TaskSpec as TaskSpec,
     load_average,
 )
 
@@ -420,7 +422,7 @@ def run_cells(planned: list[PlannedCell], study: str, uri: str, invocation: Invo
                 summary = run_experiment(p.config, tags=p.tags(study, invocation.commit, invocation.machine))
             except UserError:
                 raise
-            except Exception:  # noqa: BLE001 - one crashed cell does not end the study; its run is FAILED
+            except Exception:  # one crashed cell does not end the study; its run is FAILED
                 invocation.crashed.append(p.cell.name)
                 console.print(
                     f"{where}: [red]crashed[/red] (run again to retry)\n{traceback.format_exc(limit=3)}",

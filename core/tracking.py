@@ -108,7 +108,7 @@ def _valid(name: str) -> bool:
         return True
     try:
         _validate_metric_name(name)
-    except Exception:  # noqa: BLE001 - MlflowException, or whatever a later MLflow raises
+    except Exception:  # MlflowException, or whatever a later MLflow raises
         return False
     return True
 
@@ -409,7 +409,7 @@ class Tracker:
             result.run_id = rid
             self._fill_candidate_run(rid, candidate, result, end_ms)
             self.client.set_terminated(rid, status="FINISHED" if result.ok else "FAILED", end_time=end_ms)
-        except Exception as exc:  # noqa: BLE001 - a candidate that cannot be recorded fails alone
+        except Exception as exc:  # a candidate that cannot be recorded fails alone
             log.warning(
                 "candidate %s could not be recorded in MLflow (%s: %s); the run goes on",
                 candidate.id,

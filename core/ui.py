@@ -15,6 +15,7 @@ Ctrl-C stops it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import subprocess
@@ -24,7 +25,6 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
-import contextlib
 from contextlib import contextmanager
 
 #: the environment MLflow's server runs with: no network fetch of litellm's price table, no job

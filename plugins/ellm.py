@@ -218,7 +218,7 @@ class Embeddings:
         self.calls += 1
         try:
             return np.asarray(self.llm.embed(texts, model=self.model, tag=f"{NAME}/embed"), np.float64)
-        except Exception as exc:  # noqa: BLE001 - an embedding failure costs its texts' matches, never the training
+        except Exception as exc:  # an embedding failure costs its texts' matches, never the training
             self.errors += 1
             self.failed.update(texts)
             if len(self.log) < 50:
@@ -320,7 +320,7 @@ class GoalReward:
                 if many is not None and len(calls) > 1
                 else [llm.chat(**c)[0] for c in calls]
             )
-        except Exception as exc:  # noqa: BLE001 - an LLM failure costs its captions, never the training
+        except Exception as exc:  # an LLM failure costs its captions, never the training
             error = f"{type(exc).__name__}: {str(exc)[:200]}"
             # calls of the batch that did land are in the client's records: keep them
             landed = {

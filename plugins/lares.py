@@ -597,7 +597,7 @@ class Evolution:
                 continue
             try:
                 pop.adopt(m, program, fn)  # every stored transition relabelled with the new function
-            except Exception as e:  # noqa: BLE001 - fails on the stored data: try the next one
+            except Exception as e:  # fails on the stored data: try the next one
                 errors.append(f"relabel: {str(getattr(getattr(e, 'report', None), 'message', e))[:200]}")
                 continue
             m.generation = g

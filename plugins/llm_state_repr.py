@@ -313,7 +313,7 @@ def validate_bounded(result: Any, args: tuple[Any, ...], bound: float) -> Sandbo
     """Probe validator (runs in the sandbox child): finite ``[B]`` reward with ``|r| <= bound``."""
     try:
         reward, _ = normalize_reward(result, int(next(iter(args[0].values())).shape[0]))
-    except Exception as e:  # noqa: BLE001 - the sandbox's own invalid-output error
+    except Exception as e:  # the sandbox's own invalid-output error
         return SandboxReport(False, getattr(e, "kind", "output"), str(e))
     peak = float(reward.abs().max()) if reward.numel() else 0.0
     if peak > bound:

@@ -696,7 +696,7 @@ class ProgressJudge:
         """Roll out the reference episodes, score a spread of their states (blocking), check
         the scores against the states' true progress, and fit the evaluator."""
         t0 = time.perf_counter()
-        cfg, ref = self.cfg, self.cfg.reference
+        ref = self.cfg.reference
         trajectories = self.task.reference_trajectories(ref.episodes, ref.seed, ref.max_steps)
         obs = np.concatenate([t.next_obs for t in trajectories]).astype(np.float64)
         std = obs.std(0)
@@ -825,12 +825,12 @@ class ProgressJudge:
         try:
             many = getattr(llm, "chat_many", None)
             replies = list(many(calls)) if many is not None else [llm.chat(**call) for call in calls]
-        except Exception:  # noqa: BLE001 - one failed call must not cost the batch: ask each again (answered ones are cached)
+        except Exception:  # one failed call must not cost the batch: ask each again (answered ones are cached)
             replies = []
             for call in calls:
                 try:
                     replies.append(llm.chat(**call))
-                except Exception as exc:  # noqa: BLE001 - an LLM failure costs one state
+                except Exception as exc:  # an LLM failure costs one state
                     c.llm_errors += 1
                     self.reasons.append(
                         f"- frames {self.train.frames}: LLM error {type(exc).__name__}: {str(exc)[:200]}"

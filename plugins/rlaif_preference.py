@@ -737,13 +737,13 @@ def _chat_all(llm: Any, calls: list[dict[str, Any]]) -> list[Any]:
     if many is not None and len(calls) > 1:
         try:
             return list(many(calls))
-        except Exception:  # noqa: BLE001 - one failed call fails the batch: ask each alone
+        except Exception:  # one failed call fails the batch: ask each alone
             pass
     out: list[Any] = []
     for call in calls:
         try:
             out.append(llm.chat(**call))
-        except Exception as exc:  # noqa: BLE001 - an LLM failure costs its pair's label
+        except Exception as exc:  # an LLM failure costs its pair's label
             out.append(exc)
     return out
 

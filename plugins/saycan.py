@@ -293,7 +293,7 @@ class SkillScorer:
             first = len(getattr(llm, "records", ()))
             try:
                 replies = [r[0] for r in many(calls)]
-            except Exception as exc:  # noqa: BLE001 - chat_many raises one error for the batch
+            except Exception as exc:  # chat_many raises one error for the batch
                 # the calls that did land are in the client's records: keep them, so an error costs its own call only
                 landed = {
                     rec.messages[-1]["content"]: rec.replies[0]
@@ -309,7 +309,7 @@ class SkillScorer:
             for i, call in enumerate(calls):
                 try:
                     replies[i] = llm.chat(**call)[0]
-                except Exception as exc:  # noqa: BLE001 - an LLM failure costs one caption's prior
+                except Exception as exc:  # an LLM failure costs one caption's prior
                     errors[i] = f"LLM error {type(exc).__name__}: {str(exc)[:200]}"
         elapsed = time.perf_counter() - start
         done = 0

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from core.envs.task import DerivedField, StateField, Task, ground_truth_return
-from core.records import Episode, Fitness
 from core.errors import UserError
+from core.records import Episode, Fitness
 
 # -------------------------------------------------------------------------------------
 # Wrappers shared by the gymnasium-backed tasks
@@ -175,7 +175,7 @@ def observation_source(env_id: str) -> str:
     """The source of the env's observation code, as Eureka shows it (best effort, '' if unavailable)."""
     try:
         cls = type(gym.make(env_id).unwrapped)
-    except Exception:  # noqa: BLE001 - an optional dependency may be missing
+    except Exception:  # an optional dependency may be missing
         return ""
     parts = []
     for name in ("_get_obs", "step"):
@@ -210,7 +210,7 @@ class GymTask(Task):
 
     def __init__(
         self,
-        id: str | None = None,  # noqa: A002 - the config key users write is env.id
+        id: str | None = None,  # the config key users write is env.id
         max_episode_steps: int | None = None,
         name: str = "gym",
         goal: str = "",

@@ -23,9 +23,8 @@ its batch.
 from __future__ import annotations
 
 import collections
-
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
@@ -524,7 +523,7 @@ def _single_thread_numba() -> None:
         import numba
 
         numba.set_num_threads(1)
-    except Exception:  # noqa: BLE001 - numba is optional; without it resets are slower
+    except Exception:  # numba is optional; without it resets are slower
         pass
 
 

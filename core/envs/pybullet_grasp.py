@@ -132,12 +132,12 @@ class BulletClient:
             setattr(self, name, attribute)  # later lookups skip __getattr__
         return attribute
 
-    def loadURDF(self, path: str, *args: Any, **kwargs: Any) -> int:  # noqa: N802 - pybullet's name
+    def loadURDF(self, path: str, *args: Any, **kwargs: Any) -> int:  # pybullet's name
         if len(args) > 2:  # legacy form: x, y, z[, qx, qy, qz, qw]
             args = (list(args[:3]), list(args[3:7]) or [0.0, 0.0, 0.0, 1.0])
         return self._pb.loadURDF(path, *args, physicsClientId=self.client_id, **kwargs)
 
-    def stepSimulation(self) -> None:  # noqa: N802 - pybullet's name
+    def stepSimulation(self) -> None:  # pybullet's name
         self._pb.stepSimulation(physicsClientId=self.client_id)
         if self.on_step is not None:
             self.on_step()

@@ -9,8 +9,8 @@ and the ground-truth fitness of a set of evaluation episodes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 import gymnasium as gym

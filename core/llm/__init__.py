@@ -14,7 +14,7 @@ import os
 # litellm fetches its price table over the network at import unless told otherwise.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from core.llm.client import (  # noqa: E402
+from core.llm.client import (
     CallRecord,
     LLMClient,
     LLMSettings,
@@ -22,6 +22,6 @@ from core.llm.client import (  # noqa: E402
     Reply,
     make_client,
 )
-from core.llm.errors import LLMError  # noqa: E402
+from core.llm.errors import LLMError
 
 __all__ = ["CallRecord", "LLMClient", "LLMError", "LLMSettings", "LLMStats", "Reply", "make_client"]

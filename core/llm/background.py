@@ -19,8 +19,8 @@ kept in ``errors`` for the plugin's log.
 from __future__ import annotations
 
 import queue
-import time
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
@@ -134,7 +134,7 @@ class BackgroundCalls(Generic[Job, Result]):
                 if result is not None:
                     self._results.append((job, result))
                 self.done += 1
-            except Exception as exc:  # noqa: BLE001 - a failed call costs its job only
+            except Exception as exc:  # a failed call costs its job only
                 self.failures += 1
                 if len(self.errors) < 100:
                     self.errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")

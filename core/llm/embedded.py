@@ -568,7 +568,7 @@ def _interruptibly(call: Callable[[], Any]) -> Any:
     def target() -> None:
         try:
             box["result"] = call()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+        except BaseException as exc:  # handed to the caller's thread
             box["error"] = exc
 
     worker = threading.Thread(target=target, name="embedded-generate", daemon=True)

@@ -10,4 +10,6 @@
 - :mod:`core.report.contribution`: what an arm's LLM put into its runs.
 """
 
-from core.report.study import ArmResult, TaskResult, analyze, main, write_report  # noqa: F401
+from core.report.study import ArmResult, TaskResult, analyze, main, write_report
+
+__all__ = ["ArmResult", "TaskResult", "analyze", "main", "write_report"]

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import matplotlib
 
 matplotlib.use("Agg")  # headless
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from core.report.data import COST_METRICS, FAILED, OK, TRAIN_RETURN, UNFINISHED, StudyRun, TaskResult  # noqa: E402
+from core.report.data import COST_METRICS, FAILED, OK, TRAIN_RETURN, UNFINISHED, StudyRun, TaskResult
 
 if TYPE_CHECKING:
     from core.report.stats import Interval

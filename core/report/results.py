@@ -77,7 +77,7 @@ def study_runs(planned: list[PlannedCell], uri: str, experiment: str) -> Counted
     wanted = {p.config_key: p for p in planned}
     try:
         loaded = load_study(uri, experiment, "fitness")
-    except Exception:  # noqa: BLE001 - no experiment yet: nothing ran
+    except Exception:  # no experiment yet: nothing ran
         loaded = []
     latest: dict[tuple[str, str, int], StudyRun] = {}
     other = other_code = retried = 0

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from core.report.data import (  # noqa: F401 - ArmResult, COST_METRICS, TaskResult: read here by callers
+from core.report.data import (  # ArmResult, COST_METRICS, TaskResult: read here by callers
     COST_METRICS,
     OK,
     REPORT_TAG,

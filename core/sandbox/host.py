@@ -1003,7 +1003,7 @@ class ProgramWorker:
                 value = checked_result(role, named, names, batch)
             except Invalid as e:
                 raise SandboxError(e.report()) from None
-            except Exception as e:  # noqa: BLE001 - a checked layout no check expected: the reply is the worker's fault
+            except Exception as e:  # a checked layout no check expected: the reply is the worker's fault
                 raise self._malformed(f"its result: {type(e).__name__}: {e}") from None
             if lane is None:
                 self._lanes.pop(handle, None)

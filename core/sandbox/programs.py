@@ -208,10 +208,10 @@ def compile_program(
         namespace["__builtins__"] = builtins
     try:
         code = compile(program.source, filename, "exec")
-        exec(code, namespace)  # noqa: S102 - the point of this module, in a worker
+        exec(code, namespace)  # the point of this module, in a worker
     except SyntaxError as e:
         raise SandboxError(fail("syntax", f"SyntaxError on line {e.lineno}: {e.msg}")) from None
-    except BaseException as e:  # noqa: BLE001 - anything the module body does is data
+    except BaseException as e:  # anything the module body does is data
         raise SandboxError(report_exception(e, filename)) from None
     fn = namespace.get(program.entry)
     if not callable(fn):

@@ -95,7 +95,7 @@ def as_array(value: torch.Tensor | np.ndarray) -> tuple[np.ndarray, str]:
         if value.device.type != "cpu":
             try:
                 value = value.cpu()
-            except Exception as e:  # noqa: BLE001 - e.g. a meta tensor has no data
+            except Exception as e:  # e.g. a meta tensor has no data
                 raise TypeError(f"a tensor on {value.device} cannot cross: {e}") from None
         if value.dtype == torch.bfloat16:
             value = value.float()

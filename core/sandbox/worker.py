@@ -128,7 +128,7 @@ def zygote(fd: int) -> None:
     for module in PRELOAD:
         with contextlib.suppress(ImportError):
             importlib.import_module(module)
-    import core.sandbox.programs  # noqa: F401 - the server's code, loaded once
+    import core.sandbox.programs  # the server's code, loaded once
     import core.sandbox.wire  # noqa: F401
 
     (torch.ones(2) + 1).sum().item()  # lazily created state, before any fork
@@ -572,7 +572,7 @@ def _serve(
         out_map = mmap.mmap(out_fd, 0)
         os.close(in_fd)
         os.close(out_fd)
-    except BaseException as e:  # noqa: BLE001 - never run a program without its limits
+    except BaseException as e:  # never run a program without its limits
         _send(sock, {"ready": False, "error": f"{type(e).__name__}: {e}"})
         os._exit(3)
     _send(
@@ -645,13 +645,13 @@ class Server:
                 if lane is not None:  # a training step: the layout's work was done once
                     try:
                         program_s = lane.run(self.in_map)
-                    except BaseException as e:  # noqa: BLE001 - every failure of a program is data
+                    except BaseException as e:  # every failure of a program is data
                         reply = {"report": self._failure(e, handle), "seq": seq}
                     else:
                         if program_s is not None:
                             try:
                                 sock.send(same_reply(SAME, seq, program_s))
-                            except BaseException:  # noqa: BLE001 - e.g. the program replaced socket
+                            except BaseException:  # e.g. the program replaced socket
                                 os._exit(4)
                             spin = min(spin_us, MAX_SPIN_US) * 1e-6
                             continue
@@ -711,12 +711,12 @@ class Server:
                 # the same result layout as last time: (seq, seconds in the program)
                 try:
                     self.sock.send(_SAME_REPLY.pack(SAME, seq, reply["program_s"]))
-                except BaseException:  # noqa: BLE001 - e.g. the program replaced socket
+                except BaseException:  # e.g. the program replaced socket
                     os._exit(4)
                 return None
             if "out" in reply:
                 headers[handle] = (reply["out"], reply["names"])
-        except BaseException as e:  # noqa: BLE001 - every failure of a program is data
+        except BaseException as e:  # every failure of a program is data
             reply = {"report": self._failure(e, handle)}
         reply["seq"] = seq
         return reply
@@ -733,7 +733,7 @@ class Server:
     def _send_reply(self, reply: dict[str, Any]) -> None:
         try:
             self.sock.send(json.dumps(reply, default=str).encode())
-        except BaseException:  # noqa: BLE001 - e.g. the program replaced json
+        except BaseException:  # e.g. the program replaced json
             os._exit(4)
 
     def _remap(self, fds: list[int]) -> None:

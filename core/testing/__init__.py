@@ -42,32 +42,32 @@ pytest.register_assert_rewrite("core.testing.contract", "core.testing.fakes")
 
 if TYPE_CHECKING:
     from core.testing.contract import (
-        EVIDENCE,
-        PPO_TINY,
-        SMOKE,
-        SMOKE_BASE,
-        PluginContract,
-        Recorder,
-        Smoke,
-        params,
-        plugin_info,
-        some_training_succeeded,
+        EVIDENCE as EVIDENCE,
+        PPO_TINY as PPO_TINY,
+        SMOKE as SMOKE,
+        SMOKE_BASE as SMOKE_BASE,
+        PluginContract as PluginContract,
+        Recorder as Recorder,
+        Smoke as Smoke,
+        params as params,
+        plugin_info as plugin_info,
+        some_training_succeeded as some_training_succeeded,
     )
     from core.testing.fakes import (
-        CUT_OFF,
-        FAKE_LLM_OVERRIDES,
-        MARK,
-        FakeLiteLLM,
-        Logged,
-        ScriptedLLM,
-        answer,
-        install_fake_litellm,
-        make_run,
-        make_train,
-        plugin_object,
-        settings_for,
+        CUT_OFF as CUT_OFF,
+        FAKE_LLM_OVERRIDES as FAKE_LLM_OVERRIDES,
+        MARK as MARK,
+        FakeLiteLLM as FakeLiteLLM,
+        Logged as Logged,
+        ScriptedLLM as ScriptedLLM,
+        answer as answer,
+        install_fake_litellm as install_fake_litellm,
+        make_run as make_run,
+        make_train as make_train,
+        plugin_object as plugin_object,
+        settings_for as settings_for,
     )
-    from core.testing.pytest_plugin import compose_config
+    from core.testing.pytest_plugin import compose_config as compose_config
 
 #: public name -> the submodule defining it
 _EXPORTS = {

@@ -35,7 +35,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable

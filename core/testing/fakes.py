@@ -25,7 +25,6 @@ import json
 import math
 import re
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 

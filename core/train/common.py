@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from torchrl.envs import Compose, EnvBase, TransformedEnv
 
+from core.context import TrainContext
 from core.envs.task import Task
 from core.records import Candidate, EnvConfig, TrainResult
-from core.context import TrainContext
 from core.train.envs import VecGymEnv
 from core.train.transforms import ProgramReward, build_transforms, has_impls
 
@@ -214,13 +214,13 @@ def train_safely(
         try:
             body(result)
             result.ok = True
-        except Exception as exc:  # noqa: BLE001 - failures of candidate code are data
+        except Exception as exc:  # failures of candidate code are data
             result.error, result.error_kind = error_of(exc)
         result.seconds = time.perf_counter() - start
         if hook is not None:
             try:
                 hook.on_train_end(train=ctx, result=result)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 result.ok = False
                 result.error, result.error_kind = error_of(exc)
     return result

@@ -7,9 +7,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from core.context import TrainContext
 from core.envs.task import Task
 from core.records import CurvePoint, Episode, TrainResult
-from core.context import TrainContext
 
 
 def _env_info(info: dict[str, Any], i: int) -> dict[str, Any]:

@@ -36,8 +36,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
 from torch.nn import functional as F
-from torchrl.data import Categorical as CategoricalSpec
-from torchrl.data import TensorSpec
+from torchrl.data import Categorical as CategoricalSpec, TensorSpec
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 _LOG_2 = math.log(2.0)
@@ -467,7 +466,7 @@ class FlatParamsAdam(FlatAdam):
         for p, g in zip(self.param_list, self._grad_views):
             p.grad = g
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - the views stay (the flat gradient is zeroed)
+    def zero_grad(self, set_to_none: bool = True) -> None:  # the views stay (the flat gradient is zeroed)
         self.params.grad.zero_()
         self.attach()
 

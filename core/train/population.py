@@ -248,7 +248,7 @@ class Member:
                 reward, components = program_value(
                     self.fn, self.candidate.reward, state, action, next_state, env_reward
                 )
-            except Exception as e:  # noqa: BLE001 - a function failing mid-training drops out
+            except Exception as e:  # a function failing mid-training drops out
                 self.drop(e, "during training")
             else:
                 for name, v in components.items():
@@ -274,7 +274,7 @@ class MemberReward:
         if m.fn is not None:
             try:
                 return m.fn(state, action, next_state)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 m.drop(e, "during training")
         return torch.zeros(action.shape[0]), {}
 
@@ -382,7 +382,7 @@ class Population:
                     body(self)
                     for m in self.live:
                         self.evaluate(m)
-            except Exception as exc:  # noqa: BLE001 - the population's training failed (a hook, an env): every member did
+            except Exception as exc:  # the population's training failed (a hook, an env): every member did
                 failure = error_of(exc)
             finally:
                 for m in self.live:
@@ -414,7 +414,7 @@ class Population:
                     wrap_env=log_episodes,
                 )
                 m.agent = make_sac_modules(m.env.obs_dim, m.env.base.action_spec, cfg)
-            except Exception as e:  # noqa: BLE001 - e.g. its state program fails its probe: this member fails
+            except Exception as e:  # e.g. its state program fails its probe: this member fails
                 if m.env is not None:
                     m.env.close()
                     m.env = None
@@ -660,7 +660,7 @@ class Population:
         if self.hook is not None:
             try:
                 self.hook.on_train_end(train=m.ctx, result=result)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 result.ok = False
                 result.error, result.error_kind = error_of(exc)
         for key, points in m.ctx.metrics.items():  # what plugins recorded through the context travels with the result

@@ -49,22 +49,22 @@ import numpy as np
 import torch
 from torchrl.collectors import Collector
 
+from core.config import Settings
+from core.context import TrainContext
 from core.envs.task import Task
 from core.records import Candidate, Episode, TrainResult
+from core.train.action_prior import PriorSamplingPolicy, PriorSource
 from core.train.common import (
     CandidateEnv,
     config_from,
     corr_sums,
     pearson,
-    reward_normalizer,  # noqa: F401
+    reward_normalizer,
     save_policy,
-    split_env_params,
+    split_env_params as split_env_params,  # re-exported: tests import it from here
     train_safely,
     wants_saved_policy,
 )
-from core.config import Settings
-from core.context import TrainContext
-from core.train.action_prior import PriorSamplingPolicy, PriorSource
 from core.train.evaluate import evaluate_and_record
 from core.train.networks import FlatActorCritic, FlatAdam, SamplingPolicy, build_networks
 from core.train.transforms import has_impls

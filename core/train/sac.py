@@ -44,8 +44,11 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
 from torchrl.objectives import SACLoss, SoftUpdate
 
+from core.config import Settings
+from core.context import TrainContext
 from core.envs.task import Task
 from core.records import Candidate, Episode, TrainResult
+from core.train.action_prior import PRIOR_KEYS, PriorBehaviour, PriorSource, imitation_step
 from core.train.common import (
     CandidateEnv,
     config_from,
@@ -56,9 +59,6 @@ from core.train.common import (
     train_safely,
     wants_saved_policy,
 )
-from core.config import Settings
-from core.context import TrainContext
-from core.train.action_prior import PRIOR_KEYS, PriorBehaviour, PriorSource, imitation_step
 from core.train.evaluate import evaluate_and_record
 from core.train.networks import FlatParamsAdam, FlatSAC, SquashedGaussian
 from core.train.transforms import has_impls

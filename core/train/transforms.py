@@ -22,8 +22,8 @@ from tensordict import TensorDictBase
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
 
-from core.envs.task import Task
 from core.context import StepBatch, TrainContext
+from core.envs.task import Task
 
 RewardFn = Callable[[dict, torch.Tensor, dict], Any]  # -> reward [B] or (reward, components)
 StateFn = Callable[[dict], torch.Tensor]  # -> features [B, k]

@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-
 import pytest
-
 from omegaconf import OmegaConf
 
 from core.app import IGNORED_TAG, check_argv, ignored_knobs, plugin_arms, requested_plugins, study_target, sweep_ready
@@ -180,7 +178,7 @@ def llm_server():
     from core.testing.fakes import answer
 
     class Completions(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - the handler's API
+        def do_POST(self) -> None:  # the handler's API
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             choices = [
                 {

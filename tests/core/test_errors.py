@@ -7,7 +7,6 @@ that ``python -m core`` calls; the command line is checked for the mistakes made
 
 from __future__ import annotations
 
-
 import pytest
 from omegaconf import OmegaConf, open_dict
 

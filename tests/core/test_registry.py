@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from core import hookimpl
-from core.hookspecs import hookspec
 from core.errors import UserError
+from core.hookspecs import hookspec
 from core.registry import builtin_plugins, catalogue, check_names, make_plugin_manager
 
 MISSION = {

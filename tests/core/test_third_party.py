@@ -30,11 +30,11 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import tomllib
 
 from core.config import validate
 from core.errors import UserError

@@ -452,7 +452,7 @@ def llm_server():
     from threading import Thread
 
     class Completions(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - the handler's API
+        def do_POST(self) -> None:  # the handler's API
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             text = answer(body["messages"])
             choices = [

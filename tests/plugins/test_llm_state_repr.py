@@ -70,7 +70,6 @@ def test_extract_pair_needs_both_functions():
 
 
 def test_extract_pair_refuses_own_compute_reward():
-    reply = GOOD.replace("```\n", "") + "\n\ndef compute_reward(state, action, next_state):\n    return 0\n```"
     _, error = lesr.extract_pair(GOOD[:-3] + "\ndef compute_reward(s, a, n):\n    return 0\n```")
     assert "compute_reward" in error
 

@@ -16,7 +16,7 @@ from core.context import StepBatch
 from core.envs import make_task
 from core.errors import UserError
 from core.plan import goal_names
-from core.records import Candidate, Fitness, IterationResult, MacroAction, Program, TrainResult
+from core.records import Candidate, Fitness, IterationResult, MacroAction, TrainResult
 from core.sandbox import Limits
 from core.testing.fakes import ScriptedLLM, make_run, make_train, plugin_object, texts_of
 from plugins import rl_gpt

@@ -386,8 +386,9 @@ def test_the_llms_dense_reward_trains_and_its_components_are_logged(make_config,
     """Plumbing, not the model: the shared fake LLM (:func:`fakes.install_fake_litellm`)
     answers through the real client; the ``compute_dense_reward`` Text2Reward extracts
     from its reply is the reward the candidate trains on, and its components reach MLflow."""
-    from core.testing import fakes
     import mlflow
+
+    from core.testing import fakes
 
     llm = fakes.install_fake_litellm(monkeypatch)
     summary, recorder = _run_text2reward(make_config, [])

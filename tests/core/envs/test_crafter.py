@@ -42,7 +42,7 @@ def test_vocabulary_matches_the_installed_crafter():
 
 
 def test_schema_matches_real_observations(task, schema_check):
-    obs = schema_check(task, num_envs=2, steps=5)
+    schema_check(task, num_envs=2, steps=5)
     assert task.obs_dim == 107
     assert "17" in task.action_description and all(a in task.action_description for a in ACTIONS)
 

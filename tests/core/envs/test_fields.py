@@ -279,9 +279,10 @@ def test_acrobot_angles_and_tip_height():
 
 def test_pendulum_angle_is_zero_upright():
     task = make_task({"name": "pendulum"})
-    angle = lambda theta: float(
-        task.split_state(_state(task, cos_theta=math.cos(theta), sin_theta=math.sin(theta)))["angle"][0]
-    )  # noqa: E731
+
+    def angle(theta: float) -> float:
+        return float(task.split_state(_state(task, cos_theta=math.cos(theta), sin_theta=math.sin(theta)))["angle"][0])
+
     assert angle(0.0) == pytest.approx(0.0, abs=1e-6)
     assert abs(angle(math.pi)) == pytest.approx(math.pi, abs=1e-5)
     assert angle(0.4) == pytest.approx(0.4, abs=1e-5) and angle(-1.2) == pytest.approx(-1.2, abs=1e-5)
@@ -306,9 +307,12 @@ def test_lunarlander_distance_and_speed():
 @pytest.mark.parametrize("name", ["ant", "humanoid"])
 def test_torso_upright_from_the_quaternion(name):
     task = make_task({"name": name}, check=False)
-    up = lambda q: float(
-        task.split_state(_state(task, root_qw=q[0], root_qx=q[1], root_qy=q[2], root_qz=q[3]))["torso_upright"][0]
-    )  # noqa: E731
+
+    def up(q: tuple[float, ...]) -> float:
+        return float(
+            task.split_state(_state(task, root_qw=q[0], root_qx=q[1], root_qy=q[2], root_qz=q[3]))["torso_upright"][0]
+        )
+
     half = math.sqrt(0.5)
     assert up((1, 0, 0, 0)) == pytest.approx(1.0) and up((half, 0, 0, half)) == pytest.approx(1.0)  # yaw only
     assert up((0, 1, 0, 0)) == pytest.approx(-1.0) and up((half, half, 0, 0)) == pytest.approx(0.0, abs=1e-6)

@@ -67,8 +67,9 @@ def test_top_logprobs_reach_the_backend_and_come_back_cached(llm_cfg, fake_backe
 
 
 def test_first_token_logprobs_reads_objects_and_dicts():
-    from core.llm.client import first_token_logprobs
     from litellm.types.utils import Choices, Message
+
+    from core.llm.client import first_token_logprobs
 
     as_dict = {"logprobs": {"content": [{"token": "2", "logprob": -0.2}]}}  # no alternatives: the token itself
     assert first_token_logprobs(as_dict) == {"2": -0.2}

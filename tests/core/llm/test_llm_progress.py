@@ -117,7 +117,7 @@ def test_a_server_that_answers_a_stream_whole_is_asked_again_not_read_as_empty(l
     asked: list[bool] = []
 
     class Whole(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - the handler's API
+        def do_POST(self) -> None:  # the handler's API
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             asked.append(bool(body.get("stream")))
             data = json.dumps(

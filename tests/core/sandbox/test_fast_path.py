@@ -20,8 +20,15 @@ import torch
 
 from core.envs.classic import CartPole
 from core.records import RewardProgram, StateProgram
-from core.sandbox import Limits, ProgramWorker, SandboxError, candidate_scope, prepare_reward, prepare_state
-from core.sandbox import host as sandbox_host
+from core.sandbox import (
+    Limits,
+    ProgramWorker,
+    SandboxError,
+    candidate_scope,
+    host as sandbox_host,
+    prepare_reward,
+    prepare_state,
+)
 from core.sandbox.programs import REWARD_ARGS
 from core.sandbox.worker import SPIN_ENV
 

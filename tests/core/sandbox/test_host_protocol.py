@@ -100,7 +100,7 @@ def _in_time(work: Callable[[], Any], limit_s: float) -> BaseException | None:
     def run() -> None:
         try:
             work()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
+        except BaseException as e:  # handed to the test
             caught.append(e)
 
     thread = threading.Thread(target=run, daemon=True)

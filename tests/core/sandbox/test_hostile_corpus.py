@@ -38,12 +38,12 @@ import numpy as np
 import pytest
 import torch
 
+import hostile_corpus
 from core.envs.classic import CartPole
 from core.records import MacroAction, Program, RewardProgram, StateProgram
 from core.sandbox import UID_BASE, Limits, ProgramWorker, SandboxError, candidate_scope, prepare_reward, prepare_state
 from core.sandbox.host import RECORDS_ENV, Zygote, hide_from_programs
 from core.train.macros import MacroSet
-import hostile_corpus
 from hostile_corpus import CORPUS, Hostile
 
 REPO = str(Path(__file__).resolve().parents[3])

@@ -13,7 +13,6 @@ from core.context import RunContext
 from core.records import Candidate, EnvConfig, Fitness, IterationResult, StartPolicy, TrainResult
 from core.store import job_key
 from core.train import ppo
-from core.train.ppo import PPOConfig
 
 
 @pytest.fixture
