@@ -30,8 +30,9 @@ it and prints one JSON object:
     reuses the prefix a request shares with the one before it.
 
   ``round_time_ratio`` is after / before (mean wall times); ``round_time_ratio_one_slot``
-  is after / one_slot; ``round_time_ratio_slots8`` is slots8 / before. Before a timed round each arm's server computes the previous
-  round's prompt once (untimed), as a search would have.
+  is after / one_slot; ``round_time_ratio_slots8`` is slots8 / before. Before a timed round
+  each arm's server computes the previous round's prompt once (untimed), as a search would
+  have.
 
 Load: ``load_avg`` (1, 5, 15 min) is read at the start and end and around every round;
 the machine may be shared, so compare arms within one run only.

@@ -205,7 +205,8 @@ def main() -> None:
                 "per_step_call_share": step_metrics.get("sandbox/call_share"),
                 "per_step_program_share": step_metrics.get("sandbox/program_share"),
                 "per_step_calls": step_metrics.get("sandbox/program_calls"),
-                # the share of the last per-step run's calls made with the worker spinning on a spare CPU (core.sandbox.host._Spin)
+                # the share of the last per-step run's calls made with the worker spinning on a spare CPU
+                # (core.sandbox.host._Spin)
                 "per_step_spun_share": step_metrics.get("sandbox/spun_share"),
                 # CPU seconds the program costs a run (trainer and worker), and the worker's share per call
                 "batched_extra_cpu_s": round(statistics.median(pairs["batched_extra_cpu"]), 3),

@@ -223,7 +223,10 @@ def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     """The result as a markdown table: a row per task, the two interfaces side by side."""
     rows = [
-        "| task | interface | usable (95 % CI) | failures | run-time name errors | completion tokens / usable | LLM s / usable |",
+        (
+            "| task | interface | usable (95 % CI) | failures | run-time name errors "
+            "| completion tokens / usable | LLM s / usable |"
+        ),
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in result["cells"]:

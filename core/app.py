@@ -198,14 +198,16 @@ def check_plugin_override(name: str, key: str, requested: list[str], known: dict
     where = f"plugins.{name}"
     if name not in known:
         raise UserError(
-            f"'{where}.{key}' sets a key of plugin '{name}', which does not exist.{did_you_mean(name, [*requested, *known])} "
+            f"'{where}.{key}' sets a key of plugin '{name}', which does not exist."
+            f"{did_you_mean(name, [*requested, *known])} "
             f"Plugins enabled in this run: {', '.join(requested) or 'none'}."
         )
     if name not in requested and not other_config:
         raise UserError(
             f"'{where}.{key}' is set but plugin '{name}' is not enabled in this run. Enable it with "
             f"+plugins=[{name}] (or add it to the list you have); in a study, enable it in at least one arm "
-            f"('+plugins=[{name}],[]'): arms without it ignore the knob (docs/ablations.md, 'Sweeping a plugin's knob')."
+            f"('+plugins=[{name}],[]'): arms without it ignore the knob "
+            "(docs/ablations.md, 'Sweeping a plugin's knob')."
         )
     check_key(config_class(load_module(known[name])), key, where)
 

@@ -260,7 +260,10 @@ def extract_function(
         where = ", ".join(str(b.index) for b, _ in found)
         return ExtractResult(
             False,
-            error=f"`{entry}` is defined {n_defs} times (code block{'s' if len(found) > 1 else ''} {where}); give exactly one definition.",
+            error=(
+                f"`{entry}` is defined {n_defs} times (code block{'s' if len(found) > 1 else ''} {where}); "
+                "give exactly one definition."
+            ),
             kind="duplicate",
         )
     block, tree = found[-1]

@@ -74,10 +74,14 @@ SandboxConfig = Limits
 class VettingConfig:
     """Reward vetting and repair before training (``vetting:``; see ``core/vetting.py``, ``core/preflight.py``)."""
 
-    enabled: bool = True  # run every reward program on reference episodes before it trains; reject one that ranks failure above success or pays for prolonging
+    # run every reward program on reference episodes before it trains; reject one that ranks
+    # failure above success or pays for prolonging
+    enabled: bool = True
     episodes: int = 8  # reference episodes of each kind: random, and the task's known controller where it has one
     max_steps: int = 1000  # steps per reference episode at most
-    repair: int = 2  # rounds of repair for a program that fails its check, probe or vetting: a short request with the error (0: never)
+    # rounds of repair for a program that fails its check, probe or vetting: a short request
+    # with the error (0: never)
+    repair: int = 2
 
     def check(self) -> None:
         if self.episodes < 1:
@@ -92,15 +96,15 @@ class VettingConfig:
 class CodeConfig:
     """How LLM code is asked for and repaired (``code:``; see ``docs/llm.md``)."""
 
-    interface: str = "fields"  # fields: a skeleton from the task's fields, names checked before anything runs; dict: the earlier prompt, for comparison
-    repair_temperature: float = (
-        0.2  # sampling temperature of a repair request (a short one: the function, the error, the rule)
-    )
+    # fields: a skeleton from the task's fields, names checked before anything runs; dict: the
+    # earlier prompt, for comparison
+    interface: str = "fields"
+    # sampling temperature of a repair request (a short one: the function, the error, the rule)
+    repair_temperature: float = 0.2
     retry_temperature: float = 0.8  # temperature of a repair round after a reply that returned the function unchanged
     repair_max_tokens: int = 768  # cap on a repair reply
-    stop_at_code_end: bool = (
-        True  # end every code reply at the close of its first code block (the prose after it is never used)
-    )
+    # end every code reply at the close of its first code block (the prose after it is never used)
+    stop_at_code_end: bool = True
 
     def check(self) -> None:
         from core.prompting import INTERFACES
@@ -151,9 +155,8 @@ class ExecutorConfig:
     """Where candidate trainings run (``executor: local`` and ``inprocess``; see ``docs/scaling.md``)."""
 
     kind: str = "local"  # local: this machine, in-process or a process pool; ray: Ray tasks (RayExecutorConfig)
-    workers: int | str = (
-        "auto"  # jobs trained at once: auto sizes each batch to the idle cores; a number; 1: always in-process
-    )
+    # jobs trained at once: auto sizes each batch to the idle cores; a number; 1: always in-process
+    workers: int | str = "auto"
 
     def check(self) -> None:
         if self.workers != "auto" and not (isinstance(self.workers, int) and self.workers >= 1):
@@ -321,9 +324,8 @@ class Settings:
     config: DictConfig  # the composed config, read-only
     run: RunSettings
     plugins: dict[str, PluginConfig]  # enabled plugin -> its validated config
-    trainer: Any = (
-        None  # the trainer's config (core.train: PPOConfig, SACConfig, RandomConfig); None without a trainer node
-    )
+    # the trainer's config (core.train: PPOConfig, SACConfig, RandomConfig); None without a trainer node
+    trainer: Any = None
     trainer_name: str = "ppo"  # trainer.name: which trainer reads it
     llm: Any = None  # core.llm.client.LLMSettings; None without an llm node
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)

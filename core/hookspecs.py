@@ -433,7 +433,8 @@ def reflect(run: RunContext, result: IterationResult) -> str | None:
     """Turn an iteration's results into this plugin's context for the next proposals.
 
     Called once per iteration in the main process after every candidate is scored,
-    up to the plugin's last iteration (``iterations``; it is not asked after). A plugin reads the results of the candidates holding its own parts (``origin``),
+    up to the plugin's last iteration (``iterations``; it is not asked after). A plugin
+    reads the results of the candidates holding its own parts (``origin``),
     keeps what it needs for its next prompt (on the plugin object), and returns the
     feedback text, which the loop saves as ``reflection/it<k>-<plugin>.md`` under the
     plugin that returned it.

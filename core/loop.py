@@ -89,7 +89,10 @@ class RunSummary:
     @property
     def counts(self) -> str:
         """``8 sampled, 6 usable, 5 trained``: candidates, those not rejected, those that trained."""
-        return f"{self.candidates} sampled, {self.candidates - self.rejected} usable, {self.candidates - self.failed} trained"
+        return (
+            f"{self.candidates} sampled, {self.candidates - self.rejected} usable, "
+            f"{self.candidates - self.failed} trained"
+        )
 
 
 def combine(iteration: int, proposals: dict[str, list[Any]], previous_best: Candidate | None) -> list[Candidate]:
@@ -652,7 +655,8 @@ def _reply_tags(candidate: Candidate) -> dict[str, str]:
 
     ``sample`` (the reply's index in its LLM call; ``reward:3,state:1`` when several roles
     have one), ``llm_call`` (the call's tag, as in the ``llm/`` records), ``renamed_from``,
-    ``name_fixes`` (the names :mod:`core.namecheck` mended), and for a rejected reply ``status=rejected``, ``rejected_kind`` and the reason's first line.
+    ``name_fixes`` (the names :mod:`core.namecheck` mended), and for a rejected reply
+    ``status=rejected``, ``rejected_kind`` and the reason's first line.
     """
     tags: dict[str, str] = {}
     programs = candidate.programs

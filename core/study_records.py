@@ -116,7 +116,8 @@ class StudySpec:
         for target in self.targets:
             if target.arm not in self.arms or target.other not in self.arms or target.relation not in RELATIONS:
                 problems.append(
-                    f"target {target.arm} {target.relation} {target.other}: arms must exist, relation one of {', '.join(RELATIONS)}"
+                    f"target {target.arm} {target.relation} {target.other}: arms must exist, "
+                    f"relation one of {', '.join(RELATIONS)}"
                 )
         if problems:
             raise UserError(f"The study spec {where} is not valid: {'; '.join(problems)}.")

@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with serve(args.uri, args.port) as base:
             print(
-                f"MLflow UI ready in {time.perf_counter() - began:.0f} s: {experiment_url(base, args.uri, args.experiment)}",
+                f"MLflow UI ready in {time.perf_counter() - began:.0f} s: "
+                f"{experiment_url(base, args.uri, args.experiment)}",
                 flush=True,
             )
             print("Ctrl-C stops it.", flush=True)

@@ -70,19 +70,20 @@ class Config(PluginConfig):
     """``plugins.ellm``; ``iterations`` and ``final_seeds`` come from :class:`core.PluginConfig`."""
 
     iterations: int = 1  # outer rounds (ELLM has no outer loop: one training)
-    goals: str = "llm"  # llm: the LLM suggests goals per state caption; fixed: the task's goal phrases for every state, no LLM call (control)
-    match: str = "embedding"  # embedding: cosine of goal and step caption >= threshold (ELLM); names: a suggested achievement unlocks (variant)
-    pretrain: bool = (
-        True  # train on the intrinsic reward alone (the env's reward is replaced); false: add it to the env's reward
-    )
-    threshold: float = (
-        0.64  # cosine (after centring) at which a step achieves a goal; calibrated in docs/plugins/ellm.md
-    )
+    # llm: the LLM suggests goals per state caption; fixed: the task's goal phrases for every state,
+    # no LLM call (control)
+    goals: str = "llm"
+    # embedding: cosine of goal and step caption >= threshold (ELLM); names: a suggested achievement
+    # unlocks (variant)
+    match: str = "embedding"
+    # train on the intrinsic reward alone (the env's reward is replaced); false: add it to the env's reward
+    pretrain: bool = True
+    # cosine (after centring) at which a step achieves a goal; calibrated in docs/plugins/ellm.md
+    threshold: float = 0.64
     bonus: float = 1.0  # scale of the reward: a matching step pays bonus * cosine (names: bonus)
     center: bool = True  # subtract the mean embedding of the task's goal phrases before the cosine
-    embed_model: str = (
-        ""  # "": the LLM's own model (embedded: its weights in embedding mode); else a litellm embedding model
-    )
+    # "": the LLM's own model (embedded: its weights in embedding mode); else a litellm embedding model
+    embed_model: str = ""
     goals_per_state: int = 5  # most goals kept from one suggestion
     presuggest_episodes: int = 8  # random-policy rollouts captioned before training
     presuggest_steps: int = 500  # steps per rollout at most

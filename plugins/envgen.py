@@ -89,20 +89,21 @@ class Config(PluginConfig):
 
     iterations: int = 4  # training cycles: generate envs, train, evaluate on the original env, feed back (paper: 4)
     num_envs: int = 4  # environment configs the LLM writes per cycle (paper: 4)
-    continue_training: bool = (
-        True  # one agent across cycles, trainer.frames split over them (paper); false: a fresh agent per cycle
-    )
-    generated_share: float = 0.5  # continue_training: share of each cycle's frames in the generated envs, the rest in the original env after them (paper: 0.96M of 1.96M steps)
-    original_share: float = 0.5  # from scratch: share of the training envs that run the original env (the rest split among the generated ones)
+    # one agent across cycles, trainer.frames split over them (paper); false: a fresh agent per cycle
+    continue_training: bool = True
+    # continue_training: share of each cycle's frames in the generated envs, the rest in the original
+    # env after them (paper: 0.96M of 1.96M steps)
+    generated_share: float = 0.5
+    # from scratch: share of the training envs that run the original env (the rest split among the
+    # generated ones)
+    original_share: float = 0.5
     retries: int = 1  # extra LLM calls per cycle when configs are invalid (the errors are fed back)
     history: int = 3  # earlier exchanges kept in the conversation (besides the first prompt)
     temperature: float = 0.7  # sampling temperature
-    max_tokens: int = (
-        0  # cap on each reply; 0: sized to what is asked (num_envs configs of the task's params, reply_budget)
-    )
-    continuations: int = (
-        1  # a reply cut off at the cap is continued where it stopped, this many times, before any retry
-    )
+    # cap on each reply; 0: sized to what is asked (num_envs configs of the task's params, reply_budget)
+    max_tokens: int = 0
+    # a reply cut off at the cap is continued where it stopped, this many times, before any retry
+    continuations: int = 1
     final_seeds: int = 0  # retrain the best candidate on this many more seeds after the loop
     constraints: list[str] = field(
         default_factory=lambda: list(CRAFTER_CONSTRAINTS)

@@ -61,9 +61,8 @@ class Config(PluginConfig):
 
     iterations: int = 5  # outer rounds of sampling + training + reflection (paper: 5)
     samples: int = 16  # reward functions sampled per round, each trained (paper: 16)
-    temperature: float | None = (
-        None  # sampling temperature; None: by the number of samples (1.0 at 16, the paper's; less for fewer)
-    )
+    # sampling temperature; None: by the number of samples (1.0 at 16, the paper's; less for fewer)
+    temperature: float | None = None
     max_tokens: int = 1024  # cap on each reply
 
     def check(self) -> None:

@@ -93,9 +93,8 @@ class Config(PluginConfig):
     tournament_size: int = 2  # entrants per tournament when selection=tournament
     llm_freq: int = 5000  # env steps (all members together) between LLM updates
     frames: int | None = None  # env steps for the whole population (all agents together); null = trainer.frames
-    init_temperature: float | None = (
-        None  # sampling temperature of the initial population; None: by its size (core.prompting.sampling_temperature)
-    )
+    # sampling temperature of the initial population; None: by its size (core.prompting.sampling_temperature)
+    init_temperature: float | None = None
     temperature: float = 0.4  # temperature of the analysis and regeneration calls (paper: 0.3-0.5)
     max_tokens: int = 768  # cap on each reward-function reply
     retries: int = 2  # re-asks with the error when an initial or repaired function fails the sandbox
@@ -104,9 +103,8 @@ class Config(PluginConfig):
     complexity_penalty: float = 0.0005  # selection penalty per AST node of a reward function
     retrieval: bool = False  # show the most similar reward functions of the case base as examples
     retrieve_k: int = 2  # how many to show
-    case_base: str | None = (
-        None  # JSON file of earlier successful reward functions; null = <cache_dir>/lares_cases.json
-    )
+    # JSON file of earlier successful reward functions; null = <cache_dir>/lares_cases.json
+    case_base: str | None = None
     case_min_fitness: float = 0.5  # a run's best reward joins the case base when its fitness reaches this
     final_seeds: int = 0  # retrain the best reward on this many more seeds after the loop (a population of one)
 
@@ -271,9 +269,10 @@ def describe_behaviour(
 ) -> str:
     """A bounded natural-language account of one episode: states over time and motion stats."""
     steps = len(actions)
-    lines = [
-        f"Episode of {steps} steps; {'reached the goal' if success else 'did not reach the goal' if success is not None else 'no success signal'}."
-    ]
+    outcome = (
+        "reached the goal" if success else "did not reach the goal" if success is not None else "no success signal"
+    )
+    lines = [f"Episode of {steps} steps; {outcome}."]
     for t in sample_evenly(list(range(len(observations))), points):
         state = task.render_state(observations[t]).replace("\n", ", ")
         lines.append(f"t={t}: {state}")
@@ -281,7 +280,8 @@ def describe_behaviour(
         a = actions.reshape(steps, -1)
         jitter = float(np.abs(np.diff(a, axis=0)).mean())
         lines.append(
-            f"actions: mean {float(a.mean()):.2f}, std {float(a.std()):.2f}, mean |change| per step {jitter:.2f} (high = jitter)"
+            f"actions: mean {float(a.mean()):.2f}, std {float(a.std()):.2f}, "
+            f"mean |change| per step {jitter:.2f} (high = jitter)"
         )
         delta = np.abs(np.diff(observations.reshape(len(observations), -1), axis=0)).sum(-1)
         if len(delta) > 1:
@@ -331,7 +331,8 @@ def load_cases(path: Path) -> list[dict[str, Any]]:
 
 
 def base_messages(run: Any, cases: list[dict[str, Any]], shapes: Shapes | None = None) -> list[dict[str, str]]:
-    """System + (similar cases) + the task; ``shapes``: the task's :func:`core.prompting.batch_shapes` (made when None)."""
+    """System + (similar cases) + the task; ``shapes``: the task's
+    :func:`core.prompting.batch_shapes` (made when None)."""
     interface = reward_interface(run.task, list(run.sandbox.imports), shapes, interface=interface_of(run))
     user = TASK.format(description=run.task.description, interface=interface, goal=run.task.goal)
     if cases:
@@ -565,7 +566,8 @@ class Evolution:
             step=pop.frames,
         )
         self.plugin.log.append(
-            f"## generation {g} at {pop.frames} frames\n\n- fitness: {[round(f, 3) for f in fitness]}; complexity: {sizes}; "
+            f"## generation {g} at {pop.frames} frames\n\n"
+            f"- fitness: {[round(f, 3) for f in fitness]}; complexity: {sizes}; "
             f"elites: {elites}; best: {best}; replaced: {replaced}; diversity: {div:.3f}"
             + (f"\n- errors: {errors[:3]}" if errors else "")
             + (

@@ -95,9 +95,9 @@ class Config(PluginConfig):
     reward_bound: float = 100.0  # a sample whose |intrinsic reward| exceeds this on the probe states is rejected
     history: int = 3  # earlier attempts (code, score, feedback) shown in the next prompt
     lipschitz_samples: int = 20000  # collected states per candidate used to estimate the Lipschitz constants
-    temperature: float | None = (
-        None  # sampling temperature; None: by the number of samples (core.prompting.sampling_temperature; the paper fixes none, its code defaults to 1.0)
-    )
+    # sampling temperature; None: by the number of samples (core.prompting.sampling_temperature; the
+    # paper fixes none, its code defaults to 1.0)
+    temperature: float | None = None
     max_tokens: int = 700  # cap on each reply (a pair takes ~150-600 tokens; small models list every field)
     final_seeds: int = 0  # retrain the best pair on this many more seeds after the loop
 

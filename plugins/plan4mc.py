@@ -67,16 +67,13 @@ class Config(PluginConfig):
 
     iterations: int = 1  # outer rounds (the skill graph is built once per round; the paper plans once)
     target: str = "make_stone_pickaxe"  # the goal the skill sequence leads to (a task goal: a Crafter achievement)
-    plan_source: str = (
-        "llm"  # llm: the LLM builds the skill graph; rules: the game's own tech tree, no LLM call (the no-LLM control)
-    )
+    # llm: the LLM builds the skill graph; rules: the game's own tech tree, no LLM call (the no-LLM control)
+    plan_source: str = "llm"
     repair_rounds: int = 2  # times a skill graph with errors goes back to the LLM for a revision
-    check_rules: bool = (
-        True  # requirements that contradict the game's rules (Crafter) count as errors sent back to the LLM
-    )
-    fix_rules: bool = (
-        False  # control variant: mend the last revision by the game's rules instead of using it as written
-    )
+    # requirements that contradict the game's rules (Crafter) count as errors sent back to the LLM
+    check_rules: bool = True
+    # control variant: mend the last revision by the game's rules instead of using it as written
+    fix_rules: bool = False
     replans: int = 1  # times per training a skill that keeps failing sends the graph back to the LLM (0: never)
     replan_after: int = 1000  # steps one env spends on its active skill without completing it before a re-plan
     skill_reward: float = 1.0  # reward for completing the active skill, added to the env's reward

@@ -15,8 +15,9 @@ Models"):
 3. Where the calls go: a few hundred states are scored before training, blocking and in
    batches, chosen to cover the range (reference rollouts of the task, random and the
    task's controller where it has one: each level of their true progress in turn, spread
-   over the episodes' time; near-duplicates skipped), and ``rounds.states`` of the agent's own states at a few fixed points of
-   the budget (``rounds.at``), spread over the evaluator's current scores.
+   over the episodes' time; near-duplicates skipped), and ``rounds.states`` of the agent's
+   own states at a few fixed points of the budget (``rounds.at``), spread over the
+   evaluator's current scores.
 4. Distillation: after each scoring round a small MLP ensemble regresses the LLM's
    scores from the state; it scores every env's state at every step, so the LLM's
    judgement reaches nearly every step's reward (the note's distilled evaluator for
@@ -100,7 +101,9 @@ class Reference:
     # rollout seed, the same for every training seed: the same states and prompts, so the LLM cache
     # answers them for every later seed and run
     seed: int = 0
-    states: int = 160  # states scored before training (each level of true progress in turn, spread over time; near-duplicates skipped)
+    # states scored before training (each level of true progress in turn, spread over time;
+    # near-duplicates skipped)
+    states: int = 160
 
 
 @dataclass
@@ -145,7 +148,8 @@ class Config(PluginConfig):
     temperature: float = 0.7  # score=median: sampling temperature
     max_tokens: int = 40  # score=median: cap on each reply (a score and a short reason)
     agree_tol: float = 1.0  # score=median: a sample agrees with the median when within this many points
-    # score=median: below this share of agreeing samples the fallback rule scores the state (design: 0.7; 0.6 = two of three)
+    # score=median: below this share of agreeing samples the fallback rule scores the state
+    # (design: 0.7; 0.6 = two of three)
     confidence: float = 0.6
     batch: int = 8  # states asked together (llm.chat_many); the progress bar advances per batch
     # features: skip a state within dedupe_radius (scaled features) of one already scored; caption: skip a
@@ -218,13 +222,17 @@ SYSTEM = "You are a strict coach who rates how much progress an agent has made t
 
 # score=expected: the question after the state (a 1.5B model judged worse with it before), one digit
 # as the whole answer so that the first token's probabilities are the score's distribution
-DIGIT_PROMPT = """Task: {background}
+DIGIT_PROMPT = (
+    """Task: {background}
 Judge the agent on:
 {dimensions}
 Current state:
 {state}
 
-How much progress has the agent made towards the goal? Reply with a single digit from 0 (no progress) to 9 (the goal is fully achieved)."""
+"""
+    "How much progress has the agent made towards the goal? Reply with a single digit from 0 (no progress) "
+    "to 9 (the goal is fully achieved)."
+)
 
 # score=median: the design note's format, a score and a short reason
 TEXT_PROMPT = """Task: {background}

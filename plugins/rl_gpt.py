@@ -84,12 +84,10 @@ class Config(PluginConfig):
     rollouts: int = 2  # critic rollouts of the macros per check (each on a fresh episode)
     temperature: float = 0.3  # sampling temperature of both agents
     max_tokens: int = 500  # cap on each reply
-    hint: str = (
-        ""  # optional decomposition hint for the slow agent, e.g. "collect wood, place a table, make a wood pickaxe"
-    )
-    repair_rounds: int = (
-        1  # times a plan whose rl sub-actions name goals the task cannot check goes back to the slow agent
-    )
+    # optional decomposition hint for the slow agent, e.g. "collect wood, place a table, make a wood pickaxe"
+    hint: str = ""
+    # times a plan whose rl sub-actions name goals the task cannot check goes back to the slow agent
+    repair_rounds: int = 1
     rl_reward: float = 1.0  # reward for completing the active rl sub-action (its goal), added to the env's reward
     tune_steps: bool = True  # tune each macro's step budget from the critic's rollouts (twice the longest finished run)
     final_seeds: int = 0  # retrain the best candidate on this many more seeds after the loop

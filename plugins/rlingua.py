@@ -200,7 +200,8 @@ def build_messages(
 
 
 def check_controller_names(source: str, fields: list[str]) -> Any:
-    """:func:`core.namecheck.check_names` on a controller: its ``state`` (whatever ``act`` calls it) may hold only ``fields``."""
+    """:func:`core.namecheck.check_names` on a controller: its ``state`` (whatever ``act`` calls
+    it) may hold only ``fields``."""
     return check_names(
         source, fields, available=SAFE_BUILTIN_NAMES, state_args=state_arguments(source, ENTRY, ["state"])
     )

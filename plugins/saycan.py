@@ -72,17 +72,15 @@ class Config(PluginConfig):
     """``plugins.saycan``: how skills are scored, which captions are scored when, and how strongly the score steers."""
 
     instruction: str = ""  # the instruction the skills are scored for; "" uses the task's goal
-    weight: float = (
-        1.0  # exponent of the LLM's skill distribution in the product with the policy (0: uniform-prior control)
-    )
+    # exponent of the LLM's skill distribution in the product with the policy (0: uniform-prior control)
+    weight: float = 1.0
     top_logprobs: int = 20  # first-token alternatives asked for (OpenAI-style backends give at most 20)
     floor: float = -10.0  # log-probability given to a skill missing from the alternatives
     fallback_prob: float = 0.8  # without log-probabilities: the probability put on the replied skill
     # regular expressions removed from the caption before scoring and caching (details that do not bear on the choice)
     forget: list[str] = field(default_factory=list)
-    prescore_episodes: int = (
-        8  # random-policy rollouts (and as many of the task's reference policy) captioned before training
-    )
+    # random-policy rollouts (and as many of the task's reference policy) captioned before training
+    prescore_episodes: int = 8
     prescore_steps: int = 1000  # steps per pre-scoring rollout at most
     prescore_calls: int = 96  # LLM calls before training at most (most frequent captions first)
     prescore_s: float = 180.0  # seconds of LLM calls before training at most (0: no limit)
@@ -94,9 +92,8 @@ class Config(PluginConfig):
     rescore_s: float = 30.0  # seconds per rescoring point at most (0: no limit)
     max_queries: int = 400  # LLM scoring calls per training, all phases; later unscored captions get no prior
     queue_size: int = 64  # captions waiting for the background worker; new ones are dropped while it is full
-    blocking: bool = (
-        False  # score every unscored caption before acting (reproducible, slow) instead of in the background
-    )
+    # score every unscored caption before acting (reproducible, slow) instead of in the background
+    blocking: bool = False
     finish_s: float = 5.0  # seconds to wait for the background call in progress when a training ends
 
     def check(self) -> None:

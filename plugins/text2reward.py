@@ -64,9 +64,8 @@ class Config(PluginConfig):
 
     iterations: int = 1  # 1 = zero-/few-shot only; more = feedback rounds (user comment, or auto_feedback)
     samples: int = 4  # reward functions sampled per round, each trained
-    temperature: float | None = (
-        None  # sampling temperature; None: by the number of samples (core.prompting.sampling_temperature)
-    )
+    # sampling temperature; None: by the number of samples (core.prompting.sampling_temperature)
+    temperature: float | None = None
     max_tokens: int = 768  # cap on each reply
     retries: int = 2  # re-asks per sample, with the error, until the code parses and validates
     validate: bool = True  # probe each program in the sandbox before accepting it (else only parse)
@@ -74,14 +73,12 @@ class Config(PluginConfig):
     few_shot: bool = True  # show retrieved examples from the library (zero-shot while it is empty)
     shots: int = 1  # examples retrieved per prompt (most similar instructions)
     include_same_task: bool = True  # may retrieve examples written for this very task (false: other tasks only)
-    library_path: str | None = (
-        None  # JSON library of (instruction, code) pairs; null = <cache_dir>/text2reward_library.json
-    )
+    # JSON library of (instruction, code) pairs; null = <cache_dir>/text2reward_library.json
+    library_path: str | None = None
     library_min_fitness: float = 0.5  # a run's best reward joins the library when its fitness reaches this
     feedback: str | None = None  # a user's comment on the trained behaviour, used in the next round
-    feedback_file: str | None = (
-        None  # or a text file holding it (read at each round, so it can be edited between rounds)
-    )
+    # or a text file holding it (read at each round, so it can be edited between rounds)
+    feedback_file: str | None = None
     auto_feedback: bool = False  # with no user comment, write a factual one from the results (else no feedback round)
     final_seeds: int = 0  # retrain the best reward on this many more seeds after the loop
 
@@ -310,7 +307,10 @@ def auto_comment(result: TrainResult, fitness_name: str) -> str:
         return (
             "The agent never achieves the goal. The reward must guide it more directly toward the instruction's goal."
         )
-    return f"The agent sometimes achieves the goal ({fitness_name} {value:.2f}) but not reliably. Make the final stage more rewarding."
+    return (
+        f"The agent sometimes achieves the goal ({fitness_name} {value:.2f}) but not reliably. "
+        "Make the final stage more rewarding."
+    )
 
 
 def program_of(reply: str, prompt: str, sample: int, call: str = "", fields: list[str] | None = None) -> RewardProgram:

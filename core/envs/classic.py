@@ -161,7 +161,8 @@ def require(module: str, extra: str, what: str) -> None:
     """Raise a :class:`UserError` naming the extra to install when ``module`` is missing."""
     if importlib.util.find_spec(module) is None:
         raise UserError(
-            f"{what} needs the Python package '{module}', which is not installed. Install it with: pip install \"llm4rl[{extra}]\""
+            f"{what} needs the Python package '{module}', which is not installed. "
+            f'Install it with: pip install "llm4rl[{extra}]"'
         )
 
 
@@ -323,7 +324,8 @@ class CartPole(GymTask):
             name="cartpole",
             max_episode_steps=max_episode_steps,
             goal=(
-                "Balance the pole upright (`pole_angle` near 0) on the moving cart for as long as possible while keeping "
+                "Balance the pole upright (`pole_angle` near 0) on the moving cart for as long as possible "
+                "while keeping "
                 "the cart near the centre of the track (`cart_position` near 0)."
             ),
             state_fields=[
@@ -446,8 +448,10 @@ class MountainCar(GymTask):
                 "MountainCar-v0 (gymnasium classic control). A car sits in a valley between two hills and its "
                 "engine is too weak to climb the right hill directly. Observation (float32, 2 values): "
                 "car_position in [-1.2, 0.6] (the valley bottom is near -0.52, the flag at 0.5) and car_velocity "
-                "in [-0.07, 0.07]; car_height and mechanical_energy = (sin(3 * car_position) + 600 * car_velocity**2 + 1) "
-                "/ (sin(1.5) + 1) are computed from them. Dynamics, each step: car_velocity += (action - 1) * 0.001 - 0.0025 * cos(3 * car_position), then car_position += "
+                "in [-0.07, 0.07]; car_height and mechanical_energy = "
+                "(sin(3 * car_position) + 600 * car_velocity**2 + 1) "
+                "/ (sin(1.5) + 1) are computed from them. Dynamics, each step: "
+                "car_velocity += (action - 1) * 0.001 - 0.0025 * cos(3 * car_position), then car_position += "
                 "car_velocity (both clipped to their ranges; at the left edge the car stops). The episode "
                 "terminates when car_position >= 0.5 with car_velocity >= 0 (success) and is truncated after "
                 f"{max_episode_steps} steps. Fitness is the success rate: the share of evaluation episodes that "
@@ -490,7 +494,8 @@ class MountainCarContinuous(MountainCar):
             max_episode_steps=max_episode_steps,
             fitness_name="success_rate",
             goal=(
-                "Drive the under-powered car up the right hill to reach the flag at `car_position` 0.45 using as little "
+                "Drive the under-powered car up the right hill to reach the flag at `car_position` 0.45 "
+                "using as little "
                 "engine force as possible; it must build momentum by rocking back and forth, which raises its "
                 "`mechanical_energy`."
             ),
@@ -499,8 +504,10 @@ class MountainCarContinuous(MountainCar):
                 "MountainCarContinuous-v0 (gymnasium classic control). A car sits in a valley between two hills "
                 "and its engine is too weak to climb the right hill directly. Observation (float32, 2 values): "
                 "car_position in [-1.2, 0.6] (the valley bottom is near -0.52, the flag at 0.45) and car_velocity "
-                "in [-0.07, 0.07]; car_height and mechanical_energy = (sin(3 * car_position) + 600 * car_velocity**2 + 1) "
-                "/ (sin(1.35) + 1) are computed from them. Dynamics, each step: car_velocity += force * 0.0015 - 0.0025 * cos(3 * car_position), with force the action clipped "
+                "in [-0.07, 0.07]; car_height and mechanical_energy = "
+                "(sin(3 * car_position) + 600 * car_velocity**2 + 1) "
+                "/ (sin(1.35) + 1) are computed from them. Dynamics, each step: "
+                "car_velocity += force * 0.0015 - 0.0025 * cos(3 * car_position), with force the action clipped "
                 "to [-1, 1], then car_position += car_velocity (both clipped to their ranges; at the left edge the "
                 "car stops). The episode terminates at the flag (car_position >= 0.45 with car_velocity >= 0, "
                 f"success) and is truncated after {max_episode_steps} steps. Fitness is the success rate."
@@ -750,9 +757,15 @@ class LunarLander(GymTask):
         self, max_episode_steps: int = 1000, continuous: bool = False, show_source: bool = False, reward: str = "human"
     ) -> None:
         actions = (
-            "Box(2,) in [-1, 1]: main engine throttle (off below 0, 50-100% from 0 to 1) and lateral engine (left below -0.5, right above 0.5)."
+            (
+                "Box(2,) in [-1, 1]: main engine throttle (off below 0, 50-100% from 0 to 1) "
+                "and lateral engine (left below -0.5, right above 0.5)."
+            )
             if continuous
-            else "Discrete(4): 0 does nothing, 1 fires the left orientation engine, 2 fires the main engine, 3 fires the right orientation engine."
+            else (
+                "Discrete(4): 0 does nothing, 1 fires the left orientation engine, 2 fires the main engine, "
+                "3 fires the right orientation engine."
+            )
         )
         super().__init__(
             name="lunarlander",

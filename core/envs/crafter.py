@@ -163,7 +163,8 @@ _OFFSET = {f.name: f.start for f in STATE_FIELDS}
 _INVENTORY = VITALS + ITEMS  # the first fields, in this order
 _ACHIEVED = slice(_OFFSET["achievement_collect_coal"], _OFFSET["achievement_collect_coal"] + len(ACHIEVEMENTS))
 _VIEW_AT = slice(_OFFSET["local_view"], _OFFSET["local_view"] + VIEW[0] * VIEW[1])
-#: the fields a step's events change (items, food, drink, sleeping, achievements): equal before and after, nothing happened
+#: the fields a step's events change (items, food, drink, sleeping, achievements): equal before
+#: and after, nothing happened
 _EVENT_FIELDS = np.array(
     [_OFFSET[n] for n in (*ITEMS, "food", "drink", "sleeping")] + list(range(_ACHIEVED.start, _ACHIEVED.stop))
 )
@@ -239,7 +240,8 @@ class WorldParams:
                 kwargs[key] = value
         if params:
             raise UserError(
-                f"Unknown Crafter params: {', '.join(sorted(params))}. Known: {', '.join(p.name for p in crafter_params())}."
+                f"Unknown Crafter params: {', '.join(sorted(params))}. "
+                f"Known: {', '.join(p.name for p in crafter_params())}."
             )
         return cls(inventory=tuple(sorted(inventory.items())), **kwargs)
 
@@ -608,7 +610,10 @@ def crafter_params() -> list[ParamSpec]:
     params = [
         ParamSpec(
             "biome",
-            "terrain bias around the start: more grassland, more mountains (stone, ores, caves, lava), or more water and sand",
+            (
+                "terrain bias around the start: more grassland, more mountains (stone, ores, caves, lava), "
+                "or more water and sand"
+            ),
             "natural",
             tuple(BIOMES),
         ),
@@ -617,7 +622,10 @@ def crafter_params() -> list[ParamSpec]:
         params.append(
             ParamSpec(
                 f"{resource}_rarity",
-                f"how often {resource} appears where the terrain allows it (rare: 1/3 as often, common: 3 times as often)",
+                (
+                    f"how often {resource} appears where the terrain allows it "
+                    "(rare: 1/3 as often, common: 3 times as often)"
+                ),
                 "natural",
                 tuple(RARITY),
             )
@@ -663,7 +671,8 @@ def _rules_text() -> str:
             for name, rule in constants.place.items()
         )
         making = "; ".join(
-            f"{name} (uses {' + '.join(f'{n} {k}' for k, n in rule['uses'].items())}; next to {' and '.join(rule['nearby'])})"
+            f"{name} (uses {' + '.join(f'{n} {k}' for k, n in rule['uses'].items())}; "
+            f"next to {' and '.join(rule['nearby'])})"
             for name, rule in constants.make.items()
         )
     return "\n".join(
@@ -739,7 +748,8 @@ class Crafter(Task):
     def check_available(self) -> None:
         if importlib.util.find_spec("crafter") is None:
             raise UserError(
-                "The task 'minecraft' runs on Crafter, which is not installed. Install it with: pip install \"llm4rl[minecraft]\" (crafter and numba)."
+                "The task 'minecraft' runs on Crafter, which is not installed. "
+                'Install it with: pip install "llm4rl[minecraft]" (crafter and numba).'
             )
         if importlib.util.find_spec("opensimplex") is None:
             raise UserError("Crafter's dependency 'opensimplex' is missing: pip install \"llm4rl[minecraft]\".")
@@ -823,7 +833,8 @@ class Crafter(Task):
             parts.append(f"Low: {', '.join(low)}.")
         return " ".join(parts)
 
-    #: what placing each thing uses up (crafter/data.yaml: a table takes wood, a furnace and stone take stone, a plant a sapling)
+    #: what placing each thing uses up (crafter/data.yaml: a table takes wood, a furnace and stone
+    #: take stone, a plant a sapling)
     PLACED_FROM = {"table": "wood", "furnace": "stone", "stone": "stone", "plant": "sapling"}
 
     def caption_transition(self, obs: np.ndarray, next_obs: np.ndarray) -> str:

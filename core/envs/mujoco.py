@@ -39,7 +39,8 @@ def joint_fields(joints: list[tuple[str, str]], skip_positions: int) -> list[Sta
                     (
                         f"{name}_{axis}",
                         unit,
-                        f"{name} body {'position ' + axis if axis in 'xyz' else 'orientation quaternion ' + axis[1]} in the world frame",
+                        f"{name} body {'position ' + axis if axis in 'xyz' else 'orientation quaternion ' + axis[1]} "
+                        "in the world frame",
                     )
                 )
             for axis in _FREE_VEL:
@@ -126,11 +127,13 @@ class MujocoTask(GymTask):
 
         if importlib.util.find_spec("mujoco") is None:
             raise UserError(
-                f"The task '{self.name}' needs MuJoCo, which is not installed. Install it with: pip install \"llm4rl[mujoco]\""
+                f"The task '{self.name}' needs MuJoCo, which is not installed. "
+                'Install it with: pip install "llm4rl[mujoco]"'
             )
         if importlib.util.find_spec("packaging") is None:
             raise UserError(
-                f"The task '{self.name}' needs 'packaging' (gymnasium's MuJoCo module imports it): pip install \"llm4rl[mujoco]\""
+                f"The task '{self.name}' needs 'packaging' (gymnasium's MuJoCo module imports it): "
+                'pip install "llm4rl[mujoco]"'
             )
 
     def wrap(self, env: gym.Env) -> gym.Env:
@@ -217,7 +220,8 @@ class Hopper(MujocoTask):
                 "Hopper-v5 (gymnasium MuJoCo). A planar one-legged robot: torso, thigh, leg, foot. Observation "
                 "(11 values): qpos[1:] then qvel, named <joint>_pos and <joint>_vel. "
                 + _PLANAR_NOTE
-                + " rootz_pos is the torso's height above the ground (1.25 m at the start). The episode terminates when unhealthy: torso height rootz_pos <= 0.7, |rooty_pos| >= 0.2 rad, or "
+                + " rootz_pos is the torso's height above the ground (1.25 m at the start). "
+                "The episode terminates when unhealthy: torso height rootz_pos <= 0.7, |rooty_pos| >= 0.2 rad, or "
                 f"any other state value beyond +-100; truncated after {max_episode_steps} steps. Fitness: the env's "
                 "own return, higher the longer the hopper stays healthy and the faster it moves forward, with "
                 "little control effort."
@@ -233,8 +237,14 @@ class Hopper(MujocoTask):
 
 def _body_names(kind: str) -> str:
     return {
-        "ant": "torso, front left leg, aux 1, front-left foot, front right leg, aux 2, front-right foot, back leg, aux 3, back-left foot, right back leg, aux 4, back-right foot",
-        "humanoid": "torso, lwaist, pelvis, right thigh, right shin, right foot, left thigh, left shin, left foot, right upper arm, right lower arm, left upper arm, left lower arm",
+        "ant": (
+            "torso, front left leg, aux 1, front-left foot, front right leg, aux 2, front-right foot, "
+            "back leg, aux 3, back-left foot, right back leg, aux 4, back-right foot"
+        ),
+        "humanoid": (
+            "torso, lwaist, pelvis, right thigh, right shin, right foot, left thigh, left shin, left foot, "
+            "right upper arm, right lower arm, left upper arm, left lower arm"
+        ),
     }[kind]
 
 
@@ -253,7 +263,10 @@ class Ant(MujocoTask):
                 "contact_forces",
                 fields[-1].stop,
                 (13, 6),
-                f"external contact force and torque (6 values) on each body except the world: {_body_names('ant')}; clipped to [-1, 1]",
+                (
+                    "external contact force and torque (6 values) on each body except the world: "
+                    f"{_body_names('ant')}; clipped to [-1, 1]"
+                ),
                 "N",
             )
         )

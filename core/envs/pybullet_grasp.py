@@ -29,8 +29,9 @@ the env's low-level action ``[dx, dy, dz, da, finger]`` itself and calls the env
 ``step2`` (as PyBullet's ``kukaGymEnvTest.py`` does): ``dx, dy, da`` are the original
 scaling of the agent's action; ``dz`` is ``descent`` while the arm is high and
 ``approach_descent`` below ``approach_z``, and the target is never let more than
-``max_lead`` below the arm. With the defaults a scripted controller grasps most blocks. The adapter then holds the block for
-``hold_steps`` physics steps, records facts about the episode (closest approach, how far
+``max_lead`` below the arm. With the defaults a scripted controller grasps most blocks. The
+adapter then holds the block for ``hold_steps`` physics steps, records facts about the
+episode (closest approach, how far
 the gripper was from the block when it closed, highest and final block height) and
 classifies each evaluation episode into a failure mode (:func:`classify_episode`).
 """
@@ -391,7 +392,8 @@ def summarize_failures(infos: list[dict[str, Any]]) -> str:
     reached = [i["grasp_xy_distance"] for i in infos if "grasp_xy_distance" in i]
     if reached:
         lines.append(
-            f"Fingertip-to-block x-y distance when the gripper closed: mean {np.mean(reached):.3f} m, min {np.min(reached):.3f} m."
+            "Fingertip-to-block x-y distance when the gripper closed: "
+            f"mean {np.mean(reached):.3f} m, min {np.min(reached):.3f} m."
         )
     rises = [float(i.get("max_block_height", 0.0)) - float(i.get("rest_height", 0.0)) for i in infos]
     lines.append(
@@ -442,19 +444,28 @@ def kuka_fields() -> list[StateField]:
         (
             "block_height",
             1,
-            f"height of the block centre above the table top; about 0.019 at rest in the tray, success above {SUCCESS_Z - TABLE_TOP_Z:.3f}",
+            (
+                "height of the block centre above the table top; about 0.019 at rest in the tray, "
+                f"success above {SUCCESS_Z - TABLE_TOP_Z:.3f}"
+            ),
             "m",
         ),
         (
             "gripper_opening",
             1,
-            "finger opening angle: about 0.3 open (the agent's whole approach), 0 closed (during the env's automatic grasp)",
+            (
+                "finger opening angle: about 0.3 open (the agent's whole approach), "
+                "0 closed (during the env's automatic grasp)"
+            ),
             "rad",
         ),
         (
             "fingertips_pos",
             3,
-            "mean position x, y, z of the two fingertips (world frame): the grasp lands where these are when the gripper reaches the tray",
+            (
+                "mean position x, y, z of the two fingertips (world frame): "
+                "the grasp lands where these are when the gripper reaches the tray"
+            ),
             "m",
         ),
     ]

@@ -169,7 +169,10 @@ class Task:
                     "Tasks with one: cartpole, mountaincar, acrobot, pendulum, lunarlander, the MuJoCo and "
                     "MetaWorld tasks, minecraft."
                 )
-            self.description += f"\n\nTraining reward in this run (env.reward=sparse), in place of the env designers' own: {self.sparse_text}"
+            self.description += (
+                "\n\nTraining reward in this run (env.reward=sparse), in place of the env designers' own: "
+                f"{self.sparse_text}"
+            )
 
     # -- construction ---------------------------------------------------------------
     def make_env(self, num_envs: int, seed: int, params: dict[str, Any] | None = None) -> gym.vector.VectorEnv:

@@ -179,11 +179,13 @@ def render_html(markdown: str, title: str) -> str:
     flush_table()
     if in_list:
         body.append("</ul>")
-    style = "body{font-family:sans-serif;max-width:70em;margin:2em auto}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.3em .6em}img{max-width:100%}"
+    style = (
+        "body{font-family:sans-serif;max-width:70em;margin:2em auto}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:.3em .6em}img{max-width:100%}"
+    )
     return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style></head><body>\n"
-        + "\n".join(body)
-        + "\n</body></html>\n"
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
     )
 
 

@@ -171,7 +171,8 @@ def assess(spec: StudySpec, planned: list[PlannedCell], counted: Counted, reps: 
 def write_results(
     spec: StudySpec, planned: list[PlannedCell], uri: str, out: Path, invocation: Invocation, reps: int = 2000
 ) -> list[Path]:
-    """Analyse the planned cells' runs, write ``out`` (Markdown) and its figures, log them to MLflow; returns the files."""
+    """Analyse the planned cells' runs, write ``out`` (Markdown) and its figures, log them to
+    MLflow; returns the files."""
     counted = study_runs(planned, uri, spec.name)
     findings = assess(spec, planned, counted, reps)
     figures_dir = out.with_suffix("")
@@ -560,7 +561,8 @@ def _task_section(
     chosen: dict[tuple[str, str, int], StudyRun],
     figures: list[str],
 ) -> list[str]:
-    """One task: its calibration, each arm's seeds, scores, LLM contribution, costs and status, P(X > baseline), failures, figures."""
+    """One task: its calibration, each arm's seeds, scores, LLM contribution, costs and status,
+    P(X > baseline), failures, figures."""
     lines = ["", f"## {name}: {t.fitness_name if t else 'no finished run'}", "", findings.calibrations[name].line()]
     if t is None:
         return lines

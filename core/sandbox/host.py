@@ -460,9 +460,8 @@ class _Spin:
         self.host_s = 0.0
         self.granted_s = 0.0  # spinning asked of the worker so far: CPU time added to its limit
         self.spun = 0  # calls whose answer was polled for
-        self.spent_s = (
-            0.0  # the worker's spinning so far, as the host saw it (the time until the next step, at most worker_s)
-        )
+        # the worker's spinning so far, as the host saw it (the time until the next step, at most worker_s)
+        self.spent_s = 0.0
         self.allowance_s: float | None = None  # spinning a worker may do in all (None: its CPU limit grows with it)
 
     def before(self, now: float) -> int:
@@ -542,7 +541,8 @@ class _Lane:
         ]
 
     def write(self, args: tuple[Any, ...]) -> bool:
-        """Copy ``args`` into their places; False (nothing sent) unless they are plain CPU tensors of the same layout."""
+        """Copy ``args`` into their places; False (nothing sent) unless they are plain CPU tensors
+        of the same layout."""
         if type(args) is not tuple or len(args) != len(self.inputs):
             return False
         try:
@@ -1086,10 +1086,11 @@ class ProgramWorker:
                         fail(
                             "too_slow",
                             (
-                                f"Too slow: the program took {self.program_s:.1f} s of the last {elapsed:.1f} s of training "
-                                f"({share:.0%}, {round_trip:.0%} with the calls' overhead; the budget is {limits.max_time_share:.0%}), "
-                                f"{per_call:.2f} ms per call over {self.calls} calls. Make it faster: vectorise over the batch, "
-                                "avoid Python loops over rows."
+                                f"Too slow: the program took {self.program_s:.1f} s of the last "
+                                f"{elapsed:.1f} s of training ({share:.0%}, {round_trip:.0%} with the "
+                                f"calls' overhead; the budget is {limits.max_time_share:.0%}), "
+                                f"{per_call:.2f} ms per call over {self.calls} calls. Make it faster: "
+                                "vectorise over the batch, avoid Python loops over rows."
                             ),
                         )
                     )
@@ -1136,9 +1137,9 @@ class ProgramWorker:
                     fail(
                         "too_slow",
                         (
-                            f"The program used {used:.1f} s of CPU time, more than its budget ({limits.cpu_s:g} s plus "
-                            f"{limits.max_time_share:.0%} of the training time), and was stopped. Do less work per call, "
-                            "and none between calls."
+                            f"The program used {used:.1f} s of CPU time, more than its budget "
+                            f"({limits.cpu_s:g} s plus {limits.max_time_share:.0%} of the training time), "
+                            "and was stopped. Do less work per call, and none between calls."
                         ),
                     )
                 )

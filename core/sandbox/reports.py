@@ -95,14 +95,12 @@ class Limits:
     """
 
     allowed_imports: list[str] = field(default_factory=lambda: list(DEFAULT_IMPORTS))  # modules programs may import
-    cpu_s: float = (
-        10.0  # CPU seconds a candidate's worker may use beyond the time its calls took (start-up and probes included)
-    )
+    # CPU seconds a candidate's worker may use beyond the time its calls took (start-up and probes included)
+    cpu_s: float = 10.0
     wall_s: float = 20.0  # wall-clock seconds to start a worker and probe a program
     memory_mb: int = 4096  # address space the worker may map beyond what its imports mapped (RLIMIT_AS)
-    call_timeout_s: float = (
-        1.0  # wall-clock limit of one call (module body, probe, training step); past it the worker is killed
-    )
+    # wall-clock limit of one call (module body, probe, training step); past it the worker is killed
+    call_timeout_s: float = 1.0
     max_procs: int = 16  # processes/threads the worker's unprivileged user may have
     max_output_chars: int = 10_000  # what print() in LLM code may write before it is cut off
     per_row_fallback: bool = True  # accept code written for one state, not a batch (runs once per row)

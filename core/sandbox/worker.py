@@ -88,9 +88,11 @@ SAME_REQUEST = struct.Struct("<QIH")
 _SAME_REPLY = struct.Struct("<BQd")
 #: the longest a worker waits for the next request on a spinning CPU, whatever the host asks (µs)
 MAX_SPIN_US = 5000
-#: set to 1 in the host's environment, workers start without namespaces (the fallback path, as where the kernel allows none)
+#: set to 1 in the host's environment, workers start without namespaces (the fallback path, as
+#: where the kernel allows none)
 NO_NAMESPACES_ENV = "LLM4RL_SANDBOX_NO_NAMESPACES"
-#: in the host's environment: 0 never lets a worker spin for the next step, 1 always does (two CPUs or more), unset: while a CPU is spare
+#: in the host's environment: 0 never lets a worker spin for the next step, 1 always does (two
+#: CPUs or more), unset: while a CPU is spare
 SPIN_ENV = "LLM4RL_SANDBOX_SPIN"
 
 
@@ -869,7 +871,8 @@ class _CallLane:
 
     @staticmethod
     def _naming(fields: list[Any], shape: tuple[int, ...]) -> Any:
-        """How to name an observation's fields: their names (one ``unbind`` when each is one column, in order) or the fields."""
+        """How to name an observation's fields: their names (one ``unbind`` when each is one
+        column, in order) or the fields."""
         columns = all(stop - start == 1 and not fshape for _, start, stop, fshape in fields)
         if (
             columns

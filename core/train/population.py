@@ -550,7 +550,8 @@ class Population:
 
     # -- what the method reads and changes ------------------------------------------------------------------
     def rewards(self, m: Member) -> torch.Tensor:
-        """``m``'s reward of every stored transition, as its agent learns from it (``shaping`` applied, no hook terms)."""
+        """``m``'s reward of every stored transition, as its agent learns from it (``shaping``
+        applied, no hook terms)."""
         assert self.replay is not None
         raw = self.replay.raw[: self.replay.size, self.live.index(m)]
         return m.shaping(raw) if m.shaping is not None else raw

@@ -115,7 +115,10 @@ BARE_EXCEPT_SWALLOW = (
 FINALLY_OUTLIVES = (
     "def compute_reward(s, a, n):\n    try:\n        pass\n    finally:\n        while True:\n            pass"
 )
-CLASS_DEF = "class R:\n    def __exit__(self, *a):\n        return True\ndef compute_reward(s, a, n):\n    return s['pole_angle']"
+CLASS_DEF = (
+    "class R:\n    def __exit__(self, *a):\n        return True\n"
+    "def compute_reward(s, a, n):\n    return s['pole_angle']"
+)
 GLOBAL_STATEMENT = "X = 0\ndef compute_reward(s, a, n):\n    global X\n    X += 1\n    return s['pole_angle']"
 STAR_IMPORT = "from torch import *\ndef compute_reward(s, a, n):\n    return s['pole_angle']"
 TYPE_MRO = "def compute_reward(s, a, n):\n    return type(s).mro()"
@@ -141,7 +144,10 @@ SLOW_CODE = (
     "        total += i\n    return s['pole_angle'] * 0 + total"
 )
 RECURSION_BOMB = "def compute_reward(s, a, n):\n    return compute_reward(s, a, n)"
-RUNTIME_ALLOC = "import torch\ndef compute_reward(s, a, n):\n    k = 40000\n    big = torch.ones(k, k)\n    return big.sum() + s['pole_angle']"
+RUNTIME_ALLOC = (
+    "import torch\ndef compute_reward(s, a, n):\n    k = 40000\n    big = torch.ones(k, k)\n"
+    "    return big.sum() + s['pole_angle']"
+)
 RUNTIME_LIST_ALLOC = "def compute_reward(s, a, n):\n    k = 100000\n    x = [1.5] * (k * k)\n    return s['pole_angle']"
 RAISES_KEYERROR = "def compute_reward(s, a, n):\n    key = 'pole_' + 'velocity'\n    v = s[key]\n    return v"
 RAISES_ZERODIVISION = "def compute_reward(s, a, n):\n    scale = 1 / 0\n    return s['pole_angle'] * scale"

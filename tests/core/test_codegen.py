@@ -34,7 +34,10 @@ def test_fence_styles_give_the_function_with_its_helpers(reply: str) -> None:
 
 
 def test_picks_the_block_defining_the_entry() -> None:
-    reply = f"Install:\n```bash\npip install torch\n```\nExample state:\n```python\nstate = {{'x': 1}}\n```\nCode:\n```python\n{HELPER}\n\n{FN}\n```"
+    reply = (
+        "Install:\n```bash\npip install torch\n```\nExample state:\n```python\nstate = {'x': 1}\n```\n"
+        f"Code:\n```python\n{HELPER}\n\n{FN}\n```"
+    )
     result = extract_function(reply, "compute_reward", ARGS)
     assert result.ok and "pip install" not in result.source and "state = {" not in result.source
 
@@ -45,7 +48,10 @@ def test_same_function_repeated_in_two_blocks_is_fine() -> None:
 
 
 def test_example_calls_and_main_blocks_are_dropped() -> None:
-    reply = f"```python\n{HELPER}\n\n{FN}\n\nprint(compute_reward({{}}, 0, {{}}))\nif __name__ == '__main__':\n    compute_reward(1, 2, 3)\n```"
+    reply = (
+        f"```python\n{HELPER}\n\n{FN}\n\n"
+        "print(compute_reward({}, 0, {}))\nif __name__ == '__main__':\n    compute_reward(1, 2, 3)\n```"
+    )
     result = extract_function(reply, "compute_reward", ARGS)
     assert result.ok and "print(" not in result.source and "__main__" not in result.source
     assert len(result.notes) == 2
@@ -160,7 +166,10 @@ def test_every_failure_names_its_kind(reply: str, kind: str) -> None:
 
 
 def test_a_lone_misnamed_function_is_renamed_only_when_asked() -> None:
-    reply = f"```python\n{HELPER}\n\ndef improved_compute_reward(state, action, next_state):\n    return helper(state['x'])\n```"
+    reply = (
+        f"```python\n{HELPER}\n\n"
+        "def improved_compute_reward(state, action, next_state):\n    return helper(state['x'])\n```"
+    )
     assert not extract_function(reply, "compute_reward", ARGS).ok
     result = extract_function(reply, "compute_reward", ARGS, rename=True)
     assert result.ok and result.renamed == "improved_compute_reward"

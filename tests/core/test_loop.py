@@ -263,7 +263,8 @@ GAMMA = '''
 
     @hookimpl
     def propose_rewards(run, iteration):
-        good = RewardProgram(source="def compute_reward(state, action, next_state):\\n    return 1.0\\n", meta={"sample": 0})
+        good = RewardProgram(source="def compute_reward(state, action, next_state):\\n    return 1.0\\n",
+                             meta={"sample": 0})
         bad = RewardProgram(source="", reply="Reward balance.", rejected="The reply contains no code.",
                             meta={"sample": 1, "rejected_kind": "no_code"})
         return [good, bad]
@@ -288,7 +289,8 @@ def test_a_rejected_proposal_is_a_candidate_of_its_own_that_never_trains(local_p
 
 
 class _RefusesOne(Tracker):
-    """A tracker that fails, as MLflow once did on a component name, while recording ``it0-c0``: its run made, then an error."""
+    """A tracker that fails, as MLflow once did on a component name, while recording ``it0-c0``:
+    its run made, then an error."""
 
     def log_candidate(self, candidate, result, tags, ended=None):
         if candidate.id == "it0-c0":

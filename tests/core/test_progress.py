@@ -270,7 +270,8 @@ TWO_REWARDS = '''
 
         @hookimpl
         def propose_rewards(self, run, iteration):
-            return [RewardProgram(source=f"def compute_reward(state, action, next_state):\\n    return {k + 10 * iteration}.0\\n")
+            return [RewardProgram(source="def compute_reward(state, action, next_state):\\n"
+                                         f"    return {k + 10 * iteration}.0\\n")
                     for k in (1, 2)]
 '''
 
@@ -339,7 +340,8 @@ ARRIVING = '''
         @hookimpl
         def propose_rewards(self, run, iteration):
             if self.config.bad:
-                return [RewardProgram(source=GOOD.format(k=1)), RewardProgram(source="def compute_reward(state):\\n    return (\\n")]
+                return [RewardProgram(source=GOOD.format(k=1)),
+                        RewardProgram(source="def compute_reward(state):\\n    return (\\n")]
             return ([RewardProgram(source=GOOD.format(k=k))] for k in (1, 2))
 '''
 

@@ -82,7 +82,8 @@ def compute_reward(state, action, next_state):
     expected_action, expected_fields, integer = {action!r}, {fields!r}, {integer!r}
     got = tuple(action.shape[1:])
     if got != expected_action or action.is_floating_point() == integer:
-        raise ValueError(f"action: the prompt said {{expected_action}} (integer: {{integer}}), training passed {{got}} {{action.dtype}}")
+        raise ValueError(f"action: the prompt said {{expected_action}} (integer: {{integer}}), "
+                         f"training passed {{got}} {{action.dtype}}")
     for name, dims in expected_fields.items():
         for which in (state, next_state):
             if tuple(which[name].shape[1:]) != dims or which[name].shape[0] != action.shape[0]:

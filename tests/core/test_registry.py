@@ -176,7 +176,8 @@ def test_the_catalogue_flags_a_plugin_whose_hooks_fail_validation_and_fits_100_c
     from core import registry
 
     (tmp_path / "misspelt_plugin.py").write_text(
-        '"""A plugin with a misspelt hook."""\nfrom core import hookimpl\n\n\n@hookimpl\ndef propose_reward(run):\n    return []\n'
+        '"""A plugin with a misspelt hook."""\nfrom core import hookimpl\n\n\n'
+        "@hookimpl\ndef propose_reward(run):\n    return []\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     extra = registry.PluginInfo(name="misspelt", module="misspelt_plugin", roles=["reward"], source="tests")

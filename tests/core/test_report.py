@@ -176,7 +176,8 @@ def test_unknown_experiment_is_a_clear_error(study, capsys) -> None:
 
 
 def test_a_run_cut_short_is_a_seed_not_run_yet_not_a_failure() -> None:
-    """A study killed mid-cell leaves a RUNNING run: that seed is missing (to run), and only a real failure is failed."""
+    """A study killed mid-cell leaves a RUNNING run: that seed is missing (to run), and only a
+    real failure is failed."""
     from core.report.data import UNFINISHED
     from core.report.study import _arm_result
 

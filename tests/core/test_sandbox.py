@@ -169,8 +169,10 @@ def test_typing_is_a_module_like_any_other() -> None:
         ("from typing import get_type_hints\ndef compute_reward(s, a, n):\n    return 0", "typing"),
         ("from typing import Dict\ndef compute_reward(s, a, n):\n    return Dict", "outside a type annotation"),
         (
-            "import torch.nn.functional as F\ndef compute_reward(s, a, n):\n    match F.relu:\n        case T(__globals__=g):\n"
-            "            return g",
+            (
+                "import torch.nn.functional as F\ndef compute_reward(s, a, n):\n    match F.relu:\n"
+                "        case T(__globals__=g):\n            return g"
+            ),
             "match pattern",
         ),
         (
@@ -669,7 +671,10 @@ def test_per_row_keeps_the_batched_error_when_rows_fail_too() -> None:
 
 def test_per_row_results_still_checked_for_nan() -> None:
     program = RewardProgram(
-        source="def compute_reward(state, action, next_state):\n    return float('nan') if float(state['pole_angle']) > -9 else 0.0\n"
+        source=(
+            "def compute_reward(state, action, next_state):\n"
+            "    return float('nan') if float(state['pole_angle']) > -9 else 0.0\n"
+        )
     )
     with pytest.raises(SandboxError) as err:
         prepare_reward(program, _cartpole())
@@ -678,7 +683,10 @@ def test_per_row_results_still_checked_for_nan() -> None:
 
 def test_per_row_complex_values_are_refused_not_truncated() -> None:
     program = RewardProgram(
-        source="def compute_reward(state, action, next_state):\n    return 1.0 + 2j if float(state['pole_angle']) > -9 else 0.0\n"
+        source=(
+            "def compute_reward(state, action, next_state):\n"
+            "    return 1.0 + 2j if float(state['pole_angle']) > -9 else 0.0\n"
+        )
     )
     with pytest.raises(SandboxError):  # the rows fail too, so the batched call's error is the feedback
         prepare_reward(program, _cartpole())

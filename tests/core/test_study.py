@@ -417,7 +417,8 @@ def test_an_eureka_arm_with_the_embedded_model(tmp_path):
 
 
 def test_the_projection_scales_training_time_but_not_a_searchs_llm_time():
-    """At frames scale 0.1: a search cell of 10 s with 4 s of LLM calls counts 4 + 6 x 10; a one-training cell 2 x 10."""
+    """At frames scale 0.1: a search cell of 10 s with 4 s of LLM calls counts 4 + 6 x 10; a
+    one-training cell 2 x 10."""
     from types import SimpleNamespace
 
     from core.report.data import OK, StudyRun

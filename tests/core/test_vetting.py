@@ -117,7 +117,10 @@ def test_a_program_that_fails_on_the_reference_episodes_is_rejected_with_the_san
 def test_the_prolonging_check_applies_only_where_success_ends_the_episode():
     task = make_task({"name": "cartpole"})
     trajectories = reference_set(task, 3, seed=0)
-    alive = "import torch\n\ndef compute_reward(state, action, next_state):\n    return torch.ones_like(state['pole_angle'])\n"
+    alive = (
+        "import torch\n\ndef compute_reward(state, action, next_state):\n"
+        "    return torch.ones_like(state['pole_angle'])\n"
+    )
     verdict = verdict_of(alive, task, trajectories)
     assert verdict.ok and "vetting/step_reward" not in verdict.figures  # +1 per step is CartPole's own goal
 

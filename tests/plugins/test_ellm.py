@@ -78,7 +78,8 @@ def make(task, llm, **overrides):
     return plugin, train
 
 
-#: view cells next to the player (the view is [dx + 4, dy + 3] of a 9x7 window, flattened); the first is the one faced (right)
+#: view cells next to the player (the view is [dx + 4, dy + 3] of a 9x7 window, flattened); the
+#: first is the one faced (right)
 NEAR = [5 * 7 + 3, 3 * 7 + 3, 4 * 7 + 4, 4 * 7 + 2]
 
 

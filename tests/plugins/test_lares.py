@@ -1,4 +1,5 @@
-"""lares plugin: selection, Thompson sampling, rescaling, relabelling, prompts, and the population's training contract."""
+"""lares plugin: selection, Thompson sampling, rescaling, relabelling, prompts, and the
+population's training contract."""
 
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ GRAPH = """```json
  {"name": "place_table", "requires": ["collect_wood"], "yields": "a table"},
  {"name": "make_wood_pickaxe", "requires": ["collect_wood", "place_table"], "yields": "a wood pickaxe"},
  {"name": "collect_stone", "requires": ["make_wood_pickaxe"], "yields": "stone"},
- {"name": "make_stone_pickaxe", "requires": ["collect_stone", "place_table", "collect_wood"], "yields": "a stone pickaxe"},]
+ {"name": "make_stone_pickaxe", "requires": ["collect_stone", "place_table", "collect_wood"],
+  "yields": "a stone pickaxe"},]
 ```"""
 BAD = '[{"name": "mine gold", "requires": []}, {"name": "make_stone_pickaxe", "requires": ["smelt_ore"]}]'
 CYCLE = '[{"name": "collect_wood", "requires": ["place_table"]}, {"name": "place_table", "requires": ["collect_wood"]}]'

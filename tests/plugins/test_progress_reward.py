@@ -30,7 +30,8 @@ from plugins import progress_reward as pr
 
 torch.set_num_threads(1)  # as in training: small nets with 2 threads stall on a busy machine
 DEFAULTS = pr.Config()
-#: a small pre-training set: CartPole's 4 random and 4 controller episodes (500 steps: the controller succeeds), 24 states scored
+#: a small pre-training set: CartPole's 4 random and 4 controller episodes (500 steps: the
+#: controller succeeds), 24 states scored
 SMALL = {"reference": {"episodes": 4, "max_steps": 500, "states": 24}, "rounds": {"states": 6}}
 LLM_OFF = {"stages": {"early": [0.5, 0.0, 0.1], "middle": [0.7, 0.0, 0.05], "late": [0.9, 0.0, 0.02]}}
 
@@ -670,8 +671,9 @@ def test_end_to_end_on_minecraft_with_the_embedded_model_logs_calls_and_the_rank
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     cmd = [
         sys.executable, "-m", "core", "+plugins=[progress_reward]", "env=minecraft", "env.max_episode_steps=300",
-        "trainer.frames=2048", "trainer.eval_episodes=1", "trainer.eval_every=0", "executor=inprocess", "progress=false",
-        "save_policy=false", "plugins.progress_reward.reference.episodes=2", "plugins.progress_reward.reference.states=6",
+        "trainer.frames=2048", "trainer.eval_episodes=1", "trainer.eval_every=0", "executor=inprocess",
+        "progress=false", "save_policy=false", "plugins.progress_reward.reference.episodes=2",
+        "plugins.progress_reward.reference.states=6",
         "plugins.progress_reward.rounds.states=2", "plugins.progress_reward.rounds.at=[0.5]",
         f"cache_dir={tmp_path / 'cache'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
         f"tracking.artifact_location={tmp_path / 'art'}",

@@ -34,7 +34,10 @@ def task():
 
 
 def test_parse_plan_json_and_lines():
-    reply = '```json\n[{"name": "Collect Wood", "how": "code", "what": "hit trees"}, {"name": "survive", "how": "rl", "what": "stay alive"},]\n```'
+    reply = (
+        '```json\n[{"name": "Collect Wood", "how": "code", "what": "hit trees"}, '
+        '{"name": "survive", "how": "rl", "what": "stay alive"},]\n```'
+    )
     subs = rl_gpt.parse_plan(reply, 4)
     assert [(s.name, s.how) for s in subs] == [("collect_wood", "code"), ("survive", "rl")]
     subs = rl_gpt.parse_plan("1. place table: code: put a table down\n2. fight: rl", 4)

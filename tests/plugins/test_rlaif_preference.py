@@ -785,7 +785,8 @@ def test_end_to_end_on_minecraft_with_the_embedded_model_labels_captions(tmp_pat
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     cmd = [
         sys.executable, "-m", "core", "+plugins=[rlaif_preference]", "env=minecraft", "env.max_episode_steps=300",
-        "trainer.frames=2048", "trainer.eval_episodes=1", "trainer.eval_every=0", "executor=inprocess", "progress=false",
+        "trainer.frames=2048", "trainer.eval_episodes=1", "trainer.eval_every=0", "executor=inprocess",
+        "progress=false",
         "save_policy=false", "plugins.rlaif_preference.label_budget=4", "plugins.rlaif_preference.offline.envs=2",
         "plugins.rlaif_preference.offline.steps=128",
         f"cache_dir={tmp_path / 'cache'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",

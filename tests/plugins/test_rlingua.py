@@ -168,14 +168,16 @@ def test_the_controller_acts_in_sac_training():
 def test_end_to_end_on_kuka_with_the_embedded_model(tmp_path: Path):
     """``python -m core +plugins=[rlingua] env=kuka_grasp`` (SAC from the plugin's config) at a few frames:
     the embedded model's controller either passed its probe and acted in training, or each failed
-    attempt was recorded and sent back (the acting path with a scripted model: test_the_controller_acts_in_sac_training)."""
+    attempt was recorded and sent back (the acting path with a scripted model:
+    test_the_controller_acts_in_sac_training)."""
     # Two attempts (1-2 calls): the second is the first's error sent back, all that the failure
     # branch checks; a third attempt (the default) cost one more long call with a longer conversation.
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     cmd = [
         sys.executable, "-m", "core", "+plugins=[rlingua]", "env=kuka_grasp", "trainer.frames=300",
         "trainer.init_random_frames=100", "trainer.batch_size=32", "trainer.eval_episodes=1", "trainer.eval_every=0",
-        "plugins.rlingua.max_tokens=768", "plugins.rlingua.attempts=2", "executor=inprocess", "progress=false", "save_policy=false",
+        "plugins.rlingua.max_tokens=768", "plugins.rlingua.attempts=2", "executor=inprocess", "progress=false",
+        "save_policy=false",
         f"cache_dir={tmp_path / 'cache'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
         f"tracking.artifact_location={tmp_path / 'art'}",
     ]  # fmt: skip

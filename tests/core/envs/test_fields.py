@@ -69,7 +69,10 @@ ALLOWED: list[tuple[tuple[str, ...], tuple[str, ...] | None, str]] = [
     (
         tuple(CRAFTER_ACTIONS),
         ("minecraft", "crafter"),
-        "Crafter's own action names: the action description names each discrete action by them (test_crafter requires it)",
+        (
+            "Crafter's own action names: the action description names each discrete action by them "
+            "(test_crafter requires it)"
+        ),
     ),
     (("harvest_milk",), ("minedojo",), "the MineDojo task id (env.task_id), quoted as the task's name"),
 ]

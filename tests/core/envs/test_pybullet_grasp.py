@@ -219,7 +219,8 @@ def test_worked_example_logs_reward_code_fitness_and_failure_modes(tmp_path: Pat
     # here depends on how well the vetting judges
     cmd = [
         sys.executable, "-m", "core", "+plugins=[eureka]", "env=kuka_grasp",
-        "plugins.eureka.iterations=1", "plugins.eureka.samples=2", "plugins.eureka.max_tokens=300", "vetting.episodes=2",
+        "plugins.eureka.iterations=1", "plugins.eureka.samples=2", "plugins.eureka.max_tokens=300",
+        "vetting.episodes=2",
         "trainer.frames=512", "trainer.num_envs=2", "trainer.rollout_steps=64", "trainer.eval_episodes=2",
         "trainer.eval_every=0", "executor=inprocess", "progress=false", "save_policy=false",
         f"cache_dir={tmp_path / 'cache'}", f"tracking.uri={db}", f"tracking.artifact_location={tmp_path / 'art'}",

@@ -276,7 +276,8 @@ CORPUS: list[Hostile] = [
             for top, dirs, files in os.walk(home):
                 found += [os.path.join(top, n) for n in dirs + files if not on_the_way(os.path.join(top, n))]
                 dirs[:] = [d for d in dirs if on_the_way(os.path.join(top, d))
-                           and not any(os.path.join(top, d) == t or os.path.join(top, d).startswith(t + '/') for t in trees)]
+                           and not any(os.path.join(top, d) == t or os.path.join(top, d).startswith(t + '/')
+                                       for t in trees)]
         if found:
             raise RuntimeError('sees the home folder: ' + str(found[:5]))
         """),

@@ -41,7 +41,9 @@ import torch
 
 def compute_reward(state, action, next_state):
     s, n = state, next_state
-    reward = n["cart_position"] + 10.0 * n["cart_velocity"] + 100.0 * n["pole_angle"] + 1000.0 * s["pole_angular_velocity"]
+    reward = (
+        n["cart_position"] + 10.0 * n["cart_velocity"] + 100.0 * n["pole_angle"] + 1000.0 * s["pole_angular_velocity"]
+    )
     return reward, {"moved": n["cart_position"] - s["cart_position"], "pushed": action.float()}
 """
 KEEPS_ITS_FIRST_INPUT = """

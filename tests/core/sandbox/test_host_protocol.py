@@ -94,7 +94,8 @@ def _gone(pid: int, timeout: float = 5.0) -> bool:
 
 
 def _in_time(work: Callable[[], Any], limit_s: float) -> BaseException | None:
-    """Run ``work`` in a thread; the exception it raised (None if none). Fails if it is still running after ``limit_s``."""
+    """Run ``work`` in a thread; the exception it raised (None if none). Fails if it is still
+    running after ``limit_s``."""
     caught: list[BaseException] = []
 
     def run() -> None:

@@ -265,7 +265,8 @@ def vm_size(pid: int) -> int:
 
 
 def limits_in_place(worker: ProgramWorker, limits: Limits, *, isolated: bool) -> None:
-    """From the host: the worker's limits (and, where ``isolated``, its user and namespaces) before any program loads."""
+    """From the host: the worker's limits (and, where ``isolated``, its user and namespaces)
+    before any program loads."""
     pid = worker._proc.server
     seen = {}
     with open(f"/proc/{pid}/limits") as f:

@@ -27,7 +27,10 @@ from hostile_corpus import CORPUS
 from test_hostile_corpus import host, record_workers  # noqa: F401 - the corpus's fixtures, for its checked runs
 
 LIMITS, TASK, BENIGN = corpus.LIMITS, corpus.TASK, corpus.BENIGN
-STATE = "import torch\n\ndef revise_state(state):\n    return torch.stack([state['pole_angle'] * 2.0, state['cart_velocity']], dim=-1)\n"
+STATE = (
+    "import torch\n\ndef revise_state(state):\n"
+    "    return torch.stack([state['pole_angle'] * 2.0, state['cart_velocity']], dim=-1)\n"
+)
 
 
 @pytest.fixture
@@ -150,7 +153,8 @@ def test_hostile_program_checked_without_namespaces(
     host: Any,  # noqa: F811
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The corpus's checked run, as on a machine without namespaces: its category, the host unchanged, the loop goes on."""
+    """The corpus's checked run, as on a machine without namespaces: its category, the host
+    unchanged, the loop goes on."""
     hostile = next(h for h in CORPUS if h.name == name)
     with caplog.at_level("WARNING", logger="core.sandbox"):
         corpus.test_hostile_program(hostile, True, host, False)

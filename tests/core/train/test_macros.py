@@ -81,7 +81,10 @@ def test_training_with_a_macro_logs_its_usage(task, tiny_cfg):
 
 def test_macro_failing_during_training_fails_the_candidate(task, tiny_cfg):
     # valid on the probe state, raises once the cart has moved right
-    source = "def flaky(state):\n    if float(state['cart_velocity'][0]) > 0.3:\n        raise ValueError('cart too fast')\n    return 1\n"
+    source = (
+        "def flaky(state):\n    if float(state['cart_velocity'][0]) > 0.3:\n"
+        "        raise ValueError('cart too fast')\n    return 1\n"
+    )
     candidate = Candidate("f", 0, macros=[_macro("flaky", source)])
     result = train(task, candidate, tiny_cfg, seed=0)
     assert not result.ok
