@@ -110,7 +110,7 @@ def check_argv(argv: list[str]) -> None:
             name, key = found
             check_plugin_override(name, key, requested, known, _other_config(argv))
             if override.type == OverrideType.ADD:
-                arg, value = override.input_line, override.input_line.split("=", 1)[1]
+                arg, value = override.input_line, override.input_line.split("=", 1)[1]  # type: ignore[union-attr]
                 raise UserError(
                     f"'{arg}': '+' adds a key, but 'plugins.{name}.{key}' is a field of the plugin's "
                     f"schema; write 'plugins.{name}.{key}={value}' without '+'. In a study whose arms "
@@ -182,7 +182,7 @@ def ignored_knobs(cfg: DictConfig, overrides: list[str]) -> list[str]:
         for name in {name for _, name in ignored}:
             if cfg.get("plugins") is not None and name in cfg.plugins:
                 del cfg.plugins[name]
-    return [o.input_line.lstrip("+") for o, _ in ignored]
+    return [o.input_line.lstrip("+") for o, _ in ignored]  # type: ignore[union-attr]
 
 
 def _other_config(argv: list[str]) -> bool:
@@ -227,7 +227,7 @@ def register_third_party_configs() -> None:
             store.store(group="plugins", name=info.name, node=defaults, package=f"plugins.{info.name}")
 
 
-def print_summary(summary, steps: list[str] | None = None) -> None:  # type: ignore[no-untyped-def]
+def print_summary(summary, steps: list[str] | None = None) -> None:
     out = Console()
     out.rule("[bold]llm4rl run")
     counts = summary.counts if summary.failed else str(summary.candidates)  # "8 sampled, 6 usable, 5 trained"
@@ -371,13 +371,13 @@ def main() -> None:
 def study_target(argv: list[str]) -> tuple[str, str]:
     """The tracking URI and experiment a command line's runs went to (its overrides, else the config's)."""
     values = {
-        o.key_or_group: o.input_line.split("=", 1)[1] if o.is_sweep_override() else str(o.value())
+        o.key_or_group: o.input_line.split("=", 1)[1] if o.is_sweep_override() else str(o.value())  # type: ignore[union-attr]
         for o in parse_overrides(argv)
         if o.type == OverrideType.CHANGE
     }
-    experiment = values.get("experiment") or str(OmegaConf.load(conf_dir() / "config.yaml").get("experiment", "llm4rl"))
+    experiment = values.get("experiment") or str(OmegaConf.load(conf_dir() / "config.yaml").get("experiment", "llm4rl"))  # type: ignore[arg-type]
     uri = values.get("tracking.uri")
     if not uri:
         tracking = conf_dir() / "tracking" / f"{values.get('tracking', 'mlflow')}.yaml"
-        uri = str(OmegaConf.load(tracking).get("uri", "")) if tracking.is_file() else ""
+        uri = str(OmegaConf.load(tracking).get("uri", "")) if tracking.is_file() else ""  # type: ignore[arg-type]
     return uri, experiment

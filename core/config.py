@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import inspect
 import sys
@@ -243,7 +244,7 @@ def env_config(node: Any, tasks: Mapping[str, type] | None = None) -> EnvConfig:
     """
     if isinstance(node, EnvConfig):
         return node
-    options = dict(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else (node or {}))
+    options = dict(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else (node or {}))  # type: ignore[arg-type]
     name = options.pop("name", None)
     if not name:
         raise UserError("The env config has no 'name'. Select a task with env=<name> (conf/env/).")
@@ -265,11 +266,11 @@ def _options_schema(cls: type) -> type | None:
     """
     import typing
 
-    params = [p for name, p in inspect.signature(cls.__init__).parameters.items() if name not in ("self", "name")]
+    params = [p for name, p in inspect.signature(cls.__init__).parameters.items() if name not in ("self", "name")]  # type: ignore[misc]
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     try:
-        hints = typing.get_type_hints(cls.__init__)
+        hints = typing.get_type_hints(cls.__init__)  # type: ignore[misc]
     except Exception:  # pragma: no cover - unresolvable annotations
         hints = {}
     specs: list[Any] = []
@@ -283,7 +284,7 @@ def _options_schema(cls: type) -> type | None:
             field(default=MISSING)
             if p.default is inspect.Parameter.empty
             else (
-                field(default_factory=lambda d=p.default: copy.deepcopy(d))
+                field(default_factory=functools.partial(copy.deepcopy, p.default))
                 if isinstance(p.default, (list, dict))
                 else field(default=p.default)
             )
@@ -356,7 +357,7 @@ class Settings:
         outside a run no tracker uploads the saved file and removes it from the temp folder.
         """
         node = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config or {}))
-        own = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in GROUPS}
+        own = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in GROUPS}  # type: ignore[union-attr]
         own.setdefault("save_policy", False)
         run = typed(RunSettings, OmegaConf.create(own), "config")
         return cls(config=node, run=run, plugins=dict(plugins or {}), **groups(node))
@@ -394,7 +395,7 @@ def trainer_config(node: Any) -> tuple[str, Any]:
     """
     from core.train import get_trainer
 
-    values = dict(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node)
+    values = dict(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node)  # type: ignore[arg-type]
     name = str(values.pop("name", "ppo"))
     values.pop("_target_", None)
     _, cls = get_trainer(name)
@@ -536,7 +537,7 @@ def validate(config: DictConfig, plugin_modules: Mapping[str, Any]) -> Settings:
     :param plugin_modules: enabled plugin name -> its imported module (for ``Config``).
     :raises UserError: on the first problem, as one paragraph.
     """
-    own = {k: v for k, v in OmegaConf.to_container(config, resolve=True).items() if k not in GROUPS}
+    own = {k: v for k, v in OmegaConf.to_container(config, resolve=True).items() if k not in GROUPS}  # type: ignore[union-attr]
     run = typed(RunSettings, OmegaConf.create(own), "config")
     plugins_node = config.get("plugins") or {}
     unknown = [name for name in plugins_node if name not in plugin_modules]

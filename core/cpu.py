@@ -99,7 +99,7 @@ def read_cpu(window_s: float = 0.5) -> CpuReading:
                 free = min(free, quota - (used1 - used0) / elapsed)
         return CpuReading(cores, max(0.0, min(float(cores), free)), load, "proc")
     with contextlib.suppress(ImportError):
-        import psutil  # type: ignore[import-untyped]
+        import psutil
 
         idle = sum(100.0 - p for p in psutil.cpu_percent(interval=window_s, percpu=True)) / 100.0
         return CpuReading(cores, max(0.0, min(float(cores), idle)), load, "psutil")

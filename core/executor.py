@@ -236,17 +236,17 @@ class PoolExecutor(Executor):
                     span = [time.perf_counter(), math.inf]
                     trainings.append(span)
                     future = self._pool.submit(_pool_job, self.ship(job), show)
-                    future.add_done_callback(lambda _, span=span: span.__setitem__(1, time.perf_counter()))
+                    future.add_done_callback(lambda _, span=span: span.__setitem__(1, time.perf_counter()))  # type: ignore[misc]
                     pending[future] = i
                 if not exhausted:
                     began = time.perf_counter()
-                    job = next(source, None)  # may wait (on the LLM) while the workers train
+                    new = next(source, None)  # may wait (on the LLM) while the workers train
                     waits.append((began, time.perf_counter()))
-                    if job is None:
+                    if new is None:
                         exhausted = True
                     else:
-                        queue.append((len(arrived), job))
-                        arrived.append(job)
+                        queue.append((len(arrived), new))
+                        arrived.append(new)
                         results.append(None)
                     finished = {f for f in pending if f.done()}
                 else:

@@ -482,7 +482,7 @@ class Loop:
             self._outer = outer = progress.add_task("iterations", total=run.iterations) if progress else None
             for iteration in range(run.iterations):
                 self.iterate(iteration, progress)
-                if progress is not None:
+                if progress is not None and outer is not None:
                     progress.update(outer, completed=iteration + 1)
             self._outer = None
             final = self.final_seeds(progress)
@@ -638,7 +638,7 @@ def _marked(name: str, group: list[Any]) -> list[Any]:
     """``group``'s parts with ``origin=name`` where they name none (a macro-action's program too)."""
     for item in group:
         for part in item if isinstance(item, list) else [item]:
-            program = getattr(part, "program", part)
+            program: Any = getattr(part, "program", part)
             if hasattr(program, "origin") and not program.origin:
                 program.origin = name
     return group
@@ -710,9 +710,9 @@ def run_experiment(
     from core.quiet import quiet_third_party
 
     quiet_third_party()
-    container = OmegaConf.to_container(config, resolve=True)
-    container.pop("hydra", None)  # type: ignore[union-attr]
-    runtime = build_runtime(container, extra_plugins, run_key=uuid.uuid4().hex)  # type: ignore[arg-type]  # validates before any work
+    container: dict[str, Any] = OmegaConf.to_container(config, resolve=True)  # type: ignore[assignment]
+    container.pop("hydra", None)
+    runtime = build_runtime(container, extra_plugins, run_key=uuid.uuid4().hex)  # validates before any work
     tracker = Tracker(config.tracking, config.experiment)
     hide_from_programs(*tracker.local_paths(), *run_folders(config, runtime.settings))
     plugins = sorted((config.get("plugins") or {}).keys())

@@ -119,16 +119,16 @@ def check_names(
     edits: list[tuple[int, int, int, str]] = []  # (line, start col, end col, new text)
     out = NameCheck(source)
     known = set(fields)
-    for node, name, where in _field_reads(tree, state_args):
+    for read, name, where in _field_reads(tree, state_args):
         if name in known:
             continue
         close = _close(name, fields)
         if fix and len(close) == 1:
-            edits.append((*where, close[0] if isinstance(node, ast.Attribute) else repr(close[0])))
-            out.fixes.append(f"field `{name}` (line {node.lineno}) read as `{close[0]}`, the one field close to it")
+            edits.append((*where, close[0] if isinstance(read, ast.Attribute) else repr(close[0])))
+            out.fixes.append(f"field `{name}` (line {read.lineno}) read as `{close[0]}`, the one field close to it")
             continue
         hint = f" (did you mean {' or '.join(f'`{c}`' for c in close)}?)" if close else ""
-        out.errors.append(f"line {node.lineno}: `{ast.unparse(node)}`: `{name}` is not a field of this task{hint}")
+        out.errors.append(f"line {read.lineno}: `{ast.unparse(read)}`: `{name}` is not a field of this task{hint}")
     bound = _bound_names(tree)
     allowed = set(available if available is not None else dir(builtins))
     reported: set[str] = set()
@@ -146,6 +146,8 @@ def check_names(
     if fix:
         numbers = _number_names(tree)
         for call in ast.walk(tree):
+            if not isinstance(call, ast.Call):
+                continue
             for arg in _numbers_given_to_torch(call, numbers):
                 seg = ast.get_source_segment(source, arg) or ast.unparse(arg)
                 edits.append((arg.lineno, arg.col_offset, arg.end_col_offset or arg.col_offset, f"torch.tensor({seg})"))
@@ -203,7 +205,7 @@ def _field_reads(tree: ast.Module, state_args: tuple[str, ...]) -> list[tuple[as
             and isinstance(node.args[0].value, str)
         ):
             key = node.args[0]
-            found.append((node, key.value, (key.lineno, key.col_offset, key.end_col_offset or key.col_offset)))
+            found.append((node, str(key.value), (key.lineno, key.col_offset, key.end_col_offset or key.col_offset)))
     return found
 
 
@@ -264,15 +266,15 @@ def _number_names(tree: ast.Module) -> set[str]:
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             values.setdefault(node.target.id, []).append(node.value)
         elif isinstance(node, (ast.AugAssign, ast.For, ast.comprehension, ast.NamedExpr, ast.arg, ast.With)):
-            for name in ast.walk(node.target if hasattr(node, "target") else node):  # type: ignore[arg-type]
+            for name in ast.walk(node.target if hasattr(node, "target") else node):
                 if isinstance(name, ast.Name):
                     values.setdefault(name.id, []).append(None)
             if isinstance(node, ast.arg):
                 values.setdefault(node.arg, []).append(None)
     numbers: set[str] = set()
-    for name, bindings in values.items():
+    for ident, bindings in values.items():
         if bindings and all(v is not None and _is_number(v, set()) for v in bindings):
-            numbers.add(name)
+            numbers.add(ident)
     return numbers
 
 

@@ -86,7 +86,7 @@ def preflight(
             for key, value in counts.items():
                 totals[key] = totals.get(key, 0) + value
             counts = dict(totals)
-        run.log_metrics(counts, step=iteration)
+        run.log_metrics(counts, step=iteration)  # type: ignore[arg-type]  # ints are floats to a tracker
     _record(run, [c for c in candidates if c.id in rejected], rejected)
     return rejected
 

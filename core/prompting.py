@@ -83,8 +83,8 @@ def batch_shapes(task: Task, seed: int = 0) -> Shapes:
         action_dtype=str(action.dtype).removeprefix("torch."),
         fields={name: tuple(value.shape[1:]) for name, value in states.items()},
         actions=0 if box else int(getattr(space, "n", 0)),
-        low=tuple(float(x) for x in space.low.reshape(-1)) if box else (),
-        high=tuple(float(x) for x in space.high.reshape(-1)) if box else (),
+        low=tuple(float(x) for x in space.low.reshape(-1)) if isinstance(space, gym.spaces.Box) else (),
+        high=tuple(float(x) for x in space.high.reshape(-1)) if isinstance(space, gym.spaces.Box) else (),
     )
 
 

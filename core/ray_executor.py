@@ -88,6 +88,10 @@ def ensure_ray(cfg: RayExecutorConfig | Any) -> Any:
     """Connect to (or start) Ray as the executor config says (the typed record, or a node
     typed first); returns the ``ray`` module."""
     cfg = executor_config(cfg)
+    if not isinstance(cfg, RayExecutorConfig):
+        from core.errors import UserError
+
+        raise UserError(f"Ray needs executor=ray, got executor kind '{cfg.kind}'.")
     try:
         import ray
     except ImportError as exc:  # optional extra
@@ -127,11 +131,12 @@ class RayExecutor(Executor):
         progress: Any = None,
         read: Reader = read_cpu,
     ) -> None:
-        self.cfg = cfg = executor_config(cfg)
+        cfg = executor_config(cfg)
         if not isinstance(cfg, RayExecutorConfig):
             from core.errors import UserError
 
             raise UserError(f"RayExecutor needs executor=ray, got executor kind '{cfg.kind}'.")
+        self.cfg = cfg
         self.runtime = runtime
         self.progress = progress
         self.read = read

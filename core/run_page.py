@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeGuard
 
 #: MLflow's limit on a run tag's value (``mlflow.utils.validation.MAX_TAG_VAL_LENGTH``)
 TAG_LIMIT = 8000
@@ -379,5 +379,5 @@ def candidate_page(
     return text[:limit]
 
 
-def _real(value: float | None) -> bool:
+def _real(value: float | None) -> TypeGuard[float]:
     return value is not None and math.isfinite(value)

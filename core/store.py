@@ -92,6 +92,6 @@ def _upgrade(result: TrainResult) -> TrainResult:
     """Give a record stored by an older version the fields added since (their defaults)."""
     for f in fields(TrainResult):
         if f.name not in result.__dict__:
-            value = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
+            value = f.default_factory() if f.default_factory is not MISSING else f.default
             setattr(result, f.name, value)
     return result

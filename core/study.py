@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = load_spec(args.spec)
         split = lambda text: [s.strip() for s in text.split(",") if s.strip()] if text else None  # noqa: E731
-        seeds = [int(s) for s in split(args.seeds)] if args.seeds else None
+        seeds = [int(s) for s in split(args.seeds)] if args.seeds else None  # type: ignore[union-attr]
         extra = tuple(args.set) + (("llm.replay_only=true",) if args.replies else ())
         cells = expand(spec, split(args.tasks), split(args.arms), seeds, args.frames_scale, extra)
         if not cells:

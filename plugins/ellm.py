@@ -329,7 +329,7 @@ class GoalReward:
                 for rec in list(getattr(llm, "records", ()))[first:]
                 if rec.replies
             }
-            replies = [landed.get(c["messages"][-1]["content"]) for c in calls]
+            replies = [landed.get(c["messages"][-1]["content"]) for c in calls]  # type: ignore[index]
         self.seconds += time.perf_counter() - start
         self.calls += len(calls)
         self.queries += len(calls)
@@ -390,7 +390,9 @@ class GoalReward:
             return
         start = time.perf_counter()
         trajectories = self.task.reference_trajectories(cfg.presuggest_episodes, self.train.seed, cfg.presuggest_steps)
-        seen, starts, events = Counter(), Counter(), set()
+        seen: Counter[str] = Counter()
+        starts: Counter[str] = Counter()
+        events: set[str] = set()
         for t in trajectories:
             for o, n in zip(t.obs, t.next_obs):
                 caption, did = self.task.caption(o), self.task.caption_transition(o, n)

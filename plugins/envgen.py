@@ -247,7 +247,8 @@ def complete_objects(text: str) -> list[dict[str, Any]]:
     """The complete objects at the start of a JSON list that breaks off (or is malformed) later."""
     if not text.startswith("["):
         return []
-    decoder, items, pos = json.JSONDecoder(), [], 1
+    decoder, pos = json.JSONDecoder(), 1
+    items: list[Any] = []
     while True:
         while pos < len(text) and text[pos] in " \t\r\n,":
             pos += 1
@@ -371,7 +372,7 @@ def training_mix(configs: list[EnvConfig], original_share: float) -> list[EnvCon
 
 def achievement_rates(result: TrainResult) -> dict[str, tuple[float, float]]:
     """Per-achievement success (percent): mean and std over the evaluation episodes."""
-    per_episode = [e.info.get("achievements") for e in result.episodes if isinstance(e.info.get("achievements"), dict)]
+    per_episode = [a for e in result.episodes if isinstance(a := e.info.get("achievements"), dict)]
     if per_episode:
         names = sorted(per_episode[0])
         return {
@@ -563,10 +564,10 @@ class Plugin:
             text = FEEDBACK.format(
                 how=HOW[cfg.continue_training],
                 rates=format_rates(rates),
-                fitness_name=best.fitness.name,
+                fitness_name=best.fitness.name,  # type: ignore[union-attr]
                 fitness=best.score,
                 n=cfg.num_envs,
-            )  # type: ignore[union-attr]
+            )
         self.messages.append({"role": "user", "content": text})
         keep = 2 + 2 * cfg.history  # system + first prompt + the last `history` exchanges
         if len(self.messages) > keep:

@@ -583,8 +583,8 @@ class Plugin:
                 "",
                 "Its state features and intrinsic reward:",
                 "",
-                fence(best_c.state.source, "python"),
-            ]  # type: ignore[union-attr]
+                fence(best_c.state.source, "python"),  # type: ignore[union-attr]
+            ]
         return "\n".join(lines) + "\n\n" + SUGGESTIONS
 
     # training (the process that trains a candidate)

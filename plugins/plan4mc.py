@@ -363,7 +363,7 @@ def plan_of(
                 requires=list(requires),
             )
         )
-    return SkillPlan(steps, origin=NAME, target=target, source=source, errors=list(errors or []))
+    return SkillPlan(steps, origin=NAME, target=target, source=source, errors=list(errors or []))  # type: ignore[arg-type]
 
 
 def build_plan(
@@ -528,6 +528,7 @@ class Plugin:
         goals = goal_names(run.task)
         target = match_goal(cfg.target, goals) or cfg.target
         rules = game_requirements(run.task)
+        plan: SkillPlan | None
         if cfg.plan_source == "rules":
             plan, out = rules_plan(rules, target), Outcome()
         else:
@@ -660,8 +661,8 @@ class Plugin:
         st["stuck"].zero_()
         if st["calls"] is None:
             warm_up(train.llm)  # an in-process model loads here once, not in the worker (it holds the GIL)
-            st["calls"] = BackgroundCalls(self._replan_work(train, st), name=f"{NAME}-replan", queue_size=1)
-            st["calls"].start()
+            calls = st["calls"] = BackgroundCalls(self._replan_work(train, st), name=f"{NAME}-replan", queue_size=1)
+            calls.start()
         failure = {
             "skill": skill,
             "steps": int(worst.max()),

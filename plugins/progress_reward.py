@@ -379,7 +379,7 @@ def reference_progress(task: Task, trajectories: list[Trajectory]) -> tuple[list
     - Else: the return so far under the task's reward, on the random episodes.
     """
     if "achievements_unlocked" in task.field_names():
-        out = [
+        out: list[np.ndarray | None] = [
             task.split_state(torch.as_tensor(t.next_obs))["achievements_unlocked"].double().numpy()
             for t in trajectories
         ]
@@ -657,6 +657,10 @@ class _Counters:
 class ProgressJudge:
     """Per-training state: reference scoring, the agent-state rounds, the per-step reward."""
 
+    # per env, set by _init_envs on the first batch
+    prev_phi: np.ndarray
+    ep_return: np.ndarray
+
     def __init__(self, train: TrainContext, cfg: Config) -> None:
         self.train, self.cfg = train, cfg
         self.task = train.task
@@ -810,7 +814,7 @@ class ProgressJudge:
             for start in range(0, len(states), self.cfg.batch):
                 chunk = states[start : start + self.cfg.batch]
                 out += self._score_batch(chunk, origin)
-                if bar is not None:
+                if bar is not None and task is not None:
                     c = self.counts
                     bar.update(task, advance=len(chunk), info=f"{c.llm_calls} calls, {c.llm_seconds:.0f} s in the LLM")
         return out
@@ -819,7 +823,7 @@ class ProgressJudge:
         cfg = self.cfg
         messages = build_prompt(self.background, list(cfg.dimensions), self.task.render_state(state), cfg.score)
         if cfg.score == "expected":  # one greedy token and its alternatives
-            options = {"n": 1, "temperature": 0.0, "max_tokens": 1, "top_logprobs": cfg.top_logprobs}
+            options: dict[str, Any] = {"n": 1, "temperature": 0.0, "max_tokens": 1, "top_logprobs": cfg.top_logprobs}
         else:
             options = {"n": cfg.samples, "temperature": cfg.temperature, "max_tokens": cfg.max_tokens, "stop": ["\n"]}
         # the seed of the reference rollouts for every call: a state asked again in a later seed or run is cached

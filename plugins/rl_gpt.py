@@ -362,7 +362,7 @@ def rollout_macros(
             prepared.append(None)
             st.runs, st.failures = (
                 runs,
-                [f"the code does not run: {getattr(e, 'report', None).message if hasattr(e, 'report') else e}"],
+                [f"the code does not run: {getattr(e, 'report', None).message if hasattr(e, 'report') else e}"],  # type: ignore[union-attr]
             )
     env = task.make_env(1, seed, None)
     n = int(env.single_action_space.n)
@@ -452,7 +452,7 @@ class Plugin:
         )
 
     @hookimpl
-    def plan(self, run, iteration: int) -> str | None:
+    def plan(self, run, iteration: int) -> Plan | None:
         cfg = self.cfg
         hint = f"Suggested decomposition: {cfg.hint}" if cfg.hint else ""
         goals = goal_names(run.task)

@@ -54,6 +54,7 @@ import re
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -309,7 +310,7 @@ def digit_preference(reply: Any, min_mass: float = 1e-3) -> float | None:
     return _VALUES.get(digit) if digit in ("1", "2") else None
 
 
-def vote(labels: list[float | None]) -> float | None:
+def vote(labels: Sequence[float | None]) -> float | None:
     """The soft label of several samples: the mean of the decided ones (None if none).
 
     Its side of 0.5 is the majority; votes that cancel out give a tie (0.5).
@@ -929,7 +930,7 @@ class PreferenceLearner:
                 chunk = order[i : len(cached)] if i < len(cached) else order[i : i + cfg.batch]
                 self.add_labels(chunk, self.ask([(a.text, b.text) for a, b in chunk]))
                 i += len(chunk)
-                if progress is not None:
+                if progress is not None and bar is not None:
                     progress.update(bar, completed=i, info=f"{self.calls} calls, {time.perf_counter() - start:.0f} s")
 
     # -- offline: Motif --------------------------------------------------------------------
@@ -1020,7 +1021,7 @@ class PreferenceLearner:
         loss = model.fit(
             [feats.of_item(p.a) for p in fit],
             [feats.of_item(p.b) for p in fit],
-            [float(p.label) for p in fit],
+            [float(p.label) for p in fit],  # type: ignore[arg-type]
             cfg.epochs,
             cfg.lr,
             cfg.l2,

@@ -230,7 +230,9 @@ class SkillScorer:
         self.steps = self.covered = self.changed = 0
         self.prescore: dict[str, float] = {}
         self.log: list[str] = []
-        self.background = BackgroundCalls(self._work, name=f"{NAME}-scorer", queue_size=cfg.queue_size)
+        self.background: BackgroundCalls[str, None] = BackgroundCalls(
+            self._work, name=f"{NAME}-scorer", queue_size=cfg.queue_size
+        )
 
     # -- captions and the cache ----------------------------------------------------------
     def caption(self, obs: np.ndarray) -> str:
@@ -297,7 +299,7 @@ class SkillScorer:
                     for rec in list(getattr(llm, "records", ()))[first:]
                     if rec.replies
                 }
-                replies = [landed.get(call["messages"][-1]["content"]) for call in calls]
+                replies = [landed.get(call["messages"][-1]["content"]) for call in calls]  # type: ignore[index]
                 errors = [
                     None if r is not None else f"LLM error in a batch {type(exc).__name__}: {str(exc)[:200]}"
                     for r in replies

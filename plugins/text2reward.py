@@ -421,7 +421,8 @@ class Plugin:
         names = run.task.field_names() if fields else None
         programs: list[RewardProgram] = []
         for i, reply in enumerate(replies):
-            text, convo, errors = reply.text, list(msgs), []
+            text, convo = reply.text, list(msgs)
+            errors: list[str] = []
             for attempt in range(cfg.retries + 1):
                 program = program_of(
                     text, prompt, i, tag, names

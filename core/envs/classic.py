@@ -12,7 +12,7 @@ import importlib.util
 import inspect
 import re
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import gymnasium as gym
 import numpy as np
@@ -35,7 +35,11 @@ class FloatObservation(gym.ObservationWrapper):
         self._flatten = not (
             isinstance(env.observation_space, gym.spaces.Box) and len(env.observation_space.shape) == 1
         )
-        space = gym.spaces.flatten_space(env.observation_space) if self._flatten else env.observation_space
+        # a Box either way: flatten_space gives one for every space but Graph and Sequence
+        space = cast(
+            gym.spaces.Box,
+            gym.spaces.flatten_space(env.observation_space) if self._flatten else env.observation_space,
+        )
         self.observation_space = gym.spaces.Box(
             low=space.low.astype(np.float32), high=space.high.astype(np.float32), dtype=np.float32
         )
@@ -149,7 +153,7 @@ def terminated_is_success(terminated: bool, info: dict[str, Any]) -> bool:
 def vector_env(make_one: Callable[[int], gym.Env], num_envs: int, seed: int) -> gym.vector.VectorEnv:
     """A seeded ``SyncVectorEnv`` (SAME_STEP autoreset) of ``make_one(index)`` envs."""
     env = gym.vector.SyncVectorEnv(
-        [lambda i=i: make_one(i) for i in range(num_envs)],
+        [lambda i=i: make_one(i) for i in range(num_envs)],  # type: ignore[misc]
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
     )
     env.reset(seed=seed)
@@ -230,7 +234,7 @@ class GymTask(Task):
         if state_fields is None:  # generic: probe the env for its observation size
             self.check_available()
             probe = FloatObservation(gym.make(self.env_id, **self.make_kwargs))
-            size = int(probe.observation_space.shape[0])
+            size = int(probe.observation_space.shape[0])  # type: ignore[index]
             doc = without_reward_section(inspect.getdoc(type(probe.unwrapped)) or "")
             limit = probe.spec.max_episode_steps if probe.spec else None
             action_description = action_description or f"Action space: {probe.action_space}."

@@ -106,7 +106,7 @@ AREA = (64, 64)
 RARITY = {"rare": 1 / 3, "natural": 1.0, "common": 3.0}
 #: biome -> (mountain bias, water bias) added to the terrain fields before thresholding
 BIOMES = {"natural": (0.0, 0.0), "grassland": (-0.35, -0.35), "mountain": (0.25, -0.1), "beach": (-0.15, 0.35)}
-DIRECTIONS = {(-1, 0): "left", (1, 0): "right", (0, -1): "up", (0, 1): "down"}
+DIRECTIONS: dict[tuple[int, ...], str] = {(-1, 0): "left", (1, 0): "right", (0, -1): "up", (0, 1): "down"}
 
 
 # -------------------------------------------------------------------------------------
@@ -235,8 +235,8 @@ class WorldParams:
         ):
             if key in params:
                 value = str(params.pop(key))
-                if value not in allowed:
-                    raise UserError(f"Crafter param {key}={value!r} is not one of {', '.join(allowed)}.")
+                if value not in allowed:  # type: ignore[operator]
+                    raise UserError(f"Crafter param {key}={value!r} is not one of {', '.join(allowed)}.")  # type: ignore[arg-type]
                 kwargs[key] = value
         if params:
             raise UserError(
@@ -560,7 +560,7 @@ class CrafterVectorEnv(gym.vector.VectorEnv):
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, self.num_envs)
         self.autoreset_mode = gym.vector.AutoresetMode.SAME_STEP
         self.metadata = {"autoreset_mode": self.autoreset_mode}
-        self._obs = np.zeros((self.num_envs, *self.single_observation_space.shape), np.float32)
+        self._obs = np.zeros((self.num_envs, *self.single_observation_space.shape), np.float32)  # type: ignore[misc]
         self._rewards = np.zeros(self.num_envs, np.float64)
         self._terminated = np.zeros(self.num_envs, np.bool_)
         self._truncated = np.zeros(self.num_envs, np.bool_)

@@ -180,7 +180,9 @@ class MineDojo(Task):
         if params:
             raise UserError(f"The task 'minedojo' has no controllable params; got {params}.")
         return vector_env(
-            lambda i: MineDojoEnv(self.task_id, self.image_size, self.max_episode_steps, seed + i), num_envs, seed
+            lambda i: MineDojoEnv(self.task_id, self.image_size, self.max_episode_steps, seed + i),  # type: ignore[arg-type]
+            num_envs,
+            seed,
         )
 
     def fitness(self, episodes: list[Any]) -> Any:

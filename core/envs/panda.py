@@ -55,7 +55,7 @@ class FlatGoalObservation(gym.ObservationWrapper):
 
     def __init__(self, env: gym.Env) -> None:
         super().__init__(env)
-        size = sum(int(np.prod(env.observation_space[k].shape)) for k in KEYS)
+        size = sum(int(np.prod(env.observation_space[k].shape)) for k in KEYS)  # type: ignore[index, misc]
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, (size,), np.float32)
 
     def observation(self, observation: dict[str, np.ndarray]) -> np.ndarray:

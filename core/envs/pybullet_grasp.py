@@ -251,8 +251,8 @@ class KukaGraspEnv(gym.Env):
         self._rng = random.Random(seed)
         for m in (kuka, module):
             m.p = self.client  # type: ignore[attr-defined]
-        module.random = self._rng  # type: ignore[attr-defined] - block placement draws from it
-        module.print = lambda *a, **k: None  # type: ignore[attr-defined] - "successfully grasped a block!!!"
+        module.random = self._rng  # type: ignore[attr-defined]  # block placement draws from it
+        module.print = lambda *a, **k: None  # type: ignore[attr-defined]  # "successfully grasped a block!!!"
         module.kuka = kuka  # type: ignore[attr-defined]
         # the env's own step counter ends episodes after maxSteps; the time limit is ours
         with warnings.catch_warnings():  # gym warns that its float64 Box bounds become float32

@@ -175,7 +175,9 @@ class Task:
             )
 
     # -- construction ---------------------------------------------------------------
-    def make_env(self, num_envs: int, seed: int, params: dict[str, Any] | None = None) -> gym.vector.VectorEnv:
+    def make_env(
+        self, num_envs: int, seed: int, params: dict[str, Any] | list[dict[str, Any]] | None = None
+    ) -> gym.vector.VectorEnv:
         """A gymnasium vector env of ``num_envs`` copies with a flat float32 Box observation.
 
         Autoreset mode must be ``gym.vector.AutoresetMode.SAME_STEP`` so that a step that

@@ -174,6 +174,6 @@ def ask_in_batches(
                 break
             done += ask(chunk)
             asked += len(chunk)
-            if progress is not None:
+            if progress is not None and bar is not None:
                 progress.update(bar, completed=asked, info=info(done))
     return asked, done

@@ -234,7 +234,7 @@ class LLMSettings:
             pass
         names = [f.name for f in fields(cls)]
         values = {}
-        for key, value in dict(cfg).items():  # type: ignore[arg-type]
+        for key, value in dict(cfg).items():
             if key not in names:
                 raise LLMError(
                     f"Unknown LLM setting 'llm.{key}'.{did_you_mean(str(key), names)} "
@@ -424,7 +424,7 @@ class LLMClient:
         messages = _check_messages(messages)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        params = {
+        params: dict[str, Any] = {
             "temperature": float(self.settings.temperature if temperature is None else temperature),
             "max_tokens": int(self.settings.max_tokens if max_tokens is None else max_tokens),
             "stop": list(stop) if stop else None,
@@ -504,7 +504,7 @@ class LLMClient:
             max_workers=min(self.settings.concurrency, len(calls)), thread_name_prefix="llm-call"
         ) as pool:
             futures = [pool.submit(self.chat, **c) for c in calls]
-        errors = [f.exception() for f in futures if f.exception() is not None]
+        errors = [e for f in futures if (e := f.exception()) is not None]
         if errors:
             raise errors[0]
         return [f.result() for f in futures]

@@ -270,10 +270,10 @@ def _on_task(
     for name in controls:
         if name == target.other:
             continue
-        c = cells.get((task, name))
-        if c is None or len(c.counted) < 2 or c.no_itt:
+        control = cells.get((task, name))
+        if control is None or len(control.counted) < 2 or control.no_itt:
             return unscored(f"holds against {target.other}, but its control {name} has no scores to judge it against")
-        pc = improvement(xs, list(c.counted.values()), reps)
+        pc = improvement(xs, list(control.counted.values()), reps)
         beats = pc.low > 0.5
         text += f"; against its control {name}: P(X > {name}) {pc.fmt()}" + ("" if beats else " (does not beat it)")
         ok = ok and beats

@@ -246,7 +246,7 @@ def _rows_height(labels: list[str]) -> float:
     return 0.6 + sum(0.3 + 0.17 * label.count("\n") for label in labels) + 0.25 * len(labels)
 
 
-def _final_figure(t: TaskResult):  # type: ignore[no-untyped-def]
+def _final_figure(t: TaskResult):
     arms = t.arms
     labels = [short_label(f"{a.arm} (n={len(a.scores)})") for a in arms]
     fig, ax = plt.subplots(figsize=(6.4, _rows_height(labels)), dpi=110)
@@ -264,7 +264,7 @@ def _final_figure(t: TaskResult):  # type: ignore[no-untyped-def]
     return fig
 
 
-def _improvement_figure(t: TaskResult):  # type: ignore[no-untyped-def]
+def _improvement_figure(t: TaskResult):
     rank = {a.arm: i for i, a in enumerate(t.arms)}  # one direction per pair: a later arm X against an earlier Y
     pairs = [(x, y, p) for x, y, p in t.improvement if np.isfinite(p.value) and rank.get(x, 0) > rank.get(y, 0)]
     if not pairs:
@@ -287,7 +287,7 @@ def _improvement_figure(t: TaskResult):  # type: ignore[no-untyped-def]
     return fig
 
 
-def _curve_figure(t: TaskResult):  # type: ignore[no-untyped-def]
+def _curve_figure(t: TaskResult):
     arms = [(i, a) for i, a in enumerate(t.arms) if a.curve]  # an arm's colour as in the final-score figure
     if not arms:
         return None
@@ -313,7 +313,7 @@ def _curve_figure(t: TaskResult):  # type: ignore[no-untyped-def]
     return fig
 
 
-def aggregate_figure(rows: list[tuple[str, Interval]], xlabel: str):  # type: ignore[no-untyped-def]
+def aggregate_figure(rows: list[tuple[str, Interval]], xlabel: str):
     """Per arm a point with its 95 % CI (the interval-estimate figure of rliable's papers); None if none is finite."""
     rows = [(arm, iv) for arm, iv in rows if np.isfinite(iv.value)]
     if not rows:

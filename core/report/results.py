@@ -390,9 +390,9 @@ def render_results(
     lines += ["", "## The tasks", ""]
     for name in task_names:
         task = spec.tasks[name]
-        cell = next(p.cell for p in planned if p.cell.task == name)
+        first = next(p.cell for p in planned if p.cell.task == name)
         extra = f", `{' '.join(task.overrides)}`" if task.overrides else ""
-        lines.append(f"- **{name}**: `env={task.env}`{extra}; {cell.frames:,} frames per training")
+        lines.append(f"- **{name}**: `env={task.env}`{extra}; {first.frames:,} frames per training")
     problems = [r for r in chosen.values() if r.status != OK]
     if problems:
         lines += ["", "## Runs left out of the statistics", ""]

@@ -67,9 +67,9 @@ def _bootstraps() -> tuple[type, type]:
         def __init__(self, *scores: np.ndarray) -> None:
             arch_bs.IndependentSamplesBootstrap.__init__(self, *scores)
             self._args_shapes = [s.shape for s in scores]
-            self._kwargs_shapes = {}
+            self._kwargs_shapes: dict[str, tuple[int, ...]] = {}
             self._args_strata_indices = [self._get_strata_indices(s) for s in self._args_shapes]
-            self._kwargs_strata_indices = {}
+            self._kwargs_strata_indices: dict[str, list[np.ndarray]] = {}
 
     return Stratified, StratifiedIndependent
 

@@ -191,6 +191,7 @@ def log_to_mlflow(uri: str, experiment: str, out: Path, tasks: list[TaskResult])
 
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"no MLflow experiment {experiment!r}"  # the analysis read its runs
     run = client.create_run(exp.experiment_id, run_name="report", tags={REPORT_TAG: "true"})
     rid = run.info.run_id
     client.log_artifacts(rid, str(out), "report")

@@ -386,7 +386,7 @@ def report_from(raw: Any) -> SandboxReport:
     if not isinstance(raw, dict):
         return fail("crashed", "The sandbox worker sent an unreadable report.")
     kind = raw.get("kind") if raw.get("kind") in KINDS and raw.get("kind") != "ok" else "crashed"
-    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    data = raw["data"] if isinstance(raw.get("data"), dict) else {}
     check = data.get("check")
     return SandboxReport(
         False,
@@ -657,7 +657,7 @@ class ProgramWorker:
             error = str((ready or {}).get("error", "no answer"))[:300]
             self._end(fail("crashed", f"The sandbox worker could not set its limits: {error}"))
             raise SandboxError(self.dead)  # type: ignore[arg-type]
-        isolation = ready.get("isolation") if isinstance(ready.get("isolation"), dict) else {}
+        isolation = ready["isolation"] if isinstance(ready.get("isolation"), dict) else {}
         proc.isolation = isolation
         try:  # whether the host may raise the worker's CPU limit as it trains (needs CAP_SYS_RESOURCE over its user)
             resource.prlimit(proc.server, resource.RLIMIT_CPU)
@@ -1010,7 +1010,7 @@ class ProgramWorker:
                 if not printed:
                     plan = wire.flat_plan(self._last_call[handle][0])
                     if plan:
-                        self._lanes[handle] = _Lane((role, batch, per_row, split), plan, self._proc.arenas[0].map)
+                        self._lanes[handle] = _Lane((role, batch, per_row, split), plan, self._proc.arenas[0].map)  # type: ignore[arg-type]
             return value
 
     def _seconds(self, value: Any) -> float:

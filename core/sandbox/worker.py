@@ -659,11 +659,12 @@ class Server:
                             continue
                         # the value does not fit the result lane: shaped and checked the long way
                         value, lane.value = lane.value, None
-                        reply = self._reply(
+                        shaped = self._reply(
                             lambda: self.finish_call(last[handle], value, lane.program_s), handle, headers, seq
                         )
-                        if reply is None:
+                        if shaped is None:
                             continue
+                        reply = shaped
                     self._send_reply(reply)
                     continue
                 request = last[handle]
@@ -673,9 +674,9 @@ class Server:
                 if request["op"] == "call":
                     last[request["handle"]] = request
             handle = request.get("handle")
-            reply = self._reply(lambda: getattr(self, "op_" + request["op"])(request), handle, headers, seq)
-            if reply is not None:
-                self._send_reply(reply)
+            answer = self._reply(lambda: getattr(self, "op_" + request["op"])(request), handle, headers, seq)
+            if answer is not None:
+                self._send_reply(answer)
 
     def _receive(self, buf: bytearray, fd_space: int, spin: float) -> int:
         """Wait for the next request on a spinning CPU for up to ``spin`` seconds; its size, or -1 (then block).
@@ -808,9 +809,9 @@ class Server:
             reply["printed"] = self.programs[handle].printer.text[-2000:]
         elif role in ("reward", "state"):
             self.lanes[handle] = _ResultLane(role, header, names, self.out_map, self.np, self.tensor)
-            lane = self.call_lanes.get(handle)
-            if lane is not None:
-                lane.result = self.lanes[handle]
+            call_lane = self.call_lanes.get(handle)
+            if call_lane is not None:
+                call_lane.result = self.lanes[handle]
         return reply
 
     def op_sleep(self, request: dict[str, Any]) -> dict[str, Any]:  # tests: a call that takes time

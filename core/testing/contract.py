@@ -174,8 +174,8 @@ def trained_llm_state(rec: Recorder, llm: fakes.FakeLiteLLM) -> str:
         for c, r in rec.trained
         if r.ok
         and _llm_written(c.state, "llm_state_repr")
-        and fakes.MARK in c.state.meta.get("intrinsic", "") + c.state.source
-    ]  # type: ignore[union-attr]
+        and fakes.MARK in c.state.meta.get("intrinsic", "") + c.state.source  # type: ignore[union-attr]
+    ]
     return "" if ok else "no candidate trained with the LLM's revise_state/intrinsic_reward pair"
 
 

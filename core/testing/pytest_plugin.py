@@ -45,7 +45,11 @@ def compose_config(overrides: list[str], tmp_path: Path) -> Any:
 @pytest.fixture
 def make_config(tmp_path: Path) -> Callable[[Iterable[str]], Any]:
     """``make_config(["env=cartpole", ...])`` -> a composed, test-isolated DictConfig."""
-    return lambda overrides=(): compose_config(list(overrides), tmp_path)
+
+    def make(overrides: Iterable[str] = ()) -> Any:
+        return compose_config(list(overrides), tmp_path)
+
+    return make
 
 
 def pytest_configure(config: pytest.Config) -> None:

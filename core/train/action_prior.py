@@ -124,7 +124,7 @@ class PriorSource:
         """The summed ``weight * log_probs`` term ``[B, n]`` (zeros where no prior covers a row)."""
         total = obs.new_zeros(obs.shape[0], int(self.n_actions or 0))
         for _, prior in self.priors(obs):
-            term = float(prior.weight) * prior.log_probs.to(total.dtype)
+            term = float(prior.weight) * prior.log_probs.to(total.dtype)  # type: ignore[union-attr]
             if prior.mask is not None:
                 term = term * prior.mask.reshape(-1, 1).to(total.dtype)
             total = total + term
@@ -151,9 +151,9 @@ class PriorSource:
             draw &= ~taken
             if not bool(draw.any()):
                 continue
-            mean = prior.mean.to(action.dtype)
+            mean = prior.mean.to(action.dtype)  # type: ignore[union-attr]
             std = torch.as_tensor(prior.std, dtype=action.dtype)
-            proposal = torch.maximum(torch.minimum(mean + std * torch.randn_like(mean), self.high), self.low)
+            proposal = torch.maximum(torch.minimum(mean + std * torch.randn_like(mean), self.high), self.low)  # type: ignore[arg-type]
             action[draw] = proposal[draw]
             taken |= draw
         self.imitation = imitation
@@ -223,7 +223,7 @@ class PriorBehaviour(nn.Module):
         obs = td.get("observation")
         if self.frames < self.random_frames:
             low, high = self.source.low, self.source.high
-            td.set("action", low + (high - low) * torch.rand(obs.shape[0], low.shape[-1]))
+            td.set("action", low + (high - low) * torch.rand(obs.shape[0], low.shape[-1]))  # type: ignore[operator, union-attr]
         else:
             td = self.actor(td)
         self.frames += int(obs.shape[0])

@@ -54,9 +54,10 @@ class VecGymEnv(EnvBase):
         # no device: the collector then skips its per-step device casts
         super().__init__(batch_size=torch.Size([n]), device=None, allow_done_after_reset=True)
         self.env = env
-        self._seed = seed
+        self._seed: int | None = seed
         self.keep_env_reward = keep_env_reward
         obs_space, act_space = env.single_observation_space, env.single_action_space
+        assert obs_space.shape is not None
         obs_dim = int(np.prod(obs_space.shape))
         obs_spec = {"observation": Unbounded(shape=(n, obs_dim), dtype=torch.float32)}
         if keep_env_reward:

@@ -81,10 +81,10 @@ def evaluate(
                 finished[int(i)] = Episode(float(returns[i]), int(lengths[i]), success, extra)
             if len(finished) == episodes:
                 break
-        for i in range(episodes):  # cut off by the cap: count what was reached
-            if i not in finished:
-                finished[i] = Episode(float(returns[i]), int(lengths[i]), None, {"cut_off": True})
-        return [finished[i] for i in range(episodes)]
+        for k in range(episodes):  # cut off by the cap: count what was reached
+            if k not in finished:
+                finished[k] = Episode(float(returns[k]), int(lengths[k]), None, {"cut_off": True})
+        return [finished[k] for k in range(episodes)]
     finally:
         env.close()
 

@@ -255,8 +255,8 @@ class MacroSet:
             raise ValueError(
                 f"macro-actions need a vector env that steps a list of envs (.envs), got {type(vec).__name__}"
             )
-        vec.envs = [MacroEnv(e, self) for e in envs]
-        vec.single_action_space = vec.envs[0].action_space
+        vec.envs = [MacroEnv(e, self) for e in envs]  # type: ignore[attr-defined]
+        vec.single_action_space = vec.envs[0].action_space  # type: ignore[attr-defined]
         vec.action_space = gym.vector.utils.batch_space(vec.single_action_space, vec.num_envs)
         return vec
 
@@ -291,7 +291,7 @@ class MacroEnv(gym.Wrapper):
 
     def __init__(self, env: gym.Env, macros: MacroSet) -> None:
         super().__init__(env)
-        self.n = int(env.action_space.n)
+        self.n = int(env.action_space.n)  # type: ignore[attr-defined]
         self.macros = macros
         self.action_space = gym.spaces.Discrete(self.n + len(macros.macros))
         self._obs: Any = None
@@ -307,7 +307,7 @@ class MacroEnv(gym.Wrapper):
             obs, reward, term, trunc, info = self.env.step(action)
             self._obs = obs
             info["env_steps"] = 1
-            return obs, reward, term, trunc, info
+            return obs, reward, term, trunc, info  # type: ignore[return-value]
         j = action - self.n
         macro = self.macros.macros[j]
         self.macros.calls[macro.name] += 1

@@ -258,7 +258,7 @@ class FlatActorCritic:
         for head in (actor[-1], critic[-1]):
             shapes += [tuple(head.weight.shape), tuple(head.bias.shape)]
         if self.gaussian:
-            shapes.append(tuple(actor_net.log_std.shape))
+            shapes.append(tuple(actor_net.log_std.shape))  # type: ignore[arg-type]
         first = actor[0].weight
         self.params = torch.zeros(sum(math.prod(s) for s in shapes), dtype=first.dtype, device=first.device)
         self.grad = torch.zeros_like(self.params)
@@ -280,20 +280,21 @@ class FlatActorCritic:
         self._heads = [
             (views[at + k], views[at + k].t(), views[at + k + 1], grads[at + k], grads[at + k + 1]) for k in (0, 2)
         ]
-        self.log_std = views[-1] if self.gaussian else None
-        self.grad_log_std = grads[-1] if self.gaussian else None
+        # read only when gaussian
+        self.log_std: torch.Tensor = views[-1] if self.gaussian else None  # type: ignore[assignment]
+        self.grad_log_std: torch.Tensor = grads[-1] if self.gaussian else None  # type: ignore[assignment]
         self._workspaces: dict[int, _Workspace] = {}
         self._last: _Workspace | None = None
         with torch.no_grad():  # the initial values in, then the modules' parameters become views
             pairs = []
             for i, layers in enumerate(zip(actor[:-1], critic[:-1])):
                 pairs += [(m, weights[i][j], biases[i][j]) for j, m in enumerate(layers)]
-            pairs += [(actor[-1], *views[at : at + 2]), (critic[-1], *views[at + 2 : at + 4])]
+            pairs += [(actor[-1], *views[at : at + 2]), (critic[-1], *views[at + 2 : at + 4])]  # type: ignore[list-item]
             for layer, w, b in pairs:
                 w.copy_(layer.weight), b.copy_(layer.bias)
                 layer.weight, layer.bias = nn.Parameter(w), nn.Parameter(b)
             if self.gaussian:
-                self.log_std.copy_(actor_net.log_std)
+                self.log_std.copy_(actor_net.log_std)  # type: ignore[arg-type]
                 actor_net.log_std = nn.Parameter(self.log_std)
 
     def actor(self, obs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -356,7 +357,7 @@ class FlatActorCritic:
             torch.ops.aten.tanh_backward.grad_input(dz, ws.acts[i], grad_input=dz)  # dh (1 - h^2), in place
             torch.sum(dz, 1, out=self._grad_biases[i])
             x = ws.act_halves[i - 1] if i else (ws.obs, ws.obs)
-            for (w, _, _, gw), xj, dzj, dxj in zip(
+            for (w, _, _, gw), xj, dzj, dxj in zip(  # type: ignore[assignment]
                 self._hidden[i], x, ws.grad_halves[i], ws.grad_halves[i - 1] if i else (None, None)
             ):
                 torch.mm(dzj.t(), xj, out=gw)
@@ -420,7 +421,7 @@ class FlatAdam:
         self.steps += 1
         torch._fused_adam_(
             [self.params],
-            [self.params.grad],
+            [self.params.grad],  # type: ignore[list-item]
             [self.exp_avg],
             [self.exp_avg_sq],
             [],
@@ -467,7 +468,7 @@ class FlatParamsAdam(FlatAdam):
             p.grad = g
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # the views stay (the flat gradient is zeroed)
-        self.params.grad.zero_()
+        self.params.grad.zero_()  # type: ignore[union-attr]
         self.attach()
 
     def step(self) -> None:
@@ -571,8 +572,8 @@ class FlatSAC:
 
     def __init__(
         self,
-        actor_params: list[nn.Parameter],
-        critic_params: list[nn.Parameter],
+        actor_params: list[torch.Tensor],
+        critic_params: list[torch.Tensor],
         target_params: list[torch.Tensor],
         log_alpha: nn.Parameter,
         head: SquashedGaussian,
@@ -699,7 +700,7 @@ class FlatSAC:
             if rows.numel():
                 picked = [a.index_select(0, rows) for a in acts_j]
                 dq = torch.full((rows.numel(), 1), -1.0 / n)
-                d_action.index_copy_(0, rows, self.backward(picked, net, dq, input_cols=slice(obs.shape[-1], None)))
+                d_action.index_copy_(0, rows, self.backward(picked, net, dq, input_cols=slice(obs.shape[-1], None)))  # type: ignore[arg-type]
         loss_actor = (alpha * logp - q_min.squeeze(-1)).mean()
         # back through the squashing and the scale mapping, then the actor
         du = torch.addcmul(t.mul(2.0 * alpha / n), d_action, head.half * (1.0 - t * t))

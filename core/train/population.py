@@ -386,7 +386,7 @@ class Population:
                 failure = error_of(exc)
             finally:
                 for m in self.live:
-                    m.env.close()
+                    m.env.close()  # type: ignore[union-attr]
             seconds = time.perf_counter() - start
             # a member whose own setup failed keeps its error; the others share the population's
             for m in held:
@@ -427,7 +427,7 @@ class Population:
                 self.hook.on_train_start(train=m.ctx)
             m.carry = m.env.env.reset()
         if self.live:
-            space = self.live[0].env.base.action_spec
+            space = self.live[0].env.base.action_spec  # type: ignore[union-attr]
             self.replay = SharedReplay(
                 int(cfg.buffer_size),
                 self.task.obs_dim,
@@ -458,7 +458,7 @@ class Population:
         flat = batch.reshape(-1)
         env_reward = flat.get(("next", "env_reward"), flat["next", "reward"])
         replay.add(task_obs, flat["action"], task_next, flat["next", "terminated"], env_reward, raw, hook, extra)
-        m.returns += [r for r, _ in m.env.base.pop_finished()]
+        m.returns += [r for r, _ in m.env.base.pop_finished()]  # type: ignore[union-attr]
         ended = m.episodes.pop() if m.episodes is not None else []
         if replay.size >= int(cfg.batch_size) and self.frames >= warmup:
             for j, member in enumerate(self.live):  # every agent learns from every transition
@@ -489,7 +489,7 @@ class Population:
         """One batch ``[envs, rollout_steps]`` from the member's env, acted by its agent (or at random)."""
         from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-        env, steps, td = m.env.env, [], m.carry
+        env, steps, td = m.env.env, [], m.carry  # type: ignore[union-attr]
         with torch.no_grad(), set_exploration_type(ExplorationType.RANDOM):
             for _ in range(int(self.cfg.rollout_steps)):
                 if explore:
@@ -499,8 +499,8 @@ class Population:
                 td, m.carry = env.step_and_maybe_reset(td)
                 steps.append(td)
         batch = torch.stack(steps, dim=1)
-        if m.env.postproc is not None:  # the reward program over the whole batch, as the trainers' collector does
-            batch = m.env.postproc(batch)
+        if m.env.postproc is not None:  # type: ignore[union-attr]  # the reward program over the whole batch, as the trainers' collector does
+            batch = m.env.postproc(batch)  # type: ignore[union-attr]
         return batch
 
     def _label(
@@ -545,7 +545,7 @@ class Population:
                 if j == acting:
                     extra[j] = (obs[:, dim:], next_obs[:, dim:])
                 else:
-                    extra[j] = (m.env.augment(task_obs)[:, dim:], m.env.augment(task_next)[:, dim:])
+                    extra[j] = (m.env.augment(task_obs)[:, dim:], m.env.augment(task_next)[:, dim:])  # type: ignore[union-attr]
         return task_obs, task_next, raw, hook, extra
 
     # -- what the method reads and changes ------------------------------------------------------------------
@@ -590,7 +590,7 @@ class Population:
 
     def act(self, m: Member) -> Callable[[torch.Tensor], torch.Tensor]:
         """``m``'s greedy policy on task observations (its state transforms applied)."""
-        return lambda obs: act_deterministic(m.agent, m.env.augment(obs))
+        return lambda obs: act_deterministic(m.agent, m.env.augment(obs))  # type: ignore[union-attr]
 
     def evaluate(self, m: Member) -> float:
         """Evaluate ``m``'s agent on the task's own env (``on_evaluation``): its fitness; its component
@@ -615,7 +615,9 @@ class Population:
         """One deterministic episode of ``m``'s agent on the task's own env:
         ``(observations [T + 1], actions [T], success or None)``, the final observation the true one."""
         act = self.act(m)
-        observations, actions, success = [], [], None
+        observations: list[np.ndarray] = []
+        actions: list[np.ndarray] = []
+        success: bool | None = None
         for step in task_steps(
             self.task, 1, self.task.max_episode_steps, seed, policy=lambda obs: act(torch.as_tensor(obs)).numpy()
         ):
@@ -651,7 +653,7 @@ class Population:
             result.policy_path = save_policy(
                 {
                     "algorithm": "sac",
-                    "obs_dim": m.env.obs_dim,
+                    "obs_dim": m.env.obs_dim,  # type: ignore[union-attr]
                     "hidden": list(self.cfg.hidden),
                     "actor": m.agent.actor.state_dict(),
                     "qvalue": m.agent.loss.qvalue_network_params.to_dict(),

@@ -136,7 +136,7 @@ class Frames:
 
     def take(self, index: torch.Tensor) -> Frames:
         prior = self.prior.index_select(0, index) if self.prior is not None else None
-        return Frames(
+        return Frames(  # type: ignore[call-arg]
             *(t.index_select(0, index) for t in (self.obs, self.action, self.log_prob, self.advantage, self.target)),
             prior,
         )
@@ -332,7 +332,9 @@ class _Run:
             except Exception:
                 cenv.close()
                 raise
-        self.policy = SamplingPolicy(self.model.actor, nets.discrete, "action_log_prob")
+        self.policy: SamplingPolicy | PriorSamplingPolicy = SamplingPolicy(
+            self.model.actor, nets.discrete, "action_log_prob"
+        )
         self.prior = None  # the action_prior hooks, combined with the policy in collection, loss and evaluation
         if has_impls(hook, "action_prior") and ctx is not None:
             n = int(self.base.action_spec.n) if nets.discrete else None
@@ -556,7 +558,7 @@ class _Run:
             for k in range(n // size):
                 mb = whole if order is None else frames.take(order[k * size : (k + 1) * size]).normalized()
                 report = epoch == cfg.epochs - 1 and k == last
-                losses = ppo_gradients(model, mb, bounds, cfg.vf_coef, cfg.ent_coef, report=report)
+                losses = ppo_gradients(model, mb, bounds, cfg.vf_coef, cfg.ent_coef, report=report)  # type: ignore[arg-type]
                 scale = cfg.max_grad_norm / (float(model.grad.norm()) + 1e-6)  # clip_grad_norm_ on the flat gradient
                 if scale < 1.0:
                     model.grad.mul_(scale)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -203,7 +203,7 @@ def make_sac_modules(obs_dim: int, action_spec: TensorSpec, cfg: SACConfig) -> S
         mid=(high + low) / 2,
         half=(high - low) / 2,
     )
-    actor_params = [p for m in actor_net[0] if isinstance(m, nn.Linear) for p in (m.weight, m.bias)]
+    actor_params = [p for m in actor_net[0] if isinstance(m, nn.Linear) for p in (m.weight, m.bias)]  # type: ignore[attr-defined]
     flat = FlatSAC(
         actor_params,
         _layers(loss.qvalue_network_params),
@@ -265,7 +265,7 @@ class FlatReplay:
 
     def sample(self, n: int) -> dict[Any, torch.Tensor]:
         """``n`` rows drawn uniformly with replacement: key -> ``[n, ...]``."""
-        rows = self.storage.index_select(0, torch.randint(self.size, (n,)))
+        rows = self.storage.index_select(0, torch.randint(self.size, (n,)))  # type: ignore[union-attr]
         out = {}
         for k, (a, b, dtype, shape) in self.columns.items():
             col = rows[:, a:b].view(n, *shape)
@@ -332,7 +332,7 @@ def collect(
     steps: int,
     random_frames: int,
     postproc: Callable[[TensorDictBase], TensorDictBase] | None,
-) -> Iterator[TensorDictBase]:
+) -> Generator[TensorDictBase, None, None]:
     """``batches`` batches ``[envs, steps]`` from ``env``, as TorchRL's ``Collector`` gives them.
 
     Uniformly random actions while fewer than ``random_frames`` frames were collected
@@ -406,7 +406,8 @@ def _run(
     buffer = FlatReplay(cfg.buffer_size, BUFFER_KEYS)
     batches = max(1, cfg.frames // cfg.frames_per_batch)
     total = batches * cfg.frames_per_batch
-    policy, random_frames, prior = SamplingActor(modules.flat), cfg.init_random_frames, None
+    policy: SamplingActor | PriorBehaviour = SamplingActor(modules.flat)
+    random_frames, prior = cfg.init_random_frames, None
     if has_impls(hook, "action_prior") and ctx is not None:  # a behaviour prior acts from the first step
         spec = modules.action_spec.space
         prior = PriorBehaviour(policy, PriorSource(ctx, task, low=spec.low, high=spec.high), random_frames)
@@ -470,7 +471,10 @@ def _run(
                     lap = _lap(phases, "target", lap)
                     if prior is not None and prior.source.imitation > 0:
                         imitated = imitation_step(
-                            modules.actor, modules.optimizers[1], _as_batch(sample), prior.source.imitation
+                            modules.actor,
+                            modules.optimizers[1],  # type: ignore[arg-type]  # a FlatParamsAdam steps like an Optimizer
+                            _as_batch(sample),
+                            prior.source.imitation,
                         )
                         lap = _lap(phases, "update", lap)
                     owed -= 1.0

@@ -265,7 +265,7 @@ def build_transforms(
     if ctx is not None and has_impls(hook, "represent_state"):
         obs = probe_obs if probe_obs is not None else torch.zeros(1, task.obs_dim)
         for t in states:  # the hooks see the observation after the state program
-            obs = t.augment(obs)  # type: ignore[attr-defined]
+            obs = t.augment(obs)
         dim = HookState.probe(hook, ctx, obs)
         if dim:
             states.append(HookState(hook, ctx, dim))

@@ -435,4 +435,4 @@ def test_the_projection_scales_training_time_but_not_a_searchs_llm_time():
     (line,) = _projection(spec, planned, Counted(list(chosen.values()), chosen, 0))  # type: ignore[arg-type]
     assert line.startswith("- Projected at the spec's frames: 1.4 min for the same 2 runs (1.4 min per seed)")  # 84 s
     full = expand(spec, tasks=["cartpole"], arms=["human"], seeds=[0])
-    assert _projection(spec, [SimpleNamespace(cell=c) for c in full], Counted([], {}, 0)) == []  # type: ignore[arg-type]
+    assert _projection(spec, [SimpleNamespace(cell=c) for c in full], Counted([], {}, 0)) == []  # type: ignore[misc]
