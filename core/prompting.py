@@ -190,6 +190,48 @@ def field_bindings(task: Task, shapes: Shapes | None = None, source: str = "next
     return "\n".join(f"{code.ljust(width)}  {comment}" for code, comment in rows)
 
 
+#: above this many fields a skeleton binds none of them: the embedded model copies a skeleton
+#: whole, and on Crafter (45 fields) that copy was about three quarters of each reply
+#: (docs/scaling/first_run.json) and cut replies off at their token cap
+SKELETON_MAX_FIELDS = 20
+
+
+def skeleton_bindings(task: Task, shapes: Shapes | None = None, source: str = "next_state") -> str:
+    """The bindings a code skeleton shows: every field (:func:`field_bindings`) on a task with at
+    most :data:`SKELETON_MAX_FIELDS`, else one comment showing the pattern with the task's first field."""
+    fields = program_fields(task)
+    if len(fields) <= SKELETON_MAX_FIELDS:
+        return field_bindings(task, shapes, source)
+    first = fields[0].name
+    return f"    # bind only the fields you use, one line each, e.g. {first} = {source}.{first}"
+
+
+def bindings_rule(task: Task) -> str:
+    """The rule on which names a program may read, as the skeleton shows them (see :func:`skeleton_bindings`)."""
+    if len(program_fields(task)) <= SKELETON_MAX_FIELDS:
+        return (
+            "The state has no fields but those in the skeleton: reading any other is refused before the code runs.\n"
+            "  Delete the bindings you do not use."
+        )
+    return (
+        "The state has no fields but those listed above: reading any other is refused before the code runs.\n"
+        "  Bind only the fields you use."
+    )
+
+
+def state_bindings_rule(task: Task) -> str:
+    """:func:`bindings_rule` as the state-representation prompt words it (one sentence)."""
+    if len(program_fields(task)) <= SKELETON_MAX_FIELDS:
+        return (
+            "The state has no fields but those in the skeleton: reading any other is refused before the code runs\n"
+            "(delete the bindings you do not use)."
+        )
+    return (
+        "The state has no fields but those listed above: reading any other is refused before the code runs\n"
+        "(bind only the fields you use)."
+    )
+
+
 def reward_interface(
     task: Task,
     allowed_imports: list[str] | tuple[str, ...] = ("math", "numpy", "torch"),
@@ -216,7 +258,7 @@ Write the reward function by completing this skeleton; `state.<name>` is a field
 import torch
 
 def {entry}(state, action, next_state):
-{field_bindings(task, shapes)}
+{skeleton_bindings(task, shapes)}
     # ... compute the reward terms from these (and state.<name> where the change matters) ...
     reward = ...  # float tensor [B]: the sum of the terms
     return reward, {{...}}  # dict of every term you added up, each a named [B] tensor
@@ -224,8 +266,7 @@ def {entry}(state, action, next_state):
 
 {action_text(task, shapes)}
 Rules:
-- The state has no fields but those in the skeleton: reading any other is refused before the code runs.
-  Delete the bindings you do not use.
+- {bindings_rule(task)}
 - Every field is a whole batch, not a number: use torch operations (torch.where instead of `if`,
   torch.abs/torch.exp/torch.clamp instead of abs()/math.*), no Python loops over the batch, no in-place
   edits of the inputs. Give torch functions tensors, not Python numbers.
@@ -312,13 +353,12 @@ Write the function by completing this skeleton; it reads each field as `state.<n
 import torch
 
 def revise_state(state):
-{field_bindings(task, shapes, source="state")}
+{skeleton_bindings(task, shapes, source="state")}
     # ... compute k >= 1 extra features from these ...
     return torch.stack([...], dim=-1)  # float tensor [B, k]; k fixed
 ```
 
-The state has no fields but those in the skeleton: reading any other is refused before the code runs
-(delete the bindings you do not use). Use vectorised torch operations only, and give torch functions tensors, not
+{state_bindings_rule(task)} Use vectorised torch operations only, and give torch functions tensors, not
 Python numbers. You may import only: {", ".join(allowed_imports)}."""
 
 

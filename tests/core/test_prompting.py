@@ -161,6 +161,33 @@ def test_the_skeleton_binds_every_field_of_the_task_and_no_other(name: str):
     assert "def compute_reward(state, action, next_state):" in prompt
 
 
+def test_a_task_with_many_fields_gets_a_skeleton_without_bindings():
+    """Crafter's 45 bindings were about three quarters of each reply (docs/scaling/first_run.json)."""
+    from core.namecheck import check_names
+    from core.prompting import SKELETON_MAX_FIELDS
+
+    task = make_task({"name": "crafter"})
+    assert len(task.field_names()) > SKELETON_MAX_FIELDS
+    prompt, short = reward_interface(task), state_interface(task)
+    assert not re.findall(r"^    \w+ = (?:next_)?state\.\w+", prompt, re.MULTILINE)
+    assert "# bind only the fields you use, one line each, e.g. health = next_state.health" in prompt
+    assert "# bind only the fields you use, one line each, e.g. health = state.health" in short
+    assert "no fields but those listed above" in prompt and "no fields but those listed above" in short
+    assert all(f"- {name} ([B" in prompt for name in task.field_names())  # every field still listed, with its meaning
+    # the names a program then binds are still checked before anything runs
+    source = "def compute_reward(state, action, next_state):\n    wod = next_state.wod\n    return wod, {}\n"
+    assert check_names(source, task.field_names()).fixes  # one close field: mended to `wood`
+    source = "def compute_reward(state, action, next_state):\n    gold = next_state.gold\n    return gold, {}\n"
+    assert check_names(source, task.field_names()).errors
+
+
+def test_a_task_with_few_fields_keeps_every_binding_in_its_skeleton():
+    task = make_task({"name": "reach"})
+    bound = re.findall(r"^    (\w+) = next_state\.\w+", reward_interface(task), re.MULTILINE)
+    assert bound == task.field_names()
+    assert "Delete the bindings you do not use." in reward_interface(task)
+
+
 def test_the_sign_rule_follows_how_the_task_ends():
     from core.prompting import sign_rule
 
