@@ -1,5 +1,5 @@
 """The runs a study's report counted, archived beside it (``<report folder>/runs.jsonl.gz``): the
-file's round trip."""
+file's round trip, and how archived runs merge with a store's."""
 
 from __future__ import annotations
 
@@ -7,11 +7,25 @@ import gzip
 import json
 from pathlib import Path
 
+import mlflow
 import pytest
+from mlflow.entities import Metric
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+from omegaconf import OmegaConf
 
 from core.errors import UserError
 from core.report.archive import TRAIN_POINTS, archive_path, from_record, read_runs, to_record, write_runs
 from core.report.data import FAILED, OK, StudyRun
+from core.report.results import study_runs, write_results
+from core.study import (
+    FRESH_SCORE,
+    ArmSpec,
+    Cell,
+    Invocation,
+    PlannedCell,
+    StudySpec,
+    TaskSpec,
+)
 
 STUDY = "arch"
 
@@ -80,3 +94,171 @@ def test_an_archive_of_another_study_or_not_an_archive_is_refused(tmp_path):
     with pytest.raises(UserError, match="Cannot read the study's archive"):
         read_runs(path, STUDY)
     assert archive_path(Path("docs/results.md")) == Path("docs/results/runs.jsonl.gz")
+
+
+# -- merging with a store --------------------------------------------------------------------
+
+
+def _spec() -> StudySpec:
+    return StudySpec(
+        name=STUDY,
+        store="s",
+        out="o.md",
+        seeds=[0, 1, 2],
+        final_seeds=1,
+        tasks={"cartpole": TaskSpec(env="cartpole", frames=1000), "pendulum": TaskSpec(env="pendulum", frames=1000)},
+        arms={
+            "human": ArmSpec(overrides=["env.reward=human"]),
+            "picked": ArmSpec(search=True, tasks=["cartpole"]),
+        },
+    )
+
+
+def _planned(spec: StudySpec, tasks: tuple[str, ...]) -> list[PlannedCell]:
+    cells = []
+    for task in tasks:
+        for arm, a in spec.arms.items():
+            if a.tasks is None or task in a.tasks:
+                for seed in spec.seeds:
+                    cell = Cell(arm, task, seed, (), (), a.search, spec.final_seeds if a.search else 0, 1000)
+                    cells.append(PlannedCell(cell, OmegaConf.create({}), f"cfg-{cell.name}", f"key-{cell.name}"))
+    return cells
+
+
+class _Store:
+    """A study's MLflow store with runs written as ``python -m core.study`` writes them (curves included)."""
+
+    def __init__(self, root: Path, commit: str) -> None:
+        self.uri = f"sqlite:///{root / 'mlflow.db'}"
+        self.client = mlflow.MlflowClient(tracking_uri=self.uri)
+        self.exp = self.client.create_experiment(STUDY, artifact_location=(root / "art").as_uri())
+        self.commit = commit
+
+    def log(
+        self,
+        task: str,
+        arm: str,
+        seed: int,
+        value: float | None,
+        start: int,
+        *,
+        tags: dict[str, str] | None = None,
+        status: str = "FINISHED",
+    ) -> str:
+        """One cell's run at ``start`` (ms); a search arm's best candidate and its fresh-seed retraining."""
+        name, search = f"{arm}-{task}-s{seed}", arm == "picked"
+        base = {"env": task, "seed": str(seed), "plugins": "none", "fitness_name": "return", "study": STUDY}
+        base |= {"study.arm": arm, "study.task": task, "study.config": f"cfg-{name}", "study.cell": f"key-{name}"}
+        base |= {"study.score": FRESH_SCORE if search else "fitness", "study.commit": self.commit}
+        base |= {"study.machine": f"machine {self.commit}", **(tags or {})}
+        pid = self.client.create_run(self.exp, start_time=start, tags=base, run_name=name).info.run_id
+        metrics = {"frames": 1000.0, "candidates": 1.0, "study/seconds": 5.0}
+        for child, scale in [("it0-c0", 1.0)] + ([("it0-c0-seed" + str(seed + 1), 2.0)] if search else []):
+            kid = self.client.create_run(
+                self.exp,
+                start_time=start,
+                run_name=child,
+                tags={MLFLOW_PARENT_RUN_ID: pid, "candidate": child, "seed": str(seed), "ok": "True"},
+            ).info.run_id
+            curve = [Metric("fitness", scale * (value or 0.0) * f / 1000, 0, f) for f in (250, 500, 1000)]
+            self.client.log_batch(kid, metrics=curve)
+            self.client.set_terminated(kid, "FINISHED")
+        if value is not None:
+            metrics |= {"fitness": value, **({FRESH_SCORE: 2 * value, "final/seeds": 2.0} if search else {})}
+            self.client.set_tag(pid, "best_candidate", "it0-c0")
+        self.client.log_batch(pid, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
+        self.client.set_terminated(pid, status)
+        return pid
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory) -> tuple[Path, _Store]:
+    """Session 1 on one machine wrote its report and archive; session 2 on another has a fresh store."""
+    root = tmp_path_factory.mktemp("archive")
+    spec, out = _spec(), root / "docs" / "arch.md"
+    first = _Store(root / "one", "c1")
+    first.log("cartpole", "human", 0, 100.0, 1_000)
+    first.log("cartpole", "human", 1, 110.0, 5_000)
+    first.log("cartpole", "picked", 0, 50.0, 1_100)
+    first.log("pendulum", "human", 0, -200.0, 1_200)
+    invocation = Invocation("python -m core.study arch", "c1", "machine c1", 0.0, report_only=True)
+    write_results(spec, _planned(spec, ("cartpole", "pendulum")), first.uri, out, invocation, reps=100, archived=[])
+    archive = archive_path(out)
+    runs = read_runs(archive, STUDY)
+    stale = _run(run_id="old", name="human-cartpole-s2", seed=2, start_time=900, mlflow_status="FINISHED")
+    stale.tags = {"study.config": "cfg-human-cartpole-s2", "study.cell": "older-code", "study.task": "cartpole"}
+    stale.tags |= {"study.arm": "human"}
+    gone = _run(run_id="gone", name="gone-cartpole-s0", start_time=800, mlflow_status="FINISHED")
+    gone.tags = {"study.config": "cfg-gone", "study.cell": "key-gone", "study.task": "cartpole", "study.arm": "gone"}
+    write_runs(archive, STUDY, runs + [stale, gone])
+
+    second = _Store(root / "two", "c2")
+    second.log("cartpole", "human", 0, 150.0, 9_000)  # a later attempt of a cell the archive has
+    second.log("cartpole", "human", 1, None, 3_000, status="FAILED")  # an older attempt than the archive's
+    second.log("cartpole", "picked", 1, 60.0, 9_100)
+    return out, second
+
+
+def test_the_store_and_the_archive_merge_one_run_per_cell_the_latest_attempt_counting(sessions):
+    out, store = sessions
+    spec = _spec()
+    archived = read_runs(archive_path(out), STUDY)
+    counted = study_runs(_planned(spec, ("cartpole",)), store.uri, STUDY, archived)
+    chosen = {key: (r.fitness, r.tags["study.commit"]) for key, r in counted.chosen.items()}
+    assert chosen == {
+        ("cartpole", "human", 0): (150.0, "c2"),  # the store's later attempt replaces the archived one
+        ("cartpole", "human", 1): (110.0, "c1"),  # archived, later than the store's failed attempt
+        ("cartpole", "picked", 0): (100.0, "c1"),  # only in the archive: kept, scored as it was
+        ("cartpole", "picked", 1): (120.0, "c2"),  # only in the store
+    }
+    a = counted.archive
+    assert a.used and a.read == 6 and a.replaced == 1 and counted.retried == 1
+    assert a.set_aside == 1  # a planned cell's run at older code
+    assert sorted(r.name for r in a.unplanned) == ["gone-cartpole-s0", "human-pendulum-s0"]
+    assert {counted.chosen[("cartpole", arm, s)].run_id for arm, s in (("human", 1), ("picked", 0))} == a.counted
+    # the archived search run's curve is its fresh-seed retraining (2x), the one that scored
+    assert counted.chosen[("cartpole", "picked", 0)].curve == [(250, 25.0), (500, 50.0), (1000, 100.0)]
+
+    without = study_runs(_planned(spec, ("cartpole",)), store.uri, STUDY)
+    assert set(without.chosen) == {("cartpole", "human", 0), ("cartpole", "human", 1), ("cartpole", "picked", 1)}
+    assert without.chosen[("cartpole", "human", 1)].status == FAILED and not without.archive.used
+
+
+def test_the_archive_is_rewritten_with_the_counted_runs_and_the_specs_other_cells(sessions):
+    out, store = sessions
+    spec, archive = _spec(), archive_path(out)
+    before = archive.read_bytes()
+    curves = out.parent / "arch" / "cartpole_curves.png"
+    curves.unlink(missing_ok=True)
+    try:
+        invocation = Invocation("python -m core.study arch --tasks cartpole", "c2", "machine c2", 0.0)
+        files = write_results(
+            spec,
+            _planned(spec, ("cartpole",)),
+            store.uri,
+            out,
+            invocation,
+            reps=100,
+            archived=read_runs(archive, STUDY),
+        )
+        assert archive in files
+        runs = read_runs(archive, STUDY)
+        text = out.read_text()
+    finally:
+        archive.write_bytes(before)
+    assert [(r.name, r.tags["study.commit"]) for r in runs] == [
+        ("human-cartpole-s0", "c2"),
+        ("human-cartpole-s1", "c1"),
+        ("picked-cartpole-s0", "c1"),
+        ("picked-cartpole-s1", "c2"),
+        ("human-pendulum-s0", "c1"),  # a task this invocation did not plan: kept for the report that does
+    ]  # the spec's order; the older code's run and the arm the spec no longer has are gone
+    line = next(line for line in text.splitlines() if line.startswith("- Archive: "))
+    assert line.startswith("- Archive: 2 of the 4 counted runs read from [arch/runs.jsonl.gz](arch/runs.jsonl.gz)")
+    assert "recorded at `c1` (2 run(s))" in line
+    assert "archived runs replaced by a later attempt in the store: 1" in line
+    assert "archived runs of planned cells at other config or code, dropped: 1" in line
+    assert "archived runs of no cell of the spec, dropped: 1" in line
+    assert "it now holds 5 run(s), 1 of them of cells not planned in this invocation" in line
+    assert "`c1` (2 run(s))" in next(line for line in text.splitlines() if line.startswith("- Commit: "))
+    assert curves.exists()  # drawn from archived and stored curves alike
