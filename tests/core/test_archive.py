@@ -1,18 +1,23 @@
 """The runs a study's report counted, archived beside it (``<report folder>/runs.jsonl.gz``): the
-file's round trip, and how archived runs merge with a store's."""
+file's round trip, how archived runs merge with a store's, and a report written from the
+archive alone on a machine without the store."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import mlflow
 import pytest
+import yaml
 from mlflow.entities import Metric
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import OmegaConf
 
+import core.config
+import core.loop
 from core.errors import UserError
 from core.report.archive import TRAIN_POINTS, archive_path, from_record, read_runs, to_record, write_runs
 from core.report.data import FAILED, OK, StudyRun
@@ -25,6 +30,10 @@ from core.study import (
     PlannedCell,
     StudySpec,
     TaskSpec,
+    expand,
+    load_spec,
+    main,
+    plan,
 )
 
 STUDY = "arch"
@@ -262,3 +271,83 @@ def test_the_archive_is_rewritten_with_the_counted_runs_and_the_specs_other_cell
     assert "it now holds 5 run(s), 1 of them of cells not planned in this invocation" in line
     assert "`c1` (2 run(s))" in next(line for line in text.splitlines() if line.startswith("- Commit: "))
     assert curves.exists()  # drawn from archived and stored curves alike
+
+
+# -- the study command -------------------------------------------------------------------------
+
+
+def _spec_file(tmp_path: Path) -> Path:
+    path = tmp_path / "arch.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": STUDY,
+                "store": str(tmp_path / "store"),
+                "out": str(tmp_path / "docs" / "arch.md"),
+                "seeds": [0, 1, 2],
+                "final_seeds": 1,
+                "overrides": ["executor=inprocess", f"cache_dir={tmp_path / 'cache'}"],
+                "tasks": {"cartpole": {"env": "cartpole", "frames": 512}},
+                "arms": {
+                    "random": {"trainer": "random"},
+                    "sparse": {"overrides": ["env.reward=sparse"]},
+                    "human": {"overrides": ["env.reward=human"]},
+                },
+            }
+        )
+    )
+    return path
+
+
+def test_a_report_from_the_archive_alone_is_the_report_from_the_store(tmp_path, monkeypatch):
+    """Session 1's store wrote the report and its archive; on a machine without the store,
+    ``--report-only`` writes the same report from the archive, and the study runs only the
+    cells the archive has no finished run of."""
+    monkeypatch.setattr(core.config, "framework_hash", lambda: "code")
+    path = _spec_file(tmp_path)
+    spec = load_spec(str(path))
+    (tmp_path / "store").mkdir()
+    store = _Store(tmp_path / "store", "c1")  # what session 1 ran, tagged with the keys the study plans
+    scores = {"random": [9.0, 11.0, 10.0], "sparse": [20.0, 35.0, 25.0], "human": [180.0, 200.0, 195.0]}
+    for i, p in enumerate(plan(expand(spec), STUDY, tmp_path / "store")):
+        tags = p.tags(STUDY, "c1", "machine c1")
+        crashed = p.cell.name == "human-cartpole-s2"
+        value = None if crashed else scores[p.cell.arm][p.cell.seed]
+        store.log(
+            "cartpole", p.cell.arm, p.cell.seed, value, 10 * i, tags=tags, status="FAILED" if crashed else "FINISHED"
+        )
+    out = tmp_path / "docs" / "arch.md"
+    common = [str(path), "--reps", "200", "--report-only"]
+    assert main(common) == 0
+    first = out.read_text()
+    assert (
+        "- Archive: none beside this document before; [arch/runs.jsonl.gz](arch/runs.jsonl.gz) now holds its 9" in first
+    )
+
+    elsewhere = tmp_path / "elsewhere" / "arch.md"  # another machine: a fresh store, the committed archive
+    archive_path(elsewhere).parent.mkdir(parents=True)
+    shutil.copy(archive_path(out), archive_path(elsewhere))
+    fresh = ["--store", str(tmp_path / "fresh"), "--out", str(elsewhere)]
+    assert main([*common, *fresh]) == 0
+    second = elsewhere.read_text()
+    assert second.split("## Summary")[1] == first.split("## Summary")[1]  # the same scores, tables, failures
+    assert "| human | 2/3 |" in second and "`human-cartpole-s2`: failed" in second
+    assert "- Archive: 9 of the 9 counted runs read from [arch/runs.jsonl.gz]" in second
+    assert archive_path(elsewhere).read_bytes() == archive_path(out).read_bytes()  # rewritten unchanged
+    for figure in ("cartpole_final.png", "cartpole_curves.png"):
+        assert (elsewhere.parent / "arch" / figure).exists() and f"(arch/{figure})" in second
+
+    calls: list[str] = []
+
+    def crash(config, extra_plugins=(), tags=None):
+        calls.append(str(config.run_name))
+        raise RuntimeError("not trained in this test")
+
+    monkeypatch.setattr(core.loop, "run_experiment", crash)
+    assert main([str(path), "--reps", "200", *fresh]) == 1  # the crashed cell crashes again
+    assert calls == ["human-cartpole-s2"]  # the archive's finished cells are not run again
+
+    assert main([*common, *fresh, "--no-archive"]) == 0
+    clean = elsewhere.read_text()
+    assert "- Archive: not read (`--no-archive`); [arch/runs.jsonl.gz](arch/runs.jsonl.gz) now holds" in clean
+    assert "| random | 3/3 |" not in clean and read_runs(archive_path(elsewhere), STUDY) == []
