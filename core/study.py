@@ -18,6 +18,12 @@ the report (``docs/results.md`` for the ``results`` study).
   A cell with a finished MLflow run of that key (tag ``study.cell``) is skipped, so an
   interrupted study continues where it stopped; trainings a cut-short cell had finished
   are reused from the results store beside the tracking store.
+- **Kept beside its report.** The runs the report counted are archived in the report's
+  folder (``docs/results/runs.jsonl.gz``, :mod:`core.report.archive`), a file committed with
+  the report. A study run task by task over sessions whose stores are lost reads it back: a
+  cell with a finished archived run of its key is skipped, and the report merges the
+  archived runs with the store's (per cell the latest attempt counts). ``--no-archive``
+  leaves it out (its cells run again, and the report and the archive come from the store).
 - **Its own caches.** LLM replies and the plugins' libraries live in ``<store>/cache``, so a
   reply cached by another run never passes for free LLM time.
 - **Shrinkable.** ``--tasks``, ``--arms``, ``--seeds`` and ``--frames-scale`` select and
@@ -25,6 +31,7 @@ the report (``docs/results.md`` for the ``results`` study).
 
     python -m core.study results                      # every cell not finished yet, then docs/results.md
     python -m core.study results --list               # the cells, finished or not
+    python -m core.study results --report-only        # docs/results.md from the store and docs/results/runs.jsonl.gz
     python -m core.study results --tasks cartpole --arms sparse,human --seeds 0,1 --frames-scale 0.02
 """
 
@@ -402,13 +409,24 @@ def machine() -> str:
 # -- running -------------------------------------------------------------------------------
 
 
-def run_cells(planned: list[PlannedCell], study: str, uri: str, invocation: Invocation, console: Any) -> None:
-    """Run every planned cell that has no finished run of its key, one after another."""
+def run_cells(
+    planned: list[PlannedCell],
+    study: str,
+    uri: str,
+    invocation: Invocation,
+    console: Any,
+    archived: dict[str, str] | None = None,
+) -> None:
+    """Run every planned cell that has no finished run of its key, one after another.
+
+    ``archived``: cell key -> where, of the cells that finished in earlier sessions (the
+    archive beside the report): skipped as the store's finished cells are.
+    """
     import traceback
 
     from core.loop import run_experiment
 
-    done = finished_cells(uri, study)
+    done = {**(archived or {}), **finished_cells(uri, study)}
     start = time.perf_counter()
     try:
         for i, p in enumerate(planned, 1):
@@ -495,6 +513,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--report-only", action="store_true", help="run nothing; write the report from the finished cells"
     )
+    parser.add_argument(
+        "--no-archive",
+        action="store_true",
+        help="leave out the runs of earlier sessions archived beside the report (<report folder>/runs.jsonl.gz): "
+        "run their cells again and write the report and the archive from the store alone",
+    )
     parser.add_argument("--reps", type=int, default=2000, help="bootstrap replications of the intervals")
     args = parser.parse_args(argv)
     began = time.perf_counter()
@@ -529,8 +553,15 @@ def main(argv: list[str] | None = None) -> int:
             report_only=args.report_only,
         )
         planned = plan(cells, spec.name, store)
+        from core.report.archive import archive_path, finished, read_runs
+
+        archive = archive_path(out)
+        archived = None if args.no_archive else read_runs(archive, spec.name)
+        earlier = finished(archived or [], archive.name)
+        if archived:
+            console.print(f"{len(archived)} run(s) of earlier sessions in {archive}", highlight=False)
         if args.list:
-            done = finished_cells(uri, spec.name)
+            done = {**earlier, **finished_cells(uri, spec.name)}
             for p in planned:
                 state = f"finished (run {done[p.key]})" if p.key in done else "to run"
                 console.print(f"{p.cell.name:40} frames {p.cell.frames:>9,}  {state}", highlight=False)
@@ -550,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{len(planned)} cells; store {store}; {invocation.machine}; commit {invocation.commit}",
                 highlight=False,
             )
-            run_cells(planned, spec.name, uri, invocation, console)
+            run_cells(planned, spec.name, uri, invocation, console, earlier)
         used = [c for c in caches if c.exists()]
         if used and not args.replies:
             from core.llm.cache import dump_replies
@@ -561,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             invocation.load_end = load_average()
         from core.report.results import write_results
 
-        written = write_results(spec, planned, uri, out, invocation, reps=args.reps)
+        written = write_results(spec, planned, uri, out, invocation, reps=args.reps, archived=archived)
     except UserError as err:
         console.print(f"[bold red]error:[/bold red] {err}")
         return 2
@@ -570,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     from core.progress import next_steps
 
-    console.print(f"report: {written[0]}", highlight=False)
+    console.print(f"report: {written[0]}; its runs: {written[1]}", highlight=False)
     console.print(next_steps(uri, spec.name)[1], highlight=False)
     return 1 if invocation.crashed else 0
 

@@ -8,6 +8,7 @@
 - :mod:`core.report.evidence`: what a study's scores can show (calibration, intent to
   treat, targets judged with intervals and controls, the aggregate over tasks).
 - :mod:`core.report.contribution`: what an arm's LLM put into its runs.
+- :mod:`core.report.archive`: a study's counted runs kept beside its report (``runs.jsonl.gz``).
 """
 
 from core.report.study import ArmResult, TaskResult, analyze, main, write_report

@@ -64,6 +64,9 @@ class StudyRun:
     start_time: int = 0
     arm: str = ""
     note: str = ""  # why a run is not ok
+    mlflow_status: str = (
+        ""  # how the MLflow run ended (FINISHED, FAILED, KILLED, RUNNING): a study skips FINISHED cells
+    )
 
 
 def run_status(mlflow_status: str, fitness: float | None) -> str:
@@ -114,6 +117,7 @@ def load_study(uri: str, experiment: str, metric: str = "fitness", filter_string
             params=dict(r.data.params),
             tags=dict(tags),
             start_time=int(r.info.start_time or 0),
+            mlflow_status=r.info.status,
         )
         if status != OK:
             run.note = _failure_note(r, children.get(r.info.run_id, []), metric)

@@ -1,11 +1,15 @@
 """The results document of a study (``python -m core.study``): what the study can show, then scores per task.
 
-Reads the study's runs back from MLflow (:func:`core.report.data.load_study`). One run
+Reads the study's runs back from MLflow (:func:`core.report.data.load_study`), and those
+of earlier sessions archived beside the document (:mod:`core.report.archive`). One run
 counts per planned cell (task, arm, seed): the latest whose code key (tag ``study.cell``:
-config and code) is the planned cell's, finished or not; runs of the same config at other
-code are set aside and counted. Each run is scored by the metric its cell names (tag
-``study.score``): ``fitness`` for an arm of one training, ``final/fresh_mean`` for an arm
-that searches (its best candidate retrained on fresh seeds).
+config and code) is the planned cell's, finished or not, in the store or the archive;
+runs of the same config at other code are set aside and counted. The archive is then
+rewritten with the counted runs (and the archived runs of the spec's cells not planned
+this time), and the document says which counted runs came from it. Each run is scored
+by the metric its cell names (tag ``study.score``): ``fitness`` for an arm of one
+training, ``final/fresh_mean`` for an arm that searches (its best candidate retrained on
+fresh seeds).
 
 The document opens with a summary: each task's calibration (can it show an effect at this
 budget?), each target met, missed or not scored and why, and every arm's IQM of normalised
@@ -62,6 +66,21 @@ AGGREGATE_FIGURE = "aggregate.png"
 
 
 @dataclass
+class Archived:
+    """What the runs archived beside the report (:mod:`core.report.archive`) gave to the counted runs."""
+
+    used: bool = False  # read (False: no archive read, or --no-archive)
+    read: int = 0  # records in the file
+    counted: set[str] = field(default_factory=set)  # run ids of counted runs that came from the archive
+    replaced: int = 0  # archived runs of a counted cell that a later attempt in the store replaced
+    set_aside: int = 0  # archived runs of a planned cell at another config or code: dropped from the file
+    unplanned: list[StudyRun] = field(default_factory=list)  # archived runs of cells this invocation did not plan
+    outside: int = 0  # archived runs of no cell of the spec (another task or arm): dropped from the file
+    path: str = ""  # the file, relative to the report's folder
+    written: int = 0  # runs the file holds now
+
+
+@dataclass
 class Counted:
     """The runs that count for a study: one per planned cell that ran, and what was set aside."""
 
@@ -70,19 +89,40 @@ class Counted:
     other_config: int  # runs of the study's experiment made with another config (other budgets, code edits kept)
     other_code: int = 0  # runs of a planned cell's config at other code (set aside)
     retried: int = 0  # earlier runs of a planned cell's key: the latest counts
+    archive: Archived = field(default_factory=Archived)
 
 
-def study_runs(planned: list[PlannedCell], uri: str, experiment: str) -> Counted:
-    """The study's runs of the planned cells, one per cell, scored by their cell's metric."""
+def study_runs(
+    planned: list[PlannedCell], uri: str, experiment: str, archived: list[StudyRun] | None = None
+) -> Counted:
+    """The study's runs of the planned cells, one per cell, scored by their cell's metric.
+
+    ``archived``: runs of earlier sessions (:func:`core.report.archive.read_runs`), merged with
+    the store's as if they were in it: per cell key the latest attempt counts, and a run in
+    both (the same run id) is read from the store. Archived runs were scored when they were
+    archived; their curves are the ones that scored.
+    """
     wanted = {p.config_key: p for p in planned}
+    names = {(p.cell.task, p.cell.arm, p.cell.seed) for p in planned}
     try:
         loaded = load_study(uri, experiment, "fitness")
     except Exception:  # no experiment yet: nothing ran
         loaded = []
+    in_store = {r.run_id for r in loaded}
+    archive = Archived(used=archived is not None, read=len(archived or []))
+    from_archive = {r.run_id for r in archived or [] if r.run_id not in in_store}
+    merged = loaded + [r for r in archived or [] if r.run_id in from_archive]
     latest: dict[tuple[str, str, int], StudyRun] = {}
     other = other_code = retried = 0
-    for r in sorted(loaded, key=lambda r: r.start_time):
+    for r in sorted(merged, key=lambda r: r.start_time):
         p = wanted.get(r.tags.get("study.config", ""))
+        archived_run = r.run_id in from_archive
+        if archived_run and (p is None or r.tags.get("study.cell") != p.key):
+            if _cell_of(r) in names:  # a planned cell at another config or code: set aside, as the store's
+                archive.set_aside += 1
+            else:
+                archive.unplanned.append(r)
+            continue
         if p is None:
             other += r.tags.get("study") == experiment
             continue
@@ -90,12 +130,22 @@ def study_runs(planned: list[PlannedCell], uri: str, experiment: str) -> Counted
             other_code += 1
             continue
         key = (p.cell.task, p.cell.arm, p.cell.seed)
-        retried += key in latest
+        if key in latest:
+            if latest[key].run_id in from_archive:
+                archive.replaced += 1
+            else:
+                retried += 1
         latest[key] = r  # the latest attempt counts, whatever its status: not the best of attempts
+    # in the planned order, wherever a run came from: a report from the archive alone is the store's
+    order = {(p.cell.task, p.cell.arm, p.cell.seed): i for i, p in enumerate(planned)}
+    latest = dict(sorted(latest.items(), key=lambda item: order[item[0]]))
     for (task, arm, _), r in latest.items():
         r.env, r.arm = task, arm
-        _score(r, uri)
-    return Counted(list(latest.values()), latest, other, other_code, retried)
+        if r.run_id in from_archive:
+            archive.counted.add(r.run_id)
+        else:
+            _score(r, uri)
+    return Counted(list(latest.values()), latest, other, other_code, retried, archive)
 
 
 def _score(r: StudyRun, uri: str) -> None:
@@ -169,12 +219,28 @@ def assess(spec: StudySpec, planned: list[PlannedCell], counted: Counted, reps: 
 
 
 def write_results(
-    spec: StudySpec, planned: list[PlannedCell], uri: str, out: Path, invocation: Invocation, reps: int = 2000
+    spec: StudySpec,
+    planned: list[PlannedCell],
+    uri: str,
+    out: Path,
+    invocation: Invocation,
+    reps: int = 2000,
+    archived: list[StudyRun] | None = None,
 ) -> list[Path]:
     """Analyse the planned cells' runs, write ``out`` (Markdown) and its figures, log them to
-    MLflow; returns the files."""
-    counted = study_runs(planned, uri, spec.name)
+    MLflow; returns the files.
+
+    ``archived``: the runs read from the archive beside ``out`` (None: none read). The archive
+    is then rewritten with the counted runs and the archived runs of the spec's cells this
+    invocation did not plan (:func:`archive_contents`).
+    """
+    from core.report.archive import archive_path, write_runs
+
+    counted = study_runs(planned, uri, spec.name, archived)
     findings = assess(spec, planned, counted, reps)
+    kept = archive_contents(spec, counted)
+    path = archive_path(out)
+    counted.archive.path, counted.archive.written = f"{path.parent.name}/{path.name}", len(kept)
     figures_dir = out.with_suffix("")
     figures_dir.mkdir(parents=True, exist_ok=True)
     figures = render_figures(findings.tasks, figures_dir, kinds=("final", "curves"))
@@ -194,8 +260,30 @@ def write_results(
     text = render_results(spec, planned, counted, findings, invocation, links, reps)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
+    write_runs(path, spec.name, kept)
     log_results(uri, spec.name, out, files, findings)
-    return [out] + files
+    return [out, path] + files
+
+
+def archive_contents(spec: StudySpec, counted: Counted) -> list[StudyRun]:
+    """What the archive keeps, in the spec's order: the counted runs (failed and unfinished ones
+    too, as the report lists them), and the archived runs of the spec's cells that this
+    invocation did not plan (other tasks, arms or seeds: a study run task by task keeps each
+    task's runs). Archived runs of a task or arm the spec no longer has are dropped (counted
+    in ``counted.archive.outside``); so are those of planned cells that did not count."""
+    pairs = {(t, a) for t in spec.tasks for a, arm in spec.arms.items() if arm.tasks is None or t in arm.tasks}
+    others = [r for r in counted.archive.unplanned if _cell_of(r)[:2] in pairs]
+    counted.archive.outside = len(counted.archive.unplanned) - len(others)
+    tasks, arms = {t: i for i, t in enumerate(spec.tasks)}, {a: i for i, a in enumerate(spec.arms)}
+    return sorted(
+        list(counted.chosen.values()) + others,
+        key=lambda r: (tasks.get(_cell_of(r)[0], len(tasks)), arms.get(_cell_of(r)[1], len(arms)), r.seed),
+    )
+
+
+def _cell_of(run: StudyRun) -> tuple[str, str, int]:
+    """A study run's (task, arm, seed), as its tags name them."""
+    return run.tags.get("study.task", run.env), run.tags.get("study.arm", run.arm), run.seed
 
 
 def log_results(uri: str, experiment: str, out: Path, figures: list[Path], findings: Findings) -> str | None:
@@ -513,8 +601,35 @@ def _provenance(spec: StudySpec, planned: list[PlannedCell], counted: Counted, i
             if counted.other_config
             else ""
         ),
+        _archive_line(counted),
     ]
     return lines
+
+
+def _archive_line(counted: Counted) -> str:
+    """Which counted runs came from the archive of earlier sessions, and at which commits they ran."""
+    a = counted.archive
+    link = f"[{a.path}]({a.path})"
+    if not a.used:
+        return f"- Archive: not read (`--no-archive`); {link} now holds this document's {a.written} counted run(s)"
+    if not a.read:
+        return f"- Archive: none beside this document before; {link} now holds its {a.written} counted run(s)"
+    runs = [r for r in counted.chosen.values() if r.run_id in a.counted]
+    commits = Counter(r.tags.get("study.commit", "unknown") for r in runs)
+    line = (
+        f"- Archive: {len(runs)} of the {len(counted.chosen)} counted runs read from {link} (runs of earlier "
+        "sessions, kept beside this document)"
+    )
+    line += ", recorded at " + ", ".join(f"`{c}` ({n} run(s))" for c, n in commits.most_common()) if runs else ""
+    line += f"; archived runs replaced by a later attempt in the store: {a.replaced}" if a.replaced else ""
+    line += f"; archived runs of planned cells at other config or code, dropped: {a.set_aside}" if a.set_aside else ""
+    line += f"; archived runs of no cell of the spec, dropped: {a.outside}" if a.outside else ""
+    kept = a.written - len(counted.chosen)
+    return (
+        line
+        + f"; it now holds {a.written} run(s)"
+        + (f", {kept} of them of cells not planned in this invocation" if kept else "")
+    )
 
 
 def _projection(spec: StudySpec, planned: list[PlannedCell], counted: Counted) -> list[str]:
@@ -666,4 +781,14 @@ def _candidates(runs: list[StudyRun]) -> str:
     return f"{number(total)} ({failed})" if recorded else number(total)
 
 
-__all__ = ["Counted", "Findings", "assess", "log_results", "render_results", "study_runs", "write_results"]
+__all__ = [
+    "Archived",
+    "Counted",
+    "Findings",
+    "archive_contents",
+    "assess",
+    "log_results",
+    "render_results",
+    "study_runs",
+    "write_results",
+]
