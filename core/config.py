@@ -586,6 +586,10 @@ def _source_files(module: Any) -> list[Path]:
 PRESENTATION = ("report", "plots.py", "run_page.py", "progress.py", "quiet.py", "__main__.py")
 
 
+#: the core package's folder, which :func:`framework_hash` reads (a test points it at a copy)
+CORE_ROOT = Path(__file__).parent
+
+
 def framework_hash() -> str:
     """sha256 of every core module that shapes what a candidate is and how it trains.
 
@@ -594,9 +598,7 @@ def framework_hash() -> str:
     modules in :data:`PRESENTATION`, which only show results. A finished training or
     study cell is reused only under the same hash, so a fix to any of them retrains.
     """
-    import core
-
-    root = Path(core.__file__).parent  # the core package (a test points it at a copy)
+    root = CORE_ROOT
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)

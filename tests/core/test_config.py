@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-import core
 import core.config
 
 
@@ -15,8 +14,8 @@ import core.config
 def core_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A copy of the core package that ``framework_hash`` reads instead of the real one."""
     root = tmp_path / "core"
-    shutil.copytree(Path(core.__file__).parent, root, ignore=shutil.ignore_patterns("__pycache__", "conf"))
-    monkeypatch.setattr(core, "__file__", str(root / "__init__.py"))
+    shutil.copytree(core.config.CORE_ROOT, root, ignore=shutil.ignore_patterns("__pycache__", "conf"))
+    monkeypatch.setattr(core.config, "CORE_ROOT", root)
     return root
 
 
