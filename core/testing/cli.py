@@ -51,19 +51,26 @@ def run_cli(
     """``python -m <module> *args`` run in ``folder`` (this process's folder when None).
 
     :param records: add overrides that keep the run's records in ``folder``
-        (``tracking.uri``, ``tracking.artifact_location``, ``cache_dir``, ``hydra.run.dir``);
-        a sweep (``-m``) writes its runs under ``hydra.sweep.dir``, which callers set.
-        Only for ``module="core"``, and only with a ``folder``.
+        (``tracking.uri`` ``sqlite:///<folder>/mlflow.db``, ``tracking.artifact_location``
+        ``<folder>/art``, ``cache_dir`` ``<folder>/cache``, ``hydra.run.dir`` ``<folder>/out``),
+        each but those of the keys ``args`` set themselves; a sweep (``-m``) writes its runs
+        under ``hydra.sweep.dir``, which callers set. Only for ``module="core"``, and only
+        with a ``folder``.
     :param env: the environment (default: this process's), less the variables in ``drop_env``.
     """
     command = [sys.executable, "-m", module, *args]
     if records and folder is not None and module == "core" and "--help" not in args:
         base = Path(folder)
+        given = {arg.lstrip("+").split("=", 1)[0] for arg in args if "=" in arg}
         command += [
-            f"tracking.uri=sqlite:///{base}/mlflow.db",
-            f"tracking.artifact_location={base}/art",
-            f"cache_dir={base}/cache",
-            f"hydra.run.dir={base}/out",
+            f"{key}={value}"
+            for key, value in (
+                ("tracking.uri", f"sqlite:///{base}/mlflow.db"),
+                ("tracking.artifact_location", f"{base}/art"),
+                ("cache_dir", f"{base}/cache"),
+                ("hydra.run.dir", f"{base}/out"),
+            )
+            if key not in given
         ]
     environment = {k: v for k, v in (os.environ if env is None else env).items() if k not in drop_env}
     proc = subprocess.run(

@@ -92,3 +92,29 @@ def test_make_config_comes_from_the_kit(request, make_config):
     assert request.config.pluginmanager.has_plugin("core.testing.pytest_plugin")
     cfg = make_config(["env=cartpole"])
     assert str(cfg.tracking.uri).endswith("mlflow.db") and cfg.progress is False
+
+
+def test_run_cli_keeps_the_records_in_the_folder_but_those_the_caller_places(tmp_path, monkeypatch):
+    import core.testing.cli as cli
+
+    seen: list[list[str]] = []
+
+    def fake_run(command, **kwargs):
+        seen.append(command)
+        return subprocess.CompletedProcess(command, 0, "out", "err")
+
+    monkeypatch.setattr(cli.subprocess, "run", fake_run)
+    result = cli.run_cli(tmp_path, "env=cartpole", f"+cache_dir={tmp_path}/mine")
+    assert (result.returncode, result.output) == (0, "outerr")
+    assert seen[0] == [
+        sys.executable,
+        "-m",
+        "core",
+        "env=cartpole",
+        f"+cache_dir={tmp_path}/mine",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+        f"tracking.artifact_location={tmp_path}/art",
+        f"hydra.run.dir={tmp_path}/out",
+    ]
+    cli.run_cli(tmp_path, "--experiment", "x", module="core.report")
+    assert seen[1] == [sys.executable, "-m", "core.report", "--experiment", "x"]  # overrides only for core
