@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pickle
-import subprocess
-import sys
 
 import pytest
 
 from core import app
+from core.testing.cli import run_cli
 
 pytestmark = pytest.mark.xdist_group("ray")  # one local Ray at a time
 
@@ -20,10 +19,8 @@ def test_task_function_pickles_by_reference() -> None:
 
 def _study(tmp_path, launcher: list[str], name: str) -> dict[str, float]:
     """A 2-seed CartPole baseline study; returns {seed: fitness} read back from MLflow."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "core",
+    out = run_cli(
+        tmp_path,
         "-m",
         *launcher,
         "seed=0,1",
@@ -31,9 +28,8 @@ def _study(tmp_path, launcher: list[str], name: str) -> dict[str, float]:
         "progress=false",
         "resume=false",
         f"experiment={name}",
-        f"cache_dir={tmp_path / 'cache'}",
-    ]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     import mlflow
 

@@ -4,9 +4,6 @@ config group is refused like an unknown env, with exit status 2."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -15,6 +12,7 @@ from core.app import check_argv
 from core.errors import UserError
 from core.preset import KEY, apply_preset
 from core.resources import conf_dir
+from core.testing.cli import run_cli
 
 
 def _compose(*overrides: str):
@@ -66,13 +64,13 @@ def test_an_unknown_option_of_any_group_is_refused_before_hydra(arg, said):
 def test_an_unknown_group_option_exits_2_like_an_unknown_env():
     """Hydra's own message for trainer=ppp exited 1, ours for env=nowhere 2: the same error, one status."""
     for arg in ("trainer=ppp", "env=nowhere"):
-        proc = subprocess.run([sys.executable, "-m", "core", arg], capture_output=True, text=True, timeout=120)
+        proc = run_cli(None, arg, timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr
 
 
 def test_help_names_the_preset():
-    proc = subprocess.run([sys.executable, "-m", "core", "--help"], capture_output=True, text=True, timeout=120)
+    proc = run_cli(None, "--help", timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "+preset=quick" in proc.stdout.split("== Config groups")[0]  # in the usage, with the headline
     assert "preset: quick" in proc.stdout.split("== Config groups")[1]

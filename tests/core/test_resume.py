@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import mlflow
 import pytest
@@ -15,30 +13,25 @@ from core.executor import build_runtime
 from core.loop import run_experiment
 from core.records import Candidate
 from core.store import job_key
+from core.testing.cli import CliResult, run_cli
 
 
-def _run(tmp_path, *extra: str) -> subprocess.CompletedProcess[str]:
+def _run(tmp_path, *extra: str) -> CliResult:
     # Eureka on CartPole, one round of two samples (one LLM request, plus the vetting's repairs);
     # 1,024 frames and 2 evaluation episodes: nothing here depends on what the policy learnt.
-    cmd = [
-        sys.executable,
-        "-m",
-        "core",
+    return run_cli(
+        tmp_path,
         "+plugins=[eureka]",
         "plugins.eureka.iterations=1",
         "plugins.eureka.samples=2",
         "plugins.eureka.max_tokens=400",
         "trainer.frames=1024",
         "trainer.eval_episodes=2",
-        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-        f"tracking.artifact_location={tmp_path}/art",
-        f"cache_dir={tmp_path}/cache",
         f"llm.cache_path={tmp_path}/cache/llm.sqlite",
         "progress=false",
-        f"hydra.run.dir={tmp_path}/out",
         *extra,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+        timeout=1500,
+    )
 
 
 def _parent_runs(tmp_path):
