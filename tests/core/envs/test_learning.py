@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import torch
 from core.envs import make_task
 from core.envs.task import Task
 from core.records import Candidate
+from core.testing.cli import run_cli
 from core.train.evaluate import evaluate
 from core.train.ppo import PPOConfig, train
 
@@ -34,21 +33,13 @@ def random_fitness(task: Task, episodes: int, seed: int = 123) -> tuple[float, d
 def test_cartpole_trains_through_the_cli(tmp_path: Path) -> None:
     random_value, _ = random_fitness(make_task({"name": "cartpole"}), 10)
     env = {**os.environ, "LLM4RL_CACHE_DIR": str(tmp_path / "cache")}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "core",
-            "env=cartpole",
-            "trainer.frames=16384",
-            "trainer.eval_every=0",
-            "progress=false",
-            f"hydra.run.dir={tmp_path / 'out'}",
-        ],
-        cwd=tmp_path,
+    out = run_cli(
+        tmp_path,
+        "env=cartpole",
+        "trainer.frames=16384",
+        "trainer.eval_every=0",
+        "progress=false",
         env=env,
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]

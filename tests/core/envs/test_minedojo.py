@@ -123,7 +123,8 @@ def test_cli_prints_the_clear_message_not_a_traceback(tmp_path, installed):
     """``python -m core env=minedojo``: without MineDojo, and with a (stand-in) MineDojo but
     only a JDK 17 on PATH, the run stops with the recipe, exit code 2, no traceback."""
     import os
-    import subprocess
+
+    from core.testing.cli import run_cli
 
     env = {**os.environ, "LLM4RL_CACHE_DIR": str(tmp_path / "cache")}
     if installed:
@@ -137,15 +138,8 @@ def test_cli_prints_the_clear_message_not_a_traceback(tmp_path, installed):
         java.chmod(0o755)
         env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "pkgs"), env.get("PYTHONPATH", "")])
         env["PATH"] = os.pathsep.join([str(tmp_path / "bin"), env["PATH"]])
-    out = subprocess.run(
-        [sys.executable, "-m", "core", "env=minedojo", "progress=false"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    text = " ".join((out.stdout + out.stderr).split())
+    out = run_cli(tmp_path, "env=minedojo", "progress=false", env=env, timeout=300)
+    text = out.said
     assert out.returncode == 2, text[-2000:]
     assert "Traceback" not in text and "launched" not in text
     expected = (

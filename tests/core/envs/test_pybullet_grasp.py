@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +20,7 @@ from core.envs.pybullet_grasp import (
     summarize_failures,
 )
 from core.records import Episode
+from core.testing.cli import run_cli
 from core.train.evaluate import evaluate
 
 THRESHOLD = 0.2 - TABLE_TOP_Z
@@ -217,16 +216,15 @@ def test_worked_example_logs_reward_code_fitness_and_failure_modes(tmp_path: Pat
     # vetting.episodes=2: the random reference episodes the programs are vetted on are ~550
     # PyBullet steps each (3.6 s each on a busy 2-core machine; the default is 8), and nothing
     # here depends on how well the vetting judges
-    cmd = [
-        sys.executable, "-m", "core", "+plugins=[eureka]", "env=kuka_grasp",
+    args = [
+        "+plugins=[eureka]", "env=kuka_grasp",
         "plugins.eureka.iterations=1", "plugins.eureka.samples=2", "plugins.eureka.max_tokens=300",
         "vetting.episodes=2",
         "trainer.frames=512", "trainer.num_envs=2", "trainer.rollout_steps=64", "trainer.eval_episodes=2",
         "trainer.eval_every=0", "executor=inprocess", "progress=false", "save_policy=false",
-        f"cache_dir={tmp_path / 'cache'}", f"tracking.uri={db}", f"tracking.artifact_location={tmp_path / 'art'}",
     ]  # fmt: skip
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_cli(tmp_path, *args, env=env, timeout=900)
     # exit 1 is the app's answer when every candidate failed (the small model often writes
     # shape errors for this task); anything else is a crash
     all_failed = proc.returncode == 1 and "every candidate failed" in proc.stdout
