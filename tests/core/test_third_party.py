@@ -40,6 +40,7 @@ from core.config import validate
 from core.errors import UserError
 from core.registry import PluginInfo, catalogue, load_module
 from core.testing import fakes
+from core.testing.cli import run_cli
 from core.testing.contract import PluginContract, Recorder, params
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,23 +114,16 @@ def env_with(*sites: Path) -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
-
-
 def tiny(tmp_path: Path, frames: int = 1024) -> list[str]:
-    """Overrides for a tiny, self-contained run whose every output lands in ``tmp_path``."""
+    """Overrides for a tiny run; :func:`run_cli` in ``tmp_path`` keeps its records there, and
+    a sweep's runs go there too."""
     return [
         f"trainer.frames={frames}",
         "trainer.eval_every=0",
         "trainer.eval_episodes=2",
         "executor=inprocess",
-        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-        f"tracking.artifact_location={tmp_path}/mlartifacts",
-        f"cache_dir={tmp_path}/cache",
         "progress=false",
         "save_policy=false",
-        f"hydra.run.dir={tmp_path}/outputs",
         f"hydra.sweep.dir={tmp_path}/multirun",
     ]
 
@@ -215,7 +209,7 @@ def test_a_value_its_check_refuses_is_refused_before_any_work(on_path, make_conf
 
 def test_registry_lists_the_third_party_plugin(tmp_path):
     site = site_dir(HELLO, tmp_path / "site")
-    out = run_cli(["-m", "core.registry"], tmp_path, env_with(site), timeout=120)
+    out = run_cli(tmp_path, module="core.registry", env=env_with(site), timeout=120)
     assert out.returncode == 0, out.stderr
     assert "hello" in out.stdout
     assert "llm4rl_hello" in out.stdout
@@ -225,10 +219,7 @@ def test_registry_lists_the_third_party_plugin(tmp_path):
 def test_cli_refuses_a_bad_value_in_one_paragraph(tmp_path):
     site = site_dir(COUNT_BONUS, tmp_path / "site")
     out = run_cli(
-        ["-m", "core", "+plugins=[count_bonus]", "plugins.count_bonus.beta=abc", *tiny(tmp_path)],
-        tmp_path,
-        env_with(site),
-        timeout=300,
+        tmp_path, "+plugins=[count_bonus]", "plugins.count_bonus.beta=abc", *tiny(tmp_path), env=env_with(site)
     )
     assert out.returncode == 2, out.stdout + out.stderr
     text = " ".join(out.stderr.split())
@@ -247,9 +238,12 @@ def test_enabled_third_party_plugin_hooks_run(tmp_path):
     site = site_dir(HELLO, tmp_path / "site")
     marker = tmp_path / "marker.txt"
     out = run_cli(
-        ["-m", "core", "+plugins=[hello]", f"plugins.hello.marker={marker}", *tiny(tmp_path, 2048)],
         tmp_path,
-        env_with(site),
+        "+plugins=[hello]",
+        f"plugins.hello.marker={marker}",
+        *tiny(tmp_path, 2048),
+        env=env_with(site),
+        timeout=600,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = marker.read_text().splitlines()
@@ -262,9 +256,12 @@ def test_enabled_third_party_plugin_hooks_run(tmp_path):
 def test_the_trial_package_trains_and_its_config_reaches_mlflow(tmp_path):
     site = site_dir(COUNT_BONUS, tmp_path / "site")
     out = run_cli(
-        ["-m", "core", "+plugins=[count_bonus,fourier_features]", "plugins.count_bonus.beta=0.2", *tiny(tmp_path)],
         tmp_path,
-        env_with(site),
+        "+plugins=[count_bonus,fourier_features]",
+        "plugins.count_bonus.beta=0.2",
+        *tiny(tmp_path),
+        env=env_with(site),
+        timeout=600,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     with sqlite3.connect(tmp_path / "mlflow.db") as db:
@@ -280,27 +277,30 @@ def test_an_ablation_study_and_its_report(tmp_path):
     site = site_dir(COUNT_BONUS, tmp_path / "site")
     env = env_with(site)
     study = run_cli(
-        ["-m", "core", "-m", "+plugins=[count_bonus],[]", "seed=0,1", "experiment=bonus_ablation", *tiny(tmp_path)],
         tmp_path,
-        env,
+        "-m",
+        "+plugins=[count_bonus],[]",
+        "seed=0,1",
+        "experiment=bonus_ablation",
+        *tiny(tmp_path),
+        env=env,
+        timeout=600,
     )
     assert study.returncode == 0, study.stdout + study.stderr
     report = run_cli(
-        [
-            "-m",
-            "core.report",
-            "--experiment",
-            "bonus_ablation",
-            "--uri",
-            f"sqlite:///{tmp_path}/mlflow.db",
-            "--out",
-            str(tmp_path / "report"),
-            "--reps",
-            "200",
-            "--no-log",
-        ],
         tmp_path,
-        env,
+        "--experiment",
+        "bonus_ablation",
+        "--uri",
+        f"sqlite:///{tmp_path}/mlflow.db",
+        "--out",
+        str(tmp_path / "report"),
+        "--reps",
+        "200",
+        "--no-log",
+        module="core.report",
+        env=env,
+        timeout=600,
     )
     assert report.returncode == 0, report.stdout + report.stderr
     text = (tmp_path / "report" / "report.md").read_text()
@@ -338,9 +338,9 @@ def test_the_guides_smallest_plugin_runs_as_written(tmp_path):
     name = next(
         iter(tomllib.loads((project / "pyproject.toml").read_text())["project"]["entry-points"]["llm4rl.plugins"])
     )
-    listed = run_cli(["-m", "core.registry"], tmp_path, env_with(site), timeout=120)
+    listed = run_cli(tmp_path, module="core.registry", env=env_with(site), timeout=120)
     assert name in listed.stdout, listed.stdout + listed.stderr
-    out = run_cli(["-m", "core", f"+plugins=[{name}]", *tiny(tmp_path)], tmp_path, env_with(site))
+    out = run_cli(tmp_path, f"+plugins=[{name}]", *tiny(tmp_path), env=env_with(site), timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     with sqlite3.connect(tmp_path / "mlflow.db") as db:
         metrics = {k for (k,) in db.execute("SELECT DISTINCT key FROM metrics")}
@@ -364,7 +364,8 @@ def run_package_tests(project: Path, site: Path, *args: str) -> subprocess.Compl
     """pytest on the package's own ``tests/``, from its folder: llm4rl as installed here, the
     package from ``site``, no trace of this repository's tests (no ``fakes``, no conftest)."""
     env = {k: v for k, v in env_with(site).items() if not k.startswith("PYTEST_")}  # nothing of this run's pytest
-    return run_cli(["-m", "pytest", "-p", "no:cacheprovider", "-v", *args, "tests"], project, env)
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", *args, "tests"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=project, env=env)
 
 
 def test_the_guide_shows_a_test_file_of_the_contract():
