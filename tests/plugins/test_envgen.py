@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from core.config import typed
 from core.envs.task import ParamSpec, StateField
 from core.errors import UserError
 from core.records import Candidate, EnvConfig, Episode, Fitness, IterationResult, TrainResult
+from core.testing.cli import run_cli
 from core.testing.fakes import (
     FAKE_LLM_OVERRIDES,
     MARK,
@@ -493,10 +492,7 @@ def test_end_to_end_eureka_envgen_minecraft(tmp_path, llm_server):
     model took 8 of the 10+ minutes this test used to take under load, on the Eureka prompt
     alone; its own end-to-end tests are the other plugins'). ~1 minute on 2 busy cores.
     """
-    cmd = [
-        sys.executable,
-        "-m",
-        "core",
+    args = [
         "+plugins=[eureka,envgen]",
         "env=minecraft",
         "env.max_episode_steps=100",
@@ -518,10 +514,9 @@ def test_end_to_end_eureka_envgen_minecraft(tmp_path, llm_server):
         "trainer.eval_episodes=2",
         "trainer.eval_every=0",
         "progress=false",
-        f"cache_dir={tmp_path / 'cache'}",
         "executor=inprocess",
     ]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    out = run_cli(tmp_path, *args, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     import mlflow
 

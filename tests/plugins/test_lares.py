@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +29,7 @@ from core.records import (
 )
 from core.registry import make_plugin_manager
 from core.testing import fakes
+from core.testing.cli import run_cli
 from core.testing.fakes import ScriptedLLM, plugin_object
 from plugins import lares
 
@@ -512,16 +511,15 @@ def test_a_run_with_lares_and_eureka_trains_lares_candidates_jointly_and_the_oth
 def test_end_to_end_on_pendulum_with_the_embedded_model(tmp_path: Path):
     """``python -m core +plugins=[lares] trainer=sac``, one LLM update; check MLflow."""
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    cmd = [
-        sys.executable, "-m", "core", "+plugins=[lares]", "env=pendulum", "trainer=sac",
+    args = [
+        "+plugins=[lares]", "env=pendulum", "trainer=sac",
         "plugins.lares.population=2", "plugins.lares.elites=1", "plugins.lares.llm_freq=600",
         "plugins.lares.max_tokens=300", "plugins.lares.analysis_tokens=80", "plugins.lares.retries=1",
         "trainer.frames=1000", "trainer.init_random_frames=200", "trainer.updates_per_frame=0.25",
         "trainer.hidden=[32,32]", "trainer.batch_size=64", "trainer.eval_episodes=1", "executor=inprocess",
-        "progress=false", "save_policy=false", f"cache_dir={tmp_path / 'cache'}",
-        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_location={tmp_path / 'art'}",
+        "progress=false", "save_policy=false",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_cli(tmp_path, *args, env=env, timeout=900)
     # exit 1 is the app's answer when every candidate failed (the small model may write
     # code that no retry fixes); anything else is a crash
     all_failed = proc.returncode == 1 and "every candidate failed" in proc.stdout

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ from core.context import StepBatch
 from core.envs import make_task
 from core.errors import UserError
 from core.records import Candidate, Fitness, IterationResult, StateProgram, TrainResult
+from core.testing.cli import run_cli
 from core.testing.fakes import ScriptedLLM, make_run, make_train, plugin_object, texts_of
 from plugins import llm_state_repr as lesr
 
@@ -352,10 +351,7 @@ def test_end_to_end_halfcheetah(tmp_path):
     # is ~1 min per call on CI's shared core; a third sample added a whole pair's worth of calls to
     # what is asserted (each sample accounted for, the retry path included) without adding a path.
     samples = 2
-    cmd = [
-        sys.executable,
-        "-m",
-        "core",
+    args = [
         "+plugins=[llm_state_repr]",
         "env=halfcheetah",
         "env.max_episode_steps=100",
@@ -369,10 +365,9 @@ def test_end_to_end_halfcheetah(tmp_path):
         "trainer.eval_episodes=2",
         "trainer.eval_every=0",
         "progress=false",
-        f"cache_dir={tmp_path / 'cache'}",
         "executor=inprocess",
     ]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
+    out = run_cli(tmp_path, *args, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     import mlflow
 

@@ -5,8 +5,6 @@ and re-plans a skill that keeps failing."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from core.llm.errors import LLMError
 from core.plan import goal_names
 from core.records import Candidate, Plan, PlanStep, TrainResult
 from core.testing import fakes
+from core.testing.cli import run_cli
 from core.testing.fakes import ScriptedLLM, make_run, make_train, plugin_object, texts_of
 from plugins import plan4mc
 
@@ -485,10 +484,7 @@ def test_end_to_end_minecraft_training_follows_the_llms_plan(tmp_path):
 
     Reward normalisation is off here: with it on, this 2,048-frame training completed no
     skill (measured once each way), which says nothing about whether the plan is followed."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "core",
+    args = [
         "+plugins=[plan4mc]",
         "env=minecraft",
         "env.max_episode_steps=150",
@@ -502,10 +498,9 @@ def test_end_to_end_minecraft_training_follows_the_llms_plan(tmp_path):
         "trainer.normalize_reward=false",
         "trainer.eval_every=0",
         "progress=false",
-        f"cache_dir={tmp_path / 'cache'}",
         "executor=inprocess",
     ]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    out = run_cli(tmp_path, *args, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     import mlflow
 

@@ -8,8 +8,6 @@ import dataclasses
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +23,7 @@ from core.llm.client import Reply
 from core.records import TrainResult
 from core.resources import conf_dir
 from core.testing import fakes
+from core.testing.cli import run_cli
 from core.testing.fakes import ScriptedLLM, plugin_object
 from plugins import progress_reward as pr
 
@@ -669,16 +668,14 @@ def test_the_control_run_trains_without_the_llm(make_config, monkeypatch):
 def test_end_to_end_on_minecraft_with_the_embedded_model_logs_calls_and_the_rank_correlation(tmp_path: Path):
     """``python -m core +plugins=[progress_reward] env=minecraft`` with a small budget."""
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    cmd = [
-        sys.executable, "-m", "core", "+plugins=[progress_reward]", "env=minecraft", "env.max_episode_steps=300",
+    args = [
+        "+plugins=[progress_reward]", "env=minecraft", "env.max_episode_steps=300",
         "trainer.frames=2048", "trainer.eval_episodes=1", "trainer.eval_every=0", "executor=inprocess",
         "progress=false", "save_policy=false", "plugins.progress_reward.reference.episodes=2",
         "plugins.progress_reward.reference.states=6",
         "plugins.progress_reward.rounds.states=2", "plugins.progress_reward.rounds.at=[0.5]",
-        f"cache_dir={tmp_path / 'cache'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
-        f"tracking.artifact_location={tmp_path / 'art'}",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    proc = run_cli(tmp_path, *args, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import mlflow
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from core.errors import UserError
 from core.plan import goal_names
 from core.records import Candidate, Fitness, IterationResult, MacroAction, TrainResult
 from core.sandbox import Limits
+from core.testing.cli import run_cli
 from core.testing.fakes import ScriptedLLM, make_run, make_train, plugin_object, texts_of
 from plugins import rl_gpt
 
@@ -314,10 +313,7 @@ def test_end_to_end_minecraft(tmp_path):
     # At most 1 + 1 plan calls and, per coded skill (at most 2), a first reply and one critic
     # revision: 6 calls at most. One critic round is enough to send a failing macro's rollouts
     # back (what the critic path asserted here needs); a second cost up to 2 more calls.
-    cmd = [
-        sys.executable,
-        "-m",
-        "core",
+    args = [
         "+plugins=[rl_gpt]",
         "env=minecraft",
         "env.max_episode_steps=100",
@@ -333,10 +329,9 @@ def test_end_to_end_minecraft(tmp_path):
         "trainer.eval_episodes=2",
         "trainer.eval_every=0",
         "progress=false",
-        f"cache_dir={tmp_path / 'cache'}",
         "executor=inprocess",
     ]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    out = run_cli(tmp_path, *args, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     import mlflow
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +23,7 @@ from core.errors import UserError
 from core.records import TrainResult
 from core.resources import conf_dir
 from core.testing import fakes
+from core.testing.cli import run_cli
 from core.testing.fakes import ScriptedLLM, plugin_object
 from plugins import rlaif_preference as rp
 
@@ -783,16 +782,14 @@ def _artifact_paths(client, run_id: str, path: str | None = None) -> list[str]:
 def test_end_to_end_on_minecraft_with_the_embedded_model_labels_captions(tmp_path: Path):
     """``python -m core +plugins=[rlaif_preference] env=minecraft`` with a small budget."""
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    cmd = [
-        sys.executable, "-m", "core", "+plugins=[rlaif_preference]", "env=minecraft", "env.max_episode_steps=300",
+    args = [
+        "+plugins=[rlaif_preference]", "env=minecraft", "env.max_episode_steps=300",
         "trainer.frames=2048", "trainer.eval_episodes=1", "trainer.eval_every=0", "executor=inprocess",
         "progress=false",
         "save_policy=false", "plugins.rlaif_preference.label_budget=4", "plugins.rlaif_preference.offline.envs=2",
         "plugins.rlaif_preference.offline.steps=128",
-        f"cache_dir={tmp_path / 'cache'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
-        f"tracking.artifact_location={tmp_path / 'art'}",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    proc = run_cli(tmp_path, *args, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import mlflow
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from core.envs.classic import MountainCarContinuous
 from core.errors import UserError
 from core.records import Candidate
 from core.registry import make_plugin_manager
+from core.testing.cli import run_cli
 from core.testing.fakes import ScriptedLLM, final_metrics, make_run, make_train, plugin_object
 from core.train import sac
 from core.train.sac import SACConfig
@@ -173,15 +172,13 @@ def test_end_to_end_on_kuka_with_the_embedded_model(tmp_path: Path):
     # Two attempts (1-2 calls): the second is the first's error sent back, all that the failure
     # branch checks; a third attempt (the default) cost one more long call with a longer conversation.
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    cmd = [
-        sys.executable, "-m", "core", "+plugins=[rlingua]", "env=kuka_grasp", "trainer.frames=300",
+    args = [
+        "+plugins=[rlingua]", "env=kuka_grasp", "trainer.frames=300",
         "trainer.init_random_frames=100", "trainer.batch_size=32", "trainer.eval_episodes=1", "trainer.eval_every=0",
         "plugins.rlingua.max_tokens=768", "plugins.rlingua.attempts=2", "executor=inprocess", "progress=false",
         "save_policy=false",
-        f"cache_dir={tmp_path / 'cache'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
-        f"tracking.artifact_location={tmp_path / 'art'}",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    proc = run_cli(tmp_path, *args, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import mlflow
 

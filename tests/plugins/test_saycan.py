@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,6 +22,7 @@ from core.errors import UserError
 from core.hookspecs import PROJECT
 from core.records import Candidate
 from core.registry import make_plugin_manager
+from core.testing.cli import run_cli
 from core.testing.fakes import ScriptedLLM, make_run, make_train, plugin_object
 from core.train import ppo
 from core.train.ppo import PPOConfig
@@ -364,16 +363,14 @@ def test_end_to_end_on_minecraft_with_the_embedded_model(tmp_path: Path):
     """``python -m core +plugins=[saycan] env=minecraft`` at a few frames: the embedded model scored
     rollout captions with its log-probabilities before training and the prior covered training steps."""
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    cmd = [
-        sys.executable, "-m", "core", "+plugins=[saycan]", "env=minecraft", "env.max_episode_steps=200",
+    args = [
+        "+plugins=[saycan]", "env=minecraft", "env.max_episode_steps=200",
         "trainer.frames=128", "trainer.num_envs=2", "trainer.rollout_steps=32", "trainer.epochs=1",
         "trainer.eval_episodes=1", "trainer.eval_every=0", "executor=inprocess", "progress=false", "save_policy=false",
         "plugins.saycan.prescore_episodes=2", "plugins.saycan.prescore_steps=100", "plugins.saycan.prescore_calls=3",
         "plugins.saycan.max_queries=3", "plugins.saycan.rescore_at=[]",
-        f"cache_dir={tmp_path / 'cache'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
-        f"tracking.artifact_location={tmp_path / 'art'}",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    proc = run_cli(tmp_path, *args, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import mlflow
 

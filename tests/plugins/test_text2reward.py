@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from core.context import RunContext
 from core.envs import make_task
 from core.errors import UserError
 from core.records import Candidate, Episode, Fitness, IterationResult, RewardProgram, TrainResult
+from core.testing.cli import run_cli
 from core.testing.fakes import ScriptedLLM, make_run, plugin_object, texts_of
 from plugins import text2reward as t2r
 
@@ -337,14 +336,13 @@ def test_config_refuses_a_wrong_type():
 @pytest.mark.slow
 def test_end_to_end_on_a_continuous_task_with_the_embedded_model(tmp_path: Path):
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    cmd = [
-        sys.executable, "-m", "core", "+plugins=[text2reward]", "env=pendulum",
+    args = [
+        "+plugins=[text2reward]", "env=pendulum",
         "plugins.text2reward.samples=1", "plugins.text2reward.retries=1", "plugins.text2reward.max_tokens=300",
         "trainer.frames=1024", "trainer.eval_episodes=2", "executor=inprocess", "progress=false",
-        "save_policy=false", f"cache_dir={tmp_path / 'cache'}",
-        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_location={tmp_path / 'art'}",
+        "save_policy=false",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_cli(tmp_path, *args, env=env, timeout=900)
     # one sample and one repair: the small model may still fail, and the run then exits 1
     # saying so; the candidate must be recorded either way
     all_failed = proc.returncode == 1 and "every candidate failed" in proc.stdout
