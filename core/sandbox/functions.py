@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import numpy as np
 import torch
 
+from core.envs.task import task_steps
 from core.records import Program, RewardProgram, StateProgram
 from core.sandbox.host import ProgramWorker
 from core.sandbox.programs import (
@@ -142,31 +143,14 @@ def probe_batch(
     """Real transitions of ``task`` under random actions: ``(obs, action, next_obs)``.
 
     Batched as ``[num_envs * steps, ...]``; ``next_obs`` is the true last observation
-    when an episode ended (not the auto-reset one).
+    when an episode ended (not the auto-reset one). The steps are
+    :func:`core.envs.task.task_steps`'s; observations as float32.
     """
-    env = task.make_env(num_envs, seed=seed)
-    try:
-        obs, _ = env.reset(seed=seed)
-        env.action_space.seed(seed)
-        obs_l, act_l, next_l = [], [], []
-        for _ in range(steps):
-            action = env.action_space.sample()
-            nxt, _, _, _, info = env.step(action)
-            true_next = np.array(nxt, dtype=np.float32, copy=True)
-            mask = info.get("_final_obs") if isinstance(info, dict) else None
-            if mask is not None:
-                for i in np.flatnonzero(mask):
-                    true_next[i] = info["final_obs"][i]
-            obs_l.append(np.asarray(obs, dtype=np.float32))
-            act_l.append(np.asarray(action))
-            next_l.append(true_next)
-            obs = nxt
-    finally:
-        env.close()
+    batch = list(task_steps(task, num_envs, steps, seed))
     return (
-        torch.as_tensor(np.concatenate(obs_l)),
-        torch.as_tensor(np.concatenate(act_l)),
-        torch.as_tensor(np.concatenate(next_l)),
+        torch.as_tensor(np.concatenate([np.asarray(s.obs, np.float32) for s in batch])),
+        torch.as_tensor(np.concatenate([s.action for s in batch])),
+        torch.as_tensor(np.concatenate([np.asarray(s.next_obs, np.float32) for s in batch])),
     )
 
 
