@@ -1,9 +1,11 @@
 """Run the command line as a user does, in a folder of the test's own.
 
-End-to-end tests run ``python -m core ...`` (or ``core.study``, ``core.report``) in a
-subprocess; :func:`run_cli` does it once for all of them: the same interpreter, the
-run's records (MLflow store, artifacts, caches, Hydra's output) inside ``folder`` so a
-test leaves nothing behind and reads back only its own runs, and the output as one text.
+End-to-end tests run ``python -m core ...`` (or ``core.study``, ``core.report``,
+``core.registry``) in a subprocess; :func:`run_cli` does it once for all of them: the
+same interpreter, the run's records (MLflow store, artifacts, caches, Hydra's output)
+inside ``folder`` so a test leaves nothing behind and reads back only its own runs, and
+the output as one text. Tests that signal the process (Ctrl-C) or read its output as it
+runs use ``subprocess.Popen`` themselves.
 
     result = run_cli(tmp_path, "+plugins=[eureka]", "plugins.eureka.samples=abc")
     assert result.returncode == 2 and "Invalid value" in result.said
@@ -53,9 +55,9 @@ def run_cli(
     :param records: add overrides that keep the run's records in ``folder``
         (``tracking.uri`` ``sqlite:///<folder>/mlflow.db``, ``tracking.artifact_location``
         ``<folder>/art``, ``cache_dir`` ``<folder>/cache``, ``hydra.run.dir`` ``<folder>/out``),
-        each but those of the keys ``args`` set themselves; a sweep (``-m``) writes its runs
-        under ``hydra.sweep.dir``, which callers set. Only for ``module="core"``, and only
-        with a ``folder``.
+        less any of these keys that ``args`` set (the caller's value stands); a sweep (``-m``)
+        writes its runs under ``hydra.sweep.dir``, which callers set. Only for
+        ``module="core"``, and only with a ``folder``.
     :param env: the environment (default: this process's), less the variables in ``drop_env``.
     """
     command = [sys.executable, "-m", module, *args]
