@@ -37,6 +37,7 @@ This module imports eagerly (torch included); ``core`` itself stays light.
 # --- hooks and config ----------------------------------------------------------------
 from core import PluginConfig, hookimpl
 from core.config import SandboxConfig
+from core.hookspecs import hookspec
 
 # --- contexts ------------------------------------------------------------------------
 from core.context import ActionPrior, RunContext, StepBatch, TrainContext
@@ -118,6 +119,7 @@ from core.progress import make_progress
 __all__ = [
     # hooks and config
     "hookimpl",
+    "hookspec",
     "PluginConfig",
     "SandboxConfig",
     # contexts

@@ -59,7 +59,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pluggy
 import torch
 
 from core.plugin import (
@@ -69,6 +68,7 @@ from core.plugin import (
     TrainContext,
     TrainResult,
     hookimpl,
+    hookspec,
     make_progress,
     task_steps,
     warm_up,
@@ -1117,9 +1117,6 @@ class PreferenceLearner:
 
 
 # -- hooks -----------------------------------------------------------------------------------
-
-#: the framework's spec marker, for the hook this plugin adds (core.plugin gives its hookimpl)
-hookspec = pluggy.HookspecMarker(hookimpl.project_name)
 
 
 class HOOKSPECS:

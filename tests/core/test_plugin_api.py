@@ -18,7 +18,7 @@ GUIDE = ROOT / "docs" / "writing-a-plugin.md"
 
 #: every name core.plugin exports, by group (the groups of its docstring and of the guide)
 SURFACE = {
-    "hooks and config": ["hookimpl", "PluginConfig", "SandboxConfig"],
+    "hooks and config": ["hookimpl", "hookspec", "PluginConfig", "SandboxConfig"],
     "contexts": ["RunContext", "TrainContext", "StepBatch", "ActionPrior"],
     "records": [
         "Program",
