@@ -349,6 +349,9 @@ BENIGN = "def compute_reward(state, action, next_state):\n    return 1.0 - next_
 
 
 def benign_candidate_works(limits: Limits) -> None:
+    """The next candidate trains after a hostile one (its speed is not what is checked here: under a
+    load of 7 on 2 cores a benign call once took longer than the corpus's 0.5 s call limit)."""
+    limits = replace(limits, call_timeout_s=max(limits.call_timeout_s, 5.0))
     with candidate_scope():
         fn = prepare_reward(RewardProgram(BENIGN), TASK, limits=limits)
         obs, action, nxt = batch(99)
