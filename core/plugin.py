@@ -90,6 +90,7 @@ from core.prompting import (
     sign_rule,
     state_interface,
     summarize_series,
+    task_description,
 )
 
 # --- the LLM in the background -------------------------------------------------------
@@ -165,6 +166,7 @@ __all__ = [
     "field_bindings",
     "program_fields",
     "sign_rule",
+    "task_description",
     "reward_interface",
     "state_interface",
     "interface_of",

@@ -48,6 +48,7 @@ from core.plugin import (
     reward_interface,
     sample_evenly,
     summarize_series,
+    task_description,
 )
 
 NAME = "eureka"
@@ -124,7 +125,9 @@ def task_prompt(run, shapes: Shapes | None = None) -> str:
     :param shapes: the task's :func:`core.prompting.batch_shapes` (computed when not given).
     """
     interface = reward_interface(run.task, list(run.sandbox.imports), shapes, interface=interface_of(run))
-    return TASK.format(description=run.task.description, interface=interface, goal=run.task.goal)
+    return TASK.format(
+        description=task_description(run.task, interface_of(run)), interface=interface, goal=run.task.goal
+    )
 
 
 def messages(run, best_reply: str, feedback: str, shapes: Shapes | None = None) -> list[dict[str, str]]:

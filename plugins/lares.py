@@ -70,6 +70,7 @@ from core.plugin import (
     reward_interface,
     sample_evenly,
     summarize_series,
+    task_description,
 )
 
 NAME = "lares"
@@ -334,7 +335,9 @@ def base_messages(run: Any, cases: list[dict[str, Any]], shapes: Shapes | None =
     """System + (similar cases) + the task; ``shapes``: the task's
     :func:`core.prompting.batch_shapes` (made when None)."""
     interface = reward_interface(run.task, list(run.sandbox.imports), shapes, interface=interface_of(run))
-    user = TASK.format(description=run.task.description, interface=interface, goal=run.task.goal)
+    user = TASK.format(
+        description=task_description(run.task, interface_of(run)), interface=interface, goal=run.task.goal
+    )
     if cases:
         shown = "\n\n".join(f"Goal: {c['goal']}\n```python\n{c['code'].strip()}\n```" for c in cases)
         user = EXAMPLES.format(examples=shown) + "\n\n" + user

@@ -53,6 +53,7 @@ SURFACE = {
         "field_bindings",
         "program_fields",
         "sign_rule",
+        "task_description",
         "reward_interface",
         "state_interface",
         "interface_of",

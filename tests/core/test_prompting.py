@@ -14,9 +14,11 @@ from core.prompting import (
     batch_shapes,
     candidate_line,
     fence,
+    few_fields_rule,
     reply_counts,
     reward_interface,
     state_interface,
+    task_description,
 )
 from core.records import Candidate, Fitness, RewardProgram, TrainResult
 
@@ -179,6 +181,31 @@ def test_a_task_with_many_fields_gets_a_skeleton_without_bindings():
     assert check_names(source, task.field_names()).fixes  # one close field: mended to `wood`
     source = "def compute_reward(state, action, next_state):\n    gold = next_state.gold\n    return gold, {}\n"
     assert check_names(source, task.field_names()).errors
+
+
+def test_a_task_with_many_fields_lists_them_once_and_is_asked_for_a_few():
+    """The description's own field list is dropped where the interface lists the fields with their shapes."""
+    from core.prompting import FEW_FIELDS, POINTER, few_fields_rule, task_description
+
+    task = make_task({"name": "crafter"})
+    short = task_description(task, "fields")
+    assert len(short) < 0.6 * len(task.description)
+    for f in task.program_fields:  # every field once in the whole prompt's field lines
+        assert f"- {f.name}: {f.description}" in task.description and f"- {f.name}: " not in short
+        assert (short + reward_interface(task)).count(f"- {f.name} (") == 1
+    assert short.count(POINTER) == 2  # the state fields and the computed ones, one pointer each
+    assert "Rules: the world is a 64x64 grid" in short and "Fitness: the Crafter score" in short  # the rest stays
+    assert task_description(task, "dict") == task.description
+    assert f"Read at most {FEW_FIELDS} fields" in few_fields_rule(task) and few_fields_rule(task) in reward_interface(
+        task
+    )
+
+
+@pytest.mark.parametrize("name", ["cartpole", "mountaincar", "lunarlander", "hopper", "reach"])
+def test_a_task_with_few_fields_keeps_its_description_and_rules(name: str):
+    task = make_task({"name": name})
+    assert task_description(task, "fields") == task.description
+    assert few_fields_rule(task) == "" and "Read at most" not in reward_interface(task)
 
 
 def test_a_task_with_few_fields_keeps_every_binding_in_its_skeleton():
