@@ -19,7 +19,9 @@ A plugin keeps the contract when:
   its schema's defaults);
 - its hooks register against the specs, and a built-in implements exactly the hooks its
   ``registry.yaml`` entry lists;
-- a built-in has ``docs/plugins/<name>.md`` naming every config key;
+- a built-in has ``docs/plugins/<name>.md`` naming every config key; a third-party
+  plugin explains each key its ``Config`` declares (a comment on its line, or the
+  class's docstring naming it);
 - a tiny run (one iteration, ~1k frames, in-process, the shared fake LLM of
   :mod:`core.testing.fakes`) trains a candidate with what the LLM wrote (:data:`EVIDENCE`
   for the built-ins; a plugin the kit does not know passes when every candidate trained,
@@ -312,6 +314,23 @@ def config_fields(module: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(config_class(module))]
 
 
+def undocumented_keys(module: Any) -> list[str]:
+    """The keys a plugin's ``Config`` declares itself (not :class:`core.PluginConfig`'s) that
+    neither a comment on their line nor the class's docstring (as ``name``) explains."""
+    cls = config_class(module)
+    own = [name for name in vars(cls).get("__annotations__", {}) if not name.startswith("_")]
+    if not own:
+        return []
+    lines = inspect.getsource(cls).splitlines()
+    doc = inspect.getdoc(cls) or ""
+
+    def explained(name: str) -> bool:
+        declared = [line for line in lines if line.strip().startswith(f"{name}:")]
+        return f"``{name}``" in doc or f"`{name}`" in doc or any("#" in line for line in declared)
+
+    return [name for name in own if not explained(name)]
+
+
 # -------------------------------------------------------------------------------------
 # The contract
 # -------------------------------------------------------------------------------------
@@ -380,7 +399,12 @@ class PluginContract:
 
     def test_docs_page_names_every_config_key(self, info: PluginInfo) -> None:
         if not self.builtin(info):
-            pytest.skip("third-party plugins document themselves (their module docstring is checked)")
+            undocumented = undocumented_keys(load_module(info))
+            assert not undocumented, (
+                f"{info.name}'s Config explains none of {undocumented}: give each a comment on its line "
+                "or name it in the class's docstring (a third-party plugin documents itself)"
+            )
+            return
         if not DOCS.is_dir():
             pytest.skip("the built-ins' pages are in a source checkout, not in an installed package")
         page = DOCS / f"{info.name}.md"

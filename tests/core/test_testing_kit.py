@@ -118,3 +118,23 @@ def test_run_cli_keeps_the_records_in_the_folder_but_those_the_caller_places(tmp
     ]
     cli.run_cli(tmp_path, "--experiment", "x", module="core.report")
     assert seen[1] == [sys.executable, "-m", "core.report", "--experiment", "x"]  # overrides only for core
+
+
+def test_a_third_party_config_key_without_a_word_is_found(tmp_path, monkeypatch):
+    """The contract's docs check for plugins outside the repository: a comment or the docstring explains a key."""
+    from core.testing.contract import undocumented_keys
+
+    (tmp_path / "undocumented_plugin.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from core.plugin import PluginConfig\n\n\n"
+        "@dataclass\n"
+        "class Config(PluginConfig):\n"
+        '    """``plugins.x``: ``gamma`` discounts the bonus."""\n\n'
+        "    beta: float = 0.1  # bonus scale\n"
+        "    gamma: float = 0.9\n"
+        "    delta: int = 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import undocumented_plugin
+
+    assert undocumented_keys(undocumented_plugin) == ["delta"]
