@@ -175,16 +175,25 @@ def sign_rule(task: Task) -> str:
     )
 
 
-def field_bindings(task: Task, shapes: Shapes | None = None, source: str = "next_state", indent: str = "    ") -> str:
-    """One line per field that binds it from ``source``, with its shape as a comment.
+def field_bindings(
+    task: Task,
+    shapes: Shapes | None = None,
+    source: str = "next_state",
+    indent: str = "    ",
+    names: list[str] | None = None,
+) -> str:
+    """One line per field (or per field in ``names``) that binds it from ``source``, with its shape as a comment.
 
     The meanings go in :func:`fields_text` above the skeleton: a model copies the skeleton
     into its reply, and long comments there would be paid for again in every sample.
     """
     shapes = shapes or batch_shapes(task)
+    fields = program_fields(task)
+    if names is not None:
+        fields = [f for f in fields if f.name in names]
     rows = [
         (f"{indent}{f.name} = {source}.{f.name}", f"# {Shapes.text(shapes.fields.get(f.name, f.shape))}")
-        for f in program_fields(task)
+        for f in fields
     ]
     width = max((len(code) for code, _ in rows), default=0)
     return "\n".join(f"{code.ljust(width)}  {comment}" for code, comment in rows)
@@ -196,18 +205,33 @@ def field_bindings(task: Task, shapes: Shapes | None = None, source: str = "next
 SKELETON_MAX_FIELDS = 20
 
 
+def goal_fields(task: Task) -> list[str]:
+    """The fields the task's goal names in backticks, in the goal's order (Crafter: ``health``,
+    ``achievements_unlocked``; Humanoid: ``root_vx``, ``root_z``, ``torso_upright``)."""
+    names = {f.name for f in program_fields(task)}
+    return list(dict.fromkeys(n for n in re.findall(r"`(\w+)`", task.goal) if n in names))
+
+
 def skeleton_bindings(task: Task, shapes: Shapes | None = None, source: str = "next_state") -> str:
     """The bindings a code skeleton shows: every field (:func:`field_bindings`) on a task with at
-    most :data:`SKELETON_MAX_FIELDS`, else one comment showing the pattern with the task's first field."""
+    most :data:`SKELETON_MAX_FIELDS`; above that, the fields the goal names (:func:`goal_fields`)
+    and one comment showing the pattern for the others.
+
+    A 1.5B model copies a skeleton whole and, shown no binding, binds the listing's fields in
+    order (39 of Crafter's 45 in ``docs/scaling/skeleton_crafter.json``, and all of them when
+    the prompt asked for at most 6): what the skeleton binds is what the reply reads.
+    """
     fields = program_fields(task)
     if len(fields) <= SKELETON_MAX_FIELDS:
         return field_bindings(task, shapes, source)
-    first = fields[0].name
-    return f"    # bind only the fields you use, one line each, e.g. {first} = {source}.{first}"
+    named = goal_fields(task)
+    if not named:
+        first = fields[0].name
+        return f"    # bind only the fields you use, one line each, e.g. {first} = {source}.{first}"
+    pattern = f"    # bind another field only if a term needs it, the same way: name = {source}.name"
+    return field_bindings(task, shapes, source, names=named) + "\n" + pattern
 
 
-#: on a task above :data:`SKELETON_MAX_FIELDS`, the most fields a reward program is asked to read
-FEW_FIELDS = 6
 #: what :func:`task_description` puts in place of the field lines the interface repeats
 POINTER = "  (the fields are listed below, with their shapes)"
 
@@ -233,19 +257,6 @@ def task_description(task: Task, interface: str = "fields") -> str:
             continue
         lines.append(line)
     return "\n".join(lines)
-
-
-def few_fields_rule(task: Task) -> str:
-    """On a task with more than :data:`SKELETON_MAX_FIELDS` fields: read at most :data:`FEW_FIELDS`
-    (else empty). Without it a 1.5B model writes a term for nearly every field (39 of Crafter's 45
-    in ``docs/scaling/skeleton_crafter.json``) and runs out of tokens mid-function."""
-    if len(program_fields(task)) <= SKELETON_MAX_FIELDS:
-        return ""
-    return (
-        f"Read at most {FEW_FIELDS} fields: the few that matter most for the goal (a field that sums others,\n"
-        "  where there is one, counts once). A short function with a few terms is the best start; the feedback\n"
-        "  after training says what to add."
-    )
 
 
 def bindings_rule(task: Task) -> str:
@@ -308,7 +319,7 @@ def {entry}(state, action, next_state):
 
 {action_text(task, shapes)}
 Rules:
-- {bindings_rule(task)}{_rule(few_fields_rule(task))}
+- {bindings_rule(task)}
 - Every field is a whole batch, not a number: use torch operations (torch.where instead of `if`,
   torch.abs/torch.exp/torch.clamp instead of abs()/math.*), no Python loops over the batch, no in-place
   edits of the inputs. Give torch functions tensors, not Python numbers.
@@ -316,11 +327,6 @@ Rules:
   finite for every state.
 - {sign_rule(task)}
 Reply with the complete function in one ```python block and nothing after it."""
-
-
-def _rule(text: str) -> str:
-    """``text`` as one more line of a prompt's rules, or nothing when it is empty."""
-    return f"\n- {text}" if text else ""
 
 
 def _dict_reward_interface(task: Task, allowed_imports: list[str] | tuple[str, ...], shapes: Shapes, entry: str) -> str:

@@ -14,7 +14,6 @@ from core.prompting import (
     batch_shapes,
     candidate_line,
     fence,
-    few_fields_rule,
     reply_counts,
     reward_interface,
     state_interface,
@@ -163,17 +162,22 @@ def test_the_skeleton_binds_every_field_of_the_task_and_no_other(name: str):
     assert "def compute_reward(state, action, next_state):" in prompt
 
 
-def test_a_task_with_many_fields_gets_a_skeleton_without_bindings():
+def test_a_task_with_many_fields_gets_a_skeleton_without_the_full_bindings():
     """Crafter's 45 bindings were about three quarters of each reply (docs/scaling/first_run.json)."""
+    import copy
+
     from core.namecheck import check_names
     from core.prompting import SKELETON_MAX_FIELDS
 
     task = make_task({"name": "crafter"})
     assert len(task.field_names()) > SKELETON_MAX_FIELDS
     prompt, short = reward_interface(task), state_interface(task)
-    assert not re.findall(r"^    \w+ = (?:next_)?state\.\w+", prompt, re.MULTILINE)
-    assert "# bind only the fields you use, one line each, e.g. health = next_state.health" in prompt
-    assert "# bind only the fields you use, one line each, e.g. health = state.health" in short
+    assert re.findall(r"^    (\w+) = next_state\.\w+", prompt, re.MULTILINE) == ["health", "achievements_unlocked"]
+    assert re.findall(r"^    (\w+) = state\.\w+", short, re.MULTILINE) == ["health", "achievements_unlocked"]
+    unnamed = copy.copy(task)
+    unnamed.goal = "Survive and unlock achievements."  # a goal that names no field
+    assert not re.findall(r"^    \w+ = (?:next_)?state\.\w+", reward_interface(unnamed), re.MULTILINE)
+    assert "# bind only the fields you use, one line each, e.g. health = next_state.health" in reward_interface(unnamed)
     assert "no fields but those listed above" in prompt and "no fields but those listed above" in short
     assert all(f"- {name} ([B" in prompt for name in task.field_names())  # every field still listed, with its meaning
     # the names a program then binds are still checked before anything runs
@@ -183,9 +187,9 @@ def test_a_task_with_many_fields_gets_a_skeleton_without_bindings():
     assert check_names(source, task.field_names()).errors
 
 
-def test_a_task_with_many_fields_lists_them_once_and_is_asked_for_a_few():
+def test_a_task_with_many_fields_lists_them_once():
     """The description's own field list is dropped where the interface lists the fields with their shapes."""
-    from core.prompting import FEW_FIELDS, POINTER, few_fields_rule, task_description
+    from core.prompting import POINTER, task_description
 
     task = make_task({"name": "crafter"})
     short = task_description(task, "fields")
@@ -196,16 +200,29 @@ def test_a_task_with_many_fields_lists_them_once_and_is_asked_for_a_few():
     assert short.count(POINTER) == 2  # the state fields and the computed ones, one pointer each
     assert "Rules: the world is a 64x64 grid" in short and "Fitness: the Crafter score" in short  # the rest stays
     assert task_description(task, "dict") == task.description
-    assert f"Read at most {FEW_FIELDS} fields" in few_fields_rule(task) and few_fields_rule(task) in reward_interface(
-        task
-    )
 
 
 @pytest.mark.parametrize("name", ["cartpole", "mountaincar", "lunarlander", "hopper", "reach"])
-def test_a_task_with_few_fields_keeps_its_description_and_rules(name: str):
+def test_a_task_with_few_fields_keeps_its_description(name: str):
     task = make_task({"name": name})
     assert task_description(task, "fields") == task.description
-    assert few_fields_rule(task) == "" and "Read at most" not in reward_interface(task)
+
+
+@pytest.mark.parametrize(
+    ("name", "named"),
+    [("crafter", ["health", "achievements_unlocked"]), ("humanoid", ["root_vx", "root_z", "torso_upright"])],
+)
+def test_a_many_field_skeleton_binds_the_fields_its_goal_names(name: str, named: list[str]):
+    """The model binds what the skeleton binds: the goal's backticked fields, not the listing's first 39."""
+    from core.prompting import goal_fields, skeleton_bindings
+
+    task = make_task({"name": name})
+    assert goal_fields(task) == named
+    bound = re.findall(r"^    (\w+) = next_state\.\w+", skeleton_bindings(task), re.MULTILINE)
+    assert sorted(bound) == sorted(named)  # in the listing's order
+    assert "# bind another field only if a term needs it, the same way: name = next_state.name" in reward_interface(
+        task
+    )
 
 
 def test_a_task_with_few_fields_keeps_every_binding_in_its_skeleton():
