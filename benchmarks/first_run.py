@@ -20,7 +20,9 @@ Everything runs as a user would run it, as subprocesses in a fresh folder (its
   from the signal to the process's end, its exit status, whether it printed the resume
   line. Target: <= 2 s each.
 - ``ui``: ``python -m core.ui`` on the session's store: seconds until it prints the
-  experiment's URL and until that page's HTML is served. Target: <= 10 s.
+  experiment's URL and until that page's HTML is served. Target: <= 10 s. It needs a run in
+  the store (the ``readme`` step makes one); without one the UI has no experiment to show,
+  and its last lines are recorded instead.
 
 Prints one JSON object (and writes it to ``--out``) with the machine's load average
 before and after each step: on a shared machine the times follow the load.
@@ -277,9 +279,10 @@ def ui(session: Session) -> dict[str, Any]:
     proc = subprocess.Popen(
         cmd, cwd=session.folder, env=session.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    url, printed = "", None
+    url, printed, lines = "", None, []
     assert proc.stdout is not None
     for line in proc.stdout:
+        lines.append(line.rstrip())
         if "MLflow UI ready" in line:
             printed = time.perf_counter() - began
             url = line.split(": ", 1)[1].strip()
@@ -303,6 +306,8 @@ def ui(session: Session) -> dict[str, Any]:
         "stopped_s": round(stop, 1),
         "load_before": before,
         "met": page is not None and page <= TARGETS["first_page_s"],
+        # why no URL came (e.g. a fresh folder with no run yet: the experiment does not exist)
+        **({} if url else {"output_tail": lines[-5:]}),
     }
 
 
