@@ -352,7 +352,7 @@ def program_from_reply(
     :param cls: the program record (:class:`core.records.RewardProgram`, ...).
     :param fields: the record's other fields (``origin``, ``prompt``, ``meta``, ...).
     """
-    from core.namecheck import check_names, state_arguments
+    from core.namecheck import add_missing_return, check_names, state_arguments
     from core.sandbox.policy import SAFE_BUILTIN_NAMES
 
     found = extract_function(reply, entry, arg_names, rename=True)
@@ -371,9 +371,10 @@ def program_from_reply(
             available=SAFE_BUILTIN_NAMES + provided,
             state_args=state_arguments(found.source, entry, arg_names),
         )
-        if names.fixes:
-            meta["fixes"] = list(names.fixes)
-        found.source = names.source
+        found.source, returned = add_missing_return(names.source, entry)
+        fixes = names.fixes + ([returned] if returned else [])
+        if fixes:
+            meta["fixes"] = fixes
         if not names.ok:
             found = ExtractResult(False, source=names.source, error=names.message(list(state_fields)), kind="names")
     if not found.ok:

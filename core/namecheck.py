@@ -13,7 +13,12 @@ Cheap deterministic fixes are applied first, each recorded as a note:
   (``pole_angle_velocity`` -> ``pole_angular_velocity``);
 - a ``torch`` function that needs a tensor but is given a Python number
   (``torch.exp(0.5)``, ``torch.maximum(x, 0.0)``, or a name only ever assigned a number)
-  gets the number wrapped in ``torch.tensor(...)``.
+  gets the number wrapped in ``torch.tensor(...)``;
+- an entry that never returns a value (a reply cut off and continued often loses the
+  last line) returns the last value it assigned to a name that says what the entry
+  computes (``compute_reward``: ``total_reward``): :func:`add_missing_return`.
+
+``state.device`` is not a field read: a state answers it with its tensors' device.
 
 Nothing here executes code; the scope analysis is deliberately simple (a name bound
 anywhere in the program counts as bound everywhere), so it refuses no valid program.
@@ -30,6 +35,8 @@ from dataclasses import dataclass, field
 STATE_ARGS = ("state", "next_state")
 #: a state is a dict: these attribute reads are its methods, not fields
 DICT_METHODS = frozenset({"get", "keys", "values", "items"})
+#: attribute reads a state answers that are not fields (``torch.zeros(n, device=state.device)``)
+STATE_ATTRIBUTES = DICT_METHODS | {"device"}
 #: torch functions of one tensor that refuse a Python number as it
 UNARY = frozenset(
     {
@@ -180,12 +187,67 @@ def state_arguments(source: str, entry: str, arg_names: list[str] | tuple[str, .
     return tuple(params[i] for i, name in enumerate(arg_names) if name in STATE_ARGS and i < len(params)) or STATE_ARGS
 
 
+def add_missing_return(source: str, entry: str) -> tuple[str, str | None]:
+    """``source`` with ``return <name>`` appended to ``entry`` if it never returns a value, and the fix's note.
+
+    ``<name>`` is the last name the entry's own body assigns at its top level that contains
+    the entry's last word (``compute_reward``: ``reward``, ``total_reward``; ``act``:
+    ``action``). Nothing changes (note ``None``) when the entry returns or yields anywhere,
+    or no such name exists: the probe then reports the ``None`` it returns.
+    """
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError):
+        return source, None
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == entry), None)
+    if fn is None or _returns_value(fn):
+        return source, None
+    noun = entry.rsplit("_", 1)[-1].lower()
+    assigned = [
+        target.id
+        for stmt in fn.body
+        if isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+        for target in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])
+        if isinstance(target, ast.Name) and noun in target.id.lower()
+    ]
+    if not assigned:
+        return source, None
+    name = assigned[-1]
+    indent = " " * fn.body[0].col_offset
+    lines = source.splitlines(keepends=True)
+    end = fn.end_lineno or len(lines)
+    head, tail = lines[:end], lines[end:]
+    if head and not head[-1].endswith("\n"):
+        head[-1] += "\n"
+    fixed = "".join(head) + f"{indent}return {name}\n" + "".join(tail)
+    return (
+        fixed,
+        f"`{entry}` never returned a value: `return {name}` added "
+        f"(the last value it assigns to a name with `{noun}` in it)",
+    )
+
+
+def _returns_value(fn: ast.FunctionDef) -> bool:
+    """Whether ``fn`` itself (not a function nested in it) returns a value or yields."""
+    todo: list[ast.AST] = list(fn.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.Return) and node.value is not None:
+            return True
+        if isinstance(node, (ast.Yield, ast.YieldFrom)):
+            return True
+        todo.extend(ast.iter_child_nodes(node))
+    return False
+
+
 def _field_reads(tree: ast.Module, state_args: tuple[str, ...]) -> list[tuple[ast.expr, str, tuple[int, int, int]]]:
     """``state.x``, ``state["x"]`` and ``state.get("x")`` reads: (node, field name, where the name is written)."""
     found: list[tuple[ast.expr, str, tuple[int, int, int]]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in state_args:
-            if node.attr in DICT_METHODS:
+            if node.attr in STATE_ATTRIBUTES:
                 continue
             end = node.end_col_offset or 0
             if node.end_lineno == node.lineno:

@@ -445,12 +445,21 @@ def shape_result(role: str, value: Any, batch: int) -> tuple[list[tuple[str, Any
 class State(dict):
     """A task state as a program receives it: field name -> batched tensor.
 
-    Read a field as ``state.pole_angle`` or ``state["pole_angle"]``; an unknown one raises
+    Read a field as ``state.pole_angle`` or ``state["pole_angle"]`` (``state.device`` is the
+    tensors' device, the one attribute that is not a field); an unknown one raises
     with the fields the state has (``AttributeError`` / ``KeyError``), so that even a name
     the static check could not see comes back as feedback that says what to use.
     """
 
     __slots__ = ()
+
+    @property
+    def device(self) -> Any:
+        """The device its tensors live on, as a tensor's ``.device`` (``torch.zeros(n, device=state.device)``)."""
+        if "device" in self:  # a task's own field of that name wins
+            return self["device"]
+        found = next((v.device for v in self.values() if isinstance(v, torch.Tensor)), None)
+        return found if found is not None else torch.device("cpu")
 
     def __getattr__(self, name: str) -> Any:
         try:

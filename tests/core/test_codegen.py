@@ -197,3 +197,10 @@ def test_program_from_reply_keeps_a_rejected_reply_with_its_reason() -> None:
         StateProgram, "```python\ndef features(state):\n    return state['x']\n```", "revise_state", ["state"]
     )
     assert not good.rejected and good.meta["renamed_from"] == "features" and "def revise_state(state)" in good.source
+
+
+def test_a_reply_whose_entry_never_returns_gets_a_return_and_the_fix_recorded() -> None:
+    reply = "```python\ndef compute_reward(state, action, next_state):\n    reward = -next_state.height\n```"
+    program = program_from_reply(RewardProgram, reply, "compute_reward", ARGS, state_fields=["height"])
+    assert not program.rejected and program.source.rstrip().endswith("return reward")
+    assert any("never returned a value" in f for f in program.meta["fixes"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.namecheck import check_names, state_arguments
+from core.namecheck import add_missing_return, check_names, state_arguments
 from core.sandbox.policy import SAFE_BUILTIN_NAMES
 
 FIELDS = ["cart_position", "cart_velocity", "pole_angle", "pole_angular_velocity"]
@@ -101,3 +101,41 @@ def test_the_state_arguments_are_what_the_function_calls_them():
 
 def test_code_that_does_not_parse_is_left_to_the_syntax_check():
     assert check("def compute_reward(:\n").ok
+
+
+def test_state_device_is_not_a_field_read():
+    out = check(
+        "import torch\n\ndef compute_reward(state, action, next_state):\n"
+        "    return torch.zeros(1, device=state.device)\n"
+    )
+    assert out.ok and not out.fixes
+
+
+def test_an_entry_that_never_returns_returns_its_last_reward_name():
+    source = (
+        "def compute_reward(state, action, next_state):\n"
+        "    upright = next_state.pole_angle.abs()\n"
+        "    total_reward = 1.0 - upright\n"
+        "    total_reward += 0.1\n"
+        "    def helper(x):\n"
+        "        return x\n"
+        "\n"
+        "HELPER = 1\n"
+    )
+    fixed, note = add_missing_return(source, "compute_reward")
+    assert note and "`return total_reward` added" in note
+    assert "    total_reward += 0.1\n    def helper(x):\n        return x\n    return total_reward\n" in fixed
+    namespace: dict = {}
+    exec(fixed, namespace)
+    assert (
+        namespace["compute_reward"](None, None, type("S", (), {"pole_angle": __import__("torch").tensor(0.5)})()) == 0.6
+    )
+
+
+def test_an_entry_that_returns_or_names_nothing_fitting_is_left_alone():
+    returns = "def compute_reward(s, a, n):\n    reward = 1\n    if reward:\n        return reward\n"
+    assert add_missing_return(returns, "compute_reward") == (returns, None)
+    unnamed = "def compute_reward(s, a, n):\n    value = 1\n"
+    assert add_missing_return(unnamed, "compute_reward") == (unnamed, None)
+    assert add_missing_return("def act(obs):\n    action = 2", "act")[0].endswith("    action = 2\n    return action\n")
+    assert add_missing_return("def act(obs) return", "act") == ("def act(obs) return", None)

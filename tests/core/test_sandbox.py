@@ -749,3 +749,15 @@ def test_missing_namespaces_are_said_in_the_log(
     assert (
         "no network, mount namespace" in text and "can reach the network" in text and "Operation not permitted" in text
     )
+
+
+def test_a_state_answers_device_with_its_tensors_device() -> None:
+    import numpy as np
+
+    from core.sandbox.programs import State, split_fields
+
+    fields = [("x", 0, 1, ()), ("v", 1, 2, ())]
+    state = split_fields(np.zeros((3, 2), dtype=np.float32), fields, tensors=True)
+    assert state.device == torch.device("cpu") and torch.zeros(2, device=state.device).device.type == "cpu"
+    assert State(device=torch.tensor([7.0])).device.tolist() == [7.0]  # a field named device wins
+    assert State(x=np.zeros(2)).device == torch.device("cpu")
