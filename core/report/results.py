@@ -566,8 +566,10 @@ def _provenance(spec: StudySpec, planned: list[PlannedCell], counted: Counted, i
         else "load not recorded"
     )
     if invocation.report_only:
+        # the time to read the store only: the bootstrap intervals after it take minutes more
         this = (
-            f"this document was rewritten from the finished cells (`--report-only`) in {_duration(invocation.seconds)}"
+            "this document was rewritten from the finished cells (`--report-only`), "
+            f"{_duration(invocation.seconds)} to read them"
         )
     else:
         this = (
