@@ -180,7 +180,7 @@ def state_arguments(source: str, entry: str, arg_names: list[str] | tuple[str, .
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError):
         return STATE_ARGS
-    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == entry), None)
+    fn = _entry(tree, entry)
     if fn is None:
         return STATE_ARGS
     params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
@@ -199,8 +199,8 @@ def add_missing_return(source: str, entry: str) -> tuple[str, str | None]:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError):
         return source, None
-    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == entry), None)
-    if fn is None or _returns_value(fn):
+    fn = _entry(tree, entry)
+    if fn is None or fn.body[0].lineno == fn.lineno or _returns_value(fn):  # a one-line def has no indent to reuse
         return source, None
     noun = entry.rsplit("_", 1)[-1].lower()
     assigned = [
@@ -213,8 +213,9 @@ def add_missing_return(source: str, entry: str) -> tuple[str, str | None]:
     if not assigned:
         return source, None
     name = assigned[-1]
-    indent = " " * fn.body[0].col_offset
     lines = source.splitlines(keepends=True)
+    first = lines[fn.body[0].lineno - 1].encode()  # col_offset counts UTF-8 bytes
+    indent = first[: fn.body[0].col_offset].decode()  # the body's own indent, tabs included
     end = fn.end_lineno or len(lines)
     head, tail = lines[:end], lines[end:]
     if head and not head[-1].endswith("\n"):
@@ -225,6 +226,11 @@ def add_missing_return(source: str, entry: str) -> tuple[str, str | None]:
         f"`{entry}` never returned a value: `return {name}` added "
         f"(the last value it assigns to a name with `{noun}` in it)",
     )
+
+
+def _entry(tree: ast.Module, entry: str) -> ast.FunctionDef | None:
+    """The top-level ``def`` of ``entry``, if the program has one."""
+    return next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == entry), None)
 
 
 def _returns_value(fn: ast.FunctionDef) -> bool:

@@ -139,3 +139,7 @@ def test_an_entry_that_returns_or_names_nothing_fitting_is_left_alone():
     assert add_missing_return(unnamed, "compute_reward") == (unnamed, None)
     assert add_missing_return("def act(obs):\n    action = 2", "act")[0].endswith("    action = 2\n    return action\n")
     assert add_missing_return("def act(obs) return", "act") == ("def act(obs) return", None)
+    one_line = "def act(obs): action = 2\n"
+    assert add_missing_return(one_line, "act") == (one_line, None)
+    tabbed, _ = add_missing_return("def act(obs):\n\taction = 2\n", "act")
+    assert tabbed == "def act(obs):\n\taction = 2\n\treturn action\n"
