@@ -264,13 +264,19 @@ class ServerPlan:
         return int(max(1, min(self.n_parallel, fits)))
 
 
-def busy_cores(window_s: float = 0.25, load_average: bool = True) -> float:
-    """Cores other work keeps busy now, of those this process may use: the larger of the
-    1-minute load average and what :func:`core.cpu.read_cpu` (the framework's one CPU
-    meter, which the executors size their batches by) measures over ``window_s``.
-    Conservative on purpose: a core counted busy costs a thread, a busy core counted free
-    stalls every thread (see :func:`plan_server`). Once the model has run, the load average
-    counts its own threads too: ``load_average=False`` leaves it out.
+def busy_cores(window_s: float = 1.0, load_average: bool = False) -> float:
+    """Cores other work keeps busy now, of those this process may use, as
+    :func:`core.cpu.read_cpu` (the framework's one CPU meter, which the executors size
+    their batches by) measures it over ``window_s``.
+
+    ``load_average=True`` takes the larger of that and the 1-minute load average, the
+    conservative view: a busy core counted free stalls every thread (see
+    :func:`plan_server`). It is not the default because the load average lags: it still
+    counts work that ended a minute or two ago. On an idle 2-core machine 10 s after a run
+    ended it read 1.8 busy cores (this window: 0.03), and a run started then loads with 1
+    thread for its whole length: the quick preset's first Eureka call took 654 s so
+    (docs/scaling/first_run.json). A training beside the model keeps its core busy through
+    any one-second window, and :func:`retune` follows changes between calls.
     """
     reading = read_cpu(window_s)
     busy = reading.cores - reading.free
@@ -483,7 +489,7 @@ def retune(name: str = QWEN_CODER_1_5B.name) -> ServerPlan | None:
         return None
     if time.monotonic() - _look["at"] < RETUNE_EVERY_S:
         return None
-    plan = plan_server(settings, usable_cores(), busy_cores(0.5, load_average=False))
+    plan = plan_server(settings, usable_cores(), busy_cores(0.5))
     with _lock:
         _look["at"] = time.monotonic()
         if _plan is None or _inflight or plan.n_threads == _plan.n_threads:

@@ -253,6 +253,17 @@ def test_server_params_follow_the_plan():
     assert params.cache_ram_mib == embedded.PROMPT_CACHE_MIB and params.model.path == "m.gguf"
 
 
+def test_busy_cores_leaves_out_the_lagging_load_average_unless_asked(monkeypatch):
+    from core.cpu import CpuReading
+
+    # an idle machine a minute after an install: every core free now, the load average still 1.2
+    monkeypatch.setattr(embedded, "read_cpu", lambda window_s: CpuReading(cores=2, free=1.9, load_avg=1.2))
+    assert embedded.busy_cores() == pytest.approx(0.1)
+    assert embedded.busy_cores(load_average=True) == pytest.approx(1.2)
+    plan = embedded.plan_server(embedded.EmbeddedSettings(), 2, embedded.busy_cores())
+    assert plan.n_threads == 2
+
+
 def test_busy_cores_is_a_quick_nonnegative_reading():
     import time
 
