@@ -145,16 +145,21 @@ CONTRIBUTION = re.compile(r"(\d+) LLM program\(s\), (\d+) usable, (none|\d+) tra
 
 
 def quick(
-    session: Session, seeds: list[int], done: list[dict[str, Any]] | None = None, timeout_s: float = 3600
+    session: Session,
+    seeds: list[int],
+    done: list[dict[str, Any]] | None = None,
+    timeout_s: float = 3600,
+    overrides: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The quick preset on ``seeds`` (those in ``done`` already measured are kept, not run again),
-    each stopped after ``timeout_s``; ``llm_calls_done`` counts the LLM calls a run recorded (how
-    far a run that timed out got)."""
+    each stopped after ``timeout_s``, with ``overrides`` after the preset (a key given on the
+    command line wins over the preset's); ``llm_calls_done`` counts the LLM calls a run recorded
+    (how far a run that timed out got)."""
     runs = [r for r in done or [] if r["seed"] in seeds]
     for seed in seeds:
         if any(r["seed"] == seed for r in runs):
             continue
-        step = session.run(session.core(*HEADLINE, f"seed={seed}", "progress=false"), timeout_s)
+        step = session.run(session.core(*HEADLINE, *overrides, f"seed={seed}", "progress=false"), timeout_s)
         parents = [
             p
             for p in _parents(session.uri)
@@ -191,7 +196,7 @@ def quick(
     walls = [r["seconds"] for r in runs]
     with_reward = sum(bool(r.get("llm_reward_trained")) for r in runs)
     return {
-        "command": "python -m core " + " ".join(HEADLINE) + " seed=<s>",
+        "command": "python -m core " + " ".join([*HEADLINE, *overrides]) + " seed=<s>",
         "runs": runs,
         "wall_s_max": max(walls) if walls else None,
         "seeds_with_llm_reward": with_reward,
@@ -335,6 +340,14 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, help="the session's folder (default: a new temporary one, kept)")
     parser.add_argument("--out", type=Path, help="write the JSON here too")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds before a quick-preset run is stopped")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides after the quick preset, e.g. plugins.eureka.samples=2 (recorded in the JSON)",
+    )
     args = parser.parse_args()
     folder = args.folder or Path(tempfile.mkdtemp(prefix="first_run-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -347,6 +360,8 @@ def main() -> None:
         "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "load_before": load()},
         "targets": TARGETS,
     }
+    if args.overrides:
+        report["overrides"] = list(args.overrides)
 
     def save(done: str) -> str:  # after every step, so that a session cut short keeps what it measured
         report["machine"]["load_after"] = load()
@@ -369,7 +384,8 @@ def main() -> None:
         save("ui")
     if "quick" not in args.skip:
         for k in range(1, len(args.seeds) + 1):
-            report["quick"] = quick(session, args.seeds[:k], report.get("quick", {}).get("runs", []), args.timeout)
+            done = report.get("quick", {}).get("runs", [])
+            report["quick"] = quick(session, args.seeds[:k], done, args.timeout, tuple(args.overrides))
             save(f"quick seeds {args.seeds[:k]}")
     print(save("all"))
 
