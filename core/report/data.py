@@ -70,8 +70,13 @@ class StudyRun:
 
 
 def run_status(mlflow_status: str, fitness: float | None) -> str:
-    """A run counts only if it finished and recorded a finite fitness."""
-    if mlflow_status == "RUNNING" or mlflow_status == "SCHEDULED":
+    """A run counts only if it finished and recorded a finite fitness.
+
+    A run that is still going, or that an interrupt ended (``KILLED``: Ctrl-C, SIGTERM, the end
+    of a session; ``core.interrupts``), is unfinished, not failed: it says nothing about the
+    method, and a study runs its cell again.
+    """
+    if mlflow_status in ("RUNNING", "SCHEDULED", "KILLED"):
         return UNFINISHED
     if mlflow_status != "FINISHED" or fitness is None or fitness != fitness:
         return FAILED

@@ -222,3 +222,13 @@ def test_repeated_runs_set_aside_leave_an_arm_complete_in_the_console_and_the_re
     assert arm.complete and arm.status() == said  # the console's line
     md = render_markdown(analyze(assign_arms(runs), reps=100), runs, "abl", 100, {})
     assert f"| {said} |" in md and "PARTIAL" not in md.split("## cartpole", 1)[1]  # report.md says the same
+
+
+def test_an_interrupted_run_is_unfinished_not_failed():
+    from core.report.data import FAILED, OK, UNFINISHED, run_status
+
+    assert run_status("KILLED", 500.0) == UNFINISHED  # ended by Ctrl-C or a session's end
+    assert run_status("RUNNING", None) == UNFINISHED
+    assert run_status("FAILED", None) == FAILED
+    assert run_status("FINISHED", float("nan")) == FAILED
+    assert run_status("FINISHED", 500.0) == OK
