@@ -119,7 +119,12 @@ def measure(task_name: str, interface: str, args: argparse.Namespace) -> dict[st
     llm = make_client(config.llm)
     pm = make_plugin_manager(settings, modules={"eureka": eureka})
     run = RunContext(
-        settings=settings, task=task, seed=args.seed, llm_factory=lambda: llm, hook=pm.hook, tracker=Records()
+        settings=settings,
+        task=task,
+        seed=args.seed,
+        llm_factory=lambda: llm,
+        pluginmanager=pm,  # the dict interface repairs through the plugin's own hook
+        tracker=Records(),
     )
     plugin = pm.get_plugin("eureka")
     start = time.time()

@@ -223,8 +223,13 @@ class _Checker:
     def _plugin_repair(self, program: RewardProgram, error: str) -> RewardProgram | None:
         """The proposing plugin's ``repair_program`` (the one ``program.origin`` names), or None."""
         pm = self.run.pluginmanager
-        if pm is None or not program.origin:
+        if not program.origin:
             return None
+        if pm is None:  # a silent None here would read as "the plugin could not repair it"
+            raise RuntimeError(
+                "code.interface=dict repairs a program through its plugin's repair_program hook, and this "
+                "run context has no plugin manager: make it with RunContext(pluginmanager=...)"
+            )
         fixed = call_plugin(pm, "repair_program", program.origin, run=self.run, program=program, error=error)
         if not isinstance(fixed, RewardProgram):
             return None

@@ -153,6 +153,18 @@ def test_with_the_earlier_interface_the_plugin_repairs_in_its_conversation():
     assert run.tracker.metrics["vetting/repaired"] == 1
 
 
+def test_with_the_earlier_interface_a_run_without_its_plugin_manager_says_so_instead_of_skipping_repair():
+    run = fakes.make_run(
+        make_task({"name": "mountaincar"}),
+        ScriptedLLM([FIXED]),
+        plugin="eureka",
+        module=eureka,
+        config={"vetting": {"episodes": 3}, "code": {"interface": "dict"}},
+    )
+    with pytest.raises(RuntimeError, match="pluginmanager"):
+        preflight(run, [candidate(ALIVE)])
+
+
 def test_repair_is_tried_as_often_as_configured_then_the_candidate_fails():
     worse = [ALIVE.replace("alive = torch", f"alive = {k} * torch") for k in (2, 3)]
     run, llm = eureka_run(worse, repair=2)
