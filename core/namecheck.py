@@ -14,6 +14,9 @@ Cheap deterministic fixes are applied first, each recorded as a note:
 - a ``torch`` function that needs a tensor but is given a Python number
   (``torch.exp(0.5)``, ``torch.maximum(x, 0.0)``, or a name only ever assigned a number)
   gets the number wrapped in ``torch.tensor(...)``;
+- a module the prompts offer used under its usual name but never imported (``math.pi``
+  with no ``import math``; ``np`` for numpy) gets its import at the top; the sandbox still
+  refuses a module its config does not allow;
 - an entry that never returns a value (a reply cut off and continued often loses the
   last line) returns the last value it assigned to a name that says what the entry
   computes (``compute_reward``: ``total_reward``): :func:`add_missing_return`.
@@ -77,6 +80,8 @@ UNARY = frozenset(
 )
 #: torch functions of two tensors that refuse a Python number as either
 BINARY = frozenset({"maximum", "minimum", "fmax", "fmin", "atan2", "hypot", "logaddexp"})
+#: the import a usual module name asks for, when a program uses the name and never binds it
+USUAL_IMPORTS = {"math": "import math", "np": "import numpy as np", "numpy": "import numpy", "torch": "import torch"}
 #: how close a misspelt field must be to one field to be renamed to it (difflib's ratio)
 CLOSE = 0.8
 
@@ -138,8 +143,15 @@ def check_names(
         out.errors.append(f"line {read.lineno}: `{ast.unparse(read)}`: `{name}` is not a field of this task{hint}")
     bound = _bound_names(tree)
     allowed = set(available if available is not None else dir(builtins))
+    imports: list[str] = []
     reported: set[str] = set()
     for node in ast.walk(tree):
+        if fix and isinstance(node, ast.Name) and node.id in USUAL_IMPORTS and node.id not in bound | allowed:
+            line = USUAL_IMPORTS[node.id]
+            if line not in imports:
+                imports.append(line)
+                out.fixes.append(f"`{node.id}` (line {node.lineno}) used but never imported: `{line}` added")
+            continue
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound | allowed:
             if node.id in reported:
                 continue
@@ -164,6 +176,13 @@ def check_names(
                 )
     if edits:
         out.source = _apply(lines, edits)
+    if imports:  # after the edits, which are placed by the original line numbers
+        head = max(
+            (n.end_lineno or 0 for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "__future__"),
+            default=0,
+        )
+        kept = out.source.splitlines(keepends=True)
+        out.source = "".join(kept[:head]) + "".join(f"{line}\n" for line in imports) + "".join(kept[head:])
     return out
 
 

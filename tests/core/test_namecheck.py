@@ -79,6 +79,33 @@ def test_a_python_number_given_to_a_torch_function_is_wrapped():
     compile(out.source, "<fixed>", "exec")
 
 
+def test_a_usual_module_used_but_never_imported_gets_its_import_once():
+    source = (
+        "from __future__ import annotations\n"
+        "def compute_reward(state, action, next_state):\n"
+        "    up = math.cos(next_state.pole_angle) + np.pi + math.pi\n"
+        "    return torch.as_tensor(up), {}\n"
+    )
+    out = check(source)
+    assert out.ok, out.errors
+    assert out.source.splitlines()[:4] == [
+        "from __future__ import annotations",
+        "import math",
+        "import numpy as np",
+        "import torch",
+    ]
+    assert len(out.fixes) == 3 and "`math` (line 3) used but never imported" in out.fixes[0]
+    namespace: dict = {}
+    exec(compile(out.source, "<fixed>", "exec"), namespace)
+    assert "compute_reward" in namespace
+    assert not check(source, fix=False).ok  # without fixes the unbound names are refused
+
+
+def test_an_unusual_module_name_is_still_refused():
+    out = check("def compute_reward(state, action, next_state):\n    return scipy.special.expit(state.pole_angle)\n")
+    assert not out.ok and "`scipy` is used but never assigned" in out.errors[0] and not out.fixes
+
+
 def test_without_fix_nothing_is_changed():
     out = check("def compute_reward(state, action, next_state):\n    return next_state.pole_angel\n", fix=False)
     assert not out.ok and "did you mean `pole_angle`?" in out.errors[0]
