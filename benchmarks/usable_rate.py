@@ -272,6 +272,7 @@ def main() -> None:
     out = Path(args.out) if args.out else None
     done: dict[str, Any] = json.loads(out.read_text()) if out is not None and out.exists() else {}
     cells: list[dict[str, Any]] = list(done.get("cells", []))
+    kept = {k: v for k, v in done.items() if k not in ("cells", "summary")}  # notes kept beside the figures
     for task in args.tasks:
         for interface in args.interfaces:
             if any(c["task"] == task and c["interface"] == interface and c["samples"] == args.samples for c in cells):
@@ -281,11 +282,11 @@ def main() -> None:
             cells.append(cell)
             if out is not None:
                 out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps({"cells": cells, "summary": summary(cells)}, indent=1) + "\n")
+                out.write_text(json.dumps({**kept, "cells": cells, "summary": summary(cells)}, indent=1) + "\n")
     from core.llm.embedded import loaded_info
 
     result = {
-        **{k: v for k, v in done.items() if k not in ("cells", "summary")},  # notes kept beside the figures
+        **kept,
         "benchmark": "usable_rate",
         "samples": args.samples,
         "seed": args.seed,
