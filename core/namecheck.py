@@ -142,17 +142,17 @@ def check_names(
         hint = f" (did you mean {' or '.join(f'`{c}`' for c in close)}?)" if close else ""
         out.errors.append(f"line {read.lineno}: `{ast.unparse(read)}`: `{name}` is not a field of this task{hint}")
     bound = _bound_names(tree)
-    allowed = set(available if available is not None else dir(builtins))
+    usable = bound | set(available if available is not None else dir(builtins))  # every name a read may use
     imports: list[str] = []
     reported: set[str] = set()
     for node in ast.walk(tree):
-        if fix and isinstance(node, ast.Name) and node.id in USUAL_IMPORTS and node.id not in bound | allowed:
+        if fix and isinstance(node, ast.Name) and node.id in USUAL_IMPORTS and node.id not in usable:
             line = USUAL_IMPORTS[node.id]
             if line not in imports:
                 imports.append(line)
                 out.fixes.append(f"`{node.id}` (line {node.lineno}) used but never imported: `{line}` added")
             continue
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound | allowed:
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in usable:
             if node.id in reported:
                 continue
             reported.add(node.id)
