@@ -35,6 +35,13 @@ every size's ratio is printed, the 8-env one (the PPO default) included.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This checkout's core and plugins come first, also under a virtual environment that another
+# checkout installed (a worktree at a fixed commit): the figures must come from this code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import json
 import os

@@ -20,6 +20,13 @@ baseline, the seconds and the machine's load average before and after.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This checkout's core and plugins come first, also under a virtual environment that another
+# checkout installed (a worktree at a fixed commit): the figures must come from this code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import json
 import os
@@ -28,7 +35,6 @@ import statistics
 import subprocess
 import tempfile
 import time
-from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict

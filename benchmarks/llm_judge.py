@@ -35,11 +35,16 @@ outside the checkout with ``--store``); its LLM cache starts empty, so every cal
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This checkout's core and plugins come first, also under a virtual environment that another
+# checkout installed (a worktree at a fixed commit): the figures must come from this code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import json
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 from core.report.contribution import MEASURES

@@ -44,12 +44,18 @@ the machine may be shared, so compare arms within one run only.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This checkout's core and plugins come first, also under a virtual environment that another
+# checkout installed (a worktree at a fixed commit): the figures must come from this code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import fields, replace
 from types import SimpleNamespace

@@ -16,12 +16,17 @@ Chromium is the system's (Debian: ``apt-get install -y chromium``); nothing is d
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This checkout's core and plugins come first, also under a virtual environment that another
+# checkout installed (a worktree at a fixed commit): the figures must come from this code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import subprocess
-import sys
 import tempfile
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 from core.ui import serve

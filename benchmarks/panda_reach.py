@@ -17,6 +17,13 @@ Run: ``python benchmarks/panda_reach.py [--frames 30000] [--seed 0] [--episodes 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This checkout's core and plugins come first, also under a virtual environment that another
+# checkout installed (a worktree at a fixed commit): the figures must come from this code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import json
 import time

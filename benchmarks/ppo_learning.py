@@ -19,14 +19,19 @@ Run: ``python benchmarks/ppo_learning.py --seeds 0 1 2 3 4 --before e5fc525
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This checkout's core and plugins come first, also under a virtual environment that another
+# checkout installed (a worktree at a fixed commit): the figures must come from this code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import importlib.util
 import json
 import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 

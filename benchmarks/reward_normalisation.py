@@ -25,12 +25,17 @@ Run: ``python benchmarks/reward_normalisation.py --seeds 0 1 2 --json docs/scali
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This checkout's core and plugins come first, also under a virtual environment that another
+# checkout installed (a worktree at a fixed commit): the figures must come from this code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch

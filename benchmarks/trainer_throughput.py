@@ -33,14 +33,19 @@ Run: ``python benchmarks/trainer_throughput.py [--frames 50000] [--repeats 3]
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This checkout's core and plugins come first, also under a virtual environment that another
+# checkout installed (a worktree at a fixed commit): the figures must come from this code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import json
 import logging
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import gymnasium as gym
