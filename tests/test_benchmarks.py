@@ -25,7 +25,8 @@ def _imports_project(node: ast.AST) -> bool:
 
 
 def _puts_checkout_first(node: ast.stmt) -> bool:
-    return "sys.path.insert(0" in ast.unparse(node) and "parents[1]" in ast.unparse(node)
+    source = ast.unparse(node)
+    return "sys.path.insert(0" in source and "parents[1]" in source
 
 
 @pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
