@@ -9,7 +9,9 @@
   targets read a search arm's scores so; the conditional IQM (the searches that
   succeeded only) is shown beside it.
 - **Targets.** ``beats`` holds where the lower bound of the 95 % CI of P(X > Y) is above
-  0.5 (not where one IQM is higher); ``matches`` holds where X's IQM is within the
+  0.5 (not where one IQM is higher) and the exact one-sided Mann-Whitney test gives p below
+  0.025 (the bootstrap interval collapses to ``1 [1, 1]`` on any complete separation, even
+  of 3 runs against 3, which chance gives 1 time in 20); ``matches`` holds where X's IQM is within the
   tolerance of Y's, its intervals stated. No target is scored from one run, on an inert
   arm (:mod:`core.report.contribution`), or on an uncalibrated task.
 - **Across tasks.** Per arm, the IQM over (task, seed) of scores normalised per task,
@@ -29,7 +31,15 @@ from typing import TYPE_CHECKING
 
 from core.report.contribution import Contribution, is_llm_arm
 from core.report.render import number
-from core.report.stats import Interval, final_score_intervals, improvement, normalised, stratified_iqm
+from core.report.stats import (
+    ALPHA_ONE_SIDED,
+    Interval,
+    final_score_intervals,
+    improvement,
+    normalised,
+    rank_test_p,
+    stratified_iqm,
+)
 
 if TYPE_CHECKING:
     from core.report.data import ArmResult
@@ -183,7 +193,7 @@ def describe(target: TargetSpec) -> str:
     """The target in words."""
     where = f"on {', '.join(target.tasks)}" if target.tasks else "on the tasks both run"
     if target.relation == "beats":
-        how = f"**{target.arm}** beats **{target.other}** (95 % CI of P(X > Y) above 0.5)"
+        how = f"**{target.arm}** beats **{target.other}** (95 % CI of P(X > Y) above 0.5, rank test p < 0.025)"
     else:
         tol = f" within {target.tolerance:.0%} of |{target.other}|" if target.tolerance else ""
         how = f"**{target.arm}** reaches **{target.other}**'s IQM{tol}"
@@ -254,11 +264,12 @@ def _on_task(
     p = improvement(xs, ys, reps)
     xi, _ = final_score_intervals(xs, reps)
     yi, _ = final_score_intervals(ys, reps)
+    rank_p = rank_test_p(xs, ys)
     if target.relation == "beats":
-        ok = p.low > 0.5
+        ok = clearly_greater(p, rank_p)
     else:
         ok = xi.value >= yi.value - target.tolerance * abs(yi.value)
-    text = f"{task}: {x.arm} {xi.fmt()} vs {y.arm} {yi.fmt()}, P(X > Y) {p.fmt()}"
+    text = f"{task}: {x.arm} {xi.fmt()} vs {y.arm} {yi.fmt()}, P(X > Y) {p.fmt()}, rank test p {rank_p:.2g}"
     for c in (x, y):
         if c.search and c.failed:
             text += f"; {c.failed} failed search(es) of {c.arm} scored as the random policy"
@@ -273,11 +284,19 @@ def _on_task(
         control = cells.get((task, name))
         if control is None or len(control.counted) < 2 or control.no_itt:
             return unscored(f"holds against {target.other}, but its control {name} has no scores to judge it against")
-        pc = improvement(xs, list(control.counted.values()), reps)
-        beats = pc.low > 0.5
-        text += f"; against its control {name}: P(X > {name}) {pc.fmt()}" + ("" if beats else " (does not beat it)")
+        cs = list(control.counted.values())
+        pc, pc_rank = improvement(xs, cs, reps), rank_test_p(xs, cs)
+        beats = clearly_greater(pc, pc_rank)
+        text += f"; against its control {name}: P(X > {name}) {pc.fmt()}, rank test p {pc_rank:.2g}" + (
+            "" if beats else " (does not beat it)"
+        )
         ok = ok and beats
     return TaskVerdict(task, HOLDS if ok else FAILS, f"{text}: {'holds' if ok else 'fails'}")
+
+
+def clearly_greater(p: Interval, rank_p: float) -> bool:
+    """X beats Y: the 95 % CI of P(X > Y) lies above 0.5 and the exact rank test agrees."""
+    return p.low > 0.5 and rank_p < ALPHA_ONE_SIDED
 
 
 # -- across tasks ------------------------------------------------------------------------------

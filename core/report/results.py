@@ -418,13 +418,15 @@ def render_results(
         "",
         "## Targets",
         "",
-        "A target is scored per task: `beats` holds where the 95 % CI of P(X > Y) lies above 0.5, `matches` "
+        "A target is scored per task: `beats` holds where the 95 % CI of P(X > Y) lies above 0.5 and the "
+        "exact one-sided Mann-Whitney test gives p < 0.025 (the bootstrap interval collapses to 1 [1, 1] on "
+        "any complete separation, which chance gives 1 time in 20 with 3 runs against 3), `matches` "
         "where X's IQM is within the tolerance of Y's (both stated with their intervals). A search arm's "
         "scores are its intent-to-treat ones. A task scores no target where it cannot show an effect "
         "(calibration), where either arm has one run, or where the LLM arm is inert there. A target of an LLM "
         "arm is also judged against its controls (the arm declared its control, else the sparse and the "
-        "designers' reward): it must beat each control other than the target's own other arm, P(X > control) "
-        "above 0.5, unless the target is itself `beats` a control. Met: it holds on the share of its tasks "
+        "designers' reward): it must beat each control other than the target's own other arm (the same two "
+        "tests), unless the target is itself `beats` a control. Met: it holds on the share of its tasks "
         "the target asks; missed: it cannot, even if every task not scored held; else not scored.",
         "",
     ]

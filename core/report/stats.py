@@ -125,6 +125,24 @@ def improvement(x: list[float], y: list[float], reps: int = 2000, seed: int = 0)
     return Interval(point[0], bounds[0, 0], bounds[1, 0])
 
 
+#: a one-sided level: "X beats Y" needs the exact rank test below it (two-sided 95 %)
+ALPHA_ONE_SIDED = 0.025
+
+
+def rank_test_p(x: list[float], y: list[float]) -> float:
+    """One-sided p-value of the Mann-Whitney U test that X tends to exceed Y (exact on small samples).
+
+    The bootstrap interval of P(X > Y) collapses to ``1 [1, 1]`` whenever every X beats every
+    Y, however few runs there are: with 3 runs against 3, a complete separation happens by
+    chance 1 time in 20. The exact test states that chance, so a "beats" needs both.
+    """
+    from scipy.stats import mannwhitneyu
+
+    if len(x) < 1 or len(y) < 1:
+        return float("nan")
+    return float(mannwhitneyu(x, y, alternative="greater", method="auto").pvalue)
+
+
 def normalised(value: float, low: float, high: float) -> float:
     """``value`` on the scale where ``low`` is 0 and ``high`` is 1: ``(value - low) / (high - low)``."""
     return (value - low) / (high - low)

@@ -17,7 +17,7 @@ from core.report.evidence import (
     controls_of,
     score,
 )
-from core.report.stats import Interval, final_score_intervals, iqm, stratified_iqm
+from core.report.stats import Interval, final_score_intervals, iqm, rank_test_p, stratified_iqm
 from core.report.study import ArmResult
 from core.study import ArmSpec, StudySpec, TargetSpec
 
@@ -83,7 +83,18 @@ def test_beats_needs_the_interval_of_p_above_one_half():
     assert result.verdict == "missed" and result.tasks[0].text.endswith(": fails")  # ... is not a win
     clear = {("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0, 13.0]), ("t", "y"): y}
     result = check_target(beats, clear, {"t": _ok()}, ["t"], [], REPS)
-    assert result.verdict == "met" and "P(X > Y) 1 [1, 1]" in result.tasks[0].text
+    assert result.verdict == "met" and "P(X > Y) 1 [1, 1], rank test p 0.014" in result.tasks[0].text
+
+
+def test_beats_needs_the_exact_rank_test_where_the_bootstrap_collapses():
+    """3 runs against 3, fully separated: the bootstrap says 1 [1, 1], chance gives it 1 time in 20."""
+    beats = TargetSpec(arm="x", relation="beats", other="y", tasks=["t"])
+    cells = {("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0]), ("t", "y"): _cell("t", "y", [0.0, 1.0, 2.0])}
+    result = check_target(beats, cells, {"t": _ok()}, ["t"], [], REPS)
+    assert "P(X > Y) 1 [1, 1], rank test p 0.05" in result.tasks[0].text
+    assert result.verdict == "missed" and result.tasks[0].text.endswith(": fails")
+    assert rank_test_p([10.0, 11.0, 12.0], [0.0, 1.0, 2.0]) == pytest.approx(1 / 20)
+    assert rank_test_p([0.0, 1.0, 2.0], [10.0, 11.0, 12.0]) == pytest.approx(1.0)
 
 
 def test_matches_states_its_intervals_and_a_single_run_scores_nothing():
@@ -100,8 +111,8 @@ def test_matches_states_its_intervals_and_a_single_run_scores_nothing():
 def test_no_target_on_an_uncalibrated_task_an_inert_arm_or_a_task_not_planned():
     beats = TargetSpec(arm="x", relation="beats", other="y", tasks=["t", "u"])
     cells = {
-        ("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0], llm=[0.0, 0.0, 0.0]),
-        ("t", "y"): _cell("t", "y", [0.0, 1.0, 2.0]),
+        ("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0, 13.0], llm=[0.0, 0.0, 0.0, 0.0]),
+        ("t", "y"): _cell("t", "y", [0.0, 1.0, 2.0, 3.0]),
     }
     uncalibrated = Calibration("t", "human", 5.0, "", 1.0, 3, 0.0)
     result = check_target(beats, cells, {"t": uncalibrated}, ["t", "u"], [], REPS)
@@ -112,7 +123,9 @@ def test_no_target_on_an_uncalibrated_task_an_inert_arm_or_a_task_not_planned():
     assert result.verdict == "not scored"
     result = check_target(beats, cells, {"t": _ok()}, ["t"], [], REPS)
     assert result.tasks[0].reason == "x is inert here (its LLM put nothing into any run that trained a policy)"
-    cells[("t", "x")] = _cell("t", "x", [10.0, 11.0, 12.0], llm=[0.0, 2.0, 0.0])  # its LLM did something once
+    cells[("t", "x")] = _cell(
+        "t", "x", [10.0, 11.0, 12.0, 13.0], llm=[0.0, 2.0, 0.0, 0.0]
+    )  # its LLM did something once
     assert check_target(beats, cells, {"t": _ok()}, ["t"], [], REPS).verdict == "met"
 
 
@@ -142,14 +155,14 @@ def test_a_search_without_a_random_score_for_its_failures_scores_no_target():
 def test_a_target_is_judged_against_the_arms_control():
     matches = TargetSpec(arm="x", relation="matches", other="human", tasks=["t"])
     cells = {
-        ("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0]),
-        ("t", "human"): _cell("t", "human", [10.0, 10.5, 11.0]),
-        ("t", "x_no_llm"): _cell("t", "x_no_llm", [10.0, 11.0, 12.0]),
+        ("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0, 11.5]),
+        ("t", "human"): _cell("t", "human", [10.0, 10.5, 11.0, 11.0]),
+        ("t", "x_no_llm"): _cell("t", "x_no_llm", [10.0, 11.0, 12.0, 11.5]),
     }
     result = check_target(matches, cells, {"t": _ok()}, ["t"], ["x_no_llm"], REPS)
     assert result.verdict == "missed"
     assert "against its control x_no_llm: P(X > x_no_llm) 0.5 [" in result.tasks[0].text
-    cells[("t", "x_no_llm")] = _cell("t", "x_no_llm", [1.0, 2.0, 3.0])  # without its LLM it is much worse
+    cells[("t", "x_no_llm")] = _cell("t", "x_no_llm", [1.0, 2.0, 3.0, 2.5])  # without its LLM it is much worse
     assert check_target(matches, cells, {"t": _ok()}, ["t"], ["x_no_llm"], REPS).verdict == "met"
     del cells[("t", "x_no_llm")]
     result = check_target(matches, cells, {"t": _ok()}, ["t"], ["x_no_llm"], REPS)
@@ -157,9 +170,9 @@ def test_a_target_is_judged_against_the_arms_control():
     # beats a control: the target is itself the control's judgement
     beats = TargetSpec(arm="x", relation="beats", other="sparse", tasks=["t"])
     cells = {
-        ("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0]),
-        ("t", "sparse"): _cell("t", "sparse", [0.0, 1.0, 2.0]),
-        ("t", "human"): _cell("t", "human", [20.0, 21.0, 22.0]),
+        ("t", "x"): _cell("t", "x", [10.0, 11.0, 12.0, 13.0]),
+        ("t", "sparse"): _cell("t", "sparse", [0.0, 1.0, 2.0, 3.0]),
+        ("t", "human"): _cell("t", "human", [20.0, 21.0, 22.0, 23.0]),
     }
     result = check_target(beats, cells, {"t": _ok()}, ["t"], ["sparse", "human"], REPS)
     assert result.verdict == "met" and result.tasks[0].text.endswith("; sparse is its control: holds")
