@@ -132,18 +132,30 @@ def dump_replies(cache: str | os.PathLike[str], out: str | os.PathLike[str]) -> 
 
     A study commits this file beside its report, so that a re-run with no LLM
     (:func:`load_replies`, then ``llm.replay_only=true``) gets the very replies it used.
+    The replies ``out`` already holds are kept (the cache's win on the same key): a study
+    resumed in a new store still reports the runs of earlier sessions, and their replies
+    are only in this file.
     """
     import gzip
 
     con = sqlite3.connect(Path(cache))
     try:
-        rows = con.execute("SELECT key, model, value FROM replies ORDER BY key").fetchall()
+        rows = {
+            key: {"key": key, "model": model, "value": json.loads(value)}
+            for key, model, value in con.execute("SELECT key, model, value FROM replies")
+        }
     finally:
         con.close()
+    if Path(out).exists():
+        with gzip.open(out, "rt", encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    rows.setdefault(row["key"], row)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(out, "wt", encoding="utf-8") as f:
-        for key, model, value in rows:
-            f.write(json.dumps({"key": key, "model": model, "value": json.loads(value)}, ensure_ascii=False) + "\n")
+        for key in sorted(rows):
+            f.write(json.dumps(rows[key], ensure_ascii=False) + "\n")
     return len(rows)
 
 

@@ -85,3 +85,23 @@ def test_replies_dumped_from_a_cache_load_into_another_under_the_same_keys(tmp_p
     target = ResponseCache(tmp_path / "b.sqlite")
     assert load_replies(tmp_path / "replies.jsonl.gz", target) == 2
     assert target.get("k1") == {"text": "def compute_reward(): ..."} and target.get("k2") == {"text": "second"}
+
+
+def test_a_dump_keeps_the_replies_the_file_held_and_the_caches_win_on_a_shared_key(tmp_path: Path):
+    """A study resumed in a new store (the old one lost) still reports earlier sessions' runs:
+    their replies are only in the committed file, so a dump from the new cache adds to it."""
+    from core.llm.cache import ResponseCache, dump_replies, load_replies
+
+    earlier = ResponseCache(tmp_path / "earlier.sqlite")
+    earlier.put("old", {"text": "an earlier session's reply"}, model="m")
+    earlier.put("both", {"text": "stale"}, model="m")
+    out = tmp_path / "replies.jsonl.gz"
+    assert dump_replies(tmp_path / "earlier.sqlite", out) == 2
+    now = ResponseCache(tmp_path / "now.sqlite")
+    now.put("new", {"text": "this session's reply"}, model="m")
+    now.put("both", {"text": "fresh"}, model="m")
+    assert dump_replies(tmp_path / "now.sqlite", out) == 3
+    target = ResponseCache(tmp_path / "target.sqlite")
+    assert load_replies(out, target) == 3
+    assert target.get("old") == {"text": "an earlier session's reply"}
+    assert target.get("new") == {"text": "this session's reply"} and target.get("both") == {"text": "fresh"}
