@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import json
 import sys
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
@@ -553,6 +554,41 @@ def validate(config: DictConfig, plugin_modules: Mapping[str, Any]) -> Settings:
         for name, module in plugin_modules.items()
     }
     return Settings(config=config, run=run, plugins=plugins, **groups(config))
+
+
+# -------------------------------------------------------------------------------------
+# Run identity: what a run computes, apart from where and how it is recorded
+# -------------------------------------------------------------------------------------
+
+#: config keys left out of a run's identity: where and how a run is recorded, not what it computes
+BOOKKEEPING = (
+    "hydra",
+    "run_name",
+    "experiment",
+    "cache_dir",
+    "progress",
+    "resume",
+    "results_store",
+    "save_policy",
+    "tracking",
+    "executor",
+)
+LLM_BOOKKEEPING = ("cache_path", "show_progress", "n_threads", "replay_only")  # llm.* keys that do not change a reply
+
+
+def config_key(config: DictConfig) -> str:
+    """A hash of what a run computes: its resolved config without the bookkeeping keys.
+
+    A study keys its cells by it; the LLM client scopes a run's replies by it, so that a
+    replay finds the reply recorded at the same place of the same run.
+    """
+    container: dict[str, Any] = OmegaConf.to_container(config, resolve=True)  # type: ignore[assignment]
+    for key in BOOKKEEPING:
+        container.pop(key, None)
+    for key in LLM_BOOKKEEPING:
+        (container.get("llm") or {}).pop(key, None)
+    blob = json.dumps(container, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 # -------------------------------------------------------------------------------------

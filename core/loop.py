@@ -39,6 +39,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from core.config import config_key
 from core.context import RunContext
 from core.contributions import Contribution, contributions
 from core.executor import Executor, Runtime, TrainJob, build_runtime, make_executor
@@ -156,6 +157,7 @@ class Loop:
             self.config.llm,
             on_call=self._log_llm_call,
             on_progress=self._llm_view if self.settings.run.progress else None,
+            scope=config_key(self.config),  # a replay finds a reply by its place in this run
         )
 
     def _log_llm_call(self, record: Any) -> None:

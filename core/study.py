@@ -52,6 +52,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from core.config import config_key
 from core.errors import UserError, did_you_mean
 from core.resources import conf_dir
 
@@ -69,22 +70,6 @@ from core.study_records import (
     TaskSpec as TaskSpec,
     load_average,
 )
-
-#: config keys left out of a cell's key: where and how a run is recorded, not what it computes
-BOOKKEEPING = (
-    "hydra",
-    "run_name",
-    "experiment",
-    "cache_dir",
-    "progress",
-    "resume",
-    "results_store",
-    "save_policy",
-    "tracking",
-    "executor",
-)
-LLM_BOOKKEEPING = ("cache_path", "show_progress", "n_threads", "replay_only")  # llm.* keys that do not change a reply
-
 
 # -- the spec ---------------------------------------------------------------------------
 
@@ -264,16 +249,6 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def config_key(config: DictConfig) -> str:
-    """A hash of what the cell computes: its resolved config without the bookkeeping keys."""
-    container: dict[str, Any] = OmegaConf.to_container(config, resolve=True)  # type: ignore[assignment]
-    for key in BOOKKEEPING:
-        container.pop(key, None)
-    for key in LLM_BOOKKEEPING:
-        (container.get("llm") or {}).pop(key, None)
-    return _digest(container)
-
-
 class CodeHashes:
     """The code that decides a cell's result: the framework's training code and each plugin's source."""
 
@@ -424,6 +399,7 @@ def run_cells(
     """
     import traceback
 
+    from core.llm.errors import ReplayMiss
     from core.loop import run_experiment
 
     done = {**(archived or {}), **finished_cells(uri, study)}
@@ -438,6 +414,10 @@ def run_cells(
             began = time.perf_counter()
             try:
                 summary = run_experiment(p.config, tags=p.tags(study, invocation.commit, invocation.machine))
+            except ReplayMiss as err:  # this cell asked what the replies file never recorded; the others may not
+                invocation.crashed.append(p.cell.name)
+                console.print(f"{where}: [red]not replayable[/red]: {err}", highlight=False)
+                continue
             except UserError:
                 raise
             except Exception:  # one crashed cell does not end the study; its run is FAILED

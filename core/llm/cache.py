@@ -127,14 +127,36 @@ class ResponseCache:
             con.close()
 
 
+def position_key(model: str, params: Mapping[str, Any], seed: int, scope: str, tag: str, call: int, index: int) -> str:
+    """The key of a sample by its place in a run, not by its prompt.
+
+    ``scope`` names the run (:func:`core.config.config_key`), ``call`` counts the calls
+    with this ``tag`` the run made before this one. A prompt that carries what training
+    measured (Eureka's reflection, a repair's traceback) differs wherever training does,
+    on another CPU for one; a replay that misses the prompt's key still finds, under this
+    one, the reply the recorded run got at the same place. Its row holds a reference
+    (``{"position_of": <cache_key>}``), not a second copy of the reply.
+    """
+    payload = {
+        "v": CACHE_VERSION,
+        "position": [scope, tag, call, index],
+        "model": model,
+        "params": {k: v for k, v in sorted(params.items()) if v is not None},
+        "seed": seed,
+    }
+    blob = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
 def dump_replies(cache: str | os.PathLike[str], out: str | os.PathLike[str]) -> int:
-    """Write every reply of the sqlite cache ``cache`` to ``out`` (gzipped JSON lines); how many.
+    """Write every row of the sqlite cache ``cache`` to ``out`` (gzipped JSON lines); how many replies.
 
     A study commits this file beside its report, so that a re-run with no LLM
     (:func:`load_replies`, then ``llm.replay_only=true``) gets the very replies it used.
     The replies ``out`` already holds are kept (the cache's win on the same key): a study
     resumed in a new store still reports the runs of earlier sessions, and their replies
-    are only in this file.
+    are only in this file. The rows of :func:`position_key` go with the replies they point
+    to and are not counted.
     """
     import gzip
 
@@ -156,11 +178,11 @@ def dump_replies(cache: str | os.PathLike[str], out: str | os.PathLike[str]) -> 
     with gzip.open(out, "wt", encoding="utf-8") as f:
         for key in sorted(rows):
             f.write(json.dumps(rows[key], ensure_ascii=False) + "\n")
-    return len(rows)
+    return sum(1 for row in rows.values() if "position_of" not in row["value"])
 
 
 def load_replies(path: str | os.PathLike[str], cache: ResponseCache) -> int:
-    """Put the replies of a :func:`dump_replies` file into ``cache``; how many."""
+    """Put the rows of a :func:`dump_replies` file into ``cache``; how many replies."""
     import gzip
 
     n = 0
@@ -169,5 +191,5 @@ def load_replies(path: str | os.PathLike[str], cache: ResponseCache) -> int:
             if line.strip():
                 row = json.loads(line)
                 cache.put(row["key"], row["value"], row.get("model", ""))
-                n += 1
+                n += "position_of" not in row["value"]
     return n

@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 
 from core.errors import did_you_mean
-from core.llm.cache import ResponseCache, cache_key, default_cache_path
-from core.llm.errors import LLMError, missing_key
+from core.llm.cache import ResponseCache, cache_key, default_cache_path, position_key
+from core.llm.errors import LLMError, ReplayMiss, missing_key
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ class LLMStats:
     wait_s: float = 0.0  # wall time callers waited; below latency_s when requests ran concurrently
     overlap_s: float = 0.0  # wall time requests ran while the caller worked on samples already delivered (chat_groups)
     cut_off: int = 0  # replies the backend ended at max_tokens (finish_reason "length"), not where the model stopped
+    by_position: int = 0  # replies a replay found by their place in the run, not by their prompt (llm.replay_only)
 
     def as_metrics(self) -> dict[str, float]:
         """``{"llm/calls": ..., "llm/cache_hits": ..., ...}`` for a metrics logger."""
@@ -323,10 +324,14 @@ class LLMClient:
         cfg: LLMSettings | Mapping[str, Any] | None,
         on_call: Callable[[CallRecord], None] | None = None,
         on_progress: Callable[[CallProgress], None] | None = None,
+        scope: str = "",
     ) -> None:
         self.settings = LLMSettings.from_cfg(cfg)
         self.on_call = on_call
         self.on_progress = on_progress
+        self.scope = scope  # the run the calls belong to: with it, each reply is also cached by its place
+        self._calls_by_tag: dict[str, int] = {}  # calls made so far per tag (a sample's place in the run)
+        self._numbered = threading.local()  # the call number chat_many gave the call this thread makes
         self._stream_ok = True  # set False when a litellm backend fails to stream (then it is asked whole)
         self.stats = LLMStats()
         self.embed_stats = EmbedStats()
@@ -432,18 +437,23 @@ class LLMClient:
             "top_logprobs": int(top_logprobs) if top_logprobs > 0 else None,
         }
         keys = [cache_key(self.model, messages, params, seed, i) for i in range(n)]
+        places = self._places(params, seed, tag, n)
         replies: list[Reply | None] = [None] * n
+        by_position = 0
         if self.cache is not None:
             for i, key in enumerate(keys):
                 hit = self.cache.get(key)
+                if hit is None and places and self.settings.replay_only:
+                    hit = self._at_place(places[i])
+                    by_position += hit is not None
                 if hit is not None:
                     replies[i] = Reply(**{**hit, "latency_s": 0.0, "cost": 0.0, "cached": True})
         missing = [i for i, r in enumerate(replies) if r is None]
         if missing and self.settings.replay_only:
-            raise LLMError(
+            raise ReplayMiss(
                 f"llm.replay_only: no recorded reply for {len(missing)} of the {n} sample(s) of the call "
-                f"'{tag or 'call'}' (a request the recorded run did not make: other code, config or seed). "
-                "Set llm.replay_only=false to ask the LLM."
+                f"'{tag or 'call'}', by its prompt or by its place in the run (a request the recorded run "
+                "did not make: other code, config or seed). Set llm.replay_only=false to ask the LLM."
             )
         sent = 0  # samples handed over so far
 
@@ -476,9 +486,13 @@ class LLMClient:
             replies=done,
             params={"model": self.model, "n": n, "seed": seed, **params},
         )
+        if self.cache is not None:
+            for place, key in zip(places, keys):  # a place already held (the replay's own) is kept
+                self.cache.put(place, {"position_of": key}, model=self.model)
         with self._lock:
             self.stats.calls += 1
             self.stats.cache_hits += n - len(missing)
+            self.stats.by_position += by_position
             self.records.append(record)
         if self.on_call is not None:
             try:
@@ -488,6 +502,35 @@ class LLMClient:
         group = landed()
         if group:
             yield group
+
+    def _next_call(self, tag: str) -> int:
+        """How many calls with ``tag`` came before this one (counted once per call)."""
+        with self._lock:
+            call = self._calls_by_tag.get(tag, 0)
+            self._calls_by_tag[tag] = call + 1
+        return call
+
+    def _chat_numbered(self, call: int, kwargs: Mapping[str, Any]) -> list[Reply]:
+        self._numbered.call = call
+        try:
+            return self.chat(**kwargs)
+        finally:
+            self._numbered.call = None
+
+    def _places(self, params: dict[str, Any], seed: int, tag: str, n: int) -> list[str]:
+        """The :func:`position_key` of each sample of this call ([] without a scope or a cache)."""
+        call = getattr(self._numbered, "call", None)
+        if call is None:
+            call = self._next_call(tag)
+        if not self.scope or self.cache is None:
+            return []
+        return [position_key(self.model, params, seed, self.scope, tag, call, i) for i in range(n)]
+
+    def _at_place(self, place: str) -> dict[str, Any] | None:
+        """The reply a recorded run got at ``place``, or None."""
+        assert self.cache is not None
+        ref = self.cache.get(place)
+        return self.cache.get(ref["position_of"]) if ref and "position_of" in ref else None
 
     def chat_many(self, calls: Sequence[Mapping[str, Any]]) -> list[list[Reply]]:
         """Several independent :meth:`chat` calls at once, replies in call order.
@@ -500,10 +543,11 @@ class LLMClient:
         calls = [dict(c) for c in calls]
         if len(calls) <= 1 or self.settings.concurrency <= 1:
             return [self.chat(**c) for c in calls]
+        numbers = [self._next_call(c.get("tag", "")) for c in calls]  # places in call order, not thread order
         with ThreadPoolExecutor(
             max_workers=min(self.settings.concurrency, len(calls)), thread_name_prefix="llm-call"
         ) as pool:
-            futures = [pool.submit(self.chat, **c) for c in calls]
+            futures = [pool.submit(self._chat_numbered, k, c) for k, c in zip(numbers, calls)]
         errors = [e for f in futures if (e := f.exception()) is not None]
         if errors:
             raise errors[0]
@@ -1027,9 +1071,11 @@ def make_client(
     cfg: LLMSettings | Mapping[str, Any] | None,
     on_call: Callable[[CallRecord], None] | None = None,
     on_progress: Callable[[CallProgress], None] | None = None,
+    scope: str = "",
 ) -> LLMClient:
-    """The client for the Hydra ``llm`` node ``cfg`` (see :class:`LLMClient` for the callbacks)."""
-    return LLMClient(cfg, on_call=on_call, on_progress=on_progress)
+    """The client for the Hydra ``llm`` node ``cfg`` (see :class:`LLMClient` for the
+    callbacks; ``scope`` names the run, so that a replay can find replies by their place)."""
+    return LLMClient(cfg, on_call=on_call, on_progress=on_progress, scope=scope)
 
 
 # -------------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ class LLMError(UserError):
     """
 
 
+class ReplayMiss(LLMError):
+    """``llm.replay_only`` found no recorded reply for a request: the run cannot be replayed."""
+
+
 def missing_key(model: str, env: str) -> LLMError:
     """The error for a model whose API key variable is not set (raised before any run is opened)."""
     return LLMError(

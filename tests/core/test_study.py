@@ -405,6 +405,22 @@ def test_a_rerun_from_the_replies_file_trains_the_same_programs_with_no_llm(tmp_
     assert second.data.metrics[FRESH_SCORE] == first.data.metrics[FRESH_SCORE]
 
 
+def test_a_cell_the_replies_cannot_answer_fails_alone(tmp_path, monkeypatch, capsys):
+    fakes.install_fake_litellm(monkeypatch)
+    eureka = ["plugins.eureka.iterations=1", "plugins.eureka.samples=1", *fakes.FAKE_LLM_OVERRIDES, "llm.cache=true"]
+    spec = _spec(tmp_path, {"eureka": {"plugins": ["eureka"], "overrides": eureka, "search": True}})
+    assert main([str(spec), "--reps", "200", "--seeds", "0"]) == 0
+    replies = tmp_path / "check" / "replies.jsonl.gz"
+    shutil.rmtree(tmp_path / "cache")
+    again = ["--store", str(tmp_path / "again"), "--out", str(tmp_path / "again.md"), "--replies", str(replies)]
+    # seed 1 never ran, so its requests were never recorded: that cell fails, seed 0 still replays
+    assert main([str(spec), "--reps", "200", "--seeds", "1,0", *again]) == 1
+    out = capsys.readouterr().out
+    assert "eureka-cartpole-s1: not replayable: llm.replay_only: no recorded reply" in out
+    (replayed,) = (r for r in _runs(tmp_path / "again", "check") if r.info.status == "FINISHED")
+    assert replayed.data.tags["seed"] == "0" and replayed.data.metrics["llm/requests"] == 0
+
+
 @pytest.mark.slow
 def test_an_eureka_arm_with_the_embedded_model(tmp_path):
     """The whole path with the shipped model: one round, one sample, a tiny budget."""

@@ -105,3 +105,16 @@ def test_a_dump_keeps_the_replies_the_file_held_and_the_caches_win_on_a_shared_k
     assert load_replies(out, target) == 3
     assert target.get("old") == {"text": "an earlier session's reply"}
     assert target.get("new") == {"text": "this session's reply"} and target.get("both") == {"text": "fresh"}
+
+
+def test_a_dump_carries_the_places_of_the_replies_and_counts_only_the_replies(tmp_path: Path):
+    from core.llm.cache import ResponseCache, dump_replies, load_replies, position_key
+
+    source = ResponseCache(tmp_path / "a.sqlite")
+    source.put("k1", {"text": "reply"}, model="m")
+    place = position_key("m", {"temperature": 1.0}, 0, "run", "eureka-it1", 0, 0)
+    source.put(place, {"position_of": "k1"}, model="m")
+    assert dump_replies(tmp_path / "a.sqlite", tmp_path / "replies.jsonl.gz") == 1
+    target = ResponseCache(tmp_path / "b.sqlite")
+    assert load_replies(tmp_path / "replies.jsonl.gz", target) == 1
+    assert target.get(place) == {"position_of": "k1"} and target.get("k1") == {"text": "reply"}

@@ -8,6 +8,7 @@ import pytest
 
 from core.llm import CallRecord, LLMClient, LLMError, LLMStats, make_client
 from core.llm.client import import_litellm, sample_seed
+from core.llm.errors import ReplayMiss
 
 MSG = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
 
@@ -294,6 +295,41 @@ def test_replay_only_answers_from_the_cache_and_refuses_a_request_it_has_no_repl
     with pytest.raises(LLMError, match="no recorded reply"):
         replay.chat(MSG, seed=7)
     assert len(fake_backend.calls) == 1  # nothing was sent
+
+
+def _feedback_rounds(client, measured: str) -> list[str]:
+    """Two rounds of a search: the second prompt carries what training measured."""
+    first = client.chat(MSG, n=2, tag="search-it0")
+    feedback = [*MSG, {"role": "assistant", "content": first[0].text}, {"role": "user", "content": measured}]
+    second = client.chat(feedback, n=2, tag="search-it1")
+    return [r.text for r in first + second]
+
+
+def test_a_replay_finds_a_reply_by_its_place_where_the_prompt_carries_other_measurements(llm_cfg, fake_backend):
+    recorded = _feedback_rounds(make_client(llm_cfg, scope="run-a"), "fitness 41.7")
+    sent = len(fake_backend.calls)
+    replay = make_client({**llm_cfg, "replay_only": True}, scope="run-a")
+    # training came out differently (another CPU): round 1's prompt differs, its replies are the recorded ones
+    assert _feedback_rounds(replay, "fitness 41.9") == recorded
+    assert len(fake_backend.calls) == sent  # the replay sent nothing
+    assert replay.stats.by_position == 2 and replay.stats.cache_hits == 4
+
+
+def test_a_replay_by_place_stays_within_its_run(llm_cfg, fake_backend):
+    _feedback_rounds(make_client(llm_cfg, scope="run-a"), "fitness 41.7")
+    sent = len(fake_backend.calls)
+    other_run = make_client({**llm_cfg, "replay_only": True}, scope="run-b")
+    with pytest.raises(ReplayMiss, match="by its prompt or by its place"):
+        _feedback_rounds(other_run, "fitness 41.9")  # round 0 replays by prompt; round 1 has no place in run-b
+    assert len(fake_backend.calls) == sent
+
+
+def test_concurrent_calls_take_their_places_in_call_order(llm_cfg, fake_backend):
+    calls = [dict(messages=[{"role": "user", "content": f"state {k}"}], tag="judge") for k in range(6)]
+    recorded = [r[0].text for r in make_client({**llm_cfg, "concurrency": 6}, scope="s").chat_many(calls)]
+    changed = [dict(c, messages=[{"role": "user", "content": f"other state {k}"}]) for k, c in enumerate(calls)]
+    replay = make_client({**llm_cfg, "replay_only": True, "concurrency": 6}, scope="s")
+    assert [r[0].text for r in replay.chat_many(changed)] == recorded
 
 
 def test_cache_off_calls_every_time(llm_cfg, fake_backend):
