@@ -17,6 +17,9 @@
 - **Across tasks.** Per arm, the IQM over (task, seed) of scores normalised per task,
   ``(x - random) / (human - random)`` with the random and the designers'-reward arms' IQMs,
   with a stratified-bootstrap CI; only over tasks where both ran and differ.
+- **Variants.** Arms that run the same plugins with other settings (eureka's 2 x 4 with
+  reflection and 1 x 8 without) are compared both ways on each task, by the rules of
+  ``beats``, and over tasks by the interval of the mean P(X > Y).
 - **Controls.** A target of an LLM arm is also judged against its controls (the arms whose
   ``control_of`` names it, else the sparse and the designers' reward): it must beat each
   control other than the target's own other arm, unless the target itself is ``beats``
@@ -34,6 +37,7 @@ from core.report.render import number
 from core.report.stats import (
     ALPHA_ONE_SIDED,
     Interval,
+    average_improvement,
     final_score_intervals,
     improvement,
     normalised,
@@ -299,6 +303,99 @@ def clearly_greater(p: Interval, rank_p: float) -> bool:
     return p.low > 0.5 and rank_p < ALPHA_ONE_SIDED
 
 
+# -- variants of one method --------------------------------------------------------------------
+
+
+@dataclass
+class Comparison:
+    """Two arms of one method with other settings (eureka 2 x 4 with reflection against 1 x 8 without)."""
+
+    arm: str
+    other: str
+    lines: list[str]  # one per task of either arm
+    overall: Interval  # the mean over the tasks compared of P(arm > other)
+    tasks: list[str]  # the tasks compared
+    answer: str  # the overall answer in words
+
+    def line(self) -> str:
+        if not self.tasks:
+            return f"**{self.arm}** against **{self.other}**: {self.answer}"
+        where = f"over {len(self.tasks)} task(s) ({', '.join(self.tasks)})"
+        return f"**{self.arm}** against **{self.other}**: mean P(X > Y) {where} {self.overall.fmt()}: {self.answer}"
+
+
+def variant_pairs(spec: StudySpec) -> list[tuple[str, str]]:
+    """The pairs of arms that run the same plugins with other overrides, in the spec's order."""
+    names = [n for n, a in spec.arms.items() if a.plugins]
+    return [
+        (a, b)
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+        if sorted(spec.arms[a].plugins) == sorted(spec.arms[b].plugins)
+    ]
+
+
+def _answer(p: Interval, p_xy: float, p_yx: float, x: str, y: str) -> str:
+    if clearly_greater(p, p_xy):
+        return f"{x} better"
+    if clearly_greater(Interval(1 - p.value, 1 - p.high, 1 - p.low), p_yx):
+        return f"{y} better"
+    return "no difference shown"
+
+
+def compare_variants(
+    arm: str,
+    other: str,
+    cells: dict[tuple[str, str], Scored],
+    calibrations: dict[str, Calibration],
+    tasks: list[str],
+    reps: int = 2000,
+) -> Comparison:
+    """``arm`` against ``other`` on each task both ran, by the rules of ``beats`` in both directions.
+
+    A task is compared where it can show an effect (calibration) and both arms have two or
+    more scores (a search arm's intent-to-treat ones); the overall answer is read from the
+    interval of the mean P(X > Y) over those tasks: above 0.5, below, or holding it.
+    """
+    lines, pairs, compared = [], [], []
+    for task in tasks:
+        x, y = cells.get((task, arm)), cells.get((task, other))
+        if x is None or y is None:
+            continue
+        cal = calibrations.get(task)
+        short = [c.arm for c in (x, y) if len(c.counted) < 2 or c.no_itt]
+        if cal is not None and not cal.ok:
+            lines.append(f"{task}: not compared: the task cannot show an effect at this budget ({cal.reason()})")
+            continue
+        if short:
+            lines.append(f"{task}: not compared: {', '.join(short)} has fewer than 2 scores")
+            continue
+        xs, ys = list(x.counted.values()), list(y.counted.values())
+        p, p_xy, p_yx = improvement(xs, ys, reps), rank_test_p(xs, ys), rank_test_p(ys, xs)
+        xi, _ = final_score_intervals(xs, reps)
+        yi, _ = final_score_intervals(ys, reps)
+        inert = [c.arm for c in (x, y) if c.contribution.inert]
+        lines.append(
+            f"{task}: {arm} {xi.fmt()} vs {other} {yi.fmt()}, P(X > Y) {p.fmt()}, rank test p {p_xy:.2g} "
+            f"(X > Y) and {p_yx:.2g} (Y > X)"
+            + (f"; **inert** here: {', '.join(inert)}" if inert else "")
+            + f": {_answer(p, p_xy, p_yx, arm, other)}"
+        )
+        pairs.append((xs, ys))
+        compared.append(task)
+    if not pairs:
+        nan = Interval(math.nan, math.nan, math.nan)
+        return Comparison(arm, other, lines, nan, [], "not compared: no task has two or more scores of both")
+    overall = average_improvement(pairs, reps)
+    if overall.low > 0.5:
+        answer = f"{arm} better"
+    elif overall.high < 0.5:
+        answer = f"{other} better"
+    else:
+        answer = "no difference shown (the interval holds 0.5)"
+    return Comparison(arm, other, lines, overall, compared, answer)
+
+
 # -- across tasks ------------------------------------------------------------------------------
 
 
@@ -358,6 +455,7 @@ __all__ = [
     "BASELINES",
     "Aggregate",
     "Calibration",
+    "Comparison",
     "Scored",
     "TargetResult",
     "TaskVerdict",
@@ -365,8 +463,10 @@ __all__ = [
     "bounds",
     "calibrate",
     "check_target",
+    "compare_variants",
     "controls_of",
     "describe",
     "random_arm",
     "score",
+    "variant_pairs",
 ]

@@ -37,16 +37,19 @@ from core.report.evidence import (
     BASELINES,
     Aggregate,
     Calibration,
+    Comparison,
     Scored,
     TargetResult,
     aggregate,
     bounds,
     calibrate,
     check_target,
+    compare_variants,
     controls_of,
     describe,
     random_arm,
     score,
+    variant_pairs,
 )
 from core.report.render import aggregate_figure, curve_note, estimate, number, render_figures, table
 from core.report.study import analyze
@@ -176,6 +179,7 @@ class Findings:
     scale: dict[str, tuple[float, float]]  # task -> (random, human): the tasks whose scores normalise
     random: str | None  # the random-policy arm
     controls: dict[str, list[str]] = field(default_factory=dict)  # LLM arm -> its controls
+    variants: list[Comparison] = field(default_factory=list)  # arms of one method with other settings, compared
 
 
 def assess(spec: StudySpec, planned: list[PlannedCell], counted: Counted, reps: int = 2000) -> Findings:
@@ -213,8 +217,13 @@ def assess(spec: StudySpec, planned: list[PlannedCell], counted: Counted, reps: 
     arm_names = [a for a in spec.arms if any(p.cell.arm == a for p in planned)]
     scale = bounds(cells, task_names, random)
     controls = {a: controls_of(spec, a) for a in arm_names if controls_of(spec, a)}
+    variants = [
+        compare_variants(a, b, cells, calibrations, task_names, reps)
+        for a, b in variant_pairs(spec)
+        if a in arm_names and b in arm_names
+    ]
     return Findings(
-        tasks, cells, calibrations, targets, aggregate(arm_names, cells, scale, reps), scale, random, controls
+        tasks, cells, calibrations, targets, aggregate(arm_names, cells, scale, reps), scale, random, controls, variants
     )
 
 
@@ -437,6 +446,22 @@ def render_results(
         judged = f"; judged against its control(s) {', '.join(controls)}" if controls else ""
         lines.append(f"- {describe(target)}: **{result.verdict}** ({result.reason}){judged}")
         lines += [f"  - {v.text}" for v in result.tasks]
+    if findings.variants:
+        lines += [
+            "",
+            "## Variants of one method",
+            "",
+            "Arms that run the same plugins with other settings (see [The arms](#the-arms) for what differs), "
+            "compared both ways on each task by the rules of `beats` (95 % CI of P(X > Y) above 0.5 and the "
+            "rank test's p < 0.025, for X over Y or Y over X), on the tasks that can show an effect where both "
+            "have two or more scores (a search arm's intent-to-treat ones); over those tasks, the mean P(X > Y) "
+            "with a 95 % CI (each arm's runs resampled within each task): better where the interval lies above "
+            "or below 0.5, else no difference shown.",
+            "",
+        ]
+        for c in findings.variants:
+            lines.append(f"- {c.line()}")
+            lines += [f"  - {text}" for text in c.lines]
     lines += [
         "",
         "## What each arm cost",
@@ -506,6 +531,9 @@ def _summary(spec: StudySpec, findings: Findings, task_names: list[str], figure:
         f"- {describe(target)}: **{result.verdict}** ({result.reason})"
         for target, result in zip(spec.targets, findings.targets)
     ] or ["- the spec sets none"]
+    if findings.variants:
+        lines += ["", "Variants of one method (details under [Variants of one method](#variants-of-one-method)):", ""]
+        lines += [f"- {c.line()}" for c in findings.variants]
     random = findings.random or "random"
     lines += [
         "",

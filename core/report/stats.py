@@ -143,6 +143,33 @@ def rank_test_p(x: list[float], y: list[float]) -> float:
     return float(mannwhitneyu(x, y, alternative="greater", method="auto").pvalue)
 
 
+def _p_greater(x: np.ndarray, y: np.ndarray) -> float:
+    """P(X > Y) over all run pairs, ties counting one half (the Mann-Whitney U over n * m)."""
+    diff = x[:, None] - y[None, :]
+    return float(np.mean((diff > 0) + 0.5 * (diff == 0)))
+
+
+def average_improvement(pairs: list[tuple[list[float], list[float]]], reps: int = 2000, seed: int = 0) -> Interval:
+    """The mean over tasks of P(X > Y), with a 95 % CI (rliable's average probability of improvement).
+
+    ``pairs`` holds, per task, X's and Y's scores. Each replication resamples each arm's
+    runs within each task, with replacement and independently of the other arm (rliable's
+    ``StratifiedIndependentBootstrap``); the interval is the percentile one. Tasks may have
+    different numbers of runs.
+    """
+    groups = [(np.asarray(x, dtype=float), np.asarray(y, dtype=float)) for x, y in pairs if len(x) and len(y)]
+    if not groups:
+        return Interval(float("nan"), float("nan"), float("nan"))
+    point = float(np.mean([_p_greater(x, y) for x, y in groups]))
+    rng = np.random.default_rng(seed)
+    draws = [
+        np.mean([_p_greater(x[rng.integers(0, len(x), len(x))], y[rng.integers(0, len(y), len(y))]) for x, y in groups])
+        for _ in range(reps)
+    ]
+    low, high = np.percentile(draws, [100 * (1 - CI_SIZE) / 2, 100 * (1 + CI_SIZE) / 2])
+    return Interval(point, float(low), float(high))
+
+
 def normalised(value: float, low: float, high: float) -> float:
     """``value`` on the scale where ``low`` is 0 and ``high`` is 1: ``(value - low) / (high - low)``."""
     return (value - low) / (high - low)

@@ -14,10 +14,19 @@ from core.report.evidence import (
     aggregate,
     bounds,
     check_target,
+    compare_variants,
     controls_of,
     score,
+    variant_pairs,
 )
-from core.report.stats import Interval, final_score_intervals, iqm, rank_test_p, stratified_iqm
+from core.report.stats import (
+    Interval,
+    average_improvement,
+    final_score_intervals,
+    iqm,
+    rank_test_p,
+    stratified_iqm,
+)
 from core.report.study import ArmResult
 from core.study import ArmSpec, StudySpec, TargetSpec
 
@@ -282,3 +291,56 @@ def test_the_stratified_bootstrap_over_lists_is_rliables_on_equal_runs():
     assert stratified_iqm([[1.0], [2.0]]) == Interval(1.5, 1.5, 1.5)  # one run per task: nothing to resample
     ragged = stratified_iqm([[0.0, 1.0, 2.0, 3.0], [10.0]], reps=500)
     assert ragged.low <= ragged.value <= ragged.high
+
+
+def test_the_variants_of_one_method_are_the_arms_with_the_same_plugins():
+    spec = StudySpec(
+        arms={
+            "human": ArmSpec(),
+            "sparse": ArmSpec(overrides=["env.reward=sparse"]),
+            "eureka": ArmSpec(plugins=["eureka"], search=True),
+            "eureka_1x8": ArmSpec(plugins=["eureka"], search=True),
+            "text2reward": ArmSpec(plugins=["text2reward"], search=True),
+            "progress_reward": ArmSpec(plugins=["progress_reward"]),
+            "progress_no_llm": ArmSpec(plugins=["progress_reward"], control_of="progress_reward"),
+        }
+    )
+    assert variant_pairs(spec) == [("eureka", "eureka_1x8"), ("progress_reward", "progress_no_llm")]
+
+
+def test_variants_are_compared_both_ways_and_over_tasks():
+    cal = {"a": _ok("a"), "b": _ok("b"), "c": Calibration("c", "human", 1.0, "", 0.0, 5, 0.0)}
+    better = [10.0, 11.0, 12.0, 13.0]
+    worse = [0.0, 1.0, 2.0, 3.0]
+    cells = {
+        ("a", "x"): _cell("a", "x", better),
+        ("a", "y"): _cell("a", "y", worse),
+        ("b", "x"): _cell("b", "x", better),
+        ("b", "y"): _cell("b", "y", worse),
+        ("c", "x"): _cell("c", "x", worse),  # c cannot show an effect: left out
+        ("c", "y"): _cell("c", "y", better),
+    }
+    c = compare_variants("x", "y", cells, cal, ["a", "b", "c"], REPS)
+    assert c.tasks == ["a", "b"] and c.answer == "x better" and c.overall.value == 1.0
+    assert c.lines[0].endswith(": x better") and "rank test p 0.014 (X > Y) and 1 (Y > X)" in c.lines[0]
+    assert "c: not compared: the task cannot show an effect" in c.lines[2]
+    reverse = compare_variants("y", "x", cells, cal, ["a", "b"], REPS)
+    assert reverse.answer == "x better" and reverse.lines[0].endswith(": x better")  # read the other way round
+    three = {("a", "x"): _cell("a", "x", better[:3]), ("a", "y"): _cell("a", "y", worse[:3])}
+    assert compare_variants("x", "y", three, cal, ["a"], REPS).lines[0].endswith("no difference shown")  # p 0.05
+    mixed = {("a", "x"): _cell("a", "x", [1.0, 4.0, 2.0, 6.0]), ("a", "y"): _cell("a", "y", [3.0, 5.0, 0.0, 7.0])}
+    held = compare_variants("x", "y", mixed, cal, ["a"], REPS)
+    assert held.answer.startswith("no difference shown") and held.overall.low < 0.5 < held.overall.high
+    one = {("a", "x"): _cell("a", "x", [1.0]), ("a", "y"): _cell("a", "y", worse)}
+    assert compare_variants("x", "y", one, cal, ["a"], REPS).answer.startswith("not compared")
+
+
+def test_the_average_probability_of_improvement_is_rliables():
+    from rliable import metrics
+
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(0.3, 1, size=(6, 3)), rng.normal(0, 1, size=(6, 3))
+    ours = average_improvement([(list(x[:, j]), list(y[:, j])) for j in range(3)], reps=500)
+    assert ours.value == pytest.approx(metrics.probability_of_improvement(x, y))
+    assert ours.low < ours.value < ours.high
+    assert average_improvement([([1.0, 2.0], [])]).value != average_improvement([([1.0, 2.0], [])]).value  # NaN

@@ -301,6 +301,16 @@ def test_targets_need_intervals_calibrated_tasks_and_the_controls(study):
     assert "P(X > Y) 1 [1, 1], rank test p 0.029" in _line(targets, "  - cartpole: human ")
 
 
+def test_variants_of_one_method_are_compared_both_ways(study):
+    _, out = study
+    text = out.read_text()
+    section = text.split("\n## Variants of one method")[1].split("\n## ")[0]
+    head = _line(section, "- **progress_reward** against **progress_no_llm**: mean P(X > Y) over 1 task(s) (cartpole) ")
+    assert head.endswith(": no difference shown (the interval holds 0.5)")  # as good without the LLM
+    assert _line(section, "  - cartpole: progress_reward ").endswith(": no difference shown")
+    assert "- **progress_reward** against **progress_no_llm**" in text.split("\n## Summary")[1].split("\n## ")[0]
+
+
 def test_the_aggregate_normalises_by_random_and_human(study):
     store, out = study
     text = out.read_text()
