@@ -18,9 +18,11 @@ an LLM, and the candidates, rejections and trainings are the recorded ones), whe
 same candidate won (chosen by training, so ties and near-ties follow its numerics) and
 whether the *scores* were (the same fitness and fresh-seed score). Scores can only repeat
 where training is bit-for-bit deterministic: on one thread of the same kind of CPU. The
-machine each run recorded is printed beside it. A cell the replies could not answer
-(``not replayable`` in the study's log) has no finished run in the store and is listed
-as such. Prints one JSON object.
+machine each run recorded is printed beside it. A search that found no policy is compared
+too (the same failures are a reproduced result); a recording that was cut short (a killed
+run) is not compared. A replayed cell that ended otherwise than
+its recording (``not replayable`` in the study's log: a request the replies do not hold)
+is listed apart with its note. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ SCORE_FIGURES = ("fitness", "final/fresh_mean")
 def _figures(run: Any) -> dict[str, Any]:
     metrics = run.metrics
     return {
+        "status": run.status,
         **{k: metrics.get(k) for k in PROGRAM_FIGURES + SCORE_FIGURES},
         "winner": run.tags.get("best_candidate"),
         "llm_calls": metrics.get("llm/calls"),
@@ -54,7 +57,7 @@ def compare(archived: Any, replayed: Any) -> dict[str, Any]:
     """One cell: the recorded and the replayed figures, and what was reproduced."""
     was, now = _figures(archived), _figures(replayed)
     requests = replayed.metrics.get("llm/requests", 0.0)
-    same_programs = requests == 0 and all(was[k] == now[k] for k in PROGRAM_FIGURES)
+    same_programs = requests == 0 and all(was[k] == now[k] for k in ("status", *PROGRAM_FIGURES))
     return {
         "cell": replayed.name,
         "recorded": was,
@@ -70,16 +73,19 @@ def compare(archived: Any, replayed: Any) -> dict[str, Any]:
 
 def check(archive: Path, store: Path, study: str) -> dict[str, Any]:
     from core.report.archive import read_runs
-    from core.report.data import OK, load_study
+    from core.report.data import load_study
     from core.study import tracking_uri
 
     was = read_runs(archive, study) if archive.is_file() else load_study(tracking_uri(archive), study)
-    recorded = {r.name: r for r in was if r.status == OK}
+    # the runs that ended by themselves: with a score, or a search that found no policy (a result too)
+    recorded = {r.name: r for r in was if r.mlflow_status == "FINISHED"}
     cells, unanswered = [], []
     for run in sorted(load_study(tracking_uri(store), study), key=lambda r: r.name):
-        if run.status != OK:
+        if run.name not in recorded:
+            continue  # its recording was cut short (or is not in the archive): nothing to compare with
+        if run.mlflow_status != "FINISHED":
             unanswered.append({"cell": run.name, "note": run.note})
-        elif run.name in recorded:
+        else:
             cells.append(compare(recorded[run.name], run))
     return {
         "archive": str(archive),
