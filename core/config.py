@@ -576,6 +576,11 @@ BOOKKEEPING = (
 LLM_BOOKKEEPING = ("cache_path", "show_progress", "n_threads", "replay_only")  # llm.* keys that do not change a reply
 
 
+def digest(obj: Any) -> str:
+    """A short, stable hash of a JSON-able value (keys sorted; other values by their ``str``)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
 def config_key(config: DictConfig) -> str:
     """A hash of what a run computes: its resolved config without the bookkeeping keys.
 
@@ -587,8 +592,7 @@ def config_key(config: DictConfig) -> str:
         container.pop(key, None)
     for key in LLM_BOOKKEEPING:
         (container.get("llm") or {}).pop(key, None)
-    blob = json.dumps(container, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+    return digest(container)
 
 
 # -------------------------------------------------------------------------------------

@@ -38,8 +38,6 @@ the report (``docs/results.md`` for the ``results`` study).
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import platform
 import re
@@ -52,7 +50,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from core.config import config_key
+from core.config import config_key, digest
 from core.errors import UserError, did_you_mean
 from core.resources import conf_dir
 
@@ -245,10 +243,6 @@ def tracking_uri(store: Path) -> str:
     return f"sqlite:///{store.resolve() / 'mlflow.db'}"
 
 
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
 class CodeHashes:
     """The code that decides a cell's result: the framework's training code and each plugin's source."""
 
@@ -292,7 +286,7 @@ def plan(cells: list[Cell], experiment: str, store: Path) -> list[PlannedCell]:
             cfg.seed = cell.seed
             cfg.run_name = cell.name
         ckey = config_key(cfg)
-        planned.append(PlannedCell(cell, cfg, ckey, _digest({"config": ckey, "code": code.of(cell.plugins)})))
+        planned.append(PlannedCell(cell, cfg, ckey, digest({"config": ckey, "code": code.of(cell.plugins)})))
     return planned
 
 
