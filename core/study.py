@@ -28,22 +28,31 @@ the report (``docs/results.md`` for the ``results`` study).
   reply cached by another run never passes for free LLM time.
 - **Shrinkable.** ``--tasks``, ``--arms``, ``--seeds`` and ``--frames-scale`` select and
   shrink cells for a check (a different frames scale makes different cells).
+- **Reported by later code.** A study runs from a fixed commit for days while the report code
+  moves on. ``--report-only --code-of <commit>`` keys the cells as the code of that commit
+  does (its own planning, run in a temporary export of it) and writes the report with the code
+  of this checkout; the report names both commits.
 
     python -m core.study results                      # every cell not finished yet, then docs/results.md
     python -m core.study results --list               # the cells, finished or not
     python -m core.study results --report-only        # docs/results.md from the store and docs/results/runs.jsonl.gz
+    python -m core.study results --report-only --code-of 633656a   # the cells that ran at 633656a, reported by HEAD
     python -m core.study results --tasks cartpole --arms sparse,human --seeds 0,1 --frames-scale 0.02
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import os
 import platform
 import re
 import shlex
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -290,6 +299,95 @@ def plan(cells: list[Cell], experiment: str, store: Path) -> list[PlannedCell]:
     return planned
 
 
+#: the repository of this checkout, where --code-of finds its commit (a test points it at a copy)
+REPO = Path(__file__).resolve().parents[1]
+#: what decides a cell's key: the framework, the plugins, their configs and the catalogue
+KEYED_PATHS = ("core", "plugins", "conf", "registry.yaml")
+
+#: run inside an export of another commit: that commit's own planning prints its cells' keys
+_KEYS_AT = """
+import json, sys
+from pathlib import Path
+import core
+assert Path(core.__file__).resolve().is_relative_to(Path.cwd().resolve()), core.__file__
+from core.study import expand, load_spec, plan
+a = json.loads(sys.argv[1])
+spec = load_spec(a["spec"])
+cells = expand(spec, a["tasks"], a["arms"], a["seeds"], a["frames_scale"], tuple(a["extra"]))
+print(json.dumps({p.cell.name: [p.config_key, p.key] for p in plan(cells, spec.name, Path(a["store"]))}))
+"""
+
+
+def resolve_commit(name: str, repo: Path | None = None) -> str:
+    """The full hash of a commit name (``633656a``, a tag, ``HEAD~2``) in the checkout's repository."""
+    repo = repo or REPO
+    try:
+        found = subprocess.run(
+            ["git", "rev-parse", "--verify", "--quiet", f"{name}^{{commit}}"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError) as err:
+        raise UserError(f"--code-of {name}: git could not read the repository ({err}).") from err
+    if found.returncode != 0:
+        raise UserError(f"--code-of {name}: no such commit in {repo} (git log --oneline lists them).")
+    return found.stdout.strip()
+
+
+def rekeyed(planned: list[PlannedCell], keys: dict[str, tuple[str, str]]) -> list[PlannedCell]:
+    """The cells with the keys another commit's code gave them; a cell that commit does not
+    plan (a task or arm added since) keeps this checkout's keys."""
+    import dataclasses
+
+    return [
+        dataclasses.replace(p, config_key=keys[p.cell.name][0], key=keys[p.cell.name][1]) if p.cell.name in keys else p
+        for p in planned
+    ]
+
+
+def keys_at(commit: str, selection: dict[str, Any], repo: Path | None = None) -> dict[str, tuple[str, str]]:
+    """Cell name -> (config key, resume key), as the code of ``commit`` computes them.
+
+    ``selection`` holds what :func:`expand` takes (``spec``, ``tasks``, ``arms``, ``seeds``,
+    ``frames_scale``, ``extra``) and the ``store``. The commit's ``core/``, ``plugins/``,
+    ``conf/`` and ``registry.yaml`` are exported to a temporary folder and its own
+    ``core.study`` plans the cells there, in a child process: the keys are that commit's,
+    whatever has changed in this checkout since.
+    """
+    repo = repo or REPO
+    try:
+        exported = subprocess.run(
+            ["git", "archive", "--format=tar", commit, *KEYED_PATHS], cwd=repo, capture_output=True, timeout=120
+        )
+    except (OSError, subprocess.SubprocessError) as err:
+        raise UserError(f"--code-of {commit}: git could not export it ({err}).") from err
+    if exported.returncode != 0:
+        raise UserError(
+            f"--code-of {commit}: not a commit of {repo} with {', '.join(KEYED_PATHS)} "
+            f"(git: {exported.stderr.decode(errors='replace').strip()})."
+        )
+    with tempfile.TemporaryDirectory(prefix="llm4rl-code-of-") as tmp:
+        with tarfile.open(fileobj=io.BytesIO(exported.stdout)) as tar:
+            tar.extractall(tmp, filter="data")
+        done = subprocess.run(
+            [sys.executable, "-c", _KEYS_AT, json.dumps(selection, default=str)],
+            cwd=tmp,
+            env={**os.environ, "PYTHONPATH": tmp},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    if done.returncode != 0:
+        raise UserError(
+            f"--code-of {commit}: its code could not plan the cells (it needs core.study's load_spec, "
+            f"expand and plan): {error_line(done.stderr)}"
+        )
+    keys = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: (ckey, key) for name, (ckey, key) in keys.items()}
+
+
 def reply_caches(planned: list[PlannedCell]) -> list[Path]:
     """The LLM reply caches (sqlite files) the cells use: ``<store>/cache`` unless an override moved it."""
     from core.llm.client import cache_file
@@ -459,6 +557,22 @@ def error_line(text: str) -> str:
     return (named or lines or [""])[-1]
 
 
+def _running_command(argv: list[str]) -> list[str]:
+    """The arguments of the command that runs the cells: these without the ones that only read."""
+    shown: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--report-only", "--list"):
+            pass
+        elif a == "--code-of":
+            skip = True
+        elif not a.startswith("--code-of="):
+            shown.append(a)
+    return shown
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m core.study", description=__doc__.split("\n\n")[0])
@@ -488,6 +602,12 @@ def main(argv: list[str] | None = None) -> int:
         "--report-only", action="store_true", help="run nothing; write the report from the finished cells"
     )
     parser.add_argument(
+        "--code-of",
+        metavar="COMMIT",
+        help="with --report-only or --list: key the cells as the code of COMMIT does (the commit the cells ran at), "
+        "and write the report with this checkout's code",
+    )
+    parser.add_argument(
         "--no-archive",
         action="store_true",
         help="leave out the runs of earlier sessions archived beside the report (<report folder>/runs.jsonl.gz): "
@@ -514,10 +634,15 @@ def main(argv: list[str] | None = None) -> int:
         cells = expand(spec, split(args.tasks), split(args.arms), seeds, args.frames_scale, extra)
         if not cells:
             raise UserError("The selection leaves no cell: no selected arm applies to a selected task.")
+        if args.code_of and not (args.report_only or args.list) or args.code_of and args.replies:
+            raise UserError(
+                "--code-of only reads: it keys finished cells by another commit's code. Use it with --report-only "
+                "or --list; to run cells at that commit, run the study from a checkout of it (git worktree add)."
+            )
         store = Path(args.store or spec.store)
         out = Path(args.out or spec.out)
         uri = tracking_uri(store)
-        shown = [a for a in argv if a not in ("--report-only", "--list")]  # the command that runs the cells
+        shown = _running_command(argv)
         invocation = Invocation(
             "python -m core.study " + " ".join(shlex.quote(a) for a in shown),
             commit(),
@@ -527,6 +652,19 @@ def main(argv: list[str] | None = None) -> int:
             report_only=args.report_only,
         )
         planned = plan(cells, spec.name, store)
+        if args.code_of:
+            invocation.code_of = resolve_commit(args.code_of)
+            selection = {
+                "spec": args.spec if args.spec in spec_names() else str(Path(args.spec).resolve()),
+                "tasks": split(args.tasks),
+                "arms": split(args.arms),
+                "seeds": seeds,
+                "frames_scale": args.frames_scale,
+                "extra": list(extra),
+                "store": str(store.resolve()),
+            }
+            console.print(f"keying the cells by the code of {invocation.code_of} ...", highlight=False)
+            planned = rekeyed(planned, keys_at(invocation.code_of, selection))
         from core.report.archive import archive_path, finished, read_runs
 
         archive = archive_path(out)

@@ -195,3 +195,4 @@ class Invocation:
     crashed: list[str] = field(default_factory=list)  # cells whose run raised (the run is FAILED in MLflow)
     overrides: tuple[str, ...] = ()  # what --set added to the cells
     report_only: bool = False  # --report-only: no cell was run
+    code_of: str | None = None  # --code-of: the commit whose code keyed the cells (this one wrote the report)

@@ -609,10 +609,15 @@ def _provenance(spec: StudySpec, planned: list[PlannedCell], counted: Counted, i
         )
     lines = [
         f"- Command: `{invocation.command}`",
-        f"- Commit: `{invocation.commit}`"
+        (
+            f"- Commit: the cells are keyed by the code of `{invocation.code_of}` (`--code-of`); this document was "
+            f"written by the code of `{invocation.commit}`"
+            if invocation.code_of
+            else f"- Commit: `{invocation.commit}`"
+        )
         + (
             ""
-            if set(commits) <= {invocation.commit}
+            if set(commits) <= {invocation.code_of or invocation.commit}
             else "; the counted runs ran at " + ", ".join(f"`{c}` ({n} run(s))" for c, n in commits.most_common())
         ),
         f"- Machine: {invocation.machine}; {load}"

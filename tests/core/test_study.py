@@ -452,3 +452,116 @@ def test_the_projection_scales_training_time_but_not_a_searchs_llm_time():
     assert line.startswith("- Projected at the spec's frames: 1.4 min for the same 2 runs (1.4 min per seed)")  # 84 s
     full = expand(spec, tasks=["cartpole"], arms=["human"], seeds=[0])
     assert _projection(spec, [SimpleNamespace(cell=c) for c in full], Counted([], {}, 0)) == []  # type: ignore[misc]
+
+
+# -- --code-of: cells that ran at one commit, reported by another ------------------------------
+
+
+def _git(repo: Path, *args: str) -> str:
+    import subprocess
+
+    done = subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _repo_of_this_tree(tmp_path: Path) -> tuple[Path, str]:
+    """A git repository holding this checkout's keyed paths as they are now, and its commit."""
+    import core.study
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in core.study.KEYED_PATHS:
+        source = core.study.REPO / name
+        if source.is_dir():
+            shutil.copytree(source, repo / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy(source, repo / name)
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "the tree")
+    return repo, _git(repo, "rev-parse", "HEAD")
+
+
+def test_code_of_keys_cells_as_that_commits_code_does(tmp_path):
+    from core.study import keys_at, plan
+
+    repo, first = _repo_of_this_tree(tmp_path)
+    selection = {
+        "spec": "results",
+        "tasks": ["cartpole"],
+        "arms": ["human", "eureka"],
+        "seeds": [0],
+        "frames_scale": None,
+        "extra": [],
+        "store": str(tmp_path / "store"),
+    }
+    here = {
+        p.cell.name: (p.config_key, p.key)
+        for p in plan(
+            expand(load_spec("results"), ["cartpole"], ["human", "eureka"], [0]), "results", tmp_path / "store"
+        )
+    }
+    assert keys_at(first, selection, repo=repo) == here  # the same code: the same keys
+
+    with (repo / "core" / "loop.py").open("a") as f:
+        f.write("\n# an edit of the training loop\n")
+    _git(repo, "commit", "-q", "-am", "edit the loop")
+    edited = keys_at("HEAD", selection, repo=repo)
+    assert keys_at(first, selection, repo=repo) == here  # the first commit still keys as before
+    for name, (ckey, key) in here.items():
+        assert edited[name][0] == ckey and edited[name][1] != key  # the same config, other code
+
+
+def test_code_of_names_what_is_wrong(tmp_path, capsys):
+    from core.study import keys_at
+
+    assert main(["results", "--tasks", "cartpole", "--arms", "human", "--code-of", "HEAD"]) == 2
+    assert "--code-of only reads" in capsys.readouterr().out  # it never runs cells under another commit's keys
+    assert main(["results", "--tasks", "cartpole", "--arms", "human", "--list", "--code-of", "f" * 40]) == 2
+    assert "no such commit" in capsys.readouterr().out
+    repo = tmp_path / "repo"
+    (repo / "core").mkdir(parents=True)
+    for name in ("plugins", "conf"):
+        (repo / name).mkdir()
+        (repo / name / "x.txt").write_text("x")
+    (repo / "registry.yaml").write_text("{}\n")
+    (repo / "core" / "__init__.py").write_text("")  # a commit with no study module
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "old")
+    with pytest.raises(UserError, match="could not plan the cells"):
+        keys_at(
+            "HEAD",
+            {
+                "spec": "results",
+                "tasks": None,
+                "arms": None,
+                "seeds": None,
+                "frames_scale": None,
+                "extra": [],
+                "store": "s",
+            },
+            repo=repo,
+        )
+
+
+def test_a_report_of_cells_run_at_another_commit(tmp_path, monkeypatch):
+    """--report-only --code-of counts the runs the named commit's code keyed, and names both commits."""
+    import core.study
+
+    spec = _spec(tmp_path, {"human": {"overrides": ["env.reward=human"]}})
+    assert main([str(spec), "--reps", "200"]) == 0
+    repo, ran_at = _repo_of_this_tree(tmp_path)
+    monkeypatch.setattr(core.study, "REPO", repo)
+    monkeypatch.setattr(core.config, "framework_hash", lambda: "later code")  # this checkout moved on
+    assert main([str(spec), "--report-only", "--reps", "200"]) == 0
+    assert "Cells planned: 1; with a run: 0" in (tmp_path / "check.md").read_text()  # its own keys find nothing
+    assert main([str(spec), "--report-only", "--code-of", ran_at[:10], "--reps", "200"]) == 0
+    text = (tmp_path / "check.md").read_text()
+    assert "Cells planned: 1; with a run: 1" in text
+    assert f"the cells are keyed by the code of `{ran_at}` (`--code-of`)" in text
+    command = next(line for line in text.splitlines() if line.startswith("- Command:"))
+    assert "--code-of" not in command and "--report-only" not in command  # the command that ran the cells
