@@ -507,7 +507,10 @@ def render_results(
         task = spec.tasks[name]
         first = next(p.cell for p in planned if p.cell.task == name)
         extra = f", `{' '.join(task.overrides)}`" if task.overrides else ""
-        lines.append(f"- **{name}**: `env={task.env}`{extra}; {first.frames:,} frames per training")
+        runs = [r for (t, _, _), r in chosen.items() if t == name]
+        spent = _total(map(cell_seconds, runs))
+        wall = f"; wall time {_duration(spent)} summed over its {len(runs)} run(s)" if runs else "; no run yet"
+        lines.append(f"- **{name}**: `env={task.env}`{extra}; {first.frames:,} frames per training{wall}")
     problems = [r for r in chosen.values() if r.status != OK]
     if problems:
         lines += ["", "## Runs left out of the statistics", ""]

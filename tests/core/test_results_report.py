@@ -337,3 +337,12 @@ def test_the_provenance_counts_the_runs_set_aside(study):
     line = _line(out.read_text(), "- Cells planned: ")
     assert "earlier runs of the same cells, not counted: 1" in line
     assert "runs of the same configs at other code, set aside: 1" in line
+
+
+def test_each_task_states_its_wall_time(study):
+    store, out = study
+    counted = study_runs(_planned(_spec()), store.uri, EXPERIMENT)
+    runs = [r for (task, _, _), r in counted.chosen.items() if task == "cartpole"]
+    line = _line(out.read_text().split("## The tasks")[1].strip(), "- **cartpole**")
+    # every synthetic run took 5 s, failed ones included: they cost their time too
+    assert line.endswith(f"wall time {5 * len(runs) / 60:.1f} min summed over its {len(runs)} run(s)")
