@@ -50,6 +50,7 @@ MEASURES = {
         "share of steps whose reward the LLM term changed",
         extra=(
             ("judge/llm_calls", "states the LLM scored"),
+            ("judge/llm_term_std", "spread (std) of the LLM term"),
             ("judge/rank_correlation", "rank correlation with reference progress"),
             ("judge/sparse_fraction", "steps its weight went to exploration"),
         ),
@@ -59,6 +60,9 @@ MEASURES = {
         "share of steps whose reward the learned preference term changed",
         extra=(
             ("preference/labels", "LLM labels"),
+            ("preference/label_margin", "labels' mean distance from a tie"),
+            ("preference/rm_loss", "reward model's loss (ln 2 = 0.693: it learned nothing)"),
+            ("preference/term_spread", "spread (std) of the preference term"),
             ("preference/heldout_agreement", "reward model's held-out agreement"),
             ("preference/truth_agreement", "agreement with the ground truth"),
         ),

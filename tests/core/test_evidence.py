@@ -248,10 +248,25 @@ def test_the_llms_contribution_per_run():
     judge = ArmSpec(plugins=["progress_reward"])
     c = contribution(
         judge,
-        [run(training={"llm/changed_share": 0.5, "summary/llm/changed_share": 0.9, "judge/rank_correlation": 0.4})],
+        [
+            run(
+                training={
+                    "llm/changed_share": 0.5,
+                    "summary/llm/changed_share": 0.9,
+                    "judge/rank_correlation": 0.4,
+                    "judge/llm_term_std": 0.08,
+                    "summary/judge/llm_term_std": 0.25,
+                }
+            )
+        ],
     )
     assert c.values == [0.9]  # the training's final figure, not the series' last point
     assert "rank correlation with reference progress 0.4" in c.text()
+    assert "spread (std) of the LLM term 0.25" in c.text()  # the issue asks for the term's spread beside the states
+    flat = {"llm/changed_share": 1.0, "preference/rm_loss": 0.693, "preference/term_spread": 0.001}
+    c = contribution(rlaif, [run(training=flat)])
+    assert not c.inert  # every step changed, by a term that hardly varies: the figures beside it say so
+    assert "spread (std) of the preference term 0.001" in c.text() and "ln 2 = 0.693" in c.text()
     assert contribution(ArmSpec(plugins=["some_plugin"]), [run()]).text() == "not measured"
     assert contribution(ArmSpec(plugins=["eureka"], search=True), [run()]).text() == "not measured"  # an older run
     for arm in (ArmSpec(), ArmSpec(plugins=["progress_reward"], control_of="progress_reward")):
