@@ -24,10 +24,12 @@ RELATIONS = ("beats", "matches")
 
 @dataclass
 class CalibrationSpec:
-    """Whether a task can show an effect: its calibration arm must clear ``threshold`` (IQM over seeds)."""
+    """Whether a task can show an effect: its calibration arm must clear ``threshold`` (IQM over seeds),
+    or, on a task with no score that means "solved", beat the arm ``beats`` (as a target's ``beats``)."""
 
     arm: str = "human"  # the arm that must learn at the task's budget (the designers' reward, or a positive control)
     threshold: float | None = None  # the score it must reach; null: the task is not calibrated (cannot score targets)
+    beats: str | None = None  # instead of a threshold: the arm it must beat (the random policy: it learned something)
     note: str = ""  # where the threshold comes from
 
 
@@ -105,8 +107,13 @@ class StudySpec:
             if not task.env or task.frames < 1:
                 problems.append(f"task '{name}' needs an env and frames >= 1")
         for name, task in self.tasks.items():
-            if task.calibration.threshold is not None and task.calibration.arm not in self.arms:
-                problems.append(f"task '{name}' is calibrated on arm '{task.calibration.arm}', which is not an arm")
+            cal = task.calibration
+            if (cal.threshold is not None or cal.beats) and cal.arm not in self.arms:
+                problems.append(f"task '{name}' is calibrated on arm '{cal.arm}', which is not an arm")
+            if cal.beats and cal.beats not in self.arms:
+                problems.append(f"task '{name}' is calibrated against arm '{cal.beats}', which is not an arm")
+            if cal.beats and cal.threshold is not None:
+                problems.append(f"task '{name}': a calibration has a threshold or an arm to beat, not both")
         for name, arm in self.arms.items():
             unknown = sorted(set(arm.tasks or []) - set(self.tasks))
             if unknown:

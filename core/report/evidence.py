@@ -2,8 +2,9 @@
 
 - **Calibration.** A task can show an effect only if its calibration arm (the designers'
   reward, or a positive control) reaches the task's threshold at the study's budget (IQM
-  over seeds). A task that misses it, has no threshold, or whose calibration arm has not
-  run scores no target.
+  over seeds), or, on a task with no score that means "solved" (Crafter), beats the arm the
+  calibration names (the random policy) as a target's ``beats`` would. A task that misses
+  it, has neither, or whose calibration arm has not run scores no target.
 - **Intent to treat.** A search that found no policy (a failed run, or no final score)
   leaves its user the random policy: it scores the random arm's IQM on the task. The
   targets read a search arm's scores so; the conditional IQM (the searches that
@@ -81,23 +82,43 @@ class Calibration:
     value: float  # the calibration arm's IQM (NaN: it has not run)
     runs: int  # its runs with a score
     random: float  # the random arm's IQM on the task (NaN: it has not run)
+    beats: str | None = None  # instead of a threshold: the arm the calibration arm must beat
+    p: Interval | None = None  # beats: P(arm > beats) with its CI (None: fewer than 2 scores of either)
+    rank_p: float = math.nan  # beats: the exact one-sided rank test's p
 
     @property
     def ok(self) -> bool:
+        if self.beats:
+            return self.p is not None and clearly_greater(self.p, self.rank_p)
         return self.threshold is not None and math.isfinite(self.value) and self.value >= self.threshold
 
     def reason(self) -> str:
         """Why the task cannot show an effect ('' where it can)."""
-        if self.threshold is None:
+        if self.threshold is None and not self.beats:
             return "no calibration threshold"
         if not math.isfinite(self.value):
             return f"its calibration arm {self.arm} has not run"
-        return "" if self.ok else f"{self.arm} {number(self.value)} < {number(self.threshold)}"
+        if self.ok:
+            return ""
+        if self.beats:
+            if self.p is None:
+                return f"{self.arm} or {self.beats} has fewer than 2 scores"
+            return f"{self.arm} does not beat {self.beats}: P {self.p.fmt()}, rank p {number(self.rank_p)}"
+        return f"{self.arm} {number(self.value)} < {number(self.threshold)}"
 
     def line(self) -> str:
         """``calibration: shaped 0.88 ≥ 0.5 (success rate; ...) — random 0``, and the verdict where it fails."""
         note = f" ({self.note})" if self.note else ""
-        if self.threshold is None:
+        if self.beats:
+            if self.p is None:
+                head = f"calibration: {self.arm} must beat {self.beats}{note}; too few runs (n={self.runs})"
+            else:
+                verdict = "beats" if self.ok else "does not beat"
+                head = (
+                    f"calibration: {self.arm} {number(self.value)} {verdict} {self.beats}, P(X > Y) {self.p.fmt()}, "
+                    f"rank p {number(self.rank_p)}{note}"
+                )
+        elif self.threshold is None:
             head = f"calibration: {self.arm}, no threshold set"
         elif not math.isfinite(self.value):
             head = f"calibration: {self.arm} has not run (threshold {number(self.threshold)}{note})"
@@ -110,19 +131,30 @@ class Calibration:
         return f"{head} — random {random}{tail}"
 
 
-def calibrate(name: str, task: TaskSpec, arms: dict[str, ArmResult], random: str | None) -> Calibration:
+def calibrate(
+    name: str, task: TaskSpec, arms: dict[str, ArmResult], random: str | None, reps: int = 2000
+) -> Calibration:
     """The calibration of task ``name`` from its arms' results."""
-    cal = arms.get(task.calibration.arm)
+    spec = task.calibration
+    cal = arms.get(spec.arm)
     rnd = arms.get(random) if random else None
     value = cal.iqm.value if cal is not None and cal.scores else float("nan")
+    p, rank_p = None, math.nan
+    other = arms.get(spec.beats) if spec.beats else None
+    if cal is not None and other is not None and len(cal.scores) >= 2 and len(other.scores) >= 2:
+        xs, ys = list(cal.scores.values()), list(other.scores.values())
+        p, rank_p = improvement(xs, ys, reps), rank_test_p(xs, ys)
     return Calibration(
         name,
-        task.calibration.arm,
-        task.calibration.threshold,
-        task.calibration.note,
+        spec.arm,
+        spec.threshold,
+        spec.note,
         value,
         len(cal.scores) if cal is not None else 0,
         rnd.iqm.value if rnd is not None and rnd.scores else float("nan"),
+        spec.beats,
+        p,
+        rank_p,
     )
 
 

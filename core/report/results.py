@@ -196,7 +196,7 @@ def assess(spec: StudySpec, planned: list[PlannedCell], counted: Counted, reps: 
     by_task = {t.env: {a.arm: a for a in t.arms} for t in tasks}
     random = random_arm(spec)
     task_names = [t for t in spec.tasks if any(p.cell.task == t for p in planned)]
-    calibrations = {t: calibrate(t, spec.tasks[t], by_task.get(t, {}), random) for t in task_names}
+    calibrations = {t: calibrate(t, spec.tasks[t], by_task.get(t, {}), random, reps) for t in task_names}
     cells = {}
     for task, arm in dict.fromkeys((p.cell.task, p.cell.arm) for p in planned):
         runs = [r for (t, a, _), r in counted.chosen.items() if t == task and a == arm]

@@ -73,6 +73,31 @@ def test_calibration_lines_and_when_a_task_cannot_show_an_effect():
     assert not not_run.ok and not_run.reason() == "its calibration arm human has not run"
 
 
+def test_a_task_with_no_solved_score_is_calibrated_by_beating_the_random_policy():
+    from core.report.evidence import calibrate
+    from core.report.render import number
+    from core.study_records import CalibrationSpec, TaskSpec
+
+    task = TaskSpec(env="minecraft", frames=1000, calibration=CalibrationSpec(beats="random", note="no solved score"))
+    random = _arm("random", [1.4, 1.5, 1.6, 1.5, 1.45])
+    learned = calibrate(
+        "crafter", task, {"human": _arm("human", [2.1, 2.4, 1.9, 2.2, 2.6]), "random": random}, "random", REPS
+    )
+    assert learned.ok and learned.reason() == ""
+    assert learned.line() == (
+        f"calibration: human 2.23 beats random, P(X > Y) 1 [1, 1], rank p {number(learned.rank_p)} (no solved score)"
+        " — random 1.48"
+    )
+    assert learned.rank_p == rank_test_p([2.1, 2.4, 1.9, 2.2, 2.6], [1.4, 1.5, 1.6, 1.5, 1.45]) < 0.025
+    overlap = calibrate(
+        "crafter", task, {"human": _arm("human", [1.3, 2.4, 1.5, 1.4, 1.6]), "random": random}, "random", REPS
+    )
+    assert not overlap.ok and overlap.reason().startswith("human does not beat random: P ")
+    assert overlap.line().endswith("**cannot show an effect at this budget**")
+    few = calibrate("crafter", task, {"human": _arm("human", [2.0]), "random": random}, "random", REPS)
+    assert not few.ok and few.reason() == "human or random has fewer than 2 scores"
+
+
 def test_a_failed_search_scores_the_random_arms_iqm():
     cell = _cell("t", "eureka", [10.0, 12.0, 14.0], failed=2, search=True, random=-5.0)
     assert cell.counted == {0: 10.0, 1: 12.0, 2: 14.0, 3: -5.0, 4: -5.0}

@@ -111,6 +111,8 @@ def test_every_task_that_scores_targets_is_calibrated_on_an_arm_it_runs():
         assert calibration.threshold is not None and calibration.note, name
         assert arm.tasks is None or name in arm.tasks, name
     assert spec.tasks["mountaincar"].calibration.arm == "shaped" and len(spec.tasks["mountaincar"].seeds) == 8
+    crafter = spec.tasks["crafter"].calibration  # no "solved" score: the designers' reward must beat random
+    assert crafter.arm == "human" and crafter.beats == "random" and crafter.threshold is None and crafter.note
 
 
 def test_the_random_arm_drops_the_tasks_trainer_settings_and_keeps_its_env():
@@ -199,6 +201,13 @@ def test_a_spec_that_names_an_unknown_task_is_refused(tmp_path):
         load_spec(str(path))
     with pytest.raises(UserError, match="No study spec 'resluts'. Did you mean 'results'"):
         load_spec("resluts")
+    path.write_text(
+        "name: bad\nstore: s\nout: o.md\nseeds: [0]\narms: {human: {}}\n"
+        "tasks: {crafter: {env: minecraft, frames: 10, calibration: {beats: randmo, threshold: 2}}}\n"
+    )
+    with pytest.raises(UserError, match="calibrated against arm 'randmo', which is not an arm") as err:
+        load_spec(str(path))
+    assert "a threshold or an arm to beat, not both" in str(err.value)
 
 
 # -- running -------------------------------------------------------------------------------
