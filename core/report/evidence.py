@@ -104,6 +104,7 @@ class Calibration:
             if self.p is None:
                 return f"{self.arm} or {self.beats} has fewer than 2 scores"
             return f"{self.arm} does not beat {self.beats}: P {self.p.fmt()}, rank p {number(self.rank_p)}"
+        assert self.threshold is not None  # neither beats nor a threshold returned above
         return f"{self.arm} {number(self.value)} < {number(self.threshold)}"
 
     def line(self) -> str:
