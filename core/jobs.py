@@ -66,8 +66,11 @@ class Runtime:
 
     @property
     def hook(self) -> Any:
-        """The plugin manager's hooks (``pm.hook``): a call reaches every plugin."""
-        return self.pluginmanager.hook
+        """The plugin manager's hooks (``pm.hook``) for a training: a call reaches every plugin,
+        on a fork of torch's random stream (:mod:`core.train.rng`: plugins do not move the trainer's)."""
+        from core.train.rng import SeparateStream
+
+        return SeparateStream(self.pluginmanager.hook)
 
 
 #: a worker process's runtimes (pool and Ray workers), one per run, the most recently used last:

@@ -74,10 +74,13 @@ class PriorSource:
     def priors(self, obs: torch.Tensor) -> list[tuple[str, ActionPrior]]:
         """``(plugin name, checked prior)`` of every plugin that gave one for ``obs [B, D]``, in hook call order."""
         from core.registry import call_each
+        from core.train.rng import plugin_stream
 
         obs = obs[..., : self.task.obs_dim]
         out = []
-        for name, prior in call_each(self.plugins, "action_prior", train=self.ctx, obs=obs):
+        with plugin_stream():  # a prior's draws leave the policy's sampling noise as it was
+            given = list(call_each(self.plugins, "action_prior", train=self.ctx, obs=obs))
+        for name, prior in given:
             if prior is None:
                 continue
             self._check(name, prior, int(obs.shape[0]))
