@@ -43,6 +43,7 @@ the report (``docs/results.md`` for the ``results`` study).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -339,8 +340,6 @@ def resolve_commit(name: str, repo: Path | None = None) -> str:
 def rekeyed(planned: list[PlannedCell], keys: dict[str, tuple[str, str]]) -> list[PlannedCell]:
     """The cells with the keys another commit's code gave them; a cell that commit does not
     plan (a task or arm added since) keeps this checkout's keys."""
-    import dataclasses
-
     return [
         dataclasses.replace(p, config_key=keys[p.cell.name][0], key=keys[p.cell.name][1]) if p.cell.name in keys else p
         for p in planned
@@ -634,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = expand(spec, split(args.tasks), split(args.arms), seeds, args.frames_scale, extra)
         if not cells:
             raise UserError("The selection leaves no cell: no selected arm applies to a selected task.")
-        if args.code_of and not (args.report_only or args.list) or args.code_of and args.replies:
+        if args.code_of and (args.replies or not (args.report_only or args.list)):
             raise UserError(
                 "--code-of only reads: it keys finished cells by another commit's code. Use it with --report-only "
                 "or --list; to run cells at that commit, run the study from a checkout of it (git worktree add)."

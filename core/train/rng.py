@@ -48,7 +48,9 @@ class SeparateStream:
         self._relay = relay
 
     def __getattr__(self, name: str) -> _Call:
-        return _Call(getattr(self._relay, name))
+        call = _Call(getattr(self._relay, name))
+        setattr(self, name, call)  # compute_reward is called every step: later lookups skip __getattr__
+        return call
 
 
 __all__ = ["SeparateStream", "plugin_stream"]
