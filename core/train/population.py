@@ -47,6 +47,7 @@ from core.errors import UserError
 from core.records import Candidate, Fitness, RewardProgram, TrainResult
 from core.train.common import CandidateEnv, error_of, save_policy, wants_saved_policy
 from core.train.evaluate import _env_info, evaluate_and_record
+from core.train.rng import SeparateStream
 from core.train.sac import SACConfig, act_deterministic, make_sac_modules, sac_update
 from core.train.transforms import has_impls
 
@@ -299,7 +300,8 @@ class Population:
         self, run: Any, candidates: list[Candidate], seed: int, frames: int | None = None, name: str = "population"
     ) -> None:
         self.run, self.task, self.seed, self.name = run, run.task, seed, name
-        self.hook = run.hook
+        # hook calls run on a fork of torch's random stream, as a single training's do (core.train.rng)
+        self.hook: Any = SeparateStream(run.hook) if run.hook is not None else None
         self.cfg = population_settings(run, frames, name)
         self.budget = int(self.cfg.frames)  # env steps for all members together
         self.frames = 0  # env steps collected so far
@@ -320,7 +322,7 @@ class Population:
             candidate=candidate,
             total_frames=self.budget,
             llm_factory=lambda: run.llm,
-            hook=run.hook,
+            hook=self.hook,
             pluginmanager=run.pluginmanager,
         )
 

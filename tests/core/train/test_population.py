@@ -3,12 +3,14 @@ weights, and a population trained by a method's body (LaRes's, tested in tests/p
 
 from __future__ import annotations
 
+import pluggy
 import pytest
 import torch
 from torchrl.data import Bounded
 
 from core.envs import make_task
 from core.errors import UserError
+from core.hookspecs import PROJECT
 from core.records import Candidate, MacroAction, Program, RewardProgram
 from core.registry import make_plugin_manager
 from core.testing import fakes
@@ -167,3 +169,43 @@ def test_a_discrete_task_gets_unsupported_results_and_nothing_trains():
     )
     assert not result.ok and result.error_kind == "unsupported" and result.error.startswith("action space")
     assert calls == []
+
+
+class _DrawsButAddsNothing:
+    """A plugin that draws from torch's stream inside the training and adds a zero reward."""
+
+    @pluggy.HookimplMarker(PROJECT)
+    def on_train_start(self, train):
+        torch.nn.Linear(64, 64)
+
+    @pluggy.HookimplMarker(PROJECT)
+    def compute_reward(self, train, batch):
+        return torch.randn(batch.reward.shape[0]) * 0.0
+
+
+def _population_training(plugin: object | None) -> list[float]:
+    from core.sandbox import prepare_reward
+
+    run = make_run()
+    if plugin is not None:
+        run.pluginmanager.register(plugin)
+
+    def body(pop: Population) -> None:
+        (m,) = pop.live
+        m.use(
+            m.program,
+            prepare_reward(m.program, run.task, limits=run.sandbox.limits(), allowed_imports=run.sandbox.imports),
+        )
+        while pop.frames < pop.budget:
+            pop.step(m)
+
+    (result,) = Population(run, [Candidate("c0", 0, reward=RewardProgram(source=UPRIGHT))], seed=0, name="t").train(
+        body
+    )
+    assert result.ok, result.error
+    return [e.ret for e in result.episodes] + [v for k, v in sorted(result.metrics.items()) if k.startswith("losses/")]
+
+
+def test_a_plugins_draws_in_a_population_leave_the_agents_stream_as_it_was():
+    # the hooks run on a fork of the stream (core.train.rng), as in a single training
+    assert _population_training(_DrawsButAddsNothing()) == _population_training(None)
