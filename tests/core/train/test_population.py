@@ -171,14 +171,17 @@ def test_a_discrete_task_gets_unsupported_results_and_nothing_trains():
     assert calls == []
 
 
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
 class _DrawsButAddsNothing:
     """A plugin that draws from torch's stream inside the training and adds a zero reward."""
 
-    @pluggy.HookimplMarker(PROJECT)
+    @hookimpl
     def on_train_start(self, train):
         torch.nn.Linear(64, 64)
 
-    @pluggy.HookimplMarker(PROJECT)
+    @hookimpl
     def compute_reward(self, train, batch):
         return torch.randn(batch.reward.shape[0]) * 0.0
 
