@@ -82,8 +82,12 @@ MEASURES = {
     ),
     "plan4mc": Measure(
         "llm/changed_share",
-        "share of steps whose skill came from an LLM-written plan step",
-        extra=(("plan4mc/llm_steps", "plan steps the LLM wrote"), ("plan4mc/rule_steps", "plan steps from the rules")),
+        "share of steps whose skill differs from the rules' plan (the control's)",
+        extra=(
+            ("plan4mc/llm_written_share", "share of steps whose skill is a step the LLM wrote"),
+            ("plan4mc/llm_steps", "plan steps the LLM wrote"),
+            ("plan4mc/rule_steps", "plan steps from the rules"),
+        ),
     ),
     "rlingua": Measure("rlingua/controller_ok", "LLM controller passed its probe"),
 }
