@@ -773,6 +773,8 @@ class Plugin:
                     f"{train.frames} frames: dropped, its calls not counted.\n\n",
                 )
         plan = st["plan"]
+        # against the control's plan where the game has rules: an LLM plan equal to the rules' changes nothing
+        changed = (st["unlike_rules"] if st["rules"] is not None else st["llm_steps"]) / max(1, st["steps"])
         result.metrics.update(
             {
                 f"{NAME}/skills": float(len(plan.steps)),
@@ -781,9 +783,9 @@ class Plugin:
                 f"{NAME}/replans": float(st["replans"]),
                 f"{NAME}/skills_completed": float(st["completed"]),
                 f"{NAME}/llm_written_share": st["llm_steps"] / max(1, st["steps"]),
-                # against the control's plan where the game has rules: an LLM plan equal to the rules' changes nothing
-                "llm/changed_share": (st["unlike_rules"] if st["rules"] is not None else st["llm_steps"])
-                / max(1, st["steps"]),
+                "llm/changed_share": changed,
+                # the same under this plugin's name: runs that logged it measured change against the control
+                f"{NAME}/changed_share": changed,
                 "llm/calls": float(st["llm_calls"]),
                 "llm/seconds": float(st["llm_seconds"]),
             }

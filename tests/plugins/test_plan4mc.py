@@ -370,7 +370,7 @@ def test_changed_share_counts_steps_whose_skill_is_not_the_controls(task, goals,
         plugin.on_train_end(train, result)
         m = result.metrics
         assert m["plan4mc/llm_written_share"] == pytest.approx(written), names(plan)
-        assert m["llm/changed_share"] == pytest.approx(changed), names(plan)
+        assert m["llm/changed_share"] == m["plan4mc/changed_share"] == pytest.approx(changed), names(plan)
 
 
 REVISED = json.dumps(
