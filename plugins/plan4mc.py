@@ -475,13 +475,18 @@ def converse(
     return out
 
 
+def active_goal(follower: PlanFollower, obs: torch.Tensor) -> torch.Tensor:
+    """``[B]`` long: the active skill's goal index among the task's goals (-1: plan finished)."""
+    return torch.cat([follower.index, torch.tensor([-1])])[follower.active(obs)]
+
+
 def skill_one_hot(follower: PlanFollower, obs: torch.Tensor, n_goals: int) -> torch.Tensor:
     """``[B, G + 1]``: the active skill's goal as a one-hot (the last column: plan finished).
 
     Over the task's goals, not the plan's positions, so a re-plan keeps its width and a
     skill keeps its column."""
-    goal = torch.cat([follower.index, torch.tensor([n_goals])])[follower.active(obs)]
-    return torch.nn.functional.one_hot(goal, n_goals + 1).float()
+    goal = active_goal(follower, obs)
+    return torch.nn.functional.one_hot(torch.where(goal < 0, n_goals, goal), n_goals + 1).float()
 
 
 # -- hooks -----------------------------------------------------------------------------------
@@ -579,6 +584,7 @@ class Plugin:
                 "goals": goal_names(train.task),
                 "steps": 0,
                 "llm_steps": 0,
+                "unlike_rules": 0,
                 "completed": 0,
                 "per_skill": {},
                 "stuck": None,
@@ -598,6 +604,11 @@ class Plugin:
     def _adopt(st: dict[str, Any], plan: Plan, task: Any) -> None:
         st["plan"], st["follower"] = plan, PlanFollower(plan, task)
         st["from_llm"] = torch.tensor([getattr(s, "source", "llm") == "llm" for s in st["follower"].steps] + [False])
+        # the control's plan (the rules' tree for the same target): a step steers differently only where
+        # the plan's active skill is not the one the control would follow; None where the game has no rules
+        rules = game_requirements(task)
+        target = getattr(plan, "target", "")
+        st["rules"] = PlanFollower(rules_plan(rules, target), task) if rules else None
         st["stuck"] = None  # steps per env on each skill since it last completed it; sized on the next batch
 
     @hookimpl
@@ -617,6 +628,8 @@ class Plugin:
         done = follower.completed(batch.obs, batch.next_obs)
         st["steps"] += int(active.numel())
         st["llm_steps"] += int(st["from_llm"][active].sum())
+        if st["rules"] is not None:
+            st["unlike_rules"] += int((active_goal(follower, batch.obs) != active_goal(st["rules"], batch.obs)).sum())
         # per env and skill: steps on it without completing it (prerequisites done: it is active)
         if st["stuck"] is None or st["stuck"].shape[0] != active.shape[0]:
             st["stuck"] = torch.zeros(active.shape[0], len(follower) + 1, dtype=torch.long)
@@ -760,6 +773,8 @@ class Plugin:
                     f"{train.frames} frames: dropped, its calls not counted.\n\n",
                 )
         plan = st["plan"]
+        # against the control's plan where the game has rules: an LLM plan equal to the rules' changes nothing
+        changed = (st["unlike_rules"] if st["rules"] is not None else st["llm_steps"]) / max(1, st["steps"])
         result.metrics.update(
             {
                 f"{NAME}/skills": float(len(plan.steps)),
@@ -767,7 +782,10 @@ class Plugin:
                 f"{NAME}/rule_steps": float(len(st["follower"]) - int(st["from_llm"][:-1].sum())),
                 f"{NAME}/replans": float(st["replans"]),
                 f"{NAME}/skills_completed": float(st["completed"]),
-                "llm/changed_share": st["llm_steps"] / max(1, st["steps"]),
+                f"{NAME}/llm_written_share": st["llm_steps"] / max(1, st["steps"]),
+                "llm/changed_share": changed,
+                # the same under this plugin's name: runs that logged it measured change against the control
+                f"{NAME}/changed_share": changed,
                 "llm/calls": float(st["llm_calls"]),
                 "llm/seconds": float(st["llm_seconds"]),
             }

@@ -81,9 +81,15 @@ MEASURES = {
         extra=(("saycan/covered", "share of action rows the prior covered"), ("saycan/queries", "queries")),
     ),
     "plan4mc": Measure(
-        "llm/changed_share",
-        "share of steps whose skill came from an LLM-written plan step",
-        extra=(("plan4mc/llm_steps", "plan steps the LLM wrote"), ("plan4mc/rule_steps", "plan steps from the rules")),
+        # not llm/changed_share: before this measure, plan4mc logged there the share of steps whose skill the
+        # LLM wrote, which reads 1 for an LLM plan equal to the control's; such runs are "not measured"
+        "plan4mc/changed_share",
+        "share of steps whose skill differs from the rules' plan (the control's)",
+        extra=(
+            ("plan4mc/llm_written_share", "share of steps whose skill is a step the LLM wrote"),
+            ("plan4mc/llm_steps", "plan steps the LLM wrote"),
+            ("plan4mc/rule_steps", "plan steps from the rules"),
+        ),
     ),
     "rlingua": Measure("rlingua/controller_ok", "LLM controller passed its probe"),
 }

@@ -292,6 +292,13 @@ def test_the_llms_contribution_per_run():
     c = contribution(rlaif, [run(training=flat)])
     assert not c.inert  # every step changed, by a term that hardly varies: the figures beside it say so
     assert "spread (std) of the preference term 0.001" in c.text() and "ln 2 = 0.693" in c.text()
+    plan4mc = ArmSpec(plugins=["plan4mc"])
+    # the LLM wrote every step of a plan that is the rules' own: it changed nothing the control does
+    same_as_rules = {"plan4mc/changed_share": 0.0, "llm/changed_share": 0.0, "plan4mc/llm_written_share": 1.0}
+    c = contribution(plan4mc, [run(training=same_as_rules)])
+    assert c.inert and "differs from the rules' plan" in c.text()
+    # an earlier commit logged the written share as llm/changed_share: not this measure
+    assert contribution(plan4mc, [run(training={"llm/changed_share": 1.0})]).text() == "not measured"
     assert contribution(ArmSpec(plugins=["some_plugin"]), [run()]).text() == "not measured"
     assert contribution(ArmSpec(plugins=["eureka"], search=True), [run()]).text() == "not measured"  # an older run
     for arm in (ArmSpec(), ArmSpec(plugins=["progress_reward"], control_of="progress_reward")):

@@ -313,9 +313,10 @@ def test_training_follows_the_plan_reward_and_policy_input(task, goals):
     plugin.on_train_end(train, result)
     m = result.metrics
     assert m["plan4mc/skills_completed"] == 2.0 and m["plan4mc/completed_place_table"] == 1.0
-    assert (
-        m["llm/changed_share"] == pytest.approx(4 / 6) and m["plan4mc/llm_steps"] == 5 and m["plan4mc/rule_steps"] == 0
-    )
+    # 4 of the 6 steps followed a skill the LLM wrote, but its plan is the rules' own: it steers no
+    # step otherwise than the control would, so it changed nothing
+    assert m["plan4mc/llm_written_share"] == pytest.approx(4 / 6) and m["llm/changed_share"] == 0
+    assert m["plan4mc/llm_steps"] == 5 and m["plan4mc/rule_steps"] == 0
     assert m["llm/calls"] == 3 and m["llm/seconds"] == 4.5 and m["plan4mc/replans"] == 0 and m["plan4mc/skills"] == 5
     # another plugin's plan, or none: nothing, and another plugin's figures stay
     other = make_train(
@@ -330,11 +331,13 @@ def test_training_follows_the_plan_reward_and_policy_input(task, goals):
     assert result.metrics == {"llm/changed_share": 0.5, "llm/calls": 0.0, "llm/seconds": 0.0}
 
 
-def test_changed_share_counts_steps_whose_skill_the_llm_wrote(task, goals, rules):
+def test_changed_share_counts_steps_whose_skill_is_not_the_controls(task, goals, rules):
+    """The LLM changed a step where its plan's active skill is not the one the no-LLM control's
+    plan (the rules' tree for the same target) would follow on that observation."""
     batch = batch_of(task, [(), ("collect_wood",), ("collect_wood", "place_table")] * 2, [()] * 6)
-    for plan, share in [
-        (plan4mc.rules_plan(rules, "make_wood_pickaxe"), 0.0),  # the no-LLM control
-        # the LLM's wood and table, the rules' pickaxe (see the mending test)
+    for plan, written, changed in [
+        (plan4mc.rules_plan(rules, "make_wood_pickaxe"), 0.0, 0.0),  # the no-LLM control
+        # the LLM's wood and table, the rules' pickaxe (see the mending test): the rules' sequence
         (
             plan4mc.build_plan(
                 '[{"name": "collect_wood", "requires": []}, {"name": "place_table", "requires": '
@@ -345,13 +348,29 @@ def test_changed_share_counts_steps_whose_skill_the_llm_wrote(task, goals, rules
                 fix=True,
             )[0],
             4 / 6,
+            0.0,
+        ),
+        # a sapling before the pickaxe: the states with wood and table follow it, not the pickaxe
+        (
+            plan4mc.build_plan(
+                '[{"name": "collect_wood", "requires": []}, {"name": "place_table", "requires": ["collect_wood"]}, '
+                '{"name": "collect_sapling", "requires": ["place_table"]}, '
+                '{"name": "make_wood_pickaxe", "requires": ["collect_sapling", "place_table"]}]',
+                goals,
+                "make_wood_pickaxe",
+                rules,
+            )[0],
+            1.0,
+            2 / 6,
         ),
     ]:
         plugin, train = training(task, plan)
         plugin.compute_reward(train, batch)
         result = TrainResult("c", True)
         plugin.on_train_end(train, result)
-        assert result.metrics["llm/changed_share"] == pytest.approx(share), plan.source
+        m = result.metrics
+        assert m["plan4mc/llm_written_share"] == pytest.approx(written), names(plan)
+        assert m["llm/changed_share"] == m["plan4mc/changed_share"] == pytest.approx(changed), names(plan)
 
 
 REVISED = json.dumps(
