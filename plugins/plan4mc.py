@@ -475,9 +475,9 @@ def converse(
     return out
 
 
-def active_goal(follower: PlanFollower, obs: torch.Tensor) -> torch.Tensor:
-    """``[B]`` long: the active skill's goal index among the task's goals (-1: plan finished)."""
-    return torch.cat([follower.index, torch.tensor([-1])])[follower.active(obs)]
+def goal_at(follower: PlanFollower, active: torch.Tensor) -> torch.Tensor:
+    """``[B]`` long: the goal index among the task's goals of the steps ``active`` (-1: plan finished)."""
+    return torch.cat([follower.index, torch.tensor([-1])])[active]
 
 
 def skill_one_hot(follower: PlanFollower, obs: torch.Tensor, n_goals: int) -> torch.Tensor:
@@ -485,7 +485,7 @@ def skill_one_hot(follower: PlanFollower, obs: torch.Tensor, n_goals: int) -> to
 
     Over the task's goals, not the plan's positions, so a re-plan keeps its width and a
     skill keeps its column."""
-    goal = active_goal(follower, obs)
+    goal = goal_at(follower, follower.active(obs))
     return torch.nn.functional.one_hot(torch.where(goal < 0, n_goals, goal), n_goals + 1).float()
 
 
@@ -629,7 +629,8 @@ class Plugin:
         st["steps"] += int(active.numel())
         st["llm_steps"] += int(st["from_llm"][active].sum())
         if st["rules"] is not None:
-            st["unlike_rules"] += int((active_goal(follower, batch.obs) != active_goal(st["rules"], batch.obs)).sum())
+            control = st["rules"]
+            st["unlike_rules"] += int((goal_at(follower, active) != goal_at(control, control.active(batch.obs))).sum())
         # per env and skill: steps on it without completing it (prerequisites done: it is active)
         if st["stuck"] is None or st["stuck"].shape[0] != active.shape[0]:
             st["stuck"] = torch.zeros(active.shape[0], len(follower) + 1, dtype=torch.long)
